@@ -1,0 +1,263 @@
+"""Parity of vlforge.rl.core against straightforward loop references (verl's formulas)."""
+
+import math
+
+import pytest
+import torch
+
+from vlforge.rl.core import AGG_MODES, agg_loss, grpo_advantages, kl_penalty, masked_mean, policy_loss
+
+DT = torch.float64
+
+
+# ----------------------------------------------------------------------------- references
+
+
+def ref_advantages(rewards, k, scale, eps=1e-6):
+    r = [float(x) for x in rewards]
+    n = len(r)
+    batch_std = torch.tensor(r, dtype=DT).std().item() if n > 1 else 1.0
+    out = []
+    for g in range(n // k):
+        grp = r[g * k : (g + 1) * k]
+        if k == 1:
+            mean, std = 0.0, 1.0
+        else:
+            mean = sum(grp) / k
+            std = math.sqrt(sum((x - mean) ** 2 for x in grp) / (k - 1))
+        for x in grp:
+            c = 0.0 if (k > 1 and all(y == grp[0] for y in grp)) else x - mean
+            out.append({"group": c / (std + eps), "batch": c / (batch_std + eps), "none": c}[scale])
+    return torch.tensor(out, dtype=DT)
+
+
+def ref_policy_loss(logp, old, adv, mask, cl, ch, c, agg, norm_length=None):
+    """Per-token loops; returns (loss, clip_frac, clip_frac_lower, approx_kl, ratio_mean)."""
+    B, T = logp.shape
+    if adv.dim() == 1:
+        adv = adv[:, None].expand(B, T)
+    L = [[0.0] * T for _ in range(B)]
+    n = nclip = nlow = 0
+    kl_sum = ratio_sum = 0.0
+    for b in range(B):
+        for t in range(T):
+            a = adv[b, t].item()
+            lr = min(max(logp[b, t].item() - old[b, t].item(), -20.0), 20.0)
+            ratio = math.exp(lr)
+            l1, l2 = -a * ratio, -a * min(max(ratio, 1 - cl), 1 + ch)
+            loss = max(l1, l2)
+            low = False
+            if c is not None and a < 0:
+                low = loss > -a * c
+                loss = min(loss, -a * c)
+            L[b][t] = loss
+            if mask[b, t]:
+                n += 1
+                nclip += l2 > l1
+                nlow += low
+                kl_sum += -lr
+                ratio_sum += ratio
+    rows = [[L[b][t] for t in range(T) if mask[b, t]] for b in range(B)]
+    if agg == "token-mean":
+        toks = [x for row in rows for x in row]
+        loss = sum(toks) / len(toks) if toks else 0.0
+    elif agg == "seq-mean-token-sum-norm":
+        loss = sum(sum(row) for row in rows) / (norm_length or T)
+    else:
+        per_row = [(sum(row) / len(row) if agg == "seq-mean-token-mean" else sum(row)) for row in rows if row]
+        loss = sum(per_row) / len(per_row) if per_row else 0.0
+    d = max(n, 1)
+    return loss, nclip / d, nlow / d, kl_sum / d, ratio_sum / d
+
+
+def rand_inputs(B=6, T=9, spread=1.0, seed=0, empty_rows=(2,)):
+    g = torch.Generator().manual_seed(seed)
+    old = -torch.rand(B, T, generator=g, dtype=DT) * 3
+    logp = old + spread * torch.randn(B, T, generator=g, dtype=DT)
+    adv = torch.randn(B, generator=g, dtype=DT)
+    lengths = torch.randint(1, T + 1, (B,), generator=g)
+    mask = torch.arange(T)[None, :] < lengths[:, None]
+    for r in empty_rows:
+        mask[r] = False
+    return logp, old, adv, mask
+
+
+# ----------------------------------------------------------------------------- advantages
+
+
+@pytest.mark.parametrize("scale", ["group", "batch", "none"])
+@pytest.mark.parametrize("k", [1, 2, 4])
+def test_advantages_match_reference(scale, k):
+    g = torch.Generator().manual_seed(1)
+    r = torch.randint(0, 3, (12,), generator=g).to(DT) + torch.rand(12, generator=g, dtype=DT).round(decimals=1)
+    r[:k] = 0.7  # one group with all-equal rewards
+    got = grpo_advantages(r, k, scale)
+    torch.testing.assert_close(got, ref_advantages(r, k, scale), rtol=1e-12, atol=1e-12)
+    assert torch.isfinite(got).all()
+    if k > 1:
+        assert (got[:k] == 0).all()  # exact zero, not ~1e-10
+
+
+def test_advantages_known_values():
+    r = torch.tensor([1.0, 0.0, 0.0, 1.0])
+    std = math.sqrt(0.5)  # unbiased std of {1, 0}
+    want = torch.tensor([1, -1, -1, 1]) * 0.5 / (std + 1e-6)
+    torch.testing.assert_close(grpo_advantages(r, 2), want)
+    torch.testing.assert_close(grpo_advantages(r, 2, "none"), torch.tensor([0.5, -0.5, -0.5, 0.5]))
+    batch_std = torch.tensor([1.0, 0.0, 0.0, 1.0]).std()
+    torch.testing.assert_close(grpo_advantages(r, 2, "batch"), torch.tensor([1, -1, -1, 1]) * 0.5 / (batch_std + 1e-6))
+
+
+def test_advantages_all_equal_and_singleton():
+    r = torch.tensor([0.1, 0.1, 0.1, 3.0, 3.0, 3.0])
+    for scale in ("group", "batch", "none"):
+        assert torch.equal(grpo_advantages(r, 3, scale), torch.zeros(6))
+    # verl's singleton fallback: mean 0, std 1 -> the raw reward, never NaN
+    single = grpo_advantages(torch.tensor([2.0, -1.0]), 1)
+    torch.testing.assert_close(single, torch.tensor([2.0, -1.0]) / (1 + 1e-6))
+    assert torch.isfinite(grpo_advantages(torch.tensor([5.0]), 1, "batch")).all()
+
+
+def test_advantages_int_rewards_and_no_grad():
+    r = torch.tensor([1, 0, 1, 1])
+    out = grpo_advantages(r, 2)
+    assert out.dtype == torch.float32 and out.shape == (4,)
+    rg = torch.tensor([1.0, 0.0], requires_grad=True)
+    assert not grpo_advantages(rg, 2).requires_grad
+
+
+def test_advantages_validation():
+    with pytest.raises(ValueError, match="multiple of group_size"):
+        grpo_advantages(torch.zeros(5), 2)
+    with pytest.raises(ValueError, match="multiple of group_size"):
+        grpo_advantages(torch.zeros(4), 0)
+    with pytest.raises(ValueError, match="group, batch, none"):
+        grpo_advantages(torch.zeros(4), 2, scale="std")
+    with pytest.raises(ValueError, match="1-D"):
+        grpo_advantages(torch.zeros(2, 2), 2)
+
+
+# ----------------------------------------------------------------------------- policy loss
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+@pytest.mark.parametrize("dual_clip", [None, 3.0])
+@pytest.mark.parametrize("spread", [0.3, 100.0])
+def test_policy_loss_matches_reference(agg, dual_clip, spread):
+    logp, old, adv, mask = rand_inputs(spread=spread, seed=int(spread))
+    loss, st = policy_loss(logp, old, adv, mask, 0.2, 0.28, dual_clip, agg)
+    want = ref_policy_loss(logp, old, adv, mask, 0.2, 0.28, dual_clip, agg)
+    assert torch.isfinite(loss)
+    assert loss.item() == pytest.approx(want[0], rel=1e-10, abs=1e-10)
+    got_stats = [st[k].item() for k in ("clip_frac", "clip_frac_lower", "approx_kl", "ratio_mean")]
+    assert got_stats == pytest.approx(list(want[1:]), rel=1e-10, abs=1e-10)
+    assert all(v.dim() == 0 and not v.requires_grad for v in st.values())
+
+
+def test_policy_loss_token_advantages_and_float_mask():
+    logp, old, adv, mask = rand_inputs(seed=3)
+    adv_BT = adv[:, None] + 0.1 * torch.randn(logp.shape, dtype=DT, generator=torch.Generator().manual_seed(4))
+    loss, _ = policy_loss(logp, old, adv_BT, mask.to(DT), dual_clip=2.0, agg="seq-mean-token-mean")
+    want = ref_policy_loss(logp, old, adv_BT, mask, 0.2, 0.2, 2.0, "seq-mean-token-mean")[0]
+    assert loss.item() == pytest.approx(want, rel=1e-10)
+
+
+def test_norm_length_constant():
+    logp, old, adv, mask = rand_inputs(seed=5)
+    loss, _ = policy_loss(logp, old, adv, mask, agg="seq-mean-token-sum-norm", norm_length=4096)
+    want = ref_policy_loss(logp, old, adv, mask, 0.2, 0.2, None, "seq-mean-token-sum-norm", 4096)[0]
+    assert loss.item() == pytest.approx(want, rel=1e-10)
+
+
+@pytest.mark.parametrize("agg", AGG_MODES)
+def test_all_empty_mask_gives_zero_without_nan(agg):
+    logp, old, adv, _ = rand_inputs()
+    logp.requires_grad_(True)
+    mask = torch.zeros(logp.shape, dtype=torch.bool)
+    loss, st = policy_loss(logp, old, adv, mask, dual_clip=3.0, agg=agg)
+    loss.backward()
+    assert loss.item() == 0.0
+    assert all(v.item() == 0.0 for v in st.values())
+    assert torch.equal(logp.grad, torch.zeros_like(logp))
+
+
+def test_extreme_log_ratios_finite_with_grad():
+    logp, old, adv, mask = rand_inputs(spread=0.0, empty_rows=())
+    logp = (old + torch.tensor([100.0, -100.0, 50.0, -50.0, 0.0, 30.0], dtype=DT)[:, None]).requires_grad_(True)
+    for agg in AGG_MODES:
+        loss, st = policy_loss(logp, old, adv, mask, dual_clip=3.0, agg=agg)
+        (g,) = torch.autograd.grad(loss, logp)
+        assert torch.isfinite(loss) and torch.isfinite(g).all()
+        assert all(torch.isfinite(v) for v in st.values())
+
+
+def test_dual_clip_caps_negative_advantage_loss():
+    # ratio = e^3 ~ 20 with A = -1: plain PPO loss 20.1, dual clip caps it at c = 3
+    old = torch.zeros(2, 1)
+    logp = torch.full((2, 1), 3.0)
+    adv = torch.tensor([-1.0, 1.0])
+    mask = torch.ones(2, 1)
+    plain, st0 = policy_loss(logp, old, adv, mask, agg="seq-mean-token-sum")
+    dual, st1 = policy_loss(logp, old, adv, mask, dual_clip=3.0, agg="seq-mean-token-sum")
+    # row 0 (A<0): max(20.09, 1.2) = 20.09 -> capped to 3; row 1 (A>0): max(-20.09, -1.2) = -1.2
+    assert plain.item() == pytest.approx((math.exp(3) - 1.2) / 2)
+    assert dual.item() == pytest.approx((3.0 - 1.2) / 2)
+    assert st0["clip_frac_lower"].item() == 0.0 and st1["clip_frac_lower"].item() == 0.5
+    assert st1["clip_frac"].item() == 0.5  # only the A>0 row took the clipped branch
+    with pytest.raises(ValueError, match="dual_clip must be > 1"):
+        policy_loss(logp, old, adv, mask, dual_clip=1.0)
+
+
+def test_gradient_at_ratio_one():
+    logp, old, adv, mask = rand_inputs(seed=7)
+    logp = old.clone().requires_grad_(True)
+    loss, st = policy_loss(logp, old, adv, mask, dual_clip=3.0)
+    loss.backward()
+    m = mask.to(DT)
+    torch.testing.assert_close(logp.grad, -adv[:, None] * m / m.sum())
+    assert st["ratio_mean"].item() == pytest.approx(1.0) and st["approx_kl"].item() == 0.0
+    assert st["clip_frac"].item() == 0.0
+
+
+def test_policy_loss_validation():
+    logp, old, adv, mask = rand_inputs()
+    with pytest.raises(ValueError, match="token-mean"):
+        policy_loss(logp, old, adv, mask, agg="sum")
+    with pytest.raises(ValueError, match=r"\[B, T\]"):
+        policy_loss(logp, old[:, :-1], adv, mask)
+    with pytest.raises(ValueError, match="advantages"):
+        policy_loss(logp, old, adv[:-1], mask)
+    with pytest.raises(ValueError, match="seq-mean-token-sum-norm"):
+        agg_loss(logp, mask, "mean")
+
+
+def test_masked_mean():
+    x = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    m = torch.tensor([[1, 1, 0], [0, 0, 0]], dtype=torch.bool)
+    assert masked_mean(x, m).item() == 1.5
+    torch.testing.assert_close(masked_mean(x, m, dim=-1), torch.tensor([1.5, 0.0]))
+    assert masked_mean(x, torch.zeros_like(m)).item() == 0.0
+
+
+# ----------------------------------------------------------------------------- KL
+
+
+def test_kl_kinds_match_formulas():
+    g = torch.Generator().manual_seed(9)
+    logp = -torch.rand(5, 7, generator=g, dtype=DT) * 5
+    ref = logp + 3 * torch.randn(5, 7, generator=g, dtype=DT)
+    ref[0, 0] = logp[0, 0] + 50  # exercises the +20 clamp and the 10 cap
+    ref[0, 1] = logp[0, 1] - 50  # exercises the -20 clamp
+    for b in range(5):
+        for t in range(7):
+            lp, rp = logp[b, t].item(), ref[b, t].item()
+            d = min(max(rp - lp, -20.0), 20.0)
+            want = {"k1": lp - rp, "k2": 0.5 * (lp - rp) ** 2, "k3": min(max(math.exp(d) - d - 1, -10.0), 10.0)}
+            for kind, w in want.items():
+                assert kl_penalty(logp, ref, kind)[b, t].item() == pytest.approx(w, rel=1e-12, abs=1e-12)
+    k3 = kl_penalty(logp, ref, "k3")
+    assert (k3 >= 0).all() and torch.isfinite(k3).all() and k3[0, 0].item() == 10.0
+    assert torch.equal(kl_penalty(logp, logp, "k3"), torch.zeros_like(logp))
+    assert torch.equal(kl_penalty(logp, ref, "low_var_kl"), k3)
+    with pytest.raises(ValueError, match="k1, k2, k3"):
+        kl_penalty(logp, ref, "k4")

@@ -1,0 +1,277 @@
+"""Typed recipe configs: dataclasses, YAML files as instances of them, dotted CLI overrides.
+
+    cfg = load_config(SFTConfig, "configs/demo-sft.yaml", ["optim.lr=1e-3", "train.max_steps=10"])
+
+Unknown keys are errors that name the key, where it came from, and the nearest valid key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A config problem the user must fix: the message says where and what to do."""
+
+
+# ----------------------------------------------------------------------------- sections
+
+
+@dataclass
+class ModelConfig:
+    path: str | None = None  # local HF-format Qwen3-VL directory (never downloaded)
+    preset: str | None = None  # tiny | qwen3vl-2b | qwen3vl-4b | qwen3vl-8b | qwen3vl-32b (random weights)
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    seed: int = 0  # initialisation seed for presets
+
+
+@dataclass
+class DataConfig:
+    train: str | None = None  # JSONL file
+    val: str | None = None  # JSONL file for periodic eval
+    max_length: int = 2048  # tokens per sample, image tokens included
+    too_long: Literal["drop", "truncate", "fail"] = "drop"  # truncate only ever cuts answer tokens
+    on_error: Literal["fail", "skip"] = "fail"  # bad rows: stop with file:line, or skip and count
+    min_pixels: int = 32 * 32  # image resolution limits, passed to the Qwen3-VL image processor
+    max_pixels: int = 1024 * 1024
+    num_workers: int = 0  # DataLoader workers
+
+
+@dataclass
+class TierConfig:
+    """One trainable group. LoRA: r/alpha/dropout apply; full: the whole group trains at `lr`."""
+
+    train: bool = True
+    lr: float = 1e-4
+    r: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    mlp: bool = False  # also adapt the MLP projections (language and vision tiers)
+    last_n_blocks: int | None = 2  # vision tier only; null = every block (+ patch embedding when full)
+
+
+def _language() -> TierConfig:
+    return TierConfig(lr=2e-4, r=8, alpha=16, dropout=0.1)
+
+
+def _projector() -> TierConfig:
+    return TierConfig(lr=5e-4, r=32, alpha=64, dropout=0.05)
+
+
+def _vision() -> TierConfig:
+    return TierConfig(train=False, lr=1e-5, r=4, alpha=8, dropout=0.1, last_n_blocks=2)
+
+
+@dataclass
+class TiersConfig:
+    method: Literal["lora", "full"] = "lora"
+    language: TierConfig = field(default_factory=_language)
+    projector: TierConfig = field(default_factory=_projector)
+    vision: TierConfig = field(default_factory=_vision)
+
+
+@dataclass
+class PrecisionConfig:
+    # bf16: bf16 autocast compute, fp32 trainable (master) weights, frozen weights stored bf16.
+    # fp16: same with fp16 compute and dynamic loss scaling. fp32: everything fp32.
+    mode: Literal["bf16", "fp16", "fp32"] = "bf16"
+    gradient_checkpointing: bool = False
+
+
+@dataclass
+class OptimConfig:
+    lr: float = 1e-4  # default for anything not covered by a tier (unused by the built-in tiers)
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    schedule: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_steps: int = 0
+    min_lr_ratio: float = 0.0  # final lr as a fraction of the peak
+    max_grad_norm: float | None = 1.0  # null disables clipping
+
+
+@dataclass
+class TrainConfig:
+    output_dir: str = "runs/sft"
+    batch_size: int = 8  # samples per micro-batch
+    grad_accum: int = 1  # micro-batches per optimizer step
+    max_steps: int | None = None  # optimizer steps; null = epochs * steps per epoch
+    epochs: int = 1
+    seed: int = 0
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    save_every: int = 0  # optimizer steps between checkpoints; 0 = only at the end
+    keep_last: int = 2
+    resume: Literal["auto", "never"] | str = "never"  # auto | never | path to a checkpoint-STEP dir
+    overwrite: bool = False
+
+
+@dataclass
+class EvalConfig:
+    every: int = 0  # optimizer steps between evals; 0 = only at the end
+    max_samples: int | None = 256  # val samples used for generation accuracy
+    batch_size: int = 16
+    max_new_tokens: int = 16
+    at_start: bool = False  # also evaluate before the first step
+
+
+@dataclass
+class LogConfig:
+    every: int = 1
+    tensorboard: bool = False
+    progress: bool = True
+
+
+@dataclass
+class SFTConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    tiers: TiersConfig = field(default_factory=TiersConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def _suggest(key: str, valid: list[str]) -> str:
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
+    hint = f"did you mean '{close[0]}'? " if close else ""
+    return f"{hint}valid keys: {', '.join(valid)}"
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+    if tp is Any:
+        return value
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, where)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(errors[-1] if errors else f"{where}: cannot be null")
+    if origin is Literal:
+        if value not in args:
+            raise ConfigError(f"{where}: {value!r} is not one of {list(args)}")
+        return value
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping of keys, got {value!r}")
+        return _build(tp, value, where)
+    if origin is tuple:
+        if not isinstance(value, (list, tuple)) or len(value) != len(args):
+            raise ConfigError(f"{where}: expected a list of {len(args)} values, got {value!r}")
+        return tuple(_coerce(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    if origin is list:
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        return [_coerce(v, args[0], f"{where}[{i}]") for i, v in enumerate(value)]
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if tp is float and isinstance(value, str):  # YAML 1.1 reads "1e-4" as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
+    if tp is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    if isinstance(tp, type) and isinstance(value, tp) and not (tp is int and isinstance(value, bool)):
+        return value
+    if value is None:
+        raise ConfigError(f"{where}: cannot be null")
+    raise ConfigError(f"{where}: expected {getattr(tp, '__name__', tp)}, got {value!r}")
+
+
+def _build(cls: type, data: dict, where: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        path = f"{where}.{key}" if where else key
+        if key not in names:
+            raise ConfigError(f"unknown key '{path}': {_suggest(key, names)}")
+        fld = next(f for f in dataclasses.fields(cls) if f.name == key)
+        if isinstance(value, dict) and fld.default_factory is not dataclasses.MISSING:
+            default = fld.default_factory()
+            if dataclasses.is_dataclass(default):  # a partial section keeps this field's own defaults
+                unknown = [k for k in value if k not in {f.name for f in dataclasses.fields(default)}]
+                if not unknown:
+                    value = _merge(to_dict(default), value)
+        kwargs[key] = _coerce(value, hints[key], path)
+    return cls(**kwargs)
+
+
+def to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for k in keys[:-1]:
+        node = node.setdefault(k, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override '{dotted}': '{k}' is not a section")
+    node[keys[-1]] = value
+
+
+def parse_overrides(overrides: list[str]) -> dict:
+    tree: dict = {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override '{item}' must look like key.sub=value (e.g. optim.lr=1e-4)")
+        key, raw = item.split("=", 1)
+        _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw != "" else None)
+    return tree
+
+
+def _merge(base: dict, extra: dict) -> dict:
+    out = dict(base)
+    for k, v in extra.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def load_config(cls: type, path: str | Path | None = None, overrides: list[str] | None = None):
+    """Build `cls` from defaults <- YAML file <- dotted overrides. Raises ConfigError on any bad key."""
+    data: dict = {}
+    if path is not None:
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} not found")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from e
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    data = _merge(data, parse_overrides(overrides or []))
+    try:
+        return _build(cls, data, "")
+    except ConfigError as e:
+        raise ConfigError(f"{path}: {e}" if path else str(e)) from None
+
+
+def dump_config(cfg: Any) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)

@@ -1,0 +1,187 @@
+"""Turn a `Sample` into model inputs: Qwen chat template, image tokens, labels on assistant tokens only.
+
+Token ids are built the way transformers' Qwen3-VL processor builds them (render the chat template,
+expand each `<|image_pad|>` to the image's token count, tokenize), which a test checks against the
+processor itself. Doing it here lets us know every sequence's length from the image *headers*
+before decoding any pixels, so over-long samples are handled before a run starts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from PIL import Image
+from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+
+from vlforge.data.jsonl import DataError, Sample
+
+IGNORE_INDEX = -100
+IMAGE_PAD = "<|image_pad|>"
+
+
+@dataclass(frozen=True)
+class ImageLimits:
+    min_pixels: int
+    max_pixels: int
+
+
+class Encoder:
+    """Holds the processor and the special-token ids; encodes samples and prompts."""
+
+    def __init__(self, processor, limits: ImageLimits):
+        self.processor = processor
+        self.tokenizer = processor.tokenizer
+        self.image_processor = processor.image_processor
+        self.limits = limits
+        tok = self.tokenizer
+        self.image_token_id = tok.convert_tokens_to_ids(IMAGE_PAD)
+        self.im_end_id = tok.convert_tokens_to_ids("<|im_end|>")
+        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.convert_tokens_to_ids("<|endoftext|>")
+        self.assistant_header = tok("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+        self.patch = self.image_processor.patch_size
+        self.merge = self.image_processor.merge_size
+
+    # -- text side ---------------------------------------------------------------------------
+
+    def image_tokens(self, width: int, height: int) -> int:
+        h, w = smart_resize(height, width, factor=self.patch * self.merge,
+                            min_pixels=self.limits.min_pixels, max_pixels=self.limits.max_pixels)
+        return (h // self.patch) * (w // self.patch) // (self.merge**2)
+
+    def token_ids(self, messages: list[dict], image_sizes: list[tuple[int, int]], add_generation_prompt=False) -> list[int]:
+        text = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        pieces = text.split(IMAGE_PAD)
+        if len(pieces) - 1 != len(image_sizes):
+            raise ValueError(f"chat template produced {len(pieces) - 1} image placeholders for {len(image_sizes)} images")
+        expanded = pieces[0]
+        for (w, h), rest in zip(image_sizes, pieces[1:]):
+            expanded += IMAGE_PAD * self.image_tokens(w, h) + rest
+        return self.tokenizer(expanded, add_special_tokens=False)["input_ids"]
+
+    def assistant_labels(self, ids: list[int]) -> list[int]:
+        """Copy of `ids` with IGNORE_INDEX everywhere but assistant content and its <|im_end|>."""
+        labels = [IGNORE_INDEX] * len(ids)
+        header, n = self.assistant_header, len(self.assistant_header)
+        i = 0
+        while i < len(ids):
+            if ids[i:i + n] == header:
+                j = i + n
+                while j < len(ids) and ids[j] != self.im_end_id:
+                    labels[j] = ids[j]
+                    j += 1
+                if j < len(ids):
+                    labels[j] = ids[j]  # learn to stop
+                i = j
+            i += 1
+        return labels
+
+    # -- image side --------------------------------------------------------------------------
+
+    def pixels(self, images: list[Image.Image]) -> dict:
+        size = {"shortest_edge": self.limits.min_pixels, "longest_edge": self.limits.max_pixels}
+        out = self.image_processor(images=images, size=size, return_tensors="pt")
+        return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
+
+
+def open_images(sample: Sample) -> list[Image.Image]:
+    images = []
+    for path in sample.images:
+        try:
+            with Image.open(path) as im:
+                images.append(im.convert("RGB"))
+        except OSError as e:
+            raise DataError(f"{sample.source}: image {path} cannot be decoded ({e}); fix or drop the row") from e
+    return images
+
+
+def image_sizes(sample: Sample) -> list[tuple[int, int]]:
+    sizes = []
+    for path in sample.images:
+        with Image.open(path) as im:
+            sizes.append(im.size)
+    return sizes
+
+
+@dataclass
+class Plan:
+    """What a sample becomes: its token ids/labels, and how many tokens to keep."""
+
+    ids: list[int]
+    labels: list[int]
+    keep: int  # len(ids), or less when truncated
+
+
+def plan_sample(encoder: Encoder, sample: Sample, max_length: int, too_long: str) -> Plan | str:
+    """Returns a Plan, or the reason the sample is dropped. Raises DataError when too_long == "fail"."""
+    ids = encoder.token_ids(sample.messages, image_sizes(sample))
+    labels = encoder.assistant_labels(ids)
+    if len(ids) <= max_length:
+        return Plan(ids, labels, len(ids))
+    if too_long == "fail":
+        raise DataError(f"{sample.source}: {len(ids)} tokens (images included) exceed data.max_length={max_length}; "
+                        "raise data.max_length, lower data.max_pixels, or set data.too_long=drop|truncate")
+    if too_long == "truncate":
+        image_positions = [i for i, t in enumerate(ids) if t == encoder.image_token_id]
+        last_image = image_positions[-1] if image_positions else -1
+        supervised = sum(1 for t in labels[:max_length] if t != IGNORE_INDEX)
+        if last_image < max_length - 1 and supervised > 0:
+            return Plan(ids, labels, max_length)
+        return "too long (cut would fall inside an image span or remove the whole answer)"
+    return "too long"
+
+
+def encode(encoder: Encoder, sample: Sample, plan: Plan) -> dict:
+    """Model inputs for one sample (unbatched tensors)."""
+    out = {
+        "input_ids": torch.tensor(plan.ids[:plan.keep]),
+        "labels": torch.tensor(plan.labels[:plan.keep]),
+    }
+    out["mm_token_type_ids"] = (out["input_ids"] == encoder.image_token_id).long()
+    if sample.images:
+        pix = encoder.pixels(open_images(sample))
+        expected = int(out["mm_token_type_ids"].sum())
+        got = int((pix["image_grid_thw"].prod(-1) // encoder.merge**2).sum())
+        if got != expected:  # keeps text and pixels provably in step
+            raise DataError(f"{sample.source}: image processor gave {got} image tokens, text has {expected}")
+        out.update(pix)
+    return out
+
+
+def encode_prompt(encoder: Encoder, sample: Sample) -> dict:
+    """Inputs for generation: the conversation up to (and including) the assistant header."""
+    images = open_images(sample)
+    ids = encoder.token_ids(sample.prompt_messages, [im.size for im in images], add_generation_prompt=True)
+    out = {"input_ids": torch.tensor(ids)}
+    out["mm_token_type_ids"] = (out["input_ids"] == encoder.image_token_id).long()
+    if images:
+        out.update(encoder.pixels(images))
+    return out
+
+
+def collate(items: list[dict], pad_id: int, left_pad: bool = False) -> dict:
+    """Pad a list of encoded samples into a batch; images are concatenated in order."""
+    longest = max(len(x["input_ids"]) for x in items)
+    batch = {"input_ids": [], "attention_mask": [], "mm_token_type_ids": []}
+    has_labels = "labels" in items[0]
+    if has_labels:
+        batch["labels"] = []
+    for x in items:
+        n = len(x["input_ids"])
+        pad = longest - n
+
+        def padded(t, value):
+            filler = torch.full((pad,), value, dtype=t.dtype)
+            return torch.cat([filler, t]) if left_pad else torch.cat([t, filler])
+
+        batch["input_ids"].append(padded(x["input_ids"], pad_id))
+        batch["attention_mask"].append(padded(torch.ones(n, dtype=torch.long), 0))
+        batch["mm_token_type_ids"].append(padded(x["mm_token_type_ids"], 0))
+        if has_labels:
+            batch["labels"].append(padded(x["labels"], IGNORE_INDEX))
+    out = {k: torch.stack(v) for k, v in batch.items()}
+    with_images = [x for x in items if "pixel_values" in x]
+    if with_images:
+        out["pixel_values"] = torch.cat([x["pixel_values"] for x in with_images])
+        out["image_grid_thw"] = torch.cat([x["image_grid_thw"] for x in with_images])
+    return out

@@ -1,0 +1,123 @@
+"""Atomic checkpoints with everything needed for an exact resume.
+
+    output_dir/checkpoint-STEP/
+        adapter_model.safetensors + adapter_config.json   (LoRA)   | model*.safetensors + config.json (full)
+        tokenizer / processor files                        (so a checkpoint is a usable model directory)
+        optimizer.pt  scheduler.pt  scaler.pt  rng.pt
+        trainer_state.json                                 (step, epoch, data position, ...)
+
+A checkpoint is written under a temporary name and renamed into place only once complete, so a
+crash (even SIGKILL) leaves either the previous checkpoint set or the new one, never a torn one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import shutil
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def list_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Complete checkpoints, oldest first (temporary directories are never listed)."""
+    out = Path(output_dir)
+    if not out.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in out.iterdir() if p.is_dir() and (m := CKPT_RE.match(p.name))]
+    return [p for _, p in sorted(found)]
+
+
+def save_checkpoint(output_dir: str | Path, step: int, model, processor, optimizer, scheduler, scaler,
+                    state: dict, keep_last: int) -> Path:
+    from peft import PeftModel
+
+    out = Path(output_dir)
+    final = out / f"checkpoint-{step}"
+    tmp = out / f".tmp-checkpoint-{step}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    if isinstance(model, PeftModel):
+        model.save_pretrained(tmp)
+    else:
+        model.save_pretrained(tmp, max_shard_size="5GB")
+    processor.save_pretrained(tmp)
+    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+    torch.save(scaler.state_dict(), tmp / "scaler.pt")
+    torch.save(rng_state(), tmp / "rng.pt")
+    (tmp / "trainer_state.json").write_text(json.dumps({**state, "step": step}, indent=2))
+    for f in tmp.iterdir():  # make the bytes durable before the rename makes them visible
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    if final.exists():  # re-saving a step after a resume: replace the old copy
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_dir(out)
+    for old in list_checkpoints(out)[:-keep_last] if keep_last > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def load_checkpoint(path: str | Path, model, optimizer, scheduler, scaler) -> dict:
+    """Restore weights, optimizer, scheduler, loss scaler and RNG in place; returns trainer_state."""
+    from peft import PeftModel, set_peft_model_state_dict
+
+    path = Path(path)
+    if not (path / "trainer_state.json").is_file():
+        raise FileNotFoundError(f"{path} is not a complete vlforge checkpoint (no trainer_state.json)")
+    if isinstance(model, PeftModel):
+        if not (path / "adapter_model.safetensors").is_file():
+            raise FileNotFoundError(f"{path} has no adapter_model.safetensors: it was not written by a LoRA run")
+        result = set_peft_model_state_dict(model, load_file(path / "adapter_model.safetensors"))
+        if getattr(result, "unexpected_keys", None):
+            raise RuntimeError(f"{path}: adapter keys do not match this model: {result.unexpected_keys[:3]}")
+    else:
+        files = sorted(path.glob("model*.safetensors"))
+        if not files:
+            raise FileNotFoundError(f"{path} has no model*.safetensors: it was not written by a full fine-tuning run")
+        weights = {}
+        for f in files:
+            weights.update(load_file(f))
+        params = dict(model.named_parameters())
+        missing = [n for n, p in params.items() if p.requires_grad and n not in weights]
+        if missing:
+            raise RuntimeError(f"{path}: checkpoint lacks trainable weights {missing[:3]}")
+        with torch.no_grad():
+            for n, p in params.items():
+                if n in weights:
+                    p.copy_(weights[n].to(p.dtype))
+    optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
+    scaler.load_state_dict(torch.load(path / "scaler.pt", weights_only=True))
+    set_rng_state(torch.load(path / "rng.pt", weights_only=False))
+    return json.loads((path / "trainer_state.json").read_text())

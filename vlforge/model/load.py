@@ -1,0 +1,71 @@
+"""Load a Qwen3-VL model + processor from a local directory or a built-in preset. Never downloads."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from transformers import AutoProcessor, Qwen3VLForConditionalGeneration
+
+from vlforge.config import ConfigError, ModelConfig
+from vlforge.model.presets import TINY_PATCH, build_processor, preset_config, tiny_tokenizer
+
+# Belt and braces: nothing in vlforge may reach the hub at run time.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def check_model_dir(path: str | Path) -> Path:
+    path = Path(path)
+    if not path.is_dir():
+        raise ConfigError(f"model.path: {path} is not a directory. Point it at a local HF-format "
+                          "Qwen3-VL folder (config.json, *.safetensors, tokenizer and preprocessor files).")
+    missing = [f for f in ("config.json",) if not (path / f).is_file()]
+    if not any(path.glob("*.safetensors")) and not any(path.glob("*.bin")):
+        missing.append("*.safetensors")
+    if missing:
+        raise ConfigError(f"model.path: {path} has no {', '.join(missing)}; is it an HF-format Qwen3-VL directory?")
+    return path
+
+
+def load_processor(cfg: ModelConfig):
+    if cfg.path:
+        return AutoProcessor.from_pretrained(str(check_model_dir(cfg.path)), local_files_only=True)
+    if cfg.preset == "tiny":
+        return build_processor(tiny_tokenizer(), TINY_PATCH)
+    return build_processor(tiny_tokenizer(), 16)
+
+
+def load_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    """Returns (model, processor). Presets are randomly initialised from `cfg.seed`."""
+    if bool(cfg.path) == bool(cfg.preset):
+        raise ConfigError("set exactly one of model.path (a local Qwen3-VL directory) or model.preset "
+                          "(tiny, qwen3vl-2b, qwen3vl-4b, qwen3vl-8b, qwen3vl-32b)")
+    processor = load_processor(cfg)
+    if cfg.path:
+        model = Qwen3VLForConditionalGeneration.from_pretrained(
+            str(check_model_dir(cfg.path)), dtype=dtype, local_files_only=True,
+            attn_implementation=cfg.attn_implementation, device_map=str(device) if str(device) != "cpu" else None)
+    else:
+        config = preset_config(cfg.preset, processor.tokenizer)
+        config._attn_implementation = cfg.attn_implementation
+        torch.manual_seed(cfg.seed)
+        with torch.device(device):
+            model = Qwen3VLForConditionalGeneration._from_config(config, dtype=dtype)
+    model.generation_config.pad_token_id = processor.tokenizer.pad_token_id
+    model.generation_config.eos_token_id = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    return model, processor
+
+
+def build_meta_model(cfg: ModelConfig):
+    """The model's module tree and shapes without allocating weights (for `--plan` on 8B on a laptop)."""
+    from transformers import AutoConfig
+
+    processor = load_processor(cfg)
+    if cfg.path:
+        config = AutoConfig.from_pretrained(str(check_model_dir(cfg.path)), local_files_only=True)
+    else:
+        config = preset_config(cfg.preset, processor.tokenizer)
+    with torch.device("meta"):
+        model = Qwen3VLForConditionalGeneration._from_config(config)
+    return model, processor

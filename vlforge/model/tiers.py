@@ -1,0 +1,192 @@
+"""The trainable plan: which modules train, in which tier, with what rank, alpha, dropout and lr.
+
+Three tiers over transformers' Qwen3-VL module tree:
+
+    language   model.language_model.layers.N.self_attn.{q,k,v,o}_proj   (+ mlp.{gate,up,down}_proj)
+    projector  model.visual.merger.linear_fc{1,2}, model.visual.deepstack_merger_list.N.linear_fc{1,2}
+    vision     model.visual.blocks.N.attn.{qkv,proj} for the last N blocks   (+ mlp.linear_fc{1,2})
+
+With `tiers.method: lora` each selected Linear gets a LoRA adapter (peft) with its tier's r/alpha/
+dropout; with `full` the tier's whole sub-tree trains (language includes embeddings and lm_head,
+vision includes the patch embedding when every block trains). Everything else is frozen.
+The plan is computed from module names and shapes only, so it works on a meta-device model.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass
+
+import torch
+from torch import nn
+
+from vlforge.config import TierConfig, TiersConfig
+
+TIERS = ("language", "projector", "vision")
+LORA_ADAPTER = "default"
+
+
+@dataclass(frozen=True)
+class PlanEntry:
+    module: str
+    tier: str
+    kind: str  # "lora" | "full"
+    r: int | None
+    alpha: float | None
+    dropout: float | None
+    lr: float
+    params: int  # trainable parameters this entry adds (LoRA) or unfreezes (full)
+
+
+def _vision_blocks(model: nn.Module, tcfg: TierConfig) -> set[int]:
+    depth = len(model.model.visual.blocks)
+    n = depth if tcfg.last_n_blocks is None else min(tcfg.last_n_blocks, depth)
+    return set(range(depth - n, depth))
+
+
+def _lora_targets(model: nn.Module, tier: str, tcfg: TierConfig) -> list[str]:
+    if tier == "language":
+        leaf = r"self_attn\.[qkvo]_proj" + (r"|mlp\.(gate|up|down)_proj" if tcfg.mlp else "")
+        pattern = re.compile(rf"model\.language_model\.layers\.\d+\.({leaf})")
+    elif tier == "projector":
+        pattern = re.compile(r"model\.visual\.(merger|deepstack_merger_list\.\d+)\.linear_fc[12]")
+    else:
+        blocks = _vision_blocks(model, tcfg)
+        leaf = r"attn\.(qkv|proj)" + (r"|mlp\.linear_fc[12]" if tcfg.mlp else "")
+        pattern = re.compile(rf"model\.visual\.blocks\.(\d+)\.({leaf})")
+    names = []
+    for name, module in model.named_modules():
+        m = pattern.fullmatch(name)
+        if m and isinstance(module, nn.Linear) and (tier != "vision" or int(m.group(1)) in blocks):
+            names.append(name)
+    return names
+
+
+def _full_groups(model: nn.Module, tier: str, tcfg: TierConfig) -> list[str]:
+    """Sub-module names whose parameters all train together in full fine-tuning."""
+    if tier == "language":
+        lm = model.model.language_model
+        return (["model.language_model.embed_tokens"]
+                + [f"model.language_model.layers.{i}" for i in range(len(lm.layers))]
+                + ["model.language_model.norm", "lm_head"])
+    if tier == "projector":
+        n = len(model.model.visual.deepstack_merger_list)
+        return ["model.visual.merger"] + [f"model.visual.deepstack_merger_list.{i}" for i in range(n)]
+    blocks = sorted(_vision_blocks(model, tcfg))
+    groups = [f"model.visual.blocks.{i}" for i in blocks]
+    if len(blocks) == len(model.model.visual.blocks):
+        groups = ["model.visual.patch_embed", "model.visual.pos_embed"] + groups
+    return groups
+
+
+def build_plan(model: nn.Module, tiers: TiersConfig) -> list[PlanEntry]:
+    """Every trained module with its tier and hyper-parameters. `model` is the unwrapped HF model."""
+    entries: list[PlanEntry] = []
+    seen: set[int] = set()  # tied weights (2B/4B lm_head == embed_tokens) count once
+    for tier in TIERS:
+        tcfg: TierConfig = getattr(tiers, tier)
+        if not tcfg.train:
+            continue
+        if tiers.method == "lora":
+            for name in _lora_targets(model, tier, tcfg):
+                lin = model.get_submodule(name)
+                params = tcfg.r * (lin.in_features + lin.out_features)
+                entries.append(PlanEntry(name, tier, "lora", tcfg.r, tcfg.alpha, tcfg.dropout, tcfg.lr, params))
+        else:
+            for name in _full_groups(model, tier, tcfg):
+                params = 0
+                for p in model.get_submodule(name).parameters():
+                    if id(p) not in seen:
+                        seen.add(id(p))
+                        params += p.numel()
+                entries.append(PlanEntry(name, tier, "full", None, None, None, tcfg.lr, params))
+    if not entries:
+        raise ValueError("the plan trains nothing: set train: true on at least one of tiers.language/projector/vision")
+    return entries
+
+
+def count_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+def plan_summary(model: nn.Module, plan: list[PlanEntry]) -> dict:
+    trainable = sum(e.params for e in plan)
+    base = count_params(model)
+    total = base + trainable if plan and plan[0].kind == "lora" else base
+    return {"modules": [asdict(e) for e in plan], "trainable_params": trainable, "total_params": total,
+            "trainable_fraction": trainable / total}
+
+
+def format_plan(summary: dict) -> str:
+    rows = [("module", "tier", "kind", "r", "alpha", "dropout", "lr", "params")]
+    for e in summary["modules"]:
+        rows.append((e["module"], e["tier"], e["kind"], str(e["r"] or "-"), str(e["alpha"] or "-"),
+                     "-" if e["dropout"] is None else str(e["dropout"]), f"{e['lr']:g}", f"{e['params']:,}"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    lines.append(f"trainable {summary['trainable_params']:,} / total {summary['total_params']:,} parameters "
+                 f"({100 * summary['trainable_fraction']:.3f}%)")
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- applying
+
+
+def apply_plan(model: nn.Module, plan: list[PlanEntry]) -> nn.Module:
+    """Freeze everything, then add LoRA adapters (returns a peft model) or unfreeze the full groups."""
+    model.requires_grad_(False)
+    if plan[0].kind == "full":
+        for e in plan:
+            model.get_submodule(e.module).requires_grad_(True)
+        return model
+
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(
+        target_modules=[e.module for e in plan],
+        r=plan[0].r, lora_alpha=plan[0].alpha, lora_dropout=0.0, bias="none",
+        rank_pattern={re.escape(e.module): e.r for e in plan},
+        alpha_pattern={re.escape(e.module): e.alpha for e in plan},
+    )
+    peft_model = get_peft_model(model, config)
+    # peft has one dropout per config; tiers each have their own, so set it per module.
+    for e in plan:
+        layer = model.get_submodule(e.module)
+        layer.lora_dropout[LORA_ADAPTER] = nn.Dropout(e.dropout) if e.dropout else nn.Identity()
+    return peft_model
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The Qwen3VLForConditionalGeneration inside a peft wrapper (LoRA layers are injected in place)."""
+    from peft import PeftModel
+
+    return model.get_base_model() if isinstance(model, PeftModel) else model
+
+
+def tier_of_param(name: str, plan: list[PlanEntry]) -> str | None:
+    """Tier of a trainable parameter name (peft prefixes like base_model.model. are tolerated)."""
+    for e in plan:
+        if f"{e.module}." in name or name.endswith(e.module):
+            return e.tier
+    return None
+
+
+def param_groups(model: nn.Module, plan: list[PlanEntry], weight_decay: float) -> list[dict]:
+    """AdamW groups, one per (tier, decay/no-decay). Biases, norms and LoRA-free 1-D params get no decay."""
+    groups: dict[tuple[str, bool], dict] = {}
+    lrs = {e.tier: e.lr for e in plan}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        tier = tier_of_param(name, plan)
+        if tier is None:
+            raise RuntimeError(f"trainable parameter {name} is not in the plan")
+        decay = p.ndim >= 2 and weight_decay > 0
+        g = groups.setdefault((tier, decay), {"params": [], "lr": lrs[tier], "tier": tier,
+                                              "weight_decay": weight_decay if decay else 0.0})
+        g["params"].append(p)
+    return list(groups.values())
+
+
+def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}

@@ -1,0 +1,67 @@
+"""Held-out evaluation: teacher-forced loss and greedy-generation exact-match accuracy."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from vlforge.data.encode import Encoder, collate, encode, encode_prompt
+from vlforge.data.dataset import SFTDataset
+from vlforge.engine.losses import sft_loss_sum
+from vlforge.engine.precision import PrecisionPolicy
+from vlforge.model.tiers import unwrap
+from vlforge.rl.rewards import exact_match
+
+
+def to_device(batch: dict, device: torch.device) -> dict:
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+@torch.no_grad()
+def generate_answers(model, encoder: Encoder, samples, *, batch_size: int, max_new_tokens: int,
+                     policy: PrecisionPolicy, device: torch.device) -> list[str]:
+    """Greedy answers for each sample's prompt (everything before its final assistant turn)."""
+    core = unwrap(model)
+    answers = []
+    for s in range(0, len(samples), batch_size):
+        chunk = samples[s:s + batch_size]
+        batch = to_device(collate([encode_prompt(encoder, x) for x in chunk], encoder.pad_id, left_pad=True), device)
+        with policy.autocast():
+            out = core.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
+                                pad_token_id=encoder.pad_id, eos_token_id=encoder.im_end_id)
+        new = out[:, batch["input_ids"].shape[1]:]
+        answers += [t.strip() for t in encoder.tokenizer.batch_decode(new, skip_special_tokens=True)]
+    return answers
+
+
+@torch.no_grad()
+def evaluate(model, data: SFTDataset, *, batch_size: int, max_new_tokens: int, max_samples: int | None,
+             policy: PrecisionPolicy, device: torch.device) -> dict:
+    """{"loss", "accuracy", "n", "by_task"} on the first `max_samples` samples of `data`."""
+    was_training = model.training
+    model.eval()
+    n = len(data) if max_samples is None else min(max_samples, len(data))
+    loss_sum, tokens = 0.0, 0
+    for s in range(0, n, batch_size):
+        items = [encode(data.encoder, data.samples[i], data.plans[i]) for i in range(s, min(n, s + batch_size))]
+        batch = to_device(collate(items, data.encoder.pad_id), device)
+        with policy.autocast():
+            loss, count = sft_loss_sum(model, batch)
+        loss_sum += float(loss)
+        tokens += count
+    samples = data.samples[:n]
+    answers = generate_answers(model, data.encoder, samples, batch_size=batch_size,
+                               max_new_tokens=max_new_tokens, policy=policy, device=device)
+    hits = [exact_match(a, s.answer) for a, s in zip(answers, samples)]
+    by_task: dict[str, list[float]] = defaultdict(list)
+    for h, s in zip(hits, samples):
+        by_task[str(s.fields.get("task", "all"))].append(h)
+    model.train(was_training)
+    return {
+        "loss": loss_sum / max(tokens, 1),
+        "accuracy": sum(hits) / max(n, 1),
+        "n": n,
+        "by_task": {k: sum(v) / len(v) for k, v in sorted(by_task.items())},
+        "examples": [{"answer": s.answer, "generated": a} for s, a in list(zip(samples, answers))[:5]],
+    }

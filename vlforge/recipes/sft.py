@@ -1,0 +1,191 @@
+"""Supervised fine-tuning of Qwen3-VL: LoRA tiers or full, one readable step loop.
+
+    vlforge sft configs/demo-sft.yaml
+    vlforge sft configs/qwen3vl-8b-lora.yaml model.path=/weights/Qwen3-VL-8B-Instruct data.train=train.jsonl
+
+Per optimizer step: `grad_accum` micro-batches, each loss a *sum* of token cross-entropies divided
+by the number of supervised tokens in the whole accumulated batch, so the update is the same for
+batch 8 x accum 1 and batch 2 x accum 4. Then unscale (fp16 only), clip, step, schedule.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from vlforge.config import SFTConfig, ConfigError, dump_config
+from vlforge.data.dataset import SFTDataset, batches_from, load_dataset
+from vlforge.data.encode import collate
+from vlforge.engine.checkpoint import load_checkpoint, save_checkpoint
+from vlforge.engine.losses import count_supervised, sft_loss_sum
+from vlforge.engine.metrics import MetricsLog, plot_metric, read_metrics
+from vlforge.engine.optim import build_optimizer, build_scheduler
+from vlforge.engine.precision import PrecisionPolicy
+from vlforge.engine.runtime import prepare_output_dir, resolve_device, seed_everything
+from vlforge.model.load import load_model
+from vlforge.model.tiers import apply_plan, build_plan, param_groups, plan_summary, unwrap
+from vlforge.recipes.eval import evaluate, to_device
+
+
+@dataclass
+class Trainable:
+    """A model ready to train: the (possibly peft-wrapped) model, its processor, plan and policy."""
+
+    model: torch.nn.Module
+    processor: object
+    plan: list
+    policy: PrecisionPolicy
+    device: torch.device
+
+
+def setup_model(cfg: SFTConfig) -> Trainable:
+    device = resolve_device(cfg.train.device)
+    policy = PrecisionPolicy(cfg.precision.mode, device.type)
+    # Full fine-tuning keeps fp32 master weights, so load in fp32; LoRA loads the frozen base directly
+    # in the compute dtype (peft creates the adapters in fp32).
+    load_dtype = torch.float32 if cfg.tiers.method == "full" else policy.frozen_param_dtype
+    model, processor = load_model(cfg.model, dtype=load_dtype, device=device)
+    plan = build_plan(model, cfg.tiers)
+    model = apply_plan(model, plan)
+    policy.apply(model)
+    if cfg.precision.gradient_checkpointing:
+        unwrap(model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    return Trainable(model, processor, plan, policy, device)
+
+
+def micro_batches(data: SFTDataset, batch_size: int, seed: int, epoch: int, position: int, num_workers: int):
+    """Endless stream of (batch, epoch, position-after) continuing across epochs; resumable."""
+    while True:
+        index_lists = list(batches_from(len(data), batch_size, seed, epoch, position))
+        if not index_lists:
+            if position == 0:
+                raise ConfigError(f"train.batch_size={batch_size} is larger than the dataset ({len(data)} samples)")
+            epoch, position = epoch + 1, 0
+            continue
+        loader = torch.utils.data.DataLoader(
+            data, batch_sampler=[ix for ix, _ in index_lists], num_workers=num_workers,
+            collate_fn=lambda items: collate(items, data.encoder.pad_id))
+        for batch, (_, pos) in zip(loader, index_lists):
+            yield batch, epoch, pos
+        epoch, position = epoch + 1, 0
+
+
+def train_step(t: Trainable, micro: list[dict], optimizer, scaler, max_grad_norm: float | None) -> dict:
+    """One optimizer step over the accumulated micro-batches. Returns step metrics."""
+    total_tokens = sum(count_supervised(b) for b in micro)
+    loss_total = 0.0
+    for batch in micro:
+        batch = to_device(batch, t.device)
+        with t.policy.autocast():
+            loss_sum, _ = sft_loss_sum(t.model, batch)
+        loss = loss_sum / total_tokens
+        scaler.scale(loss).backward()
+        loss_total += float(loss.detach())
+    scaler.unscale_(optimizer)
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm or float("inf")))
+    skipped = not math.isfinite(grad_norm)
+    if skipped and not t.policy.uses_loss_scaling:
+        optimizer.zero_grad(set_to_none=True)  # a non-finite gradient never reaches the weights
+    else:
+        scaler.step(optimizer)  # with fp16 the scaler itself skips non-finite steps
+    scaler.update()
+    optimizer.zero_grad(set_to_none=True)
+    return {"loss": loss_total, "grad_norm": grad_norm, "skipped": skipped, "supervised_tokens": total_tokens,
+            "tokens": sum(int(b["attention_mask"].sum()) for b in micro)}
+
+
+def run_sft(cfg: SFTConfig) -> dict:
+    """Train; returns {"output_dir", "final_step", "eval"}."""
+    resume_from = prepare_output_dir(cfg.train.output_dir, cfg.train.resume, cfg.train.overwrite)
+    out = Path(cfg.train.output_dir)
+    (out / "config.yaml").write_text(dump_config(cfg))
+    seed_everything(cfg.train.seed)
+    t = setup_model(cfg)
+    if not cfg.data.train:
+        raise ConfigError("data.train is not set: give a JSONL file (data.train=path/to/train.jsonl)")
+    train_data = load_dataset(cfg.data.train, t.processor, cfg.data)
+    val_data = load_dataset(cfg.data.val, t.processor, cfg.data) if cfg.data.val else None
+    summary = plan_summary(unwrap(t.model), t.plan)
+
+    tc = cfg.train
+    samples_per_step = tc.batch_size * tc.grad_accum
+    steps_per_epoch = len(train_data) // samples_per_step
+    if steps_per_epoch == 0:
+        raise ConfigError(f"batch_size x grad_accum = {samples_per_step} exceeds the {len(train_data)} training samples")
+    total_steps = tc.max_steps or tc.epochs * steps_per_epoch
+    optimizer = build_optimizer(param_groups(t.model, t.plan, cfg.optim.weight_decay), cfg.optim, t.device.type)
+    scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
+    scaler = t.policy.grad_scaler()
+
+    state = {"epoch": 0, "position": 0, "tokens_seen": 0}
+    if resume_from is not None:
+        state = load_checkpoint(resume_from, t.model, optimizer, scheduler, scaler)
+        print(f"resumed from {resume_from} at step {state['step']}")
+    step = state.get("step", 0)
+    metrics = MetricsLog(out, cfg.log.tensorboard, resume_step=step if resume_from else 0)
+    eval_history = _read_eval_history(out, step)
+
+    def run_eval(at_step: int) -> dict:
+        rng = torch.get_rng_state()  # evaluation must not change the training run's randomness
+        result = {"step": at_step, **evaluate(t.model, val_data, batch_size=cfg.eval.batch_size,
+                                              max_new_tokens=cfg.eval.max_new_tokens, max_samples=cfg.eval.max_samples,
+                                              policy=t.policy, device=t.device)}
+        torch.set_rng_state(rng)
+        eval_history.append({k: v for k, v in result.items() if k != "examples"})
+        (out / "eval.json").write_text(json.dumps({**result, "history": eval_history}, indent=2))
+        metrics.log(at_step, {"eval_loss": result["loss"], "eval_accuracy": result["accuracy"]})
+        return result
+
+    print(f"training {summary['trainable_params']:,} of {summary['total_params']:,} parameters "
+          f"({cfg.tiers.method}); {len(train_data)} samples, {total_steps} steps, device {t.device}")
+    if train_data.report.skipped:
+        print(f"skipped rows: {dict(train_data.report.skipped)}")
+    if val_data is not None and cfg.eval.at_start and step == 0:
+        run_eval(0)
+
+    stream = micro_batches(train_data, tc.batch_size, tc.seed, state["epoch"], state["position"], cfg.data.num_workers)
+    bar = tqdm(total=total_steps, initial=step, disable=not cfg.log.progress, desc="sft", dynamic_ncols=True)
+    last_eval = None
+    while step < total_steps:
+        start = time.perf_counter()
+        micro = []
+        for _ in range(tc.grad_accum):
+            batch, state["epoch"], state["position"] = next(stream)
+            micro.append(batch)
+        lr = scheduler.get_last_lr()[0]
+        result = train_step(t, micro, optimizer, scaler, cfg.optim.max_grad_norm)
+        scheduler.step()
+        step += 1
+        elapsed = time.perf_counter() - start
+        state["tokens_seen"] += result["tokens"]
+        row = {"loss": result["loss"], "lr": lr, "grad_norm": result["grad_norm"],
+               "tokens_per_s": result["tokens"] / elapsed, "epoch": state["epoch"], "skipped": result["skipped"]}
+        if step % cfg.log.every == 0 or step == total_steps:
+            metrics.log(step, row)
+        bar.update(1)
+        bar.set_postfix(loss=f"{result['loss']:.4f}", lr=f"{lr:.2e}", tok_s=f"{row['tokens_per_s']:.0f}")
+        if val_data is not None and ((cfg.eval.every and step % cfg.eval.every == 0) or step == total_steps):
+            last_eval = run_eval(step)
+        if (tc.save_every and step % tc.save_every == 0) or step == total_steps:
+            save_checkpoint(out, step, t.model, t.processor, optimizer, scheduler, scaler, state, tc.keep_last)
+    bar.close()
+    metrics.close()
+    rows = read_metrics(out / "metrics.jsonl")
+    marks = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
+    plot_metric(rows, "loss", out / "loss.png", title="training loss", marks=marks)
+    return {"output_dir": str(out), "final_step": step, "eval": last_eval, "plan": summary}
+
+
+def _read_eval_history(out: Path, up_to_step: int) -> list[dict]:
+    path = out / "eval.json"
+    if not path.exists():
+        return []
+    return [h for h in json.loads(path.read_text()).get("history", []) if h["step"] <= up_to_step]
