@@ -27,7 +27,7 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    path: str | None = None  # local HF-format Qwen3-VL directory (never downloaded)
+    path: str | None = None  # local HF-format Qwen3-VL directory (never downloaded); wins over preset
     preset: str | None = None  # tiny | qwen3vl-2b | qwen3vl-4b | qwen3vl-8b | qwen3vl-32b (random weights)
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
     seed: int = 0  # initialisation seed for presets

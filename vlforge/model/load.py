@@ -37,9 +37,9 @@ def load_processor(cfg: ModelConfig):
 
 
 def load_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-    """Returns (model, processor). Presets are randomly initialised from `cfg.seed`."""
-    if bool(cfg.path) == bool(cfg.preset):
-        raise ConfigError("set exactly one of model.path (a local Qwen3-VL directory) or model.preset "
+    """Returns (model, processor). `path` wins over `preset`; presets are randomly initialised from `cfg.seed`."""
+    if not cfg.path and not cfg.preset:
+        raise ConfigError("set model.path (a local Qwen3-VL directory) or model.preset "
                           "(tiny, qwen3vl-2b, qwen3vl-4b, qwen3vl-8b, qwen3vl-32b)")
     processor = load_processor(cfg)
     if cfg.path:

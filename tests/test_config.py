@@ -1,0 +1,45 @@
+from pathlib import Path
+
+import pytest
+
+from vlforge.config import ConfigError, SFTConfig, load_config
+
+CONFIGS = sorted((Path(__file__).parents[1] / "configs").glob("*.yaml"))
+
+
+def test_configs_exist():
+    names = {p.name for p in CONFIGS}
+    assert {"demo-sft.yaml", "qwen3vl-2b-lora.yaml", "qwen3vl-8b-lora.yaml", "qwen3vl-2b-full.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_shipped_yaml_loads_and_starts_with_its_command(path):
+    cfg = load_config(SFTConfig, path)
+    assert cfg.model.preset or cfg.model.path
+    first = path.read_text().splitlines()[0]
+    assert first.startswith(f"# vlforge sft configs/{path.name}")
+
+
+def test_overrides_keep_section_defaults():
+    cfg = load_config(SFTConfig, None, ["tiers.language.r=4", "optim.lr=3e-4", "optim.betas=[0.9,0.95]"])
+    assert cfg.tiers.language.r == 4
+    assert cfg.tiers.language.lr == 2e-4  # the language tier's own default survives a partial override
+    assert cfg.optim.lr == 3e-4 and cfg.optim.betas == (0.9, 0.95)
+
+
+def test_unknown_key_suggests_nearest(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("optim:\n  lrr: 1.0e-4\n")
+    with pytest.raises(ConfigError, match=r"unknown key 'optim.lrr': did you mean 'lr'"):
+        load_config(SFTConfig, path)
+    with pytest.raises(ConfigError, match=r"did you mean 'tiers'"):
+        load_config(SFTConfig, None, ["tier.language.r=4"])
+
+
+def test_bad_values_are_named():
+    with pytest.raises(ConfigError, match=r"precision.mode: 'bf32' is not one of"):
+        load_config(SFTConfig, None, ["precision.mode=bf32"])
+    with pytest.raises(ConfigError, match=r"train.batch_size: expected int"):
+        load_config(SFTConfig, None, ["train.batch_size=lots"])
+    with pytest.raises(ConfigError, match="key.sub=value"):
+        load_config(SFTConfig, None, ["optim.lr"])

@@ -1,0 +1,5 @@
+import sys
+
+from vlforge.cli import main
+
+sys.exit(main())

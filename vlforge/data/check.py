@@ -1,0 +1,74 @@
+"""`vlforge data check`: everything worth knowing about a JSONL file before a long run."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from vlforge.config import DataConfig
+from vlforge.data.encode import IGNORE_INDEX, Encoder, ImageLimits, image_sizes
+from vlforge.data.jsonl import DataError, LoadReport, read_jsonl
+
+
+def _percentile(sorted_values: list[int], q: float) -> int:
+    if not sorted_values:
+        return 0
+    return sorted_values[min(len(sorted_values) - 1, int(q / 100 * len(sorted_values)))]
+
+
+def check_file(path: str, processor, cfg: DataConfig) -> dict:
+    """Validate every row (never stops at the first error) and measure token lengths."""
+    report = LoadReport()
+    samples = read_jsonl(path, on_error="skip", report=report)
+    encoder = Encoder(processor, ImageLimits(cfg.min_pixels, cfg.max_pixels))
+    lengths, answer_tokens, image_tokens = [], [], []
+    over, images = 0, 0
+    tasks = Counter()
+    for s in samples:
+        ids = encoder.token_ids(s.messages, image_sizes(s))
+        labels = encoder.assistant_labels(ids)
+        lengths.append(len(ids))
+        answer_tokens.append(sum(t != IGNORE_INDEX for t in labels))
+        image_tokens.append(sum(t == encoder.image_token_id for t in ids))
+        images += len(s.images)
+        over += len(ids) > cfg.max_length
+        if "task" in s.fields:
+            tasks[str(s.fields["task"])] += 1
+    lengths.sort()
+    errors = sum(report.skipped.values())
+    return {
+        "file": str(path),
+        "rows": report.rows,
+        "valid_rows": len(samples),
+        "errors": errors,
+        "errors_by_reason": dict(report.skipped),
+        "first_errors": report.first_errors,
+        "images": images,
+        "tokens": {"p50": _percentile(lengths, 50), "p90": _percentile(lengths, 90), "p99": _percentile(lengths, 99),
+                   "max": lengths[-1] if lengths else 0, "mean": sum(lengths) / max(1, len(lengths))},
+        "image_tokens_mean": sum(image_tokens) / max(1, len(image_tokens)),
+        "answer_tokens_mean": sum(answer_tokens) / max(1, len(answer_tokens)),
+        "max_length": cfg.max_length,
+        "over_max_length": over,
+        "over_max_length_action": cfg.too_long,
+        "tasks": dict(tasks),
+    }
+
+
+def format_check(r: dict) -> str:
+    t = r["tokens"]
+    lines = [
+        f"{r['file']}: {r['rows']} rows, {r['valid_rows']} valid, {r['errors']} with errors, {r['images']} images",
+        f"tokens per sample (images included): p50 {t['p50']}  p90 {t['p90']}  p99 {t['p99']}  max {t['max']}  "
+        f"mean {t['mean']:.1f}",
+        f"image tokens per sample (mean) {r['image_tokens_mean']:.1f}; answer tokens (mean) {r['answer_tokens_mean']:.1f}",
+        f"over data.max_length={r['max_length']}: {r['over_max_length']} rows (data.too_long={r['over_max_length_action']})",
+    ]
+    if r["tasks"]:
+        lines.append("tasks: " + ", ".join(f"{k} {v}" for k, v in sorted(r["tasks"].items())))
+    if r["errors"]:
+        lines.append("errors by reason: " + "; ".join(f"{k}: {v}" for k, v in r["errors_by_reason"].items()))
+        lines += ["  " + e for e in r["first_errors"]]
+    return "\n".join(lines)
+
+
+__all__ = ["check_file", "format_check", "DataError"]
