@@ -83,7 +83,9 @@ def preset_config(name: str, tokenizer) -> Qwen3VLConfig:
         text = dict(vocab_size=vocab, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                     max_position_embeddings=4096, pad_token_id=pad,
-                    rope_parameters={**rope, "mrope_section": [4, 2, 2]})
+                    # theta 1e4, not the published 5e6: with 16-dim heads and a 4x4 image grid, 5e6
+                    # leaves the height/width M-RoPE components almost constant (no spatial signal).
+                    rope_parameters={**rope, "rope_theta": 10_000.0, "mrope_section": [4, 2, 2]})
         vision = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=4, patch_size=TINY_PATCH,
                       out_hidden_size=64, num_position_embeddings=64, deepstack_visual_indexes=[0])
         return Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False,

@@ -18,8 +18,11 @@ from vlforge.data.synth import synth_shapes
 from vlforge.recipes.eval import evaluate
 from vlforge.recipes.sft import run_sft, setup_model
 
-DEMO_TRAIN_SAMPLES = 4000
+DEMO_TRAIN_SAMPLES = 6000
 DEMO_VAL_SAMPLES = 200
+# Colour and shape: what the tiny model learns reliably in two CPU minutes. Counting and position
+# are left to later stages (GRPO): mixed into this SFT run they slow the others without being learnt.
+DEMO_TASKS = ("colour", "shape")
 
 
 def packaged_config(name: str) -> Path:
@@ -55,7 +58,7 @@ def run_demo(out: str | None = None, overwrite: bool = False, overrides: list[st
     root = demo_dir(out, overwrite)
     start = time.perf_counter()
     print(f"vlforge demo -> {root}/")
-    paths = synth_shapes(root / "data", DEMO_TRAIN_SAMPLES + DEMO_VAL_SAMPLES, seed=0,
+    paths = synth_shapes(root / "data", DEMO_TRAIN_SAMPLES + DEMO_VAL_SAMPLES, seed=0, tasks=DEMO_TASKS,
                          val_fraction=DEMO_VAL_SAMPLES / (DEMO_TRAIN_SAMPLES + DEMO_VAL_SAMPLES))
     print(f"1/3 synthesised {DEMO_TRAIN_SAMPLES} train + {DEMO_VAL_SAMPLES} val shapes samples in {root / 'data'}")
     cfg: SFTConfig = load_config(SFTConfig, packaged_config("demo-sft.yaml"), [

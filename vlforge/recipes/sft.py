@@ -69,9 +69,12 @@ def micro_batches(data: SFTDataset, batch_size: int, seed: int, epoch: int, posi
                 raise ConfigError(f"train.batch_size={batch_size} is larger than the dataset ({len(data)} samples)")
             epoch, position = epoch + 1, 0
             continue
+        # The loader gets its own generator: creating an iterator draws a seed from it, and drawing
+        # from the global RNG instead would shift dropout masks after a mid-epoch resume.
         loader = torch.utils.data.DataLoader(
             data, batch_sampler=[ix for ix, _ in index_lists], num_workers=num_workers,
-            collate_fn=lambda items: collate(items, data.encoder.pad_id))
+            collate_fn=lambda items: collate(items, data.encoder.pad_id),
+            generator=torch.Generator().manual_seed(seed + epoch))
         for batch, (_, pos) in zip(loader, index_lists):
             yield batch, epoch, pos
         epoch, position = epoch + 1, 0

@@ -1,0 +1,103 @@
+"""SFT step throughput and peak memory on the workload of shared/BASELINES.md.
+
+    python bench/sft_throughput.py --preset qwen3vl-2b --method full
+    python bench/sft_throughput.py --preset qwen3vl-8b --method lora
+
+Each sample: one 448x448 image (196 image tokens), ~64 prompt tokens, an answer of 128-384
+tokens; batch 8, random weights of the published architecture. Uses the real recipe pieces
+(setup_model, the dataset encoder, collate, train_step). Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+
+import torch
+from PIL import Image
+
+from vlforge.config import SFTConfig, load_config
+from vlforge.data.encode import Encoder, ImageLimits, Plan, collate, encode
+from vlforge.data.jsonl import Sample
+from vlforge.engine.optim import build_optimizer
+from vlforge.model.tiers import param_groups
+from vlforge.recipes.sft import setup_model, train_step
+
+WORDS = "the a red blue green circle square triangle left right shape image colour how many is on of".split()
+
+
+def synthetic_samples(n: int, tmp: str, image_side: int, rng: random.Random) -> list[Sample]:
+    samples = []
+    for i in range(n):
+        path = f"{tmp}/img{i}.png"
+        Image.frombytes("RGB", (image_side, image_side), rng.randbytes(image_side * image_side * 3)).save(path)
+        prompt = " ".join(rng.choice(WORDS) for _ in range(60))
+        answer = " ".join(rng.choice(WORDS) for _ in range(rng.randint(128, 384)))
+        user = [{"type": "image", "image": path}, {"type": "text", "text": prompt}]
+        samples.append(Sample([{"role": "user", "content": user}, {"role": "assistant", "content": answer}],
+                              [__import__("pathlib").Path(path)], f"synthetic:{i}"))
+    return samples
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="qwen3vl-2b")
+    ap.add_argument("--method", default="full", choices=["full", "lora"])
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--image", type=int, default=448)
+    ap.add_argument("--grad-ckpt", action="store_true")
+    ap.add_argument("--override", nargs="*", default=[])
+    args = ap.parse_args()
+
+    vision = "tiers.vision.train=false" if args.method == "lora" else "tiers.vision.train=true"
+    cfg = load_config(SFTConfig, None, [
+        f"model.preset={args.preset}", f"tiers.method={args.method}", "precision.mode=bf16", "train.device=cuda",
+        f"precision.gradient_checkpointing={str(args.grad_ckpt).lower()}", vision,
+        # the peer baseline trains LoRA on LM attention only
+        *(["tiers.projector.train=false", "tiers.language.r=16", "tiers.language.alpha=32"] if args.method == "lora" else []),
+        *args.override])
+    torch.backends.cuda.matmul.allow_tf32 = True
+    t = setup_model(cfg)
+    encoder = Encoder(t.processor, ImageLimits(3136, args.image * args.image))
+    import tempfile
+
+    rng = random.Random(0)
+    with tempfile.TemporaryDirectory() as tmp:
+        samples = synthetic_samples(args.batch * 4, tmp, args.image, rng)
+        items = []
+        for s in samples:
+            ids = encoder.token_ids(s.messages, [(args.image, args.image)])
+            items.append(encode(encoder, s, Plan(ids, encoder.assistant_labels(ids), len(ids))))
+    batches = [collate(items[i:i + args.batch], encoder.pad_id) for i in range(0, len(items), args.batch)]
+    optimizer = build_optimizer(param_groups(t.model, t.plan, 0.0), cfg.optim, "cuda")
+    scaler = t.policy.grad_scaler()
+    torch.cuda.reset_peak_memory_stats()
+    times, tokens = [], []
+    for step in range(args.warmup + args.steps):
+        batch = batches[step % len(batches)]
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        out = train_step(t, [batch], optimizer, scaler, 1.0)
+        torch.cuda.synchronize()
+        if step >= args.warmup:
+            times.append(time.perf_counter() - start)
+            tokens.append(out["tokens"])
+    step_s = sum(times) / len(times)
+    pad_fraction = 1 - sum(int(b["attention_mask"].sum()) for b in batches) / sum(b["attention_mask"].numel() for b in batches)
+    result = {
+        "preset": args.preset, "method": args.method, "batch": args.batch, "grad_ckpt": args.grad_ckpt,
+        "tokens_per_s": sum(tokens) / sum(times), "step_s": step_s,
+        "peak_gb": torch.cuda.max_memory_allocated() / 1e9, "pad_fraction": pad_fraction,
+        "seq_len_mean": sum(len(x["input_ids"]) for x in items) / len(items),
+        "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+        "transformers": __import__("transformers").__version__,
+    }
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,100 @@
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from vlforge.config import ConfigError
+from vlforge.engine.optim import lr_factor
+from vlforge.recipes.sft import run_sft
+
+from helpers import tiny_sft_config
+
+
+def final_weights(out_dir, step):
+    return load_file(out_dir / f"checkpoint-{step}" / "model.safetensors")
+
+
+def test_batch8_accum1_equals_batch2_accum4(shapes_dir, tmp_path):
+    common = ["tiers.method=full", "train.max_steps=2", "eval.every=0", "data.val=null"]
+    run_sft(tiny_sft_config(shapes_dir, tmp_path / "a", *common, "train.batch_size=8", "train.grad_accum=1"))
+    run_sft(tiny_sft_config(shapes_dir, tmp_path / "b", *common, "train.batch_size=2", "train.grad_accum=4"))
+    a, b = final_weights(tmp_path / "a", 2), final_weights(tmp_path / "b", 2)
+    initial = None
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=2e-6, rtol=1e-5, msg=name)
+    la = [r["loss"] for r in map(json.loads, (tmp_path / "a/metrics.jsonl").read_text().splitlines())]
+    lb = [r["loss"] for r in map(json.loads, (tmp_path / "b/metrics.jsonl").read_text().splitlines())]
+    assert la == pytest.approx(lb, rel=1e-5)
+    assert initial is None
+
+
+def test_run_outputs_metrics_eval_and_refuses_to_overwrite(shapes_dir, tmp_path):
+    cfg = tiny_sft_config(shapes_dir, tmp_path, "train.max_steps=3", "train.save_every=1", "train.keep_last=2",
+                          "eval.every=2")
+    result = run_sft(cfg)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [r for r in rows if "loss" in r]
+    assert [r["step"] for r in train_rows] == [1, 2, 3]
+    for r in train_rows:
+        assert {"step", "loss", "lr", "grad_norm", "tokens_per_s"} <= set(r) and r["tokens_per_s"] > 0
+    ev = json.loads((tmp_path / "eval.json").read_text())
+    assert ev["step"] == 3 and ev["n"] == 4 and 0 <= ev["accuracy"] <= 1 and ev["loss"] > 0
+    assert [h["step"] for h in ev["history"]] == [2, 3]
+    assert result["eval"]["accuracy"] == ev["accuracy"]
+    # keep_last=2: only the two newest complete checkpoints remain, no temporary directories
+    assert sorted(p.name for p in tmp_path.iterdir() if "checkpoint" in p.name) == ["checkpoint-2", "checkpoint-3"]
+    assert (tmp_path / "loss.png").stat().st_size > 1000
+    assert (tmp_path / "config.yaml").exists()
+    with pytest.raises(ConfigError, match="is not empty"):
+        run_sft(cfg)
+    cfg.train.overwrite = True
+    run_sft(cfg)
+
+
+def test_lr_schedule_warmup_and_decay():
+    assert lr_factor(0, 100, 10, "cosine", 0.0) == pytest.approx(0.1)
+    assert lr_factor(9, 100, 10, "cosine", 0.0) == pytest.approx(1.0)
+    assert lr_factor(10, 100, 10, "cosine", 0.0) == pytest.approx(1.0)
+    assert lr_factor(55, 100, 10, "cosine", 0.0) == pytest.approx(0.5)
+    assert lr_factor(100, 100, 10, "linear", 0.1) == pytest.approx(0.1)
+    assert lr_factor(50, 100, 0, "constant", 0.0) == 1.0
+
+
+def _cli(shapes_dir, out_dir, *extra):
+    return [sys.executable, "-m", "vlforge", "sft", str(__import__("pathlib").Path(__file__).parent / "resume.yaml"),
+            f"data.train={shapes_dir / 'train.jsonl'}", f"train.output_dir={out_dir}", *extra]
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_resume_after_sigkill_equals_uninterrupted_run(shapes_dir, tmp_path, method):
+    steps = 30
+    args = [f"tiers.method={method}", f"train.max_steps={steps}"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    subprocess.run(_cli(shapes_dir, tmp_path / "straight", *args), check=True, env=env, capture_output=True)
+
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen(_cli(shapes_dir, killed, *args), env=env, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    deadline = time.time() + 120
+    while time.time() < deadline and not (killed / "checkpoint-10").exists():
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert (killed / "checkpoint-10").exists() and not (killed / f"checkpoint-{steps}").exists(), \
+        "the run was not killed mid-way"
+    subprocess.run(_cli(shapes_dir, killed, *args, "train.resume=auto"), check=True, env=env, capture_output=True)
+
+    name = "model.safetensors" if method == "full" else "adapter_model.safetensors"
+    a = load_file(tmp_path / "straight" / f"checkpoint-{steps}" / name)
+    b = load_file(killed / f"checkpoint-{steps}" / name)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    losses = lambda d: [r["loss"] for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())]
+    assert losses(tmp_path / "straight") == losses(killed)  # no duplicated or missing steps in the log
