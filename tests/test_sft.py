@@ -98,3 +98,28 @@ def test_resume_after_sigkill_equals_uninterrupted_run(shapes_dir, tmp_path, met
         assert torch.equal(a[k], b[k]), k
     losses = lambda d: [r["loss"] for r in map(json.loads, (d / "metrics.jsonl").read_text().splitlines())]
     assert losses(tmp_path / "straight") == losses(killed)  # no duplicated or missing steps in the log
+
+
+def test_gradient_checkpointing_gives_the_same_gradients(shapes_dir, tmp_path):
+    from vlforge.data.dataset import load_dataset
+    from vlforge.data.encode import collate
+    from vlforge.engine.losses import sft_loss_sum
+    from vlforge.recipes.sft import setup_model
+
+    grads = []
+    for ckpt in ("false", "true"):
+        cfg = tiny_sft_config(shapes_dir, tmp_path / ckpt, "tiers.method=full", f"precision.gradient_checkpointing={ckpt}")
+        t = setup_model(cfg)
+        data = load_dataset(cfg.data.train, t.processor, cfg.data)
+        loss, _ = sft_loss_sum(t.model, collate([data[i] for i in range(4)], data.encoder.pad_id))
+        loss.backward()
+        grads.append({n: p.grad.clone() for n, p in t.model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for n in grads[0]:
+        torch.testing.assert_close(grads[0][n], grads[1][n], atol=1e-6, rtol=1e-5, msg=n)
+
+
+def test_tensorboard_events_are_written(shapes_dir, tmp_path):
+    pytest.importorskip("tensorboard")
+    run_sft(tiny_sft_config(shapes_dir, tmp_path, "log.tensorboard=true", "data.val=null"))
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))

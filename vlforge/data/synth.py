@@ -61,7 +61,9 @@ def draw(shapes: list[Shape], size: int) -> Image.Image:
 
 
 def _single_shape(rng: random.Random, size: int, side: str | None = None) -> Shape:
-    radius = rng.uniform(0.16, 0.24) * size
+    # Large shapes (a third of the image) make circle/square/triangle distinguishable at the tiny
+    # model's 8-pixel patches; a shape placed left or right must fit in one half.
+    radius = rng.uniform(0.16, 0.22) * size if side else rng.uniform(0.24, 0.34) * size
     lo, hi = radius + 1, size - radius - 1
     if side == "left":
         hi = size / 2 - radius * 0.5

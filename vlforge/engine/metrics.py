@@ -25,7 +25,7 @@ class MetricsLog:
             self._tb = SummaryWriter(str(Path(output_dir) / "tensorboard"))
 
     def log(self, step: int, values: dict) -> None:
-        row = {"step": step, **{k: (round(v, 6) if isinstance(v, float) else v) for k, v in values.items()}}
+        row = {"step": step, **{k: (float(f"{v:.7g}") if isinstance(v, float) else v) for k, v in values.items()}}
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
         if self._tb is not None:
@@ -59,6 +59,8 @@ def plot_metric(rows: list[dict], key: str, out_png: str | Path, title: str | No
         ax.plot(*zip(*marks), "o", label="eval")
     ax.set_xlabel("step")
     ax.set_ylabel(key)
+    if pts and min(v for _, v in pts) > 0:
+        ax.set_yscale("log")  # losses span orders of magnitude; a linear axis hides the tail
     ax.set_title(title or key)
     ax.grid(alpha=0.3)
     if marks:

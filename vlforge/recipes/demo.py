@@ -18,7 +18,7 @@ from vlforge.data.synth import synth_shapes
 from vlforge.recipes.eval import evaluate
 from vlforge.recipes.sft import run_sft, setup_model
 
-DEMO_TRAIN_SAMPLES = 6000
+DEMO_TRAIN_SAMPLES = 10000
 DEMO_VAL_SAMPLES = 200
 # Colour and shape: what the tiny model learns reliably in two CPU minutes. Counting and position
 # are left to later stages (GRPO): mixed into this SFT run they slow the others without being learnt.

@@ -1,0 +1,35 @@
+import json
+
+from vlforge.cli import main
+
+
+def test_data_synth_and_check_commands(tmp_path, capsys):
+    assert main(["data", "synth", "shapes", "--n", "20", "--out", str(tmp_path), "--seed", "1",
+                 "--tasks", "colour,count"]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "train.jsonl").read_text().splitlines()]
+    assert {r["task"] for r in rows} == {"colour", "count"} and len(rows) == 18
+    capsys.readouterr()
+    assert main(["data", "check", str(tmp_path / "train.jsonl"), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["valid_rows"] == 18 and report["errors"] == 0 and report["images"] == 18
+    (tmp_path / "bad.jsonl").write_text('{"image": "missing.png", "text": "q", "answer": "a"}\n')
+    assert main(["data", "check", str(tmp_path / "bad.jsonl")]) == 1
+    assert "bad.jsonl:1" in capsys.readouterr().out
+
+
+def test_errors_are_one_line_not_tracebacks(tmp_path, capsys):
+    assert main(["sft", str(tmp_path / "nope.yaml")]) == 2
+    assert "not found" in capsys.readouterr().err
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model: {preset: tiny}\ntrain: {bacth_size: 2}\n")
+    assert main(["sft", str(cfg)]) == 2
+    assert "did you mean 'batch_size'" in capsys.readouterr().err
+    cfg.write_text("model: {preset: tiny}\n")
+    assert main(["sft", str(cfg), f"train.output_dir={tmp_path / 'run'}", "train.device=cpu"]) == 2
+    assert "data.train is not set" in capsys.readouterr().err
+
+
+def test_print_config_shows_effective_values(capsys):
+    assert main(["sft", "configs/demo-sft.yaml", "optim.lr=0.5", "--print-config"]) == 0
+    out = capsys.readouterr().out
+    assert "lr: 0.5" in out and "preset: tiny" in out

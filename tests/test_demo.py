@@ -1,0 +1,41 @@
+"""The demo recipe: pinned first losses (catches silent numerics changes) and the demo end to end."""
+
+import json
+
+import pytest
+
+from vlforge.cli import main
+from vlforge.config import SFTConfig, load_config
+from vlforge.data.synth import synth_shapes
+from vlforge.recipes.demo import DEMO_TASKS, packaged_config
+from vlforge.recipes.sft import run_sft
+
+# First five training losses of configs/demo-sft.yaml on 200 shapes samples (seed 0), fp32 CPU.
+GOLDEN_LOSSES = None
+
+
+def test_demo_recipe_first_losses_are_pinned(tmp_path):
+    paths = synth_shapes(tmp_path / "data", 200, seed=0, tasks=DEMO_TASKS)
+    cfg = load_config(SFTConfig, packaged_config("demo-sft.yaml"), [
+        f"data.train={paths['train']}", "data.val=null", f"train.output_dir={tmp_path / 'run'}",
+        "train.max_steps=5", "log.every=1", "log.progress=false"])
+    run_sft(cfg)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in rows if "loss" in r]
+    assert losses == pytest.approx(GOLDEN_LOSSES, rel=1e-4, abs=1e-5)
+
+
+def test_demo_learns_colour_and_shape(tmp_path, capsys):
+    out = tmp_path / "demo"
+    assert main(["demo", "--out", str(out), "log.progress=false"]) == 0
+    printed = capsys.readouterr().out
+    assert "held-out accuracy" in printed and "before" in printed and "after" in printed
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["after"]["by_task"]["colour"] >= 0.9
+    assert summary["after"]["by_task"]["shape"] >= 0.9
+    assert summary["before"]["accuracy"] < 0.5
+    assert (out / "loss.png").stat().st_size > 1000
+    assert json.loads((out / "sft" / "eval.json").read_text())["n"] == 200
+    assert (out / "data" / "train.jsonl").exists()
+    # a second demo into the same folder is refused rather than overwriting the first
+    assert main(["demo", "--out", str(out)]) == 2
