@@ -107,6 +107,9 @@ def train_step(t: Trainable, micro: list[dict], optimizer, scaler, max_grad_norm
 
 def run_sft(cfg: SFTConfig) -> dict:
     """Train; returns {"output_dir", "final_step", "eval"}."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # our own bar is the progress display; no per-save shard bars
     resume_from = prepare_output_dir(cfg.train.output_dir, cfg.train.resume, cfg.train.overwrite)
     out = Path(cfg.train.output_dir)
     (out / "config.yaml").write_text(dump_config(cfg))
