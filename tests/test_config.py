@@ -2,22 +2,24 @@ from pathlib import Path
 
 import pytest
 
-from vlforge.config import ConfigError, SFTConfig, load_config
+from vlforge.config import ConfigError, GRPOConfig, SFTConfig, load_config
 
 CONFIGS = sorted((Path(__file__).parents[1] / "configs").glob("*.yaml"))
 
 
 def test_configs_exist():
     names = {p.name for p in CONFIGS}
-    assert {"demo-sft.yaml", "qwen3vl-2b-lora.yaml", "qwen3vl-8b-lora.yaml", "qwen3vl-2b-full.yaml"} <= names
+    assert {"demo-sft.yaml", "qwen3vl-2b-lora.yaml", "qwen3vl-8b-lora.yaml", "qwen3vl-2b-full.yaml",
+            "demo-grpo.yaml", "qwen3vl-2b-grpo.yaml", "qwen3vl-8b-grpo.yaml"} <= names
 
 
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_every_shipped_yaml_loads_and_starts_with_its_command(path):
-    cfg = load_config(SFTConfig, path)
-    assert cfg.model.preset or cfg.model.path
     first = path.read_text().splitlines()[0]
-    assert first.startswith(f"# vlforge sft configs/{path.name}")
+    command = first.split()[2]  # "# vlforge sft|grpo configs/NAME ..."
+    assert first.startswith(f"# vlforge {command} configs/{path.name}")
+    cfg = load_config({"sft": SFTConfig, "grpo": GRPOConfig}[command], path)
+    assert cfg.model.preset or cfg.model.path
 
 
 def test_overrides_keep_section_defaults():

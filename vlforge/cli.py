@@ -6,8 +6,9 @@ import argparse
 import json
 import sys
 
-from vlforge.config import ConfigError, SFTConfig, dump_config, load_config
+from vlforge.config import ConfigError, GRPOConfig, SFTConfig, dump_config, load_config
 from vlforge.data.jsonl import DataError
+from vlforge.rl.rewards import RewardError
 
 
 def _quiet_libraries() -> None:
@@ -36,6 +37,20 @@ def cmd_sft(args) -> int:
     if result["eval"]:
         print(f"eval at step {result['final_step']}: loss {result['eval']['loss']:.4f} "
               f"accuracy {result['eval']['accuracy']:.3f} (n={result['eval']['n']})")
+    print(f"outputs in {result['output_dir']}")
+    return 0
+
+
+def cmd_grpo(args) -> int:
+    cfg = load_config(GRPOConfig, args.config, args.overrides)
+    if args.print_config:
+        print(dump_config(cfg), end="")
+        return 0
+    from vlforge.recipes.grpo import run_grpo
+
+    result = run_grpo(cfg)
+    if result["eval"]:
+        print(f"eval at step {result['final_step']}: accuracy {result['eval']['accuracy']:.3f} (n={result['eval']['n']})")
     print(f"outputs in {result['output_dir']}")
     return 0
 
@@ -81,6 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
     sft.add_argument("--print-config", action="store_true", help="print the effective config and exit")
     sft.set_defaults(func=cmd_sft)
 
+    grpo = sub.add_parser("grpo", help="GRPO reinforcement learning with verifiable rewards")
+    grpo.add_argument("config", help="recipe YAML, e.g. configs/qwen3vl-8b-grpo.yaml")
+    grpo.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. rollout.group_size=8")
+    grpo.add_argument("--print-config", action="store_true", help="print the effective config and exit")
+    grpo.set_defaults(func=cmd_grpo)
+
     demo = sub.add_parser("demo", help="synthesise data, train the tiny model on CPU, show before/after")
     demo.add_argument("--out", help="output folder (default: ./vlforge-demo, or the next free vlforge-demo-N)")
     demo.add_argument("--overwrite", action="store_true", help="replace a non-empty --out folder")
@@ -111,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_libraries()
     try:
         return args.func(args)
-    except (ConfigError, DataError, FileNotFoundError) as e:
+    except (ConfigError, DataError, RewardError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -141,6 +141,54 @@ class SFTConfig:
     log: LogConfig = field(default_factory=LogConfig)
 
 
+@dataclass
+class RolloutConfig:
+    group_size: int = 8  # G responses per prompt
+    prompts_per_step: int = 8  # B prompts per optimizer step (before dynamic-sampling refills)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    max_new_tokens: int = 256  # the response length cap
+
+
+@dataclass
+class RewardConfig:
+    name: str = "exact_match"  # builtin (exact_match, choice, numeric, format) or path/to/file.py:function
+    weight: float = 1.0
+    kwargs: dict = field(default_factory=dict)
+
+
+@dataclass
+class RLConfig:
+    rewards: list[RewardConfig] = field(default_factory=lambda: [RewardConfig()])
+    adv_scale: Literal["group", "batch", "none"] = "group"
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    dual_clip: float | None = None
+    agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = "token-mean"
+    kl_beta: float = 0.0  # 0: no KL term and no reference forward
+    kl_kind: Literal["k1", "k2", "k3"] = "k3"
+    epochs: int = 1  # mu: optimisation passes over each rollout batch
+    mini_batch_size: int = 16  # sequences per optimizer step within a pass
+    dynamic_sampling: bool = False  # drop groups whose rewards are all equal, refill with new prompts
+    max_sampling_tries: int = 3  # rollout rounds per step when dynamic sampling
+    overlong_penalty: float = 0.0  # subtracted from the reward of responses cut at max_new_tokens
+
+
+@dataclass
+class GRPOConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    tiers: TiersConfig = field(default_factory=TiersConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(output_dir="runs/grpo", max_steps=100))
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    rl: RLConfig = field(default_factory=RLConfig)
+
+
 # ----------------------------------------------------------------------------- loading
 
 

@@ -44,7 +44,7 @@ def read_metrics(path: str | Path) -> list[dict]:
 
 
 def plot_metric(rows: list[dict], key: str, out_png: str | Path, title: str | None = None,
-                marks: list[tuple[int, float]] | None = None) -> Path:
+                marks: list[tuple[int, float]] | None = None, log_y: bool = False) -> Path:
     """Line plot of `key` over `step` (plus optional (step, value) markers, e.g. eval accuracy)."""
     import matplotlib
 
@@ -59,8 +59,8 @@ def plot_metric(rows: list[dict], key: str, out_png: str | Path, title: str | No
         ax.plot(*zip(*marks), "o", label="eval")
     ax.set_xlabel("step")
     ax.set_ylabel(key)
-    if pts and min(v for _, v in pts) > 0:
-        ax.set_yscale("log")  # losses span orders of magnitude; a linear axis hides the tail
+    if log_y and pts and min(v for _, v in pts) > 0:
+        ax.set_yscale("log")
     ax.set_title(title or key)
     ax.grid(alpha=0.3)
     if marks:

@@ -186,7 +186,8 @@ def run_sft(cfg: SFTConfig) -> dict:
     metrics.close()
     rows = read_metrics(out / "metrics.jsonl")
     marks = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
-    plot_metric(rows, "loss", out / "loss.png", title="training loss", marks=marks)
+    # log scale: losses span orders of magnitude and a linear axis hides the tail
+    plot_metric(rows, "loss", out / "loss.png", title="training loss", marks=marks, log_y=True)
     return {"output_dir": str(out), "final_step": step, "eval": last_eval, "plan": summary}
 
 

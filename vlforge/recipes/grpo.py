@@ -1,0 +1,242 @@
+"""GRPO with verifiable rewards for Qwen3-VL: one readable step loop.
+
+    vlforge grpo configs/demo-grpo.yaml
+    vlforge grpo configs/qwen3vl-8b-grpo.yaml model.path=/weights/Qwen3-VL-8B-Instruct data.train=prompts.jsonl
+
+Per step: B prompts x G sampled responses (each prompt's image encoded once, its prefill shared)
+-> rewards -> group-normalised advantages -> `rl.epochs` passes of mini-batch updates with the
+clipped policy loss on the rollout's log-probs (+ beta * KL to the reference on response tokens).
+With LoRA the reference is the same model with adapters disabled; with full fine-tuning, a frozen copy.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from vlforge.config import ConfigError, GRPOConfig, dump_config
+from vlforge.data.dataset import SFTDataset, batches_from, load_dataset
+from vlforge.data.encode import collate, encode_prompt
+from vlforge.engine.checkpoint import load_checkpoint, save_checkpoint
+from vlforge.engine.metrics import MetricsLog, plot_metric, read_metrics
+from vlforge.engine.optim import build_optimizer, build_scheduler
+from vlforge.engine.runtime import prepare_output_dir, seed_everything
+from vlforge.model.tiers import param_groups
+from vlforge.recipes.eval import evaluate, to_device
+from vlforge.recipes.sft import Trainable, setup_model
+from vlforge.rl import RewardSpec, agg_loss, build_rewards, exact_match, grpo_advantages, kl_penalty, policy_loss
+from vlforge.rollout.engine import Rollout, generate_groups, sequence_logprobs
+
+
+@dataclass
+class Batch:
+    """One rollout round's kept groups, ready for optimisation."""
+
+    rollout: Rollout
+    seqs: list[int]  # sequence indices (of kept groups) in the rollout
+    advantages: torch.Tensor  # [N] per sequence of the rollout
+    ref_logp: torch.Tensor | None  # [N, R]
+
+
+def prompt_stream(data: SFTDataset, batch_size: int, seed: int, epoch: int, position: int):
+    """Endless (indices, epoch, position-after) over the prompt set, resumable like SFT's."""
+    while True:
+        for idx, pos in batches_from(len(data), batch_size, seed, epoch, position):
+            yield idx, epoch, pos
+        epoch, position = epoch + 1, 0
+
+
+def rollout_round(t: Trainable, data: SFTDataset, idx: list[int], cfg: GRPOConfig, rewards) -> tuple[Rollout, dict]:
+    samples = [data.samples[i] for i in idx]
+    prompts = to_device(collate([encode_prompt(data.encoder, s) for s in samples], data.encoder.pad_id, left_pad=True),
+                        t.device)
+    with t.policy.autocast():
+        rollout = generate_groups(t.model, data.encoder, prompts, [len(s.images) for s in samples], cfg.rollout)
+    G = cfg.rollout.group_size
+    texts = data.encoder.tokenizer.batch_decode(rollout.response_ids * rollout.response_mask, skip_special_tokens=True)
+    answers = [s.answer for s in samples for _ in range(G)]
+    fields = [s.fields for s in samples for _ in range(G)]
+    scored = rewards(texts, answers, fields)
+    reward_N = torch.tensor(scored.total, dtype=torch.float32)
+    reward_N -= cfg.rl.overlong_penalty * (~rollout.finished).float().cpu()
+    return rollout, {"reward": reward_N, "per_fn": scored.per_fn,
+                     "correct": [exact_match(c, a) for c, a in zip(texts, answers)]}
+
+
+def collect(t: Trainable, data, stream, state: dict, cfg: GRPOConfig, rewards) -> tuple[list[Batch], dict]:
+    """Rollout rounds until B groups with non-zero reward variance (dynamic sampling) or one round."""
+    B, G = cfg.rollout.prompts_per_step, cfg.rollout.group_size
+    batches, stats = [], {"reward": [], "correct": [], "per_fn": {}, "zero_var": [], "lengths": [], "finished": []}
+    kept_groups = 0
+    for _ in range(cfg.rl.max_sampling_tries if cfg.rl.dynamic_sampling else 1):
+        idx, state["epoch"], state["position"] = next(stream)
+        rollout, scored = rollout_round(t, data, idx, cfg, rewards)
+        reward_BG = scored["reward"].view(B, G)
+        zero_var = (reward_BG.max(1).values == reward_BG.min(1).values)
+        stats["reward"].append(scored["reward"])
+        stats["correct"] += scored["correct"]
+        stats["zero_var"].append(zero_var.float())
+        stats["lengths"].append(rollout.response_mask.sum(1).float().cpu())
+        stats["finished"].append(rollout.finished.float().cpu())
+        for k, v in scored["per_fn"].items():
+            stats["per_fn"].setdefault(k, []).extend(v)
+        groups = [b for b in range(B) if not (cfg.rl.dynamic_sampling and zero_var[b])][:B - kept_groups]
+        if groups:
+            adv = grpo_advantages(scored["reward"], G, scale=cfg.rl.adv_scale).to(t.device)
+            seqs = [b * G + g for b in groups for g in range(G)]
+            batches.append(Batch(rollout, seqs, adv, None))
+            kept_groups += len(groups)
+        if kept_groups >= B:
+            break
+    return batches, stats
+
+
+def reference_logprobs(t: Trainable, ref_model, batch: Batch, temperature: float) -> torch.Tensor:
+    with torch.no_grad(), t.policy.autocast():
+        if ref_model is None:  # LoRA: the base model is the reference, no second copy
+            with t.model.disable_adapter():
+                return sequence_logprobs(t.model, batch.rollout, temperature, seq_index=batch.seqs)[0]
+        return sequence_logprobs(ref_model, batch.rollout, temperature, seq_index=batch.seqs)[0]
+
+
+def update(t: Trainable, ref_model, batches: list[Batch], optimizer, scaler, cfg: GRPOConfig) -> dict:
+    """rl.epochs passes of mini-batch policy-gradient steps over the collected groups."""
+    rl, T = cfg.rl, cfg.rollout.temperature
+    if rl.kl_beta > 0:
+        for b in batches:
+            b.ref_logp = reference_logprobs(t, ref_model, b, T)  # [len(seqs), R], fixed for the step
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    logs = {"loss": [], "clip_frac": [], "approx_kl": [], "kl": [], "entropy": [], "grad_norm": []}
+    for _ in range(rl.epochs):
+        for b in batches:
+            for s in range(0, len(b.seqs), rl.mini_batch_size):
+                part = list(range(s, min(s + rl.mini_batch_size, len(b.seqs))))
+                seqs = [b.seqs[i] for i in part]
+                mask = b.rollout.response_mask[seqs].float()
+                with t.policy.autocast():
+                    logp, entropy = sequence_logprobs(t.model, b.rollout, T, seq_index=seqs, with_entropy=True)
+                loss, stats = policy_loss(logp, b.rollout.logprobs[seqs], b.advantages[seqs], mask,
+                                          clip_low=rl.clip_low, clip_high=rl.clip_high, dual_clip=rl.dual_clip, agg=rl.agg)
+                if rl.kl_beta > 0:
+                    kl = kl_penalty(logp, b.ref_logp[part], rl.kl_kind)
+                    loss = loss + rl.kl_beta * agg_loss(kl, mask, rl.agg)
+                    logs["kl"].append(float((kl.detach() * mask).sum() / mask.sum().clamp(min=1)))
+                scaler.scale(loss).backward()
+                scaler.unscale_(optimizer)
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.max_grad_norm or float("inf"))
+                if torch.isfinite(grad_norm) or t.policy.uses_loss_scaling:
+                    scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad(set_to_none=True)
+                logs["loss"].append(float(loss))
+                logs["clip_frac"].append(float(stats["clip_frac"]))
+                logs["approx_kl"].append(float(stats["approx_kl"]))
+                logs["entropy"].append(float((entropy * mask).sum() / mask.sum().clamp(min=1)))
+                logs["grad_norm"].append(float(grad_norm))
+    return {k: sum(v) / len(v) for k, v in logs.items() if v}
+
+
+def step_metrics(stats: dict, batches: list[Batch], train_logs: dict, t_rollout: float, t_train: float) -> dict:
+    reward = torch.cat(stats["reward"])
+    lengths = torch.cat(stats["lengths"])
+    adv = torch.cat([b.advantages[b.seqs].cpu() for b in batches]) if batches else torch.zeros(1)
+    tokens = sum(int(b.rollout.prompt_mask.sum()) * b.rollout.group_size + int(b.rollout.response_mask.sum())
+                 for b in batches)
+    row = {
+        "reward_mean": float(reward.mean()), "reward_std": float(reward.std()) if len(reward) > 1 else 0.0,
+        **{f"reward/{k}": sum(v) / len(v) for k, v in stats["per_fn"].items()},
+        "accuracy": sum(stats["correct"]) / len(stats["correct"]),
+        "adv_mean": float(adv.mean()), "adv_std": float(adv.std()) if len(adv) > 1 else 0.0,
+        "adv_max": float(adv.max()), "adv_min": float(adv.min()),
+        "response_length_mean": float(lengths.mean()), "response_length_max": float(lengths.max()),
+        "truncated_frac": 1.0 - float(torch.cat(stats["finished"]).mean()),
+        "zero_var_group_frac": float(torch.cat(stats["zero_var"]).mean()),
+        "groups_trained": sum(len(b.seqs) for b in batches) // max(1, batches[0].rollout.group_size) if batches else 0,
+        "time_rollout_s": t_rollout, "time_train_s": t_train,
+        "tokens_per_s": tokens / max(t_rollout + t_train, 1e-9),
+    }
+    return {**row, **train_logs}
+
+
+def run_grpo(cfg: GRPOConfig) -> dict:
+    """Train; returns {"output_dir", "final_step", "eval"}."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    if cfg.rollout.prompts_per_step < 1 or cfg.rollout.group_size < 2:
+        raise ConfigError("rollout.group_size must be >= 2 (advantages compare responses within a group)")
+    resume_from = prepare_output_dir(cfg.train.output_dir, cfg.train.resume, cfg.train.overwrite)
+    out = Path(cfg.train.output_dir)
+    (out / "config.yaml").write_text(dump_config(cfg))
+    seed_everything(cfg.train.seed)
+    t = setup_model(cfg)
+    ref_model = None
+    if cfg.rl.kl_beta > 0 and cfg.tiers.method == "full":  # a frozen copy of the starting policy
+        ref_model = copy.deepcopy(t.model).requires_grad_(False).eval()
+    if not cfg.data.train:
+        raise ConfigError("data.train is not set: give a JSONL of prompts with reference answers")
+    data = load_dataset(cfg.data.train, t.processor, cfg.data)
+    val = load_dataset(cfg.data.val, t.processor, cfg.data) if cfg.data.val else None
+    rewards = build_rewards([RewardSpec(r.name, r.weight, dict(r.kwargs)) for r in cfg.rl.rewards])
+    if len(data) < cfg.rollout.prompts_per_step:
+        raise ConfigError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} exceeds the {len(data)} prompts")
+
+    total_steps = cfg.train.max_steps or cfg.train.epochs * (len(data) // cfg.rollout.prompts_per_step)
+    optimizer = build_optimizer(param_groups(t.model, t.plan, cfg.optim.weight_decay), cfg.optim, t.device.type)
+    scheduler = build_scheduler(optimizer, cfg.optim, total_steps)  # stepped once per GRPO step
+    scaler = t.policy.grad_scaler()
+    state = {"epoch": 0, "position": 0}
+    if resume_from is not None:
+        state = load_checkpoint(resume_from, t.model, optimizer, scheduler, scaler)
+        print(f"resumed from {resume_from} at step {state['step']}")
+    step = state.get("step", 0)
+    metrics = MetricsLog(out, cfg.log.tensorboard, resume_step=step if resume_from else 0)
+    eval_history: list[dict] = []
+
+    def run_eval(at_step: int) -> dict:
+        rng = torch.get_rng_state()
+        result = {"step": at_step, **evaluate(t.model, val, batch_size=cfg.eval.batch_size,
+                                              max_new_tokens=cfg.eval.max_new_tokens, max_samples=cfg.eval.max_samples,
+                                              policy=t.policy, device=t.device)}
+        torch.set_rng_state(rng)
+        eval_history.append({k: v for k, v in result.items() if k != "examples"})
+        (out / "eval.json").write_text(json.dumps({**result, "history": eval_history}, indent=2))
+        metrics.log(at_step, {"eval_loss": result["loss"], "eval_accuracy": result["accuracy"]})
+        return result
+
+    print(f"GRPO: {len(data)} prompts, {cfg.rollout.prompts_per_step} x {cfg.rollout.group_size} rollouts per step, "
+          f"{total_steps} steps, device {t.device}")
+    first_eval = run_eval(step) if val is not None and cfg.eval.at_start else None
+    stream = prompt_stream(data, cfg.rollout.prompts_per_step, cfg.train.seed, state["epoch"], state["position"])
+    bar = tqdm(total=total_steps, initial=step, disable=not cfg.log.progress, desc="grpo", dynamic_ncols=True)
+    last_eval = first_eval
+    while step < total_steps:
+        start = time.perf_counter()
+        t.model.eval()  # rollouts sample from the policy without dropout
+        batches, stats = collect(t, data, stream, state, cfg, rewards)
+        t_rollout = time.perf_counter() - start
+        t.model.train()
+        lr = scheduler.get_last_lr()[0]
+        train_logs = update(t, ref_model, batches, optimizer, scaler, cfg) if batches else {}
+        scheduler.step()
+        step += 1
+        row = {**step_metrics(stats, batches, train_logs, t_rollout, time.perf_counter() - start - t_rollout), "lr": lr}
+        if step % cfg.log.every == 0 or step == total_steps:
+            metrics.log(step, row)
+        bar.update(1)
+        bar.set_postfix(reward=f"{row['reward_mean']:.3f}", acc=f"{row['accuracy']:.2f}")
+        if val is not None and ((cfg.eval.every and step % cfg.eval.every == 0) or step == total_steps):
+            last_eval = run_eval(step)
+        if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == total_steps:
+            save_checkpoint(out, step, t.model, t.processor, optimizer, scheduler, scaler, state, cfg.train.keep_last)
+    bar.close()
+    metrics.close()
+    rows = read_metrics(out / "metrics.jsonl")
+    plot_metric(rows, "reward_mean", out / "reward.png", title="GRPO reward per step")
+    return {"output_dir": str(out), "final_step": step, "eval": last_eval, "first_eval": first_eval}

@@ -1,0 +1,214 @@
+"""Batched GRPO rollouts: each prompt's image is encoded once and shared by its G responses.
+
+Shapes: B prompts, G responses per prompt, N = B*G sequences, P prompt length (left-padded),
+R response length (right-padded), H hidden size, V vocabulary.
+
+    encode_images       the vision tower, once per prompt image            -> ImageFeatures
+    forward_shared      language model over N sequences, image features gathered per sequence
+    generate_groups     prefill B prompts once, copy the KV cache G times, sample R tokens
+    sequence_logprobs   the trainer's log-probs of response tokens (same function family)
+
+Log-probs are of the temperature-scaled policy, log_softmax(logits / T), before top-k/top-p
+truncation (as verl's actor computes them), in fp32. Vision special tokens are never sampled.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from vlforge.config import RolloutConfig
+from vlforge.data.encode import Encoder
+from vlforge.model.tiers import unwrap
+
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
+
+
+@dataclass
+class ImageFeatures:
+    embeds: torch.Tensor  # [image tokens of all prompts, H], prompts' images in order
+    deepstack: list[torch.Tensor]  # per deepstack layer, same rows
+    rows_per_prompt: list[torch.Tensor]  # prompt b -> row indices of its image tokens
+
+
+def encode_images(core, pixel_values: torch.Tensor | None, grid_thw: torch.Tensor | None,
+                  images_per_prompt: list[int]) -> ImageFeatures | None:
+    """One vision-tower pass over every prompt's images (not G times)."""
+    if pixel_values is None:
+        return None
+    out = core.model.visual(pixel_values, grid_thw=grid_thw, return_dict=True)
+    tokens_per_image = (grid_thw.prod(-1) // core.model.visual.spatial_merge_size**2).tolist()
+    rows, start, image = [], 0, 0
+    for n in images_per_prompt:
+        count = sum(tokens_per_image[image:image + n])
+        rows.append(torch.arange(start, start + count, device=pixel_values.device))
+        start, image = start + count, image + n
+    deepstack = [d if torch.is_tensor(d) else torch.cat(list(d)) for d in out.deepstack_features]
+    return ImageFeatures(out.pooler_output, deepstack, rows)
+
+
+def _cache_kwarg(language_model) -> str:
+    params = inspect.signature(language_model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.2x
+
+
+def _cache_of(output):
+    return output["cache"] if "cache" in output else output.past_key_values
+
+
+def forward_shared(core, input_ids_NT: torch.Tensor, attention_mask_NT: torch.Tensor, position_ids_3NT: torch.Tensor,
+                   feats: ImageFeatures | None, prompt_of_seq: list[int], cache=None, use_cache: bool = False):
+    """Qwen3-VL's language model over N sequences whose image tokens reuse `feats` of their prompt.
+
+    Equivalent to the HF forward with each prompt's pixels repeated per sequence (tested), without
+    running the vision tower again. Returns the language model output (last_hidden_state, cache).
+    """
+    lm = core.model.language_model
+    embeds_NTH = lm.embed_tokens(input_ids_NT)
+    kwargs = {}
+    image_mask_NT = input_ids_NT == core.config.image_token_id
+    if feats is not None and bool(image_mask_NT.any()):
+        rows = torch.cat([feats.rows_per_prompt[b] for b in prompt_of_seq])
+        image_embeds = feats.embeds[rows].to(embeds_NTH.dtype)
+        embeds_NTH = embeds_NTH.masked_scatter(image_mask_NT[..., None], image_embeds)
+        kwargs = {"visual_pos_masks": image_mask_NT, "deepstack_visual_embeds": [d[rows] for d in feats.deepstack]}
+    return lm(inputs_embeds=embeds_NTH, attention_mask=attention_mask_NT, position_ids=position_ids_3NT,
+              use_cache=use_cache, **{_cache_kwarg(lm): cache}, **kwargs)
+
+
+def rope_positions(core, input_ids: torch.Tensor, attention_mask: torch.Tensor, image_token_id: int,
+                   grid_thw: torch.Tensor | None) -> torch.Tensor:
+    """Qwen3-VL M-RoPE position ids [3, N, T] (via the model's own get_rope_index)."""
+    mm_types = (input_ids == image_token_id).long()
+    if grid_thw is None or not bool(mm_types.any()):
+        pos = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        return pos[None].expand(3, -1, -1)
+    position_ids, _ = core.model.get_rope_index(input_ids, mm_types, image_grid_thw=grid_thw,
+                                                attention_mask=attention_mask)
+    return position_ids
+
+
+def token_logprobs(logits_NV: torch.Tensor, tokens_N: torch.Tensor, temperature: float) -> torch.Tensor:
+    return F.log_softmax(logits_NV.float() / temperature, dim=-1).gather(-1, tokens_N[:, None])[:, 0]
+
+
+def filter_logits(logits_NV: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Top-k then nucleus filtering (the sampling distribution only; log-probs use the full one)."""
+    if top_k > 0 and top_k < logits_NV.shape[-1]:
+        kth = torch.topk(logits_NV, top_k, dim=-1).values[:, -1:]
+        logits_NV = logits_NV.masked_fill(logits_NV < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits_NV, descending=True, dim=-1)
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs > top_p  # keep the smallest prefix whose mass reaches top_p
+        logits_NV = logits_NV.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return logits_NV
+
+
+@dataclass
+class Rollout:
+    prompt_ids: torch.Tensor  # [B, P] left-padded
+    prompt_mask: torch.Tensor  # [B, P]
+    pixel_values: torch.Tensor | None
+    image_grid_thw: torch.Tensor | None
+    images_per_prompt: list[int]
+    response_ids: torch.Tensor  # [N, R] right-padded with pad_id
+    response_mask: torch.Tensor  # [N, R] 1 on generated tokens (EOS included)
+    logprobs: torch.Tensor  # [N, R] rollout policy log-probs of the sampled tokens (0 where masked)
+    finished: torch.Tensor  # [N] ended with EOS (False: hit max_new_tokens)
+    group_size: int
+    banned_ids: list[int]  # never sampled; masked identically when the trainer recomputes log-probs
+
+    @property
+    def prompt_of_seq(self) -> list[int]:
+        return [n // self.group_size for n in range(self.response_ids.shape[0])]
+
+
+def _vision_token_ids(encoder: Encoder) -> list[int]:
+    tok = encoder.tokenizer
+    ids = [tok.convert_tokens_to_ids(t) for t in VISION_TOKENS]
+    return [i for i in ids if i is not None and i != tok.unk_token_id]
+
+
+@torch.no_grad()
+def generate_groups(model, encoder: Encoder, prompts: dict, images_per_prompt: list[int], cfg: RolloutConfig,
+                    generator: torch.Generator | None = None) -> Rollout:
+    """Sample `cfg.group_size` responses for each of the B prompts of a left-padded prompt batch."""
+    core = unwrap(model)
+    G, device = cfg.group_size, prompts["input_ids"].device
+    ids_BP, mask_BP = prompts["input_ids"], prompts["attention_mask"]
+    grid = prompts.get("image_grid_thw")
+    feats = encode_images(core, prompts.get("pixel_values"), grid, images_per_prompt)
+    pos_3BP = rope_positions(core, ids_BP, mask_BP, encoder.image_token_id, grid)
+
+    out = forward_shared(core, ids_BP, mask_BP, pos_3BP, feats, list(range(len(ids_BP))), use_cache=True)
+    cache = _cache_of(out)
+    cache.batch_repeat_interleave(G)  # the G responses of a prompt share its prefill
+    hidden_NH = out.last_hidden_state[:, -1].repeat_interleave(G, 0)
+    mask_NT = mask_BP.repeat_interleave(G, 0)
+    next_pos_N = pos_3BP.amax(dim=(0, 2)).repeat_interleave(G, 0) + 1
+    banned = torch.tensor(_vision_token_ids(encoder), device=device)
+
+    N = hidden_NH.shape[0]
+    tokens, logps = [], []
+    alive_N = torch.ones(N, dtype=torch.bool, device=device)
+    alive_steps = []
+    for step in range(cfg.max_new_tokens):
+        logits_NV = core.lm_head(hidden_NH).float()
+        logits_NV[:, banned] = float("-inf")
+        if cfg.temperature == 0:
+            tok_N = logits_NV.argmax(-1)
+        else:
+            probs = filter_logits(logits_NV / cfg.temperature, cfg.top_k, cfg.top_p).softmax(-1)
+            tok_N = torch.multinomial(probs, 1, generator=generator)[:, 0]
+        tok_N = torch.where(alive_N, tok_N, torch.full_like(tok_N, encoder.pad_id))
+        logps.append(torch.where(alive_N, token_logprobs(logits_NV, tok_N, max(cfg.temperature, 1e-6)), 0.0))
+        tokens.append(tok_N)
+        alive_steps.append(alive_N.clone())
+        alive_N = alive_N & (tok_N != encoder.im_end_id)
+        if not bool(alive_N.any()) or step == cfg.max_new_tokens - 1:
+            break
+        mask_NT = torch.cat([mask_NT, alive_steps[-1][:, None].long()], dim=1)
+        pos_3N1 = (next_pos_N + step)[None, :, None].expand(3, -1, -1)
+        out = forward_shared(core, tok_N[:, None], mask_NT, pos_3N1, None, [], cache=cache, use_cache=True)
+        cache = _cache_of(out)
+        hidden_NH = out.last_hidden_state[:, -1]
+    response_mask = torch.stack(alive_steps, 1).long()
+    return Rollout(ids_BP, mask_BP, prompts.get("pixel_values"), grid, images_per_prompt,
+                   torch.stack(tokens, 1), response_mask, torch.stack(logps, 1), ~alive_N, G, banned.tolist())
+
+
+def sequence_logprobs(model, rollout: Rollout, temperature: float, feats: ImageFeatures | None = None,
+                      seq_index: list[int] | None = None, with_entropy: bool = False):
+    """Log-probs [n, R] of the response tokens of sequences `seq_index` (default all), recomputed
+    by teacher forcing with gradients; the prompt images are encoded once (or `feats` reused).
+    Returns (logp, entropy or None)."""
+    core = unwrap(model)
+    seq_index = list(range(rollout.response_ids.shape[0])) if seq_index is None else seq_index
+    prompt_of = [rollout.prompt_of_seq[n] for n in seq_index]
+    if feats is None:
+        feats = encode_images(core, rollout.pixel_values, rollout.image_grid_thw, rollout.images_per_prompt)
+    idx = torch.tensor(prompt_of, device=rollout.prompt_ids.device)
+    resp = rollout.response_ids[seq_index]
+    ids = torch.cat([rollout.prompt_ids[idx], resp], dim=1)
+    mask = torch.cat([rollout.prompt_mask[idx], rollout.response_mask[seq_index]], dim=1)
+    grid = None
+    if rollout.image_grid_thw is not None:  # grids in sequence order, for the M-RoPE index
+        starts = [sum(rollout.images_per_prompt[:b]) for b in range(len(rollout.images_per_prompt))]
+        grid = torch.cat([rollout.image_grid_thw[starts[b]:starts[b] + rollout.images_per_prompt[b]] for b in prompt_of])
+    pos = rope_positions(core, ids, mask, core.config.image_token_id, grid)
+    hidden = forward_shared(core, ids, mask, pos, feats, prompt_of).last_hidden_state
+    P, R = rollout.prompt_ids.shape[1], resp.shape[1]
+    hidden_nRH = hidden[:, P - 1:P - 1 + R]  # the state before each response token predicts it
+    logits = core.lm_head(hidden_nRH).float() / temperature
+    logits[..., rollout.banned_ids] = float("-inf")
+    logp_all = F.log_softmax(logits, dim=-1)
+    logp = logp_all.gather(-1, resp[..., None])[..., 0] * rollout.response_mask[seq_index]
+    entropy = None
+    if with_entropy:
+        entropy = -(logp_all.exp() * logp_all.nan_to_num(neginf=0.0)).sum(-1).detach()
+    return logp, entropy
+
