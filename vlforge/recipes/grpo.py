@@ -134,7 +134,7 @@ def update(t: Trainable, ref_model, batches: list[Batch], optimizer, scaler, cfg
                     scaler.step(optimizer)
                 scaler.update()
                 optimizer.zero_grad(set_to_none=True)
-                logs["loss"].append(float(loss))
+                logs["loss"].append(float(loss.detach()))
                 logs["clip_frac"].append(float(stats["clip_frac"]))
                 logs["approx_kl"].append(float(stats["approx_kl"]))
                 logs["entropy"].append(float((entropy * mask).sum() / mask.sum().clamp(min=1)))

@@ -14,6 +14,7 @@ truncation (as verl's actor computes them), in fp32. Vision special tokens are n
 
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass
 
@@ -50,8 +51,9 @@ def encode_images(core, pixel_values: torch.Tensor | None, grid_thw: torch.Tenso
     return ImageFeatures(out.pooler_output, deepstack, rows)
 
 
-def _cache_kwarg(language_model) -> str:
-    params = inspect.signature(language_model.forward).parameters
+@functools.cache
+def _cache_kwarg(model_class: type) -> str:
+    params = inspect.signature(model_class.forward).parameters
     return "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.2x
 
 
@@ -76,7 +78,7 @@ def forward_shared(core, input_ids_NT: torch.Tensor, attention_mask_NT: torch.Te
         embeds_NTH = embeds_NTH.masked_scatter(image_mask_NT[..., None], image_embeds)
         kwargs = {"visual_pos_masks": image_mask_NT, "deepstack_visual_embeds": [d[rows] for d in feats.deepstack]}
     return lm(inputs_embeds=embeds_NTH, attention_mask=attention_mask_NT, position_ids=position_ids_3NT,
-              use_cache=use_cache, **{_cache_kwarg(lm): cache}, **kwargs)
+              use_cache=use_cache, **{_cache_kwarg(type(lm)): cache}, **kwargs)
 
 
 def rope_positions(core, input_ids: torch.Tensor, attention_mask: torch.Tensor, image_token_id: int,

@@ -1,0 +1,58 @@
+"""Rollout (generation) throughput of the GRPO engine on BASELINES.md's workload.
+
+    python bench/rollout_throughput.py --preset qwen3vl-2b
+
+8 prompts (one 448x448 image + ~64 prompt tokens each) x 8 samples = 64 sequences, 256 new
+tokens sampled at temperature 1 (EOS disabled so every sequence runs the full length), bf16,
+random weights. Prints one JSON line with generated tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import tempfile
+import time
+
+import torch
+
+from vlforge.config import ModelConfig, RolloutConfig
+from vlforge.data.encode import Encoder, ImageLimits, collate, encode_prompt
+from vlforge.model.load import load_model
+from vlforge.rollout.engine import generate_groups
+
+from sft_throughput import synthetic_samples
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="qwen3vl-2b")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    args = ap.parse_args()
+    model, processor = load_model(ModelConfig(preset=args.preset), dtype=torch.bfloat16, device="cuda")
+    model.eval()
+    encoder = Encoder(processor, ImageLimits(3136, 448 * 448))
+    encoder.im_end_id = -1  # never stop early: measure full-length decoding
+    with tempfile.TemporaryDirectory() as tmp:
+        samples = synthetic_samples(args.prompts, tmp, 448, random.Random(0))
+        prompts = collate([encode_prompt(encoder, s) for s in samples], encoder.pad_id, left_pad=True)
+    prompts = {k: v.cuda() for k, v in prompts.items()}
+    cfg = RolloutConfig(group_size=args.group, max_new_tokens=args.new_tokens, temperature=1.0)
+    generate_groups(model, encoder, prompts, [1] * args.prompts, RolloutConfig(group_size=args.group, max_new_tokens=8))
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    rollout = generate_groups(model, encoder, prompts, [1] * args.prompts, cfg)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    generated = int(rollout.response_mask.sum())
+    print(json.dumps({"preset": args.preset, "sequences": args.prompts * args.group, "new_tokens": args.new_tokens,
+                      "generated_tokens": generated, "seconds": seconds, "tokens_per_s": generated / seconds,
+                      "ms_per_decode_step": 1000 * seconds / args.new_tokens, "gpu": torch.cuda.get_device_name(),
+                      "peak_gb": torch.cuda.max_memory_allocated() / 1e9}))
+
+
+if __name__ == "__main__":
+    main()
