@@ -25,7 +25,7 @@ def test_demo_recipe_first_losses_are_pinned(tmp_path):
     assert losses == pytest.approx(GOLDEN_LOSSES, rel=1e-4, abs=1e-5)
 
 
-def test_demo_learns_colour_and_shape(tmp_path, capsys):
+def test_demo_sft_learns_colour_and_shape_and_grpo_raises_accuracy(tmp_path, capsys):
     out = tmp_path / "demo"
     assert main(["demo", "--out", str(out), "log.progress=false"]) == 0
     printed = capsys.readouterr().out
@@ -35,6 +35,13 @@ def test_demo_learns_colour_and_shape(tmp_path, capsys):
     assert summary["after"]["by_task"]["shape"] >= 0.9
     assert summary["before"]["accuracy"] < 0.5
     assert (out / "loss.png").stat().st_size > 1000
+    # the GRPO stage on its own, from an under-trained SFT model: at least +10 points held out
+    grpo = summary["grpo"]
+    assert grpo["after"]["accuracy"] >= grpo["before"]["accuracy"] + 0.10
+    assert (out / "reward.png").stat().st_size > 1000
+    rewards = [r["reward_mean"] for r in map(json.loads, (out / "grpo" / "metrics.jsonl").read_text().splitlines())
+               if "reward_mean" in r]
+    assert sum(rewards[-20:]) / 20 > sum(rewards[:20]) / 20  # the sampled reward rises
     assert json.loads((out / "sft" / "eval.json").read_text())["n"] == 200
     assert (out / "data" / "train.jsonl").exists()
     # a second demo into the same folder is refused rather than overwriting the first
