@@ -55,7 +55,11 @@ def setup_model(cfg: SFTConfig) -> Trainable:
     model = apply_plan(model, plan)
     policy.apply(model)
     if cfg.precision.gradient_checkpointing:
-        unwrap(model).gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        core = unwrap(model)
+        if hasattr(core, "activation_checkpointing_enable"):  # the name in transformers >= 5.2x
+            core.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            core.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     return Trainable(model, processor, plan, policy, device)
 
