@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
+from pathlib import Path
 
 import torch
 
 from vlforge.data.encode import Encoder, collate, encode, encode_prompt
 from vlforge.data.dataset import SFTDataset
+from vlforge.config import EvalConfig
 from vlforge.engine.losses import sft_loss_sum
+from vlforge.engine.metrics import MetricsLog
 from vlforge.engine.precision import PrecisionPolicy
 from vlforge.model.tiers import unwrap
 from vlforge.rl.rewards import exact_match
@@ -65,3 +69,28 @@ def evaluate(model, data: SFTDataset, *, batch_size: int, max_new_tokens: int, m
         "by_task": {k: sum(v) / len(v) for k, v in sorted(by_task.items())},
         "examples": [{"answer": s.answer, "generated": a} for s, a in list(zip(samples, answers))[:5]],
     }
+
+
+class EvalRecorder:
+    """Periodic evaluation of a run: eval.json (latest + history) and eval rows in metrics.jsonl.
+
+    Evaluation saves and restores the torch RNG, so evaluating never changes a training run.
+    On resume, history entries after the resumed step are dropped (they will be redone).
+    """
+
+    def __init__(self, out_dir: Path, data: SFTDataset, cfg: EvalConfig, metrics: MetricsLog, resume_step: int):
+        self.path = Path(out_dir) / "eval.json"
+        self.data, self.cfg, self.metrics = data, cfg, metrics
+        previous = json.loads(self.path.read_text()).get("history", []) if self.path.exists() else []
+        self.history = [h for h in previous if h["step"] <= resume_step]
+
+    def __call__(self, model, step: int, policy: PrecisionPolicy, device: torch.device) -> dict:
+        rng = torch.get_rng_state()
+        result = {"step": step, **evaluate(model, self.data, batch_size=self.cfg.batch_size,
+                                           max_new_tokens=self.cfg.max_new_tokens, max_samples=self.cfg.max_samples,
+                                           policy=policy, device=device)}
+        torch.set_rng_state(rng)
+        self.history.append({k: v for k, v in result.items() if k != "examples"})
+        self.path.write_text(json.dumps({**result, "history": self.history}, indent=2))
+        self.metrics.log(step, {"eval_loss": result["loss"], "eval_accuracy": result["accuracy"]})
+        return result

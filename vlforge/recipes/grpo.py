@@ -12,7 +12,6 @@ With LoRA the reference is the same model with adapters disabled; with full fine
 from __future__ import annotations
 
 import copy
-import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +27,7 @@ from vlforge.engine.metrics import MetricsLog, plot_metric, read_metrics
 from vlforge.engine.optim import build_optimizer, build_scheduler
 from vlforge.engine.runtime import prepare_output_dir, seed_everything
 from vlforge.model.tiers import param_groups
-from vlforge.recipes.eval import evaluate, to_device
+from vlforge.recipes.eval import EvalRecorder, to_device
 from vlforge.recipes.sft import Trainable, setup_model
 from vlforge.rl import RewardSpec, agg_loss, build_rewards, exact_match, grpo_advantages, kl_penalty, policy_loss
 from vlforge.rollout.engine import Rollout, generate_groups, sequence_logprobs
@@ -197,18 +196,10 @@ def run_grpo(cfg: GRPOConfig) -> dict:
         print(f"resumed from {resume_from} at step {state['step']}")
     step = state.get("step", 0)
     metrics = MetricsLog(out, cfg.log.tensorboard, resume_step=step if resume_from else 0)
-    eval_history: list[dict] = []
+    recorder = EvalRecorder(out, val, cfg.eval, metrics, step) if val is not None else None
 
     def run_eval(at_step: int) -> dict:
-        rng = torch.get_rng_state()
-        result = {"step": at_step, **evaluate(t.model, val, batch_size=cfg.eval.batch_size,
-                                              max_new_tokens=cfg.eval.max_new_tokens, max_samples=cfg.eval.max_samples,
-                                              policy=t.policy, device=t.device)}
-        torch.set_rng_state(rng)
-        eval_history.append({k: v for k, v in result.items() if k != "examples"})
-        (out / "eval.json").write_text(json.dumps({**result, "history": eval_history}, indent=2))
-        metrics.log(at_step, {"eval_loss": result["loss"], "eval_accuracy": result["accuracy"]})
-        return result
+        return recorder(t.model, at_step, t.policy, t.device)
 
     print(f"GRPO: {len(data)} prompts, {cfg.rollout.prompts_per_step} x {cfg.rollout.group_size} rollouts per step, "
           f"{total_steps} steps, device {t.device}")

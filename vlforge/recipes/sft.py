@@ -10,7 +10,6 @@ batch 8 x accum 1 and batch 2 x accum 4. Then unscale (fp16 only), clip, step, s
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from dataclasses import dataclass
@@ -30,7 +29,7 @@ from vlforge.engine.precision import PrecisionPolicy
 from vlforge.engine.runtime import prepare_output_dir, resolve_device, seed_everything
 from vlforge.model.load import load_model
 from vlforge.model.tiers import apply_plan, build_plan, param_groups, plan_summary, unwrap
-from vlforge.recipes.eval import evaluate, to_device
+from vlforge.recipes.eval import EvalRecorder, to_device
 
 
 @dataclass
@@ -141,18 +140,10 @@ def run_sft(cfg: SFTConfig) -> dict:
         print(f"resumed from {resume_from} at step {state['step']}")
     step = state.get("step", 0)
     metrics = MetricsLog(out, cfg.log.tensorboard, resume_step=step if resume_from else 0)
-    eval_history = _read_eval_history(out, step)
+    recorder = EvalRecorder(out, val_data, cfg.eval, metrics, step) if val_data is not None else None
 
     def run_eval(at_step: int) -> dict:
-        rng = torch.get_rng_state()  # evaluation must not change the training run's randomness
-        result = {"step": at_step, **evaluate(t.model, val_data, batch_size=cfg.eval.batch_size,
-                                              max_new_tokens=cfg.eval.max_new_tokens, max_samples=cfg.eval.max_samples,
-                                              policy=t.policy, device=t.device)}
-        torch.set_rng_state(rng)
-        eval_history.append({k: v for k, v in result.items() if k != "examples"})
-        (out / "eval.json").write_text(json.dumps({**result, "history": eval_history}, indent=2))
-        metrics.log(at_step, {"eval_loss": result["loss"], "eval_accuracy": result["accuracy"]})
-        return result
+        return recorder(t.model, at_step, t.policy, t.device)
 
     print(f"training {summary['trainable_params']:,} of {summary['total_params']:,} parameters "
           f"({cfg.tiers.method}); {len(train_data)} samples, {total_steps} steps, device {t.device}")
@@ -194,9 +185,3 @@ def run_sft(cfg: SFTConfig) -> dict:
     plot_metric(rows, "loss", out / "loss.png", title="training loss", marks=marks, log_y=True)
     return {"output_dir": str(out), "final_step": step, "eval": last_eval, "plan": summary}
 
-
-def _read_eval_history(out: Path, up_to_step: int) -> list[dict]:
-    path = out / "eval.json"
-    if not path.exists():
-        return []
-    return [h for h in json.loads(path.read_text()).get("history", []) if h["step"] <= up_to_step]
