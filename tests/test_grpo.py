@@ -93,3 +93,35 @@ def test_grpo_resume_equals_uninterrupted(shapes_dir, tmp_path):
     b = load_file(tmp_path / "split" / "checkpoint-4" / "model.safetensors")
     for k in a:
         assert torch.equal(a[k], b[k]), k
+
+
+def test_reward_functions_see_exactly_the_response_text(shapes_dir, tmp_path):
+    """Completions given to rewards are the decoded response only: nothing after <|im_end|>."""
+    from vlforge.data.dataset import load_dataset
+    from vlforge.recipes.grpo import rollout_round
+    from vlforge.recipes.sft import setup_model
+    from vlforge.rl import build_rewards
+
+    cfg = grpo_config(shapes_dir, tmp_path / "run", tmp_path, "rollout.max_new_tokens=6")
+    t = setup_model(cfg)
+    data = load_dataset(cfg.data.train, t.processor, cfg.data)
+    eos = data.encoder.im_end_id
+
+    def end_at_once(module, inputs, logits):  # even-numbered responses end at once, the others run on
+        logits = logits.clone()
+        logits[0::2, ..., eos] += 100.0
+        return logits
+
+    unwrap(t.model).lm_head.register_forward_hook(end_at_once)
+    seen = []
+    spy = lambda completion, answer, **row: seen.append(completion) or 0.0  # noqa: E731
+    import vlforge.rl.rewards as rewards_module
+
+    rewards_module.BUILTIN_REWARDS["spy"] = spy
+    try:
+        rollout, _ = rollout_round(t, data, [0, 1], cfg, build_rewards(["spy"]))
+    finally:
+        del rewards_module.BUILTIN_REWARDS["spy"]
+    lengths = rollout.response_mask.sum(1).tolist()
+    assert lengths[0::2] == [1] * 4 and max(lengths) > 1  # <|im_end|> then padding, beside longer ones
+    assert seen[0::2] == [""] * 4

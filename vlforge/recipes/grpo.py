@@ -58,7 +58,9 @@ def rollout_round(t: Trainable, data: SFTDataset, idx: list[int], cfg: GRPOConfi
     with t.policy.autocast():
         rollout = generate_groups(t.model, data.encoder, prompts, [len(s.images) for s in samples], cfg.rollout)
     G = cfg.rollout.group_size
-    texts = data.encoder.tokenizer.batch_decode(rollout.response_ids * rollout.response_mask, skip_special_tokens=True)
+    tok = data.encoder.tokenizer  # decode only each response's own tokens (not the padding after EOS)
+    texts = [tok.decode(ids[m.bool()], skip_special_tokens=True)
+             for ids, m in zip(rollout.response_ids.cpu(), rollout.response_mask.cpu())]
     answers = [s.answer for s in samples for _ in range(G)]
     fields = [s.fields for s in samples for _ in range(G)]
     scored = rewards(texts, answers, fields)
