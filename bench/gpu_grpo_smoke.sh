@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The shipped GRPO recipes on random real-size weights for 2 steps each (wiring, not speed).
+# The shipped GRPO recipes on random real-size weights for 2 steps each (wiring, not speed); the
+# reward is swapped for one with variance (random weights never answer correctly), so updates run.
 # Usage (CUDA machine, repo root): OUT=/some/dir bash bench/gpu_grpo_smoke.sh
 set -uo pipefail
 export PYTHONPATH=$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
@@ -9,6 +10,7 @@ for recipe in qwen3vl-8b-grpo qwen3vl-2b-grpo; do
   python3 -m vlforge grpo configs/$recipe.yaml data.train=/tmp/sh448/train.jsonl data.val=/tmp/sh448/val.jsonl \
     train.output_dir=/tmp/$recipe train.max_steps=2 rollout.prompts_per_step=4 rollout.group_size=4 \
     rollout.max_new_tokens=32 rl.mini_batch_size=8 eval.max_samples=8 eval.max_new_tokens=8 log.progress=false \
+    "rl.rewards=[{name: bench/varied_reward.py:length_mod3}]" rl.dynamic_sampling=false \
     2>&1 | grep -v Warning | tail -4 | tee "$OUT/$recipe.txt"
   cp /tmp/$recipe/metrics.jsonl "$OUT/$recipe-metrics.jsonl"
 done
