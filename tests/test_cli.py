@@ -30,6 +30,15 @@ def test_errors_are_one_line_not_tracebacks(tmp_path, capsys):
 
 
 def test_print_config_shows_effective_values(capsys):
-    assert main(["sft", "configs/demo-sft.yaml", "optim.lr=0.5", "--print-config"]) == 0
+    assert main(["sft", "configs/demo-sft.yaml", "optim.weight_decay=0.5", "--print-config"]) == 0
     out = capsys.readouterr().out
-    assert "lr: 0.5" in out and "preset: tiny" in out
+    assert "weight_decay: 0.5" in out and "preset: tiny" in out
+
+
+def test_options_may_follow_overrides_and_bad_presets_are_named(tmp_path, capsys, shapes_dir):
+    # the README's form: FILE --config CFG key=value
+    assert main(["data", "check", str(shapes_dir / "val.jsonl"), "--config", "configs/demo-sft.yaml",
+                 "data.max_length=64", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["max_length"] == 64
+    assert main(["sft", "configs/demo-sft.yaml", "model.preset=huge", "--plan"]) == 2
+    assert "unknown model.preset 'huge'" in capsys.readouterr().err

@@ -90,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     sft = sub.add_parser("sft", help="supervised fine-tuning (LoRA tiers or full)")
     sft.add_argument("config", help="recipe YAML, e.g. configs/qwen3vl-8b-lora.yaml")
-    sft.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. optim.lr=1e-4")
+    sft.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. tiers.language.lr=1e-4")
     sft.add_argument("--plan", action="store_true", help="print the trainable plan and exit (no training)")
     sft.add_argument("--json", action="store_true", help="with --plan: print JSON")
     sft.add_argument("--print-config", action="store_true", help="print the effective config and exit")
@@ -128,7 +128,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # key=value overrides may come before or after options (argparse leaves the late ones over)
+    args, extra = parser.parse_known_args(argv)
+    unknown = [e for e in extra if e.startswith("-") or "=" not in e or not hasattr(args, "overrides")]
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
+    if extra:
+        args.overrides = list(args.overrides) + extra
     _quiet_libraries()
     try:
         return args.func(args)

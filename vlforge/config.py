@@ -1,6 +1,6 @@
 """Typed recipe configs: dataclasses, YAML files as instances of them, dotted CLI overrides.
 
-    cfg = load_config(SFTConfig, "configs/demo-sft.yaml", ["optim.lr=1e-3", "train.max_steps=10"])
+    cfg = load_config(SFTConfig, "configs/demo-sft.yaml", ["tiers.language.lr=1e-3", "train.max_steps=10"])
 
 Unknown keys are errors that name the key, where it came from, and the nearest valid key.
 """
@@ -20,6 +20,11 @@ import yaml
 
 class ConfigError(ValueError):
     """A config problem the user must fix: the message says where and what to do."""
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ConfigError(message)
 
 
 # ----------------------------------------------------------------------------- sections
@@ -44,6 +49,11 @@ class DataConfig:
     max_pixels: int = 1024 * 1024
     num_workers: int = 0  # DataLoader workers
 
+    def __post_init__(self):
+        _require(self.max_length >= 8, f"data.max_length must be >= 8, got {self.max_length}")
+        _require(0 < self.min_pixels <= self.max_pixels, "data.min_pixels must be > 0 and <= data.max_pixels")
+        _require(self.num_workers >= 0, "data.num_workers must be >= 0")
+
 
 @dataclass
 class TierConfig:
@@ -56,6 +66,12 @@ class TierConfig:
     dropout: float = 0.0
     mlp: bool = False  # also adapt the MLP projections (language and vision tiers)
     last_n_blocks: int | None = 2  # vision tier only; null = every block (+ patch embedding when full)
+
+    def __post_init__(self):
+        _require(self.lr >= 0 and self.r >= 1 and 0 <= self.dropout < 1,
+                 f"tier settings need lr >= 0, r >= 1 and 0 <= dropout < 1 (got lr={self.lr}, r={self.r}, "
+                 f"dropout={self.dropout})")
+        _require(self.last_n_blocks is None or self.last_n_blocks >= 1, "last_n_blocks must be >= 1 or null")
 
 
 def _language() -> TierConfig:
@@ -88,7 +104,6 @@ class PrecisionConfig:
 
 @dataclass
 class OptimConfig:
-    lr: float = 1e-4  # default for anything not covered by a tier (unused by the built-in tiers)
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
@@ -112,6 +127,12 @@ class TrainConfig:
     resume: Literal["auto", "never"] | str = "never"  # auto | never | path to a checkpoint-STEP dir
     overwrite: bool = False
 
+    def __post_init__(self):
+        for key in ("batch_size", "grad_accum", "epochs"):
+            _require(getattr(self, key) >= 1, f"train.{key} must be >= 1, got {getattr(self, key)}")
+        _require(self.max_steps is None or self.max_steps >= 1, "train.max_steps must be >= 1 or null")
+        _require(self.save_every >= 0 and self.keep_last >= 1, "train.save_every must be >= 0, train.keep_last >= 1")
+
 
 @dataclass
 class EvalConfig:
@@ -121,12 +142,19 @@ class EvalConfig:
     max_new_tokens: int = 16
     at_start: bool = False  # also evaluate before the first step
 
+    def __post_init__(self):
+        _require(self.every >= 0 and self.batch_size >= 1 and self.max_new_tokens >= 1,
+                 "eval.every must be >= 0, eval.batch_size and eval.max_new_tokens >= 1")
+
 
 @dataclass
 class LogConfig:
     every: int = 1
     tensorboard: bool = False
     progress: bool = True
+
+    def __post_init__(self):
+        _require(self.every >= 1, f"log.every must be >= 1, got {self.every}")
 
 
 @dataclass
@@ -149,6 +177,13 @@ class RolloutConfig:
     top_p: float = 1.0
     top_k: int = 0  # 0 = off
     max_new_tokens: int = 256  # the response length cap
+
+    def __post_init__(self):
+        _require(self.group_size >= 2, "rollout.group_size must be >= 2: advantages compare responses within a group")
+        _require(self.prompts_per_step >= 1, "rollout.prompts_per_step must be >= 1")
+        _require(self.temperature >= 0, "rollout.temperature must be >= 0 (0 = greedy)")
+        _require(0 < self.top_p <= 1 and self.top_k >= 0, "rollout.top_p must be in (0, 1] and top_k >= 0")
+        _require(self.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1")
 
 
 @dataclass
@@ -173,6 +208,14 @@ class RLConfig:
     dynamic_sampling: bool = False  # drop groups whose rewards are all equal, refill with new prompts
     max_sampling_tries: int = 3  # rollout rounds per step when dynamic sampling
     overlong_penalty: float = 0.0  # subtracted from the reward of responses cut at max_new_tokens
+
+    def __post_init__(self):
+        for key in ("epochs", "mini_batch_size", "max_sampling_tries"):
+            _require(getattr(self, key) >= 1, f"rl.{key} must be >= 1, got {getattr(self, key)}")
+        _require(bool(self.rewards), "rl.rewards needs at least one reward function")
+        _require(self.kl_beta >= 0 and self.clip_low >= 0 and self.clip_high >= 0,
+                 "rl.kl_beta, rl.clip_low and rl.clip_high must be >= 0")
+        _require(self.dual_clip is None or self.dual_clip > 1, "rl.dual_clip must be > 1 or null")
 
 
 @dataclass
@@ -267,7 +310,7 @@ def _build(cls: type, data: dict, where: str) -> Any:
                 if not unknown:
                     value = _merge(to_dict(default), value)
         kwargs[key] = _coerce(value, hints[key], path)
-    return cls(**kwargs)
+    return cls(**kwargs)  # __post_init__ range checks raise ConfigError naming their key
 
 
 def to_dict(cfg: Any) -> dict:
@@ -288,7 +331,7 @@ def parse_overrides(overrides: list[str]) -> dict:
     tree: dict = {}
     for item in overrides:
         if "=" not in item:
-            raise ConfigError(f"override '{item}' must look like key.sub=value (e.g. optim.lr=1e-4)")
+            raise ConfigError(f"override '{item}' must look like key.sub=value (e.g. tiers.language.lr=1e-4)")
         key, raw = item.split("=", 1)
         _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw != "" else None)
     return tree

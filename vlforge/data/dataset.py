@@ -37,9 +37,13 @@ def load_dataset(path: str, processor, cfg: DataConfig) -> SFTDataset:
     for sample in read_jsonl(path, cfg.on_error, report):
         try:
             plan = plan_sample(encoder, sample, cfg.max_length, cfg.too_long)
-        except DataError:
+        except DataError as e:  # an image that fails when measured
             if cfg.on_error == "fail" or cfg.too_long == "fail":
                 raise
+            report.skipped["image cannot be measured"] += 1
+            report.kept -= 1
+            if len(report.first_errors) < 5:
+                report.first_errors.append(str(e))
             continue
         if isinstance(plan, str):
             report.skipped[plan] += 1

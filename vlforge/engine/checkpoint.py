@@ -62,9 +62,9 @@ def save_checkpoint(output_dir: str | Path, step: int, model, processor, optimiz
 
     out = Path(output_dir)
     final = out / f"checkpoint-{step}"
+    for stale in out.glob(".tmp-checkpoint-*"):  # torn leftovers of a crashed save
+        shutil.rmtree(stale, ignore_errors=True)
     tmp = out / f".tmp-checkpoint-{step}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
     if isinstance(model, PeftModel):
         model.save_pretrained(tmp)
@@ -79,6 +79,7 @@ def save_checkpoint(output_dir: str | Path, step: int, model, processor, optimiz
     for f in tmp.iterdir():  # make the bytes durable before the rename makes them visible
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
+    _fsync_dir(tmp)
     if final.exists():  # re-saving a step after a resume: replace the old copy
         shutil.rmtree(final)
     os.rename(tmp, final)

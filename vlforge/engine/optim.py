@@ -26,7 +26,7 @@ def lr_factor(step: int, total: int, warmup: int, schedule: str, min_ratio: floa
 def build_optimizer(groups: list[dict], cfg: OptimConfig, device_type: str) -> torch.optim.Optimizer:
     # fused AdamW on CUDA: one kernel for all params (the peer baseline uses it too).
     fused = device_type == "cuda"
-    return torch.optim.AdamW(groups, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, fused=fused)
+    return torch.optim.AdamW(groups, betas=cfg.betas, eps=cfg.eps, fused=fused)  # lr: per tier group
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int):

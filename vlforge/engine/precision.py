@@ -37,11 +37,6 @@ class PrecisionPolicy:
     master_dtype = torch.float32
 
     @property
-    def load_dtype(self) -> torch.dtype:
-        """dtype to load weights in: the frozen dtype (trainable params are upcast by `apply`)."""
-        return self.frozen_param_dtype
-
-    @property
     def uses_loss_scaling(self) -> bool:
         return self.mode == "fp16"
 

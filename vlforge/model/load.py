@@ -49,9 +49,12 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: str
     else:
         config = preset_config(cfg.preset, processor.tokenizer)
         config._attn_implementation = cfg.attn_implementation
-        torch.manual_seed(cfg.seed)
-        with torch.device(device):
-            model = Qwen3VLForConditionalGeneration._from_config(config, dtype=dtype)
+        target = torch.device(device)
+        cuda = [target.index or 0] if target.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda):  # the init seed must not reset the run's own RNG stream
+            torch.manual_seed(cfg.seed)
+            with torch.device(device):
+                model = Qwen3VLForConditionalGeneration._from_config(config, dtype=dtype)
     model.generation_config.pad_token_id = processor.tokenizer.pad_token_id
     model.generation_config.eos_token_id = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
     return model, processor

@@ -15,6 +15,8 @@ from importlib import resources
 from pathlib import Path
 
 from transformers import AutoTokenizer, Qwen3VLConfig, Qwen3VLProcessor
+
+from vlforge.config import ConfigError
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
@@ -75,7 +77,7 @@ def _token_ids(tokenizer) -> dict:
 
 def preset_config(name: str, tokenizer) -> Qwen3VLConfig:
     if name not in PRESETS:
-        raise ValueError(f"unknown model.preset '{name}': choose one of {list(PRESETS)} or set model.path")
+        raise ConfigError(f"unknown model.preset '{name}': choose one of {list(PRESETS)} or set model.path")
     rope = {"rope_type": "default", "rope_theta": 5_000_000.0, "mrope_interleaved": True}
     pad = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     if name == "tiny":

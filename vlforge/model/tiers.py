@@ -17,10 +17,9 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass
 
-import torch
 from torch import nn
 
-from vlforge.config import TierConfig, TiersConfig
+from vlforge.config import ConfigError, TierConfig, TiersConfig
 
 TIERS = ("language", "projector", "vision")
 LORA_ADAPTER = "default"
@@ -101,7 +100,7 @@ def build_plan(model: nn.Module, tiers: TiersConfig) -> list[PlanEntry]:
                         params += p.numel()
                 entries.append(PlanEntry(name, tier, "full", None, None, None, tcfg.lr, params))
     if not entries:
-        raise ValueError("the plan trains nothing: set train: true on at least one of tiers.language/projector/vision")
+        raise ConfigError("the plan trains nothing: set train: true on at least one of tiers.language/projector/vision")
     return entries
 
 
@@ -187,6 +186,3 @@ def param_groups(model: nn.Module, plan: list[PlanEntry], weight_decay: float) -
         g["params"].append(p)
     return list(groups.values())
 
-
-def trainable_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections import defaultdict
 from pathlib import Path
 
@@ -91,6 +92,8 @@ class EvalRecorder:
                                            policy=policy, device=device)}
         torch.set_rng_state(rng)
         self.history.append({k: v for k, v in result.items() if k != "examples"})
-        self.path.write_text(json.dumps({**result, "history": self.history}, indent=2))
+        tmp = self.path.with_suffix(".json.tmp")  # never leave a torn eval.json behind a crash
+        tmp.write_text(json.dumps({**result, "history": self.history}, indent=2))
+        os.replace(tmp, self.path)
         self.metrics.log(step, {"eval_loss": result["loss"], "eval_accuracy": result["accuracy"]})
         return result

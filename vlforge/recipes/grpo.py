@@ -43,6 +43,14 @@ class Batch:
     ref_logp: torch.Tensor | None  # [N, R]
 
 
+def disable_dropout(model) -> None:
+    """GRPO's importance ratio must be exactly 1 on-policy: no dropout when recomputing log-probs
+    (verl does the same). Qwen3-VL itself has none; this turns off the LoRA tiers' dropout."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+
+
 def prompt_stream(data: SFTDataset, batch_size: int, seed: int, epoch: int, position: int):
     """Endless (indices, epoch, position-after) over the prompt set, resumable like SFT's."""
     while True:
@@ -122,11 +130,13 @@ def update(t: Trainable, ref_model, batches: list[Batch], optimizer, scaler, cfg
                 mask = b.rollout.response_mask[seqs].float()
                 with t.policy.autocast():
                     logp, entropy = sequence_logprobs(t.model, b.rollout, T, seq_index=seqs, with_entropy=True)
+                # norm_length: Dr. GRPO's constant divisor is the length cap, not this batch's longest
                 loss, stats = policy_loss(logp, b.rollout.logprobs[seqs], b.advantages[seqs], mask,
-                                          clip_low=rl.clip_low, clip_high=rl.clip_high, dual_clip=rl.dual_clip, agg=rl.agg)
+                                          clip_low=rl.clip_low, clip_high=rl.clip_high, dual_clip=rl.dual_clip, agg=rl.agg,
+                                          norm_length=cfg.rollout.max_new_tokens)
                 if rl.kl_beta > 0:
                     kl = kl_penalty(logp, b.ref_logp[part], rl.kl_kind)
-                    loss = loss + rl.kl_beta * agg_loss(kl, mask, rl.agg)
+                    loss = loss + rl.kl_beta * agg_loss(kl, mask, rl.agg, cfg.rollout.max_new_tokens)
                     logs["kl"].append(float((kl.detach() * mask).sum() / mask.sum().clamp(min=1)))
                 scaler.scale(loss).backward()
                 scaler.unscale_(optimizer)
@@ -170,21 +180,26 @@ def run_grpo(cfg: GRPOConfig) -> dict:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
-    if cfg.rollout.prompts_per_step < 1 or cfg.rollout.group_size < 2:
-        raise ConfigError("rollout.group_size must be >= 2 (advantages compare responses within a group)")
+    if cfg.rollout.temperature <= 0:
+        raise ConfigError("rollout.temperature must be > 0 for GRPO: it needs sampled responses and their log-probs")
+    if not cfg.data.train:
+        raise ConfigError("data.train is not set: give a JSONL of prompts with reference answers")
+    try:  # before any model loading: a typo in a reward spec should fail in a second, not after minutes
+        rewards = build_rewards([RewardSpec(r.name, r.weight, dict(r.kwargs)) for r in cfg.rl.rewards])
+    except (ValueError, FileNotFoundError, AttributeError, TypeError, ImportError) as e:
+        raise ConfigError(f"rl.rewards: {e}") from e
     resume_from = prepare_output_dir(cfg.train.output_dir, cfg.train.resume, cfg.train.overwrite)
     out = Path(cfg.train.output_dir)
-    (out / "config.yaml").write_text(dump_config(cfg))
     seed_everything(cfg.train.seed)
     t = setup_model(cfg)
+    disable_dropout(t.model)
     ref_model = None
     if cfg.rl.kl_beta > 0 and cfg.tiers.method == "full":  # a frozen copy of the starting policy
         ref_model = copy.deepcopy(t.model).requires_grad_(False).eval()
-    if not cfg.data.train:
-        raise ConfigError("data.train is not set: give a JSONL of prompts with reference answers")
+        t.policy.apply(ref_model)  # frozen: stored in the compute dtype, not as fp32 master weights
     data = load_dataset(cfg.data.train, t.processor, cfg.data)
     val = load_dataset(cfg.data.val, t.processor, cfg.data) if cfg.data.val else None
-    rewards = build_rewards([RewardSpec(r.name, r.weight, dict(r.kwargs)) for r in cfg.rl.rewards])
+    (out / "config.yaml").write_text(dump_config(cfg))  # only once the run can start
     if len(data) < cfg.rollout.prompts_per_step:
         raise ConfigError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} exceeds the {len(data)} prompts")
 
@@ -205,7 +220,7 @@ def run_grpo(cfg: GRPOConfig) -> dict:
 
     print(f"GRPO: {len(data)} prompts, {cfg.rollout.prompts_per_step} x {cfg.rollout.group_size} rollouts per step, "
           f"{total_steps} steps, device {t.device}")
-    first_eval = run_eval(step) if val is not None and cfg.eval.at_start else None
+    first_eval = run_eval(step) if val is not None and cfg.eval.at_start and step == 0 else None
     stream = prompt_stream(data, cfg.rollout.prompts_per_step, cfg.train.seed, state["epoch"], state["position"])
     bar = tqdm(total=total_steps, initial=step, disable=not cfg.log.progress, desc="grpo", dynamic_ncols=True)
     last_eval = first_eval

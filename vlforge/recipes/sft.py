@@ -10,6 +10,7 @@ batch 8 x accum 1 and batch 2 x accum 4. Then unscale (fp16 only), clip, step, s
 
 from __future__ import annotations
 
+import functools
 import math
 import time
 from dataclasses import dataclass
@@ -76,7 +77,7 @@ def micro_batches(data: SFTDataset, batch_size: int, seed: int, epoch: int, posi
         # from the global RNG instead would shift dropout masks after a mid-epoch resume.
         loader = torch.utils.data.DataLoader(
             data, batch_sampler=[ix for ix, _ in index_lists], num_workers=num_workers,
-            collate_fn=lambda items: collate(items, data.encoder.pad_id),
+            collate_fn=functools.partial(collate, pad_id=data.encoder.pad_id),  # picklable for workers
             generator=torch.Generator().manual_seed(seed + epoch))
         for batch, (_, pos) in zip(loader, index_lists):
             yield batch, epoch, pos
@@ -115,13 +116,13 @@ def run_sft(cfg: SFTConfig) -> dict:
     hf_logging.disable_progress_bar()  # our own bar is the progress display; no per-save shard bars
     resume_from = prepare_output_dir(cfg.train.output_dir, cfg.train.resume, cfg.train.overwrite)
     out = Path(cfg.train.output_dir)
-    (out / "config.yaml").write_text(dump_config(cfg))
-    seed_everything(cfg.train.seed)
-    t = setup_model(cfg)
     if not cfg.data.train:
         raise ConfigError("data.train is not set: give a JSONL file (data.train=path/to/train.jsonl)")
+    seed_everything(cfg.train.seed)
+    t = setup_model(cfg)
     train_data = load_dataset(cfg.data.train, t.processor, cfg.data)
     val_data = load_dataset(cfg.data.val, t.processor, cfg.data) if cfg.data.val else None
+    (out / "config.yaml").write_text(dump_config(cfg))  # only once the run can start
     summary = plan_summary(unwrap(t.model), t.plan)
 
     tc = cfg.train

@@ -183,16 +183,15 @@ def generate_groups(model, encoder: Encoder, prompts: dict, images_per_prompt: l
                    torch.stack(tokens, 1), response_mask, torch.stack(logps, 1), ~alive_N, G, banned.tolist())
 
 
-def sequence_logprobs(model, rollout: Rollout, temperature: float, feats: ImageFeatures | None = None,
-                      seq_index: list[int] | None = None, with_entropy: bool = False):
+def sequence_logprobs(model, rollout: Rollout, temperature: float, seq_index: list[int] | None = None,
+                      with_entropy: bool = False):
     """Log-probs [n, R] of the response tokens of sequences `seq_index` (default all), recomputed
-    by teacher forcing with gradients; the prompt images are encoded once (or `feats` reused).
+    by teacher forcing with gradients; each prompt's images are encoded once for all its sequences.
     Returns (logp, entropy or None)."""
     core = unwrap(model)
     seq_index = list(range(rollout.response_ids.shape[0])) if seq_index is None else seq_index
     prompt_of = [rollout.prompt_of_seq[n] for n in seq_index]
-    if feats is None:
-        feats = encode_images(core, rollout.pixel_values, rollout.image_grid_thw, rollout.images_per_prompt)
+    feats = encode_images(core, rollout.pixel_values, rollout.image_grid_thw, rollout.images_per_prompt)
     idx = torch.tensor(prompt_of, device=rollout.prompt_ids.device)
     resp = rollout.response_ids[seq_index]
     ids = torch.cat([rollout.prompt_ids[idx], resp], dim=1)
