@@ -21,6 +21,7 @@ from PIL import Image
 from vlforge.config import SFTConfig, load_config
 from vlforge.data.encode import Encoder, ImageLimits, Plan, collate, encode
 from vlforge.data.jsonl import Sample
+from vlforge.engine.health import GradHealth
 from vlforge.engine.optim import build_optimizer
 from vlforge.model.tiers import param_groups
 from vlforge.recipes.sft import setup_model, train_step
@@ -75,13 +76,14 @@ def main() -> None:
     batches = [collate(items[i:i + args.batch], encoder.pad_id) for i in range(0, len(items), args.batch)]
     optimizer = build_optimizer(param_groups(t.model, t.plan, 0.0), cfg.optim, "cuda")
     scaler = t.policy.grad_scaler()
+    health = GradHealth(t.model, t.plan, cfg.health, cfg.precision.mode)
     torch.cuda.reset_peak_memory_stats()
     times, tokens = [], []
     for step in range(args.warmup + args.steps):
         batch = batches[step % len(batches)]
         torch.cuda.synchronize()
         start = time.perf_counter()
-        out = train_step(t, [batch], optimizer, scaler, 1.0)
+        out = train_step(t, [batch], optimizer, scaler, health, 1.0)
         torch.cuda.synchronize()
         if step >= args.warmup:
             times.append(time.perf_counter() - start)

@@ -3,8 +3,10 @@ import math
 import pytest
 import torch
 
+from vlforge.config import PrecisionConfig
 from vlforge.data.dataset import load_dataset
 from vlforge.data.encode import collate
+from vlforge.engine.health import GradHealth
 from vlforge.engine.optim import build_optimizer
 from vlforge.engine.precision import PrecisionPolicy
 from vlforge.model.tiers import param_groups
@@ -24,7 +26,7 @@ def test_policy_storage_dtypes_and_a_finite_step(shapes_dir, tmp_path, mode, fro
     optimizer = build_optimizer(param_groups(t.model, t.plan, 0.0), cfg.optim, "cpu")
     optimizer_state_dtypes = set()
     result = train_step(t, [collate([data[i] for i in range(4)], data.encoder.pad_id)], optimizer,
-                        t.policy.grad_scaler(), 1.0)
+                        t.policy.grad_scaler(), GradHealth(t.model, t.plan, cfg.health), 1.0)
     assert math.isfinite(result["loss"]) and math.isfinite(result["grad_norm"])
     for state in optimizer.state.values():
         optimizer_state_dtypes |= {state["exp_avg"].dtype, state["exp_avg_sq"].dtype}
@@ -55,7 +57,7 @@ def test_non_finite_gradient_never_reaches_the_weights(shapes_dir, tmp_path):
     before = {n: p.detach().clone() for n, p in t.model.named_parameters()}
     hook = t.model.lm_head.weight.register_hook(lambda g: g * float("nan"))
     result = train_step(t, [collate([data[i] for i in range(4)], data.encoder.pad_id)], optimizer,
-                        t.policy.grad_scaler(), 1.0)
+                        t.policy.grad_scaler(), GradHealth(t.model, t.plan, cfg.health), 1.0)
     hook.remove()
     assert result["skipped"] and not math.isfinite(result["grad_norm"])
     for n, p in t.model.named_parameters():
@@ -63,7 +65,7 @@ def test_non_finite_gradient_never_reaches_the_weights(shapes_dir, tmp_path):
 
 
 def test_autocast_is_off_for_fp32():
-    with PrecisionPolicy("fp32", "cpu").autocast():
+    with PrecisionPolicy(PrecisionConfig(mode="fp32"), "cpu").autocast():
         assert not torch.is_autocast_enabled("cpu")
-    with PrecisionPolicy("bf16", "cpu").autocast():
+    with PrecisionPolicy(PrecisionConfig(mode="bf16"), "cpu").autocast():
         assert torch.is_autocast_enabled("cpu")

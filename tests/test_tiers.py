@@ -8,6 +8,7 @@ from vlforge.cli import main
 from vlforge.config import SFTConfig, TiersConfig, load_config
 from vlforge.data.dataset import load_dataset
 from vlforge.data.encode import collate
+from vlforge.engine.health import GradHealth
 from vlforge.engine.optim import build_optimizer
 from vlforge.model.tiers import apply_plan, build_plan, param_groups, plan_summary, unwrap
 from vlforge.recipes.sft import setup_model, train_step
@@ -69,7 +70,7 @@ def test_every_trainable_param_changes_and_frozen_ones_do_not(shapes_dir, tmp_pa
     scaler = t.policy.grad_scaler()
     for step in range(2):  # LoRA B starts at zero, so A only gets a gradient from the second step
         batch = collate([data[i] for i in range(4 * step, 4 * step + 4)], data.encoder.pad_id)
-        train_step(t, [batch], optimizer, scaler, None)
+        train_step(t, [batch], optimizer, scaler, GradHealth(t.model, t.plan, cfg.health), None)
     trainable = {n for n, p in t.model.named_parameters() if p.requires_grad}
     assert trainable
     for n, p in t.model.named_parameters():
@@ -85,7 +86,7 @@ def test_merged_lora_gives_the_same_logits(shapes_dir, tmp_path):
     optimizer = build_optimizer(param_groups(t.model, t.plan, 0.0), cfg.optim, "cpu")
     for step in range(3):
         batch = collate([data[i] for i in range(4 * step, 4 * step + 4)], data.encoder.pad_id)
-        train_step(t, [batch], optimizer, t.policy.grad_scaler(), None)
+        train_step(t, [batch], optimizer, t.policy.grad_scaler(), GradHealth(t.model, t.plan, cfg.health), None)
     t.model.eval()
     batch = collate([data[i] for i in range(4)], data.encoder.pad_id)
     inputs = {k: v for k, v in batch.items() if k != "labels"}

@@ -94,12 +94,112 @@ class TiersConfig:
     vision: TierConfig = field(default_factory=_vision)
 
 
+_DTYPE_NAMES = ("bf16", "fp16", "fp32")
+
+
+@dataclass
+class ModuleOverride:
+    """Per-module precision: modules whose name matches `pattern` (re.search) get these dtypes.
+
+    e.g. {pattern: 'norm', storage: fp32, compute: fp32} keeps every norm's weight and arithmetic in
+    fp32; {pattern: '^model\\.visual\\.', compute: bf16} keeps the vision tower in bf16 whatever
+    the rest does. Later entries win over earlier ones.
+    """
+
+    pattern: str
+    compute: Literal["bf16", "fp16", "fp32"] | None = None  # autocast dtype inside the module
+    storage: Literal["bf16", "fp16", "fp32"] | None = None  # dtype of its frozen weights
+
+    def __post_init__(self):
+        import re
+
+        try:
+            re.compile(self.pattern)
+        except re.error as e:
+            raise ConfigError(f"precision.overrides: pattern {self.pattern!r} is not a valid regex: {e}") from None
+        _require(self.compute or self.storage, f"precision.overrides: {self.pattern!r} sets neither compute nor storage")
+
+
+@dataclass
+class LossScaleConfig:
+    """Dynamic loss scaling (fp16 only; bf16 and FP8 need none)."""
+
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0  # scale *= growth_factor after growth_interval finite steps in a row
+    backoff_factor: float = 0.5  # scale *= backoff_factor on a step with inf/nan gradients (step skipped)
+    growth_interval: int = 2000
+
+    def __post_init__(self):
+        _require(self.init_scale > 0 and self.growth_factor > 1 and 0 < self.backoff_factor < 1
+                 and self.growth_interval >= 1,
+                 "precision.loss_scale: need init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1, "
+                 "growth_interval >= 1")
+
+
+@dataclass
+class TERecipeConfig:
+    """A TransformerEngine FP8 recipe (used when precision.fp8.backend=te)."""
+
+    recipe: Literal["delayed", "current", "block"] = "delayed"  # DelayedScaling | Float8CurrentScaling | Float8BlockScaling
+    fp8_format: Literal["HYBRID", "E4M3"] = "HYBRID"  # HYBRID: E4M3 forward, E5M2 gradients
+    margin: int = 0  # delayed scaling: scale = (fp8_max / amax) / 2**margin
+    amax_history_len: int = 16
+    amax_compute_algo: Literal["max", "most_recent"] = "max"
+
+    def __post_init__(self):
+        _require(self.margin >= 0 and self.amax_history_len >= 1,
+                 "precision.fp8.te*: margin must be >= 0 and amax_history_len >= 1")
+
+
+@dataclass
+class FP8Config:
+    """FP8 training of eligible nn.Linear layers (GPU with compute capability >= 8.9 only)."""
+
+    enabled: bool = False
+    backend: Literal["torchao", "te"] = "torchao"
+    recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "tensorwise"  # torchao recipes
+    # Candidates: linears whose name matches an include regex and no exclude regex. By default the
+    # language model's decoder layers only: lm_head, the vision tower and the projector stay bf16.
+    include: list[str] = field(default_factory=lambda: [r"^model\.language_model\.layers\."])
+    exclude: list[str] = field(default_factory=list)
+    # Skip layers too small to gain (torchao's published H100 thresholds per recipe); dims that
+    # are not multiples of 16 are always skipped (an FP8 tensor-core requirement).
+    skip_small: bool = True
+    te: TERecipeConfig = field(default_factory=TERecipeConfig)  # language-model layers
+    te_vision: TERecipeConfig = field(default_factory=TERecipeConfig)  # vision-tower layers, if included
+
+    def __post_init__(self):
+        import re
+
+        for key in ("include", "exclude"):
+            for pattern in getattr(self, key):
+                try:
+                    re.compile(pattern)
+                except re.error as e:
+                    raise ConfigError(f"precision.fp8.{key}: {pattern!r} is not a valid regex: {e}") from None
+
+
 @dataclass
 class PrecisionConfig:
-    # bf16: bf16 autocast compute, fp32 trainable (master) weights, frozen weights stored bf16.
-    # fp16: same with fp16 compute and dynamic loss scaling. fp32: everything fp32.
+    """The one precision policy; engine/precision.py applies it. See docs/precision.md."""
+
+    # Compute dtype (autocast). Norms, softmax, losses, log-probs and advantages are fp32 regardless.
     mode: Literal["bf16", "fp16", "fp32"] = "bf16"
+    # Trainable weights + optimizer state: fp32 master weights, or kept in the compute dtype
+    # (halves weight/optimizer memory; updates smaller than bf16's resolution are lost).
+    master_weights: Literal["fp32", "compute"] = "fp32"
+    overrides: list[ModuleOverride] = field(default_factory=list)
+    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
+    fp8: FP8Config = field(default_factory=FP8Config)
     gradient_checkpointing: bool = False
+    # torch.compile each decoder/vision block; auto = on when FP8 (torchao) runs on a GPU, where
+    # its casts must be fused to pay off.
+    compile: Literal["auto", "on", "off"] = "auto"
+
+    def __post_init__(self):
+        _require(not (self.fp8.enabled and self.mode == "fp16"),
+                 "precision.fp8.enabled with precision.mode=fp16 is not supported: FP8 layers keep their "
+                 "non-FP8 parts in bf16; use precision.mode=bf16")
 
 
 @dataclass
@@ -158,6 +258,19 @@ class LogConfig:
 
 
 @dataclass
+class HealthConfig:
+    """Gradient-health monitor: per-group grad norms, inf/nan steps skipped, loss-spike warnings."""
+
+    max_bad_steps: int = 10  # abort after this many consecutive steps with inf/nan gradients
+    spike_factor: float = 3.0  # warn when a step's loss exceeds spike_factor x the recent median
+    spike_window: int = 20  # steps in that median (no warnings before the window has filled)
+
+    def __post_init__(self):
+        _require(self.max_bad_steps >= 1 and self.spike_factor > 1 and self.spike_window >= 2,
+                 "health: need max_bad_steps >= 1, spike_factor > 1, spike_window >= 2")
+
+
+@dataclass
 class SFTConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -167,6 +280,7 @@ class SFTConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
 
 
 @dataclass
@@ -228,6 +342,7 @@ class GRPOConfig:
     train: TrainConfig = field(default_factory=lambda: TrainConfig(output_dir="runs/grpo", max_steps=100))
     eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     rl: RLConfig = field(default_factory=RLConfig)
 

@@ -159,9 +159,13 @@ def encode_prompt(encoder: Encoder, sample: Sample) -> dict:
     return out
 
 
-def collate(items: list[dict], pad_id: int, left_pad: bool = False) -> dict:
-    """Pad a list of encoded samples into a batch; images are concatenated in order."""
-    longest = max(len(x["input_ids"]) for x in items)
+def collate(items: list[dict], pad_id: int, left_pad: bool = False, multiple: int = 1) -> dict:
+    """Pad a list of encoded samples into a batch; images are concatenated in order.
+
+    `multiple`: round the padded length up to a multiple of this (FP8 GEMMs want token counts
+    that are multiples of 16).
+    """
+    longest = -(-max(len(x["input_ids"]) for x in items) // multiple) * multiple
     batch = {"input_ids": [], "attention_mask": [], "mm_token_type_ids": []}
     has_labels = "labels" in items[0]
     if has_labels:

@@ -23,6 +23,7 @@ from vlforge.config import ConfigError, GRPOConfig, dump_config
 from vlforge.data.dataset import SFTDataset, batches_from, load_dataset
 from vlforge.data.encode import collate, encode_prompt
 from vlforge.engine.checkpoint import load_checkpoint, save_checkpoint
+from vlforge.engine.health import GradHealth
 from vlforge.engine.metrics import MetricsLog, plot_metric, read_metrics
 from vlforge.engine.optim import build_optimizer, build_scheduler
 from vlforge.engine.runtime import prepare_output_dir, seed_everything
@@ -114,14 +115,14 @@ def reference_logprobs(t: Trainable, ref_model, batch: Batch, temperature: float
         return sequence_logprobs(ref_model, batch.rollout, temperature, seq_index=batch.seqs)[0]
 
 
-def update(t: Trainable, ref_model, batches: list[Batch], optimizer, scaler, cfg: GRPOConfig) -> dict:
+def update(t: Trainable, ref_model, batches: list[Batch], optimizer, scaler, health: GradHealth,
+           cfg: GRPOConfig) -> dict:
     """rl.epochs passes of mini-batch policy-gradient steps over the collected groups."""
     rl, T = cfg.rl, cfg.rollout.temperature
     if rl.kl_beta > 0:
         for b in batches:
             b.ref_logp = reference_logprobs(t, ref_model, b, T)  # [len(seqs), R], fixed for the step
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    logs = {"loss": [], "clip_frac": [], "approx_kl": [], "kl": [], "entropy": [], "grad_norm": []}
+    logs: dict[str, list] = {"loss": [], "clip_frac": [], "approx_kl": [], "kl": [], "entropy": []}
     for _ in range(rl.epochs):
         for b in batches:
             for s in range(0, len(b.seqs), rl.mini_batch_size):
@@ -136,21 +137,22 @@ def update(t: Trainable, ref_model, batches: list[Batch], optimizer, scaler, cfg
                                           norm_length=cfg.rollout.max_new_tokens)
                 if rl.kl_beta > 0:
                     kl = kl_penalty(logp, b.ref_logp[part], rl.kl_kind)
+                    # both terms are fp32 (log-probs are); the sum is scaled once, for fp16 only
                     loss = loss + rl.kl_beta * agg_loss(kl, mask, rl.agg, cfg.rollout.max_new_tokens)
                     logs["kl"].append(float((kl.detach() * mask).sum() / mask.sum().clamp(min=1)))
                 scaler.scale(loss).backward()
-                scaler.unscale_(optimizer)
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.optim.max_grad_norm or float("inf"))
-                if torch.isfinite(grad_norm) or t.policy.uses_loss_scaling:
-                    scaler.step(optimizer)
-                scaler.update()
-                optimizer.zero_grad(set_to_none=True)
-                logs["loss"].append(float(loss.detach()))
+                loss_value = float(loss.detach())
+                for k, v in health.step(optimizer, scaler, cfg.optim.max_grad_norm, loss_value).items():
+                    logs.setdefault(k, []).append(v)
+                logs["loss"].append(loss_value)
                 logs["clip_frac"].append(float(stats["clip_frac"]))
                 logs["approx_kl"].append(float(stats["approx_kl"]))
                 logs["entropy"].append(float((entropy * mask).sum() / mask.sum().clamp(min=1)))
-                logs["grad_norm"].append(float(grad_norm))
-    return {k: sum(v) / len(v) for k, v in logs.items() if v}
+    row = {k: sum(v) / len(v) for k, v in logs.items() if v and k not in ("skipped", "nonfinite_groups")}
+    row["skipped"] = sum(logs.get("skipped", []))  # mini-batch updates skipped this step
+    if bad := sorted({g for groups in logs.get("nonfinite_groups", []) for g in groups}):
+        row["nonfinite_groups"] = bad
+    return row
 
 
 def step_metrics(stats: dict, batches: list[Batch], train_logs: dict, t_rollout: float, t_train: float) -> dict:
@@ -207,6 +209,7 @@ def run_grpo(cfg: GRPOConfig) -> dict:
     optimizer = build_optimizer(param_groups(t.model, t.plan, cfg.optim.weight_decay), cfg.optim, t.device.type)
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)  # stepped once per GRPO step
     scaler = t.policy.grad_scaler()
+    health = GradHealth(t.model, t.plan, cfg.health, cfg.precision.mode)
     state = {"epoch": 0, "position": 0}
     if resume_from is not None:
         state = load_checkpoint(resume_from, t.model, optimizer, scheduler, scaler)
@@ -231,7 +234,7 @@ def run_grpo(cfg: GRPOConfig) -> dict:
         t_rollout = time.perf_counter() - start
         t.model.train()
         lr = scheduler.get_last_lr()[0]
-        train_logs = update(t, ref_model, batches, optimizer, scaler, cfg) if batches else {}
+        train_logs = update(t, ref_model, batches, optimizer, scaler, health, cfg) if batches else {}
         scheduler.step()
         step += 1
         row = {**step_metrics(stats, batches, train_logs, t_rollout, time.perf_counter() - start - t_rollout), "lr": lr}

@@ -11,9 +11,8 @@ batch 8 x accum 1 and batch 2 x accum 4. Then unscale (fp16 only), clip, step, s
 from __future__ import annotations
 
 import functools
-import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -26,6 +25,9 @@ from vlforge.engine.checkpoint import load_checkpoint, save_checkpoint
 from vlforge.engine.losses import count_supervised, sft_loss_sum
 from vlforge.engine.metrics import MetricsLog, plot_metric, read_metrics
 from vlforge.engine.optim import build_optimizer, build_scheduler
+from vlforge.engine.fp8 import fp8_backend, fp8_layer_plan
+from vlforge.engine.hardware import bf16_problem
+from vlforge.engine.health import GradHealth
 from vlforge.engine.precision import PrecisionPolicy
 from vlforge.engine.runtime import prepare_output_dir, resolve_device, seed_everything
 from vlforge.model.load import load_model
@@ -42,17 +44,38 @@ class Trainable:
     plan: list
     policy: PrecisionPolicy
     device: torch.device
+    fp8_plan: dict = field(default_factory=dict)  # linear name -> fp8.Decision (empty without FP8)
+
+    @property
+    def token_multiple(self) -> int:
+        """Pad batches to this many tokens per row: FP8 GEMMs want dims that are multiples of 16."""
+        return 16 if any(d.convert for d in self.fp8_plan.values()) else 1
+
+
+def compile_blocks(model: torch.nn.Module) -> int:
+    """torch.compile each language-model decoder layer in place (parameter names unchanged)."""
+    layers = unwrap(model).model.language_model.layers
+    for layer in layers:
+        layer.compile()
+    return len(layers)
 
 
 def setup_model(cfg: SFTConfig) -> Trainable:
     device = resolve_device(cfg.train.device)
-    policy = PrecisionPolicy(cfg.precision.mode, device.type)
-    # Full fine-tuning keeps fp32 master weights, so load in fp32; LoRA loads the frozen base directly
-    # in the compute dtype (peft creates the adapters in fp32).
-    load_dtype = torch.float32 if cfg.tiers.method == "full" else policy.frozen_param_dtype
+    policy = PrecisionPolicy(cfg.precision, device.type)
+    if problem := bf16_problem(device) if cfg.precision.mode == "bf16" else None:
+        raise ConfigError(problem)
+    fp8 = fp8_backend(cfg.precision.fp8, device) if cfg.precision.fp8.enabled else None  # fails before loading
+    # Full fine-tuning loads straight into the master dtype; LoRA loads the frozen base in the
+    # compute dtype (peft creates the adapters in fp32). policy.apply then settles every tensor.
+    load_dtype = policy.master_dtype if cfg.tiers.method == "full" else policy.compute_dtype
     model, processor = load_model(cfg.model, dtype=load_dtype, device=device)
     plan = build_plan(model, cfg.tiers)
     model = apply_plan(model, plan)
+    fp8_plan = {}
+    if fp8 is not None:
+        fp8_plan = fp8_layer_plan(unwrap(model), cfg.precision.fp8)
+        fp8.convert(unwrap(model), fp8_plan)
     policy.apply(model)
     if cfg.precision.gradient_checkpointing:
         core = unwrap(model)
@@ -60,11 +83,16 @@ def setup_model(cfg: SFTConfig) -> Trainable:
             core.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
             core.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    compile_on = cfg.precision.compile == "on" or (
+        cfg.precision.compile == "auto" and fp8 is not None and cfg.precision.fp8.backend == "torchao")
+    if compile_on:
+        compile_blocks(model)
     model.train()
-    return Trainable(model, processor, plan, policy, device)
+    return Trainable(model, processor, plan, policy, device, fp8_plan)
 
 
-def micro_batches(data: SFTDataset, batch_size: int, seed: int, epoch: int, position: int, num_workers: int):
+def micro_batches(data: SFTDataset, batch_size: int, seed: int, epoch: int, position: int, num_workers: int,
+                  token_multiple: int = 1):
     """Endless stream of (batch, epoch, position-after) continuing across epochs; resumable."""
     while True:
         index_lists = list(batches_from(len(data), batch_size, seed, epoch, position))
@@ -77,35 +105,27 @@ def micro_batches(data: SFTDataset, batch_size: int, seed: int, epoch: int, posi
         # from the global RNG instead would shift dropout masks after a mid-epoch resume.
         loader = torch.utils.data.DataLoader(
             data, batch_sampler=[ix for ix, _ in index_lists], num_workers=num_workers,
-            collate_fn=functools.partial(collate, pad_id=data.encoder.pad_id),  # picklable for workers
+            collate_fn=functools.partial(collate, pad_id=data.encoder.pad_id, multiple=token_multiple),  # picklable for workers
             generator=torch.Generator().manual_seed(seed + epoch))
         for batch, (_, pos) in zip(loader, index_lists):
             yield batch, epoch, pos
         epoch, position = epoch + 1, 0
 
 
-def train_step(t: Trainable, micro: list[dict], optimizer, scaler, max_grad_norm: float | None) -> dict:
+def train_step(t: Trainable, micro: list[dict], optimizer, scaler, health: GradHealth,
+               max_grad_norm: float | None) -> dict:
     """One optimizer step over the accumulated micro-batches. Returns step metrics."""
     total_tokens = sum(count_supervised(b) for b in micro)
     loss_total = 0.0
     for batch in micro:
         batch = to_device(batch, t.device)
         with t.policy.autocast():
-            loss_sum, _ = sft_loss_sum(t.model, batch)
+            loss_sum, _ = sft_loss_sum(t.model, batch)  # fp32 whatever the compute dtype
         loss = loss_sum / total_tokens
         scaler.scale(loss).backward()
         loss_total += float(loss.detach())
-    scaler.unscale_(optimizer)
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm or float("inf")))
-    skipped = not math.isfinite(grad_norm)
-    if skipped and not t.policy.uses_loss_scaling:
-        optimizer.zero_grad(set_to_none=True)  # a non-finite gradient never reaches the weights
-    else:
-        scaler.step(optimizer)  # with fp16 the scaler itself skips non-finite steps
-    scaler.update()
-    optimizer.zero_grad(set_to_none=True)
-    return {"loss": loss_total, "grad_norm": grad_norm, "skipped": skipped, "supervised_tokens": total_tokens,
+    row = health.step(optimizer, scaler, max_grad_norm, loss_total)
+    return {"loss": loss_total, **row, "supervised_tokens": total_tokens,
             "tokens": sum(int(b["attention_mask"].sum()) for b in micro)}
 
 
@@ -134,6 +154,7 @@ def run_sft(cfg: SFTConfig) -> dict:
     optimizer = build_optimizer(param_groups(t.model, t.plan, cfg.optim.weight_decay), cfg.optim, t.device.type)
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
     scaler = t.policy.grad_scaler()
+    health = GradHealth(t.model, t.plan, cfg.health, cfg.precision.mode)
 
     state = {"epoch": 0, "position": 0, "tokens_seen": 0}
     if resume_from is not None:
@@ -153,7 +174,8 @@ def run_sft(cfg: SFTConfig) -> dict:
     if val_data is not None and cfg.eval.at_start and step == 0:
         run_eval(0)
 
-    stream = micro_batches(train_data, tc.batch_size, tc.seed, state["epoch"], state["position"], cfg.data.num_workers)
+    stream = micro_batches(train_data, tc.batch_size, tc.seed, state["epoch"], state["position"], cfg.data.num_workers,
+                           t.token_multiple)
     bar = tqdm(total=total_steps, initial=step, disable=not cfg.log.progress, desc="sft", dynamic_ncols=True)
     last_eval = None
     while step < total_steps:
@@ -163,13 +185,13 @@ def run_sft(cfg: SFTConfig) -> dict:
             batch, state["epoch"], state["position"] = next(stream)
             micro.append(batch)
         lr = scheduler.get_last_lr()[0]
-        result = train_step(t, micro, optimizer, scaler, cfg.optim.max_grad_norm)
+        result = train_step(t, micro, optimizer, scaler, health, cfg.optim.max_grad_norm)
         scheduler.step()
         step += 1
         elapsed = time.perf_counter() - start
         state["tokens_seen"] += result["tokens"]
-        row = {"loss": result["loss"], "lr": lr, "grad_norm": result["grad_norm"],
-               "tokens_per_s": result["tokens"] / elapsed, "epoch": state["epoch"], "skipped": result["skipped"]}
+        row = {**{k: v for k, v in result.items() if k not in ("tokens", "supervised_tokens")}, "lr": lr,
+               "tokens_per_s": result["tokens"] / elapsed, "epoch": state["epoch"]}
         if step % cfg.log.every == 0 or step == total_steps:
             metrics.log(step, row)
         bar.update(1)

@@ -1,0 +1,105 @@
+"""Gradient health: the end of every optimizer step, shared by the SFT and GRPO recipes.
+
+    health = GradHealth(model, plan, cfg.health)
+    ... scaler.scale(loss).backward() ...
+    row = health.step(optimizer, scaler, max_grad_norm, loss)   # unscale, measure, clip, step or skip
+
+Per step it records the global grad norm and one per parameter group (the tiers: vision,
+projector, language; with LoRA these are the tiers' adapters), skips any step whose gradients or
+loss are not finite (with fp16 the loss scaler also backs off), names the groups that went bad,
+aborts after `max_bad_steps` bad steps in a row, and warns when the loss jumps above
+`spike_factor` x its recent median. Everything it measures goes into the step's metrics row.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import deque
+
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from vlforge.config import HealthConfig
+from vlforge.model.tiers import tier_of_param
+
+
+class TrainingDiverged(RuntimeError):
+    """Too many consecutive steps with non-finite gradients; the message names the groups."""
+
+
+def grad_norms(groups: dict[str, list[nn.Parameter]]) -> dict[str, float]:
+    """L2 norm of each group's gradients, fetched from the device in one transfer."""
+    norms = []
+    for params in groups.values():
+        grads = [p.grad for p in params if p.grad is not None]
+        norms.append(torch.nn.utils.get_total_norm(grads, norm_type=2.0).float() if grads else torch.zeros(()))
+    if not norms:
+        return {}
+    return dict(zip(groups, torch.stack([n.to(norms[0].device) for n in norms]).tolist()))
+
+
+class GradHealth:
+    def __init__(self, model: nn.Module, plan: list, cfg: HealthConfig, precision_mode: str = "bf16"):
+        self.cfg = cfg
+        self.precision_mode = precision_mode
+        self.groups: dict[str, list[nn.Parameter]] = {}
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                self.groups.setdefault(tier_of_param(name, plan) or "other", []).append(p)
+        self.bad_streak = 0
+        self.recent_losses: deque[float] = deque(maxlen=cfg.spike_window)
+
+    def step(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
+             max_grad_norm: float | None, loss: float) -> dict:
+        """Unscale, measure per-group norms, clip, then step or skip. Returns the step's metrics."""
+        scaler.unscale_(optimizer)
+        norms = grad_norms(self.groups)
+        total = math.sqrt(sum(n * n for n in norms.values()))  # inf/nan propagate
+        bad_groups = sorted(g for g, n in norms.items() if not math.isfinite(n))
+        finite = math.isfinite(total) and math.isfinite(loss)
+        if finite:
+            if max_grad_norm:
+                params = [p for ps in self.groups.values() for p in ps]
+                torch.nn.utils.clip_grads_with_norm_(params, max_grad_norm, torch.tensor(total))
+            scaler.step(optimizer)
+        elif scaler.is_enabled():
+            scaler.step(optimizer)  # the scaler sees the inf/nan, skips the update and backs off
+        scale = scaler.get_scale() if scaler.is_enabled() else None
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)  # a skipped step's gradients never reach the weights
+
+        row = {"grad_norm": total, **{f"grad_norm/{g}": n for g, n in norms.items()}, "skipped": not finite}
+        if scale is not None:
+            row["loss_scale"] = scale
+        if finite:
+            self.bad_streak = 0
+            row.update(self._spike(loss))
+        else:
+            self.bad_streak += 1
+            row["nonfinite_groups"] = bad_groups or ["loss"]
+            self._abort_if_diverged(bad_groups, loss)
+        return row
+
+    def _spike(self, loss: float) -> dict:
+        spike = {}
+        if len(self.recent_losses) == self.recent_losses.maxlen:
+            median = statistics.median(self.recent_losses)
+            if median > 0 and loss > self.cfg.spike_factor * median:
+                tqdm.write(f"warning: loss spike {loss:.4g} > {self.cfg.spike_factor:g} x recent median {median:.4g}")
+                spike = {"loss_spike": loss / median}
+        self.recent_losses.append(loss)
+        return spike
+
+    def _abort_if_diverged(self, bad_groups: list[str], loss: float) -> None:
+        what = f"non-finite gradients in {', '.join(bad_groups)}" if bad_groups else f"a non-finite loss ({loss})"
+        if self.bad_streak < self.cfg.max_bad_steps:
+            tqdm.write(f"warning: step skipped: {what} ({self.bad_streak} in a row)")
+            return
+        advice = ("lower that group's learning rate, check its data, or train in bf16"
+                  if self.precision_mode != "bf16" else "lower that group's learning rate or check the data")
+        if self.precision_mode == "fp16":
+            advice += "; with fp16 also try a lower precision.loss_scale.init_scale"
+        raise TrainingDiverged(f"{self.bad_streak} consecutive steps skipped ({what}; health.max_bad_steps="
+                               f"{self.cfg.max_bad_steps}): {advice}. Checkpoints written so far are intact.")
