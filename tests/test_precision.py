@@ -69,3 +69,146 @@ def test_autocast_is_off_for_fp32():
         assert not torch.is_autocast_enabled("cpu")
     with PrecisionPolicy(PrecisionConfig(mode="bf16"), "cpu").autocast():
         assert torch.is_autocast_enabled("cpu")
+
+
+# ----------------------------------------------------------------------------- per-module policy
+
+
+OVERRIDES = ("precision.overrides=[{pattern: norm, storage: fp32, compute: fp32},"
+             " {pattern: '^model\\.visual\\.blocks\\.0\\.', compute: fp32}]")
+
+
+def test_policy_resolves_per_module_overrides_last_match_wins():
+    from vlforge.config import ModuleOverride
+
+    cfg = PrecisionConfig(mode="bf16", overrides=[ModuleOverride("norm", compute="fp32", storage="fp32"),
+                                                  ModuleOverride(r"^model\.visual\.", storage="fp16"),
+                                                  ModuleOverride(r"visual\.merger\.norm", compute="bf16")])
+    policy = PrecisionPolicy(cfg, "cpu")
+    assert policy.module_compute("model.language_model.layers.3.input_layernorm") == torch.float32
+    assert policy.frozen_storage("model.language_model.layers.3.input_layernorm") == torch.float32
+    assert policy.module_compute("model.language_model.layers.3.self_attn.q_proj") == torch.bfloat16
+    assert policy.frozen_storage("model.language_model.layers.3.self_attn.q_proj") == torch.bfloat16
+    # peft's wrapper names resolve like the plain model's
+    assert policy.frozen_storage("base_model.model.model.visual.blocks.0.attn.qkv.base_layer") == torch.float16
+    # the later merger rule brings compute back to bf16, and storage follows the later fp16 rule
+    assert policy.module_compute("model.visual.merger.norm") == torch.bfloat16
+    assert policy.frozen_storage("model.visual.merger.norm") == torch.float16
+    # trainable weights are master weights whatever the module
+    assert policy.param_dtype("model.visual.merger.norm", trainable=True) == torch.float32
+    assert PrecisionPolicy(PrecisionConfig(master_weights="compute"), "cpu").master_dtype == torch.bfloat16
+
+
+def test_overrides_change_storage_and_compute_of_the_matching_modules(shapes_dir, tmp_path):
+    from vlforge.engine.losses import sft_loss_sum
+
+    cfg = tiny_sft_config(shapes_dir, tmp_path, "precision.mode=bf16", "tiers.method=lora", OVERRIDES)
+    t = setup_model(cfg)
+    seen = {}
+    watch = {"model.language_model.layers.0.input_layernorm", "model.visual.blocks.0.attn.qkv.base_layer",
+             "model.visual.blocks.1.attn.qkv.base_layer", "model.language_model.layers.0.self_attn.q_proj.base_layer"}
+    for name, module in t.model.named_modules():
+        short = name.removeprefix("base_model.model.")
+        if short in watch:
+            module.register_forward_hook(lambda m, i, o, n=short: seen.update({n: (o.dtype, m.weight.dtype)}))
+    data = load_dataset(cfg.data.train, t.processor, cfg.data)
+    with t.policy.autocast():
+        loss, _ = sft_loss_sum(t.model, collate([data[i] for i in range(4)], data.encoder.pad_id))
+    loss.backward()  # the mixed graph must differentiate
+    assert seen["model.language_model.layers.0.input_layernorm"] == (torch.float32, torch.float32)
+    assert seen["model.visual.blocks.0.attn.qkv.base_layer"] == (torch.float32, torch.float32)  # override
+    assert seen["model.visual.blocks.1.attn.qkv.base_layer"] == (torch.bfloat16, torch.bfloat16)  # not matched
+    assert seen["model.language_model.layers.0.self_attn.q_proj.base_layer"] == (torch.bfloat16, torch.bfloat16)
+
+
+def test_master_weights_in_compute_dtype(shapes_dir, tmp_path):
+    cfg = tiny_sft_config(shapes_dir, tmp_path, "precision.mode=bf16", "precision.master_weights=compute",
+                          "tiers.method=full")
+    t = setup_model(cfg)
+    assert {p.dtype for p in t.model.parameters()} == {torch.bfloat16}
+
+
+def test_plan_shows_storage_and_compute_per_module(shapes_dir, tmp_path):
+    from vlforge.cli import main
+
+    import contextlib
+    import io
+    import json
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        assert main(["sft", "configs/qwen3vl-2b-full.yaml", "--plan", "--json", OVERRIDES]) == 0
+    rows = {r["modules"]: r for r in json.loads(buf.getvalue())["precision"]["table"]}
+    assert rows["model.language_model.layers.*.input_layernorm"]["storage"] == "fp32"
+    assert rows["model.language_model.layers.*.input_layernorm"]["compute"] == "fp32"
+    assert rows["model.language_model.layers.*.mlp.up_proj"]["compute"] == "bf16"
+    assert rows["model.language_model.layers.*.mlp.up_proj"]["count"] == 28
+
+
+# ----------------------------------------------------------------------------- fp16 loss scaling
+
+
+def test_fp16_scaler_skips_an_inf_step_backs_off_and_recovers(shapes_dir, tmp_path):
+    cfg = tiny_sft_config(shapes_dir, tmp_path, "precision.mode=fp16", "tiers.method=lora",
+                          "precision.loss_scale.init_scale=1024", "precision.loss_scale.growth_interval=1")
+    t = setup_model(cfg)
+    data = load_dataset(cfg.data.train, t.processor, cfg.data)
+    optimizer = build_optimizer(param_groups(t.model, t.plan, 0.0), cfg.optim, "cpu")
+    scaler, health = t.policy.grad_scaler(), GradHealth(t.model, t.plan, cfg.health, "fp16")
+    batch = lambda k: [collate([data[i] for i in range(4 * k, 4 * k + 4)], data.encoder.pad_id)]
+    trainable = [p for p in t.model.parameters() if p.requires_grad]
+    before = [p.detach().clone() for p in trainable]
+    hook = trainable[0].register_hook(lambda g: g * float("inf"))  # an fp16 overflow, injected
+    bad = train_step(t, batch(0), optimizer, scaler, health, 1.0)
+    hook.remove()
+    assert bad["skipped"] and bad["loss_scale"] == 1024 and scaler.get_scale() == 512  # backed off
+    assert all(torch.equal(b, p) for b, p in zip(before, trainable))  # the weights did not move
+    good = train_step(t, batch(1), optimizer, scaler, health, 1.0)
+    assert not good["skipped"] and math.isfinite(good["grad_norm"])
+    assert scaler.get_scale() == 1024  # grew again after growth_interval finite steps
+    assert any(not torch.equal(b, p) for b, p in zip(before, trainable))
+    assert health.bad_streak == 0
+
+
+def test_grpo_loss_terms_are_fp32_before_scaling():
+    from vlforge.rl import agg_loss, kl_penalty, policy_loss
+
+    logp = torch.randn(2, 5, dtype=torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss, _ = policy_loss(logp, logp.detach() + 0.01, torch.ones(2), torch.ones(2, 5))
+        kl = agg_loss(kl_penalty(logp, logp.detach() - 0.02, "low_var_kl"), torch.ones(2, 5), "token-mean")
+    assert loss.dtype == torch.float32 and kl.dtype == torch.float32
+
+
+# ----------------------------------------------------------------------------- checkpoints across precisions
+
+
+@pytest.mark.parametrize("mode,master", [("fp16", "fp32"), ("bf16", "compute")])
+def test_checkpoint_keeps_dtypes_and_resume_is_exact(shapes_dir, tmp_path, mode, master):
+    from safetensors.torch import load_file
+
+    from vlforge.recipes.sft import run_sft
+
+    def run(out, steps, *extra):
+        cfg = tiny_sft_config(shapes_dir, out, f"precision.mode={mode}", f"precision.master_weights={master}",
+                              "tiers.method=full", "tiers.vision.train=false", "optim.schedule=constant",
+                              "precision.loss_scale.init_scale=256", "precision.loss_scale.growth_interval=2",
+                              f"train.max_steps={steps}", "eval.every=0", "data.val=null", *extra)
+        return run_sft(cfg)
+
+    run(tmp_path / "straight", 6)
+    run(tmp_path / "split", 3)
+    saved = load_file(tmp_path / "split" / "checkpoint-3" / "model.safetensors")
+    frozen = torch.float16 if mode == "fp16" else torch.bfloat16
+    trained = torch.float32 if master == "fp32" else torch.bfloat16
+    for name, tensor in saved.items():
+        vision_tower = name.startswith("model.visual.") and "merger" not in name  # frozen; the projector trains
+        assert tensor.dtype == (frozen if vision_tower else trained), name  # no silent upcast
+    if mode == "fp16":
+        assert torch.load(tmp_path / "split" / "checkpoint-3" / "scaler.pt")["scale"] > 0
+    run(tmp_path / "split", 6, "train.resume=auto")
+    a = load_file(tmp_path / "straight" / "checkpoint-6" / "model.safetensors")
+    b = load_file(tmp_path / "split" / "checkpoint-6" / "model.safetensors")
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k

@@ -8,6 +8,7 @@ import sys
 
 from vlforge.config import ConfigError, GRPOConfig, SFTConfig, dump_config, load_config
 from vlforge.data.jsonl import DataError
+from vlforge.engine.health import TrainingDiverged
 from vlforge.rl.rewards import RewardError
 
 
@@ -24,12 +25,15 @@ def cmd_sft(args) -> int:
         print(dump_config(cfg), end="")
         return 0
     if args.plan:
+        from vlforge.engine.precision import format_precision_plan, precision_plan
         from vlforge.model.load import build_meta_model
         from vlforge.model.tiers import build_plan, format_plan, plan_summary
 
         model, _ = build_meta_model(cfg.model)
-        summary = plan_summary(model, build_plan(model, cfg.tiers))
-        print(json.dumps(summary, indent=2) if args.json else format_plan(summary))
+        plan = build_plan(model, cfg.tiers)
+        summary = {**plan_summary(model, plan), "precision": precision_plan(model, plan, cfg.precision)}
+        print(json.dumps(summary, indent=2) if args.json
+              else format_plan(summary) + "\n\n" + format_precision_plan(summary["precision"]))
         return 0
     from vlforge.recipes.sft import run_sft
 
@@ -84,6 +88,15 @@ def cmd_data_check(args) -> int:
     return 1 if report["errors"] else 0
 
 
+def cmd_doctor(args) -> int:
+    from vlforge.doctor import format_report, load_recipe_config, run_checks
+
+    cfg = load_recipe_config(args.config, args.overrides) if args.config or args.overrides else None
+    report = run_checks(cfg, config_path=args.config)
+    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    return 0 if report["ok"] else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vlforge", description="Fine-tune, RL-train and serve Qwen3-VL models.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -124,6 +137,12 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--json", action="store_true")
     check.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. data.max_length=4096")
     check.set_defaults(func=cmd_data_check)
+
+    doctor = sub.add_parser("doctor", help="check Python, torch, GPUs and libraries (and what a recipe needs)")
+    doctor.add_argument("--config", help="recipe YAML: also check what it needs (device, bf16, FP8, flash-attn, model.path)")
+    doctor.add_argument("--json", action="store_true", help="print the report as JSON")
+    doctor.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. precision.fp8.enabled=true")
+    doctor.set_defaults(func=cmd_doctor)
     return p
 
 
@@ -142,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, DataError, RewardError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except TrainingDiverged as e:  # the health monitor gave up; finished checkpoints are on disk
+        print(f"error: training diverged: {e}", file=sys.stderr)
+        return 3
 
 
 if __name__ == "__main__":

@@ -194,7 +194,7 @@ class PrecisionConfig:
     gradient_checkpointing: bool = False
     # torch.compile each decoder/vision block; auto = on when FP8 (torchao) runs on a GPU, where
     # its casts must be fused to pay off.
-    compile: Literal["auto", "on", "off"] = "auto"
+    compile: bool | Literal["auto"] = "auto"
 
     def __post_init__(self):
         _require(not (self.fp8.enabled and self.mode == "fp16"),

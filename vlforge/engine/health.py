@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import sys
 from collections import deque
 
 import torch
@@ -87,7 +88,8 @@ class GradHealth:
         if len(self.recent_losses) == self.recent_losses.maxlen:
             median = statistics.median(self.recent_losses)
             if median > 0 and loss > self.cfg.spike_factor * median:
-                tqdm.write(f"warning: loss spike {loss:.4g} > {self.cfg.spike_factor:g} x recent median {median:.4g}")
+                tqdm.write(f"warning: loss spike {loss:.4g} > {self.cfg.spike_factor:g} x recent median {median:.4g}",
+                           file=sys.stderr)
                 spike = {"loss_spike": loss / median}
         self.recent_losses.append(loss)
         return spike
@@ -95,7 +97,7 @@ class GradHealth:
     def _abort_if_diverged(self, bad_groups: list[str], loss: float) -> None:
         what = f"non-finite gradients in {', '.join(bad_groups)}" if bad_groups else f"a non-finite loss ({loss})"
         if self.bad_streak < self.cfg.max_bad_steps:
-            tqdm.write(f"warning: step skipped: {what} ({self.bad_streak} in a row)")
+            tqdm.write(f"warning: step skipped: {what} ({self.bad_streak} in a row)", file=sys.stderr)
             return
         advice = ("lower that group's learning rate, check its data, or train in bf16"
                   if self.precision_mode != "bf16" else "lower that group's learning rate or check the data")

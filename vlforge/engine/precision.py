@@ -60,7 +60,7 @@ def _run_forward_in(module: nn.Module, dtype: torch.dtype, device_type: str) -> 
 
 def _canonical(name: str) -> str:
     """Module name as in the plain HF model (peft's wrapper names removed)."""
-    return name.replace(".base_layer", "")
+    return name.removeprefix("base_model.model.").replace(".base_layer", "")
 
 
 class PrecisionPolicy:
@@ -102,16 +102,21 @@ class PrecisionPolicy:
 
     def apply(self, model: nn.Module) -> None:
         """Cast parameters in place to their storage dtypes and install per-module compute overrides."""
+        wrapped: list[tuple[str, torch.dtype]] = []  # pre-order: ancestors come first
         for module_name, module in model.named_modules():
             for p in module.parameters(recurse=False):
                 want = self.param_dtype(module_name, p.requires_grad)
                 if p.is_floating_point() and p.dtype != want:
                     p.data = p.data.to(want)
-            if self._overrides and module_name:
-                compute = self.module_compute(module_name)
-                if compute != self.compute_dtype and not getattr(module, "_vlforge_compute", None):
-                    _run_forward_in(module, compute, self.device_type)
-                    module._vlforge_compute = compute  # never wrap twice (apply on a model twice)
+            if not (self._overrides and module_name) or isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+                continue  # containers have no forward of their own to wrap
+            compute = self.module_compute(module_name)
+            inherited = next((d for prefix, d in reversed(wrapped) if module_name.startswith(prefix + ".")),
+                             self.compute_dtype)
+            if compute != inherited and not hasattr(module, "_vlforge_compute"):
+                _run_forward_in(module, compute, self.device_type)
+                module._vlforge_compute = compute  # never wrap twice (apply on a model twice)
+                wrapped.append((module_name, compute))
 
     def autocast(self):
         if self.mode == "fp32":
@@ -127,11 +132,13 @@ class PrecisionPolicy:
 
     # ------------------------------------------------------------------ reporting
 
-    def table(self, model: nn.Module, trainable: set[str], fp8_layers: dict[str, str] | None = None) -> list[dict]:
+    def table(self, model: nn.Module, trainable: set[str], lora: set[str] = frozenset(),
+              fp8_layers: dict[str, str] | None = None) -> list[dict]:
         """Each parameter-owning module's storage and compute dtype, grouped over layer indices.
 
-        `trainable`: names of modules whose own weights train (full tiers); `fp8_layers`: module
-        name -> FP8 description for converted linears. Works on a meta-device model.
+        `trainable`: names of modules whose own weights train (full tiers); `lora`: modules that
+        get LoRA adapters (master dtype); `fp8_layers`: module name -> FP8 description for
+        converted linears. Works on a meta-device model.
         """
         fp8_layers = fp8_layers or {}
         counts: Counter = Counter()
@@ -141,13 +148,42 @@ class PrecisionPolicy:
                 continue
             name = _canonical(name)
             storage = NAMES[self.param_dtype(name, name in trainable)]
+            if name in lora:
+                storage += f" + LoRA {NAMES[self.master_dtype]}"
             compute = fp8_layers.get(name) or NAMES[self.module_compute(name)]
             counts[(re.sub(r"\.\d+(?=\.|$)", ".*", name), storage, compute)] += 1
         return [{"modules": m, "count": n, "storage": s, "compute": c} for (m, s, c), n in counts.items()]
 
 
-def format_precision_table(rows: list[dict]) -> str:
+def format_precision_plan(p: dict) -> str:
     header = ("modules", "n", "storage", "compute")
-    cells = [header] + [(r["modules"], str(r["count"]), r["storage"], r["compute"]) for r in rows]
+    cells = [header] + [(r["modules"], str(r["count"]), r["storage"], r["compute"]) for r in p["table"]]
     widths = [max(len(c[i]) for c in cells) for i in range(4)]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in cells)
+    lines = [f"precision: compute {p['mode']}, master weights {p['master_weights']} "
+             "(norms, softmax, loss and log-probs in fp32)"]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
+    if "fp8" in p:
+        f = p["fp8"]
+        lines.append(f"fp8: {f['converted']} of {f['total_linears']} linears converted; skipped: "
+                     + "; ".join(f"{n} {why}" for why, n in f["by_reason"].items() if why != "converted"))
+    return "\n".join(lines)
+
+
+def precision_plan(model: nn.Module, plan: list, cfg: PrecisionConfig) -> dict:
+    """What `--plan` shows: each module group's storage/compute dtype and the FP8 layer decisions.
+
+    `model` is the plain (not yet peft-wrapped, possibly meta-device) model and `plan` its tier plan.
+    """
+    from vlforge.engine.fp8 import fp8_layer_plan, summarize
+
+    full_roots = [e.module for e in plan if e.kind == "full"]
+    trainable = {name for name, _ in model.named_modules()
+                 if any(name == r or name.startswith(r + ".") for r in full_roots)}
+    decisions = fp8_layer_plan(model, cfg.fp8) if cfg.fp8.enabled else {}
+    fp8_layers = {name: d.reason for name, d in decisions.items() if d.convert}
+    policy = PrecisionPolicy(cfg, "cpu")
+    out = {"mode": cfg.mode, "master_weights": NAMES[policy.master_dtype],
+           "table": policy.table(model, trainable, {e.module for e in plan if e.kind == "lora"}, fp8_layers)}
+    if decisions:
+        out["fp8"] = summarize(decisions)
+    return out

@@ -83,7 +83,7 @@ def setup_model(cfg: SFTConfig) -> Trainable:
             core.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
             core.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    compile_on = cfg.precision.compile == "on" or (
+    compile_on = cfg.precision.compile is True or (
         cfg.precision.compile == "auto" and fp8 is not None and cfg.precision.fp8.backend == "torchao")
     if compile_on:
         compile_blocks(model)

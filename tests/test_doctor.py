@@ -1,0 +1,162 @@
+"""`vlforge doctor` on this CPU-only machine: the report's schema, recipe requirements, exit codes."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from vlforge.cli import main
+from vlforge.doctor import (
+    BF16_TOLERANCE,
+    FP8_TOLERANCE,
+    STATUSES,
+    bf16_matmul_error,
+    format_report,
+    fp8_matmul_error,
+    run_checks,
+    version_checks,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+# in-process runs see whatever GPUs the machine has; these tests describe a machine with none
+no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="expects a machine without a visible GPU")
+
+
+def _fails(report: dict) -> list[dict]:
+    return [c for c in report["checks"] if c["status"] == "fail"]
+
+
+def test_json_report_schema_on_cpu():
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, "-m", "vlforge", "doctor", "--json"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads(proc.stdout)
+    assert set(report) >= {"ok", "checks", "environment", "gpus", "libraries", "recipe"}
+    assert report["ok"] is True and report["gpus"] == []
+    for check in report["checks"]:
+        assert {"name", "status", "detail", "advice"} <= set(check)
+        assert check["status"] in STATUSES and isinstance(check["detail"], str) and isinstance(check["advice"], str)
+        if check["status"] == "fail":
+            assert check["advice"]
+    statuses = {c["name"]: c["status"] for c in report["checks"]}
+    assert statuses["gpu"] == "warn" and statuses["python"] == "ok" and statuses["transformers"] == "ok"
+    assert statuses["bf16 matmul"] == "skip" and statuses["fp8 matmul"] == "skip"
+    gpu = next(c for c in report["checks"] if c["name"] == "gpu")
+    assert "CPU" in gpu["detail"] and gpu["advice"]
+
+    env_section = report["environment"]
+    assert set(env_section) == {"python", "torch", "cuda", "driver", "transformers", "peft"}
+    assert env_section["torch"] == torch.__version__ and env_section["cuda"] == torch.version.cuda
+
+    libs = report["libraries"]
+    assert set(libs) == {"torchao", "bitsandbytes", "transformer_engine", "flash_attn", "liger_kernel"}
+    for info in libs.values():
+        assert set(info) == {"available", "version", "error"} and isinstance(info["available"], bool)
+        assert (info["error"] is None) == info["available"]
+    for name in ("bitsandbytes", "transformer_engine", "flash_attn", "liger_kernel"):
+        check = next(c for c in report["checks"] if c["name"] == name)
+        if not libs[name]["available"]:
+            assert check["status"] in ("skip", "warn") and "pip install" in check["advice"]
+
+    recipe = report["recipe"]
+    assert recipe["config"] is None and recipe["device"] == "cpu" and "bf16" in recipe["needs"]
+
+
+@no_gpu
+def test_fp8_recipe_fails_on_cpu_on_the_hardware_check(tmp_path, capsys):
+    cfg = tmp_path / "fp8.yaml"
+    cfg.write_text("precision: {mode: bf16, fp8: {enabled: true}}\n")
+    assert main(["doctor", "--config", str(cfg), "--json"]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["ok"] is False and report["recipe"]["config"] == str(cfg)
+    assert {"fp8", "torchao"} <= set(report["recipe"]["needs"])
+    fails = _fails(report)
+    assert [c["name"] for c in fails] == ["recipe fp8"]  # torchao is installed: only the hardware fails
+    assert "precision.fp8.enabled=false" in fails[0]["advice"]
+
+
+@no_gpu
+def test_cuda_device_fails_without_a_gpu(capsys):
+    assert main(["doctor", "train.device=cuda"]) == 1
+    out = capsys.readouterr().out
+    assert "[FAIL] recipe device: train.device=cuda but no CUDA GPU is visible" in out
+    assert "doctor: 1 required check(s) failed" in out.splitlines()[-1]
+
+
+def test_missing_model_path_is_named(tmp_path, capsys):
+    missing = tmp_path / "no-such-model"
+    assert main(["doctor", f"model.path={missing}", "--json"]) == 1
+    fails = _fails(json.loads(capsys.readouterr().out))
+    assert len(fails) == 1 and fails[0]["name"] == "recipe model.path" and str(missing) in fails[0]["detail"]
+
+    (tmp_path / "model").mkdir()
+    assert main(["doctor", f"model.path={tmp_path / 'model'}", "--json"]) == 1
+    assert "config.json" in _fails(json.loads(capsys.readouterr().out))[0]["detail"]
+    (tmp_path / "model" / "config.json").write_text("{}")
+    (tmp_path / "model" / "model.safetensors").write_bytes(b"")
+    assert main(["doctor", f"model.path={tmp_path / 'model'}", "--json"]) == 0
+    capsys.readouterr()
+
+
+def test_grpo_recipe_and_flash_attention(tmp_path, capsys):
+    cfg = tmp_path / "grpo.yaml"
+    cfg.write_text("rollout: {group_size: 4}\nmodel: {attn_implementation: flash_attention_2}\n")
+    code = main(["doctor", "--config", str(cfg), "--json"])
+    report = json.loads(capsys.readouterr().out)
+    flash = next(c for c in report["checks"] if c["name"] == "recipe flash_attn")
+    if report["libraries"]["flash_attn"]["available"]:
+        assert code == 0 and flash["status"] == "ok"
+    else:
+        assert code == 1 and flash["status"] == "fail" and "pip install flash-attn" in flash["advice"]
+
+
+@no_gpu
+def test_human_format_and_default_recipe(capsys):
+    assert main(["doctor"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-1] == "doctor: all required checks passed"
+    assert any(line.startswith("[warn] gpu: ") for line in lines)
+    assert any(line.startswith("[ ok ] python: ") for line in lines)
+    assert all(line.startswith(("[ ok ] ", "[warn] ", "[FAIL] ", "[skip] ", "      -> ", "doctor: ")) for line in lines)
+
+
+def test_bad_config_key_exits_2_naming_it(tmp_path, capsys):
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("train: {bacth_size: 2}\n")
+    assert main(["doctor", "--config", str(cfg)]) == 2
+    err = capsys.readouterr().err
+    assert "train.bacth_size" in err and "did you mean 'batch_size'" in err and len(err.strip().splitlines()) == 1
+
+
+def test_matmul_error_measures_run_on_cpu():
+    # the GPU checks' arithmetic, run for real on the CPU: bf16 and FP8 land inside their tolerances
+    cpu = torch.device("cpu")
+    assert 0 < bf16_matmul_error(cpu) < BF16_TOLERANCE
+    assert bf16_matmul_error(cpu) < fp8_matmul_error(cpu) < FP8_TOLERANCE
+
+
+def test_old_transformers_fails_with_the_pip_command():
+    env = {"python": "3.11.7", "torch": "2.14.1+cu130", "cuda": "13.0", "driver": None, "transformers": "5.16.2",
+           "peft": "0.21.2", "_cuda_available": False}
+    checks = {c.name: c for c in version_checks(env, expect_cuda=False)}
+    assert checks["transformers"].status == "fail"
+    assert checks["transformers"].advice == 'pip install -U "transformers>=5.17"'
+    assert checks["torch"].status == "ok" and checks["peft"].status == "ok"
+    assert checks["nvidia driver"].status == "skip"
+    env.update(python="3.10.14", transformers="5.17.0rc1", driver="535.104.05")
+    checks = {c.name: c for c in version_checks(env, expect_cuda=True)}
+    assert checks["python"].status == "fail" and checks["transformers"].status == "ok"
+    assert checks["nvidia driver"].status == "warn" and "580" in checks["nvidia driver"].advice
+
+
+def test_format_report_counts_failures():
+    report = run_checks()
+    report["checks"].append({"name": "x", "status": "fail", "detail": "broken", "advice": "fix it"})
+    text = format_report(report)
+    assert "[FAIL] x: broken\n      -> fix it\n" in text
+    assert text.splitlines()[-1] == "doctor: 1 required check(s) failed"

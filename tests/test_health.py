@@ -1,0 +1,74 @@
+import math
+
+import pytest
+import torch
+
+from vlforge.config import HealthConfig
+from vlforge.data.dataset import load_dataset
+from vlforge.data.encode import collate
+from vlforge.engine.health import GradHealth, TrainingDiverged
+from vlforge.engine.optim import build_optimizer
+from vlforge.model.tiers import param_groups
+from vlforge.recipes.sft import setup_model, train_step
+
+from helpers import tiny_sft_config
+
+
+def _setup(shapes_dir, tmp_path, *overrides):
+    cfg = tiny_sft_config(shapes_dir, tmp_path, "tiers.method=lora", *overrides)
+    t = setup_model(cfg)
+    data = load_dataset(cfg.data.train, t.processor, cfg.data)
+    optimizer = build_optimizer(param_groups(t.model, t.plan, 0.0), cfg.optim, "cpu")
+    batch = [collate([data[i] for i in range(4)], data.encoder.pad_id)]
+    return cfg, t, optimizer, batch
+
+
+def test_per_group_norms_add_up_to_the_global_norm(shapes_dir, tmp_path):
+    cfg, t, optimizer, batch = _setup(shapes_dir, tmp_path)
+    row = train_step(t, batch, optimizer, t.policy.grad_scaler(), GradHealth(t.model, t.plan, cfg.health), None)
+    groups = {k.split("/", 1)[1]: v for k, v in row.items() if k.startswith("grad_norm/")}
+    assert set(groups) == {"language", "projector", "vision"}
+    assert all(v > 0 for v in groups.values())
+    assert row["grad_norm"] == pytest.approx(math.sqrt(sum(v * v for v in groups.values())), rel=1e-6)
+
+
+def test_nan_gradient_is_skipped_named_and_aborts_after_k_steps(shapes_dir, tmp_path):
+    cfg, t, optimizer, batch = _setup(shapes_dir, tmp_path, "health.max_bad_steps=2")
+    health = GradHealth(t.model, t.plan, cfg.health)
+    projector = next(p for n, p in t.model.named_parameters() if "merger" in n and p.requires_grad)
+    before = {n: p.detach().clone() for n, p in t.model.named_parameters()}
+    hook = projector.register_hook(lambda g: g * float("nan"))
+    row = train_step(t, batch, optimizer, t.policy.grad_scaler(), health, 1.0)
+    assert row["skipped"] and row["nonfinite_groups"] == ["projector"]
+    assert math.isfinite(row["grad_norm/language"]) and not math.isfinite(row["grad_norm/projector"])
+    for n, p in t.model.named_parameters():
+        assert torch.equal(before[n], p.detach()), n  # nothing moved, not even the healthy groups
+    with pytest.raises(TrainingDiverged, match=r"2 consecutive steps.*projector"):
+        train_step(t, batch, optimizer, t.policy.grad_scaler(), health, 1.0)
+    hook.remove()
+
+
+def test_a_good_step_resets_the_bad_streak(shapes_dir, tmp_path):
+    cfg, t, optimizer, batch = _setup(shapes_dir, tmp_path, "health.max_bad_steps=2")
+    health = GradHealth(t.model, t.plan, cfg.health)
+    param = next(p for p in t.model.parameters() if p.requires_grad)
+    hook = param.register_hook(lambda g: g * float("inf"))
+    assert train_step(t, batch, optimizer, t.policy.grad_scaler(), health, 1.0)["skipped"]
+    hook.remove()
+    assert not train_step(t, batch, optimizer, t.policy.grad_scaler(), health, 1.0)["skipped"]
+    assert health.bad_streak == 0
+
+
+def test_loss_spike_is_reported_against_the_recent_median(capsys):
+    model = torch.nn.Linear(4, 4)
+    health = GradHealth(model, [], HealthConfig(spike_factor=3.0, spike_window=4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    rows = []
+    for loss in [1.0, 1.2, 0.9, 1.1, 1.0, 5.0, 1.0]:
+        model(torch.ones(1, 4)).sum().backward()
+        rows.append(health.step(optimizer, scaler, 1.0, loss))
+    assert [("loss_spike" in r) for r in rows] == [False] * 5 + [True, False]
+    assert rows[5]["loss_spike"] == pytest.approx(5.0 / 1.05)
+    assert set(health.groups) == {"other"}  # params outside any tier still get a group
+    assert "loss spike" in capsys.readouterr().err
