@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # FP8 (torchao) vs bf16 SFT on the published 2B / 8B architectures: tokens/s, peak memory and
 # 200-step loss curves on the same synthetic data (bench/sft_throughput.py --curve).
-# Usage on a CUDA machine, from the repo root:  OUT=/some/dir bash bench/gpu_fp8.sh 2b|8b|tests
+# Usage on a CUDA machine, from the repo root:  OUT=/some/dir bash bench/gpu_fp8.sh tests|2b|8b-bf16|8b-fp8|8b-lora
 set -uo pipefail
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/vlforge-fp8}; mkdir -p "$OUT"
@@ -24,10 +24,14 @@ case "${1:-2b}" in
     run 2b_bf16 --preset qwen3vl-2b --method full --steps 200 --samples 256 --override $LR precision.compile=true
     run 2b_fp8 --preset qwen3vl-2b --method full --steps 200 --samples 256 --override $LR precision.fp8.enabled=true
     ;;
-  8b)  # 8B full does not fit with fp32 master weights + AdamW (16 bytes/param): bf16 masters for both
-    M="precision.master_weights=compute"
-    run 8b_bf16 --preset qwen3vl-8b --method full --steps 200 --samples 256 --override $LR $M precision.compile=true
-    run 8b_fp8 --preset qwen3vl-8b --method full --steps 200 --samples 256 --override $LR $M precision.fp8.enabled=true
+  # 8B full does not fit with fp32 master weights + AdamW (16 bytes/param): bf16 masters for both
+  8b-bf16)
+    run 8b_bf16 --preset qwen3vl-8b --method full --steps 200 --samples 256 --override $LR \
+      precision.master_weights=compute precision.compile=true
+    ;;
+  8b-fp8)
+    run 8b_fp8 --preset qwen3vl-8b --method full --steps 200 --samples 256 --override $LR \
+      precision.master_weights=compute precision.fp8.enabled=true
     ;;
   8b-lora)
     run 8b_lora_bf16 --preset qwen3vl-8b --method lora --steps 30 --samples 64 --override precision.compile=true
