@@ -72,3 +72,7 @@ def test_loss_spike_is_reported_against_the_recent_median(capsys):
     assert rows[5]["loss_spike"] == pytest.approx(5.0 / 1.05)
     assert set(health.groups) == {"other"}  # params outside any tier still get a group
     assert "loss spike" in capsys.readouterr().err
+    quiet = GradHealth(model, [], HealthConfig(spike_factor=3.0, spike_window=4, spike_min_loss=0.1))
+    for loss in [0.01, 0.012, 0.009, 0.011, 0.05]:  # 5x the median, but converged noise
+        model(torch.ones(1, 4)).sum().backward()
+        assert "loss_spike" not in quiet.step(optimizer, scaler, 1.0, loss)

@@ -258,12 +258,49 @@ class LogConfig:
 
 
 @dataclass
+class QuantConfig:
+    """Per-module weight quantization (model/quant.py): QLoRA training and quantized deployment."""
+
+    language: Literal["none", "nf4", "int8", "fp8"] = "none"
+    vision: Literal["none", "nf4", "int8", "fp8"] = "none"
+    projector: Literal["none", "nf4", "int8", "fp8"] = "none"
+    allow_4bit_vision: bool = False  # nf4 on the vision tower / projector only when forced
+
+    def __post_init__(self):
+        for group in ("vision", "projector"):
+            if getattr(self, group) == "nf4" and not self.allow_4bit_vision:
+                raise ConfigError(f"quant.{group}=nf4: 4-bit vision weights lose fine visual detail for little "
+                                  "memory; keep bf16 (none) or use int8/fp8, or set quant.allow_4bit_vision=true")
+        used = {self.language, self.vision, self.projector} - {"none"}
+        bnb = used & {"nf4", "int8"}
+        if bnb and "fp8" in used:
+            raise ConfigError(f"quant: {sorted(used)} mixes bitsandbytes (nf4/int8) and torchao (fp8) methods; "
+                              "one backend per model")
+        if len(bnb) > 1:
+            raise ConfigError("quant: nf4 and int8 cannot be mixed in one model (one bitsandbytes config)")
+
+    @property
+    def enabled(self) -> bool:
+        return any(m != "none" for m in (self.language, self.vision, self.projector))
+
+    @classmethod
+    def from_flag(cls, flag: str | None) -> "QuantConfig":
+        """The CLI's `--quant nf4|int8|fp8|none`: the language model only, vision stays bf16."""
+        if flag in (None, "none"):
+            return cls()
+        if flag not in ("nf4", "int8", "fp8"):
+            raise ConfigError(f"--quant {flag}: choose nf4, int8, fp8 or none")
+        return cls(language=flag)
+
+
+@dataclass
 class HealthConfig:
     """Gradient-health monitor: per-group grad norms, inf/nan steps skipped, loss-spike warnings."""
 
     max_bad_steps: int = 10  # abort after this many consecutive steps with inf/nan gradients
     spike_factor: float = 3.0  # warn when a step's loss exceeds spike_factor x the recent median
     spike_window: int = 20  # steps in that median (no warnings before the window has filled)
+    spike_min_loss: float = 0.1  # near convergence relative jumps are noise: smaller losses never warn
 
     def __post_init__(self):
         _require(self.max_bad_steps >= 1 and self.spike_factor > 1 and self.spike_window >= 2,
@@ -281,6 +318,7 @@ class SFTConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
+    quant: QuantConfig = field(default_factory=QuantConfig)
 
 
 @dataclass
@@ -343,6 +381,7 @@ class GRPOConfig:
     eval: EvalConfig = field(default_factory=EvalConfig)
     log: LogConfig = field(default_factory=LogConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
+    quant: QuantConfig = field(default_factory=QuantConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     rl: RLConfig = field(default_factory=RLConfig)
 

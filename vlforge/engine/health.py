@@ -87,7 +87,7 @@ class GradHealth:
         spike = {}
         if len(self.recent_losses) == self.recent_losses.maxlen:
             median = statistics.median(self.recent_losses)
-            if median > 0 and loss > self.cfg.spike_factor * median:
+            if loss > self.cfg.spike_min_loss and loss > self.cfg.spike_factor * median:
                 tqdm.write(f"warning: loss spike {loss:.4g} > {self.cfg.spike_factor:g} x recent median {median:.4g}",
                            file=sys.stderr)
                 spike = {"loss_spike": loss / median}

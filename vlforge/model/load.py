@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import torch
 from transformers import AutoProcessor, Qwen3VLForConditionalGeneration
 
-from vlforge.config import ConfigError, ModelConfig
+from vlforge.config import ConfigError, ModelConfig, QuantConfig
 from vlforge.model.presets import TINY_PATCH, build_processor, preset_config, tiny_tokenizer
 
 # Belt and braces: nothing in vlforge may reach the hub at run time.
@@ -36,11 +37,18 @@ def load_processor(cfg: ModelConfig):
     return build_processor(tiny_tokenizer(), 16)
 
 
-def load_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
-    """Returns (model, processor). `path` wins over `preset`; presets are randomly initialised from `cfg.seed`."""
+def load_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+               quant: QuantConfig | None = None):
+    """Returns (model, processor). `path` wins over `preset`; presets are randomly initialised from `cfg.seed`.
+
+    With `quant` enabled the weights go through transformers' quantizer (bitsandbytes / torchao)
+    as they load, with exactly the modules of model/quant.py's plan quantized (checked).
+    """
     if not cfg.path and not cfg.preset:
         raise ConfigError("set model.path (a local Qwen3-VL directory) or model.preset "
                           "(tiny, qwen3vl-2b, qwen3vl-4b, qwen3vl-8b, qwen3vl-32b)")
+    if quant is not None and quant.enabled:
+        return _load_quantized(cfg, quant, dtype, torch.device(device))
     processor = load_processor(cfg)
     if cfg.path:
         model = Qwen3VLForConditionalGeneration.from_pretrained(
@@ -55,6 +63,32 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: str
             torch.manual_seed(cfg.seed)
             with torch.device(device):
                 model = Qwen3VLForConditionalGeneration._from_config(config, dtype=dtype)
+    model.generation_config.pad_token_id = processor.tokenizer.pad_token_id
+    model.generation_config.eos_token_id = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    return model, processor
+
+
+def _load_quantized(cfg: ModelConfig, quant: QuantConfig, dtype: torch.dtype, device: torch.device):
+    from vlforge.model.quant import from_pretrained_kwargs, quant_plan, verify
+
+    if cfg.path is None:  # quantizers act at from_pretrained: a preset goes through a directory
+        model, processor = load_model(cfg, dtype=dtype, device=device)  # random init is fastest on the GPU
+        with tempfile.TemporaryDirectory() as tmp:
+            model.save_pretrained(tmp)
+            processor.save_pretrained(tmp)
+            del model
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            return _load_quantized(ModelConfig(path=tmp, attn_implementation=cfg.attn_implementation), quant,
+                                   dtype, device)
+    meta, processor = build_meta_model(cfg)
+    kwargs = from_pretrained_kwargs(quant, quant_plan(meta, quant))
+    if quant.language == "int8" or quant.vision == "int8":
+        dtype = torch.float16  # LLM.int8() computes in fp16
+    model = Qwen3VLForConditionalGeneration.from_pretrained(
+        str(check_model_dir(cfg.path)), dtype=dtype, local_files_only=True, attn_implementation=cfg.attn_implementation,
+        device_map=str(device) if device.type == "cuda" else None, **kwargs)
+    verify(model, quant)  # the skip list must have been exact
     model.generation_config.pad_token_id = processor.tokenizer.pad_token_id
     model.generation_config.eos_token_id = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
     return model, processor

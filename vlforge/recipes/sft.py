@@ -69,7 +69,13 @@ def setup_model(cfg: SFTConfig) -> Trainable:
     # Full fine-tuning loads straight into the master dtype; LoRA loads the frozen base in the
     # compute dtype (peft creates the adapters in fp32). policy.apply then settles every tensor.
     load_dtype = policy.master_dtype if cfg.tiers.method == "full" else policy.compute_dtype
-    model, processor = load_model(cfg.model, dtype=load_dtype, device=device)
+    if cfg.quant.enabled and cfg.tiers.method != "lora":
+        raise ConfigError("quant (QLoRA) needs tiers.method=lora: quantized base weights cannot be trained directly")
+    # QLoRA: no peft prepare_model_for_kbit_training here, it would upcast every non-quantized
+    # weight (the whole vision tower) to fp32; policy.apply below leaves the packed 4-bit weights
+    # alone and keeps the rest in their storage dtypes, and non-reentrant checkpointing needs no
+    # input that requires grad.
+    model, processor = load_model(cfg.model, dtype=load_dtype, device=device, quant=cfg.quant)
     plan = build_plan(model, cfg.tiers)
     model = apply_plan(model, plan)
     fp8_plan = {}

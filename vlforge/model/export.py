@@ -1,0 +1,133 @@
+"""Export a checkpoint as a standard Hugging Face model directory.
+
+    vlforge export runs/x/checkpoint-500 --out merged/ --merge            # LoRA merged into bf16 weights
+    vlforge export runs/x/checkpoint-500 --out adapter/                   # adapter only (+ base reference)
+    vlforge export runs/x/checkpoint-500 --out merged-nf4/ --merge --quant nf4
+
+The merged directory holds config.json, safetensors shards, generation config, tokenizer,
+processor and chat-template files: plain `Qwen3VLForConditionalGeneration.from_pretrained` and
+`AutoProcessor.from_pretrained` load it, with no vlforge installed. LoRA is merged in bf16 into
+an unquantized base (merging into NF4 weights would round the update away and cannot be saved
+as a plain model); quantization is applied afterwards, by loading the merged weights through
+transformers' quantizer and saving that.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from vlforge.config import ConfigError, GRPOConfig, SFTConfig, load_config
+from vlforge.engine.precision import DTYPES
+from vlforge.config import QuantConfig
+
+ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
+
+
+def run_config(checkpoint: Path):
+    """The SFT or GRPO config of the run a checkpoint belongs to (its parent's config.yaml)."""
+    path = checkpoint.parent / "config.yaml"
+    if not path.is_file():
+        raise ConfigError(f"{path} not found: a checkpoint's base model is named in its run's config.yaml")
+    text = path.read_text()
+    return load_config(GRPOConfig if "\nrl:" in text or text.startswith("rl:") else SFTConfig, path)
+
+
+def _check_checkpoint(checkpoint: Path) -> str:
+    if not checkpoint.is_dir():
+        raise ConfigError(f"{checkpoint} is not a directory (expected runs/NAME/checkpoint-STEP)")
+    if (checkpoint / "adapter_config.json").is_file():
+        return "lora"
+    if (checkpoint / "config.json").is_file():
+        return "full"
+    raise ConfigError(f"{checkpoint} has neither adapter_config.json (LoRA) nor config.json (full weights)")
+
+
+def _prepare_out(out: Path, overwrite: bool) -> None:
+    if out.exists() and any(out.iterdir()):
+        if not overwrite:
+            raise ConfigError(f"{out} is not empty; choose another --out or pass --overwrite")
+        shutil.rmtree(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+
+
+def load_merged(checkpoint: Path, dtype: torch.dtype = torch.bfloat16):
+    """(model, processor) with LoRA merged into an unquantized base, or the full checkpoint's weights."""
+    from peft import PeftModel
+    from transformers import AutoProcessor, Qwen3VLForConditionalGeneration
+
+    from vlforge.model.load import load_model
+
+    if _check_checkpoint(checkpoint) == "full":
+        model = Qwen3VLForConditionalGeneration.from_pretrained(str(checkpoint), dtype=dtype, local_files_only=True)
+        return model, AutoProcessor.from_pretrained(str(checkpoint), local_files_only=True)
+    cfg = run_config(checkpoint)
+    # The base as the run saw it (a preset's random init depends on the dtype it is drawn in),
+    # merged there, then cast: the merge itself computes B @ A in fp32.
+    base, processor = load_model(cfg.model, dtype=DTYPES[cfg.precision.mode])
+    model = PeftModel.from_pretrained(base, str(checkpoint), is_trainable=False)
+    return model.merge_and_unload().to(dtype), processor
+
+
+def export(checkpoint: str | Path, out: str | Path, *, merge: bool = False, quant: QuantConfig | None = None,
+           dtype: torch.dtype = torch.bfloat16, overwrite: bool = False) -> dict:
+    """Write `out`; returns {"out", "kind", "quant", "files"}."""
+    checkpoint, out = Path(checkpoint), Path(out)
+    kind = _check_checkpoint(checkpoint)
+    quant = quant or QuantConfig()
+    if kind == "lora" and not merge:
+        if quant.enabled:
+            raise ConfigError("--quant needs --merge for a LoRA checkpoint (an adapter has no base weights to quantize)")
+        _prepare_out(out, overwrite)
+        return _export_adapter(checkpoint, out)
+    _prepare_out(out, overwrite)
+    model, processor = load_merged(checkpoint, dtype)
+    staging = Path(tempfile.mkdtemp(prefix=".export-", dir=out.parent))  # renamed into place when complete
+    try:
+        if quant.enabled:
+            with tempfile.TemporaryDirectory() as plain:
+                _save(model, processor, Path(plain))
+                del model
+                from vlforge.serve.engine import InferenceEngine
+
+                engine = InferenceEngine.load(plain, quant=quant)
+                _save(engine.model, engine.processor, staging)
+        else:
+            _save(model, processor, staging)
+        if out.exists():
+            out.rmdir()
+        staging.rename(out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    files = sorted(p.name for p in out.iterdir())
+    return {"out": str(out), "kind": "merged" if kind == "lora" else "full", "quant": _quant_name(quant), "files": files}
+
+
+def _save(model, processor, out: Path) -> None:
+    model.generation_config.pad_token_id = processor.tokenizer.pad_token_id
+    model.save_pretrained(out, max_shard_size="5GB")
+    processor.save_pretrained(out)
+
+
+def _export_adapter(checkpoint: Path, out: Path) -> dict:
+    """The adapter, the processor files, and which base model it belongs to."""
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ADAPTER_FILES:
+        shutil.copy2(checkpoint / name, out / name)
+    from transformers import AutoProcessor
+
+    AutoProcessor.from_pretrained(str(checkpoint), local_files_only=True).save_pretrained(out)
+    cfg = run_config(checkpoint)
+    (out / "vlforge_base.json").write_text(json.dumps(
+        {"model.path": cfg.model.path, "model.preset": cfg.model.preset, "model.seed": cfg.model.seed,
+         "note": "load with peft: PeftModel.from_pretrained(base_model, this_dir)"}, indent=2))
+    return {"out": str(out), "kind": "adapter", "quant": "none", "files": sorted(p.name for p in out.iterdir())}
+
+
+def _quant_name(q: QuantConfig) -> str:
+    return "none" if not q.enabled else ",".join(f"{g}={getattr(q, g)}" for g in ("language", "vision", "projector")
+                                                 if getattr(q, g) != "none")

@@ -1,0 +1,117 @@
+"""Inference recipes on a loaded InferenceEngine: one answer, an interactive chat, a JSONL eval.
+
+    vlforge infer merged/ --image cat.png --prompt "What animal is this?" [--quant nf4] [--task classify]
+    vlforge chat merged/ [--quant nf4]                 # /image PATH attaches an image, /reset, /quit
+    vlforge eval merged/ --data val.jsonl [--quant nf4] [--out answers.json]
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import defaultdict
+from pathlib import Path
+from typing import Callable
+
+from PIL import Image
+
+from vlforge.data.encode import open_images
+from vlforge.data.jsonl import read_jsonl
+from vlforge.rl.rewards import exact_match
+from vlforge.serve.engine import MAX_NEW_TOKENS, InferenceEngine, Request
+
+
+def user_message(prompt: str, n_images: int) -> dict:
+    return {"role": "user", "content": [{"type": "image"}] * n_images + [{"type": "text", "text": prompt}]}
+
+
+def answer(engine: InferenceEngine, prompt: str, image_paths: list[str], *, max_new_tokens: int | None = None,
+           task: str = "qa", temperature: float = 0.0, on_text: Callable[[str], None] | None = None) -> str:
+    images = []
+    for p in image_paths:
+        with Image.open(p) as im:
+            images.append(im.convert("RGB"))
+    request = Request([user_message(prompt, len(images))], images,
+                      max_new_tokens=max_new_tokens or MAX_NEW_TOKENS[task], temperature=temperature)
+    stream = None if on_text is None else (lambda _row, text: on_text(text))
+    return engine.generate([request], on_text=stream)[0].text
+
+
+def chat(engine: InferenceEngine, read: Callable[[str], str] = input, write: Callable[[str], None] = print,
+         stream: Callable[[str], None] | None = None, max_new_tokens: int = MAX_NEW_TOKENS["describe"]) -> None:
+    """A REPL keeping the conversation; images attached with /image are sent with the next message.
+
+    `stream` receives the reply's text as it is generated (then `write` gets a newline);
+    without it `write` gets the whole reply.
+    """
+    history: list[dict] = []
+    images: list[Image.Image] = []
+    pending: list[Image.Image] = []
+    write("vlforge chat: type a message; /image PATH attaches an image, /reset clears, /quit exits")
+    while True:
+        try:
+            line = read("> ").strip()
+        except EOFError:
+            return
+        if line in ("/quit", "/exit"):
+            return
+        if line == "/reset":
+            history, images, pending = [], [], []
+            write("(conversation cleared)")
+            continue
+        if line.startswith("/image "):
+            path = line.removeprefix("/image ").strip()
+            try:
+                with Image.open(path) as im:
+                    pending.append(im.convert("RGB"))
+                write(f"(attached {path})")
+            except OSError as e:
+                write(f"cannot open {path}: {e}")
+            continue
+        if not line:
+            continue
+        history.append(user_message(line, len(pending)))
+        images += pending
+        pending = []
+        on_text = None if stream is None else (lambda _row, text: stream(text))
+        reply = engine.generate([Request(list(history), list(images), max_new_tokens=max_new_tokens)],
+                                on_text=on_text)[0]
+        write("" if stream else reply.text)
+        history.append({"role": "assistant", "content": [{"type": "text", "text": reply.text}]})
+
+
+def evaluate_jsonl(engine: InferenceEngine, path: str | Path, *, batch_size: int = 16,
+                   max_new_tokens: int = MAX_NEW_TOKENS["classify"], max_samples: int | None = None) -> dict:
+    """Batched greedy answers on a JSONL's prompts; exact-match accuracy overall and by task."""
+    samples = read_jsonl(path)[:max_samples]
+    rows, hits, by_task = [], 0, defaultdict(lambda: [0, 0])
+    for s in range(0, len(samples), batch_size):
+        chunk = samples[s:s + batch_size]
+        requests = [Request([_placeholders(m) for m in x.prompt_messages], open_images(x), max_new_tokens=max_new_tokens)
+                    for x in chunk]
+        for x, out in zip(chunk, engine.generate(requests)):
+            ok = exact_match(out.text, x.answer) == 1.0
+            hits += ok
+            task = x.fields.get("task", "all")
+            by_task[task][0] += ok
+            by_task[task][1] += 1
+            rows.append({"source": x.source, "task": task, "answer": out.text.strip(), "reference": x.answer, "correct": ok})
+    n = len(rows)
+    return {"n": n, "accuracy": hits / max(n, 1), "by_task": {k: a / b for k, (a, b) in sorted(by_task.items())},
+            "model": engine.name, "quant": engine.quant_report, "answers": rows}
+
+
+def _placeholders(message: dict) -> dict:
+    """A dataset message (image parts carry paths) as the engine wants it (images passed separately)."""
+    content = message["content"]
+    if isinstance(content, str):
+        return message
+    parts = [{"type": "image"} if p.get("type") == "image" else p for p in content]
+    return {**message, "content": parts}
+
+
+def write_json_atomic(data: dict, path: str | Path) -> None:
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    os.replace(tmp, path)
