@@ -13,6 +13,11 @@ from vlforge.rl.rewards import RewardError
 
 
 def _quiet_libraries() -> None:
+    import logging
+
+    # torch warns at import of optional libraries built for another torch (torchao's enum
+    # registrations): noise for a CLI user, nothing to act on
+    logging.getLogger("torch.utils._pytree").setLevel(logging.ERROR)
     from transformers.utils import logging as hf_logging
 
     hf_logging.set_verbosity_error()
@@ -97,6 +102,93 @@ def cmd_doctor(args) -> int:
     return 0 if report["ok"] else 1
 
 
+def _engine(args):
+    from vlforge.config import QuantConfig
+    from vlforge.serve.engine import InferenceEngine
+
+    return InferenceEngine.load(args.source, quant=QuantConfig.from_flag(args.quant), device=args.device)
+
+
+def cmd_export(args) -> int:
+    from vlforge.config import QuantConfig
+    from vlforge.engine.precision import DTYPES
+    from vlforge.model.export import export
+
+    result = export(args.checkpoint, args.out, merge=args.merge, quant=QuantConfig.from_flag(args.quant),
+                    dtype=DTYPES[args.dtype], overwrite=args.overwrite)
+    print(f"exported {result['kind']} model (quant {result['quant']}) to {result['out']}: {', '.join(result['files'])}")
+    return 0
+
+
+def cmd_infer(args) -> int:
+    from vlforge.recipes.infer import answer
+
+    engine = _engine(args)
+    answer(engine, args.prompt, args.image or [], max_new_tokens=args.max_new_tokens, task=args.task,
+           temperature=args.temperature, on_text=lambda text: print(text, end="", flush=True))
+    print()
+    return 0
+
+
+def cmd_chat(args) -> int:
+    from vlforge.recipes.infer import chat
+
+    chat(_engine(args), stream=lambda text: print(text, end="", flush=True), max_new_tokens=args.max_new_tokens)
+    return 0
+
+
+def cmd_eval(args) -> int:
+    from vlforge.recipes.infer import evaluate_jsonl, write_json_atomic
+
+    report = evaluate_jsonl(_engine(args), args.data, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+                            max_samples=args.max_samples)
+    if args.out:
+        write_json_atomic(report, args.out)
+    tasks = " ".join(f"{k} {v:.3f}" for k, v in report["by_task"].items())
+    print(f"accuracy {report['accuracy']:.3f} (n={report['n']}; {tasks})" + (f"; answers in {args.out}" if args.out else ""))
+    return 0
+
+
+def cmd_serve(args) -> int:
+    import os
+
+    try:
+        import uvicorn
+
+        from vlforge.serve.app import create_app
+    except ImportError as e:
+        raise ConfigError(f"vlforge serve needs fastapi and uvicorn ({e.name} is missing): "
+                          "pip install 'vlforge[serve]'") from None
+    if args.allow_files and not os.path.isdir(args.allow_files):
+        raise ConfigError(f"--allow-files {args.allow_files}: not a directory")
+    for flag in ("max_batch", "max_images", "max_prompt_tokens", "max_tokens_limit", "max_image_pixels", "port"):
+        if getattr(args, flag) < (0 if flag == "port" else 1):
+            raise ConfigError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be positive")
+    if args.max_body_mb <= 0:
+        raise ConfigError(f"--max-body-mb {args.max_body_mb}: must be positive")
+    engine = _engine(args)
+    app = create_app(engine, model_name=args.model_name, allow_files=args.allow_files, max_batch=args.max_batch,
+                     max_body_bytes=int(args.max_body_mb * 1024 * 1024), max_image_pixels=args.max_image_pixels,
+                     max_images=args.max_images, max_prompt_tokens=args.max_prompt_tokens,
+                     max_tokens=args.max_tokens_limit)
+    name = app.state.vlforge.model_name
+    if args.host not in ("127.0.0.1", "localhost", "::1"):
+        print(f"warning: listening on {args.host} without authentication; anyone who can reach the port can use "
+              "the model (put a proxy with auth in front)", file=sys.stderr)
+    print(f"serving {name!r} on http://{args.host}:{args.port}/v1 (POST /v1/chat/completions, GET /v1/models, "
+          f"GET /health); local image files: {args.allow_files or 'not allowed'}", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    return 0
+
+
+def _model_source_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("source", help="model directory (export output, full checkpoint, released weights), "
+                                  "a LoRA checkpoint-STEP directory, or the preset 'tiny'")
+    p.add_argument("--quant", choices=["none", "nf4", "int8", "fp8"], default="none",
+                   help="quantize the language model at load (vision tower and projector stay bf16)")
+    p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vlforge", description="Fine-tune, RL-train and serve Qwen3-VL models.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -137,6 +229,57 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--json", action="store_true")
     check.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. data.max_length=4096")
     check.set_defaults(func=cmd_data_check)
+
+    exp = sub.add_parser("export", help="write a checkpoint as a standard HF model directory")
+    exp.add_argument("checkpoint", help="runs/NAME/checkpoint-STEP")
+    exp.add_argument("--out", required=True, help="output directory")
+    exp.add_argument("--merge", action="store_true", help="merge LoRA into the base weights (else: adapter only)")
+    exp.add_argument("--quant", choices=["none", "nf4", "int8", "fp8"], default="none",
+                     help="also quantize the language model of the written directory")
+    exp.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="dtype of the merged weights")
+    exp.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    exp.set_defaults(func=cmd_export)
+
+    infer = sub.add_parser("infer", help="answer one prompt (with images) from a model")
+    _model_source_args(infer)
+    infer.add_argument("--image", action="append", help="image file (repeat for several)")
+    infer.add_argument("--prompt", required=True)
+    infer.add_argument("--task", choices=["classify", "qa", "describe"], default="qa",
+                       help="sets the default --max-new-tokens: 16 / 64 / 512")
+    infer.add_argument("--max-new-tokens", type=int)
+    infer.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    infer.set_defaults(func=cmd_infer)
+
+    chat = sub.add_parser("chat", help="interactive chat with a model (/image PATH, /reset, /quit)")
+    _model_source_args(chat)
+    chat.add_argument("--max-new-tokens", type=int, default=512)
+    chat.set_defaults(func=cmd_chat)
+
+    ev = sub.add_parser("eval", help="batched greedy answers + exact-match accuracy on a JSONL")
+    _model_source_args(ev)
+    ev.add_argument("--data", required=True, help="JSONL with reference answers (the training schemas)")
+    ev.add_argument("--batch-size", type=int, default=16)
+    ev.add_argument("--max-new-tokens", type=int, default=16)
+    ev.add_argument("--max-samples", type=int)
+    ev.add_argument("--out", help="write the report with every answer to this JSON file")
+    ev.set_defaults(func=cmd_eval)
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat completions, streaming, batching)")
+    _model_source_args(serve)
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--model-name", help="the model id clients send and /v1/models lists (default: the "
+                                            "source's directory name, or the preset)")
+    serve.add_argument("--allow-files", metavar="DIR", help="let requests name image files inside DIR (paths "
+                                                           "relative to DIR, absolute, or file://; symlinks resolved, "
+                                                           "nothing outside DIR); default: base64 data URLs only")
+    serve.add_argument("--max-batch", type=int, default=8, help="requests generated together in one batch")
+    serve.add_argument("--max-body-mb", type=float, default=20, help="largest request body, base64 images included")
+    serve.add_argument("--max-image-pixels", type=int, default=4096 * 4096, help="largest image (width x height)")
+    serve.add_argument("--max-images", type=int, default=8, help="images per request")
+    serve.add_argument("--max-prompt-tokens", type=int, default=8192, help="prompt tokens per request, images included")
+    serve.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens a request may ask for")
+    serve.set_defaults(func=cmd_serve)
 
     doctor = sub.add_parser("doctor", help="check Python, torch, GPUs and libraries (and what a recipe needs)")
     doctor.add_argument("--config", help="recipe YAML: also check what it needs (device, bf16, FP8, flash-attn, model.path)")

@@ -1,0 +1,489 @@
+"""`vlforge serve`: the OpenAI-compatible server, run for real (uvicorn on loopback) around the
+tiny random-weight model, talked to over HTTP with httpx."""
+
+import base64
+import io
+import json
+import socket
+import threading
+import time
+
+import pytest
+
+httpx = pytest.importorskip("httpx")
+uvicorn = pytest.importorskip("uvicorn")
+pytest.importorskip("fastapi")
+
+import torch  # noqa: E402
+from PIL import Image  # noqa: E402
+
+from vlforge.serve.app import create_app  # noqa: E402
+from vlforge.serve.engine import Completion, InferenceEngine, Request, _BatchStreamer  # noqa: E402
+
+LIMITS = dict(max_body_bytes=1_000_000, max_image_pixels=1_000_000, max_images=8, max_prompt_tokens=256,
+              max_tokens=64)
+
+
+class LiveServer:
+    """uvicorn in a background thread on a free loopback port."""
+
+    def __init__(self, app):
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.bind(("127.0.0.1", 0))
+        port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            assert self.thread.is_alive() and time.monotonic() < deadline, "server did not start"
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc):
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.sock.close()
+
+
+def png_bytes(size=(48, 40), color=(200, 30, 30)) -> bytes:
+    buf = io.BytesIO()
+    Image.new("RGB", size, color).save(buf, format="PNG")
+    return buf.getvalue()
+
+
+def data_url(raw: bytes, mime="image/png") -> str:
+    return f"data:{mime};base64,{base64.b64encode(raw).decode()}"
+
+
+def image_part(url: str) -> dict:
+    return {"type": "image_url", "image_url": {"url": url}}
+
+
+def user(text: str, *image_urls: str) -> list[dict]:
+    parts = [image_part(u) for u in image_urls] + [{"type": "text", "text": text}]
+    return [{"role": "user", "content": parts}]
+
+
+def body(messages=None, **kw) -> dict:
+    messages = [{"role": "user", "content": "Say hi"}] if messages is None else messages
+    return {"model": "tiny", "messages": messages,
+            "max_tokens": 6, "temperature": 0, **kw}
+
+
+def sse_events(response) -> list:
+    """The `data:` payloads of an SSE response, JSON-decoded ([DONE] kept as the string)."""
+    events = []
+    for line in response.iter_lines():
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            events.append(data if data == "[DONE]" else json.loads(data))
+        else:
+            assert line == "", line
+    return events
+
+
+def assert_error(r, status: int) -> dict:
+    assert r.status_code == status, (r.status_code, r.text)
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"], err
+    return err
+
+
+def assert_still_serving(client):
+    r = client.post("/v1/chat/completions", json=body(max_tokens=2))
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["message"]["role"] == "assistant"
+
+
+# ---------------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve")
+    allowed, outside = root / "allowed", root / "outside"
+    allowed.mkdir()
+    outside.mkdir()
+    (allowed / "inside.png").write_bytes(png_bytes())
+    (outside / "secret.png").write_bytes(png_bytes(color=(0, 0, 255)))
+    (allowed / "link.png").symlink_to(outside / "secret.png")
+    return {"allowed": allowed, "outside": outside}
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return InferenceEngine.load("tiny", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def server(engine, files):
+    app = create_app(engine, allow_files=files["allowed"], max_batch=8, batch_window_s=0.02, **LIMITS)
+    with LiveServer(app) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        yield c
+
+
+# ---------------------------------------------------------------------------------- the happy paths
+
+
+def test_models_and_health(client):
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list"
+    [card] = models["data"]
+    assert card["id"] == "tiny" and card["object"] == "model" and card["owned_by"] == "vlforge"
+    assert isinstance(card["created"], int)
+    assert client.get("/v1/models/tiny").json()["id"] == "tiny"
+    health = client.get("/health").json()
+    assert health["status"] == "ok" and health["model"] == "tiny"
+    assert {"queue", "batches", "max_batch_seen"} <= set(health)
+
+
+def test_text_completion(client, engine):
+    r = client.post("/v1/chat/completions", json=body(max_tokens=6))
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["id"].startswith("chatcmpl-") and out["object"] == "chat.completion"
+    assert out["model"] == "tiny" and isinstance(out["created"], int)
+    [choice] = out["choices"]
+    assert choice["index"] == 0 and choice["message"]["role"] == "assistant"
+    assert isinstance(choice["message"]["content"], str)
+    usage = out["usage"]
+    assert usage["prompt_tokens"] == engine.prompt_tokens(Request([{"role": "user", "content": "Say hi"}]))
+    assert 1 <= usage["completion_tokens"] <= 6
+    assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+    assert choice["finish_reason"] == ("length" if usage["completion_tokens"] == 6 else "stop")
+    # no model field, max_completion_tokens instead of max_tokens, stop as a string: all accepted
+    r = client.post("/v1/chat/completions", json={"messages": [{"role": "system", "content": "Be brief."},
+                                                               {"role": "user", "content": "Hi"}],
+                                                  "max_completion_tokens": 3, "temperature": 0, "stop": "zzz"})
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] <= 3
+
+
+def test_image_completion(client, engine):
+    url = data_url(png_bytes((64, 48)))
+    r = client.post("/v1/chat/completions", json=body(user("What colour is the shape?", url), max_tokens=5))
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["choices"][0]["finish_reason"] in ("stop", "length")
+    assert out["usage"]["completion_tokens"] <= 5
+    expected = engine.prompt_tokens(Request([{"role": "user", "content": [
+        {"type": "image"}, {"type": "text", "text": "What colour is the shape?"}]}], [Image.new("RGB", (64, 48))]))
+    text_only = engine.prompt_tokens(Request([{"role": "user", "content": [
+        {"type": "text", "text": "What colour is the shape?"}]}]))
+    assert out["usage"]["prompt_tokens"] == expected > text_only  # the image's tokens are counted
+
+
+def test_allowed_local_files(client, files):
+    for url in ("inside.png", str(files["allowed"] / "inside.png"), (files["allowed"] / "inside.png").as_uri()):
+        r = client.post("/v1/chat/completions", json=body(user("Colour?", url), max_tokens=2))
+        assert r.status_code == 200, (url, r.text)
+
+
+def _stream(client, payload) -> list:
+    with client.stream("POST", "/v1/chat/completions", json={**payload, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        assert r.headers["content-type"].startswith("text/event-stream")
+        return sse_events(r)
+
+
+@pytest.mark.parametrize("with_image", [False, True])
+def test_streaming_matches_non_streaming(client, with_image):
+    messages = user("Describe the picture.", data_url(png_bytes())) if with_image else None
+    payload = body(messages, max_tokens=8)
+    plain = client.post("/v1/chat/completions", json=payload).json()
+    events = _stream(client, {**payload, "stream_options": {"include_usage": True}})
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert all(c["object"] == "chat.completion.chunk" and c["model"] == "tiny" for c in chunks)
+    assert len({c["id"] for c in chunks}) == 1 and chunks[0]["id"].startswith("chatcmpl-")
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant"}
+    *body_chunks, final, usage_chunk = chunks
+    contents = [c["choices"][0]["delta"]["content"] for c in body_chunks[1:]]
+    assert all(c["choices"][0]["finish_reason"] is None for c in body_chunks)
+    assert len(contents) >= 2  # incremental: one chunk per decoded piece, not one blob at the end
+    assert "".join(contents) == plain["choices"][0]["message"]["content"]
+    assert final["choices"][0]["delta"] == {}
+    assert final["choices"][0]["finish_reason"] == plain["choices"][0]["finish_reason"]
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"] == plain["usage"]
+
+
+def test_streaming_with_stop_string(client):
+    """The streamed text stops where the final text stops, even when the stop string spans two chunks
+    (the engine holds back a tail that may become a stop string)."""
+    events = _stream(client, body(max_tokens=8))
+    pieces = [e["choices"][0]["delta"]["content"] for e in events[1:-2]]
+    full = "".join(pieces)
+    # a stop string made of the end of one chunk and the start of the next, not found earlier
+    cut = [sum(map(len, pieces[:k + 1])) for k in range(len(pieces) - 1)]
+    stop, at = next((full[i - 1:i + 1], i - 1) for i in sorted(cut, key=lambda i: i < 2)  # some text first
+                    if full.find(full[i - 1:i + 1]) == i - 1)
+    payload = body(max_tokens=8, stop=[stop, "never-seen"])
+    plain = client.post("/v1/chat/completions", json=payload).json()
+    assert plain["choices"][0]["message"]["content"] == full[:at]
+    assert plain["choices"][0]["finish_reason"] == "stop"
+    events = _stream(client, payload)
+    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1])
+    assert text == full[:at]
+    assert events[-2]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_concurrent_requests_are_batched(client, server):
+    before = client.get("/health").json()
+    n, results, errors = 6, [None] * 6, []
+    barrier = threading.Barrier(n)
+
+    def worker(i):
+        try:
+            with httpx.Client(base_url=server.url, timeout=120) as c:
+                messages = user(f"Question {i}?", data_url(png_bytes(color=(40 * i, 0, 0)))) if i % 2 else None
+                payload = body(messages, max_tokens=8)
+                barrier.wait()
+                if i in (1, 4):
+                    events = _stream(c, payload)
+                    assert events[-1] == "[DONE]"
+                    results[i] = "stream"
+                else:
+                    r = c.post("/v1/chat/completions", json=payload)
+                    assert r.status_code == 200, r.text
+                    results[i] = r.json()["choices"][0]["message"]["content"]
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not errors, errors
+    assert all(r is not None for r in results)
+    after = client.get("/health").json()
+    assert after["max_batch_seen"] > 1
+    assert after["batches"] - before["batches"] < n  # fewer generate calls than requests
+    assert after["requests"] - before["requests"] == n
+    assert after["queue"] == 0
+
+
+# ---------------------------------------------------------------------------------- bad requests
+
+
+def _bad_cases(files):
+    tiny_png = data_url(png_bytes((8, 8)))
+    big = io.BytesIO()
+    Image.new("L", (1100, 1000)).save(big, format="PNG")  # 1.1M pixels, a few KB compressed
+    post = "/v1/chat/completions"
+    return {
+        "malformed json": (post, {"content": b'{"messages": [', "headers": {"content-type": "application/json"}}, 400),
+        "not an object": (post, {"json": [1, 2]}, 400),
+        "missing messages": (post, {"json": {"model": "tiny", "max_tokens": 2}}, 400),
+        "empty messages": (post, {"json": body([])}, 400),
+        "bad role": (post, {"json": body([{"role": "wizard", "content": "hi"}])}, 400),
+        "bad part type": (post, {"json": body([{"role": "user", "content": [{"type": "audio", "x": 1}]}])}, 400),
+        "bad temperature": (post, {"json": body(temperature="hot")}, 400),
+        "n=2": (post, {"json": body(n=2)}, 400),
+        "unknown model": (post, {"json": body(model="gpt-4o")}, 404),
+        "bad base64": (post, {"json": body(user("x", "data:image/png;base64,@@not*base64!"))}, 400),
+        "not an image": (post, {"json": body(user("x", data_url(b"hello, I am plain text, not a PNG")))}, 400),
+        "not image media type": (post, {"json": body(user("x", data_url(png_bytes(), "text/plain")))}, 400),
+        "truncated image": (post, {"json": body(user("x", data_url(png_bytes()[:60])))}, 400),
+        "oversized body": (post, {"json": body(user("x" * 1_200_000))}, 413),
+        "oversized chunked body": (post, {"content": iter([b"x" * 100_000] * 12)}, 413),  # no Content-Length
+        "too many pixels": (post, {"json": body(user("x", data_url(big.getvalue())))}, 400),
+        "too many images": (post, {"json": body(user("x", *[tiny_png] * 9))}, 400),
+        "max_tokens too large": (post, {"json": body(max_tokens=65)}, 400),
+        "max_tokens zero": (post, {"json": body(max_tokens=0)}, 400),
+        "prompt too long": (post, {"json": body(user("word " * 400))}, 400),
+        "http url": (post, {"json": body(user("x", "https://example.com/cat.png"))}, 400),
+        "other scheme": (post, {"json": body(user("x", "ftp://example.com/cat.png"))}, 400),
+        "dotdot traversal": (post, {"json": body(user("x", "../outside/secret.png"))}, 403),
+        "dotdot in file url": (post, {"json": body(user("x", (files["allowed"] / "inside.png").as_uri()
+                                                            + "/../../../outside/secret.png"))}, 403),
+        "absolute outside": (post, {"json": body(user("x", str(files["outside"] / "secret.png")))}, 403),
+        "etc passwd": (post, {"json": body(user("x", "file:///etc/passwd"))}, 403),
+        "symlink outside": (post, {"json": body(user("x", "link.png"))}, 403),
+        "missing file inside": (post, {"json": body(user("x", "nope.png"))}, 400),
+        "unknown route": ("/v1/completions", {"json": body()}, 404),
+    }
+
+
+def test_bad_requests_get_openai_errors_and_server_keeps_serving(client, files):
+    failures = []
+    for name, (path, kwargs, status) in _bad_cases(files).items():
+        r = client.post(path, **kwargs)
+        try:
+            err = assert_error(r, status)
+            if name == "unknown model":
+                assert err["code"] == "model_not_found" and err["param"] == "model"
+            if name == "missing messages":
+                assert err["param"] == "messages"
+            if name == "http url":
+                assert "base64" in err["message"]
+            if status == 403:
+                assert err["code"] == "path_not_allowed" and err["type"] == "permission_error"
+            if name == "bad part type":
+                assert err["param"] == "messages.0.content.0" and "image_url" in err["message"]
+            assert_still_serving(client)
+        except AssertionError as e:
+            failures.append(f"{name}: {e}")
+    assert not failures, "\n".join(failures)
+    health = client.get("/health").json()
+    assert health["status"] == "ok" and health["queue"] == 0
+
+
+# ---------------------------------------------------------------------------------- with a scripted engine
+
+
+class ScriptedEngine:
+    """Stands in for InferenceEngine: streams "Hel", optionally waits to be released, then "lo"."""
+
+    name = "scripted"
+
+    def __init__(self):
+        self.release = threading.Event()
+        self.release.set()
+        self.in_generate = threading.Event()
+        self.fail_next = False
+
+    def prompt_tokens(self, request):
+        return 3 + 10 * len(request.images)
+
+    def generate(self, requests, on_text=None):
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("CUDA out of memory (scripted)")
+        self.in_generate.set()
+        try:
+            for i in range(len(requests)):
+                if on_text:
+                    on_text(i, "Hel")
+            assert self.release.wait(30)
+            for i in range(len(requests)):
+                if on_text:
+                    on_text(i, "lo")
+            return [Completion("Hello", 3 + 10 * len(r.images), 2, "stop") for r in requests]
+        finally:
+            self.in_generate.clear()
+
+
+@pytest.fixture(scope="module")
+def scripted():
+    engine = ScriptedEngine()
+    with LiveServer(create_app(engine)) as s, httpx.Client(base_url=s.url, timeout=60) as c:
+        yield engine, c
+
+
+def test_stream_text_arrives_while_generating(scripted):
+    engine, client = scripted
+    engine.release.clear()
+    try:
+        payload = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True}
+        with client.stream("POST", "/v1/chat/completions", json=payload) as r:
+            lines = r.iter_lines()
+            first = None
+            for line in lines:
+                if line.startswith("data: ") and '"content"' in line:
+                    first = json.loads(line[6:])
+                    break
+            assert first["choices"][0]["delta"]["content"] == "Hel"
+            assert engine.in_generate.is_set()  # the first text came out before generation finished
+            engine.release.set()
+            rest = [json.loads(x[6:]) if x != "data: [DONE]" else "[DONE]" for x in lines if x.startswith("data: ")]
+        assert rest[0]["choices"][0]["delta"]["content"] == "lo"
+        assert rest[1]["choices"][0]["finish_reason"] == "stop" and rest[-1] == "[DONE]"
+    finally:
+        engine.release.set()
+
+
+def test_generation_error_is_reported_and_server_recovers(scripted):
+    engine, client = scripted
+    payload = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    engine.fail_next = True
+    err = assert_error(client.post("/v1/chat/completions", json=payload), 500)
+    assert err["type"] == "server_error" and "out of memory" in err["message"]
+    assert client.post("/v1/chat/completions", json=payload).json()["choices"][0]["message"]["content"] == "Hello"
+    engine.fail_next = True
+    with client.stream("POST", "/v1/chat/completions", json={**payload, "stream": True}) as r:
+        events = sse_events(r)
+    assert "error" in events[-2] and events[-1] == "[DONE]"
+    assert client.post("/v1/chat/completions", json=payload).status_code == 200
+
+
+def test_request_of_a_client_that_left_is_skipped(scripted):
+    engine, client = scripted
+    payload = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    before = client.get("/health").json()
+    engine.release.clear()
+    try:
+        busy = threading.Thread(target=lambda: httpx.post(f"{client.base_url}/v1/chat/completions", json=payload,
+                                                          timeout=60))
+        busy.start()
+        assert engine.in_generate.wait(10)  # the batcher is busy: the next request waits in the queue
+        with httpx.Client(base_url=client.base_url, timeout=0.5) as impatient:
+            with pytest.raises(httpx.ReadTimeout):
+                impatient.post("/v1/chat/completions", json=payload)
+        assert client.get("/health").json()["queue"] == 1
+        time.sleep(0.3)  # the server sees the disconnect
+    finally:
+        engine.release.set()
+    busy.join(30)
+    deadline = time.monotonic() + 10
+    while (health := client.get("/health").json())["skipped"] == before["skipped"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert health["skipped"] == before["skipped"] + 1
+    assert health["requests"] == before["requests"] + 1 and health["queue"] == 0
+
+
+def test_local_files_refused_without_allow_files(scripted, files):
+    _, client = scripted
+    for url in ("inside.png", str(files["allowed"] / "inside.png"), "file:///etc/passwd"):
+        err = assert_error(client.post("/v1/chat/completions", json={"messages": user("x", url)}), 403)
+        assert "--allow-files" in err["message"]
+    r = client.post("/v1/chat/completions", json={"messages": user("x", data_url(png_bytes()))})
+    assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 13
+
+
+# ---------------------------------------------------------------------------------- the CLI
+
+
+def test_cli_serve_builds_the_app(monkeypatch, files):
+    from vlforge.cli import main
+
+    seen = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(app=app, **kw))
+    assert main(["serve", "tiny", "--device", "cpu", "--port", "8123", "--max-batch", "3", "--model-name", "shapes",
+                 "--allow-files", str(files["allowed"]), "--max-images", "2"]) == 0
+    state = seen["app"].state.vlforge
+    assert (seen["host"], seen["port"]) == ("127.0.0.1", 8123)
+    assert state.model_name == "shapes" and state.batcher.max_batch == 3 and state.limits.max_images == 2
+    assert state.images.root == files["allowed"].resolve()
+    assert main(["serve", "tiny", "--allow-files", str(files["allowed"] / "missing")]) == 2
+
+
+# ---------------------------------------------------------------------------------- the engine's streamer
+
+
+def test_streamer_flushes_held_back_text_and_stops_at_end_tokens(engine):
+    ids = engine.tokenizer("hello wor", add_special_tokens=False)["input_ids"]
+    reqs = [Request([], max_new_tokens=50, stop=["world"]), Request([], max_new_tokens=50),
+            Request([], max_new_tokens=50, stop=["wor"])]
+    got = ["", "", ""]
+    streamer = _BatchStreamer(engine, reqs, lambda row, text: got.__setitem__(row, got[row] + text))
+    streamer.put(torch.zeros(3, 4, dtype=torch.long))  # the prompt
+    for tok in ids:
+        streamer.put(torch.tensor([tok] * 3))
+    assert got[0] == "hello " and got[1] == "hello wor" and got[2] == "hello "  # "wor" may become "world"
+    # row 0 ends (<|im_end|>): its held-back "wor" is text after all; row 1 emits <|endoftext|>: it ends too
+    streamer.put(torch.tensor([engine.encoder.im_end_id, engine.encoder.pad_id, ids[0]]))
+    streamer.put(torch.tensor([ids[0]] * 3))
+    assert got == ["hello wor", "hello wor", "hello "]
+    assert streamer.done == [True, True, True]
+    assert engine.encoder.pad_id in engine.end_ids and engine.encoder.im_end_id in engine.end_ids
