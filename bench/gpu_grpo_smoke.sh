@@ -1,16 +1,21 @@
 #!/usr/bin/env bash
 # The shipped GRPO recipes on random real-size weights for 2 steps each (wiring, not speed); the
 # reward is swapped for one with variance (random weights never answer correctly), so updates run.
-# Usage (CUDA machine, repo root): OUT=/some/dir bash bench/gpu_grpo_smoke.sh
+# Usage (CUDA machine, repo root): OUT=/some/dir bash bench/gpu_grpo_smoke.sh [RECIPE [overrides...]]
+#   e.g. bash bench/gpu_grpo_smoke.sh qwen3vl-8b-grpo quant.language=nf4        (QLoRA GRPO)
+#        bash bench/gpu_grpo_smoke.sh qwen3vl-2b-grpo precision.fp8.enabled=true (FP8 GRPO)
+# Without arguments: both shipped GRPO recipes as they are.
 set -uo pipefail
-export PYTHONPATH=$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/vlforge-gpu}; mkdir -p "$OUT"
-python3 -m vlforge data synth shapes --n 72 --out /tmp/sh448 --size 448 --val-fraction 0.12
-for recipe in qwen3vl-8b-grpo qwen3vl-2b-grpo; do
+[ -f /tmp/sh448/train.jsonl ] || python3 -m vlforge data synth shapes --n 72 --out /tmp/sh448 --size 448 --val-fraction 0.12
+recipes=${1:-qwen3vl-8b-grpo qwen3vl-2b-grpo}; shift $(( $# > 0 ? 1 : 0 ))
+for recipe in $recipes; do
+  name=$recipe${1:+-$(echo "$*" | tr ' =/' '_-_')}
   python3 -m vlforge grpo configs/$recipe.yaml data.train=/tmp/sh448/train.jsonl data.val=/tmp/sh448/val.jsonl \
-    train.output_dir=/tmp/$recipe train.max_steps=2 rollout.prompts_per_step=4 rollout.group_size=4 \
+    train.output_dir=/tmp/$name train.max_steps=2 rollout.prompts_per_step=4 rollout.group_size=4 \
     rollout.max_new_tokens=32 rl.mini_batch_size=8 eval.max_samples=8 eval.max_new_tokens=8 log.progress=false \
-    "rl.rewards=[{name: bench/varied_reward.py:length_mod3}]" rl.dynamic_sampling=false \
-    2>&1 | grep -v Warning | tail -4 | tee "$OUT/$recipe.txt"
-  cp /tmp/$recipe/metrics.jsonl "$OUT/$recipe-metrics.jsonl"
+    "rl.rewards=[{name: bench/varied_reward.py:length_mod3}]" rl.dynamic_sampling=false train.overwrite=true "$@" \
+    2>&1 | grep -v Warning | tail -4 | tee "$OUT/$name.txt"
+  cp /tmp/$name/metrics.jsonl "$OUT/$name-metrics.jsonl"
 done

@@ -160,3 +160,15 @@ def test_format_report_counts_failures():
     text = format_report(report)
     assert "[FAIL] x: broken\n      -> fix it\n" in text
     assert text.splitlines()[-1] == "doctor: 1 required check(s) failed"
+
+
+@no_gpu
+def test_quant_recipe_needs_bitsandbytes_or_fp8_hardware(capsys):
+    pytest.importorskip("bitsandbytes")
+    assert main(["doctor", "--json", "quant.language=nf4"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert "bitsandbytes" in report["recipe"]["needs"]
+    assert any(c["name"] == "recipe bitsandbytes" and c["status"] == "ok" for c in report["checks"])
+    assert main(["doctor", "--json", "quant.language=fp8"]) == 1
+    failed = _fails(json.loads(capsys.readouterr().out))
+    assert [c["name"] for c in failed] == ["recipe quant fp8"] and "nf4 or int8" in failed[0]["advice"]

@@ -147,3 +147,43 @@ def test_fp8_training_step_matches_bf16_on_gpu(shapes_dir, tmp_path):
         assert not any(r["skipped"] for r in rows)
         losses[fp8] = [r["loss"] for r in rows]
     assert losses[True] == pytest.approx(losses[False], rel=0.05)
+
+
+@pytest.mark.gpu
+def test_transformer_engine_backend_on_gpu(shapes_dir, tmp_path):
+    from vlforge.engine.hardware import fp8_problem
+
+    if not torch.cuda.is_available() or fp8_problem(torch.device("cuda")):
+        pytest.skip("needs a GPU with FP8 (compute capability >= 8.9)")
+    te = pytest.importorskip("transformer_engine.pytorch",
+                             reason="TransformerEngine is not installed (it must be built against the local torch "
+                                    "and CUDA; not installable on the benchmark machine, which has no network)")
+    from vlforge.data.dataset import load_dataset
+    from vlforge.data.encode import collate
+    from vlforge.engine.health import GradHealth
+    from vlforge.engine.optim import build_optimizer
+    from vlforge.model.tiers import param_groups, unwrap
+    from vlforge.recipes.sft import setup_model, train_step
+
+    from helpers import tiny_sft_config
+
+    cfg = tiny_sft_config(shapes_dir, tmp_path, "precision.mode=bf16", "train.device=cuda", "tiers.method=full",
+                          "precision.fp8.enabled=true", "precision.fp8.backend=te", "precision.fp8.skip_small=false",
+                          "precision.fp8.te.recipe=delayed", "precision.fp8.te.fp8_format=HYBRID")
+    t = setup_model(cfg)
+    layer = unwrap(t.model).model.language_model.layers[0]
+    assert isinstance(layer.self_attn.q_proj, te.Linear) and isinstance(layer.mlp.down_proj, te.Linear)
+    data = load_dataset(cfg.data.train, t.processor, cfg.data)
+    optimizer = build_optimizer(param_groups(t.model, t.plan, 0.0), cfg.optim, "cuda")
+    health = GradHealth(t.model, t.plan, cfg.health)
+    for k in range(2):
+        row = train_step(t, [collate([data[i] for i in range(8 * k, 8 * k + 8)], data.encoder.pad_id, multiple=16)],
+                         optimizer, t.policy.grad_scaler(), health, 1.0)
+        assert not row["skipped"] and row["loss"] > 0
+
+
+def test_te_converts_only_inside_its_autocast_groups():
+    plan = _plan("tiny", backend="te", skip_small=False, include=[".*"])
+    assert "no TE autocast group" in plan["lm_head"].reason
+    assert plan["model.visual.blocks.0.attn.qkv"].convert
+    assert plan["model.language_model.layers.0.mlp.up_proj"].convert

@@ -24,7 +24,11 @@ def grpo_config(shapes_dir, out_dir, tmp_path, *overrides, reward="varied") -> G
         "tiers.vision.last_n_blocks=1", "optim.schedule=constant", "optim.max_grad_norm=null", *overrides])
 
 
-@pytest.mark.parametrize("method,extra", [("lora", ["rl.kl_beta=0.1"]), ("full", ["rl.kl_beta=0.1"])])
+@pytest.mark.parametrize("method,extra", [
+    ("lora", ["rl.kl_beta=0.1"]), ("full", ["rl.kl_beta=0.1"]),
+    # QLoRA: NF4 language model, KL to the adapter-disabled NF4 base
+    ("lora", ["rl.kl_beta=0.1", "quant.language=nf4", "precision.mode=bf16"]),
+])
 def test_one_grpo_step_changes_exactly_the_trainable_params(shapes_dir, tmp_path, method, extra, monkeypatch):
     # 8 sequences in mini-batches of 4: two optimizer steps, so LoRA A moves too (B starts at zero)
     cfg = grpo_config(shapes_dir, tmp_path / "run", tmp_path, f"tiers.method={method}", *extra)
@@ -49,7 +53,8 @@ def test_one_grpo_step_changes_exactly_the_trainable_params(shapes_dir, tmp_path
         assert changed == p.requires_grad, f"{n}: trainable={p.requires_grad} changed={changed}"
     for key in ["reward_mean", "reward_std", "accuracy", "adv_mean", "kl", "clip_frac", "entropy",
                 "response_length_mean", "response_length_max", "zero_var_group_frac", "time_rollout_s",
-                "time_train_s", "tokens_per_s", f"reward/{tmp_path / 'rewards.py'}:varied"]:
+                "time_train_s", "tokens_per_s", f"reward/{tmp_path / 'rewards.py'}:varied",
+                "grad_norm", "grad_norm/language", "grad_norm/projector", "grad_norm/vision", "skipped"]:
         assert key in row, key
     assert (tmp_path / "run" / "reward.png").exists()
 

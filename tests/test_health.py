@@ -76,3 +76,14 @@ def test_loss_spike_is_reported_against_the_recent_median(capsys):
     for loss in [0.01, 0.012, 0.009, 0.011, 0.05]:  # 5x the median, but converged noise
         model(torch.ones(1, 4)).sum().backward()
         assert "loss_spike" not in quiet.step(optimizer, scaler, 1.0, loss)
+
+
+def test_spike_check_survives_zero_and_negative_losses_and_can_be_off():
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    for spikes in (True, False):
+        health = GradHealth(model, [], HealthConfig(spike_window=3), spikes=spikes)
+        for loss in [0.0, 0.0, -0.5, 0.0, 2.0, -1.0]:  # GRPO-like: a zero median, then a jump
+            model(torch.ones(1, 4)).sum().backward()
+            assert "loss_spike" not in health.step(optimizer, scaler, 1.0, loss)

@@ -42,12 +42,17 @@ def test_streamed_text_concatenates_to_the_answer(engine):
 
 
 def test_stop_strings_cut_the_answer(engine):
-    full = engine.generate([_requests()[0]])[0].text
+    whole = engine.generate([_requests()[0]])[0]
+    full = whole.text
     assert len(full) >= 2
     r = _requests()[0]
     r.stop = [full[1:3]]
-    cut = engine.generate([r])[0]
+    pieces = []
+    cut = engine.generate([r], on_text=lambda i, text: pieces.append(text))[0]
     assert cut.text == full[:full.index(full[1:3])] and cut.finish_reason == "stop"
+    assert "".join(pieces) == cut.text  # the stop string's first characters were never streamed
+    # the row stopped generating there: fewer tokens than the full answer (which ran to its limit)
+    assert whole.finish_reason != "length" or cut.completion_tokens < whole.completion_tokens
 
 
 def test_infer_and_eval_commands(shapes_dir, tmp_path):
@@ -64,3 +69,27 @@ def test_infer_and_eval_commands(shapes_dir, tmp_path):
     report = json.loads((tmp_path / "answers.json").read_text())
     assert report["n"] == 8 and len(report["answers"]) == 8 and 0.0 <= report["accuracy"] <= 1.0
     assert {a["task"] for a in report["answers"]} <= {"colour", "shape", "position", "count"}
+
+
+def test_chat_keeps_history_and_images(engine, shapes_dir):
+    image = shapes_dir / json.loads((shapes_dir / "val.jsonl").read_text().splitlines()[0])["image"]
+    script = iter([f"/image {image}", "what colour?", "and the shape?", "/image /no/such.png", "/reset", "hi", "/quit"])
+    said: list[str] = []
+    seen_requests = []
+    original = engine.generate
+
+    def spy(requests, on_text=None):
+        seen_requests.append((len(requests[0].messages), len(requests[0].images)))
+        return original(requests, on_text)
+
+    engine.generate = spy
+    try:
+        from vlforge.recipes.infer import chat
+
+        chat(engine, read=lambda prompt: next(script), write=said.append, max_new_tokens=3)
+    finally:
+        engine.generate = original
+    # 1st turn: one message + the attached image; 2nd: history of 3 messages, image kept; after /reset: fresh
+    assert seen_requests == [(1, 1), (3, 1), (1, 0)]
+    assert any("cannot open /no/such.png" in line for line in said)
+    assert "(conversation cleared)" in said

@@ -212,3 +212,24 @@ def test_checkpoint_keeps_dtypes_and_resume_is_exact(shapes_dir, tmp_path, mode,
     assert a.keys() == b.keys()
     for k in a:
         assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+
+
+def test_unsafe_precision_combinations_are_refused(shapes_dir, tmp_path):
+    from vlforge.config import ConfigError, ModuleOverride
+
+    with pytest.raises(ConfigError, match="master_weights=fp32"):
+        PrecisionConfig(mode="fp16", master_weights="compute")
+    with pytest.raises(ConfigError, match="underflow"):
+        PrecisionConfig(mode="bf16", overrides=[ModuleOverride("visual", compute="fp16")])
+    with pytest.raises(ConfigError, match="cannot be combined"):
+        setup_model(tiny_sft_config(shapes_dir, tmp_path, "tiers.method=lora", "quant.language=nf4",
+                                    "precision.mode=bf16", "precision.fp8.enabled=true"))
+
+
+def test_trainable_weights_of_an_fp32_compute_module_are_fp32():
+    from vlforge.config import ModuleOverride
+
+    policy = PrecisionPolicy(PrecisionConfig(mode="bf16", master_weights="compute",
+                                             overrides=[ModuleOverride("norm", compute="fp32")]), "cpu")
+    assert policy.param_dtype("model.language_model.norm", trainable=True) == torch.float32
+    assert policy.param_dtype("model.language_model.layers.0.mlp.up_proj", trainable=True) == torch.bfloat16

@@ -487,3 +487,19 @@ def test_streamer_flushes_held_back_text_and_stops_at_end_tokens(engine):
     assert got == ["hello wor", "hello wor", "hello "]
     assert streamer.done == [True, True, True]
     assert engine.encoder.pad_id in engine.end_ids and engine.encoder.im_end_id in engine.end_ids
+
+
+def test_decoded_images_are_shrunk_to_what_the_processor_keeps():
+    import base64
+    import io
+
+    from PIL import Image
+
+    from vlforge.serve.app import Limits, _ImageLoader
+
+    buf = io.BytesIO()
+    Image.new("RGB", (400, 100), (10, 200, 30)).save(buf, format="PNG")
+    url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+    im = _ImageLoader(Limits(), None, keep_pixels=100 * 100).load(url, "messages[0]")
+    assert im.width * im.height <= 100 * 100 and abs(im.width / im.height - 4) < 0.1  # aspect kept
+    assert _ImageLoader(Limits(), None).load(url, "messages[0]").size == (400, 100)  # no limit: untouched

@@ -36,7 +36,7 @@ def cmd_sft(args) -> int:
 
         model, _ = build_meta_model(cfg.model)
         plan = build_plan(model, cfg.tiers)
-        summary = {**plan_summary(model, plan), "precision": precision_plan(model, plan, cfg.precision)}
+        summary = {**plan_summary(model, plan), "precision": precision_plan(model, plan, cfg.precision, cfg.quant)}
         print(json.dumps(summary, indent=2) if args.json
               else format_plan(summary) + "\n\n" + format_precision_plan(summary["precision"]))
         return 0
@@ -106,7 +106,13 @@ def _engine(args):
     from vlforge.config import QuantConfig
     from vlforge.serve.engine import InferenceEngine
 
-    return InferenceEngine.load(args.source, quant=QuantConfig.from_flag(args.quant), device=args.device)
+    quant = None if args.quant is None else QuantConfig.from_flag(args.quant)  # None: a QLoRA checkpoint's own
+    engine = InferenceEngine.load(args.source, quant=quant, device=args.device)
+    if engine.quant_report:
+        from vlforge.model.quant import format_report
+
+        print(format_report(engine.quant_report), file=sys.stderr)
+    return engine
 
 
 def cmd_export(args) -> int:
@@ -184,8 +190,9 @@ def cmd_serve(args) -> int:
 def _model_source_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("source", help="model directory (export output, full checkpoint, released weights), "
                                   "a LoRA checkpoint-STEP directory, or the preset 'tiny'")
-    p.add_argument("--quant", choices=["none", "nf4", "int8", "fp8"], default="none",
-                   help="quantize the language model at load (vision tower and projector stay bf16)")
+    p.add_argument("--quant", choices=["none", "nf4", "int8", "fp8"],
+                   help="quantize the language model at load (vision tower and projector stay bf16); default "
+                        "none, except a QLoRA checkpoint, which loads on its run's quantized base")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
 
 

@@ -200,6 +200,13 @@ class PrecisionConfig:
         _require(not (self.fp8.enabled and self.mode == "fp16"),
                  "precision.fp8.enabled with precision.mode=fp16 is not supported: FP8 layers keep their "
                  "non-FP8 parts in bf16; use precision.mode=bf16")
+        _require(not (self.mode == "fp16" and self.master_weights == "compute"),
+                 "precision.mode=fp16 needs precision.master_weights=fp32: loss scaling unscales fp32 master "
+                 "gradients (fp16 weights would also lose most updates); or use precision.mode=bf16")
+        for o in self.overrides:
+            _require(o.compute != "fp16" or self.mode == "fp16",
+                     f"precision.overrides: {o.pattern!r} computes in fp16 but precision.mode={self.mode} has no "
+                     "loss scaling, so its small gradients would underflow; use bf16 or fp32 there")
 
 
 @dataclass

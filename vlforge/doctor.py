@@ -259,6 +259,7 @@ class Recipe:
     fp8_backend: str | None  # "torchao" | "te" when precision.fp8.enabled
     flash_attn: bool
     model_path: str | None
+    quant: frozenset[str] = frozenset()  # quant methods in use: nf4 / int8 (bitsandbytes), fp8 (torchao)
 
     @property
     def needs(self) -> list[str]:
@@ -267,6 +268,10 @@ class Recipe:
             needs.append("bf16")
         if self.fp8_backend:
             needs += ["fp8", _BACKEND_LIBRARY[self.fp8_backend]]
+        if self.quant & {"nf4", "int8"}:
+            needs.append("bitsandbytes")
+        if "fp8" in self.quant:
+            needs += ["quant fp8", "torchao"]
         if self.flash_attn:
             needs.append("flash_attn")
         if self.model_path:
@@ -327,6 +332,7 @@ def recipe_from_config(cfg: SFTConfig | GRPOConfig, config: str | None, cuda_ava
         fp8_backend=cfg.precision.fp8.backend if cfg.precision.fp8.enabled else None,
         flash_attn=cfg.model.attn_implementation == "flash_attention_2",
         model_path=cfg.model.path,
+        quant=frozenset({cfg.quant.language, cfg.quant.vision, cfg.quant.projector} - {"none"}),
     )
 
 
@@ -608,6 +614,29 @@ def recipe_checks(recipe: Recipe, libs: dict[str, dict[str, Any]]) -> list[Check
                                 f"precision.fp8.backend={recipe.fp8_backend} needs {module}: {_one_line(error)}",
                                 f"{_LIBRARY[name].install}; or use precision.fp8.backend={other}, "
                                 "or precision.fp8.enabled=false", {"error": error}))
+
+    if recipe.quant & {"nf4", "int8"}:
+        info = libs["bitsandbytes"]
+        methods = "/".join(sorted(recipe.quant & {"nf4", "int8"}))
+        if info["available"]:
+            checks.append(Check("recipe bitsandbytes", "ok", f"quant {methods}: bitsandbytes {info['version']} imports"))
+        else:
+            checks.append(Check("recipe bitsandbytes", "fail", f"quant {methods} needs bitsandbytes: {info['error']}",
+                                f"{_LIBRARY['bitsandbytes'].install}; or set quant.language=none",
+                                {"error": info["error"]}))
+    if "fp8" in recipe.quant:
+        problem = fp8_problem(device) if device is not None else None
+        if device is None:
+            checks.append(Check("recipe quant fp8", "skip", unusable))
+        elif problem:
+            checks.append(Check("recipe quant fp8", "fail", f"quant fp8 on {device}: no FP8 support",
+                                "quant fp8 needs compute capability >= 8.9 (L4, L40, H100, H200, B200): "
+                                "use quant nf4 or int8"))
+        else:
+            checks.append(Check("recipe quant fp8", "ok", f"quant fp8: {device} has FP8 tensor cores"))
+        if not libs["torchao"]["available"]:
+            checks.append(Check("recipe torchao", "fail", f"quant fp8 needs torchao: {libs['torchao']['error']}",
+                                _LIBRARY["torchao"].install, {"error": libs["torchao"]["error"]}))
 
     if recipe.flash_attn:
         info = libs["flash_attn"]

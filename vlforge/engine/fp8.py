@@ -36,6 +36,7 @@ from torch import nn
 
 from vlforge.config import ConfigError, FP8Config, TERecipeConfig
 from vlforge.engine.hardware import fp8_problem
+from vlforge.model.tiers import canonical_name
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,8 @@ def decide(name: str, out_features: int, in_features: int, cfg: FP8Config) -> De
         return Decision(False, "not included (precision.fp8.include)")
     if hit := next((p for p in cfg.exclude if re.search(p, name)), None):
         return Decision(False, f"excluded by {hit!r}")
+    if cfg.backend == "te" and not name.startswith(tuple(f"{root}." for root in TEBackend.GROUP_ROOTS.values())):
+        return Decision(False, "outside the language model and vision tower (no TE autocast group)")
     if out_features % 16 or in_features % 16:
         return Decision(False, f"dims {out_features}x{in_features} not multiples of 16")
     if cfg.skip_small and too_small(cfg.recipe, out_features, in_features):
@@ -66,16 +69,13 @@ def decide(name: str, out_features: int, in_features: int, cfg: FP8Config) -> De
     return Decision(True, f"fp8 ({cfg.backend} {cfg.recipe if cfg.backend == 'torchao' else _te_group(name)})")
 
 
-def _canonical(name: str) -> str:
-    return name.replace(".base_layer", "")
-
-
 def fp8_layer_plan(model: nn.Module, cfg: FP8Config) -> dict[str, Decision]:
     """Decision for every nn.Linear of the (unwrapped) model; peft's adapter linears are not candidates."""
     plan = {}
     for name, module in model.named_modules():
-        if isinstance(module, nn.Linear) and "lora_" not in name:
-            plan[_canonical(name)] = decide(_canonical(name), module.out_features, module.in_features, cfg)
+        # plain linears only: bitsandbytes' quantized layers subclass nn.Linear but hold packed weights
+        if type(module) is nn.Linear and "lora_" not in name:
+            plan[canonical_name(name)] = decide(canonical_name(name), module.out_features, module.in_features, cfg)
     return plan
 
 
@@ -139,7 +139,7 @@ class TorchaoBackend:
         converted = []
 
         def wanted(module: nn.Module, fqn: str) -> bool:
-            ok = isinstance(module, nn.Linear) and _canonical(fqn) in chosen and "lora_" not in fqn
+            ok = isinstance(module, nn.Linear) and canonical_name(fqn) in chosen and "lora_" not in fqn
             if ok:
                 converted.append(fqn)
             return ok
@@ -184,7 +184,7 @@ class TEBackend:
         chosen = {n for n, d in plan.items() if d.convert}
         converted = 0
         for fqn, module in list(model.named_modules()):
-            if not (isinstance(module, nn.Linear) and _canonical(fqn) in chosen and "lora_" not in fqn):
+            if not (isinstance(module, nn.Linear) and canonical_name(fqn) in chosen and "lora_" not in fqn):
                 continue
             new = te.Linear(module.in_features, module.out_features, bias=module.bias is not None,
                             params_dtype=module.weight.dtype, device=module.weight.device)

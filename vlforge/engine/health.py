@@ -7,7 +7,7 @@
 Per step it records the global grad norm and one per parameter group (the tiers: vision,
 projector, language; with LoRA these are the tiers' adapters), skips any step whose gradients or
 loss are not finite (with fp16 the loss scaler also backs off), names the groups that went bad,
-aborts after `max_bad_steps` bad steps in a row, and warns when the loss jumps above
+aborts after `max_bad_steps` bad steps in a row, and (SFT) warns when the loss jumps above
 `spike_factor` x its recent median. Everything it measures goes into the step's metrics row.
 """
 
@@ -42,9 +42,11 @@ def grad_norms(groups: dict[str, list[nn.Parameter]]) -> dict[str, float]:
 
 
 class GradHealth:
-    def __init__(self, model: nn.Module, plan: list, cfg: HealthConfig, precision_mode: str = "bf16"):
+    def __init__(self, model: nn.Module, plan: list, cfg: HealthConfig, precision_mode: str = "bf16",
+                 spikes: bool = True):
         self.cfg = cfg
         self.precision_mode = precision_mode
+        self.spikes = spikes  # off for GRPO: a policy-gradient loss is not a positive error that should fall
         self.groups: dict[str, list[nn.Parameter]] = {}
         for name, p in model.named_parameters():
             if p.requires_grad:
@@ -76,7 +78,8 @@ class GradHealth:
             row["loss_scale"] = scale
         if finite:
             self.bad_streak = 0
-            row.update(self._spike(loss))
+            if self.spikes:
+                row.update(self._spike(loss))
         else:
             self.bad_streak += 1
             row["nonfinite_groups"] = bad_groups or ["loss"]
@@ -87,7 +90,7 @@ class GradHealth:
         spike = {}
         if len(self.recent_losses) == self.recent_losses.maxlen:
             median = statistics.median(self.recent_losses)
-            if loss > self.cfg.spike_min_loss and loss > self.cfg.spike_factor * median:
+            if median > 0 and loss > self.cfg.spike_min_loss and loss > self.cfg.spike_factor * median:
                 tqdm.write(f"warning: loss spike {loss:.4g} > {self.cfg.spike_factor:g} x recent median {median:.4g}",
                            file=sys.stderr)
                 spike = {"loss_spike": loss / median}

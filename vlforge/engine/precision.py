@@ -1,9 +1,9 @@
 """The precision policy: the one place that decides dtypes (config section `precision`).
 
-    mode   trainable params (master)    frozen params   compute (autocast)   loss scaling
-    bf16   fp32 (or bf16: master_weights=compute)   bf16   bf16              none (bf16 has fp32's range)
-    fp16   fp32 (or fp16)               fp16            fp16                 dynamic (GradScaler)
-    fp32   fp32                         fp32            fp32                 none
+    mode   trainable params (master)            frozen params   compute (autocast)   loss scaling
+    bf16   fp32 (or bf16: master_weights=compute)   bf16          bf16                 none (bf16 has fp32's range)
+    fp16   fp32                                  fp16            fp16                 dynamic (GradScaler)
+    fp32   fp32                                  fp32            fp32                 none
 
 On top of the mode:
 - `precision.overrides`: per-module regexes that change a module's frozen-weight storage and/or
@@ -28,7 +28,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from vlforge.config import LossScaleConfig, PrecisionConfig
+from vlforge.config import LossScaleConfig, PrecisionConfig, QuantConfig
+from vlforge.model.tiers import canonical_name
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 NAMES = {v: k for k, v in DTYPES.items()}
@@ -58,11 +59,6 @@ def _run_forward_in(module: nn.Module, dtype: torch.dtype, device_type: str) -> 
     module.forward = forward_in_dtype
 
 
-def _canonical(name: str) -> str:
-    """Module name as in the plain HF model (peft's wrapper names removed)."""
-    return name.removeprefix("base_model.model.").replace(".base_layer", "")
-
-
 class PrecisionPolicy:
     def __init__(self, cfg: PrecisionConfig, device_type: str):
         self.cfg = cfg
@@ -82,7 +78,7 @@ class PrecisionPolicy:
         """The dtype a module's arithmetic runs in (before FP8, which engine/fp8.py layers on top)."""
         dtype = self.compute_dtype
         for pattern, o in self._overrides:
-            if o.compute and pattern.search(_canonical(name)):
+            if o.compute and pattern.search(canonical_name(name)):
                 dtype = DTYPES[o.compute]
         return dtype
 
@@ -90,13 +86,15 @@ class PrecisionPolicy:
         """dtype of a frozen parameter owned by module `name` (a trainable one uses master_dtype)."""
         dtype, compute = self.compute_dtype, self.module_compute(name)
         for pattern, o in self._overrides:
-            if o.storage and pattern.search(_canonical(name)):
+            if o.storage and pattern.search(canonical_name(name)):
                 dtype = DTYPES[o.storage]
         # an fp32-compute module runs with autocast off, so its weights must be fp32 too
         return torch.float32 if compute == torch.float32 else dtype
 
     def param_dtype(self, module_name: str, trainable: bool) -> torch.dtype:
-        return self.master_dtype if trainable else self.frozen_storage(module_name)
+        if trainable:  # an fp32-compute module runs with autocast off: its own weights must be fp32
+            return torch.float32 if self.module_compute(module_name) == torch.float32 else self.master_dtype
+        return self.frozen_storage(module_name)
 
     # ------------------------------------------------------------------ applying
 
@@ -133,21 +131,22 @@ class PrecisionPolicy:
     # ------------------------------------------------------------------ reporting
 
     def table(self, model: nn.Module, trainable: set[str], lora: set[str] = frozenset(),
-              fp8_layers: dict[str, str] | None = None) -> list[dict]:
+              fp8_layers: dict[str, str] | None = None, quantized: dict[str, str] | None = None) -> list[dict]:
         """Each parameter-owning module's storage and compute dtype, grouped over layer indices.
 
         `trainable`: names of modules whose own weights train (full tiers); `lora`: modules that
         get LoRA adapters (master dtype); `fp8_layers`: module name -> FP8 description for
-        converted linears. Works on a meta-device model.
+        converted linears; `quantized`: module name -> quant method (its weight's storage).
+        Works on a meta-device model.
         """
-        fp8_layers = fp8_layers or {}
+        fp8_layers, quantized = fp8_layers or {}, quantized or {}
         counts: Counter = Counter()
         for name, module in model.named_modules():
             params = list(module.parameters(recurse=False))
             if not params or "lora_" in name:
                 continue
-            name = _canonical(name)
-            storage = NAMES[self.param_dtype(name, name in trainable)]
+            name = canonical_name(name)
+            storage = quantized.get(name) or NAMES[self.param_dtype(name, name in trainable)]
             if name in lora:
                 storage += f" + LoRA {NAMES[self.master_dtype]}"
             compute = fp8_layers.get(name) or NAMES[self.module_compute(name)]
@@ -169,12 +168,13 @@ def format_precision_plan(p: dict) -> str:
     return "\n".join(lines)
 
 
-def precision_plan(model: nn.Module, plan: list, cfg: PrecisionConfig) -> dict:
+def precision_plan(model: nn.Module, plan: list, cfg: PrecisionConfig, quant: QuantConfig | None = None) -> dict:
     """What `--plan` shows: each module group's storage/compute dtype and the FP8 layer decisions.
 
     `model` is the plain (not yet peft-wrapped, possibly meta-device) model and `plan` its tier plan.
     """
     from vlforge.engine.fp8 import fp8_layer_plan, summarize
+    from vlforge.model.quant import quant_plan
 
     full_roots = [e.module for e in plan if e.kind == "full"]
     trainable = {name for name, _ in model.named_modules()
@@ -183,7 +183,9 @@ def precision_plan(model: nn.Module, plan: list, cfg: PrecisionConfig) -> dict:
     fp8_layers = {name: d.reason for name, d in decisions.items() if d.convert}
     policy = PrecisionPolicy(cfg, "cpu")
     out = {"mode": cfg.mode, "master_weights": NAMES[policy.master_dtype],
-           "table": policy.table(model, trainable, {e.module for e in plan if e.kind == "lora"}, fp8_layers)}
+           "table": policy.table(model, trainable, {e.module for e in plan if e.kind == "lora"}, fp8_layers,
+                                 quantized={n: m for n, m in quant_plan(model, quant).items() if m != "none"}
+                                 if quant is not None and quant.enabled else None)}
     if decisions:
         out["fp8"] = summarize(decisions)
     return out

@@ -47,29 +47,48 @@ def _check_checkpoint(checkpoint: Path) -> str:
     raise ConfigError(f"{checkpoint} has neither adapter_config.json (LoRA) nor config.json (full weights)")
 
 
+def _check_out(out: Path, overwrite: bool) -> None:
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise ConfigError(f"{out} is not empty; choose another --out or pass --overwrite")
+
+
 def _prepare_out(out: Path, overwrite: bool) -> None:
-    if out.exists() and any(out.iterdir()):
-        if not overwrite:
-            raise ConfigError(f"{out} is not empty; choose another --out or pass --overwrite")
+    _check_out(out, overwrite)
+    if out.exists():
         shutil.rmtree(out)
     out.parent.mkdir(parents=True, exist_ok=True)
 
 
-def load_merged(checkpoint: Path, dtype: torch.dtype = torch.bfloat16):
-    """(model, processor) with LoRA merged into an unquantized base, or the full checkpoint's weights."""
+def load_lora_checkpoint(checkpoint: Path, dtype: torch.dtype = torch.bfloat16, device="cpu",
+                         quant: QuantConfig | None = None):
+    """(peft model, processor, quant): the run's base with the checkpoint's adapter on top, unmerged.
+
+    `quant=None` means the run's own `quant` (a QLoRA adapter on its NF4 base); pass QuantConfig()
+    for an unquantized base. A preset's random base is only the run's base when drawn in the run's
+    dtype, so it is built in that dtype and cast afterwards.
+    """
     from peft import PeftModel
-    from transformers import AutoProcessor, Qwen3VLForConditionalGeneration
 
     from vlforge.model.load import load_model
+
+    run = run_config(checkpoint)
+    quant = run.quant if quant is None else quant
+    base_dtype = DTYPES[run.precision.mode] if run.model.preset and not run.model.path else dtype
+    base, processor = load_model(run.model, dtype=base_dtype, device=device, quant=quant)
+    if not quant.enabled:
+        base = base.to(dtype)
+    return PeftModel.from_pretrained(base, str(checkpoint), is_trainable=False), processor, quant
+
+
+def load_merged(checkpoint: Path, dtype: torch.dtype = torch.bfloat16):
+    """(model, processor) with LoRA merged into an unquantized base, or the full checkpoint's weights."""
+    from transformers import AutoProcessor, Qwen3VLForConditionalGeneration
 
     if _check_checkpoint(checkpoint) == "full":
         model = Qwen3VLForConditionalGeneration.from_pretrained(str(checkpoint), dtype=dtype, local_files_only=True)
         return model, AutoProcessor.from_pretrained(str(checkpoint), local_files_only=True)
-    cfg = run_config(checkpoint)
-    # The base as the run saw it (a preset's random init depends on the dtype it is drawn in),
-    # merged there, then cast: the merge itself computes B @ A in fp32.
-    base, processor = load_model(cfg.model, dtype=DTYPES[cfg.precision.mode])
-    model = PeftModel.from_pretrained(base, str(checkpoint), is_trainable=False)
+    # never into a quantized base, even for a QLoRA run: the update would be rounded away
+    model, processor, _ = load_lora_checkpoint(checkpoint, torch.float32, quant=QuantConfig())
     return model.merge_and_unload().to(dtype), processor
 
 
@@ -84,8 +103,9 @@ def export(checkpoint: str | Path, out: str | Path, *, merge: bool = False, quan
             raise ConfigError("--quant needs --merge for a LoRA checkpoint (an adapter has no base weights to quantize)")
         _prepare_out(out, overwrite)
         return _export_adapter(checkpoint, out)
-    _prepare_out(out, overwrite)
+    _check_out(out, overwrite)
     model, processor = load_merged(checkpoint, dtype)
+    out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".export-", dir=out.parent))  # renamed into place when complete
     try:
         if quant.enabled:
@@ -98,8 +118,8 @@ def export(checkpoint: str | Path, out: str | Path, *, merge: bool = False, quan
                 _save(engine.model, engine.processor, staging)
         else:
             _save(model, processor, staging)
-        if out.exists():
-            out.rmdir()
+        if out.exists():  # only now, with the new export complete, does an --overwrite'd one go
+            shutil.rmtree(out)
         staging.rename(out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)

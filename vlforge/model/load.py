@@ -69,6 +69,7 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: str
 
 
 def _load_quantized(cfg: ModelConfig, quant: QuantConfig, dtype: torch.dtype, device: torch.device):
+    from vlforge.engine.hardware import fp8_problem
     from vlforge.model.quant import from_pretrained_kwargs, quant_plan, verify
 
     if cfg.path is None:  # quantizers act at from_pretrained: a preset goes through a directory
@@ -81,10 +82,12 @@ def _load_quantized(cfg: ModelConfig, quant: QuantConfig, dtype: torch.dtype, de
                 torch.cuda.empty_cache()
             return _load_quantized(ModelConfig(path=tmp, attn_implementation=cfg.attn_implementation), quant,
                                    dtype, device)
+    if "fp8" in (quant.language, quant.vision, quant.projector) and fp8_problem(device):
+        where = torch.cuda.get_device_name(device) if device.type == "cuda" else "the CPU"
+        raise ConfigError(f"quant fp8 needs an NVIDIA GPU with compute capability >= 8.9 (L4, L40, H100, H200, "
+                          f"B200), not {where}: use nf4 or int8 instead")
     meta, processor = build_meta_model(cfg)
-    kwargs = from_pretrained_kwargs(quant, quant_plan(meta, quant))
-    if quant.language == "int8" or quant.vision == "int8":
-        dtype = torch.float16  # LLM.int8() computes in fp16
+    kwargs = from_pretrained_kwargs(quant, quant_plan(meta, quant), compute_dtype=dtype)
     model = Qwen3VLForConditionalGeneration.from_pretrained(
         str(check_model_dir(cfg.path)), dtype=dtype, local_files_only=True, attn_implementation=cfg.attn_implementation,
         device_map=str(device) if device.type == "cuda" else None, **kwargs)

@@ -8,7 +8,7 @@
 Methods per group (language = the decoder layers' linears, vision = the vision tower's blocks,
 projector = merger + deepstack mergers):
 - `nf4`: bitsandbytes 4-bit NormalFloat, double quantization (the scales quantized too),
-  bf16 compute: QLoRA's format (Dettmers et al. 2023: NF4 beats FP4 at equal bits).
+  computing in the run's dtype (bf16 by default): QLoRA's format (Dettmers et al. 2023: NF4 beats FP4 at equal bits).
 - `int8`: bitsandbytes LLM.int8() (outlier columns in fp16).
 - `fp8`: torchao float8 weights + dynamic float8 activations (compute capability >= 8.9).
 - `none`: bf16.
@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from vlforge.config import ConfigError, QuantConfig
+from vlforge.model.tiers import canonical_name
 
 GROUP_PATTERNS = {
     "language": re.compile(r"^model\.language_model\.layers\.\d+\."),
@@ -65,8 +66,11 @@ def _skip_modules(plan: dict[str, str], keep: str) -> list[str]:
     return sorted(name for name, method in plan.items() if method != keep)
 
 
-def from_pretrained_kwargs(cfg: QuantConfig, plan: dict[str, str]) -> dict:
-    """`quantization_config=...` for `from_pretrained`, or {} when nothing is quantized."""
+def from_pretrained_kwargs(cfg: QuantConfig, plan: dict[str, str], compute_dtype: torch.dtype = torch.bfloat16) -> dict:
+    """`quantization_config=...` for `from_pretrained`, or {} when nothing is quantized.
+
+    `compute_dtype`: what NF4 layers dequantize to for their matmuls (the run's compute dtype).
+    """
     used = {m for m in plan.values() if m != "none"}
     if not used:
         return {}
@@ -81,7 +85,7 @@ def from_pretrained_kwargs(cfg: QuantConfig, plan: dict[str, str]) -> dict:
         skip = _skip_modules(plan, method)
         if method == "nf4":
             qc = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                    bnb_4bit_compute_dtype=torch.bfloat16, llm_int8_skip_modules=skip)
+                                    bnb_4bit_compute_dtype=compute_dtype, llm_int8_skip_modules=skip)
         else:
             qc = BitsAndBytesConfig(load_in_8bit=True, llm_int8_skip_modules=skip)
         return {"quantization_config": qc}
@@ -117,7 +121,7 @@ def verify(model: nn.Module, cfg: QuantConfig) -> dict:
     for name, module in core.named_modules():
         if not isinstance(module, nn.Linear) or "lora_" in name:
             continue
-        name = name.replace(".base_layer", "")
+        name = canonical_name(name)
         group = group_of(name)
         want = getattr(cfg, group) if group else "none"
         got = applied_method(module)
@@ -132,4 +136,6 @@ def verify(model: nn.Module, cfg: QuantConfig) -> dict:
 
 def format_report(report: dict) -> str:
     parts = ", ".join(f"{k} {v}" for k, v in sorted(report["linears"].items()))
-    return f"quantization: {parts}; weights {report['weights_gb']:.2f} GB"
+    gb = report["weights_gb"]
+    size = f"{gb:.2f} GB" if gb >= 0.1 else f"{gb * 1e3:.1f} MB"
+    return f"quantization: {parts}; weights {size}"

@@ -155,6 +155,12 @@ def apply_plan(model: nn.Module, plan: list[PlanEntry]) -> nn.Module:
     return peft_model
 
 
+def canonical_name(name: str) -> str:
+    """A module name as in the plain HF model: peft's `base_model.model.` prefix and the
+    `.base_layer` of a LoRA-wrapped linear removed."""
+    return name.removeprefix("base_model.model.").replace(".base_layer", "")
+
+
 def unwrap(model: nn.Module) -> nn.Module:
     """The Qwen3VLForConditionalGeneration inside a peft wrapper (LoRA layers are injected in place)."""
     from peft import PeftModel

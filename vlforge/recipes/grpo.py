@@ -193,7 +193,7 @@ def run_grpo(cfg: GRPOConfig) -> dict:
     resume_from = prepare_output_dir(cfg.train.output_dir, cfg.train.resume, cfg.train.overwrite)
     out = Path(cfg.train.output_dir)
     seed_everything(cfg.train.seed)
-    t = setup_model(cfg)
+    t = setup_model(cfg, auto_compile=False)
     disable_dropout(t.model)
     ref_model = None
     if cfg.rl.kl_beta > 0 and cfg.tiers.method == "full":  # a frozen copy of the starting policy
@@ -209,7 +209,7 @@ def run_grpo(cfg: GRPOConfig) -> dict:
     optimizer = build_optimizer(param_groups(t.model, t.plan, cfg.optim.weight_decay), cfg.optim, t.device.type)
     scheduler = build_scheduler(optimizer, cfg.optim, total_steps)  # stepped once per GRPO step
     scaler = t.policy.grad_scaler()
-    health = GradHealth(t.model, t.plan, cfg.health, cfg.precision.mode)
+    health = GradHealth(t.model, t.plan, cfg.health, cfg.precision.mode, spikes=False)
     state = {"epoch": 0, "position": 0}
     if resume_from is not None:
         state = load_checkpoint(resume_from, t.model, optimizer, scheduler, scaler)
@@ -238,7 +238,7 @@ def run_grpo(cfg: GRPOConfig) -> dict:
         scheduler.step()
         step += 1
         row = {**step_metrics(stats, batches, train_logs, t_rollout, time.perf_counter() - start - t_rollout), "lr": lr}
-        if step % cfg.log.every == 0 or step == total_steps:
+        if step % cfg.log.every == 0 or step == total_steps or row.get("skipped"):  # bad steps always logged
             metrics.log(step, row)
         bar.update(1)
         bar.set_postfix(reward=f"{row['reward_mean']:.3f}", acc=f"{row['accuracy']:.2f}")

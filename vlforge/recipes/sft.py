@@ -31,6 +31,7 @@ from vlforge.engine.health import GradHealth
 from vlforge.engine.precision import PrecisionPolicy
 from vlforge.engine.runtime import prepare_output_dir, resolve_device, seed_everything
 from vlforge.model.load import load_model
+from vlforge.model.quant import format_report, verify
 from vlforge.model.tiers import apply_plan, build_plan, param_groups, plan_summary, unwrap
 from vlforge.recipes.eval import EvalRecorder, to_device
 
@@ -60,11 +61,19 @@ def compile_blocks(model: torch.nn.Module) -> int:
     return len(layers)
 
 
-def setup_model(cfg: SFTConfig) -> Trainable:
+def setup_model(cfg: SFTConfig, auto_compile: bool = True) -> Trainable:
+    """Load, plan, wrap and cast the model. `auto_compile=False` keeps precision.compile=auto off
+    (GRPO: rollout decode shapes change every step, which compiled blocks would keep recompiling)."""
     device = resolve_device(cfg.train.device)
     policy = PrecisionPolicy(cfg.precision, device.type)
     if problem := bf16_problem(device) if cfg.precision.mode == "bf16" else None:
         raise ConfigError(problem)
+    if cfg.precision.fp8.enabled and cfg.quant.enabled:
+        raise ConfigError("precision.fp8 and quant cannot be combined: FP8 training converts plain bf16 linears, "
+                          "a quantized base has none; use QLoRA (quant) or FP8, not both")
+    if cfg.precision.fp8.enabled and cfg.precision.fp8.backend == "te" and cfg.precision.gradient_checkpointing:
+        raise ConfigError("precision.fp8.backend=te with gradient_checkpointing: the recomputation runs outside "
+                          "te.autocast; use the torchao backend or turn checkpointing off")
     fp8 = fp8_backend(cfg.precision.fp8, device) if cfg.precision.fp8.enabled else None  # fails before loading
     # Full fine-tuning loads straight into the master dtype; LoRA loads the frozen base in the
     # compute dtype (peft creates the adapters in fp32). policy.apply then settles every tensor.
@@ -76,6 +85,8 @@ def setup_model(cfg: SFTConfig) -> Trainable:
     # alone and keeps the rest in their storage dtypes, and non-reentrant checkpointing needs no
     # input that requires grad.
     model, processor = load_model(cfg.model, dtype=load_dtype, device=device, quant=cfg.quant)
+    if cfg.quant.enabled:
+        print(format_report(verify(model, cfg.quant)))
     plan = build_plan(model, cfg.tiers)
     model = apply_plan(model, plan)
     fp8_plan = {}
@@ -90,7 +101,7 @@ def setup_model(cfg: SFTConfig) -> Trainable:
         else:
             core.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     compile_on = cfg.precision.compile is True or (
-        cfg.precision.compile == "auto" and fp8 is not None and cfg.precision.fp8.backend == "torchao")
+        auto_compile and cfg.precision.compile == "auto" and fp8 is not None and cfg.precision.fp8.backend == "torchao")
     if compile_on:
         compile_blocks(model)
     model.train()
@@ -198,8 +209,8 @@ def run_sft(cfg: SFTConfig) -> dict:
         state["tokens_seen"] += result["tokens"]
         row = {**{k: v for k, v in result.items() if k not in ("tokens", "supervised_tokens")}, "lr": lr,
                "tokens_per_s": result["tokens"] / elapsed, "epoch": state["epoch"]}
-        if step % cfg.log.every == 0 or step == total_steps:
-            metrics.log(step, row)
+        if step % cfg.log.every == 0 or step == total_steps or row["skipped"] or "loss_spike" in row:
+            metrics.log(step, row)  # skipped steps and spikes are always logged, whatever log.every says
         bar.update(1)
         bar.set_postfix(loss=f"{result['loss']:.4f}", lr=f"{lr:.2e}", tok_s=f"{row['tokens_per_s']:.0f}")
         if val_data is not None and ((cfg.eval.every and step % cfg.eval.every == 0) or step == total_steps):

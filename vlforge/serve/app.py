@@ -209,10 +209,13 @@ class Batcher:
                 self._thread = threading.Thread(target=self._run, name="vlforge-batcher", daemon=True)
                 self._thread.start()
 
-    def submit(self, job: _Job) -> None:
+    def check_room(self) -> None:
         if self.waiting >= self.max_queue:
             raise APIError(503, f"the server is busy ({self.waiting} requests waiting); retry later",
                            code="queue_full")
+
+    def submit(self, job: _Job) -> None:
+        self.check_room()
         self.start()
         self._queue.put(job)
 
@@ -282,9 +285,12 @@ class Batcher:
 
 
 class _ImageLoader:
-    def __init__(self, limits: Limits, allow_files: str | Path | None):
+    def __init__(self, limits: Limits, allow_files: str | Path | None, keep_pixels: int | None = None):
         self.limits = limits
         self.root = Path(allow_files).resolve() if allow_files is not None else None
+        # the processor shrinks anything larger to this anyway: shrinking right after decoding keeps a
+        # queue of waiting requests from holding full-resolution images
+        self.keep_pixels = keep_pixels
 
     def load(self, url: str, param: str) -> Image.Image:
         url = url.strip()
@@ -379,10 +385,14 @@ class _ImageLoader:
                                param=param, code="invalid_image")
             try:
                 im.load()
-                return im.convert("RGB")
+                rgb = im.convert("RGB")
             except (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError):
                 raise APIError(400, "cannot decode the image (truncated or corrupt)", param=param,
                                code="invalid_image") from None
+        if self.keep_pixels and w * h > self.keep_pixels:
+            scale = (self.keep_pixels / (w * h)) ** 0.5
+            rgb = rgb.resize((max(1, int(w * scale)), max(1, int(h * scale))), Image.Resampling.BICUBIC)
+        return rgb
 
 
 # ---------------------------------------------------------------------------------- the app
@@ -507,7 +517,10 @@ def create_app(engine, *, model_name: str | None = None, allow_files: str | Path
         raise ValueError(f"allow_files={allow_files}: not a directory")
     limits = Limits(max_body_bytes, max_image_pixels, max_images, max_prompt_tokens, max_tokens, default_max_tokens)
     batcher = Batcher(engine, max_batch=max_batch, window_s=batch_window_s, max_queue=max_queue)
-    state = _Server(engine, model_name or engine.name, limits, _ImageLoader(limits, allow_files), batcher)
+    keep = getattr(getattr(engine, "encoder", None), "limits", None)
+    state = _Server(engine, model_name or engine.name, limits,
+                    _ImageLoader(limits, allow_files, keep.max_pixels if keep else None), batcher)
+    preparing = asyncio.Semaphore(max(2, max_batch))  # bounds images decoded but not yet queued
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -555,8 +568,10 @@ def create_app(engine, *, model_name: str | None = None, allow_files: str | Path
     @app.post("/v1/chat/completions")
     async def chat_completions(http_request: HTTPRequest):
         body = await state.read_body(http_request)
+        batcher.check_room()  # refuse before decoding anything when the queue is full
         # JSON parsing, image decoding and token counting run in a worker thread, off the event loop
-        req, request = await asyncio.to_thread(state.prepare, body)
+        async with preparing:
+            req, request = await asyncio.to_thread(state.prepare, body)
         job = _Job(request, bool(req.stream), asyncio.get_running_loop(), asyncio.Queue())
         batcher.submit(job)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())

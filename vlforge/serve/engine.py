@@ -23,6 +23,7 @@ from typing import Callable
 
 import torch
 from PIL import Image
+from transformers import StoppingCriteria, StoppingCriteriaList
 
 from vlforge.config import ModelConfig, QuantConfig
 from vlforge.data.encode import Encoder, ImageLimits, collate
@@ -64,14 +65,18 @@ def _partial_stop(text: str, stops: list[str]) -> int:
 
 
 class _BatchStreamer:
-    """transformers streamer for a whole batch: splits each step's tokens per row and calls
-    on_text(row, new_text), honouring each request's own max_new_tokens and stop strings."""
+    """The per-row bookkeeping of one batched generate(): transformers calls put() with each step's
+    tokens; rows finish at an end token, their own max_new_tokens or a stop string, and _RowsDone
+    tells generate() so, which stops computing them. Text goes to on_text(row, new_text) as it
+    grows, holding back a tail that may still become a stop string; `text` ends as each row's answer.
+    """
 
-    def __init__(self, engine: "InferenceEngine", requests: list[Request], on_text: Callable[[int, str], None]):
+    def __init__(self, engine: "InferenceEngine", requests: list[Request], on_text: Callable[[int, str], None] | None):
         self.engine, self.requests, self.on_text = engine, requests, on_text
-        self.tokens: list[list[int]] = [[] for _ in requests]
-        self.sent = [0] * len(requests)
-        self.done = [False] * len(requests)
+        n = len(requests)
+        self.tokens: list[list[int]] = [[] for _ in range(n)]
+        self.text, self.sent = [""] * n, [0] * n
+        self.done, self.finish = [False] * n, ["length"] * n
         self.prompt_seen = False
 
     def put(self, value: torch.Tensor) -> None:
@@ -80,9 +85,9 @@ class _BatchStreamer:
             return
         for row, tok in enumerate(value.reshape(len(self.tokens), -1)[:, -1].tolist()):
             if self.done[row]:
-                continue
+                continue  # generate() pads finished rows
             if tok in self.engine.end_ids:
-                self.done[row] = True  # still flush below: text may have been held back
+                self.done[row], self.finish[row] = True, "stop"
             else:
                 self.tokens[row].append(tok)
                 self.done[row] = len(self.tokens[row]) >= self.requests[row].max_new_tokens
@@ -91,13 +96,16 @@ class _BatchStreamer:
     def _flush(self, row: int) -> None:
         text = self.engine.tokenizer.decode(self.tokens[row], skip_special_tokens=True)
         text, stopped = _cut_at_stop(text, self.requests[row].stop)
-        self.done[row] |= stopped
+        if stopped:
+            self.done[row], self.finish[row] = True, "stop"
+        self.text[row] = text
         if not self.done[row]:
             if text.endswith("\ufffd"):
                 return  # wait for the rest of a multi-byte character
             text = text[:len(text) - _partial_stop(text, self.requests[row].stop)]
         if len(text) > self.sent[row]:
-            self.on_text(row, text[self.sent[row]:])
+            if self.on_text is not None:
+                self.on_text(row, text[self.sent[row]:])
             self.sent[row] = len(text)
 
     def end(self) -> None:
@@ -105,6 +113,16 @@ class _BatchStreamer:
             if not self.done[row]:
                 self.done[row] = True
                 self._flush(row)
+
+
+class _RowsDone(StoppingCriteria):
+    """Per-row stop for generate(): a row is finished once the streamer says so."""
+
+    def __init__(self, streamer: _BatchStreamer):
+        self.streamer = streamer
+
+    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
+        return torch.tensor(self.streamer.done, device=input_ids.device)
 
 
 class InferenceEngine:
@@ -124,37 +142,28 @@ class InferenceEngine:
     @classmethod
     def load(cls, source: str, quant: QuantConfig | None = None, device: str = "auto",
              dtype: torch.dtype = torch.bfloat16) -> "InferenceEngine":
+        """`quant=None`: unquantized, except a LoRA checkpoint of a QLoRA run, which gets its run's quant."""
         from vlforge.engine.runtime import resolve_device
         from vlforge.model.load import load_model
         from vlforge.model.quant import verify
 
-        quant = quant or QuantConfig()
         dev = resolve_device(device)
         path = Path(source)
         if (path / "adapter_config.json").is_file():
             return cls._load_lora_checkpoint(path, quant, dev, dtype)
+        quant = quant or QuantConfig()
         cfg = ModelConfig(path=str(path)) if path.exists() or source not in PRESETS else ModelConfig(preset=source)
         model, processor = load_model(cfg, dtype=dtype, device=dev, quant=quant)
         return cls(model, processor, dev, path.name if cfg.path else source,
                    verify(model, quant) if quant.enabled else None)
 
     @classmethod
-    def _load_lora_checkpoint(cls, ckpt: Path, quant: QuantConfig, dev: torch.device, dtype: torch.dtype):
-        """The run's base model (quantized if asked: QLoRA-style inference) with the adapter on top."""
-        from peft import PeftModel
-
-        from vlforge.engine.precision import DTYPES
-        from vlforge.model.export import run_config
-        from vlforge.model.load import load_model
+    def _load_lora_checkpoint(cls, ckpt: Path, quant: QuantConfig | None, dev: torch.device, dtype: torch.dtype):
+        """The run's base with the adapter on top; quant=None serves a QLoRA adapter on its NF4 base."""
+        from vlforge.model.export import load_lora_checkpoint
         from vlforge.model.quant import verify
 
-        run = run_config(ckpt)
-        # a preset's random base is only the run's base when drawn in the run's dtype
-        base_dtype = DTYPES[run.precision.mode] if run.model.preset and not run.model.path else dtype
-        base, processor = load_model(run.model, dtype=base_dtype, device=dev, quant=quant)
-        if not quant.enabled:
-            base = base.to(dtype)
-        model = PeftModel.from_pretrained(base, str(ckpt), is_trainable=False)
+        model, processor, quant = load_lora_checkpoint(ckpt, dtype, dev, quant)
         return cls(model, processor, dev, ckpt.name, verify(model, quant) if quant.enabled else None)
 
     # ------------------------------------------------------------------ generation
@@ -188,23 +197,13 @@ class InferenceEngine:
 
     def _generate_batch(self, requests: list[Request], temperature: float, top_p: float, on_text) -> list[Completion]:
         inputs = self._inputs(requests)
-        prompt_len = inputs["input_ids"].shape[1]
         sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p} if temperature > 0 else {"do_sample": False}
         if min_new := min(r.min_new_tokens for r in requests):
             sampling["min_new_tokens"] = min_new
-        streamer = _BatchStreamer(self, requests, on_text) if on_text else None
+        streamer = _BatchStreamer(self, requests, on_text)
         with self.lock, torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
-            out = self.model.generate(**inputs, max_new_tokens=max(r.max_new_tokens for r in requests),
-                                      pad_token_id=self.encoder.pad_id, eos_token_id=self.end_ids,
-                                      streamer=streamer, **sampling)
-        completions = []
-        for r, row, n_prompt in zip(requests, out[:, prompt_len:].tolist(), inputs["attention_mask"].sum(1).tolist()):
-            finish = "length"
-            ends = [i for i, tok in enumerate(row) if tok in self.end_ids]
-            if ends:
-                row, finish = row[:ends[0]], "stop"
-            if len(row) > r.max_new_tokens:  # the batch ran on for a longer request
-                row, finish = row[:r.max_new_tokens], "length"
-            text, stopped = _cut_at_stop(self.tokenizer.decode(row, skip_special_tokens=True), r.stop)
-            completions.append(Completion(text, int(n_prompt), len(row), "stop" if stopped else finish))
-        return completions
+            self.model.generate(**inputs, max_new_tokens=max(r.max_new_tokens for r in requests),
+                                pad_token_id=self.encoder.pad_id, eos_token_id=self.end_ids, streamer=streamer,
+                                stopping_criteria=StoppingCriteriaList([_RowsDone(streamer)]), **sampling)
+        return [Completion(text, int(n_prompt), len(tokens), finish) for text, n_prompt, tokens, finish
+                in zip(streamer.text, inputs["attention_mask"].sum(1).tolist(), streamer.tokens, streamer.finish)]
