@@ -27,6 +27,8 @@ def grpo_config(shapes_dir, out_dir, tmp_path, *overrides, reward="varied") -> G
 @pytest.mark.parametrize("method,extra", [
     ("lora", ["rl.kl_beta=0.1"]), ("full", ["rl.kl_beta=0.1"]),
     # QLoRA: NF4 language model, KL to the adapter-disabled NF4 base
+    # (also the regression test of quant.keep_trainable: after the first rollout's eval-mode forward,
+    # bitsandbytes' CPU repacking cut every gradient below the NF4 layers)
     ("lora", ["rl.kl_beta=0.1", "quant.language=nf4", "precision.mode=bf16"]),
 ])
 def test_one_grpo_step_changes_exactly_the_trainable_params(shapes_dir, tmp_path, method, extra, monkeypatch):
@@ -37,8 +39,8 @@ def test_one_grpo_step_changes_exactly_the_trainable_params(shapes_dir, tmp_path
     captured = {}
     original = recipe.setup_model
 
-    def capture(c):
-        t = original(c)
+    def capture(c, **kwargs):
+        t = original(c, **kwargs)
         captured["t"] = t
         captured["before"] = {n: p.detach().clone() for n, p in t.model.named_parameters()}
         return t

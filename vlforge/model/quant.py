@@ -99,6 +99,22 @@ def from_pretrained_kwargs(cfg: QuantConfig, plan: dict[str, str], compute_dtype
                                                  modules_to_not_convert=_skip_modules(plan, "fp8"))}
 
 
+def keep_trainable(model: nn.Module) -> int:
+    """Stop bitsandbytes from repacking 4-bit weights for CPU inference; returns layers touched.
+
+    bitsandbytes (0.50) repacks a Linear4bit's weights into an AVX512-BF16 layout at its first
+    eval-mode forward on a CPU and does not undo it on train(); from then on the layer's matmul
+    has no gradient for its input, so nothing below it learns (found as zero vision/projector
+    gradients in CPU QLoRA GRPO after the first rollout). Training runs switch the repacking off.
+    """
+    touched = 0
+    for module in model.modules():
+        if getattr(module, "support_avx512bf16_for_cpu", False):
+            module.support_avx512bf16_for_cpu = False
+            touched += 1
+    return touched
+
+
 def applied_method(module: nn.Module) -> str:
     """What a loaded linear actually is: none | nf4 | int8 | fp8."""
     cls = type(module).__name__

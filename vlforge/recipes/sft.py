@@ -31,7 +31,7 @@ from vlforge.engine.health import GradHealth
 from vlforge.engine.precision import PrecisionPolicy
 from vlforge.engine.runtime import prepare_output_dir, resolve_device, seed_everything
 from vlforge.model.load import load_model
-from vlforge.model.quant import format_report, verify
+from vlforge.model.quant import format_report, keep_trainable, verify
 from vlforge.model.tiers import apply_plan, build_plan, param_groups, plan_summary, unwrap
 from vlforge.recipes.eval import EvalRecorder, to_device
 
@@ -87,6 +87,7 @@ def setup_model(cfg: SFTConfig, auto_compile: bool = True) -> Trainable:
     model, processor = load_model(cfg.model, dtype=load_dtype, device=device, quant=cfg.quant)
     if cfg.quant.enabled:
         print(format_report(verify(model, cfg.quant)))
+        keep_trainable(model)  # evals and rollouts switch to eval mode mid-run
     plan = build_plan(model, cfg.tiers)
     model = apply_plan(model, plan)
     fp8_plan = {}
