@@ -121,3 +121,25 @@ def test_tensorboard_events_are_written(shapes_dir, tmp_path):
     pytest.importorskip("tensorboard")
     run_sft(tiny_sft_config(shapes_dir, tmp_path, "log.tensorboard=true", "data.val=null"))
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_resuming_an_older_checkpoint_sets_later_ones_aside(shapes_dir, tmp_path):
+    from vlforge.recipes.sft import run_sft
+
+    from helpers import tiny_sft_config
+
+    def run(*extra):
+        return run_sft(tiny_sft_config(shapes_dir, tmp_path / "run", "tiers.method=lora", "optim.schedule=constant",
+                                       "train.max_steps=6", "train.save_every=2", "train.keep_last=3",
+                                       "data.val=null", *extra))
+
+    run()
+    first = load_file(tmp_path / "run" / "checkpoint-6" / "adapter_model.safetensors")
+    run(f"train.resume={tmp_path / 'run' / 'checkpoint-2'}")
+    aside = [p for p in (tmp_path / "run").iterdir() if p.name.startswith("superseded-2-")]
+    assert len(aside) == 1 and sorted(p.name for p in aside[0].iterdir()) == ["checkpoint-4", "checkpoint-6"]
+    # the new branch's checkpoints are the ones kept (not pruned in favour of the old 4 and 6)
+    assert sorted(p.name for p in (tmp_path / "run").glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4",
+                                                                               "checkpoint-6"]
+    again = load_file(tmp_path / "run" / "checkpoint-6" / "adapter_model.safetensors")
+    assert all(torch.equal(first[k], again[k]) for k in first)  # an exact resume reproduces the branch

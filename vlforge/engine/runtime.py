@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import random
 import shutil
+import time
 from pathlib import Path
 
 import torch
@@ -26,6 +28,21 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
+def _set_aside_later_checkpoints(out: Path, step: int) -> None:
+    """Going back to an older checkpoint branches the run: checkpoints past it belong to the
+    abandoned branch. Left in place, keep_last would prune the new branch's checkpoints before
+    them and resume=auto would pick them up; deleting them would destroy results. They move to
+    output_dir/superseded-STEP-TIME/."""
+    later = [p for p in list_checkpoints(out) if int(p.name.split("-")[1]) > step]
+    if not later:
+        return
+    aside = out / f"superseded-{step}-{time.strftime('%Y%m%d-%H%M%S')}"
+    aside.mkdir()
+    for p in later:
+        p.rename(aside / p.name)
+    print(f"resuming from step {step}: moved {len(later)} later checkpoint(s) to {aside}")
+
+
 def prepare_output_dir(output_dir: str | Path, resume: str, overwrite: bool) -> Path | None:
     """Create/validate output_dir. Returns the checkpoint to resume from, if any.
 
@@ -38,6 +55,7 @@ def prepare_output_dir(output_dir: str | Path, resume: str, overwrite: bool) -> 
         if not (ckpt / "trainer_state.json").is_file():
             raise ConfigError(f"train.resume={resume}: not a complete checkpoint directory (no trainer_state.json)")
         out.mkdir(parents=True, exist_ok=True)
+        _set_aside_later_checkpoints(out, json.loads((ckpt / "trainer_state.json").read_text())["step"])
         return ckpt
     if out.exists() and any(out.iterdir()):
         if resume == "auto":
