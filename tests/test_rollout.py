@@ -47,8 +47,12 @@ def test_image_encoded_once_per_prompt_in_rollout_and_training(setup):
     assert seen == [3]  # one vision pass over the 3 prompt images, not 12
     logp, _ = sequence_logprobs(model, rollout, 1.0)
     logp.sum().backward()
-    handle.remove()
     assert seen == [3, 3]
+    # a mini-batch of prompt 1's sequences encodes prompt 1's image only, with the same log-probs
+    part, _ = sequence_logprobs(model, rollout, 1.0, seq_index=[4, 5, 6, 7])
+    handle.remove()
+    assert seen == [3, 3, 1]
+    torch.testing.assert_close(part, logp[4:8].detach(), atol=1e-5, rtol=1e-5)
 
 
 def test_shared_forward_equals_hf_forward_with_repeated_pixels(setup):

@@ -183,15 +183,32 @@ def generate_groups(model, encoder: Encoder, prompts: dict, images_per_prompt: l
                    torch.stack(tokens, 1), response_mask, torch.stack(logps, 1), ~alive_N, G, banned.tolist())
 
 
+def _images_of(rollout: Rollout, prompts: list[int]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(pixel_values, image_grid_thw) of just these prompts' images (patch rows are per image, in order)."""
+    if rollout.pixel_values is None:
+        return None, None
+    per_prompt = rollout.images_per_prompt
+    first_image = [sum(per_prompt[:b]) for b in range(len(per_prompt))]
+    images = [i for b in prompts for i in range(first_image[b], first_image[b] + per_prompt[b])]
+    if not images:
+        return None, None
+    bounds = [0, *torch.cumsum(rollout.image_grid_thw.prod(-1), 0).tolist()]
+    rows = torch.cat([torch.arange(bounds[i], bounds[i + 1]) for i in images]).to(rollout.pixel_values.device)
+    return rollout.pixel_values[rows], rollout.image_grid_thw[images]
+
+
 def sequence_logprobs(model, rollout: Rollout, temperature: float, seq_index: list[int] | None = None,
                       with_entropy: bool = False):
     """Log-probs [n, R] of the response tokens of sequences `seq_index` (default all), recomputed
-    by teacher forcing with gradients; each prompt's images are encoded once for all its sequences.
+    by teacher forcing with gradients; the images of the prompts those sequences belong to (only
+    those) are encoded once for all their sequences.
     Returns (logp, entropy or None)."""
     core = unwrap(model)
     seq_index = list(range(rollout.response_ids.shape[0])) if seq_index is None else seq_index
     prompt_of = [rollout.prompt_of_seq[n] for n in seq_index]
-    feats = encode_images(core, rollout.pixel_values, rollout.image_grid_thw, rollout.images_per_prompt)
+    needed = sorted(set(prompt_of))  # a mini-batch usually covers a few prompts: encode only theirs
+    feats = encode_images(core, *_images_of(rollout, needed), [rollout.images_per_prompt[b] for b in needed])
+    local = {b: i for i, b in enumerate(needed)}
     idx = torch.tensor(prompt_of, device=rollout.prompt_ids.device)
     resp = rollout.response_ids[seq_index]
     ids = torch.cat([rollout.prompt_ids[idx], resp], dim=1)
@@ -201,7 +218,7 @@ def sequence_logprobs(model, rollout: Rollout, temperature: float, seq_index: li
         starts = [sum(rollout.images_per_prompt[:b]) for b in range(len(rollout.images_per_prompt))]
         grid = torch.cat([rollout.image_grid_thw[starts[b]:starts[b] + rollout.images_per_prompt[b]] for b in prompt_of])
     pos = rope_positions(core, ids, mask, core.config.image_token_id, grid)
-    hidden = forward_shared(core, ids, mask, pos, feats, prompt_of).last_hidden_state
+    hidden = forward_shared(core, ids, mask, pos, feats, [local[b] for b in prompt_of]).last_hidden_state
     P, R = rollout.prompt_ids.shape[1], resp.shape[1]
     hidden_nRH = hidden[:, P - 1:P - 1 + R]  # the state before each response token predicts it
     logits = core.lm_head(hidden_nRH).float() / temperature
