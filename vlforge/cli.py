@@ -144,7 +144,8 @@ def cmd_chat(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from vlforge.recipes.infer import evaluate_jsonl, write_json_atomic
+    from vlforge.engine.metrics import write_json_atomic
+    from vlforge.recipes.infer import evaluate_jsonl
 
     report = evaluate_jsonl(_engine(args), args.data, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
                             max_samples=args.max_samples)

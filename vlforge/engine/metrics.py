@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 
 
@@ -69,3 +70,11 @@ def plot_metric(rows: list[dict], key: str, out_png: str | Path, title: str | No
     fig.savefig(out_png)
     plt.close(fig)
     return Path(out_png)
+
+
+def write_json_atomic(data: dict, path: str | Path) -> None:
+    """Write JSON under a temporary name, then rename: a crash never leaves a torn file."""
+    path = Path(path)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    os.replace(tmp, path)

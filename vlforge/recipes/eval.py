@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 from collections import defaultdict
 from pathlib import Path
 
@@ -13,7 +12,7 @@ from vlforge.data.encode import Encoder, collate, encode, encode_prompt
 from vlforge.data.dataset import SFTDataset
 from vlforge.config import EvalConfig
 from vlforge.engine.losses import sft_loss_sum
-from vlforge.engine.metrics import MetricsLog
+from vlforge.engine.metrics import MetricsLog, write_json_atomic
 from vlforge.engine.precision import PrecisionPolicy
 from vlforge.model.tiers import unwrap
 from vlforge.rl.rewards import exact_match
@@ -92,8 +91,6 @@ class EvalRecorder:
                                            policy=policy, device=device)}
         torch.set_rng_state(rng)
         self.history.append({k: v for k, v in result.items() if k != "examples"})
-        tmp = self.path.with_suffix(".json.tmp")  # never leave a torn eval.json behind a crash
-        tmp.write_text(json.dumps({**result, "history": self.history}, indent=2))
-        os.replace(tmp, self.path)
+        write_json_atomic({**result, "history": self.history}, self.path)
         self.metrics.log(step, {"eval_loss": result["loss"], "eval_accuracy": result["accuracy"]})
         return result

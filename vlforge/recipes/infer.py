@@ -7,8 +7,6 @@
 
 from __future__ import annotations
 
-import json
-import os
 from collections import defaultdict
 from pathlib import Path
 from typing import Callable
@@ -108,10 +106,3 @@ def _placeholders(message: dict) -> dict:
         return message
     parts = [{"type": "image"} if p.get("type") == "image" else p for p in content]
     return {**message, "content": parts}
-
-
-def write_json_atomic(data: dict, path: str | Path) -> None:
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(data, indent=2))
-    os.replace(tmp, path)
