@@ -22,12 +22,12 @@ from vlforge.config import SFTConfig, ConfigError, dump_config
 from vlforge.data.dataset import SFTDataset, batches_from, load_dataset
 from vlforge.data.encode import collate
 from vlforge.engine.checkpoint import load_checkpoint, save_checkpoint
-from vlforge.engine.losses import count_supervised, sft_loss_sum
-from vlforge.engine.metrics import MetricsLog, plot_metric, read_metrics
-from vlforge.engine.optim import build_optimizer, build_scheduler
 from vlforge.engine.fp8 import fp8_backend, fp8_layer_plan
 from vlforge.engine.hardware import bf16_problem
 from vlforge.engine.health import GradHealth
+from vlforge.engine.losses import count_supervised, sft_loss_sum
+from vlforge.engine.metrics import MetricsLog, plot_metric, read_metrics
+from vlforge.engine.optim import build_optimizer, build_scheduler
 from vlforge.engine.precision import PrecisionPolicy
 from vlforge.engine.runtime import prepare_output_dir, resolve_device, seed_everything
 from vlforge.model.load import load_model
@@ -68,6 +68,8 @@ def setup_model(cfg: SFTConfig, auto_compile: bool = True) -> Trainable:
     policy = PrecisionPolicy(cfg.precision, device.type)
     if problem := bf16_problem(device) if cfg.precision.mode == "bf16" else None:
         raise ConfigError(problem)
+    if cfg.quant.enabled and cfg.tiers.method != "lora":
+        raise ConfigError("quant (QLoRA) needs tiers.method=lora: quantized base weights cannot be trained directly")
     if cfg.precision.fp8.enabled and cfg.quant.enabled:
         raise ConfigError("precision.fp8 and quant cannot be combined: FP8 training converts plain bf16 linears, "
                           "a quantized base has none; use QLoRA (quant) or FP8, not both")
@@ -78,8 +80,6 @@ def setup_model(cfg: SFTConfig, auto_compile: bool = True) -> Trainable:
     # Full fine-tuning loads straight into the master dtype; LoRA loads the frozen base in the
     # compute dtype (peft creates the adapters in fp32). policy.apply then settles every tensor.
     load_dtype = policy.master_dtype if cfg.tiers.method == "full" else policy.compute_dtype
-    if cfg.quant.enabled and cfg.tiers.method != "lora":
-        raise ConfigError("quant (QLoRA) needs tiers.method=lora: quantized base weights cannot be trained directly")
     # QLoRA: no peft prepare_model_for_kbit_training here, it would upcast every non-quantized
     # weight (the whole vision tower) to fp32; policy.apply below leaves the packed 4-bit weights
     # alone and keeps the rest in their storage dtypes, and non-reentrant checkpointing needs no
@@ -123,7 +123,8 @@ def micro_batches(data: SFTDataset, batch_size: int, seed: int, epoch: int, posi
         # from the global RNG instead would shift dropout masks after a mid-epoch resume.
         loader = torch.utils.data.DataLoader(
             data, batch_sampler=[ix for ix, _ in index_lists], num_workers=num_workers,
-            collate_fn=functools.partial(collate, pad_id=data.encoder.pad_id, multiple=token_multiple),  # picklable for workers
+            # a partial, not a lambda: picklable for worker processes
+            collate_fn=functools.partial(collate, pad_id=data.encoder.pad_id, multiple=token_multiple),
             generator=torch.Generator().manual_seed(seed + epoch))
         for batch, (_, pos) in zip(loader, index_lists):
             yield batch, epoch, pos
