@@ -132,3 +132,54 @@ def test_reward_functions_see_exactly_the_response_text(shapes_dir, tmp_path):
     lengths = rollout.response_mask.sum(1).tolist()
     assert lengths[0::2] == [1] * 4 and max(lengths) > 1  # <|im_end|> then padding, beside longer ones
     assert seen[0::2] == [""] * 4
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_a_mini_batch_spanning_rollout_rounds_equals_one_batch(shapes_dir, tmp_path, agg):
+    """Dynamic sampling keeps groups from several rounds; their mini-batches must not depend on
+    which round a group came from."""
+    from vlforge.data.dataset import load_dataset
+    from vlforge.engine.health import GradHealth
+    from vlforge.engine.optim import build_optimizer
+    from vlforge.model.tiers import param_groups
+    from vlforge.recipes.grpo import Batch, disable_dropout, rollout_round, update
+    from vlforge.recipes.sft import setup_model
+    from vlforge.rl import RewardSpec, build_rewards, grpo_advantages
+
+    cfg = grpo_config(shapes_dir, tmp_path / "run", tmp_path, "tiers.method=lora", "rl.kl_beta=0.1",
+                      f"rl.agg={agg}", "rl.mini_batch_size=8", "rollout.prompts_per_step=2")
+    rewards = build_rewards([RewardSpec(r.name, r.weight, dict(r.kwargs)) for r in cfg.rl.rewards])
+    results = []
+    for split in (False, True):
+        torch.manual_seed(0)  # peft draws LoRA A from the global RNG: the same model twice
+        t = setup_model(cfg)
+        disable_dropout(t.model)  # as run_grpo: the same forward whatever the mini-batch layout
+        data = load_dataset(cfg.data.train, t.processor, cfg.data)
+        torch.manual_seed(0)
+        rollout, scored = rollout_round(t, data, [0, 1], cfg, rewards)
+        adv = grpo_advantages(scored["reward"], 4)
+        seqs = list(range(8))
+        batches = [Batch(rollout, seqs[:4], adv, None), Batch(rollout, seqs[4:], adv, None)] if split \
+            else [Batch(rollout, seqs, adv, None)]
+        optimizer = build_optimizer(param_groups(t.model, t.plan, 0.0), cfg.optim, "cpu")
+        row = update(t, None, batches, optimizer, t.policy.grad_scaler(), GradHealth(t.model, t.plan, cfg.health), cfg)
+        results.append((row, {n: p.detach().clone() for n, p in t.model.named_parameters() if p.requires_grad}))
+    (row_one, one), (row_split, split_) = results
+    assert row_one["skipped"] == 0 and abs(row_one["loss"]) > 0
+    assert row_split["loss"] == pytest.approx(row_one["loss"], rel=1e-5, abs=1e-7)
+    for n in one:
+        torch.testing.assert_close(split_[n], one[n], rtol=1e-5, atol=1e-6)
+
+
+def test_batch_std_is_pooled_over_rollout_rounds():
+    from vlforge.recipes.grpo import Batch, pool_batch_std
+    from vlforge.rl import grpo_advantages
+
+    r1 = torch.tensor([0.0, 1.0, 0.0, 3.0, 9.0, 9.0, 1.0, 2.0])  # round 1: 4 responses, 2 groups of 2 kept
+    r2 = torch.tensor([5.0, 0.0, 2.0, 2.0])  # round 2: one kept group (seqs 0, 1), one dropped
+    b1 = Batch(None, [0, 1, 2, 3, 4, 5, 6, 7], grpo_advantages(r1, 2, scale="batch"), None)
+    b2 = Batch(None, [0, 1], grpo_advantages(r2, 2, scale="batch"), None)
+    pool_batch_std([b1, b2], [r1, r2[:2]], 2)
+    pooled = grpo_advantages(torch.cat([r1, r2[:2]]), 2, scale="batch")
+    torch.testing.assert_close(torch.cat([b1.advantages, b2.advantages[:2]]), pooled)
+    assert b2.advantages[2:].tolist() == grpo_advantages(r2, 2, scale="batch")[2:].tolist()  # dropped: untouched

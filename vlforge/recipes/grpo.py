@@ -83,7 +83,7 @@ def collect(t: Trainable, data, stream, state: dict, cfg: GRPOConfig, rewards) -
     """Rollout rounds until B groups with non-zero reward variance (dynamic sampling) or one round."""
     B, G = cfg.rollout.prompts_per_step, cfg.rollout.group_size
     batches, stats = [], {"reward": [], "correct": [], "per_fn": {}, "zero_var": [], "lengths": [], "finished": []}
-    kept_groups = 0
+    kept_groups, kept_rewards = 0, []
     for _ in range(cfg.rl.max_sampling_tries if cfg.rl.dynamic_sampling else 1):
         idx, state["epoch"], state["position"] = next(stream)
         rollout, scored = rollout_round(t, data, idx, cfg, rewards)
@@ -101,10 +101,21 @@ def collect(t: Trainable, data, stream, state: dict, cfg: GRPOConfig, rewards) -
             adv = grpo_advantages(scored["reward"], G, scale=cfg.rl.adv_scale).to(t.device)
             seqs = [b * G + g for b in groups for g in range(G)]
             batches.append(Batch(rollout, seqs, adv, None))
+            kept_rewards.append(scored["reward"][seqs])
             kept_groups += len(groups)
         if kept_groups >= B:
             break
+    if cfg.rl.adv_scale == "batch" and len(batches) > 1:
+        pool_batch_std(batches, kept_rewards, G)
     return batches, stats
+
+
+def pool_batch_std(batches: list[Batch], kept_rewards: list[torch.Tensor], group_size: int) -> None:
+    """adv_scale=batch over several rollout rounds: one std over every kept group, not each round's."""
+    adv = grpo_advantages(torch.cat(kept_rewards), group_size, scale="batch")
+    for b, chunk in zip(batches, torch.split(adv, [len(b.seqs) for b in batches])):
+        b.advantages = b.advantages.clone()
+        b.advantages[b.seqs] = chunk.to(b.advantages.device)
 
 
 def reference_logprobs(t: Trainable, ref_model, batch: Batch, temperature: float) -> torch.Tensor:
@@ -115,39 +126,78 @@ def reference_logprobs(t: Trainable, ref_model, batch: Batch, temperature: float
         return sequence_logprobs(ref_model, batch.rollout, temperature, seq_index=batch.seqs)[0]
 
 
+def mini_batches(batches: list[Batch], size: int) -> list[list[tuple[Batch, list[int]]]]:
+    """Consecutive mini-batches of `size` sequences over all kept groups, across rollout rounds.
+
+    Each mini-batch is a list of parts (batch, positions in batch.seqs): a part's sequences share
+    one rollout (its prompts and images), so its log-probs are computed together.
+    """
+    flat = [(b, i) for b in batches for i in range(len(b.seqs))]
+    out = []
+    for s in range(0, len(flat), size):
+        parts: list[tuple[Batch, list[int]]] = []
+        for b, i in flat[s:s + size]:
+            if parts and parts[-1][0] is b:
+                parts[-1][1].append(i)
+            else:
+                parts.append((b, [i]))
+        out.append(parts)
+    return out
+
+
+def part_weights(masks: list[torch.Tensor], agg: str) -> list[float]:
+    """Weights that make the sum of per-part aggregated losses equal the loss of the concatenated
+    mini-batch: parts' shares of its tokens (token-mean) or non-empty sequences (seq-mean-*);
+    Dr. GRPO's sum over a constant simply adds up."""
+    if agg == "seq-mean-token-sum-norm":
+        return [1.0] * len(masks)
+    units = [float(m.sum()) if agg == "token-mean" else float((m.sum(-1) > 0).sum()) for m in masks]
+    total = sum(units)
+    return [u / total if total > 0 else 0.0 for u in units]
+
+
 def update(t: Trainable, ref_model, batches: list[Batch], optimizer, scaler, health: GradHealth,
            cfg: GRPOConfig) -> dict:
-    """rl.epochs passes of mini-batch policy-gradient steps over the collected groups."""
+    """rl.epochs passes of mini-batch policy-gradient steps over the collected groups.
+
+    A mini-batch may span rollout rounds (dynamic sampling): each part's loss is aggregated on its
+    own and weighted by its share of the mini-batch's tokens (or sequences), which equals the loss
+    of the concatenated mini-batch; one optimizer step per mini-batch.
+    """
     rl, T = cfg.rl, cfg.rollout.temperature
     if rl.kl_beta > 0:
         for b in batches:
             b.ref_logp = reference_logprobs(t, ref_model, b, T)  # [len(seqs), R], fixed for the step
     logs: dict[str, list] = {"loss": [], "clip_frac": [], "approx_kl": [], "kl": [], "entropy": []}
     for _ in range(rl.epochs):
-        for b in batches:
-            for s in range(0, len(b.seqs), rl.mini_batch_size):
-                part = list(range(s, min(s + rl.mini_batch_size, len(b.seqs))))
+        for parts in mini_batches(batches, rl.mini_batch_size):
+            masks = [b.rollout.response_mask[[b.seqs[i] for i in part]].float() for b, part in parts]
+            weights, tokens = part_weights(masks, rl.agg), [float(m.sum()) for m in masks]
+            step = {"loss": 0.0, "clip_frac": 0.0, "approx_kl": 0.0, "kl": 0.0, "entropy": 0.0}
+            for (b, part), mask, w, n_tok in zip(parts, masks, weights, tokens):
                 seqs = [b.seqs[i] for i in part]
-                mask = b.rollout.response_mask[seqs].float()
                 with t.policy.autocast():
                     logp, entropy = sequence_logprobs(t.model, b.rollout, T, seq_index=seqs, with_entropy=True)
                 # norm_length: Dr. GRPO's constant divisor is the length cap, not this batch's longest
                 loss, stats = policy_loss(logp, b.rollout.logprobs[seqs], b.advantages[seqs], mask,
-                                          clip_low=rl.clip_low, clip_high=rl.clip_high, dual_clip=rl.dual_clip, agg=rl.agg,
-                                          norm_length=cfg.rollout.max_new_tokens)
+                                          clip_low=rl.clip_low, clip_high=rl.clip_high, dual_clip=rl.dual_clip,
+                                          agg=rl.agg, norm_length=cfg.rollout.max_new_tokens)
+                share = n_tok / max(sum(tokens), 1.0)  # token-weighted statistics
                 if rl.kl_beta > 0:
                     kl = kl_penalty(logp, b.ref_logp[part], rl.kl_kind)
                     # both terms are fp32 (log-probs are); the sum is scaled once, for fp16 only
                     loss = loss + rl.kl_beta * agg_loss(kl, mask, rl.agg, cfg.rollout.max_new_tokens)
-                    logs["kl"].append(float((kl.detach() * mask).sum() / mask.sum().clamp(min=1)))
-                scaler.scale(loss).backward()
-                loss_value = float(loss.detach())
-                for k, v in health.step(optimizer, scaler, cfg.optim.max_grad_norm, loss_value).items():
-                    logs.setdefault(k, []).append(v)
-                logs["loss"].append(loss_value)
-                logs["clip_frac"].append(float(stats["clip_frac"]))
-                logs["approx_kl"].append(float(stats["approx_kl"]))
-                logs["entropy"].append(float((entropy * mask).sum() / mask.sum().clamp(min=1)))
+                    step["kl"] += share * float((kl.detach() * mask).sum() / mask.sum().clamp(min=1))
+                scaler.scale(loss * w).backward()  # gradients of the parts add up to the mini-batch's
+                step["loss"] += w * float(loss.detach())
+                step["clip_frac"] += share * float(stats["clip_frac"])
+                step["approx_kl"] += share * float(stats["approx_kl"])
+                step["entropy"] += share * float((entropy * mask).sum() / mask.sum().clamp(min=1))
+            for k, v in health.step(optimizer, scaler, cfg.optim.max_grad_norm, step["loss"]).items():
+                logs.setdefault(k, []).append(v)
+            for k, v in step.items():
+                if k != "kl" or rl.kl_beta > 0:
+                    logs[k].append(v)
     row = {k: sum(v) / len(v) for k, v in logs.items() if v and k not in ("skipped", "nonfinite_groups")}
     row["skipped"] = sum(logs.get("skipped", []))  # mini-batch updates skipped this step
     if bad := sorted({g for groups in logs.get("nonfinite_groups", []) for g in groups}):
