@@ -122,7 +122,7 @@ def applied_method(module: nn.Module) -> str:
         return "nf4" if getattr(module.weight, "quant_type", "nf4") == "nf4" else "fp4"
     if cls == "Linear8bitLt":
         return "int8"
-    if "float8" in type(module.weight).__name__.lower() or "Float8" in type(getattr(module, "weight", None)).__name__:
+    if "float8" in type(module.weight).__name__.lower():  # torchao's Float8Tensor weight subclass
         return "fp8"
     return "none"
 
