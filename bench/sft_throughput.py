@@ -27,7 +27,8 @@ from vlforge.engine.fp8 import summarize
 from vlforge.engine.health import GradHealth
 from vlforge.engine.optim import build_optimizer
 from vlforge.model.tiers import param_groups
-from vlforge.recipes.sft import setup_model, train_step
+from vlforge.engine.trainable import setup_model
+from vlforge.recipes.sft import train_step
 
 WORDS = "the a red blue green circle square triangle left right shape image colour how many is on of".split()
 # Answers follow a fixed random bigram chain (each word has three likely successors), so a loss

@@ -7,7 +7,7 @@ import pytest
 from vlforge.cli import main
 from vlforge.config import SFTConfig, load_config
 from vlforge.data.synth import synth_shapes
-from vlforge.recipes.demo import DEMO_TASKS, packaged_config
+from vlforge.demo import DEMO_TASKS, packaged_config
 from vlforge.recipes.sft import run_sft
 
 # First five training losses of configs/demo-sft.yaml on 200 shapes samples (seed 0), fp32 CPU.

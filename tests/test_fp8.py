@@ -55,7 +55,7 @@ def test_dims_must_be_multiples_of_16():
 
 
 def test_fp8_on_cpu_fails_before_loading_with_advice(shapes_dir, tmp_path):
-    from vlforge.recipes.sft import setup_model
+    from vlforge.engine.trainable import setup_model
 
     from helpers import tiny_sft_config
 
@@ -127,7 +127,8 @@ def test_fp8_training_step_matches_bf16_on_gpu(shapes_dir, tmp_path):
     from vlforge.engine.health import GradHealth
     from vlforge.engine.optim import build_optimizer
     from vlforge.model.tiers import param_groups
-    from vlforge.recipes.sft import setup_model, train_step
+    from vlforge.engine.trainable import setup_model
+from vlforge.recipes.sft import train_step
 
     from helpers import tiny_sft_config
 
@@ -163,7 +164,8 @@ def test_transformer_engine_backend_on_gpu(shapes_dir, tmp_path):
     from vlforge.engine.health import GradHealth
     from vlforge.engine.optim import build_optimizer
     from vlforge.model.tiers import param_groups, unwrap
-    from vlforge.recipes.sft import setup_model, train_step
+    from vlforge.engine.trainable import setup_model
+from vlforge.recipes.sft import train_step
 
     from helpers import tiny_sft_config
 

@@ -106,7 +106,7 @@ def test_reward_functions_see_exactly_the_response_text(shapes_dir, tmp_path):
     """Completions given to rewards are the decoded response only: nothing after <|im_end|>."""
     from vlforge.data.dataset import load_dataset
     from vlforge.recipes.grpo import rollout_round
-    from vlforge.recipes.sft import setup_model
+    from vlforge.engine.trainable import setup_model
     from vlforge.rl import build_rewards
 
     cfg = grpo_config(shapes_dir, tmp_path / "run", tmp_path, "rollout.max_new_tokens=6")
@@ -143,7 +143,7 @@ def test_a_mini_batch_spanning_rollout_rounds_equals_one_batch(shapes_dir, tmp_p
     from vlforge.engine.optim import build_optimizer
     from vlforge.model.tiers import param_groups
     from vlforge.recipes.grpo import Batch, disable_dropout, rollout_round, update
-    from vlforge.recipes.sft import setup_model
+    from vlforge.engine.trainable import setup_model
     from vlforge.rl import RewardSpec, build_rewards, grpo_advantages
 
     cfg = grpo_config(shapes_dir, tmp_path / "run", tmp_path, "tiers.method=lora", "rl.kl_beta=0.1",

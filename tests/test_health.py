@@ -9,7 +9,8 @@ from vlforge.data.encode import collate
 from vlforge.engine.health import GradHealth, TrainingDiverged
 from vlforge.engine.optim import build_optimizer
 from vlforge.model.tiers import param_groups
-from vlforge.recipes.sft import setup_model, train_step
+from vlforge.engine.trainable import setup_model
+from vlforge.recipes.sft import train_step
 
 from helpers import tiny_sft_config
 

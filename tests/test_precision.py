@@ -10,7 +10,8 @@ from vlforge.engine.health import GradHealth
 from vlforge.engine.optim import build_optimizer
 from vlforge.engine.precision import PrecisionPolicy
 from vlforge.model.tiers import param_groups
-from vlforge.recipes.sft import setup_model, train_step
+from vlforge.engine.trainable import setup_model
+from vlforge.recipes.sft import train_step
 
 from helpers import tiny_sft_config
 
@@ -176,7 +177,7 @@ def test_grpo_loss_terms_are_fp32_before_scaling():
     logp = torch.randn(2, 5, dtype=torch.float32)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         loss, _ = policy_loss(logp, logp.detach() + 0.01, torch.ones(2), torch.ones(2, 5))
-        kl = agg_loss(kl_penalty(logp, logp.detach() - 0.02, "low_var_kl"), torch.ones(2, 5), "token-mean")
+        kl = agg_loss(kl_penalty(logp, logp.detach() - 0.02, "k3"), torch.ones(2, 5), "token-mean")
     assert loss.dtype == torch.float32 and kl.dtype == torch.float32
 
 

@@ -76,7 +76,8 @@ def test_qlora_trains_adapters_only_and_leaves_vision_in_bf16(shapes_dir, tmp_pa
     from vlforge.engine.health import GradHealth
     from vlforge.engine.optim import build_optimizer
     from vlforge.model.tiers import param_groups
-    from vlforge.recipes.sft import setup_model, train_step
+    from vlforge.engine.trainable import setup_model
+from vlforge.recipes.sft import train_step
 
     from helpers import tiny_sft_config
 
@@ -103,7 +104,7 @@ def test_qlora_trains_adapters_only_and_leaves_vision_in_bf16(shapes_dir, tmp_pa
 
 
 def test_full_fine_tuning_of_a_quantized_model_is_refused(shapes_dir, tmp_path):
-    from vlforge.recipes.sft import setup_model
+    from vlforge.engine.trainable import setup_model
 
     from helpers import tiny_sft_config
 

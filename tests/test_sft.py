@@ -102,7 +102,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(shapes_dir, tmp_path):
     from vlforge.data.dataset import load_dataset
     from vlforge.data.encode import collate
     from vlforge.engine.losses import sft_loss_sum
-    from vlforge.recipes.sft import setup_model
+    from vlforge.engine.trainable import setup_model
 
     grads = []
     for ckpt in ("false", "true"):

@@ -11,7 +11,8 @@ from vlforge.data.encode import collate
 from vlforge.engine.health import GradHealth
 from vlforge.engine.optim import build_optimizer
 from vlforge.model.tiers import apply_plan, build_plan, param_groups, plan_summary, unwrap
-from vlforge.recipes.sft import setup_model, train_step
+from vlforge.engine.trainable import setup_model
+from vlforge.recipes.sft import train_step
 
 from helpers import tiny_sft_config
 

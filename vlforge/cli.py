@@ -24,21 +24,36 @@ def _quiet_libraries() -> None:
     hf_logging.disable_progress_bar()
 
 
-def cmd_sft(args) -> int:
-    cfg = load_config(SFTConfig, args.config, args.overrides)
+def _print_plan(cfg, as_json: bool) -> None:
+    """`--plan`: what trains (tiers, ranks, lrs, parameter counts) and in which precision, from a
+    meta-device model (no weights: works for 32B on a laptop)."""
+    from vlforge.engine.precision import format_precision_plan, precision_plan
+    from vlforge.model.load import build_meta_model
+    from vlforge.model.tiers import build_plan, format_plan, plan_summary
+
+    model, _ = build_meta_model(cfg.model)
+    plan = build_plan(model, cfg.tiers)
+    summary = {**plan_summary(model, plan), "precision": precision_plan(model, plan, cfg.precision, cfg.quant)}
+    print(json.dumps(summary, indent=2) if as_json
+          else format_plan(summary) + "\n\n" + format_precision_plan(summary["precision"]))
+
+
+def _recipe_config(cls, args):
+    """The recipe's config; handles --print-config and --plan. None when the command is done."""
+    if args.json and not args.plan:
+        raise ConfigError("--json goes with --plan (vlforge %s CONFIG --plan --json)" % args.command)
+    cfg = load_config(cls, args.config, args.overrides)
     if args.print_config:
         print(dump_config(cfg), end="")
-        return 0
+        return None
     if args.plan:
-        from vlforge.engine.precision import format_precision_plan, precision_plan
-        from vlforge.model.load import build_meta_model
-        from vlforge.model.tiers import build_plan, format_plan, plan_summary
+        _print_plan(cfg, args.json)
+        return None
+    return cfg
 
-        model, _ = build_meta_model(cfg.model)
-        plan = build_plan(model, cfg.tiers)
-        summary = {**plan_summary(model, plan), "precision": precision_plan(model, plan, cfg.precision, cfg.quant)}
-        print(json.dumps(summary, indent=2) if args.json
-              else format_plan(summary) + "\n\n" + format_precision_plan(summary["precision"]))
+
+def cmd_sft(args) -> int:
+    if (cfg := _recipe_config(SFTConfig, args)) is None:
         return 0
     from vlforge.recipes.sft import run_sft
 
@@ -51,9 +66,7 @@ def cmd_sft(args) -> int:
 
 
 def cmd_grpo(args) -> int:
-    cfg = load_config(GRPOConfig, args.config, args.overrides)
-    if args.print_config:
-        print(dump_config(cfg), end="")
+    if (cfg := _recipe_config(GRPOConfig, args)) is None:
         return 0
     from vlforge.recipes.grpo import run_grpo
 
@@ -65,7 +78,7 @@ def cmd_grpo(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from vlforge.recipes.demo import run_demo
+    from vlforge.demo import run_demo
 
     run_demo(args.out, args.overwrite, args.overrides)
     return 0
@@ -117,11 +130,16 @@ def _engine(args):
 
 def cmd_export(args) -> int:
     from vlforge.config import QuantConfig
-    from vlforge.engine.precision import DTYPES
+    from vlforge.engine.hardware import quant_problem
+    from vlforge.engine.runtime import resolve_device
     from vlforge.model.export import export
+    from vlforge.model.load import DTYPES
 
-    result = export(args.checkpoint, args.out, merge=args.merge, quant=QuantConfig.from_flag(args.quant),
-                    dtype=DTYPES[args.dtype], overwrite=args.overwrite)
+    quant, device = QuantConfig.from_flag(args.quant), resolve_device("auto")
+    if problem := quant_problem(quant, device):
+        raise ConfigError(f"--quant {args.quant}: {problem}")
+    result = export(args.checkpoint, args.out, merge=args.merge, quant=quant, dtype=DTYPES[args.dtype],
+                    overwrite=args.overwrite, device=device)
     print(f"exported {result['kind']} model (quant {result['quant']}) to {result['out']}: {', '.join(result['files'])}")
     return 0
 
@@ -197,6 +215,12 @@ def _model_source_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
 
 
+def _recipe_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--plan", action="store_true", help="print the trainable and precision plan and exit (no training)")
+    p.add_argument("--json", action="store_true", help="with --plan: print JSON")
+    p.add_argument("--print-config", action="store_true", help="print the effective config and exit")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="vlforge", description="Fine-tune, RL-train and serve Qwen3-VL models.")
     sub = p.add_subparsers(dest="command", required=True)
@@ -204,15 +228,13 @@ def build_parser() -> argparse.ArgumentParser:
     sft = sub.add_parser("sft", help="supervised fine-tuning (LoRA tiers or full)")
     sft.add_argument("config", help="recipe YAML, e.g. configs/qwen3vl-8b-lora.yaml")
     sft.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. tiers.language.lr=1e-4")
-    sft.add_argument("--plan", action="store_true", help="print the trainable plan and exit (no training)")
-    sft.add_argument("--json", action="store_true", help="with --plan: print JSON")
-    sft.add_argument("--print-config", action="store_true", help="print the effective config and exit")
+    _recipe_options(sft)
     sft.set_defaults(func=cmd_sft)
 
     grpo = sub.add_parser("grpo", help="GRPO reinforcement learning with verifiable rewards")
     grpo.add_argument("config", help="recipe YAML, e.g. configs/qwen3vl-8b-grpo.yaml")
     grpo.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. rollout.group_size=8")
-    grpo.add_argument("--print-config", action="store_true", help="print the effective config and exit")
+    _recipe_options(grpo)
     grpo.set_defaults(func=cmd_grpo)
 
     demo = sub.add_parser("demo", help="synthesise data, train the tiny model on CPU, show before/after")

@@ -94,9 +94,6 @@ class TiersConfig:
     vision: TierConfig = field(default_factory=_vision)
 
 
-_DTYPE_NAMES = ("bf16", "fp16", "fp32")
-
-
 @dataclass
 class ModuleOverride:
     """Per-module precision: modules whose name matches `pattern` (re.search) get these dtypes.
@@ -315,7 +312,9 @@ class HealthConfig:
 
 
 @dataclass
-class SFTConfig:
+class RunConfig:
+    """The sections every training recipe has; SFTConfig and GRPOConfig add their own."""
+
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     tiers: TiersConfig = field(default_factory=TiersConfig)
@@ -326,6 +325,11 @@ class SFTConfig:
     log: LogConfig = field(default_factory=LogConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
     quant: QuantConfig = field(default_factory=QuantConfig)
+
+
+@dataclass
+class SFTConfig(RunConfig):
+    """`vlforge sft`: the shared sections only."""
 
 
 @dataclass
@@ -378,17 +382,10 @@ class RLConfig:
 
 
 @dataclass
-class GRPOConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    tiers: TiersConfig = field(default_factory=TiersConfig)
-    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
-    optim: OptimConfig = field(default_factory=OptimConfig)
+class GRPOConfig(RunConfig):
+    """`vlforge grpo`: the shared sections (another default output_dir and length) + rollout and rl."""
+
     train: TrainConfig = field(default_factory=lambda: TrainConfig(output_dir="runs/grpo", max_steps=100))
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    log: LogConfig = field(default_factory=LogConfig)
-    health: HealthConfig = field(default_factory=HealthConfig)
-    quant: QuantConfig = field(default_factory=QuantConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     rl: RLConfig = field(default_factory=RLConfig)
 

@@ -38,6 +38,9 @@ class Encoder:
         self.image_token_id = tok.convert_tokens_to_ids(IMAGE_PAD)
         self.im_end_id = tok.convert_tokens_to_ids("<|im_end|>")
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.convert_tokens_to_ids("<|endoftext|>")
+        # Generation ends at <|im_end|> (end of turn) or <|endoftext|> (the pad token), as in Qwen's
+        # own generation_config; every generation path (rollouts, eval, infer, serve) uses these.
+        self.end_ids = list(dict.fromkeys([self.im_end_id, self.pad_id]))
         self.assistant_header = tok("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
         self.patch = self.image_processor.patch_size
         self.merge = self.image_processor.merge_size

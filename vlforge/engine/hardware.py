@@ -46,3 +46,14 @@ def fp8_problem(device: torch.device) -> str | None:
                 "Set precision.fp8.enabled=false and train in precision.mode=bf16"
                 + ("" if cap >= BF16_MIN_CAPABILITY else " (or fp16 on this GPU)"))
     return None
+
+
+def quant_problem(quant, device: torch.device) -> str | None:
+    """Weight quantization to FP8 (`quant.*: fp8`, torchao) needs FP8 tensor cores; nf4/int8 run anywhere."""
+    if "fp8" not in (quant.language, quant.vision, quant.projector):
+        return None
+    if capability(device) is None or capability(device) < FP8_MIN_CAPABILITY:
+        where = _name(device) if device.type == "cuda" and torch.cuda.is_available() else "the CPU"
+        return (f"quant fp8 needs an NVIDIA GPU with compute capability >= 8.9 (L4, L40, H100, H200, B200), "
+                f"not {where}: use nf4 or int8 instead")
+    return None

@@ -28,10 +28,10 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from vlforge.config import LossScaleConfig, PrecisionConfig, QuantConfig
+from vlforge.config import PrecisionConfig, QuantConfig
+from vlforge.model.load import DTYPES
 from vlforge.model.tiers import canonical_name
 
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 NAMES = {v: k for k, v in DTYPES.items()}
 
 
@@ -121,9 +121,9 @@ class PrecisionPolicy:
             return contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=self.compute_dtype)
 
-    def grad_scaler(self, cfg: LossScaleConfig | None = None) -> torch.amp.GradScaler:
+    def grad_scaler(self) -> torch.amp.GradScaler:
         """Dynamic loss scaling for fp16; a disabled scaler (a no-op) for bf16/fp32/FP8."""
-        cfg = cfg or self.cfg.loss_scale
+        cfg = self.cfg.loss_scale
         return torch.amp.GradScaler(self.device_type, enabled=self.uses_loss_scaling, init_scale=cfg.init_scale,
                                     growth_factor=cfg.growth_factor, backoff_factor=cfg.backoff_factor,
                                     growth_interval=cfg.growth_interval)

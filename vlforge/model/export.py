@@ -21,9 +21,8 @@ from pathlib import Path
 
 import torch
 
-from vlforge.config import ConfigError, GRPOConfig, SFTConfig, load_config
-from vlforge.engine.precision import DTYPES
-from vlforge.config import QuantConfig
+from vlforge.config import ConfigError, GRPOConfig, ModelConfig, QuantConfig, SFTConfig, load_config
+from vlforge.model.load import DTYPES, load_model
 
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
 
@@ -69,8 +68,6 @@ def load_lora_checkpoint(checkpoint: Path, dtype: torch.dtype = torch.bfloat16, 
     """
     from peft import PeftModel
 
-    from vlforge.model.load import load_model
-
     run = run_config(checkpoint)
     quant = run.quant if quant is None else quant
     base_dtype = DTYPES[run.precision.mode] if run.model.preset and not run.model.path else dtype
@@ -93,8 +90,9 @@ def load_merged(checkpoint: Path, dtype: torch.dtype = torch.bfloat16):
 
 
 def export(checkpoint: str | Path, out: str | Path, *, merge: bool = False, quant: QuantConfig | None = None,
-           dtype: torch.dtype = torch.bfloat16, overwrite: bool = False) -> dict:
-    """Write `out`; returns {"out", "kind", "quant", "files"}."""
+           dtype: torch.dtype = torch.bfloat16, overwrite: bool = False, device: str | torch.device = "cpu") -> dict:
+    """Write `out`; returns {"out", "kind", "quant", "files"}. `device`: where a --quant reload
+    runs (bitsandbytes / torchao quantize there; the caller checks it can, engine.hardware)."""
     checkpoint, out = Path(checkpoint), Path(out)
     kind = _check_checkpoint(checkpoint)
     quant = quant or QuantConfig()
@@ -108,14 +106,12 @@ def export(checkpoint: str | Path, out: str | Path, *, merge: bool = False, quan
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".export-", dir=out.parent))  # renamed into place when complete
     try:
-        if quant.enabled:
+        if quant.enabled:  # transformers' quantizers act as weights load: save plain, reload quantized
             with tempfile.TemporaryDirectory() as plain:
                 _save(model, processor, Path(plain))
                 del model
-                from vlforge.serve.engine import InferenceEngine
-
-                engine = InferenceEngine.load(plain, quant=quant)
-                _save(engine.model, engine.processor, staging)
+                quantized, processor = load_model(ModelConfig(path=plain), dtype=dtype, device=device, quant=quant)
+                _save(quantized, processor, staging)
         else:
             _save(model, processor, staging)
         if out.exists():  # only now, with the new export complete, does an --overwrite'd one go

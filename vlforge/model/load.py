@@ -12,8 +12,14 @@ from transformers import AutoProcessor, Qwen3VLForConditionalGeneration
 from vlforge.config import ConfigError, ModelConfig, QuantConfig
 from vlforge.model.presets import TINY_PATCH, build_processor, preset_config, tiny_tokenizer
 
-# Belt and braces: nothing in vlforge may reach the hub at run time.
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# The dtype names of the config (precision.mode, --dtype) as torch dtypes.
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+def _offline() -> None:
+    """Belt and braces: nothing in vlforge may reach the hub at run time. Set where models and
+    processors load (not at import), so importing vlforge changes no process-wide setting."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def check_model_dir(path: str | Path) -> Path:
@@ -30,6 +36,7 @@ def check_model_dir(path: str | Path) -> Path:
 
 
 def load_processor(cfg: ModelConfig):
+    _offline()
     if cfg.path:
         return AutoProcessor.from_pretrained(str(check_model_dir(cfg.path)), local_files_only=True)
     if cfg.preset == "tiny":
@@ -42,8 +49,10 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: str
     """Returns (model, processor). `path` wins over `preset`; presets are randomly initialised from `cfg.seed`.
 
     With `quant` enabled the weights go through transformers' quantizer (bitsandbytes / torchao)
-    as they load, with exactly the modules of model/quant.py's plan quantized (checked).
+    as they load, with exactly the modules of model/quant.py's plan quantized (checked). Callers
+    check first that the device can run it (engine.hardware.quant_problem).
     """
+    _offline()
     if not cfg.path and not cfg.preset:
         raise ConfigError("set model.path (a local Qwen3-VL directory) or model.preset "
                           "(tiny, qwen3vl-2b, qwen3vl-4b, qwen3vl-8b, qwen3vl-32b)")
@@ -69,7 +78,6 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: str
 
 
 def _load_quantized(cfg: ModelConfig, quant: QuantConfig, dtype: torch.dtype, device: torch.device):
-    from vlforge.engine.hardware import fp8_problem
     from vlforge.model.quant import from_pretrained_kwargs, quant_plan, verify
 
     if cfg.path is None:  # quantizers act at from_pretrained: a preset goes through a directory
@@ -82,10 +90,6 @@ def _load_quantized(cfg: ModelConfig, quant: QuantConfig, dtype: torch.dtype, de
                 torch.cuda.empty_cache()
             return _load_quantized(ModelConfig(path=tmp, attn_implementation=cfg.attn_implementation), quant,
                                    dtype, device)
-    if "fp8" in (quant.language, quant.vision, quant.projector) and fp8_problem(device):
-        where = torch.cuda.get_device_name(device) if device.type == "cuda" else "the CPU"
-        raise ConfigError(f"quant fp8 needs an NVIDIA GPU with compute capability >= 8.9 (L4, L40, H100, H200, "
-                          f"B200), not {where}: use nf4 or int8 instead")
     meta, processor = build_meta_model(cfg)
     kwargs = from_pretrained_kwargs(quant, quant_plan(meta, quant), compute_dtype=dtype)
     model = Qwen3VLForConditionalGeneration.from_pretrained(

@@ -104,13 +104,11 @@ def build_plan(model: nn.Module, tiers: TiersConfig) -> list[PlanEntry]:
     return entries
 
 
-def count_params(model: nn.Module) -> int:
-    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-
-
 def plan_summary(model: nn.Module, plan: list[PlanEntry]) -> dict:
+    """Parameter counts of a plan, the same before and after it is applied: with LoRA the total is
+    the base's parameters plus the adapters', whether or not `model` holds the adapters yet."""
     trainable = sum(e.params for e in plan)
-    base = count_params(model)
+    base = sum(p.numel() for name, p in model.named_parameters() if ".lora_" not in name)  # tied: once
     total = base + trainable if plan and plan[0].kind == "lora" else base
     return {"modules": [asdict(e) for e in plan], "trainable_params": trainable, "total_params": total,
             "trainable_fraction": trainable / total}

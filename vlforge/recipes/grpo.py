@@ -14,22 +14,18 @@ from __future__ import annotations
 import copy
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from vlforge.config import ConfigError, GRPOConfig, dump_config
+from vlforge.config import ConfigError, GRPOConfig
 from vlforge.data.dataset import SFTDataset, batches_from, load_dataset
 from vlforge.data.encode import collate, encode_prompt
-from vlforge.engine.checkpoint import load_checkpoint, save_checkpoint
+from vlforge.engine.evaluate import to_device
 from vlforge.engine.health import GradHealth
-from vlforge.engine.metrics import MetricsLog, plot_metric, read_metrics
-from vlforge.engine.optim import build_optimizer, build_scheduler
-from vlforge.engine.runtime import prepare_output_dir, seed_everything
-from vlforge.model.tiers import param_groups
-from vlforge.recipes.eval import EvalRecorder, to_device
-from vlforge.recipes.sft import Trainable, setup_model
+from vlforge.engine.metrics import plot_metric, read_metrics
+from vlforge.engine.run import Run, begin_run
+from vlforge.engine.trainable import Trainable, setup_model
 from vlforge.rl import RewardSpec, agg_loss, build_rewards, exact_match, grpo_advantages, kl_penalty, policy_loss
 from vlforge.rollout.engine import Rollout, generate_groups, sequence_logprobs
 
@@ -164,20 +160,24 @@ def update(t: Trainable, ref_model, batches: list[Batch], optimizer, scaler, hea
     own and weighted by its share of the mini-batch's tokens (or sequences), which equals the loss
     of the concatenated mini-batch; one optimizer step per mini-batch.
     """
-    rl, T = cfg.rl, cfg.rollout.temperature
+    rl, temperature = cfg.rl, cfg.rollout.temperature
     if rl.kl_beta > 0:
         for b in batches:
-            b.ref_logp = reference_logprobs(t, ref_model, b, T)  # [len(seqs), R], fixed for the step
-    logs: dict[str, list] = {"loss": [], "clip_frac": [], "approx_kl": [], "kl": [], "entropy": []}
+            b.ref_logp = reference_logprobs(t, ref_model, b, temperature)  # [len(seqs), R], fixed for the step
+    # ratio_mean is exactly 1 until the step's first update (a check that rollout and trainer agree);
+    # clip_frac_lower is the share of tokens where the dual clip binds
+    logged = ["loss", "clip_frac", "ratio_mean", "approx_kl", "entropy"] + (["kl"] if rl.kl_beta > 0 else []) \
+        + (["clip_frac_lower"] if rl.dual_clip is not None else [])
+    logs: dict[str, list] = {k: [] for k in logged}
     for _ in range(rl.epochs):
         for parts in mini_batches(batches, rl.mini_batch_size):
             masks = [b.rollout.response_mask[[b.seqs[i] for i in part]].float() for b, part in parts]
             weights, tokens = part_weights(masks, rl.agg), [float(m.sum()) for m in masks]
-            step = {"loss": 0.0, "clip_frac": 0.0, "approx_kl": 0.0, "kl": 0.0, "entropy": 0.0}
+            step = dict.fromkeys(logged, 0.0)
             for (b, part), mask, w, n_tok in zip(parts, masks, weights, tokens):
                 seqs = [b.seqs[i] for i in part]
                 with t.policy.autocast():
-                    logp, entropy = sequence_logprobs(t.model, b.rollout, T, seq_index=seqs, with_entropy=True)
+                    logp, entropy = sequence_logprobs(t.model, b.rollout, temperature, seq_index=seqs, with_entropy=True)
                 # norm_length: Dr. GRPO's constant divisor is the length cap, not this batch's longest
                 loss, stats = policy_loss(logp, b.rollout.logprobs[seqs], b.advantages[seqs], mask,
                                           clip_low=rl.clip_low, clip_high=rl.clip_high, dual_clip=rl.dual_clip,
@@ -190,14 +190,14 @@ def update(t: Trainable, ref_model, batches: list[Batch], optimizer, scaler, hea
                     step["kl"] += share * float((kl.detach() * mask).sum() / mask.sum().clamp(min=1))
                 scaler.scale(loss * w).backward()  # gradients of the parts add up to the mini-batch's
                 step["loss"] += w * float(loss.detach())
-                step["clip_frac"] += share * float(stats["clip_frac"])
-                step["approx_kl"] += share * float(stats["approx_kl"])
+                for k in ("clip_frac", "ratio_mean", "approx_kl", "clip_frac_lower"):
+                    if k in step:
+                        step[k] += share * float(stats[k])
                 step["entropy"] += share * float((entropy * mask).sum() / mask.sum().clamp(min=1))
             for k, v in health.step(optimizer, scaler, cfg.optim.max_grad_norm, step["loss"]).items():
                 logs.setdefault(k, []).append(v)
             for k, v in step.items():
-                if k != "kl" or rl.kl_beta > 0:
-                    logs[k].append(v)
+                logs[k].append(v)
     row = {k: sum(v) / len(v) for k, v in logs.items() if v and k not in ("skipped", "nonfinite_groups")}
     row["skipped"] = sum(logs.get("skipped", []))  # mini-batch updates skipped this step
     if bad := sorted({g for groups in logs.get("nonfinite_groups", []) for g in groups}):
@@ -228,10 +228,7 @@ def step_metrics(stats: dict, batches: list[Batch], train_logs: dict, t_rollout:
 
 
 def run_grpo(cfg: GRPOConfig) -> dict:
-    """Train; returns {"output_dir", "final_step", "eval"}."""
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
+    """Train; returns {"output_dir", "final_step", "eval", "first_eval"}."""
     if cfg.rollout.temperature <= 0:
         raise ConfigError("rollout.temperature must be > 0 for GRPO: it needs sampled responses and their log-probs")
     if not cfg.data.train:
@@ -240,10 +237,9 @@ def run_grpo(cfg: GRPOConfig) -> dict:
         rewards = build_rewards([RewardSpec(r.name, r.weight, dict(r.kwargs)) for r in cfg.rl.rewards])
     except (ValueError, FileNotFoundError, AttributeError, TypeError, ImportError) as e:
         raise ConfigError(f"rl.rewards: {e}") from e
-    resume_from = prepare_output_dir(cfg.train.output_dir, cfg.train.resume, cfg.train.overwrite)
-    out = Path(cfg.train.output_dir)
-    seed_everything(cfg.train.seed)
-    t = setup_model(cfg, auto_compile=False)
+    resume_from = begin_run(cfg)
+    # compile only when asked: rollout decode shapes change every step and would keep recompiling
+    t = setup_model(cfg, compile_blocks=cfg.precision.compile is True)
     disable_dropout(t.model)
     ref_model = None
     if cfg.rl.kl_beta > 0 and cfg.tiers.method == "full":  # a frozen copy of the starting policy
@@ -251,53 +247,30 @@ def run_grpo(cfg: GRPOConfig) -> dict:
         t.policy.apply(ref_model)  # frozen: stored in the compute dtype, not as fp32 master weights
     data = load_dataset(cfg.data.train, t.processor, cfg.data)
     val = load_dataset(cfg.data.val, t.processor, cfg.data) if cfg.data.val else None
-    (out / "config.yaml").write_text(dump_config(cfg))  # only once the run can start
     if len(data) < cfg.rollout.prompts_per_step:
         raise ConfigError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} exceeds the {len(data)} prompts")
-
     total_steps = cfg.train.max_steps or cfg.train.epochs * (len(data) // cfg.rollout.prompts_per_step)
-    optimizer = build_optimizer(param_groups(t.model, t.plan, cfg.optim.weight_decay), cfg.optim, t.device.type)
-    scheduler = build_scheduler(optimizer, cfg.optim, total_steps)  # stepped once per GRPO step
-    scaler = t.policy.grad_scaler()
-    health = GradHealth(t.model, t.plan, cfg.health, cfg.precision.mode, spikes=False)
-    state = {"epoch": 0, "position": 0}
-    if resume_from is not None:
-        state = load_checkpoint(resume_from, t.model, optimizer, scheduler, scaler)
-        print(f"resumed from {resume_from} at step {state['step']}")
-    step = state.get("step", 0)
-    metrics = MetricsLog(out, cfg.log.tensorboard, resume_step=step if resume_from else 0)
-    recorder = EvalRecorder(out, val, cfg.eval, metrics, step) if val is not None else None
-
-    def run_eval(at_step: int) -> dict:
-        return recorder(t.model, at_step, t.policy, t.device)
-
+    # the lr schedule advances once per GRPO step, however many mini-batch updates it makes
+    run = Run.start(cfg, t, total_steps, val, resume_from, spikes=False)
     print(f"GRPO: {len(data)} prompts, {cfg.rollout.prompts_per_step} x {cfg.rollout.group_size} rollouts per step, "
           f"{total_steps} steps, device {t.device}")
-    first_eval = run_eval(step) if val is not None and cfg.eval.at_start and step == 0 else None
-    stream = prompt_stream(data, cfg.rollout.prompts_per_step, cfg.train.seed, state["epoch"], state["position"])
-    bar = tqdm(total=total_steps, initial=step, disable=not cfg.log.progress, desc="grpo", dynamic_ncols=True)
-    last_eval = first_eval
-    while step < total_steps:
+    first_eval = run.evaluate() if cfg.eval.at_start and run.step == 0 else None
+    stream = prompt_stream(data, cfg.rollout.prompts_per_step, cfg.train.seed, run.state["epoch"], run.state["position"])
+    bar = tqdm(total=total_steps, initial=run.step, disable=not cfg.log.progress, desc="grpo", dynamic_ncols=True)
+    while run.step < total_steps:
         start = time.perf_counter()
         t.model.eval()  # rollouts sample from the policy without dropout
-        batches, stats = collect(t, data, stream, state, cfg, rewards)
+        batches, stats = collect(t, data, stream, run.state, cfg, rewards)
         t_rollout = time.perf_counter() - start
         t.model.train()
-        lr = scheduler.get_last_lr()[0]
-        train_logs = update(t, ref_model, batches, optimizer, scaler, health, cfg) if batches else {}
-        scheduler.step()
-        step += 1
+        lr = run.lr
+        train_logs = update(t, ref_model, batches, run.optimizer, run.scaler, run.health, cfg) if batches else {}
         row = {**step_metrics(stats, batches, train_logs, t_rollout, time.perf_counter() - start - t_rollout), "lr": lr}
-        if step % cfg.log.every == 0 or step == total_steps or row.get("skipped"):  # bad steps always logged
-            metrics.log(step, row)
+        run.finish_step(row, always_log=bool(row.get("skipped")))  # bad steps always logged
         bar.update(1)
         bar.set_postfix(reward=f"{row['reward_mean']:.3f}", acc=f"{row['accuracy']:.2f}")
-        if val is not None and ((cfg.eval.every and step % cfg.eval.every == 0) or step == total_steps):
-            last_eval = run_eval(step)
-        if (cfg.train.save_every and step % cfg.train.save_every == 0) or step == total_steps:
-            save_checkpoint(out, step, t.model, t.processor, optimizer, scheduler, scaler, state, cfg.train.keep_last)
     bar.close()
-    metrics.close()
-    rows = read_metrics(out / "metrics.jsonl")
-    plot_metric(rows, "reward_mean", out / "reward.png", title="GRPO reward per step")
-    return {"output_dir": str(out), "final_step": step, "eval": last_eval, "first_eval": first_eval}
+    run.close()
+    rows = read_metrics(run.out / "metrics.jsonl")
+    plot_metric(rows, "reward_mean", run.out / "reward.png", title="GRPO reward per step")
+    return {"output_dir": str(run.out), "final_step": run.step, "eval": run.last_eval, "first_eval": first_eval}

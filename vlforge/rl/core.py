@@ -3,11 +3,10 @@
 Formulas follow verl ``verl/trainer/ppo/core_algos.py`` (compute_grpo_outcome_advantage,
 compute_policy_loss_vanilla, agg_loss, kl_penalty); deviations are listed per function.
 
-Shape suffixes (torchtitan style):
-    N  number of sampled responses in the batch (= G * K)
-    G  number of prompt groups
-    K  group size (responses per prompt)
-    B  batch rows (responses) in a loss micro-batch
+Shape suffixes (torchtitan style), the legend of the whole package:
+    B  prompts, one group of responses each
+    G  group size (responses per prompt)
+    N  responses: B * G in a rollout, or the rows of a loss mini-batch
     T  response tokens per row (padded)
 
 Masks are float or bool, 1 on response tokens that count, 0 on padding/prompt.
@@ -21,7 +20,6 @@ from torch import Tensor
 ADV_SCALES = ("group", "batch", "none")
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_KINDS = ("k1", "k2", "k3")
-_KL_ALIASES = {"kl": "k1", "mse": "k2", "low_var_kl": "k3"}  # verl's names for the same estimators
 
 
 def _safe_div(num: Tensor, den: Tensor) -> Tensor:
@@ -46,7 +44,7 @@ def grpo_advantages(rewards: Tensor, group_size: int, scale: str = "group", eps:
 
     Args:
         rewards: ``r_N`` float [N]; each consecutive block of ``group_size`` is one prompt's group.
-        group_size: K, responses per prompt; N must be divisible by K.
+        group_size: G, responses per prompt; N must be divisible by G.
         scale: ``"group"``: (r - mean_g) / (std_g + eps), the GRPO paper / verl default;
             ``"batch"``: (r - mean_g) / (std of all N rewards + eps);
             ``"none"``: r - mean_g (Dr. GRPO, verl ``norm_adv_by_std_in_grpo=False``).
@@ -56,10 +54,10 @@ def grpo_advantages(rewards: Tensor, group_size: int, scale: str = "group", eps:
         ``adv_N`` [N], same dtype as ``rewards`` (float32 for integer/bool input), no grad.
 
     Std is the unbiased one (``torch.std``), as in verl.
-    Singleton groups (K == 1): as verl, mean_g = 0 and std_g = 1, so the advantage is the raw
+    Singleton groups (G == 1): as verl, mean_g = 0 and std_g = 1, so the advantage is the raw
     reward ``r / (1 + eps)`` (REINFORCE without baseline), never NaN. For ``"batch"`` with N == 1
     the batch std is likewise taken as 1.
-    Deviation from verl: groups (K >= 2) whose rewards are all equal get an advantage of exactly 0;
+    Deviation from verl: groups (G >= 2) whose rewards are all equal get an advantage of exactly 0;
     verl computes (r - mean)/(0 + eps), which float rounding of the mean can leave at ~1e-10.
     """
     if rewards.dim() != 1:
@@ -72,54 +70,54 @@ def grpo_advantages(rewards: Tensor, group_size: int, scale: str = "group", eps:
     if scale not in ADV_SCALES:
         raise ValueError(f"unknown advantage scale {scale!r}; valid: {', '.join(ADV_SCALES)}")
     r_N = rewards.detach() if rewards.is_floating_point() else rewards.detach().float()
-    r_GK = r_N.view(-1, group_size)
+    r_BG = r_N.view(-1, group_size)
     if group_size == 1:  # verl's singleton fallback
-        mean_G1, std_G1 = torch.zeros_like(r_GK), torch.ones_like(r_GK)
-        centred_GK = r_GK
+        mean_B1, std_B1 = torch.zeros_like(r_BG), torch.ones_like(r_BG)
+        centred_BG = r_BG
     else:
-        mean_G1 = r_GK.mean(dim=1, keepdim=True)
-        std_G1 = r_GK.std(dim=1, keepdim=True)
-        all_equal_G1 = (r_GK == r_GK[:, :1]).all(dim=1, keepdim=True)
-        centred_GK = torch.where(all_equal_G1, torch.zeros_like(r_GK), r_GK - mean_G1)
+        mean_B1 = r_BG.mean(dim=1, keepdim=True)
+        std_B1 = r_BG.std(dim=1, keepdim=True)
+        all_equal_B1 = (r_BG == r_BG[:, :1]).all(dim=1, keepdim=True)
+        centred_BG = torch.where(all_equal_B1, torch.zeros_like(r_BG), r_BG - mean_B1)
     if scale == "group":
-        adv_GK = centred_GK / (std_G1 + eps)
+        adv_BG = centred_BG / (std_B1 + eps)
     elif scale == "batch":
         std = r_N.std() if r_N.numel() > 1 else r_N.new_ones(())
-        adv_GK = centred_GK / (std + eps)
+        adv_BG = centred_BG / (std + eps)
     else:
-        adv_GK = centred_GK
-    return adv_GK.reshape(-1)
+        adv_BG = centred_BG
+    return adv_BG.reshape(-1)
 
 
-def agg_loss(loss_BT: Tensor, mask_BT: Tensor, agg: str = "token-mean", norm_length: int | None = None) -> Tensor:
+def agg_loss(loss_NT: Tensor, mask_NT: Tensor, agg: str = "token-mean", norm_length: int | None = None) -> Tensor:
     """Reduce a per-token loss matrix to a scalar, as verl's ``agg_loss`` (single process).
 
     - ``token-mean``: sum(loss*mask) / sum(mask) over the whole micro-batch.
     - ``seq-mean-token-mean``: per row sum(loss*mask)/sum(mask), then mean over non-empty rows.
     - ``seq-mean-token-sum``: per row sum(loss*mask), then mean over non-empty rows.
     - ``seq-mean-token-sum-norm`` (Dr. GRPO): sum(loss*mask) over all rows / ``norm_length``
-      (verl's ``loss_scale_factor``; default T = ``mask_BT.shape[-1]``). As in verl there is no
-      division by B despite the name; pass a constant (max response length) for a loss scale that
+      (verl's ``loss_scale_factor``; default T = ``mask_NT.shape[-1]``). As in verl there is no
+      division by N despite the name; pass a constant (max response length) for a loss scale that
       does not depend on the batch's padding.
 
     Empty rows (mask all zero) are skipped in the seq means, as in current verl. Where verl would
     divide by zero (no token / no non-empty row at all) we return 0 instead of NaN.
     verl's dp_size / global token-count arguments are left to the caller.
     """
-    mask_BT = mask_BT.to(loss_BT.dtype)
+    mask_NT = mask_NT.to(loss_NT.dtype)
     if agg == "token-mean":
-        return masked_mean(loss_BT, mask_BT)
-    tok_sum_B = (loss_BT * mask_BT).sum(dim=-1)
-    ntok_B = mask_BT.sum(dim=-1)
+        return masked_mean(loss_NT, mask_NT)
+    tok_sum_N = (loss_NT * mask_NT).sum(dim=-1)
+    ntok_N = mask_NT.sum(dim=-1)
     if agg == "seq-mean-token-sum-norm":
-        return tok_sum_B.sum() / (mask_BT.shape[-1] if norm_length is None else norm_length)
+        return tok_sum_N.sum() / (mask_NT.shape[-1] if norm_length is None else norm_length)
     if agg == "seq-mean-token-mean":
-        seq_B = _safe_div(tok_sum_B, ntok_B)
+        seq_N = _safe_div(tok_sum_N, ntok_N)
     elif agg == "seq-mean-token-sum":
-        seq_B = tok_sum_B
+        seq_N = tok_sum_N
     else:
         raise ValueError(f"unknown loss aggregation {agg!r}; valid: {', '.join(AGG_MODES)}")
-    return masked_mean(seq_B, ntok_B > 0)
+    return masked_mean(seq_N, ntok_N > 0)
 
 
 def policy_loss(
@@ -136,10 +134,10 @@ def policy_loss(
     """PPO/GRPO clipped surrogate loss (verl ``compute_policy_loss_vanilla``).
 
     Args:
-        logp: ``logp_BT`` current-policy token log-probs (carries the gradient).
-        old_logp: ``old_logp_BT`` behaviour-policy log-probs (detached here).
-        advantages: ``adv_B`` (broadcast over T) or ``adv_BT`` (detached here).
-        mask: ``mask_BT`` float or bool, 1 on response tokens.
+        logp: ``logp_NT`` current-policy token log-probs (carries the gradient).
+        old_logp: ``old_logp_NT`` behaviour-policy log-probs (detached here).
+        advantages: ``adv_N`` (broadcast over T) or ``adv_NT`` (detached here).
+        mask: ``mask_NT`` float or bool, 1 on response tokens.
         clip_low, clip_high: ratio clipped to [1 - clip_low, 1 + clip_high] (DAPO clip-higher).
         dual_clip: c > 1 enables dual-clip PPO: tokens with A < 0 take min(loss, -A * c).
             Deviation: verl always applies it (``clip_ratio_c`` default 3.0); here None disables it.
@@ -157,7 +155,7 @@ def policy_loss(
     """
     if logp.shape != old_logp.shape or logp.shape != mask.shape or logp.dim() != 2:
         raise ValueError(
-            f"logp, old_logp, mask must all be [B, T]; got {tuple(logp.shape)}, "
+            f"logp, old_logp, mask must all be [N, T]; got {tuple(logp.shape)}, "
             f"{tuple(old_logp.shape)}, {tuple(mask.shape)}"
         )
     if dual_clip is not None and dual_clip <= 1.0:
@@ -166,29 +164,29 @@ def policy_loss(
         raise ValueError(f"unknown loss aggregation {agg!r}; valid: {', '.join(AGG_MODES)}")
     adv = advantages.detach().to(logp.dtype)
     if adv.shape not in (logp.shape[:1], logp.shape):
-        raise ValueError(f"advantages must be [B] or [B, T] with B, T = {tuple(logp.shape)}, got {tuple(adv.shape)}")
-    adv_BT = adv.unsqueeze(-1).expand_as(logp) if adv.dim() == 1 else adv
-    mask_BT = mask.to(logp.dtype)
+        raise ValueError(f"advantages must be [N] or [N, T] with N, T = {tuple(logp.shape)}, got {tuple(adv.shape)}")
+    adv_NT = adv.unsqueeze(-1).expand_as(logp) if adv.dim() == 1 else adv
+    mask_NT = mask.to(logp.dtype)
 
-    log_ratio_BT = torch.clamp(logp - old_logp.detach(), -20.0, 20.0)
-    ratio_BT = torch.exp(log_ratio_BT)
-    unclipped_BT = -adv_BT * ratio_BT
-    clipped_BT = -adv_BT * torch.clamp(ratio_BT, 1.0 - clip_low, 1.0 + clip_high)
-    loss_BT = torch.maximum(unclipped_BT, clipped_BT)
-    clip_frac = masked_mean((clipped_BT > unclipped_BT).to(logp.dtype), mask_BT)
+    log_ratio_NT = torch.clamp(logp - old_logp.detach(), -20.0, 20.0)
+    ratio_NT = torch.exp(log_ratio_NT)
+    unclipped_NT = -adv_NT * ratio_NT
+    clipped_NT = -adv_NT * torch.clamp(ratio_NT, 1.0 - clip_low, 1.0 + clip_high)
+    loss_NT = torch.maximum(unclipped_NT, clipped_NT)
+    clip_frac = masked_mean((clipped_NT > unclipped_NT).to(logp.dtype), mask_NT)
     clip_frac_lower = logp.new_zeros(())
     if dual_clip is not None:
-        cap_BT = -adv_BT * dual_clip
-        neg_BT = adv_BT < 0
-        clip_frac_lower = masked_mean(((loss_BT > cap_BT) & neg_BT).to(logp.dtype), mask_BT)
-        loss_BT = torch.where(neg_BT, torch.minimum(loss_BT, cap_BT), loss_BT)
+        cap_NT = -adv_NT * dual_clip
+        neg_NT = adv_NT < 0
+        clip_frac_lower = masked_mean(((loss_NT > cap_NT) & neg_NT).to(logp.dtype), mask_NT)
+        loss_NT = torch.where(neg_NT, torch.minimum(loss_NT, cap_NT), loss_NT)
 
-    loss = agg_loss(loss_BT, mask_BT, agg, norm_length)
+    loss = agg_loss(loss_NT, mask_NT, agg, norm_length)
     stats = {
         "clip_frac": clip_frac.detach(),
         "clip_frac_lower": clip_frac_lower.detach(),
-        "approx_kl": masked_mean(-log_ratio_BT, mask_BT).detach(),
-        "ratio_mean": masked_mean(ratio_BT, mask_BT).detach(),
+        "approx_kl": masked_mean(-log_ratio_NT, mask_NT).detach(),
+        "ratio_mean": masked_mean(ratio_NT, mask_NT).detach(),
     }
     return loss, stats
 
@@ -197,22 +195,19 @@ def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str = "k3") -> Tensor:
     """Per-token KL(pi || pi_ref) estimators (Schulman, "Approximating KL divergence").
 
     Args:
-        logp, ref_logp: ``logp_BT`` policy and reference log-probs of the sampled tokens.
+        logp, ref_logp: ``logp_NT`` policy and reference log-probs of the sampled tokens.
         kind: ``"k1"``: logp - ref_logp; ``"k2"``: 0.5 * (logp - ref_logp)^2;
             ``"k3"`` (verl ``low_var_kl``): d = clamp(ref_logp - logp, -20, 20),
-            clamp(exp(d) - d - 1, -10, 10); non-negative. verl's aliases "kl", "mse",
-            "low_var_kl" are accepted.
+            clamp(exp(d) - d - 1, -10, 10); non-negative.
 
     Returns:
-        ``kl_BT`` unreduced (aggregate with :func:`agg_loss` and a mask).
+        ``kl_NT`` unreduced (aggregate with :func:`agg_loss` and a mask).
     """
-    kind = _KL_ALIASES.get(kind, kind)
     if kind == "k1":
         return logp - ref_logp
     if kind == "k2":
         return 0.5 * (logp - ref_logp).square()
     if kind == "k3":
-        d_BT = torch.clamp(ref_logp - logp, -20.0, 20.0)
-        return torch.clamp(torch.exp(d_BT) - d_BT - 1.0, -10.0, 10.0)
-    valid = ", ".join(KL_KINDS)
-    raise ValueError(f"unknown KL estimator {kind!r}; valid: {valid} (or verl's {', '.join(_KL_ALIASES)})")
+        d_NT = torch.clamp(ref_logp - logp, -20.0, 20.0)
+        return torch.clamp(torch.exp(d_NT) - d_NT - 1.0, -10.0, 10.0)
+    raise ValueError(f"unknown KL estimator {kind!r}; valid: {', '.join(KL_KINDS)}")

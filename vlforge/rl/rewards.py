@@ -203,10 +203,6 @@ class RewardResult:
     per_fn: dict[str, list[float]]
     total: list[float]
 
-    def means(self) -> dict[str, float]:
-        """Mean unweighted score per function (for metrics)."""
-        return {k: (sum(v) / len(v) if v else 0.0) for k, v in self.per_fn.items()}
-
 
 class CombinedReward:
     """Weighted sum of reward functions over a batch.

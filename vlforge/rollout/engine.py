@@ -136,8 +136,8 @@ def _vision_token_ids(encoder: Encoder) -> list[int]:
 
 
 @torch.no_grad()
-def generate_groups(model, encoder: Encoder, prompts: dict, images_per_prompt: list[int], cfg: RolloutConfig,
-                    generator: torch.Generator | None = None) -> Rollout:
+def generate_groups(model, encoder: Encoder, prompts: dict, images_per_prompt: list[int],
+                    cfg: RolloutConfig) -> Rollout:
     """Sample `cfg.group_size` responses for each of the B prompts of a left-padded prompt batch."""
     core = unwrap(model)
     G, device = cfg.group_size, prompts["input_ids"].device
@@ -153,6 +153,7 @@ def generate_groups(model, encoder: Encoder, prompts: dict, images_per_prompt: l
     mask_NT = mask_BP.repeat_interleave(G, 0)
     next_pos_N = pos_3BP.amax(dim=(0, 2)).repeat_interleave(G, 0) + 1
     banned = torch.tensor(_vision_token_ids(encoder), device=device)
+    end_ids = torch.tensor(encoder.end_ids, device=device)
 
     N = hidden_NH.shape[0]
     tokens, logps = [], []
@@ -165,12 +166,12 @@ def generate_groups(model, encoder: Encoder, prompts: dict, images_per_prompt: l
             tok_N = logits_NV.argmax(-1)
         else:
             probs = filter_logits(logits_NV / cfg.temperature, cfg.top_k, cfg.top_p).softmax(-1)
-            tok_N = torch.multinomial(probs, 1, generator=generator)[:, 0]
+            tok_N = torch.multinomial(probs, 1)[:, 0]
         tok_N = torch.where(alive_N, tok_N, torch.full_like(tok_N, encoder.pad_id))
         logps.append(torch.where(alive_N, token_logprobs(logits_NV, tok_N, max(cfg.temperature, 1e-6)), 0.0))
         tokens.append(tok_N)
         alive_steps.append(alive_N.clone())
-        alive_N = alive_N & (tok_N != encoder.im_end_id)
+        alive_N = alive_N & ~torch.isin(tok_N, end_ids)
         if not bool(alive_N.any()) or step == cfg.max_new_tokens - 1:
             break
         mask_NT = torch.cat([mask_NT, alive_steps[-1][:, None].long()], dim=1)

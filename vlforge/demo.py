@@ -4,6 +4,9 @@
 2. GRPO (configs/demo-grpo.yaml) from a deliberately under-trained SFT model (80 steps), with
    held-out accuracy before and after, and the reward per step as a PNG.
 Everything goes under one folder (default ./vlforge-demo).
+
+It chains the SFT and GRPO recipes, so it sits above them (docs/architecture.md): the one place
+that runs one recipe after another.
 """
 
 from __future__ import annotations
@@ -17,9 +20,10 @@ from pathlib import Path
 from vlforge.config import ConfigError, GRPOConfig, SFTConfig, load_config
 from vlforge.data.dataset import load_dataset
 from vlforge.data.synth import synth_shapes
-from vlforge.recipes.eval import evaluate
+from vlforge.engine.evaluate import evaluate
+from vlforge.engine.trainable import setup_model
 from vlforge.recipes.grpo import run_grpo
-from vlforge.recipes.sft import run_sft, setup_model
+from vlforge.recipes.sft import run_sft
 
 DEMO_TRAIN_SAMPLES = 10000
 DEMO_VAL_SAMPLES = 200
@@ -27,6 +31,8 @@ DEMO_VAL_SAMPLES = 200
 # are left to later stages (GRPO): mixed into this SFT run they slow the others without being learnt.
 DEMO_TASKS = ("colour", "shape")
 UNDERTRAINED_SFT_STEPS = 80  # where GRPO starts: the model answers, but mostly wrongly
+# everything the demo writes under its folder (what --overwrite may remove)
+DEMO_OUTPUTS = ("data", "sft", "sft-undertrained", "grpo", "loss.png", "reward.png", "summary.json")
 
 
 def packaged_config(name: str) -> Path:
@@ -44,7 +50,17 @@ def demo_dir(out: str | None, overwrite: bool) -> Path:
     if path.exists() and any(path.iterdir()):
         if not overwrite:
             raise ConfigError(f"--out {path} is not empty; pass --overwrite to replace it or choose another folder")
-        shutil.rmtree(path)
+        # --overwrite replaces an earlier demo, never anything else that lives in the folder
+        foreign = sorted(p.name for p in path.iterdir() if p.name not in DEMO_OUTPUTS)
+        if foreign:
+            raise ConfigError(f"--out {path} holds files the demo did not write ({', '.join(foreign[:5])}); "
+                              "--overwrite only replaces an earlier demo: choose another folder")
+        for name in DEMO_OUTPUTS:
+            target = path / name
+            if target.is_dir():
+                shutil.rmtree(target)
+            elif target.exists():
+                target.unlink()
     return path
 
 

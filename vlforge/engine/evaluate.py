@@ -1,4 +1,9 @@
-"""Held-out evaluation: teacher-forced loss and greedy-generation exact-match accuracy."""
+"""Held-out evaluation during training: teacher-forced loss and greedy-generation exact-match accuracy.
+
+Used by every training recipe (periodic eval, eval.json) and by the demo's before/after table.
+Generation stops at the encoder's end ids, the same ones `vlforge infer`/`serve` stop at, so a
+run's eval answers are the answers its exported model gives (tested).
+"""
 
 from __future__ import annotations
 
@@ -8,9 +13,9 @@ from pathlib import Path
 
 import torch
 
-from vlforge.data.encode import Encoder, collate, encode, encode_prompt
-from vlforge.data.dataset import SFTDataset
 from vlforge.config import EvalConfig
+from vlforge.data.dataset import SFTDataset
+from vlforge.data.encode import Encoder, collate, encode, encode_prompt
 from vlforge.engine.losses import sft_loss_sum
 from vlforge.engine.metrics import MetricsLog, write_json_atomic
 from vlforge.engine.precision import PrecisionPolicy
@@ -33,7 +38,7 @@ def generate_answers(model, encoder: Encoder, samples, *, batch_size: int, max_n
         batch = to_device(collate([encode_prompt(encoder, x) for x in chunk], encoder.pad_id, left_pad=True), device)
         with policy.autocast():
             out = core.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
-                                pad_token_id=encoder.pad_id, eos_token_id=encoder.im_end_id)
+                                pad_token_id=encoder.pad_id, eos_token_id=encoder.end_ids)
         new = out[:, batch["input_ids"].shape[1]:]
         answers += [t.strip() for t in encoder.tokenizer.batch_decode(new, skip_special_tokens=True)]
     return answers

@@ -1,0 +1,110 @@
+"""The bookkeeping every training recipe wraps around its step loop, written once.
+
+    resume_from = begin_run(cfg)                         # before any model loads
+    t = setup_model(cfg, ...); data = ...
+    run = Run.start(cfg, t, total_steps, val_data, resume_from, spikes=True)
+    while run.step < total_steps:
+        ...one recipe step: run.optimizer, run.scaler, run.health...
+        run.finish_step(row, always_log=...)            # schedule, metrics, eval, checkpoint
+    run.close()
+
+A recipe keeps its own step (what a step is, its metrics); this module owns the output
+directory, the optimizer / schedule / loss scaler / gradient-health set, exact resume, the
+metrics log, periodic evaluation and checkpoints, so SFT and GRPO do these identically.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from vlforge.config import RunConfig, dump_config
+from vlforge.data.dataset import SFTDataset
+from vlforge.engine.checkpoint import load_checkpoint, save_checkpoint
+from vlforge.engine.evaluate import EvalRecorder
+from vlforge.engine.health import GradHealth
+from vlforge.engine.metrics import MetricsLog
+from vlforge.engine.optim import build_optimizer, build_scheduler
+from vlforge.engine.runtime import prepare_output_dir, seed_everything
+from vlforge.engine.trainable import Trainable
+from vlforge.model.tiers import param_groups
+
+
+def due(every: int, step: int, total_steps: int) -> bool:
+    """Every `every` steps (0: never) and always at the last step: when to log, evaluate, save."""
+    return bool(every and step % every == 0) or step == total_steps
+
+
+def begin_run(cfg: RunConfig) -> Path | None:
+    """What happens before any model loads: claim train.output_dir (refusing another run's
+    results), seed. Returns the checkpoint to resume from, if any."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # our own bar is the progress display; no per-save shard bars
+    resume_from = prepare_output_dir(cfg.train.output_dir, cfg.train.resume, cfg.train.overwrite)
+    seed_everything(cfg.train.seed)
+    return resume_from
+
+
+@dataclass
+class Run:
+    cfg: RunConfig
+    t: Trainable
+    out: Path
+    total_steps: int
+    optimizer: object
+    scheduler: object
+    scaler: object
+    health: GradHealth
+    metrics: MetricsLog
+    recorder: EvalRecorder | None
+    state: dict  # epoch, position (and recipe counters): saved in every checkpoint
+    step: int
+    last_eval: dict | None = None
+
+    @classmethod
+    def start(cls, cfg: RunConfig, t: Trainable, total_steps: int, val_data: SFTDataset | None,
+              resume_from: Path | None, *, spikes: bool, state: dict | None = None) -> "Run":
+        """Write config.yaml (only now, when the run can start), build the optimizer set, resume."""
+        out = Path(cfg.train.output_dir)
+        (out / "config.yaml").write_text(dump_config(cfg))
+        optimizer = build_optimizer(param_groups(t.model, t.plan, cfg.optim.weight_decay), cfg.optim, t.device.type)
+        scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
+        scaler = t.policy.grad_scaler()
+        health = GradHealth(t.model, t.plan, cfg.health, cfg.precision.mode, spikes=spikes)
+        state = {"epoch": 0, "position": 0, **(state or {})}
+        if resume_from is not None:
+            state = load_checkpoint(resume_from, t.model, optimizer, scheduler, scaler)
+            print(f"resumed from {resume_from} at step {state['step']}")
+        step = state.get("step", 0)
+        metrics = MetricsLog(out, cfg.log.tensorboard, resume_step=step if resume_from else 0)
+        recorder = EvalRecorder(out, val_data, cfg.eval, metrics, step) if val_data is not None else None
+        return cls(cfg, t, out, total_steps, optimizer, scheduler, scaler, health, metrics, recorder, state, step)
+
+    @property
+    def lr(self) -> float:
+        return self.scheduler.get_last_lr()[0]
+
+    def evaluate(self) -> dict | None:
+        """Evaluate now (at self.step) when there is validation data."""
+        if self.recorder is None:
+            return None
+        self.last_eval = self.recorder(self.t.model, self.step, self.t.policy, self.t.device)
+        return self.last_eval
+
+    def finish_step(self, row: dict, always_log: bool = False) -> None:
+        """After a recipe's optimizer step(s): advance the schedule and the step, log the row (every
+        log.every steps, the last step, and whenever `always_log`: bad steps are never hidden),
+        evaluate and checkpoint when due."""
+        self.scheduler.step()
+        self.step += 1
+        if due(self.cfg.log.every, self.step, self.total_steps) or always_log:
+            self.metrics.log(self.step, row)
+        if due(self.cfg.eval.every, self.step, self.total_steps):
+            self.evaluate()
+        if due(self.cfg.train.save_every, self.step, self.total_steps):
+            save_checkpoint(self.out, self.step, self.t.model, self.t.processor, self.optimizer, self.scheduler,
+                            self.scaler, self.state, self.cfg.train.keep_last)
+
+    def close(self) -> None:
+        self.metrics.close()

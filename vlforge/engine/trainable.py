@@ -1,0 +1,111 @@
+"""A model ready to train, built the same way for every recipe: load, plan, wrap, cast, compile.
+
+    t = setup_model(cfg)
+    t.model, t.processor, t.plan, t.policy, t.device
+
+SFT and GRPO both start here (and tests and benchmarks), so the order of the transforms (quantized
+load -> LoRA/full plan -> FP8 conversion -> precision policy -> checkpointing -> compile) and the
+refusals before any weight is loaded live in one place.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from vlforge.config import ConfigError, PrecisionConfig, RunConfig
+from vlforge.engine.fp8 import fp8_backend, fp8_layer_plan
+from vlforge.engine.hardware import bf16_problem, quant_problem
+from vlforge.engine.precision import PrecisionPolicy
+from vlforge.engine.runtime import resolve_device
+from vlforge.model.load import load_model
+from vlforge.model.quant import format_report, keep_trainable, verify
+from vlforge.model.tiers import apply_plan, build_plan, unwrap
+
+
+@dataclass
+class Trainable:
+    """A model ready to train: the (possibly peft-wrapped) model, its processor, plan and policy."""
+
+    model: torch.nn.Module
+    processor: object
+    plan: list
+    policy: PrecisionPolicy
+    device: torch.device
+    fp8_plan: dict = field(default_factory=dict)  # linear name -> fp8.Decision (empty without FP8)
+
+    @property
+    def token_multiple(self) -> int:
+        """Pad batches to this many tokens per row: FP8 GEMMs want dims that are multiples of 16."""
+        return 16 if any(d.convert for d in self.fp8_plan.values()) else 1
+
+
+def compile_decoder_layers(model: torch.nn.Module) -> int:
+    """torch.compile each language-model decoder layer in place (parameter names unchanged)."""
+    layers = unwrap(model).model.language_model.layers
+    for layer in layers:
+        layer.compile()
+    return len(layers)
+
+
+def default_compile(precision: PrecisionConfig) -> bool:
+    """What `precision.compile` means for a training step: true, false, or auto = on with torchao
+    FP8, whose casts only pay off when fused. (GRPO passes `precision.compile is True` instead:
+    its rollouts change decode shapes every step, which compiled blocks would keep recompiling.)"""
+    if precision.compile == "auto":
+        return precision.fp8.enabled and precision.fp8.backend == "torchao"
+    return bool(precision.compile)
+
+
+def refuse_bad_combinations(cfg: RunConfig, device: torch.device) -> None:
+    """Everything that can be refused from the config and the device alone, before loading weights."""
+    if cfg.precision.mode == "bf16" and (problem := bf16_problem(device)):
+        raise ConfigError(problem)
+    if cfg.quant.enabled and cfg.tiers.method != "lora":
+        raise ConfigError("quant (QLoRA) needs tiers.method=lora: quantized base weights cannot be trained directly")
+    if cfg.quant.enabled and (problem := quant_problem(cfg.quant, device)):
+        raise ConfigError(problem)
+    if cfg.precision.fp8.enabled and cfg.quant.enabled:
+        raise ConfigError("precision.fp8 and quant cannot be combined: FP8 training converts plain bf16 linears, "
+                          "a quantized base has none; use QLoRA (quant) or FP8, not both")
+    if cfg.precision.fp8.enabled and cfg.precision.fp8.backend == "te" and cfg.precision.gradient_checkpointing:
+        raise ConfigError("precision.fp8.backend=te with gradient_checkpointing: the recomputation runs outside "
+                          "te.autocast; use the torchao backend or turn checkpointing off")
+
+
+def setup_model(cfg: RunConfig, compile_blocks: bool | None = None) -> Trainable:
+    """Load, plan, wrap and cast the model. `compile_blocks` compiles the decoder layers; None:
+    what `precision.compile` means for a training step (default_compile)."""
+    device = resolve_device(cfg.train.device)
+    policy = PrecisionPolicy(cfg.precision, device.type)
+    refuse_bad_combinations(cfg, device)
+    fp8 = fp8_backend(cfg.precision.fp8, device) if cfg.precision.fp8.enabled else None  # fails before loading
+    # Full fine-tuning loads straight into the master dtype; LoRA loads the frozen base in the
+    # compute dtype (peft creates the adapters in fp32). policy.apply then settles every tensor.
+    load_dtype = policy.master_dtype if cfg.tiers.method == "full" else policy.compute_dtype
+    # QLoRA: no peft prepare_model_for_kbit_training here, it would upcast every non-quantized
+    # weight (the whole vision tower) to fp32; policy.apply below leaves the packed 4-bit weights
+    # alone and keeps the rest in their storage dtypes, and non-reentrant checkpointing needs no
+    # input that requires grad.
+    model, processor = load_model(cfg.model, dtype=load_dtype, device=device, quant=cfg.quant)
+    if cfg.quant.enabled:
+        print(format_report(verify(model, cfg.quant)))
+        keep_trainable(model)  # evals and rollouts switch to eval mode mid-run
+    plan = build_plan(model, cfg.tiers)
+    model = apply_plan(model, plan)
+    fp8_plan = {}
+    if fp8 is not None:
+        fp8_plan = fp8_layer_plan(unwrap(model), cfg.precision.fp8)
+        fp8.convert(unwrap(model), fp8_plan)
+    policy.apply(model)
+    if cfg.precision.gradient_checkpointing:
+        core = unwrap(model)
+        if hasattr(core, "activation_checkpointing_enable"):  # the name in transformers >= 5.2x
+            core.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            core.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if default_compile(cfg.precision) if compile_blocks is None else compile_blocks:
+        compile_decoder_layers(model)
+    model.train()
+    return Trainable(model, processor, plan, policy, device, fp8_plan)
