@@ -1,0 +1,54 @@
+"""A run's evaluation answers are the answers its model gives in `vlforge infer`/`eval`/`serve`.
+
+Until one generation engine serves both, training-time eval (engine/evaluate.py) and the
+inference engine (serve/engine.py) are two paths; they must stop at the same tokens and give the
+same greedy text for the same input.
+"""
+
+import copy
+from collections import Counter
+
+import torch
+
+from vlforge.config import DataConfig, PrecisionConfig
+from vlforge.data.dataset import load_dataset
+from vlforge.data.encode import collate, encode_prompt
+from vlforge.engine.evaluate import generate_answers
+from vlforge.engine.precision import PrecisionPolicy
+from vlforge.recipes.infer import evaluate_jsonl
+from vlforge.serve.engine import InferenceEngine
+
+
+def _greedy_tokens(model, encoder, samples, **kwargs) -> torch.Tensor:
+    batch = collate([encode_prompt(encoder, s) for s in samples], encoder.pad_id, left_pad=True)
+    with torch.no_grad():
+        out = model.generate(**batch, max_new_tokens=8, do_sample=False, pad_token_id=encoder.pad_id, **kwargs)
+    return out[:, batch["input_ids"].shape[1]:]
+
+
+def test_eval_and_inference_stop_alike_and_answer_alike(tiny, shapes_dir):
+    model, processor = copy.deepcopy(tiny[0]).eval(), tiny[1]
+    val = load_dataset(str(shapes_dir / "val.jsonl"), processor, DataConfig())
+    encoder, samples = val.encoder, val.samples
+    assert set(encoder.end_ids) == {encoder.im_end_id, encoder.pad_id}
+
+    # Make the second end token matter: whatever the random tiny model says most often, it now says
+    # as <|endoftext|> (the lm_head rows of the two tokens swapped), mid-answer.
+    counts = Counter(_greedy_tokens(model, encoder, samples, eos_token_id=None).flatten().tolist())
+    frequent = next(t for t, _ in counts.most_common() if t not in encoder.end_ids)
+    with torch.no_grad():
+        w = model.lm_head.weight
+        w[[frequent, encoder.pad_id]] = w[[encoder.pad_id, frequent]].clone()
+
+    policy = PrecisionPolicy(PrecisionConfig(mode="fp32"), "cpu")
+    answers = generate_answers(model, encoder, samples, batch_size=4, max_new_tokens=8, policy=policy,
+                               device=torch.device("cpu"))
+    engine = InferenceEngine(model, processor, torch.device("cpu"), "tiny")
+    served = [row["answer"] for row in evaluate_jsonl(engine, shapes_dir / "val.jsonl", batch_size=3,
+                                                      max_new_tokens=8)["answers"]]
+    assert served == answers
+
+    # ... and the stop at <|endoftext|> was exercised: stopping at <|im_end|> alone reads on past it
+    tokens = _greedy_tokens(model, encoder, samples, eos_token_id=encoder.im_end_id)
+    read_on = [t.strip() for t in encoder.tokenizer.batch_decode(tokens, skip_special_tokens=True)]
+    assert read_on != answers
