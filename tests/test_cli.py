@@ -42,3 +42,22 @@ def test_options_may_follow_overrides_and_bad_presets_are_named(tmp_path, capsys
     assert json.loads(capsys.readouterr().out)["max_length"] == 64
     assert main(["sft", "configs/demo-sft.yaml", "model.preset=huge", "--plan"]) == 2
     assert "unknown model.preset 'huge'" in capsys.readouterr().err
+
+
+def test_grpo_plan_and_json_needs_plan(capsys):
+    assert main(["grpo", "configs/demo-grpo.yaml", "--plan", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["trainable_params"] > 0 and plan["modules"] and "precision" in plan
+    assert main(["sft", "configs/demo-sft.yaml", "--json"]) == 2  # not a silent training run
+    assert "--json goes with --plan" in capsys.readouterr().err
+
+
+def test_plan_and_run_log_count_lora_parameters_alike(tmp_path, capsys, shapes_dir):
+    """The run's 'training X of Y parameters' line equals --plan's counts (LoRA adapters counted once)."""
+    args = ["sft", "configs/demo-sft.yaml", "tiers.method=lora", f"data.train={shapes_dir / 'train.jsonl'}",
+            "data.val=null", "train.max_steps=1", "train.batch_size=2", "log.progress=false", "train.device=cpu",
+            f"train.output_dir={tmp_path / 'run'}"]
+    assert main(args + ["--plan", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert main(args) == 0
+    assert f"training {plan['trainable_params']:,} of {plan['total_params']:,} parameters" in capsys.readouterr().out
