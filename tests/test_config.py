@@ -133,6 +133,7 @@ def test_upper_bounds_and_choices_are_named():
                               ("precision.loss_scale.backoff_factor=1", r"backoff_factor must be in \(0, 1\)"),
                               ("train.device=tpu", "train.device: 'tpu' is not one of auto, cpu, cuda, cuda:N, mps"),
                               ("train.device=cuda:x", "train.device: 'cuda:x'"),
+                              ("data.num_workers=lots", "data.num_workers"),
                               ("optim.eps='1e-8x'", "optim.eps: expected float")]:
         with pytest.raises(ConfigError, match=message):
             load_config(SFTConfig, None, [override])
@@ -142,6 +143,8 @@ def test_upper_bounds_and_choices_are_named():
             load_config(GRPOConfig, None, [override])
     for ok in ("train.device=cuda:1", "train.device=mps", "optim.max_grad_norm=null", "optim.betas=[0.0,0.95]"):
         load_config(SFTConfig, None, [ok])  # valid spellings stay valid
+    assert load_config(SFTConfig, None, []).data.num_workers == "auto"
+    assert load_config(SFTConfig, None, ["data.num_workers=2"]).data.num_workers == 2
 
 
 # ----------------------------------------------------------------------------- file problems and paths

@@ -29,7 +29,7 @@ from vlforge.engine.losses import count_supervised, sft_loss_sum
 from vlforge.engine.metrics import MetricsLog, plot_metric, read_metrics
 from vlforge.engine.optim import build_optimizer, build_scheduler
 from vlforge.engine.precision import PrecisionPolicy
-from vlforge.engine.runtime import prepare_output_dir, resolve_device, seed_everything
+from vlforge.engine.runtime import prepare_output_dir, resolve_device, resolve_num_workers, seed_everything
 from vlforge.model.load import load_model
 from vlforge.model.quant import format_report, keep_trainable, verify
 from vlforge.model.tiers import apply_plan, build_plan, param_groups, plan_summary, unwrap
@@ -193,8 +193,8 @@ def run_sft(cfg: SFTConfig) -> dict:
     if val_data is not None and cfg.eval.at_start and step == 0:
         run_eval(0)
 
-    stream = micro_batches(train_data, tc.batch_size, tc.seed, state["epoch"], state["position"], cfg.data.num_workers,
-                           t.token_multiple)
+    stream = micro_batches(train_data, tc.batch_size, tc.seed, state["epoch"], state["position"],
+                           resolve_num_workers(cfg.data.num_workers, t.device), t.token_multiple)
     bar = tqdm(total=total_steps, initial=step, disable=not cfg.log.progress, desc="sft", dynamic_ncols=True)
     last_eval = None
     while step < total_steps:
