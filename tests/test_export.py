@@ -113,3 +113,24 @@ def test_full_checkpoint_export(shapes_dir, tmp_path):
     processor = AutoProcessor.from_pretrained(tmp_path / "full")
     batch = _batch(cfg, processor)
     torch.testing.assert_close(_logits(exported, batch), _logits(trained, batch))
+
+
+def test_exports_get_the_umasks_modes(lora_run, tmp_path):
+    """Other users of a shared machine can read an export as they could any file the user writes
+    (mkdtemp alone would leave the merged directory 0700, safetensors its weights 0600)."""
+    import os
+    import stat
+
+    def modes(root):
+        return {stat.S_IMODE(p.stat().st_mode) for p in root.rglob("*") if p.is_file()}, stat.S_IMODE(root.stat().st_mode)
+
+    _, ckpt = lora_run
+    old = os.umask(0o022)
+    try:
+        export(ckpt, tmp_path / "adapter")
+        assert modes(tmp_path / "adapter") == ({0o644}, 0o755)
+        os.umask(0o027)  # the umask's modes, not fixed ones
+        export(ckpt, tmp_path / "merged", merge=True)
+        assert modes(tmp_path / "merged") == ({0o640}, 0o750)
+    finally:
+        os.umask(old)

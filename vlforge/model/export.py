@@ -118,6 +118,7 @@ def export(checkpoint: str | Path, out: str | Path, *, merge: bool = False, quan
                 _save(engine.model, engine.processor, staging)
         else:
             _save(model, processor, staging)
+        _umask_modes(staging)
         if out.exists():  # only now, with the new export complete, does an --overwrite'd one go
             shutil.rmtree(out)
         staging.rename(out)
@@ -145,7 +146,22 @@ def _export_adapter(checkpoint: Path, out: Path) -> dict:
     (out / "vlforge_base.json").write_text(json.dumps(
         {"model.path": cfg.model.path, "model.preset": cfg.model.preset, "model.seed": cfg.model.seed,
          "note": "load with peft: PeftModel.from_pretrained(base_model, this_dir)"}, indent=2))
+    _umask_modes(out)
     return {"out": str(out), "kind": "adapter", "quant": "none", "files": sorted(p.name for p in out.iterdir())}
+
+
+def _umask_modes(root: Path) -> None:
+    """The modes a plain mkdir/open would give (0755/0644 under umask 022): mkdtemp makes the
+    staging directory 0700 and safetensors writes weights 0600, which other users of a shared
+    machine could not read."""
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    root.chmod(0o777 & ~mask)
+    for p in root.rglob("*"):
+        if not p.is_symlink():
+            p.chmod((0o777 if p.is_dir() else 0o666) & ~mask)
 
 
 def _quant_name(q: QuantConfig) -> str:
