@@ -113,3 +113,50 @@ def test_full_checkpoint_export(shapes_dir, tmp_path):
     processor = AutoProcessor.from_pretrained(tmp_path / "full")
     batch = _batch(cfg, processor)
     torch.testing.assert_close(_logits(exported, batch), _logits(trained, batch))
+
+
+def test_exports_get_the_umasks_modes(lora_run, tmp_path):
+    """Other users of a shared machine can read an export as they could any file the user writes
+    (mkdtemp alone would leave the merged directory 0700, safetensors its weights 0600)."""
+    import os
+    import stat
+
+    def modes(root):
+        return {stat.S_IMODE(p.stat().st_mode) for p in root.rglob("*") if p.is_file()}, stat.S_IMODE(root.stat().st_mode)
+
+    _, ckpt = lora_run
+    old = os.umask(0o022)
+    try:
+        export(ckpt, tmp_path / "adapter")
+        assert modes(tmp_path / "adapter") == ({0o644}, 0o755)
+        os.umask(0o027)  # the umask's modes, not fixed ones
+        export(ckpt, tmp_path / "merged", merge=True)
+        assert modes(tmp_path / "merged") == ({0o640}, 0o750)
+    finally:
+        os.umask(old)
+
+
+def test_runs_and_adapter_exports_load_from_any_directory(shapes_dir, tmp_path, monkeypatch):
+    """A run given relative model and data paths stores them resolved, so its checkpoint (and its
+    adapter export, through vlforge_base.json) load from another working directory."""
+    import shutil
+
+    from vlforge.config import ModelConfig
+    from vlforge.model.load import load_model
+    from vlforge.serve.engine import InferenceEngine, Request
+
+    work = tmp_path / "work"
+    model, processor = load_model(ModelConfig(preset="tiny"))
+    model.save_pretrained(work / "base")
+    processor.save_pretrained(work / "base")
+    shutil.copytree(shapes_dir, work / "data")
+    monkeypatch.chdir(work)
+    run_sft(tiny_sft_config(shapes_dir, "run", "model.preset=null", "model.path=base", "data.train=data/train.jsonl",
+                            "data.val=null", "tiers.method=lora", "tiers.language.lr=0.02", "train.max_steps=1"))
+    export("run/checkpoint-1", "adapter")
+
+    monkeypatch.chdir(tmp_path)  # somewhere else
+    ask = Request([{"role": "user", "content": [{"type": "text", "text": "what colour?"}]}], max_new_tokens=4)
+    answers = [InferenceEngine.load(str(work / src), device="cpu", dtype=torch.float32).generate([ask])[0].text
+               for src in ("run/checkpoint-1", "adapter")]
+    assert answers[0] == answers[1]

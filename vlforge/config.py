@@ -7,8 +7,12 @@ Unknown keys are errors that name the key, where it came from, and the nearest v
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import difflib
+import math
+import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -27,6 +31,38 @@ def _require(ok: bool, message: str) -> None:
         raise ConfigError(message)
 
 
+class _OutOfRange(ConfigError):
+    """A field outside its range, named relative to its section: `_build` prefixes the section's
+    path, so a section used in several places (tiers.language, tiers.vision) names the full key."""
+
+
+def _range(section: Any, key: str, *, ge: float | None = None, gt: float | None = None,
+           le: float | None = None, lt: float | None = None, why: str = "") -> None:
+    """Check a numeric field (each element of a tuple; null passes: the type says if it may be null).
+
+    Floats must also be finite: an inf learning rate or clip norm trains into NaN weights."""
+    value = getattr(section, key)
+    for v in value if isinstance(value, tuple) else (value,):
+        if v is None:
+            continue
+        ok = (isinstance(v, int) or math.isfinite(v)) and not (
+            (ge is not None and v < ge) or (gt is not None and v <= gt)
+            or (le is not None and v > le) or (lt is not None and v >= lt))
+        if not ok:
+            raise _OutOfRange(f"{key} must be {_rule(ge, gt, le, lt)}, got {value!r}" + (f": {why}" if why else ""))
+
+
+def _rule(ge, gt, le, lt) -> str:
+    if (ge is not None or gt is not None) and (le is not None or lt is not None):
+        lo = f"[{ge:g}" if ge is not None else f"({gt:g}"
+        hi = f"{le:g}]" if le is not None else f"{lt:g})"
+        return f"in {lo}, {hi}"
+    for op, bound in ((">=", ge), (">", gt), ("<=", le), ("<", lt)):
+        if bound is not None:
+            return f"{op} {bound:g}"
+    return "a finite number"
+
+
 # ----------------------------------------------------------------------------- sections
 
 
@@ -36,6 +72,9 @@ class ModelConfig:
     preset: str | None = None  # tiny | qwen3vl-2b | qwen3vl-4b | qwen3vl-8b | qwen3vl-32b (random weights)
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
     seed: int = 0  # initialisation seed for presets
+
+    def __post_init__(self):
+        _range(self, "seed", ge=0)
 
 
 @dataclass
@@ -47,12 +86,12 @@ class DataConfig:
     on_error: Literal["fail", "skip"] = "fail"  # bad rows: stop with file:line, or skip and count
     min_pixels: int = 32 * 32  # image resolution limits, passed to the Qwen3-VL image processor
     max_pixels: int = 1024 * 1024
-    num_workers: int = 0  # DataLoader workers
+    num_workers: int | Literal["auto"] = "auto"  # DataLoader workers; auto: engine.runtime.resolve_num_workers
 
     def __post_init__(self):
         _require(self.max_length >= 8, f"data.max_length must be >= 8, got {self.max_length}")
         _require(0 < self.min_pixels <= self.max_pixels, "data.min_pixels must be > 0 and <= data.max_pixels")
-        _require(self.num_workers >= 0, "data.num_workers must be >= 0")
+        _require(self.num_workers == "auto" or self.num_workers >= 0, "data.num_workers must be >= 0 or auto")
 
 
 @dataclass
@@ -68,10 +107,11 @@ class TierConfig:
     last_n_blocks: int | None = 2  # vision tier only; null = every block (+ patch embedding when full)
 
     def __post_init__(self):
-        _require(self.lr >= 0 and self.r >= 1 and 0 <= self.dropout < 1,
-                 f"tier settings need lr >= 0, r >= 1 and 0 <= dropout < 1 (got lr={self.lr}, r={self.r}, "
-                 f"dropout={self.dropout})")
-        _require(self.last_n_blocks is None or self.last_n_blocks >= 1, "last_n_blocks must be >= 1 or null")
+        _range(self, "lr", ge=0)
+        _range(self, "r", ge=1)
+        _range(self, "alpha", gt=0, why="LoRA scales its update by alpha / r")
+        _range(self, "dropout", ge=0, lt=1)
+        _range(self, "last_n_blocks", ge=1)  # or null
 
 
 def _language() -> TierConfig:
@@ -127,10 +167,10 @@ class LossScaleConfig:
     growth_interval: int = 2000
 
     def __post_init__(self):
-        _require(self.init_scale > 0 and self.growth_factor > 1 and 0 < self.backoff_factor < 1
-                 and self.growth_interval >= 1,
-                 "precision.loss_scale: need init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1, "
-                 "growth_interval >= 1")
+        _range(self, "init_scale", gt=0)
+        _range(self, "growth_factor", gt=1)
+        _range(self, "backoff_factor", gt=0, lt=1)
+        _range(self, "growth_interval", ge=1)
 
 
 @dataclass
@@ -144,8 +184,8 @@ class TERecipeConfig:
     amax_compute_algo: Literal["max", "most_recent"] = "max"
 
     def __post_init__(self):
-        _require(self.margin >= 0 and self.amax_history_len >= 1,
-                 "precision.fp8.te*: margin must be >= 0 and amax_history_len >= 1")
+        _range(self, "margin", ge=0)
+        _range(self, "amax_history_len", ge=1)
 
 
 @dataclass
@@ -216,6 +256,14 @@ class OptimConfig:
     min_lr_ratio: float = 0.0  # final lr as a fraction of the peak
     max_grad_norm: float | None = 1.0  # null disables clipping
 
+    def __post_init__(self):
+        _range(self, "weight_decay", ge=0)
+        _range(self, "betas", ge=0, lt=1, why="AdamW's moment decay rates")
+        _range(self, "eps", gt=0)
+        _range(self, "warmup_steps", ge=0)
+        _range(self, "min_lr_ratio", ge=0, le=1)
+        _range(self, "max_grad_norm", gt=0, why="a norm <= 0 would flip or zero the update; null disables clipping")
+
 
 @dataclass
 class TrainConfig:
@@ -225,17 +273,20 @@ class TrainConfig:
     max_steps: int | None = None  # optimizer steps; null = epochs * steps per epoch
     epochs: int = 1
     seed: int = 0
-    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    device: str = "auto"  # auto | cpu | cuda | cuda:N | mps
     save_every: int = 0  # optimizer steps between checkpoints; 0 = only at the end
     keep_last: int = 2
     resume: Literal["auto", "never"] | str = "never"  # auto | never | path to a checkpoint-STEP dir
     overwrite: bool = False
 
     def __post_init__(self):
-        for key in ("batch_size", "grad_accum", "epochs"):
-            _require(getattr(self, key) >= 1, f"train.{key} must be >= 1, got {getattr(self, key)}")
-        _require(self.max_steps is None or self.max_steps >= 1, "train.max_steps must be >= 1 or null")
-        _require(self.save_every >= 0 and self.keep_last >= 1, "train.save_every must be >= 0, train.keep_last >= 1")
+        for key in ("batch_size", "grad_accum", "epochs", "keep_last"):
+            _range(self, key, ge=1)
+        _range(self, "max_steps", ge=1)  # or null
+        _range(self, "save_every", ge=0)
+        _range(self, "seed", ge=0)
+        if not re.fullmatch(r"auto|cpu|mps|cuda(:\d+)?", self.device):
+            raise _OutOfRange(f"device: {self.device!r} is not one of auto, cpu, cuda, cuda:N, mps")
 
 
 @dataclass
@@ -247,8 +298,9 @@ class EvalConfig:
     at_start: bool = False  # also evaluate before the first step
 
     def __post_init__(self):
-        _require(self.every >= 0 and self.batch_size >= 1 and self.max_new_tokens >= 1,
-                 "eval.every must be >= 0, eval.batch_size and eval.max_new_tokens >= 1")
+        _range(self, "every", ge=0)
+        for key in ("max_samples", "batch_size", "max_new_tokens"):  # max_samples may be null: all
+            _range(self, key, ge=1)
 
 
 @dataclass
@@ -258,7 +310,7 @@ class LogConfig:
     progress: bool = True
 
     def __post_init__(self):
-        _require(self.every >= 1, f"log.every must be >= 1, got {self.every}")
+        _range(self, "every", ge=1)
 
 
 @dataclass
@@ -307,8 +359,10 @@ class HealthConfig:
     spike_min_loss: float = 0.1  # near convergence relative jumps are noise: smaller losses never warn
 
     def __post_init__(self):
-        _require(self.max_bad_steps >= 1 and self.spike_factor > 1 and self.spike_window >= 2,
-                 "health: need max_bad_steps >= 1, spike_factor > 1, spike_window >= 2")
+        _range(self, "max_bad_steps", ge=1)
+        _range(self, "spike_factor", gt=1)
+        _range(self, "spike_window", ge=2)
+        _range(self, "spike_min_loss", ge=0)
 
 
 @dataclass
@@ -342,18 +396,22 @@ class RolloutConfig:
     max_new_tokens: int = 256  # the response length cap
 
     def __post_init__(self):
-        _require(self.group_size >= 2, "rollout.group_size must be >= 2: advantages compare responses within a group")
-        _require(self.prompts_per_step >= 1, "rollout.prompts_per_step must be >= 1")
-        _require(self.temperature >= 0, "rollout.temperature must be >= 0 (0 = greedy)")
-        _require(0 < self.top_p <= 1 and self.top_k >= 0, "rollout.top_p must be in (0, 1] and top_k >= 0")
-        _require(self.max_new_tokens >= 1, "rollout.max_new_tokens must be >= 1")
+        _range(self, "group_size", ge=2, why="advantages compare responses within a group")
+        _range(self, "prompts_per_step", ge=1)
+        _range(self, "temperature", ge=0, why="0 = greedy")
+        _range(self, "top_p", gt=0, le=1)
+        _range(self, "top_k", ge=0, why="0 = off")
+        _range(self, "max_new_tokens", ge=1)
 
 
 @dataclass
 class RewardConfig:
     name: str = "exact_match"  # builtin (exact_match, choice, numeric, format) or path/to/file.py:function
-    weight: float = 1.0
+    weight: float = 1.0  # may be negative: a penalty
     kwargs: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        _range(self, "weight")
 
 
 @dataclass
@@ -374,11 +432,13 @@ class RLConfig:
 
     def __post_init__(self):
         for key in ("epochs", "mini_batch_size", "max_sampling_tries"):
-            _require(getattr(self, key) >= 1, f"rl.{key} must be >= 1, got {getattr(self, key)}")
+            _range(self, key, ge=1)
         _require(bool(self.rewards), "rl.rewards needs at least one reward function")
-        _require(self.kl_beta >= 0 and self.clip_low >= 0 and self.clip_high >= 0,
-                 "rl.kl_beta, rl.clip_low and rl.clip_high must be >= 0")
-        _require(self.dual_clip is None or self.dual_clip > 1, "rl.dual_clip must be > 1 or null")
+        _range(self, "kl_beta", ge=0)
+        _range(self, "clip_low", ge=0, lt=1, why="the ratio's lower bound is 1 - clip_low")
+        _range(self, "clip_high", ge=0)
+        _range(self, "dual_clip", gt=1)  # or null
+        _range(self, "overlong_penalty", ge=0, why="it is subtracted from the reward")
 
 
 @dataclass
@@ -432,17 +492,20 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"{where}: expected a list, got {value!r}")
         return [_coerce(v, args[0], f"{where}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
+    if origin is dict or tp is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        _string_keys(value, where)
         return dict(value)
-    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
     if tp is float and isinstance(value, str):  # YAML 1.1 reads "1e-4" as a string
         try:
-            return float(value)
+            value = float(value)
         except ValueError:
             pass
+    if tp is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        if not math.isfinite(value):  # .inf / .nan: no setting means "infinitely much"
+            raise ConfigError(f"{where}: must be a finite number, got {value}")
+        return float(value)
     if tp is str and isinstance(value, (int, float)) and not isinstance(value, bool):
         return str(value)
     if isinstance(tp, type) and isinstance(value, tp) and not (tp is int and isinstance(value, bool)):
@@ -452,9 +515,17 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
     raise ConfigError(f"{where}: expected {getattr(tp, '__name__', tp)}, got {value!r}")
 
 
+def _string_keys(data: dict, where: str) -> None:
+    for key in data:
+        if not isinstance(key, str):
+            raise ConfigError(f"{where + ': ' if where else ''}key {key!r} is not a name; keys must be strings "
+                              "(quote it in YAML if it is meant as one)")
+
+
 def _build(cls: type, data: dict, where: str) -> Any:
     hints = typing.get_type_hints(cls)
     names = [f.name for f in dataclasses.fields(cls)]
+    _string_keys(data, where)
     kwargs = {}
     for key, value in data.items():
         path = f"{where}.{key}" if where else key
@@ -468,7 +539,10 @@ def _build(cls: type, data: dict, where: str) -> Any:
                 if not unknown:
                     value = _merge(to_dict(default), value)
         kwargs[key] = _coerce(value, hints[key], path)
-    return cls(**kwargs)  # __post_init__ range checks raise ConfigError naming their key
+    try:
+        return cls(**kwargs)  # __post_init__ range checks raise ConfigError naming their key
+    except _OutOfRange as e:
+        raise ConfigError(f"{where}.{e}" if where else str(e)) from None
 
 
 def to_dict(cfg: Any) -> dict:
@@ -502,24 +576,68 @@ def _merge(base: dict, extra: dict) -> dict:
     return out
 
 
-def load_config(cls: type, path: str | Path | None = None, overrides: list[str] | None = None):
-    """Build `cls` from defaults <- YAML file <- dotted overrides. Raises ConfigError on any bad key."""
+def _read_tree(path: str | Path | None, overrides: list[str] | None) -> dict:
+    """The YAML file's mapping (or {}) with the dotted overrides merged in."""
     data: dict = {}
     if path is not None:
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file {path} not found")
+        raw = path.read_bytes()
         try:
-            data = yaml.safe_load(path.read_text()) or {}
+            data = yaml.safe_load(raw.decode("utf-8")) or {}
+        except UnicodeDecodeError as e:
+            line = raw[:e.start].count(b"\n") + 1
+            raise ConfigError(f"{path}:{line}: not UTF-8 text (byte {e.start}: {e.reason}); save the file as UTF-8"
+                              ) from None
         except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML: {e}") from e
+            raise ConfigError(f"{path}: not valid YAML: {e}") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections")
-    data = _merge(data, parse_overrides(overrides or []))
+    return _merge(data, parse_overrides(overrides or []))
+
+
+def load_config(cls: type, path: str | Path | None = None, overrides: list[str] | None = None):
+    """Build `cls` from defaults <- YAML file <- dotted overrides. Raises ConfigError on any bad key."""
+    return _build_named(cls, _read_tree(path, overrides), path)
+
+
+def _build_named(cls: type, data: dict, path: str | Path | None):
     try:
         return _build(cls, data, "")
     except ConfigError as e:
         raise ConfigError(f"{path}: {e}" if path else str(e)) from None
+
+
+GRPO_ONLY_SECTIONS = ("rl", "rollout")
+
+
+def recipe_class(data: dict) -> type:
+    """SFTConfig or GRPOConfig for a config tree: GRPO's is the one with an `rl` or `rollout` section."""
+    return GRPOConfig if any(k in data for k in GRPO_ONLY_SECTIONS) else SFTConfig
+
+
+def load_recipe_config(path: str | Path | None, overrides: list[str] | None = None) -> SFTConfig | GRPOConfig:
+    """load_config with the class picked by recipe_class (for commands that take either kind of run,
+    e.g. a run's config.yaml: dump_config writes every section, so GRPO runs always have `rl`)."""
+    data = _read_tree(path, overrides)
+    return _build_named(recipe_class(data), data, path)
+
+
+def resolve_paths(cfg: Any) -> Any:
+    """A copy of `cfg` with relative file paths made absolute (against the current directory), for
+    the run's config.yaml: its checkpoints then export/infer/serve from any working directory."""
+    def absolute(p: str | None) -> str | None:
+        return os.path.abspath(p) if p else p
+
+    cfg = copy.deepcopy(cfg)
+    cfg.model.path = absolute(cfg.model.path)
+    cfg.data.train, cfg.data.val = absolute(cfg.data.train), absolute(cfg.data.val)
+    for reward in getattr(getattr(cfg, "rl", None), "rewards", []):
+        file, sep, fn = reward.name.rpartition(":")
+        if sep and file.endswith(".py"):  # path/to/file.py:function (load_reward expands ~); builtins are names
+            reward.name = f"{absolute(os.path.expanduser(file))}:{fn}"
+    return cfg
 
 
 def dump_config(cfg: Any) -> str:

@@ -23,6 +23,7 @@ import torch
 from safetensors.torch import load_file
 
 CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
+TMP_PREFIX = ".tmp-checkpoint-"  # a save in progress (or torn by a crash): never listed, never resumed from
 
 
 def _fsync_dir(path: Path) -> None:
@@ -62,9 +63,11 @@ def save_checkpoint(output_dir: str | Path, step: int, model, processor, optimiz
 
     out = Path(output_dir)
     final = out / f"checkpoint-{step}"
-    for stale in out.glob(".tmp-checkpoint-*"):  # torn leftovers of a crashed save
+    # Torn leftovers of a crashed save. Never another live run's save in progress: a run holds
+    # output_dir's lock (engine/runtime.py) for its whole life.
+    for stale in out.glob(f"{TMP_PREFIX}*"):
         shutil.rmtree(stale, ignore_errors=True)
-    tmp = out / f".tmp-checkpoint-{step}-{os.getpid()}"
+    tmp = out / f"{TMP_PREFIX}{step}-{os.getpid()}"
     tmp.mkdir(parents=True)
     if isinstance(model, PeftModel):
         model.save_pretrained(tmp)

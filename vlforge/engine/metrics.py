@@ -5,17 +5,39 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from pathlib import Path
+
+
+def _rows(path: Path) -> list[tuple[str, dict]]:
+    """(line, row) of each JSON object line. A line that is not one (a crash mid-write tears the
+    last line; a power loss can leave NUL bytes) is dropped with a warning naming file:line."""
+    rows = []
+    for number, line in enumerate(path.read_text(errors="replace").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            row = None
+        if not isinstance(row, dict):
+            print(f"warning: {path}:{number}: dropped a line that is not a JSON object (torn by a crash mid-write?): "
+                  f"{line[:60]!r}", file=sys.stderr)
+            continue
+        rows.append((line, row))
+    return rows
 
 
 class MetricsLog:
     def __init__(self, output_dir: str | Path, tensorboard: bool = False, resume_step: int | None = None):
         self.path = Path(output_dir) / "metrics.jsonl"
-        if resume_step is not None and self.path.exists():
-            # A killed run may have logged steps after its last checkpoint: drop them, they will be redone.
-            kept = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line).get("step", 0) <= resume_step]
-            self.path.write_text("".join(line + "\n" for line in kept))
+        if self.path.exists():
+            # A killed run may have logged steps after its last checkpoint: drop them, they will be
+            # redone. A torn last line goes too: appending after it would glue the next row onto it.
+            kept = [line for line, row in _rows(self.path) if resume_step is None or row.get("step", 0) <= resume_step]
+            tmp = self.path.with_name(self.path.name + ".tmp")  # renamed: a crash now cannot lose the kept rows
+            tmp.write_text("".join(line + "\n" for line in kept))
+            os.replace(tmp, self.path)
         self._file = open(self.path, "a")
         self._tb = None
         if tensorboard:
@@ -41,7 +63,8 @@ class MetricsLog:
 
 
 def read_metrics(path: str | Path) -> list[dict]:
-    return [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    """The rows of a metrics.jsonl; torn lines are dropped with a warning."""
+    return [row for _, row in _rows(Path(path))]
 
 
 def plot_metric(rows: list[dict], key: str, out_png: str | Path, title: str | None = None,

@@ -1,12 +1,12 @@
 """The bookkeeping every training recipe wraps around its step loop, written once.
 
-    resume_from = begin_run(cfg)                         # before any model loads
-    t = setup_model(cfg, ...); data = ...
-    run = Run.start(cfg, t, total_steps, val_data, resume_from, spikes=True)
-    while run.step < total_steps:
-        ...one recipe step: run.optimizer, run.scaler, run.health...
-        run.finish_step(row, always_log=...)            # schedule, metrics, eval, checkpoint
-    run.close()
+    with begin_run(cfg) as resume_from:                  # before any model loads; holds output_dir
+        t = setup_model(cfg, ...); data = ...
+        run = Run.start(cfg, t, total_steps, val_data, resume_from, spikes=True)
+        while run.step < total_steps:
+            ...one recipe step: run.optimizer, run.scaler, run.health...
+            run.finish_step(row, always_log=...)        # schedule, metrics, eval, checkpoint
+        run.close()
 
 A recipe keeps its own step (what a step is, its metrics); this module owns the output
 directory, the optimizer / schedule / loss scaler / gradient-health set, exact resume, the
@@ -15,17 +15,19 @@ metrics log, periodic evaluation and checkpoints, so SFT and GRPO do these ident
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from vlforge.config import RunConfig, dump_config
+from vlforge.config import RunConfig, dump_config, resolve_paths
 from vlforge.data.dataset import SFTDataset
 from vlforge.engine.checkpoint import load_checkpoint, save_checkpoint
 from vlforge.engine.evaluate import EvalRecorder
 from vlforge.engine.health import GradHealth
 from vlforge.engine.metrics import MetricsLog
 from vlforge.engine.optim import build_optimizer, build_scheduler
-from vlforge.engine.runtime import prepare_output_dir, seed_everything
+from vlforge.engine.runtime import prepare_output_dir, release_output_dir, seed_everything
 from vlforge.engine.trainable import Trainable
 from vlforge.model.tiers import param_groups
 
@@ -35,15 +37,20 @@ def due(every: int, step: int, total_steps: int) -> bool:
     return bool(every and step % every == 0) or step == total_steps
 
 
-def begin_run(cfg: RunConfig) -> Path | None:
-    """What happens before any model loads: claim train.output_dir (refusing another run's
-    results), seed. Returns the checkpoint to resume from, if any."""
+@contextlib.contextmanager
+def begin_run(cfg: RunConfig) -> Iterator[Path | None]:
+    """What happens before any model loads: claim train.output_dir (locked for the run; another
+    run's results are refused), seed. Yields the checkpoint to resume from, if any; the lock is
+    released when the block ends, however it ends."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # our own bar is the progress display; no per-save shard bars
     resume_from = prepare_output_dir(cfg.train.output_dir, cfg.train.resume, cfg.train.overwrite)
-    seed_everything(cfg.train.seed)
-    return resume_from
+    try:
+        seed_everything(cfg.train.seed)
+        yield resume_from
+    finally:
+        release_output_dir(cfg.train.output_dir)
 
 
 @dataclass
@@ -67,7 +74,8 @@ class Run:
               resume_from: Path | None, *, spikes: bool, state: dict | None = None) -> "Run":
         """Write config.yaml (only now, when the run can start), build the optimizer set, resume."""
         out = Path(cfg.train.output_dir)
-        (out / "config.yaml").write_text(dump_config(cfg))
+        # paths stored absolute: the run's checkpoints then export, infer and serve from any directory
+        (out / "config.yaml").write_text(dump_config(resolve_paths(cfg)))
         optimizer = build_optimizer(param_groups(t.model, t.plan, cfg.optim.weight_decay), cfg.optim, t.device.type)
         scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
         scaler = t.policy.grad_scaler()

@@ -1,31 +1,201 @@
-"""Run plumbing shared by recipes: device choice, output directory rules, seeding."""
+"""Run plumbing shared by recipes: device choice, DataLoader workers, output directory rules, seeding.
+
+An output directory belongs to one run at a time: `prepare_output_dir` takes an exclusive lock on
+it (output_dir/.vlforge.lock) before it looks at or changes anything, and `train.overwrite=true`
+removes only what a vlforge run writes there (`RUN_FILES`, `is_run_entry`).
+"""
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import random
+import re
 import shutil
+import tempfile
 import time
 from pathlib import Path
 
 import torch
+import yaml
 
 from vlforge.config import ConfigError
-from vlforge.engine.checkpoint import list_checkpoints
+from vlforge.engine.checkpoint import CKPT_RE, TMP_PREFIX, list_checkpoints
+
+LOCK_NAME = ".vlforge.lock"
+SUPERSEDED_PREFIX = "superseded-"
+# Files a run writes at the top of output_dir (recipes, engine/metrics.py, recipes/eval.py); with
+# checkpoint-STEP/, .tmp-checkpoint-*/, superseded-*/ and TensorBoard's events they are all it writes.
+RUN_FILES = frozenset({"config.yaml", "metrics.jsonl", "metrics.jsonl.tmp", "eval.json", "eval.json.tmp",
+                       "loss.png", "reward.png", LOCK_NAME})
+TENSORBOARD_DIR = "tensorboard"  # MetricsLog's SummaryWriter directory
+_TB_EVENTS = re.compile(r"^events\.out\.tfevents\.")
 
 
-def resolve_device(spec: str) -> torch.device:
+# ----------------------------------------------------------------------------- device, workers, seeds
+
+
+def device_problem(spec: str, cuda_available: bool, gpu_count: int, mps_available: bool = False,
+                   key: str = "train.device") -> str | None:
+    """Why `spec` cannot be used on this machine, or None (pure: callers pass what they probed)."""
+    if spec == "auto":
+        return None
+    try:
+        device = torch.device(spec)
+    except (RuntimeError, ValueError):
+        return f"{key}={spec} is not a device; use auto, cpu, cuda, cuda:N or mps"
+    if device.type == "cuda":
+        if not cuda_available or gpu_count == 0:
+            return f"{key}={spec} but no CUDA device is visible; use {key}=cpu or auto"
+        if (device.index or 0) >= gpu_count:
+            return f"{key}={spec} but only {gpu_count} CUDA device(s) are visible; use cuda:0 .. cuda:{gpu_count - 1}"
+    elif device.type == "mps" and not mps_available:
+        return f"{key}={spec} but MPS (Apple GPU) is not available; use {key}=cpu or auto"
+    elif device.type not in ("cpu", "cuda", "mps"):
+        return f"{key}={spec}: vlforge runs on cpu, cuda or mps"
+    return None
+
+
+def resolve_device(spec: str, key: str = "train.device") -> torch.device:
     if spec == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(spec)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"train.device={spec} but no CUDA device is visible; use train.device=cpu or auto")
-    return device
+    cuda = torch.cuda.is_available()
+    problem = device_problem(spec, cuda, torch.cuda.device_count() if cuda else 0,
+                             torch.backends.mps.is_available(), key)
+    if problem:
+        raise ConfigError(problem)
+    return torch.device(spec)
+
+
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity mask: a container or `taskset` may give fewer than the machine has)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # macOS
+        return os.cpu_count() or 1
+
+
+def resolve_num_workers(spec: int | str, device: torch.device) -> int:
+    """data.num_workers as a count of DataLoader worker processes.
+
+    auto: none when training on the CPU (workers would take cores from the training math, and CPU
+    runs are small), else one per spare CPU up to 4, one CPU staying with the training loop itself
+    (more workers than CPUs only makes the DataLoader warn and the processes contend).
+    """
+    if spec != "auto":
+        return int(spec)
+    if device.type == "cpu":
+        return 0
+    return max(0, min(4, usable_cpus() - 1))
 
 
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     torch.manual_seed(seed)
+
+
+# ----------------------------------------------------------------------------- the output-directory lock
+
+
+class OutputDirLock:
+    """An exclusive `flock` on output_dir/.vlforge.lock, the holder's pid written in the file.
+
+    The kernel drops a flock when its process exits, however it exits (SIGKILL included), so a lock
+    file left by a dead process never blocks: only a live holder does. (flock is per machine: runs
+    on two hosts sharing a network filesystem are not kept apart.)
+    """
+
+    def __init__(self, out: Path):
+        self.path = out / LOCK_NAME
+        self.created = not self.path.exists()
+        try:
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise ConfigError(f"train.output_dir={out}: cannot write there ({e.strerror}); "
+                              "choose a writable train.output_dir") from None
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(self._fd, 64).decode(errors="replace").strip() or "unknown"
+            os.close(self._fd)
+            raise ConfigError(f"train.output_dir={out} is in use by another run (pid {holder}, see {self.path}): "
+                              "wait for it to finish or stop it, or choose another train.output_dir") from None
+        os.ftruncate(self._fd, 0)
+        os.write(self._fd, f"{os.getpid()}\n".encode())
+
+    def release(self, remove: bool = False) -> None:
+        if self._fd is None:
+            return
+        if remove:  # only for a lock file this run created in a directory it then refused
+            self.path.unlink(missing_ok=True)
+        os.close(self._fd)  # closing drops the flock
+        self._fd = None
+
+
+# Locks this process holds, by resolved output_dir. A later run in the same process (a test, the
+# demo, a notebook) on the same directory reuses the lock instead of being refused by itself.
+_HELD: dict[Path, OutputDirLock] = {}
+
+
+def lock_output_dir(output_dir: str | Path) -> OutputDirLock:
+    """Hold the output_dir lock until release_output_dir or process exit; ConfigError if another process holds it."""
+    key = Path(output_dir).resolve()
+    if key not in _HELD:
+        _HELD[key] = OutputDirLock(Path(output_dir))
+    return _HELD[key]
+
+
+def release_output_dir(output_dir: str | Path, remove: bool = False) -> None:
+    """Release this process's lock on output_dir (a no-op if it holds none). Call when a run ends."""
+    lock = _HELD.pop(Path(output_dir).resolve(), None)
+    if lock is not None:
+        lock.release(remove)
+
+
+# ----------------------------------------------------------------------------- the output directory
+
+
+def _is_run_config(path: Path) -> bool:
+    """config.yaml as dump_config writes it (every section), not some other tool's config.yaml."""
+    try:
+        data = yaml.safe_load(path.read_text(errors="replace"))
+    except (OSError, yaml.YAMLError):
+        return False
+    return isinstance(data, dict) and {"model", "data", "train"} <= set(data)
+
+
+def is_run_entry(p: Path) -> bool:
+    """Whether an entry at the top of an output_dir is something a vlforge run writes there."""
+    name = p.name
+    if p.is_symlink():
+        return False  # a run writes none: a link points at something of the user's
+    if p.is_dir():
+        return bool(CKPT_RE.match(name)) or name.startswith((TMP_PREFIX, SUPERSEDED_PREFIX)) or name == TENSORBOARD_DIR
+    if name == "config.yaml":
+        return _is_run_config(p)
+    return name in RUN_FILES or bool(_TB_EVENTS.match(name))
+
+
+def _is_run(out: Path) -> bool:
+    return (out / "metrics.jsonl").is_file() or _is_run_config(out / "config.yaml") or bool(list_checkpoints(out))
+
+
+def _names(paths: list[Path], limit: int = 5) -> str:
+    shown = ", ".join(p.name + ("/" if p.is_dir() else "") for p in paths[:limit])
+    return shown + (f" and {len(paths) - limit} more" if len(paths) > limit else "")
+
+
+def _make_dir(out: Path) -> None:
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"train.output_dir={out} is a file, not a directory; choose a directory path")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):  # writable? (read-only filesystem, no permission)
+            pass
+    except OSError as e:
+        raise ConfigError(f"train.output_dir={out}: cannot write there ({e.strerror}); "
+                          "choose a writable train.output_dir") from None
 
 
 def _set_aside_later_checkpoints(out: Path, step: int) -> None:
@@ -36,36 +206,63 @@ def _set_aside_later_checkpoints(out: Path, step: int) -> None:
     later = [p for p in list_checkpoints(out) if int(p.name.split("-")[1]) > step]
     if not later:
         return
-    aside = out / f"superseded-{step}-{time.strftime('%Y%m%d-%H%M%S')}"
+    aside = out / f"{SUPERSEDED_PREFIX}{step}-{time.strftime('%Y%m%d-%H%M%S')}"
     aside.mkdir()
     for p in later:
         p.rename(aside / p.name)
     print(f"resuming from step {step}: moved {len(later)} later checkpoint(s) to {aside}")
 
 
-def prepare_output_dir(output_dir: str | Path, resume: str, overwrite: bool) -> Path | None:
-    """Create/validate output_dir. Returns the checkpoint to resume from, if any.
+def _remove_run_entries(entries: list[Path]) -> None:
+    for p in entries:
+        if p.is_dir():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
 
-    A non-empty output_dir is refused unless resuming or overwriting: a run never silently
-    replaces another run's results.
+
+def prepare_output_dir(output_dir: str | Path, resume: str, overwrite: bool) -> Path | None:
+    """Create, lock and validate output_dir, before any model loads. Returns the checkpoint to resume from, if any.
+
+    The lock is held until `release_output_dir(output_dir)` or the process exits. A non-empty
+    output_dir is refused unless resuming or overwriting: a run never silently replaces another
+    run's results; overwrite removes only what a run wrote, and refuses a directory holding
+    anything else; resume=auto refuses a directory that is not a run.
     """
     out = Path(output_dir)
+    ckpt = None
     if resume not in ("auto", "never"):
         ckpt = Path(resume)
         if not (ckpt / "trainer_state.json").is_file():
             raise ConfigError(f"train.resume={resume}: not a complete checkpoint directory (no trainer_state.json)")
-        out.mkdir(parents=True, exist_ok=True)
-        _set_aside_later_checkpoints(out, json.loads((ckpt / "trainer_state.json").read_text())["step"])
-        return ckpt
-    if out.exists() and any(out.iterdir()):
+    _make_dir(out)
+    lock = lock_output_dir(out)
+    try:
+        if ckpt is not None:
+            _set_aside_later_checkpoints(out, json.loads((ckpt / "trainer_state.json").read_text())["step"])
+            return ckpt
+        entries = sorted(p for p in out.iterdir() if p.name != LOCK_NAME)
+        if not entries:
+            return None
+        foreign = [p for p in entries if not is_run_entry(p)]
         if resume == "auto":
+            if not _is_run(out):
+                raise ConfigError(
+                    f"train.resume=auto: train.output_dir={out} is not a vlforge run (no config.yaml, metrics.jsonl "
+                    f"or checkpoint-STEP/; it holds {_names(entries)}); choose a new or empty train.output_dir")
             ckpts = list_checkpoints(out)
             return ckpts[-1] if ckpts else None
-        if overwrite:
-            shutil.rmtree(out)
-        else:
+        if not overwrite:
             raise ConfigError(
                 f"train.output_dir={out} is not empty (another run's results?). Pass train.resume=auto to continue "
                 "it, train.overwrite=true to replace it, or choose another train.output_dir.")
-    out.mkdir(parents=True, exist_ok=True)
-    return None
+        if foreign:
+            raise ConfigError(
+                f"train.overwrite=true removes only what a vlforge run wrote, but train.output_dir={out} also holds "
+                f"{_names(foreign)}; move those out or choose another train.output_dir (nothing was removed)")
+        _remove_run_entries(entries)
+        return None
+    except ConfigError:
+        # Refused: no lock stays behind, and no lock file in a directory that is not a run's.
+        release_output_dir(out, remove=lock.created and not _is_run(out))
+        raise

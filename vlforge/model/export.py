@@ -14,6 +14,7 @@ transformers' quantizer and saving that.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
 import tempfile
@@ -21,19 +22,32 @@ from pathlib import Path
 
 import torch
 
-from vlforge.config import ConfigError, GRPOConfig, ModelConfig, QuantConfig, SFTConfig, load_config
+from vlforge.config import (ConfigError, ModelConfig, PrecisionConfig, QuantConfig, RunConfig, SFTConfig,
+                            load_recipe_config)
 from vlforge.model.load import DTYPES, load_model
 
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
+BASE_FILE = "vlforge_base.json"  # an adapter export's base model (what a checkpoint's run config.yaml says)
 
 
-def run_config(checkpoint: Path):
-    """The SFT or GRPO config of the run a checkpoint belongs to (its parent's config.yaml)."""
+def run_config(checkpoint: Path) -> RunConfig:
+    """The config of the run a checkpoint belongs to: its parent's config.yaml (SFT or GRPO), or,
+    for an adapter export, the base model its vlforge_base.json names."""
+    base = checkpoint / BASE_FILE
+    if base.is_file():
+        try:
+            info = json.loads(base.read_text())
+            return SFTConfig(model=ModelConfig(path=info.get("model.path"), preset=info.get("model.preset"),
+                                               seed=info.get("model.seed", 0)),
+                             precision=PrecisionConfig(mode=info.get("precision.mode", "bf16")),
+                             quant=QuantConfig(**info.get("quant", {})))
+        except (json.JSONDecodeError, TypeError, AttributeError) as e:
+            raise ConfigError(f"{base}: not a vlforge base description ({e}); re-export the adapter") from None
     path = checkpoint.parent / "config.yaml"
     if not path.is_file():
-        raise ConfigError(f"{path} not found: a checkpoint's base model is named in its run's config.yaml")
-    text = path.read_text()
-    return load_config(GRPOConfig if "\nrl:" in text or text.startswith("rl:") else SFTConfig, path)
+        raise ConfigError(f"{path} not found: a checkpoint's base model is named in its run's config.yaml "
+                          f"(or, for an adapter export, in {BASE_FILE})")
+    return load_recipe_config(path)
 
 
 def _check_checkpoint(checkpoint: Path) -> str:
@@ -114,6 +128,7 @@ def export(checkpoint: str | Path, out: str | Path, *, merge: bool = False, quan
                 _save(quantized, processor, staging)
         else:
             _save(model, processor, staging)
+        _umask_modes(staging)
         if out.exists():  # only now, with the new export complete, does an --overwrite'd one go
             shutil.rmtree(out)
         staging.rename(out)
@@ -138,10 +153,28 @@ def _export_adapter(checkpoint: Path, out: Path) -> dict:
 
     AutoProcessor.from_pretrained(str(checkpoint), local_files_only=True).save_pretrained(out)
     cfg = run_config(checkpoint)
-    (out / "vlforge_base.json").write_text(json.dumps(
+    # what loading the adapter needs of its run: the base, the dtype a preset base was drawn in, and
+    # the quantized base of a QLoRA run (infer/serve load it as they load a checkpoint)
+    (out / BASE_FILE).write_text(json.dumps(
         {"model.path": cfg.model.path, "model.preset": cfg.model.preset, "model.seed": cfg.model.seed,
+         "precision.mode": cfg.precision.mode, "quant": dataclasses.asdict(cfg.quant),
          "note": "load with peft: PeftModel.from_pretrained(base_model, this_dir)"}, indent=2))
+    _umask_modes(out)
     return {"out": str(out), "kind": "adapter", "quant": "none", "files": sorted(p.name for p in out.iterdir())}
+
+
+def _umask_modes(root: Path) -> None:
+    """The modes a plain mkdir/open would give (0755/0644 under umask 022): mkdtemp makes the
+    staging directory 0700 and safetensors writes weights 0600, which other users of a shared
+    machine could not read."""
+    import os
+
+    mask = os.umask(0)
+    os.umask(mask)
+    root.chmod(0o777 & ~mask)
+    for p in root.rglob("*"):
+        if not p.is_symlink():
+            p.chmod((0o777 if p.is_dir() else 0o666) & ~mask)
 
 
 def _quant_name(q: QuantConfig) -> str:

@@ -237,40 +237,42 @@ def run_grpo(cfg: GRPOConfig) -> dict:
         rewards = build_rewards([RewardSpec(r.name, r.weight, dict(r.kwargs)) for r in cfg.rl.rewards])
     except (ValueError, FileNotFoundError, AttributeError, TypeError, ImportError) as e:
         raise ConfigError(f"rl.rewards: {e}") from e
-    resume_from = begin_run(cfg)
-    # compile only when asked: rollout decode shapes change every step and would keep recompiling
-    t = setup_model(cfg, compile_blocks=cfg.precision.compile is True)
-    disable_dropout(t.model)
-    ref_model = None
-    if cfg.rl.kl_beta > 0 and cfg.tiers.method == "full":  # a frozen copy of the starting policy
-        ref_model = copy.deepcopy(t.model).requires_grad_(False).eval()
-        t.policy.apply(ref_model)  # frozen: stored in the compute dtype, not as fp32 master weights
-    data = load_dataset(cfg.data.train, t.processor, cfg.data)
-    val = load_dataset(cfg.data.val, t.processor, cfg.data) if cfg.data.val else None
-    if len(data) < cfg.rollout.prompts_per_step:
-        raise ConfigError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} exceeds the {len(data)} prompts")
-    total_steps = cfg.train.max_steps or cfg.train.epochs * (len(data) // cfg.rollout.prompts_per_step)
-    # the lr schedule advances once per GRPO step, however many mini-batch updates it makes
-    run = Run.start(cfg, t, total_steps, val, resume_from, spikes=False)
-    print(f"GRPO: {len(data)} prompts, {cfg.rollout.prompts_per_step} x {cfg.rollout.group_size} rollouts per step, "
-          f"{total_steps} steps, device {t.device}")
-    first_eval = run.evaluate() if cfg.eval.at_start and run.step == 0 else None
-    stream = prompt_stream(data, cfg.rollout.prompts_per_step, cfg.train.seed, run.state["epoch"], run.state["position"])
-    bar = tqdm(total=total_steps, initial=run.step, disable=not cfg.log.progress, desc="grpo", dynamic_ncols=True)
-    while run.step < total_steps:
-        start = time.perf_counter()
-        t.model.eval()  # rollouts sample from the policy without dropout
-        batches, stats = collect(t, data, stream, run.state, cfg, rewards)
-        t_rollout = time.perf_counter() - start
-        t.model.train()
-        lr = run.lr
-        train_logs = update(t, ref_model, batches, run.optimizer, run.scaler, run.health, cfg) if batches else {}
-        row = {**step_metrics(stats, batches, train_logs, t_rollout, time.perf_counter() - start - t_rollout), "lr": lr}
-        run.finish_step(row, always_log=bool(row.get("skipped")))  # bad steps always logged
-        bar.update(1)
-        bar.set_postfix(reward=f"{row['reward_mean']:.3f}", acc=f"{row['accuracy']:.2f}")
-    bar.close()
-    run.close()
-    rows = read_metrics(run.out / "metrics.jsonl")
-    plot_metric(rows, "reward_mean", run.out / "reward.png", title="GRPO reward per step")
-    return {"output_dir": str(run.out), "final_step": run.step, "eval": run.last_eval, "first_eval": first_eval}
+    with begin_run(cfg) as resume_from:
+        # compile only when asked: rollout decode shapes change every step and would keep recompiling
+        t = setup_model(cfg, compile_blocks=cfg.precision.compile is True)
+        disable_dropout(t.model)
+        ref_model = None
+        if cfg.rl.kl_beta > 0 and cfg.tiers.method == "full":  # a frozen copy of the starting policy
+            ref_model = copy.deepcopy(t.model).requires_grad_(False).eval()
+            t.policy.apply(ref_model)  # frozen: stored in the compute dtype, not as fp32 master weights
+        data = load_dataset(cfg.data.train, t.processor, cfg.data)
+        val = load_dataset(cfg.data.val, t.processor, cfg.data) if cfg.data.val else None
+        if len(data) < cfg.rollout.prompts_per_step:
+            raise ConfigError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} exceeds the "
+                              f"{len(data)} prompts")
+        total_steps = cfg.train.max_steps or cfg.train.epochs * (len(data) // cfg.rollout.prompts_per_step)
+        # the lr schedule advances once per GRPO step, however many mini-batch updates it makes
+        run = Run.start(cfg, t, total_steps, val, resume_from, spikes=False)
+        B, G = cfg.rollout.prompts_per_step, cfg.rollout.group_size
+        print(f"GRPO: {len(data)} prompts, {B} x {G} rollouts per step, {total_steps} steps, device {t.device}")
+        first_eval = run.evaluate() if cfg.eval.at_start and run.step == 0 else None
+        stream = prompt_stream(data, B, cfg.train.seed, run.state["epoch"], run.state["position"])
+        bar = tqdm(total=total_steps, initial=run.step, disable=not cfg.log.progress, desc="grpo", dynamic_ncols=True)
+        while run.step < total_steps:
+            start = time.perf_counter()
+            t.model.eval()  # rollouts sample from the policy without dropout
+            batches, stats = collect(t, data, stream, run.state, cfg, rewards)
+            t_rollout = time.perf_counter() - start
+            t.model.train()
+            lr = run.lr
+            train_logs = update(t, ref_model, batches, run.optimizer, run.scaler, run.health, cfg) if batches else {}
+            t_train = time.perf_counter() - start - t_rollout
+            row = {**step_metrics(stats, batches, train_logs, t_rollout, t_train), "lr": lr}
+            run.finish_step(row, always_log=bool(row.get("skipped")))  # bad steps always logged
+            bar.update(1)
+            bar.set_postfix(reward=f"{row['reward_mean']:.3f}", acc=f"{row['accuracy']:.2f}")
+        bar.close()
+        run.close()
+        rows = read_metrics(run.out / "metrics.jsonl")
+        plot_metric(rows, "reward_mean", run.out / "reward.png", title="GRPO reward per step")
+        return {"output_dir": str(run.out), "final_step": run.step, "eval": run.last_eval, "first_eval": first_eval}

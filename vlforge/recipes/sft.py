@@ -24,6 +24,7 @@ from vlforge.engine.health import GradHealth
 from vlforge.engine.losses import count_supervised, sft_loss_sum
 from vlforge.engine.metrics import plot_metric, read_metrics
 from vlforge.engine.run import Run, begin_run
+from vlforge.engine.runtime import resolve_num_workers
 from vlforge.engine.trainable import Trainable, setup_model
 from vlforge.model.tiers import plan_summary, unwrap
 
@@ -71,47 +72,48 @@ def run_sft(cfg: SFTConfig) -> dict:
     """Train; returns {"output_dir", "final_step", "eval", "plan"}."""
     if not cfg.data.train:
         raise ConfigError("data.train is not set: give a JSONL file (data.train=path/to/train.jsonl)")
-    resume_from = begin_run(cfg)
-    t = setup_model(cfg)
-    train_data = load_dataset(cfg.data.train, t.processor, cfg.data)
-    val_data = load_dataset(cfg.data.val, t.processor, cfg.data) if cfg.data.val else None
-    tc = cfg.train
-    samples_per_step = tc.batch_size * tc.grad_accum
-    steps_per_epoch = len(train_data) // samples_per_step
-    if steps_per_epoch == 0:
-        raise ConfigError(f"batch_size x grad_accum = {samples_per_step} exceeds the {len(train_data)} training samples")
-    total_steps = tc.max_steps or tc.epochs * steps_per_epoch
-    run = Run.start(cfg, t, total_steps, val_data, resume_from, spikes=True, state={"tokens_seen": 0})
-    summary = plan_summary(unwrap(t.model), t.plan)
-    print(f"training {summary['trainable_params']:,} of {summary['total_params']:,} parameters "
-          f"({cfg.tiers.method}); {len(train_data)} samples, {total_steps} steps, device {t.device}")
-    if train_data.report.skipped:
-        print(f"skipped rows: {dict(train_data.report.skipped)}")
-    if cfg.eval.at_start and run.step == 0:
-        run.evaluate()
+    with begin_run(cfg) as resume_from:
+        t = setup_model(cfg)
+        train_data = load_dataset(cfg.data.train, t.processor, cfg.data)
+        val_data = load_dataset(cfg.data.val, t.processor, cfg.data) if cfg.data.val else None
+        tc = cfg.train
+        samples_per_step = tc.batch_size * tc.grad_accum
+        steps_per_epoch = len(train_data) // samples_per_step
+        if steps_per_epoch == 0:
+            raise ConfigError(f"batch_size x grad_accum = {samples_per_step} exceeds the {len(train_data)} "
+                              "training samples")
+        total_steps = tc.max_steps or tc.epochs * steps_per_epoch
+        run = Run.start(cfg, t, total_steps, val_data, resume_from, spikes=True, state={"tokens_seen": 0})
+        summary = plan_summary(unwrap(t.model), t.plan)
+        print(f"training {summary['trainable_params']:,} of {summary['total_params']:,} parameters "
+              f"({cfg.tiers.method}); {len(train_data)} samples, {total_steps} steps, device {t.device}")
+        if train_data.report.skipped:
+            print(f"skipped rows: {dict(train_data.report.skipped)}")
+        if cfg.eval.at_start and run.step == 0:
+            run.evaluate()
 
-    stream = micro_batches(train_data, tc.batch_size, tc.seed, run.state["epoch"], run.state["position"],
-                           cfg.data.num_workers, t.token_multiple)
-    bar = tqdm(total=total_steps, initial=run.step, disable=not cfg.log.progress, desc="sft", dynamic_ncols=True)
-    while run.step < total_steps:
-        start = time.perf_counter()
-        micro = []
-        for _ in range(tc.grad_accum):
-            batch, run.state["epoch"], run.state["position"] = next(stream)
-            micro.append(batch)
-        lr = run.lr
-        result = train_step(t, micro, run.optimizer, run.scaler, run.health, cfg.optim.max_grad_norm)
-        elapsed = time.perf_counter() - start
-        run.state["tokens_seen"] += result["tokens"]
-        row = {**{k: v for k, v in result.items() if k not in ("tokens", "supervised_tokens")}, "lr": lr,
-               "tokens_per_s": result["tokens"] / elapsed, "epoch": run.state["epoch"]}
-        run.finish_step(row, always_log=row["skipped"] or "loss_spike" in row)  # bad steps always logged
-        bar.update(1)
-        bar.set_postfix(loss=f"{result['loss']:.4f}", lr=f"{lr:.2e}", tok_s=f"{row['tokens_per_s']:.0f}")
-    bar.close()
-    run.close()
-    rows = read_metrics(run.out / "metrics.jsonl")
-    marks = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
-    # log scale: losses span orders of magnitude and a linear axis hides the tail
-    plot_metric(rows, "loss", run.out / "loss.png", title="training loss", marks=marks, log_y=True)
-    return {"output_dir": str(run.out), "final_step": run.step, "eval": run.last_eval, "plan": summary}
+        stream = micro_batches(train_data, tc.batch_size, tc.seed, run.state["epoch"], run.state["position"],
+                               resolve_num_workers(cfg.data.num_workers, t.device), t.token_multiple)
+        bar = tqdm(total=total_steps, initial=run.step, disable=not cfg.log.progress, desc="sft", dynamic_ncols=True)
+        while run.step < total_steps:
+            start = time.perf_counter()
+            micro = []
+            for _ in range(tc.grad_accum):
+                batch, run.state["epoch"], run.state["position"] = next(stream)
+                micro.append(batch)
+            lr = run.lr
+            result = train_step(t, micro, run.optimizer, run.scaler, run.health, cfg.optim.max_grad_norm)
+            elapsed = time.perf_counter() - start
+            run.state["tokens_seen"] += result["tokens"]
+            row = {**{k: v for k, v in result.items() if k not in ("tokens", "supervised_tokens")}, "lr": lr,
+                   "tokens_per_s": result["tokens"] / elapsed, "epoch": run.state["epoch"]}
+            run.finish_step(row, always_log=row["skipped"] or "loss_spike" in row)  # bad steps always logged
+            bar.update(1)
+            bar.set_postfix(loss=f"{result['loss']:.4f}", lr=f"{lr:.2e}", tok_s=f"{row['tokens_per_s']:.0f}")
+        bar.close()
+        run.close()
+        rows = read_metrics(run.out / "metrics.jsonl")
+        marks = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
+        # log scale: losses span orders of magnitude and a linear axis hides the tail
+        plot_metric(rows, "loss", run.out / "loss.png", title="training loss", marks=marks, log_y=True)
+        return {"output_dir": str(run.out), "final_step": run.step, "eval": run.last_eval, "plan": summary}
