@@ -61,3 +61,19 @@ def test_plan_and_run_log_count_lora_parameters_alike(tmp_path, capsys, shapes_d
     plan = json.loads(capsys.readouterr().out)
     assert main(args) == 0
     assert f"training {plan['trainable_params']:,} of {plan['total_params']:,} parameters" in capsys.readouterr().out
+
+
+def test_demo_overwrite_replaces_only_an_earlier_demo(tmp_path):
+    import pytest
+
+    from vlforge.config import ConfigError
+    from vlforge.demo import demo_dir
+
+    (tmp_path / "sft").mkdir()
+    (tmp_path / "summary.json").write_text("{}")
+    (tmp_path / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="notes.txt"):
+        demo_dir(str(tmp_path), overwrite=True)
+    assert (tmp_path / "notes.txt").read_text() == "mine" and (tmp_path / "sft").is_dir()
+    (tmp_path / "notes.txt").unlink()
+    assert demo_dir(str(tmp_path), overwrite=True) == tmp_path and not any(tmp_path.iterdir())
