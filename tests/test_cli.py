@@ -77,3 +77,14 @@ def test_demo_overwrite_replaces_only_an_earlier_demo(tmp_path):
     assert (tmp_path / "notes.txt").read_text() == "mine" and (tmp_path / "sft").is_dir()
     (tmp_path / "notes.txt").unlink()
     assert demo_dir(str(tmp_path), overwrite=True) == tmp_path and not any(tmp_path.iterdir())
+
+
+def test_a_bad_data_file_is_refused_before_the_model_loads_or_the_run_starts(tmp_path, capsys):
+    (tmp_path / "empty.jsonl").write_text("\n\n")
+    for command, config in (("sft", "configs/demo-sft.yaml"), ("grpo", "configs/demo-grpo.yaml")):
+        # a model.path that does not exist: loading it first would fail with another message
+        assert main([command, config, f"data.train={tmp_path / 'empty.jsonl'}", "model.path=/nonexistent/model",
+                     f"train.output_dir={tmp_path / 'run'}"]) == 2
+        err = capsys.readouterr().err
+        assert "empty.jsonl" in err and "no rows" in err and "model.path" not in err
+        assert not (tmp_path / "run").exists()  # nothing written either

@@ -123,7 +123,7 @@ def test_undecodable_image_found_late_names_the_row(folder, tiny):
     data = load_dataset(str(path), processor, DataConfig())
     raw = (folder / "red.png").read_bytes()
     (folder / "late.png").write_bytes(raw[:60])  # truncated after validation
-    with pytest.raises(DataError, match=r"data.jsonl:2: image .*late.png cannot be decoded"):
+    with pytest.raises(DataError, match=r"data.jsonl:2: image .*late.png is truncated or corrupt"):
         data[1]
 
 

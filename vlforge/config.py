@@ -86,11 +86,16 @@ class DataConfig:
     on_error: Literal["fail", "skip"] = "fail"  # bad rows: stop with file:line, or skip and count
     min_pixels: int = 32 * 32  # image resolution limits, passed to the Qwen3-VL image processor
     max_pixels: int = 1024 * 1024
+    # Decompression-bomb guard: an image file with more pixels is refused from its header, before
+    # decoding. PIL itself refuses more than 2 x Image.MAX_IMAGE_PIXELS = 178,956,970: the ceiling.
+    max_image_pixels: int = 178_956_970
     num_workers: int | Literal["auto"] = "auto"  # DataLoader workers; auto: engine.runtime.resolve_num_workers
 
     def __post_init__(self):
         _require(self.max_length >= 8, f"data.max_length must be >= 8, got {self.max_length}")
         _require(0 < self.min_pixels <= self.max_pixels, "data.min_pixels must be > 0 and <= data.max_pixels")
+        _require(0 < self.max_image_pixels <= 178_956_970,
+                 f"data.max_image_pixels must be in 1..178956970 (PIL refuses larger images), got {self.max_image_pixels}")
         _require(self.num_workers == "auto" or self.num_workers >= 0, "data.num_workers must be >= 0 or auto")
 
 

@@ -16,15 +16,17 @@ def _percentile(sorted_values: list[int], q: float) -> int:
 
 
 def check_file(path: str, processor, cfg: DataConfig) -> dict:
-    """Validate every row (never stops at the first error) and measure token lengths."""
+    """Validate every row (never stops at the first error), decode every image in full (a truncated
+    file must fail here, not mid-run) and measure token lengths."""
     report = LoadReport()
-    samples = read_jsonl(path, on_error="skip", report=report)
-    encoder = Encoder(processor, ImageLimits(cfg.min_pixels, cfg.max_pixels))
+    samples = read_jsonl(path, on_error="skip", report=report, max_image_pixels=cfg.max_image_pixels,
+                         decode_images=True)
+    encoder = Encoder(processor, ImageLimits(cfg.min_pixels, cfg.max_pixels, cfg.max_image_pixels))
     lengths, answer_tokens, image_tokens = [], [], []
     over, images = 0, 0
     tasks = Counter()
     for s in samples:
-        ids = encoder.token_ids(s.messages, image_sizes(s))
+        ids = encoder.token_ids(s.messages, image_sizes(s, cfg.max_image_pixels))
         labels = encoder.assistant_labels(ids)
         lengths.append(len(ids))
         answer_tokens.append(sum(t != IGNORE_INDEX for t in labels))
@@ -57,7 +59,8 @@ def check_file(path: str, processor, cfg: DataConfig) -> dict:
 def format_check(r: dict) -> str:
     t = r["tokens"]
     lines = [
-        f"{r['file']}: {r['rows']} rows, {r['valid_rows']} valid, {r['errors']} with errors, {r['images']} images",
+        f"{r['file']}: {r['rows']} rows, {r['valid_rows']} valid, {r['errors']} with errors, {r['images']} images "
+        "(each decoded in full)",
         f"tokens per sample (images included): p50 {t['p50']}  p90 {t['p90']}  p99 {t['p99']}  max {t['max']}  "
         f"mean {t['mean']:.1f}",
         f"image tokens per sample (mean) {r['image_tokens_mean']:.1f}; answer tokens (mean) {r['answer_tokens_mean']:.1f}",

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass, field
 
 import torch
+from tqdm import tqdm
 
 from vlforge.config import DataConfig
-from vlforge.data.encode import Encoder, ImageLimits, Plan, encode, plan_sample
+from vlforge.data.encode import Encoder, ImageLimits, Plan, SkippedRow, encode, plan_sample
 from vlforge.data.jsonl import DataError, LoadReport, Sample, read_jsonl
 
 
@@ -17,12 +19,22 @@ class SFTDataset(torch.utils.data.Dataset):
     samples: list[Sample]
     plans: list[Plan]
     report: LoadReport = field(default_factory=LoadReport)
+    on_error: str = "fail"  # data.on_error, for images that fail only when decoded (__getitem__)
 
     def __len__(self) -> int:
         return len(self.samples)
 
-    def __getitem__(self, i: int) -> dict:
-        return encode(self.encoder, self.samples[i], self.plans[i])
+    def __getitem__(self, i: int) -> dict | SkippedRow:
+        """Model inputs of sample i. With on_error=skip, a sample whose image fails to decode becomes
+        a SkippedRow, which `collate` leaves out of the batch and counts (batch["skipped_rows"]): the
+        count travels in the batch because DataLoader workers hold their own copy of this dataset."""
+        try:
+            return encode(self.encoder, self.samples[i], self.plans[i])
+        except DataError as e:
+            if self.on_error == "fail":
+                raise
+            tqdm.write(f"warning: skipping a row (data.on_error=skip): {e}", file=sys.stderr)
+            return SkippedRow(str(e))
 
     @property
     def truncated(self) -> int:
@@ -31,10 +43,10 @@ class SFTDataset(torch.utils.data.Dataset):
 
 def load_dataset(path: str, processor, cfg: DataConfig) -> SFTDataset:
     """Read + validate + plan every row. Bad rows raise (on_error=fail) or are counted (skip)."""
-    encoder = Encoder(processor, ImageLimits(cfg.min_pixels, cfg.max_pixels))
+    encoder = Encoder(processor, ImageLimits(cfg.min_pixels, cfg.max_pixels, cfg.max_image_pixels))
     report = LoadReport()
     samples, plans = [], []
-    for sample in read_jsonl(path, cfg.on_error, report):
+    for sample in read_jsonl(path, cfg.on_error, report, max_image_pixels=cfg.max_image_pixels):
         try:
             plan = plan_sample(encoder, sample, cfg.max_length, cfg.too_long)
         except DataError as e:  # an image that fails when measured
@@ -53,7 +65,7 @@ def load_dataset(path: str, processor, cfg: DataConfig) -> SFTDataset:
         plans.append(plan)
     if not samples:
         raise DataError(f"{path}: no usable rows ({report.rows} read, skipped: {dict(report.skipped)})")
-    return SFTDataset(encoder, samples, plans, report)
+    return SFTDataset(encoder, samples, plans, report, cfg.on_error)
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> list[int]:

@@ -4,6 +4,10 @@ Token ids are built the way transformers' Qwen3-VL processor builds them (render
 expand each `<|image_pad|>` to the image's token count, tokenize), which a test checks against the
 processor itself. Doing it here lets us know every sequence's length from the image *headers*
 before decoding any pixels, so over-long samples are handled before a run starts.
+
+Images far larger than the processor's `max_pixels` are decoded at a reduced size (JPEG's scaled
+decoding, then `Image.reduce`) chosen so that the processor's own resize still lands on the same
+grid: token counts are unchanged, the processor just never sees the full-size pixels.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ import torch
 from PIL import Image
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 
-from vlforge.data.jsonl import DataError, Sample
+from vlforge.data.jsonl import MAX_IMAGE_PIXELS, DataError, Sample, load_pixels, open_image
 
 IGNORE_INDEX = -100
 IMAGE_PAD = "<|image_pad|>"
@@ -22,8 +26,9 @@ IMAGE_PAD = "<|image_pad|>"
 
 @dataclass(frozen=True)
 class ImageLimits:
-    min_pixels: int
+    min_pixels: int  # the processor resizes every image to within [min_pixels, max_pixels]
     max_pixels: int
+    max_image_pixels: int = MAX_IMAGE_PIXELS  # files over this are refused before decoding
 
 
 class Encoder:
@@ -47,9 +52,13 @@ class Encoder:
 
     # -- text side ---------------------------------------------------------------------------
 
-    def image_tokens(self, width: int, height: int) -> int:
-        h, w = smart_resize(height, width, factor=self.patch * self.merge,
+    def resized(self, width: int, height: int) -> tuple[int, int]:
+        """(height, width) the image processor resizes a width x height image to."""
+        return smart_resize(height, width, factor=self.patch * self.merge,
                             min_pixels=self.limits.min_pixels, max_pixels=self.limits.max_pixels)
+
+    def image_tokens(self, width: int, height: int) -> int:
+        h, w = self.resized(width, height)
         return (h // self.patch) * (w // self.patch) // (self.merge**2)
 
     def token_ids(self, messages: list[dict], image_sizes: list[tuple[int, int]], add_generation_prompt=False) -> list[int]:
@@ -81,27 +90,62 @@ class Encoder:
 
     # -- image side --------------------------------------------------------------------------
 
+    def decode_image(self, path, where: str | None = None) -> Image.Image:
+        """An image file as RGB for `pixels`: refused over limits.max_image_pixels (from its header),
+        and decoded at a reduced size where the processor would shrink it anyway.
+
+        The reduced image keeps at least twice the processor's target size on each side (its resize
+        stays the one that matters), so only images at least 4x the target per side are reduced:
+        others reach the processor exactly as transformers would get them. The reduced size must
+        resize to the same grid as the original (checked), so token counts and `image_grid_thw` are
+        those of the full-size image; pixel values differ slightly (a box filter before the resize).
+        """
+        im = open_image(path, where, self.limits.max_image_pixels)
+        target_h, target_w = target = self.resized(*im.size)
+        # JPEG can decode at 1/2, 1/4 or 1/8 scale (draft); other formats ignore the request
+        if im.draft(None, (2 * target_w, 2 * target_h)) is not None and self.resized(*im.size) != target:
+            im.close()  # rounding would change the grid: decode at full size instead
+            im = open_image(path, where, self.limits.max_image_pixels)
+        with im:
+            load_pixels(im, path, where)
+            k = self._reduction(im.size, target)
+            if k >= 2 and im.mode in ("RGB", "L"):  # reduce first: no full-size RGB copy next to the decoded image
+                return im.reduce(k).convert("RGB")
+            rgb = im.convert("RGB")  # a copy: `im` is unusable once closed
+        return rgb.reduce(k) if k >= 2 else rgb
+
+    def _reduction(self, size: tuple[int, int], target: tuple[int, int]) -> int:
+        """The largest k for Image.reduce(k) that keeps twice the target size and the target grid."""
+        (w, h), (target_h, target_w) = size, target
+        k = min(w // (2 * target_w), h // (2 * target_h))
+        while k >= 2 and self.resized(-(-w // k), -(-h // k)) != target:  # reduce() rounds sizes up
+            k -= 1
+        return k
+
+    def decode_images(self, sample: Sample) -> list[Image.Image]:
+        return [self.decode_image(p, sample.source) for p in sample.images]
+
     def pixels(self, images: list[Image.Image]) -> dict:
         size = {"shortest_edge": self.limits.min_pixels, "longest_edge": self.limits.max_pixels}
         out = self.image_processor(images=images, size=size, return_tensors="pt")
         return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
 
 
-def open_images(sample: Sample) -> list[Image.Image]:
+def open_images(sample: Sample, max_pixels: int = MAX_IMAGE_PIXELS) -> list[Image.Image]:
+    """A sample's images at full size, as RGB (`Encoder.decode_images` is what training uses)."""
     images = []
     for path in sample.images:
-        try:
-            with Image.open(path) as im:
-                images.append(im.convert("RGB"))
-        except OSError as e:
-            raise DataError(f"{sample.source}: image {path} cannot be decoded ({e}); fix or drop the row") from e
+        with open_image(path, sample.source, max_pixels) as im:
+            load_pixels(im, path, sample.source)
+            images.append(im.convert("RGB"))
     return images
 
 
-def image_sizes(sample: Sample) -> list[tuple[int, int]]:
+def image_sizes(sample: Sample, max_pixels: int = MAX_IMAGE_PIXELS) -> list[tuple[int, int]]:
+    """(width, height) of each image, from the headers."""
     sizes = []
     for path in sample.images:
-        with Image.open(path) as im:
+        with open_image(path, sample.source, max_pixels) as im:
             sizes.append(im.size)
     return sizes
 
@@ -117,7 +161,7 @@ class Plan:
 
 def plan_sample(encoder: Encoder, sample: Sample, max_length: int, too_long: str) -> Plan | str:
     """Returns a Plan, or the reason the sample is dropped. Raises DataError when too_long == "fail"."""
-    ids = encoder.token_ids(sample.messages, image_sizes(sample))
+    ids = encoder.token_ids(sample.messages, image_sizes(sample, encoder.limits.max_image_pixels))
     labels = encoder.assistant_labels(ids)
     if len(ids) <= max_length:
         return Plan(ids, labels, len(ids))
@@ -142,7 +186,7 @@ def encode(encoder: Encoder, sample: Sample, plan: Plan) -> dict:
     }
     out["mm_token_type_ids"] = (out["input_ids"] == encoder.image_token_id).long()
     if sample.images:
-        pix = encoder.pixels(open_images(sample))
+        pix = encoder.pixels(encoder.decode_images(sample))
         expected = int(out["mm_token_type_ids"].sum())
         got = int((pix["image_grid_thw"].prod(-1) // encoder.merge**2).sum())
         if got != expected:  # keeps text and pixels provably in step
@@ -153,7 +197,7 @@ def encode(encoder: Encoder, sample: Sample, plan: Plan) -> dict:
 
 def encode_prompt(encoder: Encoder, sample: Sample) -> dict:
     """Inputs for generation: the conversation up to (and including) the assistant header."""
-    images = open_images(sample)
+    images = encoder.decode_images(sample)
     ids = encoder.token_ids(sample.prompt_messages, [im.size for im in images], add_generation_prompt=True)
     out = {"input_ids": torch.tensor(ids)}
     out["mm_token_type_ids"] = (out["input_ids"] == encoder.image_token_id).long()
@@ -162,12 +206,25 @@ def encode_prompt(encoder: Encoder, sample: Sample) -> dict:
     return out
 
 
-def collate(items: list[dict], pad_id: int, left_pad: bool = False, multiple: int = 1) -> dict:
+@dataclass
+class SkippedRow:
+    """Stands in for a sample whose image failed to decode at training time (data.on_error=skip)."""
+
+    error: str
+
+
+def collate(items: list, pad_id: int, left_pad: bool = False, multiple: int = 1) -> dict:
     """Pad a list of encoded samples into a batch; images are concatenated in order.
 
     `multiple`: round the padded length up to a multiple of this (FP8 GEMMs want token counts
-    that are multiples of 16).
+    that are multiples of 16). SkippedRows are left out and counted in batch["skipped_rows"]; when
+    every row was skipped the batch has zero rows (and zero supervised tokens).
     """
+    skipped = sum(isinstance(x, SkippedRow) for x in items)
+    items = [x for x in items if not isinstance(x, SkippedRow)]
+    if not items:
+        keys = ("input_ids", "attention_mask", "mm_token_type_ids", "labels")
+        return {**{k: torch.zeros((0, 0), dtype=torch.long) for k in keys}, "skipped_rows": torch.tensor(skipped)}
     longest = -(-max(len(x["input_ids"]) for x in items) // multiple) * multiple
     batch = {"input_ids": [], "attention_mask": [], "mm_token_type_ids": []}
     has_labels = "labels" in items[0]
@@ -191,4 +248,6 @@ def collate(items: list[dict], pad_id: int, left_pad: bool = False, multiple: in
     if with_images:
         out["pixel_values"] = torch.cat([x["pixel_values"] for x in with_images])
         out["image_grid_thw"] = torch.cat([x["image_grid_thw"] for x in with_images])
+    if skipped:
+        out["skipped_rows"] = torch.tensor(skipped)
     return out

@@ -12,18 +12,27 @@ Extra keys (e.g. "task") are kept in `Sample.fields` for metrics and reward func
 
 from __future__ import annotations
 
+import functools
 import json
+import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from PIL import Image, UnidentifiedImageError
 
+from vlforge.config import DataConfig
+
 ROLES = ("system", "user", "assistant")
+MAX_IMAGE_PIXELS = DataConfig.max_image_pixels  # the default limit, also for infer/chat
+MAX_ASPECT = 200  # Qwen's image processor refuses a longer side over 200x the shorter one
+# what PIL raises on a corrupt or truncated file, at open or at decode
+_DECODE_ERRORS = (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError)
 
 
 class DataError(ValueError):
-    """A bad dataset row. The message starts with `file:line:` and says what to do."""
+    """Bad input data (a dataset row, an image file): the message starts with where (`file:line:`) and says what to do."""
 
 
 @dataclass
@@ -57,22 +66,61 @@ def _text_of(content) -> str:
     return "".join(p.get("text", "") for p in content if isinstance(p, dict) and p.get("type") == "text")
 
 
-def _image_path(value, base: Path, where: str) -> Path:
+# -- image files: refuse bad ones from the header, before a single pixel is decoded ---------------
+
+
+def open_image(path: str | Path, where: str | None = None, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Image:
+    """Open an image reading only its header. Refuses (DataError) a file that is missing or not an
+    image, has more than `max_pixels` pixels (a guard against decompression bombs) or an aspect
+    ratio the model's image processor rejects. The caller closes it (`with open_image(...) as im`)."""
+    at = f"{where}: " if where else ""
+    try:
+        with warnings.catch_warnings():
+            # PIL warns above its own soft limit; our max_pixels below is the limit that decides
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            im = Image.open(path)
+    except FileNotFoundError:
+        raise DataError(f"{at}image file {path} not found") from None
+    except Image.DecompressionBombError as e:
+        raise DataError(f"{at}image {path} is too large to decode safely ({e}); downscale it") from None
+    except _DECODE_ERRORS as e:
+        raise DataError(f"{at}image {path} cannot be decoded ({e}); re-export it as PNG/JPEG or drop the row") from None
+    w, h = im.size
+    if w * h > max_pixels:
+        im.close()
+        raise DataError(f"{at}image {path} is {w}x{h} = {w * h:,} pixels, over the limit of {max_pixels:,} "
+                        "(a guard against decompression bombs); downscale it, or raise data.max_image_pixels")
+    if max(w, h) > MAX_ASPECT * min(w, h):
+        im.close()
+        raise DataError(f"{at}image {path} is {w}x{h}: the image processor refuses aspect ratios over {MAX_ASPECT}; "
+                        "crop or pad it, or drop the row")
+    return im
+
+
+def load_pixels(im: Image.Image, path: str | Path, where: str | None = None) -> None:
+    """Decode an opened image in full (a truncated or corrupt file fails here, not at open)."""
+    try:
+        im.load()
+    except _DECODE_ERRORS as e:
+        at = f"{where}: " if where else ""
+        raise DataError(f"{at}image {path} is truncated or corrupt ({e}); re-export it, "
+                        "or drop the row or set data.on_error=skip") from None
+
+
+def _image_path(value, where: str, *, base: Path, max_pixels: int, decode: bool) -> Path:
     if not isinstance(value, str) or not value:
         raise DataError(f"{where}: image must be a non-empty path string, got {value!r}")
     path = Path(value)
     path = path if path.is_absolute() else base / path
     if not path.is_file():
         raise DataError(f"{where}: image file {path} not found (paths are relative to the JSONL file's folder)")
-    try:
-        with Image.open(path) as im:  # reads the header only; full decode happens when training
-            im.size
-    except (UnidentifiedImageError, OSError) as e:
-        raise DataError(f"{where}: image {path} cannot be decoded ({e}); re-export it as PNG/JPEG or drop the row") from e
+    with open_image(path, where, max_pixels) as im:
+        if decode:  # data check: a row it reports as valid must also decode at training time
+            load_pixels(im, path, where)
     return path
 
 
-def _from_simple(row: dict, base: Path, where: str) -> tuple[list[dict], list[Path]]:
+def _from_simple(row: dict, image_at: Callable, where: str) -> tuple[list[dict], list[Path]]:
     if "image" in row and "images" in row:
         raise DataError(f"{where}: give either 'image' or 'images', not both")
     raw_images = row.get("images", [row["image"]] if "image" in row else [])
@@ -88,7 +136,7 @@ def _from_simple(row: dict, base: Path, where: str) -> tuple[list[dict], list[Pa
         raise DataError(f"{where}: '{text_key}' must be a string")
     if not isinstance(answer, (str, int, float)) or isinstance(answer, bool) or str(answer).strip() == "":
         raise DataError(f"{where}: 'answer' is empty or not a string; every row needs a target response")
-    images = [_image_path(v, base, where) for v in raw_images]
+    images = [image_at(v, where) for v in raw_images]
     user = [{"type": "image", "image": str(p)} for p in images] + [{"type": "text", "text": text}]
     messages = [{"role": "user", "content": user}, {"role": "assistant", "content": str(answer)}]
     if isinstance(row.get("system"), str):
@@ -96,7 +144,7 @@ def _from_simple(row: dict, base: Path, where: str) -> tuple[list[dict], list[Pa
     return messages, images
 
 
-def _from_chat(row: dict, base: Path, where: str) -> tuple[list[dict], list[Path]]:
+def _from_chat(row: dict, image_at: Callable, where: str) -> tuple[list[dict], list[Path]]:
     messages, images = [], []
     if not isinstance(row["messages"], list) or not row["messages"]:
         raise DataError(f"{where}: 'messages' must be a non-empty list of {{role, content}}")
@@ -110,7 +158,7 @@ def _from_chat(row: dict, base: Path, where: str) -> tuple[list[dict], list[Path
             for j, part in enumerate(content):
                 kind = part.get("type") if isinstance(part, dict) else None
                 if kind == "image":
-                    path = _image_path(part.get("image", part.get("path")), base, f"{at}.content[{j}]")
+                    path = image_at(part.get("image", part.get("path")), f"{at}.content[{j}]")
                     images.append(path)
                     parts.append({"type": "image", "image": str(path)})
                 elif kind == "text" and isinstance(part.get("text"), str):
@@ -129,7 +177,10 @@ def _from_chat(row: dict, base: Path, where: str) -> tuple[list[dict], list[Path
     return messages, images
 
 
-def parse_row(line: str, base: Path, where: str) -> Sample:
+def parse_row(line: str, base: Path, where: str, max_image_pixels: int = MAX_IMAGE_PIXELS,
+              decode_images: bool = False) -> Sample:
+    """One row as a Sample; image paths resolve against `base` and are checked (see `read_jsonl`)."""
+    image_at = functools.partial(_image_path, base=base, max_pixels=max_image_pixels, decode=decode_images)
     try:
         row = json.loads(line)
     except json.JSONDecodeError as e:
@@ -137,28 +188,47 @@ def parse_row(line: str, base: Path, where: str) -> Sample:
     if not isinstance(row, dict):
         raise DataError(f"{where}: each line must be a JSON object, got {type(row).__name__}")
     if "messages" in row:
-        messages, images = _from_chat(row, base, where)
+        messages, images = _from_chat(row, image_at, where)
         extra = {k: v for k, v in row.items() if k != "messages"}
     else:
-        messages, images = _from_simple(row, base, where)
+        messages, images = _from_simple(row, image_at, where)
         extra = {k: v for k, v in row.items() if k not in ("image", "images", "text", "prompt", "answer", "system")}
     return Sample(messages=messages, images=images, source=where, fields=extra)
 
 
-def read_jsonl(path: str | Path, on_error: str = "fail", report: LoadReport | None = None) -> list[Sample]:
-    """Parse every row. on_error="fail" raises the first DataError; "skip" counts it in `report`."""
+def _text_line(raw: bytes, where: str, first: bool) -> str:
+    try:
+        return raw.decode("utf-8-sig" if first else "utf-8")  # -sig: tolerate a byte-order mark at the start
+    except UnicodeDecodeError as e:
+        raise DataError(f"{where}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                        "re-export the file as UTF-8, or drop the row or set data.on_error=skip") from None
+
+
+def read_jsonl(path: str | Path, on_error: str = "fail", report: LoadReport | None = None, *,
+               max_image_pixels: int = MAX_IMAGE_PIXELS, decode_images: bool = False) -> list[Sample]:
+    """Parse every row. on_error="fail" raises the first DataError; "skip" counts it in `report`.
+
+    Images are checked from their headers (size, aspect, format); `decode_images=True` also decodes
+    each in full, which finds truncated files (data check). A file with no rows is an error.
+    """
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path}: dataset file not found")
     report = report if report is not None else LoadReport()
-    samples = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
-            if not line.strip():
+    samples, rows = [], 0
+    try:
+        f = open(path, "rb")  # bytes: a line that is not UTF-8 is one bad row (file:line), not a crash
+    except OSError as e:
+        raise DataError(f"{path}: cannot read the dataset file ({e.strerror})") from None
+    with f:
+        for lineno, raw in enumerate(f, start=1):
+            if not raw.strip():
                 continue
-            report.rows += 1
+            rows += 1
+            where = f"{path}:{lineno}"
             try:
-                samples.append(parse_row(line, path.parent, f"{path}:{lineno}"))
+                line = _text_line(raw, where, first=lineno == 1)
+                samples.append(parse_row(line, path.parent, where, max_image_pixels, decode_images))
             except DataError as e:
                 if on_error == "fail":
                     raise
@@ -166,5 +236,20 @@ def read_jsonl(path: str | Path, on_error: str = "fail", report: LoadReport | No
                 report.skipped[reason] += 1
                 if len(report.first_errors) < 5:
                     report.first_errors.append(str(e))
+    if rows == 0:
+        raise DataError(f"{path}: has no rows (the file is empty or holds only blank lines); "
+                        "write one JSON object per line")
+    report.rows += rows
     report.kept += len(samples)
     return samples
+
+
+def check_readable(path: str | Path, on_error: str = "fail", max_image_pixels: int = MAX_IMAGE_PIXELS) -> LoadReport:
+    """Pre-flight for recipes, before a model is loaded: the file exists, is UTF-8 JSONL, has a usable
+    row, and every image opens (headers only; nothing is decoded or tokenized). Raises DataError."""
+    report = LoadReport()
+    read_jsonl(path, on_error, report, max_image_pixels=max_image_pixels)
+    if not report.kept:
+        raise DataError(f"{path}: no usable rows ({report.rows} read, skipped: {dict(report.skipped)}); "
+                        f"see `vlforge data check {path}`")
+    return report

@@ -21,6 +21,7 @@ from tqdm import tqdm
 from vlforge.config import ConfigError, GRPOConfig
 from vlforge.data.dataset import SFTDataset, batches_from, load_dataset
 from vlforge.data.encode import collate, encode_prompt
+from vlforge.data.jsonl import check_readable
 from vlforge.engine.evaluate import to_device
 from vlforge.engine.health import GradHealth
 from vlforge.engine.metrics import plot_metric, read_metrics
@@ -237,6 +238,8 @@ def run_grpo(cfg: GRPOConfig) -> dict:
         rewards = build_rewards([RewardSpec(r.name, r.weight, dict(r.kwargs)) for r in cfg.rl.rewards])
     except (ValueError, FileNotFoundError, AttributeError, TypeError, ImportError) as e:
         raise ConfigError(f"rl.rewards: {e}") from e
+    for path in filter(None, (cfg.data.train, cfg.data.val)):  # a bad file fails now, not after the model loads
+        check_readable(path, cfg.data.on_error, cfg.data.max_image_pixels)
     with begin_run(cfg) as resume_from:
         # compile only when asked: rollout decode shapes change every step and would keep recompiling
         t = setup_model(cfg, compile_blocks=cfg.precision.compile is True)

@@ -13,8 +13,7 @@ from typing import Callable
 
 from PIL import Image
 
-from vlforge.data.encode import open_images
-from vlforge.data.jsonl import read_jsonl
+from vlforge.data.jsonl import DataError, read_jsonl
 from vlforge.rl.rewards import exact_match
 from vlforge.serve.engine import MAX_NEW_TOKENS, InferenceEngine, Request
 
@@ -25,10 +24,8 @@ def user_message(prompt: str, n_images: int) -> dict:
 
 def answer(engine: InferenceEngine, prompt: str, image_paths: list[str], *, max_new_tokens: int | None = None,
            task: str = "qa", temperature: float = 0.0, on_text: Callable[[str], None] | None = None) -> str:
-    images = []
-    for p in image_paths:
-        with Image.open(p) as im:
-            images.append(im.convert("RGB"))
+    # refused over the pixel limit from the header (DataError); decoded reduced when the processor would shrink it
+    images = [engine.encoder.decode_image(p) for p in image_paths]
     request = Request([user_message(prompt, len(images))], images,
                       max_new_tokens=max_new_tokens or MAX_NEW_TOKENS[task], temperature=temperature)
     stream = None if on_text is None else (lambda _row, text: on_text(text))
@@ -60,10 +57,9 @@ def chat(engine: InferenceEngine, read: Callable[[str], str] = input, write: Cal
         if line.startswith("/image "):
             path = line.removeprefix("/image ").strip()
             try:
-                with Image.open(path) as im:
-                    pending.append(im.convert("RGB"))
+                pending.append(engine.encoder.decode_image(path))
                 write(f"(attached {path})")
-            except OSError as e:
+            except DataError as e:  # a bad image ends nothing: say why and keep the conversation
                 write(f"cannot open {path}: {e}")
             continue
         if not line:
@@ -85,7 +81,8 @@ def evaluate_jsonl(engine: InferenceEngine, path: str | Path, *, batch_size: int
     rows, hits, by_task = [], 0, defaultdict(lambda: [0, 0])
     for s in range(0, len(samples), batch_size):
         chunk = samples[s:s + batch_size]
-        requests = [Request([_placeholders(m) for m in x.prompt_messages], open_images(x), max_new_tokens=max_new_tokens)
+        requests = [Request([_placeholders(m) for m in x.prompt_messages], engine.encoder.decode_images(x),
+                            max_new_tokens=max_new_tokens)
                     for x in chunk]
         for x, out in zip(chunk, engine.generate(requests)):
             ok = exact_match(out.text, x.answer) == 1.0

@@ -19,6 +19,7 @@ from tqdm import tqdm
 from vlforge.config import ConfigError, SFTConfig
 from vlforge.data.dataset import SFTDataset, batches_from, load_dataset
 from vlforge.data.encode import collate
+from vlforge.data.jsonl import check_readable
 from vlforge.engine.evaluate import to_device
 from vlforge.engine.health import GradHealth
 from vlforge.engine.losses import count_supervised, sft_loss_sum
@@ -54,7 +55,15 @@ def micro_batches(data: SFTDataset, batch_size: int, seed: int, epoch: int, posi
 def train_step(t: Trainable, micro: list[dict], optimizer, scaler, health: GradHealth,
                max_grad_norm: float | None) -> dict:
     """One optimizer step over the accumulated micro-batches. Returns step metrics."""
+    # data.on_error=skip: rows whose image failed to decode are left out of their batch (counted)
+    skipped_rows = sum(int(b.get("skipped_rows", 0)) for b in micro)
+    skipped = {"skipped_rows": skipped_rows} if skipped_rows else {}
+    micro = [b for b in micro if len(b["input_ids"])]
     total_tokens = sum(count_supervised(b) for b in micro)
+    if total_tokens == 0:  # every row of the step was skipped: no update (and no 0/0 loss)
+        optimizer.zero_grad(set_to_none=True)
+        return {"loss": float("nan"), "grad_norm": 0.0, "skipped": True, **skipped, "supervised_tokens": 0,
+                "tokens": sum(int(b["attention_mask"].sum()) for b in micro)}
     loss_total = 0.0
     for batch in micro:
         batch = to_device(batch, t.device)
@@ -64,7 +73,7 @@ def train_step(t: Trainable, micro: list[dict], optimizer, scaler, health: GradH
         scaler.scale(loss).backward()
         loss_total += float(loss.detach())
     row = health.step(optimizer, scaler, max_grad_norm, loss_total)
-    return {"loss": loss_total, **row, "supervised_tokens": total_tokens,
+    return {"loss": loss_total, **row, **skipped, "supervised_tokens": total_tokens,
             "tokens": sum(int(b["attention_mask"].sum()) for b in micro)}
 
 
@@ -72,6 +81,8 @@ def run_sft(cfg: SFTConfig) -> dict:
     """Train; returns {"output_dir", "final_step", "eval", "plan"}."""
     if not cfg.data.train:
         raise ConfigError("data.train is not set: give a JSONL file (data.train=path/to/train.jsonl)")
+    for path in filter(None, (cfg.data.train, cfg.data.val)):  # a bad file fails now, not after the model loads
+        check_readable(path, cfg.data.on_error, cfg.data.max_image_pixels)
     with begin_run(cfg) as resume_from:
         t = setup_model(cfg)
         train_data = load_dataset(cfg.data.train, t.processor, cfg.data)
