@@ -271,3 +271,22 @@ def test_reduced_decoding_backs_off_where_rounding_would_move_the_grid(tiny, tmp
         _gradient(w, h).save(path, fmt)
         decoded = encoder.decode_image(path)
         assert encoder.resized(*decoded.size) == encoder.resized(w, h)
+
+
+def test_grpo_with_on_error_skip_rolls_out_past_a_broken_image(tmp_path):
+    from test_grpo import grpo_config
+
+    from vlforge.recipes.grpo import run_grpo
+
+    rows = [{"image": f"{i}.png", "text": "What colour is the shape?", "answer": "red"} for i in range(4)]
+    for i in range(4):
+        Image.new("RGB", (32, 32), "red").save(tmp_path / f"{i}.png")
+    path = write(tmp_path, rows)
+    truncate(tmp_path / "2.png")  # the header opens (check_readable passes), decoding fails in the rollout
+    args = [f"data.train={path}", "train.max_steps=2"]  # 2 steps x 2 prompts: every row is drawn
+    with pytest.raises(DataError, match=r"data.jsonl:3: image .*2.png is truncated or corrupt"):
+        run_grpo(grpo_config(tmp_path, tmp_path / "strict", tmp_path, *args))
+    result = run_grpo(grpo_config(tmp_path, tmp_path / "skip", tmp_path, *args, "data.on_error=skip"))
+    assert result["final_step"] == 2
+    steps = [json.loads(line) for line in (tmp_path / "skip" / "metrics.jsonl").read_text().splitlines()]
+    assert sorted(s["groups_trained"] for s in steps if "groups_trained" in s) == [1, 2]  # one prompt left out

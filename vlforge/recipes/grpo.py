@@ -12,6 +12,7 @@ With LoRA the reference is the same model with adapters disabled; with full fine
 from __future__ import annotations
 
 import copy
+import sys
 import time
 from dataclasses import dataclass
 
@@ -21,7 +22,7 @@ from tqdm import tqdm
 from vlforge.config import ConfigError, GRPOConfig
 from vlforge.data.dataset import SFTDataset, batches_from, load_dataset
 from vlforge.data.encode import collate, encode_prompt
-from vlforge.data.jsonl import check_readable
+from vlforge.data.jsonl import DataError, check_readable
 from vlforge.engine.evaluate import to_device
 from vlforge.engine.health import GradHealth
 from vlforge.engine.metrics import plot_metric, read_metrics
@@ -57,10 +58,27 @@ def prompt_stream(data: SFTDataset, batch_size: int, seed: int, epoch: int, posi
         epoch, position = epoch + 1, 0
 
 
-def rollout_round(t: Trainable, data: SFTDataset, idx: list[int], cfg: GRPOConfig, rewards) -> tuple[Rollout, dict]:
-    samples = [data.samples[i] for i in idx]
-    prompts = to_device(collate([encode_prompt(data.encoder, s) for s in samples], data.encoder.pad_id, left_pad=True),
-                        t.device)
+def encode_prompts(data: SFTDataset, idx: list[int], on_error: str) -> tuple[list, list[dict]]:
+    """(samples, prompt inputs) of these prompts; with data.on_error=skip, a prompt whose image
+    fails to decode is left out of the round (a warning names its file:line)."""
+    samples, prompts = [], []
+    for i in idx:
+        try:
+            prompts.append(encode_prompt(data.encoder, data.samples[i]))
+            samples.append(data.samples[i])
+        except DataError as e:
+            if on_error == "fail":
+                raise
+            tqdm.write(f"warning: skipping a prompt (data.on_error=skip): {e}", file=sys.stderr)
+    return samples, prompts
+
+
+def rollout_round(t: Trainable, data: SFTDataset, idx: list[int], cfg: GRPOConfig,
+                  rewards) -> tuple[Rollout | None, dict]:
+    samples, encoded = encode_prompts(data, idx, cfg.data.on_error)
+    if not samples:
+        return None, {}
+    prompts = to_device(collate(encoded, data.encoder.pad_id, left_pad=True), t.device)
     with t.policy.autocast():
         rollout = generate_groups(t.model, data.encoder, prompts, [len(s.images) for s in samples], cfg.rollout)
     G = cfg.rollout.group_size
@@ -84,7 +102,9 @@ def collect(t: Trainable, data, stream, state: dict, cfg: GRPOConfig, rewards) -
     for _ in range(cfg.rl.max_sampling_tries if cfg.rl.dynamic_sampling else 1):
         idx, state["epoch"], state["position"] = next(stream)
         rollout, scored = rollout_round(t, data, idx, cfg, rewards)
-        reward_BG = scored["reward"].view(B, G)
+        if rollout is None:  # every prompt of the round was skipped (data.on_error=skip)
+            continue
+        reward_BG = scored["reward"].view(-1, G)  # fewer than B rows when prompts were skipped
         zero_var = (reward_BG.max(1).values == reward_BG.min(1).values)
         stats["reward"].append(scored["reward"])
         stats["correct"] += scored["correct"]
@@ -93,7 +113,7 @@ def collect(t: Trainable, data, stream, state: dict, cfg: GRPOConfig, rewards) -
         stats["finished"].append(rollout.finished.float().cpu())
         for k, v in scored["per_fn"].items():
             stats["per_fn"].setdefault(k, []).extend(v)
-        groups = [b for b in range(B) if not (cfg.rl.dynamic_sampling and zero_var[b])][:B - kept_groups]
+        groups = [b for b in range(len(reward_BG)) if not (cfg.rl.dynamic_sampling and zero_var[b])][:B - kept_groups]
         if groups:
             adv = grpo_advantages(scored["reward"], G, scale=cfg.rl.adv_scale).to(t.device)
             seqs = [b * G + g for b in groups for g in range(G)]
@@ -102,6 +122,9 @@ def collect(t: Trainable, data, stream, state: dict, cfg: GRPOConfig, rewards) -
             kept_groups += len(groups)
         if kept_groups >= B:
             break
+    if not stats["reward"]:
+        raise DataError(f"every prompt of this step's rollout rounds failed to decode (data.on_error=skip); "
+                        f"run `vlforge data check {cfg.data.train}` and fix or drop those rows")
     if cfg.rl.adv_scale == "batch" and len(batches) > 1:
         pool_batch_std(batches, kept_rewards, G)
     return batches, stats
