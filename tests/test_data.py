@@ -99,7 +99,7 @@ def test_both_schemas_and_multi_image(folder, tiny):
 
 def test_truncation_never_cuts_an_image(folder, tiny):
     _, processor = tiny
-    short = len(load_dataset(str(write(folder, [GOOD])), processor, DataConfig()).plans[0].ids)
+    short = len(load_dataset(str(write(folder, [GOOD])), processor, DataConfig()).tokenized[0].ids)
     path = write(folder, [GOOD, {"image": "red.png", "text": "What colour? " * 30, "answer": "red " * 40}])
     with pytest.raises(DataError, match=r"data.jsonl:2: .* exceed data.max_length"):
         load_dataset(str(path), processor, DataConfig(max_length=short + 5, too_long="fail"))

@@ -152,7 +152,7 @@ def test_a_truncated_image_at_training_time_is_skipped_and_counted(tmp_path, tin
         skipped = int(a.get("skipped_rows", 0))
         seen += skipped
         missing = [r for r in rows(b) if r not in rows(a)]
-        assert len(rows(a)) == 2 - skipped and missing == ([tuple(data.plans[3].ids)] if skipped else [])
+        assert len(rows(a)) == 2 - skipped and missing == ([tuple(data.tokenized[3].ids)] if skipped else [])
     assert seen == 2
 
 
@@ -241,7 +241,7 @@ def test_huge_images_decode_reduced_with_the_processors_tokens(folder, tiny, fmt
     reduced = encoder.decode_image(folder / name)
     target_h, target_w = encoder.resized(3000, 2000)
     assert reduced.width < 3000 / 2 and 2 * target_w <= reduced.width and 2 * target_h <= reduced.height
-    ours = encode(encoder, data.samples[0], data.plans[0])
+    ours = encode(encoder, data.samples[0], data.tokenized[0])
 
     with Image.open(folder / name) as im:
         full = im.convert("RGB")

@@ -9,15 +9,17 @@ import torch
 from tqdm import tqdm
 
 from vlforge.config import DataConfig
-from vlforge.data.encode import Encoder, ImageLimits, Plan, SkippedRow, encode, plan_sample
+from vlforge.data.encode import Encoder, ImageLimits, SampleTokens, SkippedRow, encode, tokenize_sample
 from vlforge.data.jsonl import DataError, LoadReport, Sample, read_jsonl
 
 
 @dataclass
-class SFTDataset(torch.utils.data.Dataset):
+class ChatDataset(torch.utils.data.Dataset):
+    """Validated chat samples (SFT conversations, GRPO prompts with reference answers), tokenized."""
+
     encoder: Encoder
     samples: list[Sample]
-    plans: list[Plan]
+    tokenized: list[SampleTokens]  # token ids + labels per sample, planned from image headers
     report: LoadReport = field(default_factory=LoadReport)
     on_error: str = "fail"  # data.on_error, for images that fail only when decoded (__getitem__)
 
@@ -29,7 +31,7 @@ class SFTDataset(torch.utils.data.Dataset):
         a SkippedRow, which `collate` leaves out of the batch and counts (batch["skipped_rows"]): the
         count travels in the batch because DataLoader workers hold their own copy of this dataset."""
         try:
-            return encode(self.encoder, self.samples[i], self.plans[i])
+            return encode(self.encoder, self.samples[i], self.tokenized[i])
         except DataError as e:
             if self.on_error == "fail":
                 raise
@@ -38,17 +40,17 @@ class SFTDataset(torch.utils.data.Dataset):
 
     @property
     def truncated(self) -> int:
-        return sum(p.keep < len(p.ids) for p in self.plans)
+        return sum(p.keep < len(p.ids) for p in self.tokenized)
 
 
-def load_dataset(path: str, processor, cfg: DataConfig) -> SFTDataset:
-    """Read + validate + plan every row. Bad rows raise (on_error=fail) or are counted (skip)."""
+def load_dataset(path: str, processor, cfg: DataConfig) -> ChatDataset:
+    """Read + validate + tokenize every row. Bad rows raise (on_error=fail) or are counted (skip)."""
     encoder = Encoder(processor, ImageLimits(cfg.min_pixels, cfg.max_pixels, cfg.max_image_pixels))
     report = LoadReport()
-    samples, plans = [], []
+    samples, tokenized = [], []
     for sample in read_jsonl(path, cfg.on_error, report, max_image_pixels=cfg.max_image_pixels):
         try:
-            plan = plan_sample(encoder, sample, cfg.max_length, cfg.too_long)
+            tokens = tokenize_sample(encoder, sample, cfg.max_length, cfg.too_long)
         except DataError as e:  # an image that fails when measured
             if cfg.on_error == "fail" or cfg.too_long == "fail":
                 raise
@@ -57,15 +59,15 @@ def load_dataset(path: str, processor, cfg: DataConfig) -> SFTDataset:
             if len(report.first_errors) < 5:
                 report.first_errors.append(str(e))
             continue
-        if isinstance(plan, str):
-            report.skipped[plan] += 1
+        if isinstance(tokens, str):  # the reason it is dropped
+            report.skipped[tokens] += 1
             report.kept -= 1
             continue
         samples.append(sample)
-        plans.append(plan)
+        tokenized.append(tokens)
     if not samples:
         raise DataError(f"{path}: no usable rows ({report.rows} read, skipped: {dict(report.skipped)})")
-    return SFTDataset(encoder, samples, plans, report, cfg.on_error)
+    return ChatDataset(encoder, samples, tokenized, report, cfg.on_error)
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> list[int]:

@@ -151,7 +151,7 @@ def image_sizes(sample: Sample, max_pixels: int = MAX_IMAGE_PIXELS) -> list[tupl
 
 
 @dataclass
-class Plan:
+class SampleTokens:
     """What a sample becomes: its token ids/labels, and how many tokens to keep."""
 
     ids: list[int]
@@ -159,12 +159,12 @@ class Plan:
     keep: int  # len(ids), or less when truncated
 
 
-def plan_sample(encoder: Encoder, sample: Sample, max_length: int, too_long: str) -> Plan | str:
-    """Returns a Plan, or the reason the sample is dropped. Raises DataError when too_long == "fail"."""
+def tokenize_sample(encoder: Encoder, sample: Sample, max_length: int, too_long: str) -> SampleTokens | str:
+    """Returns a SampleTokens, or the reason the sample is dropped. Raises DataError when too_long == "fail"."""
     ids = encoder.token_ids(sample.messages, image_sizes(sample, encoder.limits.max_image_pixels))
     labels = encoder.assistant_labels(ids)
     if len(ids) <= max_length:
-        return Plan(ids, labels, len(ids))
+        return SampleTokens(ids, labels, len(ids))
     if too_long == "fail":
         raise DataError(f"{sample.source}: {len(ids)} tokens (images included) exceed data.max_length={max_length}; "
                         "raise data.max_length, lower data.max_pixels, or set data.too_long=drop|truncate")
@@ -173,16 +173,16 @@ def plan_sample(encoder: Encoder, sample: Sample, max_length: int, too_long: str
         last_image = image_positions[-1] if image_positions else -1
         supervised = sum(1 for t in labels[:max_length] if t != IGNORE_INDEX)
         if last_image < max_length - 1 and supervised > 0:
-            return Plan(ids, labels, max_length)
+            return SampleTokens(ids, labels, max_length)
         return "too long (cut would fall inside an image span or remove the whole answer)"
     return "too long"
 
 
-def encode(encoder: Encoder, sample: Sample, plan: Plan) -> dict:
+def encode(encoder: Encoder, sample: Sample, tokens: SampleTokens) -> dict:
     """Model inputs for one sample (unbatched tensors)."""
     out = {
-        "input_ids": torch.tensor(plan.ids[:plan.keep]),
-        "labels": torch.tensor(plan.labels[:plan.keep]),
+        "input_ids": torch.tensor(tokens.ids[:tokens.keep]),
+        "labels": torch.tensor(tokens.labels[:tokens.keep]),
     }
     out["mm_token_type_ids"] = (out["input_ids"] == encoder.image_token_id).long()
     if sample.images:

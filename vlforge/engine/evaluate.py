@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from vlforge.config import EvalConfig
-from vlforge.data.dataset import SFTDataset
+from vlforge.data.dataset import ChatDataset
 from vlforge.data.encode import Encoder, collate, encode, encode_prompt
 from vlforge.engine.losses import sft_loss_sum
 from vlforge.engine.metrics import MetricsLog, write_json_atomic
@@ -45,7 +45,7 @@ def generate_answers(model, encoder: Encoder, samples, *, batch_size: int, max_n
 
 
 @torch.no_grad()
-def evaluate(model, data: SFTDataset, *, batch_size: int, max_new_tokens: int, max_samples: int | None,
+def evaluate(model, data: ChatDataset, *, batch_size: int, max_new_tokens: int, max_samples: int | None,
              policy: PrecisionPolicy, device: torch.device) -> dict:
     """{"loss", "accuracy", "n", "by_task"} on the first `max_samples` samples of `data`."""
     was_training = model.training
@@ -53,7 +53,7 @@ def evaluate(model, data: SFTDataset, *, batch_size: int, max_new_tokens: int, m
     n = len(data) if max_samples is None else min(max_samples, len(data))
     loss_sum, tokens = 0.0, 0
     for s in range(0, n, batch_size):
-        items = [encode(data.encoder, data.samples[i], data.plans[i]) for i in range(s, min(n, s + batch_size))]
+        items = [encode(data.encoder, data.samples[i], data.tokenized[i]) for i in range(s, min(n, s + batch_size))]
         batch = to_device(collate(items, data.encoder.pad_id), device)
         with policy.autocast():
             loss, count = sft_loss_sum(model, batch)
@@ -83,7 +83,7 @@ class EvalRecorder:
     On resume, history entries after the resumed step are dropped (they will be redone).
     """
 
-    def __init__(self, out_dir: Path, data: SFTDataset, cfg: EvalConfig, metrics: MetricsLog, resume_step: int):
+    def __init__(self, out_dir: Path, data: ChatDataset, cfg: EvalConfig, metrics: MetricsLog, resume_step: int):
         self.path = Path(out_dir) / "eval.json"
         self.data, self.cfg, self.metrics = data, cfg, metrics
         previous = json.loads(self.path.read_text()).get("history", []) if self.path.exists() else []

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from vlforge.config import RunConfig, dump_config, resolve_paths
-from vlforge.data.dataset import SFTDataset
+from vlforge.data.dataset import ChatDataset
 from vlforge.engine.checkpoint import load_checkpoint, save_checkpoint
 from vlforge.engine.evaluate import EvalRecorder
 from vlforge.engine.health import GradHealth
@@ -70,7 +70,7 @@ class Run:
     last_eval: dict | None = None
 
     @classmethod
-    def start(cls, cfg: RunConfig, t: Trainable, total_steps: int, val_data: SFTDataset | None,
+    def start(cls, cfg: RunConfig, t: Trainable, total_steps: int, val_data: ChatDataset | None,
               resume_from: Path | None, *, spikes: bool, state: dict | None = None) -> "Run":
         """Write config.yaml (only now, when the run can start), build the optimizer set, resume."""
         out = Path(cfg.train.output_dir)

@@ -20,7 +20,7 @@ import torch
 from tqdm import tqdm
 
 from vlforge.config import ConfigError, GRPOConfig
-from vlforge.data.dataset import SFTDataset, batches_from, load_dataset
+from vlforge.data.dataset import ChatDataset, batches_from, load_dataset
 from vlforge.data.encode import collate, encode_prompt
 from vlforge.data.jsonl import DataError, check_readable
 from vlforge.engine.evaluate import to_device
@@ -50,7 +50,7 @@ def disable_dropout(model) -> None:
             module.p = 0.0
 
 
-def prompt_stream(data: SFTDataset, batch_size: int, seed: int, epoch: int, position: int):
+def prompt_stream(data: ChatDataset, batch_size: int, seed: int, epoch: int, position: int):
     """Endless (indices, epoch, position-after) over the prompt set, resumable like SFT's."""
     while True:
         for idx, pos in batches_from(len(data), batch_size, seed, epoch, position):
@@ -58,7 +58,7 @@ def prompt_stream(data: SFTDataset, batch_size: int, seed: int, epoch: int, posi
         epoch, position = epoch + 1, 0
 
 
-def encode_prompts(data: SFTDataset, idx: list[int], on_error: str) -> tuple[list, list[dict]]:
+def encode_prompts(data: ChatDataset, idx: list[int], on_error: str) -> tuple[list, list[dict]]:
     """(samples, prompt inputs) of these prompts; with data.on_error=skip, a prompt whose image
     fails to decode is left out of the round (a warning names its file:line)."""
     samples, prompts = [], []
@@ -73,7 +73,7 @@ def encode_prompts(data: SFTDataset, idx: list[int], on_error: str) -> tuple[lis
     return samples, prompts
 
 
-def rollout_round(t: Trainable, data: SFTDataset, idx: list[int], cfg: GRPOConfig,
+def rollout_round(t: Trainable, data: ChatDataset, idx: list[int], cfg: GRPOConfig,
                   rewards) -> tuple[Rollout | None, dict]:
     samples, encoded = encode_prompts(data, idx, cfg.data.on_error)
     if not samples:

@@ -17,7 +17,7 @@ import torch
 from tqdm import tqdm
 
 from vlforge.config import ConfigError, SFTConfig
-from vlforge.data.dataset import SFTDataset, batches_from, load_dataset
+from vlforge.data.dataset import ChatDataset, batches_from, load_dataset
 from vlforge.data.encode import collate
 from vlforge.data.jsonl import check_readable
 from vlforge.engine.evaluate import to_device
@@ -30,7 +30,7 @@ from vlforge.engine.trainable import Trainable, setup_model
 from vlforge.model.tiers import plan_summary, unwrap
 
 
-def micro_batches(data: SFTDataset, batch_size: int, seed: int, epoch: int, position: int, num_workers: int,
+def micro_batches(data: ChatDataset, batch_size: int, seed: int, epoch: int, position: int, num_workers: int,
                   token_multiple: int = 1):
     """Endless stream of (batch, epoch, position-after) continuing across epochs; resumable."""
     while True:
