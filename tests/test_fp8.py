@@ -128,7 +128,7 @@ def test_fp8_training_step_matches_bf16_on_gpu(shapes_dir, tmp_path):
     from vlforge.engine.optim import build_optimizer
     from vlforge.model.tiers import param_groups
     from vlforge.engine.trainable import setup_model
-from vlforge.recipes.sft import train_step
+    from vlforge.recipes.sft import train_step
 
     from helpers import tiny_sft_config
 
@@ -165,7 +165,7 @@ def test_transformer_engine_backend_on_gpu(shapes_dir, tmp_path):
     from vlforge.engine.optim import build_optimizer
     from vlforge.model.tiers import param_groups, unwrap
     from vlforge.engine.trainable import setup_model
-from vlforge.recipes.sft import train_step
+    from vlforge.recipes.sft import train_step
 
     from helpers import tiny_sft_config
 

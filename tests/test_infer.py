@@ -63,12 +63,31 @@ def test_infer_and_eval_commands(shapes_dir, tmp_path):
     with contextlib.redirect_stdout(out):
         assert main(["infer", "tiny", "--device", "cpu", "--image", str(shapes_dir / image), "--prompt", "colour?",
                      "--max-new-tokens", "3"]) == 0
+    assert out.getvalue().strip()
+    eval_args = ["eval", "tiny", "--device", "cpu", "--max-new-tokens", "3"]
     with contextlib.redirect_stdout(io.StringIO()):
-        assert main(["eval", "tiny", "--device", "cpu", "--data", str(shapes_dir / "val.jsonl"),
-                     "--max-new-tokens", "3", "--out", str(tmp_path / "answers.json")]) == 0
-    report = json.loads((tmp_path / "answers.json").read_text())
-    assert report["n"] == 8 and len(report["answers"]) == 8 and 0.0 <= report["accuracy"] <= 1.0
-    assert {a["task"] for a in report["answers"]} <= {"colour", "shape", "position", "count"}
+        assert main([*eval_args, "--data", str(shapes_dir / "val.jsonl"), "--out", str(tmp_path / "answers.json")]) == 0
+    first = json.loads((tmp_path / "answers.json").read_text())
+    assert first["n"] == 8 and len(first["answers"]) == 8
+    assert {a["task"] for a in first["answers"]} <= {"colour", "shape", "position", "count"}
+    # the same rows with every other reference replaced by the model's own (greedy, deterministic)
+    # answer: exactly those rows are right, whatever the random model says
+    rows = [json.loads(line) for line in (shapes_dir / "val.jsonl").read_text().splitlines()]
+    for i, (row, a) in enumerate(zip(rows, first["answers"])):
+        assert a["answer"], "the tiny model gave an empty answer; pick rows where it does not"
+        if i % 2 == 0:
+            row["answer"] = a["answer"]
+        row["image"] = str(shapes_dir / row["image"])
+    (tmp_path / "half.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main([*eval_args, "--data", str(tmp_path / "half.jsonl"), "--out", str(tmp_path / "half.json")]) == 0
+    report = json.loads((tmp_path / "half.json").read_text())
+    assert [a["correct"] for a in report["answers"]] == [i % 2 == 0 for i in range(8)]
+    assert report["accuracy"] == 0.5
+    by_task: dict[str, list[bool]] = {}
+    for i, row in enumerate(rows):
+        by_task.setdefault(row["task"], []).append(i % 2 == 0)
+    assert report["by_task"] == {k: sum(v) / len(v) for k, v in sorted(by_task.items())}
 
 
 def test_chat_keeps_history_and_images(engine, shapes_dir):
@@ -93,3 +112,160 @@ def test_chat_keeps_history_and_images(engine, shapes_dir):
     assert seen_requests == [(1, 1), (3, 1), (1, 0)]
     assert any("cannot open /no/such.png" in line for line in said)
     assert "(conversation cleared)" in said
+
+
+# ---------------------------------------------------------------------------------- image limits
+
+
+MIN_PIXELS, MAX_PIXELS = 64 * 64, 128 * 128  # the saved processor's own (the tiny preset's: 32*32, 1024*1024)
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory):
+    """The tiny preset saved as a model directory (like a released model) whose preprocessor config
+    upscales images below 64x64 pixels and downscales those above 128x128."""
+    from vlforge.config import ModelConfig
+    from vlforge.model.load import load_model
+
+    model, processor = load_model(ModelConfig(preset="tiny"))
+    tok = processor.tokenizer
+    # as in Qwen's released generation_config: <|im_end|> and <|endoftext|> end generation
+    model.generation_config.eos_token_id = [tok.convert_tokens_to_ids("<|im_end|>"), tok.pad_token_id]
+    processor.image_processor.size = {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS}
+    out = tmp_path_factory.mktemp("tiny-model")
+    model.save_pretrained(out)
+    processor.save_pretrained(out)
+    return out
+
+
+def _noise(size, seed=0) -> Image.Image:
+    g = torch.Generator().manual_seed(seed)
+    return Image.fromarray(torch.randint(0, 256, (size[1], size[0], 3), generator=g, dtype=torch.uint8).numpy())
+
+
+@pytest.mark.parametrize("size", [(300, 200), (20, 28)], ids=["large", "small"])
+def test_greedy_answer_equals_transformers_generate(tiny_dir, tmp_path, size):
+    """Same directory, same image: transformers' own processor + generate and the engine agree, so
+    the engine resized the image as the model's preprocessor config says (not by fixed limits)."""
+    from transformers import AutoProcessor, Qwen3VLForConditionalGeneration
+
+    from vlforge.recipes.infer import answer, user_message
+
+    image, prompt, n = _noise(size), "What is in the picture?", 10
+    image.save(tmp_path / "image.png")
+    processor = AutoProcessor.from_pretrained(str(tiny_dir), local_files_only=True)
+    model = Qwen3VLForConditionalGeneration.from_pretrained(str(tiny_dir), dtype=torch.float32).eval()
+    text = processor.apply_chat_template([user_message(prompt, 1)], tokenize=False, add_generation_prompt=True)
+    inputs = processor(text=[text], images=[image], return_tensors="pt")
+    _, gh, gw = inputs["image_grid_thw"][0].tolist()
+    resized = gh * gw * processor.image_processor.patch_size ** 2
+    assert MIN_PIXELS <= resized <= MAX_PIXELS  # the premise: the image was resized to the dir's limits
+    assert resized < size[0] * size[1] / 2 if size[0] > 100 else resized > size[0] * size[1] * 2
+    with torch.no_grad():
+        out = model.generate(**inputs, max_new_tokens=n, do_sample=False)
+    expected = processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+
+    engine = InferenceEngine.load(str(tiny_dir), device="cpu", dtype=torch.float32)
+    assert (engine.encoder.limits.min_pixels, engine.encoder.limits.max_pixels) == (MIN_PIXELS, MAX_PIXELS)
+    request = Request([user_message(prompt, 1)], [image], max_new_tokens=n)
+    assert engine.prompt_tokens(request) == inputs["input_ids"].shape[1]
+    assert answer(engine, prompt, [str(tmp_path / "image.png")], max_new_tokens=n) == expected
+
+
+def test_pixel_limits_overridden_for_tokens_and_pixels_alike(tiny_dir):
+    from vlforge.config import ConfigError
+    from vlforge.recipes.infer import user_message
+
+    # a bound not given stays the directory's: one that ends up above the other is an error naming both
+    with pytest.raises(ConfigError, match=r"min pixels 4096 \(the model's own.*max pixels 2304 \(--max-pixels\)"):
+        InferenceEngine.load(str(tiny_dir), device="cpu", dtype=torch.float32, max_pixels=48 * 48)
+    with pytest.raises(ConfigError, match=r"\(--min-pixels\) is above max pixels 16384 \(the model's own"):
+        InferenceEngine.load(str(tiny_dir), device="cpu", dtype=torch.float32, min_pixels=200 * 200)
+    engine = InferenceEngine.load(str(tiny_dir), device="cpu", dtype=torch.float32, min_pixels=16 * 16,
+                                  max_pixels=48 * 48)
+    assert (engine.encoder.limits.min_pixels, engine.encoder.limits.max_pixels) == (16 * 16, 48 * 48)
+    image = _noise((300, 200))
+    request = Request([user_message("hi", 1)], [image])
+    text = engine.processor.apply_chat_template(request.messages, tokenize=False, add_generation_prompt=True)
+    inputs = engine.processor(text=[text], images=[image], return_tensors="pt")  # the processor itself
+    assert engine.prompt_tokens(request) == inputs["input_ids"].shape[1]
+    _, gh, gw = inputs["image_grid_thw"][0].tolist()
+    assert gh * gw * 8 * 8 <= 48 * 48
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["infer", "tiny", "--prompt", "x", "--max-new-tokens", "-1"], "must be >= 1"),
+    (["infer", "tiny", "--prompt", "x", "--temperature", "-0.5"], "must be a finite number >= 0"),
+    (["infer", "tiny", "--prompt", "x", "--min-pixels", "0"], "must be >= 1"),
+    (["chat", "tiny", "--max-new-tokens", "0"], "must be >= 1"),
+    (["eval", "tiny", "--data", "x.jsonl", "--batch-size", "0"], "must be >= 1"),
+    (["eval", "tiny", "--data", "x.jsonl", "--max-new-tokens", "0"], "must be >= 1"),
+    (["eval", "tiny", "--data", "x.jsonl", "--max-samples", "0"], "must be >= 1"),
+    (["eval", "tiny", "--data", "x.jsonl", "--batch-size", "two"], "not a whole number"),
+])
+def test_bad_numbers_are_usage_errors(argv, message, capsys):
+    from vlforge.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and message in err and "Traceback" not in err
+
+
+def test_min_above_max_pixels_is_a_clear_error(tiny_dir, capsys):
+    from vlforge.cli import main
+
+    assert main(["infer", str(tiny_dir), "--device", "cpu", "--prompt", "x", "--min-pixels", "5000",
+                 "--max-pixels", "4000"]) == 2
+    assert "error: --min-pixels 5000 is above --max-pixels 4000" in capsys.readouterr().err
+    # one flag against the directory's own other bound (64*64 .. 128*128)
+    assert main(["infer", str(tiny_dir), "--device", "cpu", "--prompt", "x", "--max-pixels", "1000"]) == 2
+    assert ("error: min pixels 4096 (the model's own, from its preprocessor config) is above max pixels 1000 "
+            "(--max-pixels)") in capsys.readouterr().err
+
+
+def test_infer_says_when_the_model_produced_no_text(tiny_dir, tmp_path, capsys):
+    """A model that ends its turn at once (here: its generation config allows no other first token,
+    as a barely trained checkpoint often behaves) gets a hint on stderr, not just an empty line."""
+    import shutil
+
+    from vlforge.cli import main
+
+    silent = tmp_path / "silent"
+    shutil.copytree(tiny_dir, silent)
+    config = json.loads((silent / "generation_config.json").read_text())
+    end = config["eos_token_id"][0]
+    vocab = json.loads((silent / "config.json").read_text())["text_config"]["vocab_size"]
+    config["suppress_tokens"] = [t for t in range(vocab) if t != end]
+    (silent / "generation_config.json").write_text(json.dumps(config))
+    hint = "the model produced no text before its end-of-turn token"
+    assert main(["infer", str(silent), "--device", "cpu", "--prompt", "hi", "--max-new-tokens", "4"]) == 0
+    out = capsys.readouterr()
+    assert out.out == "\n" and hint in out.err
+    assert main(["infer", str(tiny_dir), "--device", "cpu", "--prompt", "hi", "--max-new-tokens", "4"]) == 0
+    out = capsys.readouterr()
+    assert out.out.strip() and hint not in out.err  # a model that says something gets no hint
+
+
+# ---------------------------------------------------------------------------------- cancellation
+
+
+def test_cancelled_row_stops_at_the_next_token_and_the_batch_goes_on(engine):
+    ask = {"role": "user", "content": [{"type": "text", "text": "tell me a long story"}]}
+    other = {"role": "user", "content": [{"type": "text", "text": "and another one, a little longer"}]}
+    n = 40
+    alone = engine.generate([Request([other], max_new_tokens=n, min_new_tokens=n)])[0]
+    requests = [Request([ask], max_new_tokens=n, min_new_tokens=n),
+                Request([other], max_new_tokens=n, min_new_tokens=n)]
+    seen = []
+
+    def on_text(row, text):
+        if row == 0:
+            seen.append(text)
+            if len(seen) == 2:
+                requests[0].cancelled.set()  # what the server does when the client disconnects
+
+    cancelled, done = engine.generate(requests, on_text=on_text)
+    assert cancelled.finish_reason == "cancelled" and cancelled.completion_tokens < n // 4
+    assert cancelled.text.startswith("".join(seen))
+    assert done.text == alone.text and done.completion_tokens == n and done.finish_reason == "length"

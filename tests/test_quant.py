@@ -77,7 +77,7 @@ def test_qlora_trains_adapters_only_and_leaves_vision_in_bf16(shapes_dir, tmp_pa
     from vlforge.engine.optim import build_optimizer
     from vlforge.model.tiers import param_groups
     from vlforge.engine.trainable import setup_model
-from vlforge.recipes.sft import train_step
+    from vlforge.recipes.sft import train_step
 
     from helpers import tiny_sft_config
 
@@ -131,3 +131,19 @@ def test_qlora_checkpoint_loads_on_its_nf4_base_and_exports_merged_unquantized(s
     merged = Qwen3VLForConditionalGeneration.from_pretrained(tmp_path / "merged", local_files_only=True)
     assert getattr(merged.config, "quantization_config", None) is None
     verify(merged, QuantConfig())
+
+
+def test_fp8_quantization_is_refused_on_a_cpu_before_loading(tmp_path, capsys):
+    """The hardware check lives with the callers (model/ is below engine/hardware.py): each of
+    infer, export and a QLoRA-style training config refuses FP8 weights on a CPU, naming nf4/int8."""
+    from vlforge.cli import main
+    from vlforge.config import SFTConfig, load_config
+    from vlforge.engine.trainable import setup_model
+
+    assert main(["infer", "tiny", "--quant", "fp8", "--device", "cpu", "--prompt", "hi"]) == 2
+    assert "nf4 or int8" in capsys.readouterr().err
+    assert main(["export", str(tmp_path / "no-checkpoint"), "--out", str(tmp_path / "x"), "--quant", "fp8"]) == 2
+    assert "nf4 or int8" in capsys.readouterr().err
+    cfg = load_config(SFTConfig, None, ["model.preset=tiny", "train.device=cpu", "quant.language=fp8"])
+    with pytest.raises(ConfigError, match="nf4 or int8"):
+        setup_model(cfg)

@@ -18,6 +18,7 @@ import torch  # noqa: E402
 from PIL import Image  # noqa: E402
 
 from vlforge.serve.app import create_app  # noqa: E402
+from vlforge.serve.config import ServeConfig  # noqa: E402
 from vlforge.serve.engine import Completion, InferenceEngine, Request, _BatchStreamer  # noqa: E402
 
 LIMITS = dict(max_body_bytes=1_000_000, max_image_pixels=1_000_000, max_images=8, max_prompt_tokens=256,
@@ -121,7 +122,7 @@ def engine():
 
 @pytest.fixture(scope="module")
 def server(engine, files):
-    app = create_app(engine, allow_files=files["allowed"], max_batch=8, batch_window_s=0.02, **LIMITS)
+    app = create_app(engine, ServeConfig(allow_files=files["allowed"], max_batch=8, batch_window_s=0.02, **LIMITS))
     with LiveServer(app) as s:
         yield s
 
@@ -311,6 +312,10 @@ def _bad_cases(files):
         "etc passwd": (post, {"json": body(user("x", "file:///etc/passwd"))}, 403),
         "symlink outside": (post, {"json": body(user("x", "link.png"))}, 403),
         "missing file inside": (post, {"json": body(user("x", "nope.png"))}, 400),
+        "file name too long": (post, {"json": body(user("x", "a" * 5000 + ".png"))}, 400),  # ENAMETOOLONG
+        "path too long": (post, {"json": body(user("x", "d/" * 2100 + "x.png"))}, 400),  # > PATH_MAX
+        "a directory": (post, {"json": body(user("x", "."))}, 400),
+        "min_tokens above max_tokens": (post, {"json": body(max_tokens=4, min_tokens=5)}, 400),
         "unknown route": ("/v1/completions", {"json": body()}, 404),
     }
 
@@ -331,6 +336,9 @@ def test_bad_requests_get_openai_errors_and_server_keeps_serving(client, files):
                 assert err["code"] == "path_not_allowed" and err["type"] == "permission_error"
             if name == "bad part type":
                 assert err["param"] == "messages.0.content.0" and "image_url" in err["message"]
+            if name == "file name too long":
+                assert "too long" in err["message"] and "(5004 characters)" in err["message"]
+                assert len(err["message"]) < 400  # the name is cut, not echoed in full
             assert_still_serving(client)
         except AssertionError as e:
             failures.append(f"{name}: {e}")
@@ -352,6 +360,9 @@ class ScriptedEngine:
         self.release.set()
         self.in_generate = threading.Event()
         self.fail_next = False
+
+    def min_prompt_tokens(self, messages):
+        return 0
 
     def prompt_tokens(self, request):
         return 3 + 10 * len(request.images)
@@ -463,9 +474,23 @@ def test_cli_serve_builds_the_app(monkeypatch, files):
                  "--allow-files", str(files["allowed"]), "--max-images", "2"]) == 0
     state = seen["app"].state.vlforge
     assert (seen["host"], seen["port"]) == ("127.0.0.1", 8123)
-    assert state.model_name == "shapes" and state.batcher.max_batch == 3 and state.limits.max_images == 2
+    assert state.model_name == "shapes" and state.batcher.max_batch == 3 and state.cfg.max_images == 2
     assert state.images.root == files["allowed"].resolve()
     assert main(["serve", "tiny", "--allow-files", str(files["allowed"] / "missing")]) == 2
+
+
+def test_cli_serve_defaults_are_the_configs(monkeypatch, capsys):
+    from vlforge.cli import build_parser, main
+
+    args = build_parser().parse_args(["serve", "tiny"])
+    assert ServeConfig.from_flags(vars(args)) == ServeConfig()  # one set of defaults, not two
+    loaded = []
+    monkeypatch.setattr("vlforge.cli._engine", lambda args: loaded.append(args))
+    assert main(["serve", "tiny", "--max-batch", "0"]) == 2
+    assert main(["serve", "tiny", "--max-body-mb", "-1"]) == 2
+    err = capsys.readouterr().err
+    assert "error: --max-batch 0: must be" in err and "error: --max-body-mb -1.0: must be positive" in err
+    assert loaded == []  # refused before the model loads
 
 
 # ---------------------------------------------------------------------------------- the engine's streamer
@@ -495,11 +520,147 @@ def test_decoded_images_are_shrunk_to_what_the_processor_keeps():
 
     from PIL import Image
 
-    from vlforge.serve.app import Limits, _ImageLoader
+    from vlforge.serve.images import ImageLoader
 
     buf = io.BytesIO()
     Image.new("RGB", (400, 100), (10, 200, 30)).save(buf, format="PNG")
     url = "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
-    im = _ImageLoader(Limits(), None, keep_pixels=100 * 100).load(url, "messages[0]")
+    im = ImageLoader(ServeConfig(), keep_pixels=100 * 100).load(url, "messages[0]")
     assert im.width * im.height <= 100 * 100 and abs(im.width / im.height - 4) < 0.1  # aspect kept
-    assert _ImageLoader(Limits(), None).load(url, "messages[0]").size == (400, 100)  # no limit: untouched
+    assert ImageLoader(ServeConfig()).load(url, "messages[0]").size == (400, 100)  # no limit: untouched
+
+
+# ---------------------------------------------------------------------------------- cancel on disconnect
+
+
+@pytest.fixture(scope="module")
+def long_server(engine):
+    """The tiny model, allowed long answers (the cancel test asks for 2,000 tokens)."""
+    with LiveServer(create_app(engine, ServeConfig(max_tokens=2000, batch_window_s=0.0))) as s:
+        yield s
+
+
+def test_stream_cancelled_on_disconnect_frees_the_model(long_server):
+    """A streaming client that leaves mid-answer: its generation stops at the next token (not at
+    max_tokens), so the request behind it is served at once."""
+    n = 2000
+    with httpx.Client(base_url=long_server.url, timeout=120) as c:
+        before = c.get("/health").json()
+        payload = body(max_tokens=n, min_tokens=n, stream=True)  # min_tokens: no early end of turn
+        with httpx.Client(base_url=long_server.url, timeout=120) as leaving:
+            with leaving.stream("POST", "/v1/chat/completions", json=payload) as r:
+                assert r.status_code == 200
+                for line in r.iter_lines():
+                    if '"content"' in line:
+                        break  # one chunk of text, then the client goes away (the connection is closed)
+        r = c.post("/v1/chat/completions", json=body(max_tokens=3))  # queued behind the long one
+        assert r.status_code == 200, r.text
+        health = c.get("/health").json()
+    assert health["cancelled"] == before["cancelled"] + 1
+    generated = health["cancelled_tokens"] - before["cancelled_tokens"]
+    assert 1 <= generated < n // 10, generated
+    assert health["requests"] == before["requests"] + 2 and health["running"] == 0
+
+
+# ---------------------------------------------------------------------------------- prompt length before tokenizing
+
+
+def test_long_prompt_refused_before_tokenizing(client, engine, monkeypatch):
+    counted = []
+    original = engine.prompt_tokens
+    monkeypatch.setattr(engine, "prompt_tokens", lambda request: counted.append(request) or original(request))
+    assert engine.chars_per_token and LIMITS["max_prompt_tokens"] * engine.chars_per_token < 300_000
+    err = assert_error(client.post("/v1/chat/completions", json=body(user("ab " * 100_000))), 400)
+    assert err["code"] == "context_length_exceeded" and "at least" in err["message"]
+    assert counted == []  # refused on its length in characters: the tokenizer never saw it
+    err = assert_error(client.post("/v1/chat/completions", json=body(user("word " * 400))), 400)
+    assert err["code"] == "context_length_exceeded" and len(counted) == 1  # short enough to count: counted
+    assert_still_serving(client)
+
+
+def test_character_bound_never_exceeds_the_token_count(engine):
+    """min_prompt_tokens is a lower bound of the real count even for texts made to pack the most
+    characters into the fewest tokens, so the check before tokenizing never refuses a prompt that fits."""
+    vocab = engine.tokenizer.backend_tokenizer.get_vocab(with_added_tokens=False)
+    longest = max(vocab, key=len)
+    texts = {
+        "longest vocabulary token": engine.tokenizer.convert_tokens_to_string([longest]) * 300,
+        "longest special token": "<|object_ref_start|>" * 500,  # 20 characters a token: the bound is tight here
+        "special tokens": "<|object_ref_start|><|vision_start|><|quad_end|>" * 200,
+        "composing Greek (4 code points -> 1)": "\u03b1\u0313\u0300\u0345" * 300,
+        "composing Hangul jamo": "\u1100\u1161\u11a8" * 300,
+        "spaces": " " * 5000,
+        "newlines": "\n" * 5000,
+        "ascii": "the quick brown fox " * 200,
+        "emoji": "\U0001f600" * 500,
+    }
+    for name, text in texts.items():
+        messages = [{"role": "user", "content": text}]
+        bound, real = engine.min_prompt_tokens(messages), engine.prompt_tokens(Request(messages))
+        assert 0 < bound <= real, (name, bound, real)
+
+
+def test_normalizer_factors_match_unicode():
+    import sys
+    import unicodedata
+
+    from vlforge.serve.engine import _NORMALIZER_SHRINK
+
+    longest = {form: max(len(unicodedata.normalize(form, chr(c))) for c in range(sys.maxunicode + 1)
+                         if not 0xD800 <= c < 0xE000) for form in ("NFD", "NFKD")}
+    assert _NORMALIZER_SHRINK["NFC"] >= longest["NFD"] and _NORMALIZER_SHRINK["NFKC"] >= longest["NFKD"]
+
+
+def test_no_character_bound_for_tokenizers_that_allow_none(engine):
+    from types import SimpleNamespace
+
+    from tokenizers import Tokenizer, models, normalizers
+
+    from vlforge.serve.engine import max_chars_per_token
+
+    assert max_chars_per_token(engine.tokenizer) == engine.chars_per_token > 0
+    word_level = Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))  # a word of any length: 1 token
+    assert max_chars_per_token(SimpleNamespace(backend_tokenizer=word_level)) is None
+    lowercase = Tokenizer.from_str(engine.tokenizer.backend_tokenizer.to_str())
+    lowercase.normalizer = normalizers.Sequence([normalizers.NFC(), normalizers.Replace(" ", "")])  # removes text
+    assert max_chars_per_token(SimpleNamespace(backend_tokenizer=lowercase)) is None
+
+
+def test_large_rejected_bodies_are_released(client):
+    """Nothing keeps a refused request's body (or its parsed JSON) alive once it is answered."""
+    import gc
+    import tracemalloc
+
+    big = body(user("xy " * 300_000))  # 900 kB of text: under the body limit, over the prompt bound
+    assert_error(client.post("/v1/chat/completions", json=big), 400)  # warm up every code path once
+    gc.collect()
+    tracemalloc.start()
+    try:
+        start = tracemalloc.get_traced_memory()[0]
+        for _ in range(3):
+            assert_error(client.post("/v1/chat/completions", json=big), 400)
+        gc.collect()
+        held = tracemalloc.get_traced_memory()[0] - start
+    finally:
+        tracemalloc.stop()
+    assert held < 300_000, held  # well under one body (each is ~900 kB, and its text ~900k characters)
+
+
+# ---------------------------------------------------------------------------------- the config
+
+
+def test_serve_config_checks_ranges_and_names_the_flag(files):
+    from vlforge.config import ConfigError
+
+    for kwargs, flag in [({"max_batch": 0}, "--max-batch"), ({"max_images": -1}, "--max-images"),
+                         ({"max_prompt_tokens": 0}, "--max-prompt-tokens"), ({"max_tokens": 0}, "--max-tokens-limit"),
+                         ({"max_image_pixels": 0}, "--max-image-pixels"), ({"max_body_bytes": 0}, "--max-body-mb"),
+                         ({"max_batch": 2.5}, "--max-batch"), ({"max_queue": 0}, "ServeConfig.max_queue"),
+                         ({"allow_files": str(files["allowed"] / "missing")}, "--allow-files"),
+                         ({"model_name": " "}, "--model-name")]:
+        with pytest.raises(ConfigError, match=flag):
+            ServeConfig(**kwargs)
+    with pytest.raises(ConfigError, match="--max-body-mb"):
+        ServeConfig.from_flags({**{f.name: f.default for f in ServeConfig.flags()}, "max_body_bytes": float("nan")})
+    assert ServeConfig.from_flags({**{f.name: f.default for f in ServeConfig.flags()}, "max_body_bytes": 1.5}
+                                  ).max_body_bytes == 1.5 * 1024 * 1024

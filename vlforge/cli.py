@@ -120,7 +120,10 @@ def _engine(args):
     from vlforge.serve.engine import InferenceEngine
 
     quant = None if args.quant is None else QuantConfig.from_flag(args.quant)  # None: a QLoRA checkpoint's own
-    engine = InferenceEngine.load(args.source, quant=quant, device=args.device)
+    if args.min_pixels is not None and args.max_pixels is not None and args.min_pixels > args.max_pixels:
+        raise ConfigError(f"--min-pixels {args.min_pixels} is above --max-pixels {args.max_pixels}")  # before loading
+    engine = InferenceEngine.load(args.source, quant=quant, device=args.device, min_pixels=args.min_pixels,
+                                  max_pixels=args.max_pixels)
     if engine.quant_report:
         from vlforge.model.quant import format_report
 
@@ -148,9 +151,12 @@ def cmd_infer(args) -> int:
     from vlforge.recipes.infer import answer
 
     engine = _engine(args)
-    answer(engine, args.prompt, args.image or [], max_new_tokens=args.max_new_tokens, task=args.task,
-           temperature=args.temperature, on_text=lambda text: print(text, end="", flush=True))
+    text = answer(engine, args.prompt, args.image or [], max_new_tokens=args.max_new_tokens, task=args.task,
+                  temperature=args.temperature, on_text=lambda text: print(text, end="", flush=True))
     print()
+    if not text.strip():  # an empty line alone looks like a broken command
+        print("(the model produced no text before its end-of-turn token; a barely trained checkpoint often "
+              "does this)", file=sys.stderr)
     return 0
 
 
@@ -175,35 +181,50 @@ def cmd_eval(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    import os
-
     try:
         import uvicorn
 
         from vlforge.serve.app import create_app
+        from vlforge.serve.config import ServeConfig
     except ImportError as e:
         raise ConfigError(f"vlforge serve needs fastapi and uvicorn ({e.name} is missing): "
                           "pip install 'vlforge[serve]'") from None
-    if args.allow_files and not os.path.isdir(args.allow_files):
-        raise ConfigError(f"--allow-files {args.allow_files}: not a directory")
-    for flag in ("max_batch", "max_images", "max_prompt_tokens", "max_tokens_limit", "max_image_pixels", "port"):
-        if getattr(args, flag) < (0 if flag == "port" else 1):
-            raise ConfigError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be positive")
-    if args.max_body_mb <= 0:
-        raise ConfigError(f"--max-body-mb {args.max_body_mb}: must be positive")
-    engine = _engine(args)
-    app = create_app(engine, model_name=args.model_name, allow_files=args.allow_files, max_batch=args.max_batch,
-                     max_body_bytes=int(args.max_body_mb * 1024 * 1024), max_image_pixels=args.max_image_pixels,
-                     max_images=args.max_images, max_prompt_tokens=args.max_prompt_tokens,
-                     max_tokens=args.max_tokens_limit)
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port {args.port}: must be 0..65535")
+    cfg = ServeConfig.from_flags(vars(args))  # checked before the model loads
+    app = create_app(_engine(args), cfg)
     name = app.state.vlforge.model_name
     if args.host not in ("127.0.0.1", "localhost", "::1"):
         print(f"warning: listening on {args.host} without authentication; anyone who can reach the port can use "
               "the model (put a proxy with auth in front)", file=sys.stderr)
     print(f"serving {name!r} on http://{args.host}:{args.port}/v1 (POST /v1/chat/completions, GET /v1/models, "
-          f"GET /health); local image files: {args.allow_files or 'not allowed'}", flush=True)
+          f"GET /health); local image files: {cfg.allow_files or 'not allowed'}", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
+
+
+def _at_least(minimum: int):
+    """An argparse type: a whole number >= minimum (a bad value is argparse's usage error, exit 2)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{value}: must be >= {minimum}")
+        return value
+
+    return parse
+
+
+def _non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text}: must be a finite number >= 0")
+    return value
 
 
 def _model_source_args(p: argparse.ArgumentParser) -> None:
@@ -213,6 +234,10 @@ def _model_source_args(p: argparse.ArgumentParser) -> None:
                    help="quantize the language model at load (vision tower and projector stay bf16); default "
                         "none, except a QLoRA checkpoint, which loads on its run's quantized base")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--min-pixels", type=_at_least(1), help="images smaller than this (width x height) are "
+                                                           "upscaled; default: the model's preprocessor config")
+    p.add_argument("--max-pixels", type=_at_least(1), help="images larger than this are downscaled; default: the "
+                                                           "model's preprocessor config")
 
 
 def _recipe_options(p: argparse.ArgumentParser) -> None:
@@ -276,21 +301,21 @@ def build_parser() -> argparse.ArgumentParser:
     infer.add_argument("--prompt", required=True)
     infer.add_argument("--task", choices=["classify", "qa", "describe"], default="qa",
                        help="sets the default --max-new-tokens: 16 / 64 / 512")
-    infer.add_argument("--max-new-tokens", type=int)
-    infer.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    infer.add_argument("--max-new-tokens", type=_at_least(1))
+    infer.add_argument("--temperature", type=_non_negative_float, default=0.0, help="0 = greedy")
     infer.set_defaults(func=cmd_infer)
 
     chat = sub.add_parser("chat", help="interactive chat with a model (/image PATH, /reset, /quit)")
     _model_source_args(chat)
-    chat.add_argument("--max-new-tokens", type=int, default=512)
+    chat.add_argument("--max-new-tokens", type=_at_least(1), default=512)
     chat.set_defaults(func=cmd_chat)
 
     ev = sub.add_parser("eval", help="batched greedy answers + exact-match accuracy on a JSONL")
     _model_source_args(ev)
     ev.add_argument("--data", required=True, help="JSONL with reference answers (the training schemas)")
-    ev.add_argument("--batch-size", type=int, default=16)
-    ev.add_argument("--max-new-tokens", type=int, default=16)
-    ev.add_argument("--max-samples", type=int)
+    ev.add_argument("--batch-size", type=_at_least(1), default=16)
+    ev.add_argument("--max-new-tokens", type=_at_least(1), default=16)
+    ev.add_argument("--max-samples", type=_at_least(1), help="only the first N rows")
     ev.add_argument("--out", help="write the report with every answer to this JSON file")
     ev.set_defaults(func=cmd_eval)
 
@@ -298,17 +323,18 @@ def build_parser() -> argparse.ArgumentParser:
     _model_source_args(serve)
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--model-name", help="the model id clients send and /v1/models lists (default: the "
-                                            "source's directory name, or the preset)")
-    serve.add_argument("--allow-files", metavar="DIR", help="let requests name image files inside DIR (paths "
-                                                           "relative to DIR, absolute, or file://; symlinks resolved, "
-                                                           "nothing outside DIR); default: base64 data URLs only")
-    serve.add_argument("--max-batch", type=int, default=8, help="requests generated together in one batch")
-    serve.add_argument("--max-body-mb", type=float, default=20, help="largest request body, base64 images included")
-    serve.add_argument("--max-image-pixels", type=int, default=4096 * 4096, help="largest image (width x height)")
-    serve.add_argument("--max-images", type=int, default=8, help="images per request")
-    serve.add_argument("--max-prompt-tokens", type=int, default=8192, help="prompt tokens per request, images included")
-    serve.add_argument("--max-tokens-limit", type=int, default=4096, help="largest max_tokens a request may ask for")
+    from vlforge.serve.config import ServeConfig  # no fastapi needed: the flags and defaults are the config's
+
+    for f in ServeConfig.flags():
+        unit, meta = f.metadata.get("unit", 1), f.metadata
+        if f.default is None:  # a string option
+            serve.add_argument(meta["flag"], dest=f.name, metavar=meta.get("metavar"), help=meta["help"])
+        else:
+            default = f.default / unit if unit != 1 else f.default
+            serve.add_argument(meta["flag"], dest=f.name, type=float if unit != 1 else int, default=default,
+                               metavar=meta["flag"].lstrip("-").upper().replace("-", "_"),
+                               help=f"{meta['help']} (default {default:g})" if unit != 1 else
+                               f"{meta['help']} (default {default})")
     serve.set_defaults(func=cmd_serve)
 
     doctor = sub.add_parser("doctor", help="check Python, torch, GPUs and libraries (and what a recipe needs)")

@@ -16,6 +16,7 @@ receives each request's new text as it is produced, which the server turns into 
 
 from __future__ import annotations
 
+import json
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,13 +25,14 @@ from typing import Callable
 import torch
 from PIL import Image
 from transformers import StoppingCriteria, StoppingCriteriaList
+from transformers.image_utils import SizeDict
 
-from vlforge.config import ModelConfig, QuantConfig
+from vlforge.config import ConfigError, ModelConfig, QuantConfig
 from vlforge.data.encode import Encoder, ImageLimits, collate
 from vlforge.model.presets import PRESETS
 
-# Short answers for classification / QA, longer for descriptions (seed 004's advice): used when
-# a request does not say.
+# Default answer lengths when a request does not say: a class name or a short answer fits in 16 /
+# 64 tokens, and a short cap keeps a model that does not stop from running long; descriptions need more.
 MAX_NEW_TOKENS = {"classify": 16, "qa": 64, "describe": 512}
 
 
@@ -43,6 +45,9 @@ class Request:
     top_p: float = 1.0
     stop: list[str] = field(default_factory=list)
     min_new_tokens: int = 0  # suppress end-of-turn before this many tokens (benchmarks)
+    # set from another thread (the server, when the client disconnects): the request's row stops at the
+    # next token, the rest of its batch goes on
+    cancelled: threading.Event = field(default_factory=threading.Event, repr=False, compare=False)
 
 
 @dataclass
@@ -50,7 +55,7 @@ class Completion:
     text: str
     prompt_tokens: int
     completion_tokens: int
-    finish_reason: str  # "stop" | "length"
+    finish_reason: str  # "stop" | "length" | "cancelled"
 
 
 def _cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
@@ -66,9 +71,10 @@ def _partial_stop(text: str, stops: list[str]) -> int:
 
 class _BatchStreamer:
     """The per-row bookkeeping of one batched generate(): transformers calls put() with each step's
-    tokens; rows finish at an end token, their own max_new_tokens or a stop string, and _RowsDone
-    tells generate() so, which stops computing them. Text goes to on_text(row, new_text) as it
-    grows, holding back a tail that may still become a stop string; `text` ends as each row's answer.
+    tokens; rows finish at an end token, their own max_new_tokens, a stop string or when cancelled,
+    and _RowsDone tells generate() so, which stops computing them. Text goes to on_text(row, new_text)
+    as it grows, holding back a tail that may still become a stop string; `text` ends as each row's
+    answer.
     """
 
     def __init__(self, engine: "InferenceEngine", requests: list[Request], on_text: Callable[[int, str], None] | None):
@@ -86,6 +92,9 @@ class _BatchStreamer:
         for row, tok in enumerate(value.reshape(len(self.tokens), -1)[:, -1].tolist()):
             if self.done[row]:
                 continue  # generate() pads finished rows
+            if self.requests[row].cancelled.is_set():  # nobody waits for this row: its token is dropped
+                self.done[row], self.finish[row] = True, "cancelled"
+                continue
             if tok in self.engine.end_ids:
                 self.done[row], self.finish[row] = True, "stop"
             else:
@@ -125,33 +134,121 @@ class _RowsDone(StoppingCriteria):
         return torch.tensor(self.streamer.done, device=input_ids.device)
 
 
+def processor_pixel_limits(image_processor) -> tuple[int, int]:
+    """(min_pixels, max_pixels) an image processor resizes images to: `size` {shortest_edge,
+    longest_edge} (transformers 5; Qwen3-VL's preprocessor_config.json), else the min_pixels /
+    max_pixels of older Qwen2-VL configs."""
+    size = getattr(image_processor, "size", None) or {}
+    lo = size.get("shortest_edge") or size.get("min_pixels") or getattr(image_processor, "min_pixels", None)
+    hi = size.get("longest_edge") or size.get("max_pixels") or getattr(image_processor, "max_pixels", None)
+    if not lo or not hi:
+        raise ConfigError(f"the model's image processor ({type(image_processor).__name__}) names no min/max pixels "
+                          f"(size={dict(size)}); pass --min-pixels and --max-pixels")
+    return int(lo), int(hi)
+
+
+# How many characters of a text can become one character after Unicode normalization: NFC/NFKC
+# compose, and a composed character stands for at most its full decomposition (the longest canonical
+# decomposition is 4 code points, compatibility 18: test_serve checks these against unicodedata).
+# NFD/NFKD and no normalizer never shorten a text.
+_NORMALIZER_SHRINK = {"NFC": 4, "NFKC": 18, "NFD": 1, "NFKD": 1}
+
+
+def max_chars_per_token(tokenizer) -> int | None:
+    """The most characters of a text that one token can stand for, or None when the tokenizer
+    allows no such bound. A prompt of C characters is then at least C / this many tokens.
+
+    Holds for byte-level BPE (Qwen's): every token is a vocabulary entry of at most B bytes (its
+    byte-level string has one character per byte) or an added token matched verbatim, and a
+    character is at least one byte, so C characters of normalized text need >= C / B tokens; the
+    normalizer may first have shrunk the text by its factor above. Anything that could make one
+    token swallow a run of any length (an unknown token, whitespace-stripping added tokens, a
+    pre-tokenizer that removes text, another normalizer) gives None: then prompts are only counted.
+    """
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return None
+    spec = json.loads(backend.to_str())
+    model, pre, norm = spec.get("model") or {}, spec.get("pre_tokenizer") or {}, spec.get("normalizer")
+    if model.get("type") != "BPE" or model.get("unk_token") is not None:
+        return None
+    steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
+    if not any(p.get("type") == "ByteLevel" for p in steps) or any(
+            p.get("type") not in ("ByteLevel", "Split") or p.get("behavior") == "Removed" for p in steps):
+        return None
+    shrink = 1
+    for n in ([] if norm is None else norm.get("normalizers", [norm]) if norm.get("type") == "Sequence" else [norm]):
+        if n.get("type") not in _NORMALIZER_SHRINK:
+            return None
+        shrink *= _NORMALIZER_SHRINK[n["type"]]
+    added = spec.get("added_tokens") or []
+    if any(a.get("lstrip") or a.get("rstrip") for a in added):
+        return None
+    longest = max([len(t) for t in model.get("vocab", {})] + [len(a["content"].encode()) for a in added], default=0)
+    return longest * shrink or None
+
+
 class InferenceEngine:
-    def __init__(self, model, processor, device: torch.device, name: str, quant_report: dict | None = None):
+    def __init__(self, model, processor, device: torch.device, name: str, quant_report: dict | None = None, *,
+                 min_pixels: int | None = None, max_pixels: int | None = None):
         self.model, self.processor, self.device, self.name = model, processor, device, name
         self.tokenizer = processor.tokenizer
-        self.encoder = Encoder(processor, ImageLimits(min_pixels=32 * 32, max_pixels=1024 * 1024))
+        self.set_image_limits(min_pixels, max_pixels)
         self.quant_report = quant_report
-        # <|im_end|> ends a turn; <|endoftext|> (the pad token) ends generation too, as in Qwen's own
-        # generation_config, so the streamed and the final text stop at the same token
-        self.end_ids = list(dict.fromkeys([self.encoder.im_end_id, self.encoder.pad_id]))
+        # the end-of-generation tokens every vlforge generation path stops at (data/encode.py)
+        self.end_ids = self.encoder.end_ids
+        self.chars_per_token = max_chars_per_token(self.tokenizer)
         self.lock = threading.Lock()  # one generate at a time on the model
         model.eval()
+
+    def set_image_limits(self, min_pixels: int | None = None, max_pixels: int | None = None) -> None:
+        """Resize bounds of images (pixels per image): the model's own (its processor's, from the
+        preprocessor config) unless given; the processor is set to them too, so that its pixels and
+        the engine's token counts agree."""
+        image_processor = self.processor.image_processor
+        own_min, own_max = processor_pixel_limits(image_processor)
+        lo = own_min if min_pixels is None else min_pixels
+        hi = own_max if max_pixels is None else max_pixels
+        for flag, value in (("--min-pixels", min_pixels), ("--max-pixels", max_pixels)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ConfigError(f"{flag} {value!r}: must be a whole number >= 1")
+        if lo > hi:
+            own = "the model's own, from its preprocessor config"
+            raise ConfigError(f"min pixels {lo} ({own if min_pixels is None else '--min-pixels'}) is above max pixels "
+                              f"{hi} ({own if max_pixels is None else '--max-pixels'}); pass both so that min <= max")
+        image_processor.size = SizeDict(shortest_edge=lo, longest_edge=hi)
+        self.encoder = Encoder(self.processor, ImageLimits(min_pixels=lo, max_pixels=hi))
 
     # ------------------------------------------------------------------ loading
 
     @classmethod
     def load(cls, source: str, quant: QuantConfig | None = None, device: str = "auto",
-             dtype: torch.dtype = torch.bfloat16) -> "InferenceEngine":
-        """`quant=None`: unquantized, except a LoRA checkpoint of a QLoRA run, which gets its run's quant."""
+             dtype: torch.dtype = torch.bfloat16, *, min_pixels: int | None = None,
+             max_pixels: int | None = None) -> "InferenceEngine":
+        """`quant=None`: unquantized, except a LoRA checkpoint of a QLoRA run, which gets its run's quant.
+        `min_pixels`/`max_pixels`: image resize bounds; None: the model's processor's own."""
+        engine = cls._load(source, quant, device, dtype)
+        if min_pixels is not None or max_pixels is not None:
+            engine.set_image_limits(min_pixels, max_pixels)
+        return engine
+
+    @classmethod
+    def _load(cls, source: str, quant: QuantConfig | None, device: str, dtype: torch.dtype) -> "InferenceEngine":
+        from vlforge.engine.hardware import quant_problem
         from vlforge.engine.runtime import resolve_device
+        from vlforge.model.export import run_config
         from vlforge.model.load import load_model
         from vlforge.model.quant import verify
 
         dev = resolve_device(device)
         path = Path(source)
-        if (path / "adapter_config.json").is_file():
+        lora = (path / "adapter_config.json").is_file()
+        wanted = quant if quant is not None else run_config(path).quant if lora else QuantConfig()
+        if problem := quant_problem(wanted, dev):  # before any weight loads
+            raise ConfigError(problem)
+        if lora:
             return cls._load_lora_checkpoint(path, quant, dev, dtype)
-        quant = quant or QuantConfig()
+        quant = wanted
         cfg = ModelConfig(path=str(path)) if path.exists() or source not in PRESETS else ModelConfig(preset=source)
         model, processor = load_model(cfg, dtype=dtype, device=dev, quant=quant)
         return cls(model, processor, dev, path.name if cfg.path else source,
@@ -181,6 +278,15 @@ class InferenceEngine:
 
     def prompt_tokens(self, request: Request) -> int:
         return len(self.encoder.token_ids(request.messages, [im.size for im in request.images], add_generation_prompt=True))
+
+    def min_prompt_tokens(self, messages: list[dict]) -> int:
+        """A lower bound of the prompt's tokens from its length in characters, without tokenizing (0
+        when the tokenizer allows no bound): rendering the chat template is string work, while the
+        tokenizer needs hundreds of bytes per character of a long text."""
+        if not self.chars_per_token:
+            return 0
+        text = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return -(-len(text) // self.chars_per_token)
 
     @torch.no_grad()
     def generate(self, requests: list[Request], on_text: Callable[[int, str], None] | None = None) -> list[Completion]:

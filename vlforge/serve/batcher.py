@@ -1,0 +1,156 @@
+"""The batcher: one background thread owns the engine and runs one `engine.generate` for whatever
+requests are waiting (up to `max_batch`, after a gather window of a few ms), routing each request's
+streamed text to its asyncio queue through `loop.call_soon_threadsafe`.
+
+A job whose client goes away is cancelled (`Job.cancel`): skipped if its batch has not started,
+else its row of the running batch stops at the next token (the engine checks `Request.cancelled`)
+while the other rows go on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from vlforge.serve.engine import Request
+from vlforge.serve.schema import APIError
+
+log = logging.getLogger("vlforge.serve")
+
+
+@dataclass(eq=False)
+class Job:
+    request: Request
+    stream: bool
+    loop: asyncio.AbstractEventLoop
+    events: asyncio.Queue
+
+    @property
+    def cancelled(self) -> bool:
+        return self.request.cancelled.is_set()
+
+    def cancel(self) -> None:
+        """The client went away: skip the job, or stop its row of the running batch."""
+        self.request.cancelled.set()
+
+    def emit(self, kind: str, payload: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, (kind, payload))
+        except RuntimeError:  # the event loop is closed (shutdown)
+            pass
+
+
+class Batcher:
+    """A single thread owning the engine: gathers waiting jobs into one `engine.generate` call."""
+
+    def __init__(self, engine, max_batch: int = 8, window_s: float = 0.005, max_queue: int = 64):
+        self.engine, self.max_batch, self.window_s, self.max_queue = engine, max_batch, window_s, max_queue
+        self._queue: queue.Queue[Job | None] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+        self.batches = 0  # engine.generate calls
+        self.max_batch_seen = 0
+        self.requests_done = 0
+        self.skipped = 0  # requests whose client left before their batch started
+        self.running = 0  # requests in the batch being generated now
+        self.cancelled = 0  # requests whose client left while their batch ran (their row stopped early)
+        self.cancelled_tokens = 0  # tokens generated for those before they stopped
+
+    @property
+    def waiting(self) -> int:
+        return self._queue.qsize()
+
+    def stats(self) -> dict:
+        return {"queue": self.waiting, "running": self.running, "batches": self.batches,
+                "max_batch_seen": self.max_batch_seen, "requests": self.requests_done, "skipped": self.skipped,
+                "cancelled": self.cancelled, "cancelled_tokens": self.cancelled_tokens}
+
+    def start(self) -> None:
+        with self._start_lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._run, name="vlforge-batcher", daemon=True)
+                self._thread.start()
+
+    def check_room(self) -> None:
+        if self.waiting >= self.max_queue:
+            raise APIError(503, f"the server is busy ({self.waiting} requests waiting); retry later",
+                           code="queue_full")
+
+    def submit(self, job: Job) -> None:
+        self.check_room()
+        self.start()
+        self._queue.put(job)
+
+    def close(self, timeout: float = 5.0) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join(timeout)
+
+    def _gather(self, first: Job) -> tuple[list[Job], bool]:
+        batch, stop = [first], False
+        deadline = time.monotonic() + self.window_s
+        while len(batch) < self.max_batch:
+            remaining = deadline - time.monotonic()
+            try:  # after the window, still take what is already waiting
+                job = self._queue.get(timeout=remaining) if remaining > 0 else self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if job is None:
+                stop = True
+                break
+            batch.append(job)
+        return batch, stop
+
+    def _run(self) -> None:
+        stop = False
+        while not stop:
+            first = self._queue.get()
+            if first is None:
+                break
+            batch, stop = self._gather(first)
+            live = [j for j in batch if not j.cancelled]
+            self.skipped += len(batch) - len(live)
+            batch = live
+            if not batch:
+                continue
+            streaming = any(j.stream for j in batch)
+
+            def on_text(i: int, text: str, batch=batch) -> None:
+                if batch[i].stream:
+                    batch[i].emit("text", text)
+
+            self.batches += 1
+            self.max_batch_seen = max(self.max_batch_seen, len(batch))
+            self.running = len(batch)
+            try:
+                completions = self.engine.generate([j.request for j in batch], on_text=on_text if streaming else None)
+            except Exception as e:  # noqa: BLE001 - answered to each client; the server keeps serving
+                log.exception("generation failed for a batch of %d", len(batch))
+                outcomes = [("error", e)] * len(batch)
+            else:
+                outcomes = [("done", c) for c in completions]
+                for c in completions:
+                    if c.finish_reason == "cancelled":
+                        self.cancelled += 1
+                        self.cancelled_tokens += c.completion_tokens
+            # stats first: a client that has its answer sees them counted
+            self.running = 0
+            self.requests_done += len(batch)
+            for j, (kind, payload) in zip(batch, outcomes):
+                j.emit(kind, payload)
+        while True:  # shutting down: answer whoever is still waiting
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                job.emit("error", RuntimeError("the server is shutting down"))
+
+
+
+__all__ = ["Batcher", "Job"]

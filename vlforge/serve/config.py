@@ -1,0 +1,86 @@
+"""The settings of `vlforge serve`: one typed config read by the CLI (its flags and defaults come
+from here), `create_app(engine, cfg)` and the app.
+
+    cfg = ServeConfig(allow_files="/data/images", max_batch=4)    # range-checked on construction
+    app = create_app(engine, cfg)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+
+from vlforge.config import ConfigError
+
+MB = 1024 * 1024
+
+
+def _flag(default, flag: str, help: str, *, unit: int = 1, minimum: float = 1):
+    """A field set by a `vlforge serve` flag; `unit`: the flag's value times `unit` is the field's."""
+    return field(default=default, metadata={"flag": flag, "help": help, "unit": unit, "minimum": minimum})
+
+
+def _setting(default, minimum: float):
+    """A field with no flag (tests and embedding code set it)."""
+    return field(default=default, metadata={"minimum": minimum})
+
+
+@dataclass(frozen=True)
+class ServeConfig:
+    model_name: str | None = field(default=None, metadata={
+        "flag": "--model-name", "help": "the model id clients send and /v1/models lists (default: the source's "
+                                        "directory name, or the preset)"})
+    allow_files: str | Path | None = field(default=None, metadata={
+        "flag": "--allow-files", "metavar": "DIR",
+        "help": "let requests name image files inside DIR (paths relative to DIR, absolute, or file://; symlinks "
+                "resolved, nothing outside DIR); default: base64 data URLs only"})
+    max_batch: int = _flag(8, "--max-batch", "requests generated together in one batch")
+    max_body_bytes: int = _flag(20 * MB, "--max-body-mb", "largest request body in MB, base64 images included",
+                                unit=MB)
+    max_image_pixels: int = _flag(4096 * 4096, "--max-image-pixels",
+                                  "largest image (width x height), checked on its header before decoding")
+    max_images: int = _flag(8, "--max-images", "images per request")
+    max_prompt_tokens: int = _flag(8192, "--max-prompt-tokens", "prompt tokens per request, images included")
+    max_tokens: int = _flag(4096, "--max-tokens-limit", "largest max_tokens a request may ask for")
+    default_max_tokens: int = _setting(512, 1)  # a request's max_tokens when it does not say (capped by max_tokens)
+    batch_window_s: float = _setting(0.005, 0)  # how long the batcher waits for more requests to join a batch
+    max_queue: int = _setting(64, 1)  # requests waiting for a batch; more are refused with 503
+
+    def __post_init__(self):
+        for f in fields(self):
+            value, minimum = getattr(self, f.name), f.metadata.get("minimum")
+            if minimum is None:
+                continue
+            unit, where = f.metadata.get("unit", 1), f.metadata.get("flag", f"ServeConfig.{f.name}")
+            kind = int if f.type == "int" else (int, float)  # annotations are strings (__future__)
+            if isinstance(value, bool) or not isinstance(value, kind) or not value >= minimum:
+                if unit != 1:  # the flag is in other units than the field: say so in the flag's
+                    raise ConfigError(f"{where} {value / unit if isinstance(value, (int, float)) else value!r}: "
+                                      "must be positive")
+                raise ConfigError(f"{where} {value!r}: must be a number >= {minimum}")
+        if self.model_name is not None and not self.model_name.strip():
+            raise ConfigError("--model-name: must not be empty")
+        if self.allow_files is not None and not Path(self.allow_files).is_dir():
+            raise ConfigError(f"--allow-files {self.allow_files}: not a directory")
+
+    @classmethod
+    def flags(cls) -> list:
+        """The fields `vlforge serve` sets from a flag (`metadata` has the flag and its help)."""
+        return [f for f in fields(cls) if "flag" in f.metadata]
+
+    @classmethod
+    def from_flags(cls, values: dict) -> "ServeConfig":
+        """From flag values keyed by field name, each in its flag's units (`--max-body-mb 1.5`)."""
+        kwargs = {}
+        for f in cls.flags():
+            value, unit = values[f.name], f.metadata.get("unit", 1)
+            if unit != 1:
+                if not math.isfinite(value) or value <= 0:
+                    raise ConfigError(f"{f.metadata['flag']} {value}: must be positive")
+                value = int(value * unit)
+            kwargs[f.name] = value
+        return cls(**kwargs)
+
+
+__all__ = ["ServeConfig"]

@@ -1,0 +1,164 @@
+"""Images of a request: `data:image/...;base64,...` URLs, and local files only under the
+directory `allow_files` names (resolved with every symlink followed, refused outside it); never
+http(s) (the server fetches nothing). Pixels are checked on the image header before decoding, and
+a decoded image is shrunk at once to what the processor keeps of it.
+
+    loader = ImageLoader(cfg, keep_pixels=engine.encoder.limits.max_pixels)
+    image = loader.load(url, "messages.0.content.1.image_url")      # PIL RGB, or raises APIError
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import errno
+import io
+import os
+import re
+import stat
+from pathlib import Path
+from urllib.parse import unquote, urlparse
+
+from PIL import Image, UnidentifiedImageError
+
+from vlforge.serve.config import ServeConfig
+from vlforge.serve.schema import APIError
+
+# Formats PIL may open: the common web formats only (PIL's EPS plugin, for one, runs Ghostscript)
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+
+
+class ImageLoader:
+    def __init__(self, cfg: ServeConfig, keep_pixels: int | None = None):
+        self.cfg = cfg
+        self.root = Path(cfg.allow_files).resolve() if cfg.allow_files is not None else None
+        # the processor shrinks anything larger to this anyway: shrinking right after decoding keeps a
+        # queue of waiting requests from holding full-resolution images
+        self.keep_pixels = keep_pixels
+
+    def load(self, url: str, param: str) -> Image.Image:
+        url = url.strip()
+        if url[:5].lower() == "data:":
+            data = self._data_url(url, param)
+        elif re.match(r"^https?://", url, re.I):
+            raise APIError(400, "image URLs are not fetched (no network access from the server); send the image "
+                                "inline as a data URL: data:image/png;base64,<base64 of the file>",
+                           param=param, code="unsupported_image_url")
+        elif url[:5].lower() == "file:" or not re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*:", url):
+            data = self._local_file(url, param)
+        else:
+            raise APIError(400, f"unsupported image URL scheme in {url[:40]!r}; send a data:image/...;base64 URL",
+                           param=param, code="unsupported_image_url")
+        return self._decode(data, param)
+
+    def _data_url(self, url: str, param: str) -> bytes:
+        header, sep, payload = url[5:].partition(",")
+        fields = [f.strip().lower() for f in header.split(";")]
+        if not sep or "base64" not in fields[1:]:
+            raise APIError(400, "image data URLs must be base64: data:image/png;base64,...", param=param,
+                           code="invalid_image_url")
+        if fields[0] and not fields[0].startswith("image/"):
+            raise APIError(400, f"data URL media type {fields[0]!r} is not an image", param=param,
+                           code="invalid_image_url")
+        try:
+            return base64.b64decode("".join(payload.split()), validate=True)
+        except (binascii.Error, ValueError):
+            raise APIError(400, "the image data URL is not valid base64", param=param, code="invalid_base64") from None
+
+    def _local_file(self, url: str, param: str) -> bytes:
+        if self.root is None:
+            raise APIError(403, "local image files are not allowed on this server (the operator can allow a "
+                                "directory with --allow-files DIR); send the image as a data:image/...;base64 URL",
+                           param=param, code="files_not_allowed")
+        raw = url
+        if url[:5].lower() == "file:":
+            parsed = urlparse(url)
+            if parsed.netloc not in ("", "localhost"):
+                raise APIError(400, "file:// URLs must name a local path (file:///path)", param=param,
+                               code="invalid_image_url")
+            raw = unquote(parsed.path)
+        if not raw or "\x00" in raw:
+            raise APIError(400, "empty or invalid image path", param=param, code="invalid_image_url")
+        name = _shown(raw)
+        path = Path(raw)
+        if not path.is_absolute():
+            path = self.root / path  # relative paths are relative to the allowed directory
+        try:
+            resolved = path.resolve()  # follows every symlink, removes ..
+        except (OSError, RuntimeError):
+            raise APIError(403, "the image path cannot be resolved", param=param, code="path_not_allowed") from None
+        if not resolved.is_relative_to(self.root):
+            raise APIError(403, f"image path {name} is outside the directory this server allows", param=param,
+                           code="path_not_allowed")
+        try:  # no symlink at the last step, no blocking on a FIFO swapped in since resolve()
+            fd = os.open(resolved, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+        except OSError as e:  # a missing file, a name too long for the filesystem, no permission...
+            raise _path_error(e, name, param) from None
+        try:
+            # what was opened, not what was checked: closes the race of a directory on the path being
+            # replaced by a symlink between resolve() and open() (Linux; elsewhere the check above stands)
+            proc = Path(f"/proc/self/fd/{fd}")
+            opened = Path(os.readlink(proc)) if proc.is_symlink() else resolved
+            if not opened.is_relative_to(self.root):
+                raise APIError(403, f"image path {name} is outside the directory this server allows", param=param,
+                               code="path_not_allowed")
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                raise APIError(400, f"image path {name} is not a file", param=param, code="image_not_found")
+            with os.fdopen(fd, "rb", closefd=False) as f:
+                data = f.read(self.cfg.max_body_bytes + 1)
+        finally:
+            os.close(fd)
+        if len(data) > self.cfg.max_body_bytes:
+            raise APIError(413, f"image file {name} is larger than {self.cfg.max_body_bytes} bytes",
+                           param=param, code="image_too_large")
+        return data
+
+    def _decode(self, data: bytes, param: str) -> Image.Image:
+        limit = self.cfg.max_image_pixels
+        try:
+            im = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)  # reads the header only
+        except Image.DecompressionBombError:
+            raise APIError(400, f"image has more than {limit} pixels", param=param, code="image_too_large") from None
+        except (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError):
+            raise APIError(400, f"cannot decode the image (supported: {', '.join(IMAGE_FORMATS)})", param=param,
+                           code="invalid_image") from None
+        with im:
+            w, h = im.size
+            if w * h > limit:
+                raise APIError(400, f"image is {w}x{h} = {w * h} pixels; the limit is {limit}", param=param,
+                               code="image_too_large")
+            if min(w, h) < 1 or max(w, h) / min(w, h) > 200:
+                raise APIError(400, f"image is {w}x{h}: sides must be >= 1 pixel and the aspect ratio at most 200",
+                               param=param, code="invalid_image")
+            try:
+                im.load()
+                rgb = im.convert("RGB")
+            except (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError):
+                raise APIError(400, "cannot decode the image (truncated or corrupt)", param=param,
+                               code="invalid_image") from None
+        if self.keep_pixels and w * h > self.keep_pixels:
+            scale = (self.keep_pixels / (w * h)) ** 0.5
+            rgb = rgb.resize((max(1, int(w * scale)), max(1, int(h * scale))), Image.Resampling.BICUBIC)
+        return rgb
+
+
+
+def _shown(raw: str, keep: int = 80) -> str:
+    """A path as an error message shows it: quoted, and cut when long (a client may send any length)."""
+    return repr(raw) if len(raw) <= keep else f"{raw[:keep]!r}... ({len(raw)} characters)"
+
+
+def _path_error(e: OSError, name: str, param: str) -> APIError:
+    if e.errno == errno.ENAMETOOLONG:
+        return APIError(400, f"image path {name} is too long for the filesystem (a file name is at most "
+                             "255 bytes on most); name an existing file under the allowed directory",
+                        param=param, code="invalid_image_url")
+    if e.errno in (errno.ENOENT, errno.ENOTDIR):
+        return APIError(400, f"image file {name} not found", param=param, code="image_not_found")
+    if e.errno == errno.ELOOP:  # the last step became a symlink after resolve()
+        return APIError(403, f"image path {name} is outside the directory this server allows", param=param,
+                        code="path_not_allowed")
+    return APIError(400, f"cannot read image file {name}: {e.strerror}", param=param, code="image_not_found")
+
+
+__all__ = ["IMAGE_FORMATS", "ImageLoader"]

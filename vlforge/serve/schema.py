@@ -1,0 +1,164 @@
+"""The request schema of the chat completions endpoint (pydantic models of OpenAI's shape), the
+checks a parsed request must pass, and the errors in OpenAI's shape
+`{"error": {"message", "type", "param", "code"}}`.
+
+    req = parse_chat_request(body, cfg)     # ChatRequest, or raises APIError (400/404) saying what is wrong
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Literal, Union
+
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from vlforge.serve.config import ServeConfig
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's shape."""
+
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+             404: "invalid_request_error", 413: "invalid_request_error", 500: "server_error", 503: "server_error"}
+
+    def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
+                 type: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+        self.type = type or self.TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(error_body(self.message, self.type, self.param, self.code), status_code=self.status)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}
+
+
+class _Schema(BaseModel):
+    model_config = ConfigDict(extra="ignore")  # clients send many optional fields; unknown ones are ignored
+
+
+class _ImageURL(_Schema):
+    url: str
+    detail: str | None = None
+
+
+class _TextPart(_Schema):
+    type: Literal["text"]
+    text: str
+
+
+class _ImagePart(_Schema):
+    type: Literal["image_url"]
+    image_url: _ImageURL | str  # OpenAI sends {"url": ...}; a bare string is accepted too
+
+    @property
+    def url(self) -> str:
+        return self.image_url if isinstance(self.image_url, str) else self.image_url.url
+
+
+_Part = Annotated[Union[_TextPart, _ImagePart], Field(discriminator="type")]
+
+
+class _Message(_Schema):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[_Part]
+
+
+class _StreamOptions(_Schema):
+    include_usage: bool = False
+
+
+class ChatRequest(_Schema):
+    model: str | None = None
+    messages: list[_Message] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)  # OpenAI's default, 1, when absent
+    top_p: float | None = Field(None, gt=0, le=1)
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: _StreamOptions | None = None
+    n: int | None = 1
+    # vLLM's extension: no end of turn before this many tokens (benchmarks, and tests of long generations)
+    min_tokens: int | None = Field(None, ge=0)
+    # accepted only when empty/off: features this server does not have
+    tools: list | None = None
+    functions: list | None = None
+    logprobs: bool | None = None
+
+    @property
+    def stops(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def asked_tokens(self) -> int | None:
+        """max_completion_tokens (OpenAI's current name) or max_tokens; None when the request does not say."""
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def validation_message(err: ValidationError | RequestValidationError) -> tuple[str, str | None]:
+    """(message, param) of the most specific error. pydantic tries each branch of a union
+    (`content`: a string or a list of parts) and names the branches in `loc`; those labels
+    ("str", "list[...]", private class names, the repeated discriminator tag) are dropped."""
+    def clean(loc) -> list[str]:
+        out: list[str] = []
+        for x in map(str, loc):
+            if x in ("body", "str") or "[" in x or x.startswith("_") or (out and out[-1] == x):
+                continue
+            out.append(x)
+        return out
+
+    errors = [(clean(e.get("loc", ())), e.get("msg", "invalid")) for e in err.errors()] or [([], "invalid request")]
+    depth = max(len(loc) for loc, _ in errors)
+    first = next(loc for loc, _ in errors if len(loc) == depth)
+    loc = ".".join(first)
+    message = "; or ".join(dict.fromkeys(msg for l, msg in errors if l == first))
+    return (f"{loc}: {message}" if loc else message), (loc or None)
+
+
+def parse_chat_request(body: bytes | bytearray, cfg: ServeConfig) -> ChatRequest:
+    """The request body as a ChatRequest, checked against what this server supports and its limits
+    (`cfg.model_name` is the served model's id)."""
+    try:
+        payload = json.loads(body)
+    except (ValueError, RecursionError) as e:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise APIError(400, f"the request body is not valid JSON: {e}", code="invalid_json") from None
+    if not isinstance(payload, dict):
+        raise APIError(400, "the request body must be a JSON object", code="invalid_json")
+    try:
+        req = ChatRequest.model_validate(payload)
+    except ValidationError as e:
+        message, param = validation_message(e)
+        raise APIError(400, message, param=param, code="invalid_value") from None
+    if req.model not in (None, "", cfg.model_name):
+        raise APIError(404, f"the model {req.model!r} does not exist; this server serves {cfg.model_name!r}",
+                       param="model", code="model_not_found")
+    if (req.n or 1) != 1:
+        raise APIError(400, "only n=1 is supported", param="n", code="invalid_value")
+    for name in ("tools", "functions"):
+        if getattr(req, name):
+            raise APIError(400, f"{name} are not supported by this server", param=name, code="unsupported")
+    if req.logprobs:
+        raise APIError(400, "logprobs are not supported by this server", param="logprobs", code="unsupported")
+    if len(req.stops) > 4 or any(not s for s in req.stops):
+        raise APIError(400, "stop: up to 4 non-empty strings", param="stop", code="invalid_value")
+    asked = req.asked_tokens
+    if asked is not None and asked > cfg.max_tokens:
+        raise APIError(400, f"max_tokens={asked} is above this server's limit of {cfg.max_tokens}",
+                       param="max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens",
+                       code="invalid_value")
+    if req.min_tokens and req.min_tokens > (asked or min(cfg.default_max_tokens, cfg.max_tokens)):
+        raise APIError(400, f"min_tokens={req.min_tokens} is above the request's max_tokens", param="min_tokens",
+                       code="invalid_value")
+    n_images = sum(isinstance(p, _ImagePart) for m in req.messages if isinstance(m.content, list) for p in m.content)
+    if n_images > cfg.max_images:
+        raise APIError(400, f"{n_images} images in one request; the limit is {cfg.max_images}",
+                       param="messages", code="too_many_images")
+    return req
+
+
+__all__ = ["APIError", "ChatRequest", "error_body", "parse_chat_request", "validation_message"]
