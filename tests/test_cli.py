@@ -88,3 +88,12 @@ def test_a_bad_data_file_is_refused_before_the_model_loads_or_the_run_starts(tmp
         err = capsys.readouterr().err
         assert "empty.jsonl" in err and "no rows" in err and "model.path" not in err
         assert not (tmp_path / "run").exists()  # nothing written either
+
+
+def test_eval_checks_its_out_file_before_any_work(tmp_path, capsys, shapes_dir):
+    (tmp_path / "file").write_text("")
+    for out, message in ((tmp_path / "file" / "x.json", "does not exist"), (tmp_path, "is a directory")):
+        # a model source that does not exist: the --out check must come first
+        assert main(["eval", str(tmp_path / "no-model"), "--data", str(shapes_dir / "val.jsonl"),
+                     "--out", str(out)]) == 2
+        assert message in capsys.readouterr().err

@@ -168,9 +168,11 @@ def cmd_chat(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from vlforge.engine.metrics import write_json_atomic
+    from vlforge.engine.metrics import check_writable, write_json_atomic
     from vlforge.recipes.infer import evaluate_jsonl
 
+    if args.out:
+        check_writable(args.out, "--out")  # before the model loads and every answer is computed
     report = evaluate_jsonl(_engine(args), args.data, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
                             max_samples=args.max_samples)
     if args.out:

@@ -8,6 +8,8 @@ import os
 import sys
 from pathlib import Path
 
+from vlforge.config import ConfigError
+
 
 def _rows(path: Path) -> list[tuple[str, dict]]:
     """(line, row) of each JSON object line. A line that is not one (a crash mid-write tears the
@@ -93,6 +95,22 @@ def plot_metric(rows: list[dict], key: str, out_png: str | Path, title: str | No
     fig.savefig(out_png)
     plt.close(fig)
     return Path(out_png)
+
+
+def check_writable(path: str | Path, flag: str) -> None:
+    """Fail now, not after the work: `path` (a file to be written later) can be created or replaced."""
+    path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"{flag} {path}: is a directory; give a file name")
+    folder = path.parent if str(path.parent) else Path(".")
+    if not folder.is_dir():
+        raise ConfigError(f"{flag} {path}: the folder {folder} does not exist")
+    probe = folder / f".{path.name}.probe-{os.getpid()}"
+    try:
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise ConfigError(f"{flag} {path}: cannot write in {folder} ({e.strerror}); choose another path") from None
 
 
 def write_json_atomic(data: dict, path: str | Path) -> None:

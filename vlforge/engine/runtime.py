@@ -25,7 +25,7 @@ from vlforge.engine.checkpoint import CKPT_RE, TMP_PREFIX, list_checkpoints
 
 LOCK_NAME = ".vlforge.lock"
 SUPERSEDED_PREFIX = "superseded-"
-# Files a run writes at the top of output_dir (recipes, engine/metrics.py, recipes/eval.py); with
+# Files a run writes at the top of output_dir (recipes, engine/metrics.py, engine/evaluate.py); with
 # checkpoint-STEP/, .tmp-checkpoint-*/, superseded-*/ and TensorBoard's events they are all it writes.
 RUN_FILES = frozenset({"config.yaml", "metrics.jsonl", "metrics.jsonl.tmp", "eval.json", "eval.json.tmp",
                        "loss.png", "reward.png", LOCK_NAME})
