@@ -14,12 +14,36 @@ from vlforge.config import ConfigError
 from vlforge.engine.checkpoint import list_checkpoints
 
 
-def resolve_device(spec: str) -> torch.device:
+def choose_device(spec: str, cuda_available: bool, gpu_count: int, key: str = "train.device"
+                  ) -> tuple[torch.device | None, tuple[str, str] | None]:
+    """The device `spec` (auto | cpu | cuda | cuda:N | ...) names on a machine with `gpu_count`
+    visible GPUs: (device, None), or (None, (detail, advice)) when it cannot be used here.
+
+    Pure, so that `vlforge doctor` can report the problem and go on checking, and tests can ask
+    about machines they do not run on. `auto` and `cuda` mean torch's current CUDA device.
+    """
     if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(spec)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"train.device={spec} but no CUDA device is visible; use train.device=cpu or auto")
+        return torch.device("cuda" if cuda_available and gpu_count else "cpu"), None
+    try:
+        device = torch.device(spec)
+    except (RuntimeError, ValueError):
+        return None, (f"{key}={spec} is not a device", f"use {key}=auto, cpu, cuda or cuda:N")
+    if device.type == "cuda":
+        if not cuda_available or gpu_count == 0:
+            return None, (f"{key}={spec} but no CUDA GPU is visible", f"use {key}=cpu or auto, or run where "
+                          "torch sees a GPU (`vlforge doctor` says why it does not)")
+        if device.index is not None and device.index >= gpu_count:
+            return None, (f"{key}={spec} but only {gpu_count} GPU(s) are visible",
+                          f"use {key}=cuda:0 .. cuda:{gpu_count - 1}, or auto")
+    return device, None  # cpu, cuda, or a device type vlforge is not tested on (doctor warns)
+
+
+def resolve_device(spec: str, key: str = "train.device") -> torch.device:
+    """choose_device on this machine; a device it cannot use is a ConfigError."""
+    available = torch.cuda.is_available()
+    device, problem = choose_device(spec, available, torch.cuda.device_count() if available else 0, key)
+    if problem:
+        raise ConfigError(f"{problem[0]}; {problem[1]}")
     return device
 
 
