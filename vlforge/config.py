@@ -307,11 +307,15 @@ class HealthConfig:
     max_bad_steps: int = 10  # abort after this many consecutive steps with inf/nan gradients
     spike_factor: float = 3.0  # warn when a step's loss exceeds spike_factor x the recent median
     spike_window: int = 20  # steps in that median (no warnings before the window has filled)
-    spike_min_loss: float = 0.1  # near convergence relative jumps are noise: smaller losses never warn
+    # ... and exceeds it by this many nats: with small batches a few hard samples multiply the loss
+    # many times over (healthy demo runs: 0.002 -> 0.2, 0.19 -> 0.99); instabilities add nats
+    spike_min_rise: float = 1.0
 
     def __post_init__(self):
         _require(self.max_bad_steps >= 1 and self.spike_factor > 1 and self.spike_window >= 2,
                  "health: need max_bad_steps >= 1, spike_factor > 1, spike_window >= 2")
+        _require(0 <= self.spike_min_rise < float("inf"), f"health.spike_min_rise={self.spike_min_rise}: "
+                 "need a finite number of nats >= 0 (0: the ratio alone decides)")
 
 
 @dataclass
