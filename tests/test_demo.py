@@ -25,6 +25,7 @@ def test_demo_recipe_first_losses_are_pinned(tmp_path):
     assert losses == pytest.approx(GOLDEN_LOSSES, rel=1e-4, abs=1e-5)
 
 
+@pytest.mark.slow  # the whole demo: 2-3 minutes on 2 idle cores, 7 on busy ones
 def test_demo_sft_learns_colour_and_shape_and_grpo_raises_accuracy(tmp_path, capsys):
     out = tmp_path / "demo"
     assert main(["demo", "--out", str(out), "log.progress=false"]) == 0

@@ -10,16 +10,23 @@ import pytest
 import torch
 
 from vlforge.cli import main
+from vlforge.config import ConfigError, GRPOConfig, SFTConfig
 from vlforge.doctor import (
     BF16_TOLERANCE,
     FP8_TOLERANCE,
+    LIBRARIES,
     STATUSES,
+    Recipe,
     bf16_matmul_error,
     format_report,
     fp8_matmul_error,
+    recipe_checks,
+    recipe_from_config,
     run_checks,
     version_checks,
 )
+from vlforge.config import load_recipe_config, recipe_class
+from vlforge.engine.runtime import choose_device, resolve_device
 
 ROOT = Path(__file__).resolve().parents[1]
 # in-process runs see whatever GPUs the machine has; these tests describe a machine with none
@@ -58,9 +65,11 @@ def test_json_report_schema_on_cpu():
     for info in libs.values():
         assert set(info) == {"available", "version", "error"} and isinstance(info["available"], bool)
         assert (info["error"] is None) == info["available"]
-    for name in ("bitsandbytes", "transformer_engine", "flash_attn", "liger_kernel"):
+    for name in libs:
         check = next(c for c in report["checks"] if c["name"] == name)
-        if not libs[name]["available"]:
+        if libs[name]["available"]:
+            assert check["status"] == "ok" and check["available"] is True
+        else:
             assert check["status"] in ("skip", "warn") and "pip install" in check["advice"]
 
     recipe = report["recipe"]
@@ -103,16 +112,85 @@ def test_missing_model_path_is_named(tmp_path, capsys):
     capsys.readouterr()
 
 
-def test_grpo_recipe_and_flash_attention(tmp_path, capsys):
+def test_grpo_recipe_is_recognised(tmp_path):
     cfg = tmp_path / "grpo.yaml"
     cfg.write_text("rollout: {group_size: 4}\nmodel: {attn_implementation: flash_attention_2}\n")
-    code = main(["doctor", "--config", str(cfg), "--json"])
-    report = json.loads(capsys.readouterr().out)
-    flash = next(c for c in report["checks"] if c["name"] == "recipe flash_attn")
-    if report["libraries"]["flash_attn"]["available"]:
-        assert code == 0 and flash["status"] == "ok"
-    else:
-        assert code == 1 and flash["status"] == "fail" and "pip install flash-attn" in flash["advice"]
+    loaded = load_recipe_config(str(cfg))
+    assert isinstance(loaded, GRPOConfig) and loaded.rollout.group_size == 4
+    assert isinstance(load_recipe_config(None, ["rl.kl_beta=0.1"]), GRPOConfig)
+    assert recipe_class({"model": {}}) is SFTConfig
+    assert isinstance(load_recipe_config(str(ROOT / "configs" / "demo-sft.yaml")), SFTConfig)
+    assert isinstance(load_recipe_config(str(ROOT / "configs" / "demo-grpo.yaml")), GRPOConfig)
+    recipe = recipe_from_config(loaded, str(cfg), cuda_available=False, gpu_count=0)
+    assert "flash_attn" in recipe.needs and recipe.device == torch.device("cpu")
+
+
+def _libs(*available: str) -> dict[str, dict]:
+    """A collect_libraries() result in which exactly `available` import."""
+    return {lib.name: {"available": lib.name in available, "version": "9.9" if lib.name in available else None,
+                       "error": None if lib.name in available else f"ModuleNotFoundError: No module named '{lib.name}'"}
+            for lib in LIBRARIES}
+
+
+def _recipe(**kw) -> Recipe:
+    fields = dict(config=None, device_spec="cpu", device=torch.device("cpu"), device_problem=None, bf16=False,
+                  fp8_backend=None, flash_attn=False, model_path=None)
+    return Recipe(**{**fields, **kw})
+
+
+def test_flash_attention_recipe_needs_flash_attn():
+    recipe = _recipe(flash_attn=True)
+    (ok,) = [c for c in recipe_checks(recipe, _libs("flash_attn")) if c.name == "recipe flash_attn"]
+    assert ok.status == "ok" and "flash_attn 9.9 imports" in ok.detail
+    (failed,) = [c for c in recipe_checks(recipe, _libs()) if c.name == "recipe flash_attn"]
+    assert failed.status == "fail" and "No module named 'flash_attn'" in failed.detail
+    assert failed.advice.startswith("pip install flash-attn") and "attn_implementation=sdpa" in failed.advice
+
+
+def test_recipe_library_checks_fail_when_missing():
+    recipe = _recipe(quant=frozenset({"nf4"}), fp8_backend="te")
+    checks = {c.name: c for c in recipe_checks(recipe, _libs("torchao"))}
+    assert checks["recipe bitsandbytes"].status == "fail" and "quant nf4 needs bitsandbytes" in checks["recipe bitsandbytes"].detail
+    assert "quant.language=none" in checks["recipe bitsandbytes"].advice
+    te = checks["recipe transformer_engine"]
+    assert te.status == "fail" and "transformer_engine.pytorch" in te.detail and "backend=torchao" in te.advice
+    assert checks["recipe fp8"].status == "fail"  # the CPU has no FP8 either
+    checks = {c.name: c for c in recipe_checks(_recipe(quant=frozenset({"int8"})), _libs("bitsandbytes"))}
+    assert checks["recipe bitsandbytes"].status == "ok" and "quant int8: bitsandbytes 9.9" in checks["recipe bitsandbytes"].detail
+
+
+def test_unusable_device_skips_the_hardware_checks():
+    device, problem = choose_device("cuda:2", cuda_available=True, gpu_count=2)
+    recipe = _recipe(device_spec="cuda:2", device=device, device_problem=problem, bf16=True, fp8_backend="torchao",
+                     quant=frozenset({"fp8"}))
+    checks = {c.name: c for c in recipe_checks(recipe, _libs("torchao"))}
+    assert checks["recipe device"].status == "fail" and "only 2 GPU(s)" in checks["recipe device"].detail
+    assert [checks[n].status for n in ("recipe bf16", "recipe fp8", "recipe quant fp8")] == ["skip"] * 3
+    assert checks["recipe torchao"].status == "ok"  # libraries do not depend on the device
+
+
+def test_choose_device_decides_for_any_machine():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert choose_device("auto", cuda_available=False, gpu_count=0) == (cpu, None)
+    assert choose_device("auto", cuda_available=True, gpu_count=0) == (cpu, None)
+    assert choose_device("auto", cuda_available=True, gpu_count=1) == (cuda, None)
+    assert choose_device("cuda:1", cuda_available=True, gpu_count=2) == (torch.device("cuda", 1), None)
+    device, (detail, advice) = choose_device("cuda", cuda_available=False, gpu_count=0)
+    assert device is None and detail == "train.device=cuda but no CUDA GPU is visible" and "train.device=cpu" in advice
+    device, (detail, advice) = choose_device("cuda:4", cuda_available=True, gpu_count=4)
+    assert device is None and "only 4 GPU(s)" in detail and "cuda:0 .. cuda:3" in advice
+    device, (detail, _) = choose_device("tpu", cuda_available=False, gpu_count=0, key="--device")
+    assert device is None and detail == "--device=tpu is not a device"
+
+
+def test_resolve_device_raises_the_same_problem_as_a_config_error():
+    with pytest.raises(ConfigError, match=r"^train.device=tpu is not a device; use train.device=auto"):
+        resolve_device("tpu")
+    assert resolve_device("cpu") == torch.device("cpu")
+    if not torch.cuda.is_available():
+        assert resolve_device("auto") == torch.device("cpu")
+        with pytest.raises(ConfigError, match="no CUDA GPU is visible"):
+            resolve_device("cuda")
 
 
 @no_gpu

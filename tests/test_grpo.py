@@ -172,14 +172,28 @@ def test_a_mini_batch_spanning_rollout_rounds_equals_one_batch(shapes_dir, tmp_p
 
 
 def test_batch_std_is_pooled_over_rollout_rounds():
+    import statistics
+
     from vlforge.recipes.grpo import Batch, pool_batch_std
     from vlforge.rl import grpo_advantages
 
-    r1 = torch.tensor([0.0, 1.0, 0.0, 3.0, 9.0, 9.0, 1.0, 2.0])  # round 1: 4 responses, 2 groups of 2 kept
-    r2 = torch.tensor([5.0, 0.0, 2.0, 2.0])  # round 2: one kept group (seqs 0, 1), one dropped
-    b1 = Batch(None, [0, 1, 2, 3, 4, 5, 6, 7], grpo_advantages(r1, 2, scale="batch"), None)
-    b2 = Batch(None, [0, 1], grpo_advantages(r2, 2, scale="batch"), None)
-    pool_batch_std([b1, b2], [r1, r2[:2]], 2)
-    pooled = grpo_advantages(torch.cat([r1, r2[:2]]), 2, scale="batch")
-    torch.testing.assert_close(torch.cat([b1.advantages, b2.advantages[:2]]), pooled)
-    assert b2.advantages[2:].tolist() == grpo_advantages(r2, 2, scale="batch")[2:].tolist()  # dropped: untouched
+    r1 = [0.0, 1.0, 0.0, 3.0, 9.0, 9.0, 1.0, 2.0]  # round 1: 4 groups of 2, all kept
+    r2 = [5.0, 0.0, 2.0, 4.0]  # round 2: one kept group (seqs 0, 1), one dropped (seqs 2, 3)
+    b1 = Batch(None, list(range(8)), grpo_advantages(torch.tensor(r1), 2, scale="batch"), None)
+    b2 = Batch(None, [0, 1], grpo_advantages(torch.tensor(r2), 2, scale="batch"), None)
+    round1_adv = b1.advantages.clone()
+    pool_batch_std([b1, b2], [torch.tensor(r1), torch.tensor(r2[:2])], 2)
+
+    # adv_scale=batch by hand: (r - its group's mean) / (std over every kept reward + eps), with
+    # grpo_advantages' conventions: the unbiased (n - 1) std, as torch.std, and eps = 1e-6
+    eps = 1e-6
+    kept = r1 + r2[:2]
+    pooled_std = statistics.stdev(kept)
+    expected = [(r - statistics.mean(kept[i - i % 2:i - i % 2 + 2])) / (pooled_std + eps)
+                for i, r in enumerate(kept)]
+    torch.testing.assert_close(torch.cat([b1.advantages, b2.advantages[:2]]), torch.tensor(expected))
+    assert not torch.allclose(round1_adv, torch.tensor(expected[:8]))  # round 1's own std would differ
+    # the dropped group keeps its round's advantages: scaled by round 2's std of all four rewards
+    round2_std = statistics.stdev(r2)
+    torch.testing.assert_close(b2.advantages[2:], torch.tensor([(2.0 - 3.0) / (round2_std + eps),
+                                                                (4.0 - 3.0) / (round2_std + eps)]))

@@ -1,4 +1,5 @@
 import math
+import random
 
 import pytest
 import torch
@@ -6,7 +7,7 @@ import torch
 from vlforge.config import HealthConfig
 from vlforge.data.dataset import load_dataset
 from vlforge.data.encode import collate
-from vlforge.engine.health import GradHealth, TrainingDiverged
+from vlforge.engine.health import GradHealth, LossSpikes, TrainingDiverged
 from vlforge.engine.optim import build_optimizer
 from vlforge.model.tiers import param_groups
 from vlforge.engine.trainable import setup_model
@@ -73,7 +74,7 @@ def test_loss_spike_is_reported_against_the_recent_median(capsys):
     assert rows[5]["loss_spike"] == pytest.approx(5.0 / 1.05)
     assert set(health.groups) == {"other"}  # params outside any tier still get a group
     assert "loss spike" in capsys.readouterr().err
-    quiet = GradHealth(model, [], HealthConfig(spike_factor=3.0, spike_window=4, spike_min_loss=0.1))
+    quiet = GradHealth(model, [], HealthConfig(spike_factor=3.0, spike_window=4, spike_min_rise=1.0))
     for loss in [0.01, 0.012, 0.009, 0.011, 0.05]:  # 5x the median, but converged noise
         model(torch.ones(1, 4)).sum().backward()
         assert "loss_spike" not in quiet.step(optimizer, scaler, 1.0, loss)
@@ -88,3 +89,36 @@ def test_spike_check_survives_zero_and_negative_losses_and_can_be_off():
         for loss in [0.0, 0.0, -0.5, 0.0, 2.0, -1.0]:  # GRPO-like: a zero median, then a jump
             model(torch.ones(1, 4)).sum().backward()
             assert "loss_spike" not in health.step(optimizer, scaler, 1.0, loss)
+
+
+def _healthy_losses(steps: int = 1500) -> list[float]:
+    """A healthy small-batch SFT loss curve, shaped like the demo recipe's: from 6.4 down to ~0.002,
+    multiplicative noise, and now and then a hard sample lifting one batch by up to 0.8 nats."""
+    rng = random.Random(0)
+    losses = []
+    for t in range(steps):
+        loss = (0.002 + 6.4 * math.exp(-t / 80)) * math.exp(rng.gauss(0, 0.25))
+        if rng.random() < 0.03:
+            loss += rng.uniform(0.1, 0.8)
+        losses.append(loss)
+    return losses
+
+
+def _spike_steps(losses: list[float], cfg: HealthConfig = HealthConfig()) -> list[int]:
+    spikes = LossSpikes(cfg)
+    return [step for step, loss in enumerate(losses) if spikes(loss) is not None]
+
+
+def test_healthy_noisy_loss_curve_gives_no_spike_warning():
+    losses = _healthy_losses()
+    assert _spike_steps(losses) == []
+    # the ratio alone would have warned many times on it (what the demo printed before)
+    assert len(_spike_steps(losses, HealthConfig(spike_min_rise=0.0))) > 20
+
+
+@pytest.mark.parametrize("step, make_spike", [(150, lambda loss: 10 * loss),  # 10x mid-run
+                                              (1200, lambda loss: 3.0)])  # back to half the first loss
+def test_injected_loss_spike_gives_exactly_one_warning(step, make_spike):
+    losses = _healthy_losses()
+    losses[step] = make_spike(losses[step])
+    assert _spike_steps(losses) == [step]

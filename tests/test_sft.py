@@ -69,6 +69,7 @@ def _cli(shapes_dir, out_dir, *extra):
             f"data.train={shapes_dir / 'train.jsonl'}", f"train.output_dir={out_dir}", *extra]
 
 
+@pytest.mark.slow  # three CLI runs: 35-60 s per method on 2 shared cores
 @pytest.mark.parametrize("method", ["full", "lora"])
 def test_resume_after_sigkill_equals_uninterrupted_run(shapes_dir, tmp_path, method):
     steps = 30

@@ -107,7 +107,8 @@ def cmd_data_check(args) -> int:
 
 
 def cmd_doctor(args) -> int:
-    from vlforge.doctor import format_report, load_recipe_config, run_checks
+    from vlforge.config import load_recipe_config
+    from vlforge.doctor import format_report, run_checks
 
     cfg = load_recipe_config(args.config, args.overrides) if args.config or args.overrides else None
     report = run_checks(cfg, config_path=args.config)

@@ -38,10 +38,10 @@ from pathlib import Path
 from typing import Any, Iterator, Literal
 
 import torch
-import yaml
 
-from vlforge.config import GRPOConfig, SFTConfig, load_config
+from vlforge.config import GRPOConfig, SFTConfig
 from vlforge.engine.hardware import bf16_problem, capability, fp8_problem
+from vlforge.engine.runtime import choose_device
 
 Status = Literal["ok", "warn", "fail", "skip"]
 STATUSES: tuple[str, ...] = ("ok", "warn", "fail", "skip")
@@ -279,50 +279,9 @@ class Recipe:
         return needs
 
 
-def load_recipe_config(path: str | None, overrides: list[str] | None = None) -> SFTConfig | GRPOConfig:
-    """SFTConfig, or GRPOConfig when the YAML (or an override) has an `rl`/`rollout` section.
-
-    An unreadable file falls through to load_config, whose ConfigError says what is wrong.
-    """
-    sections: set[str] = set()
-    if path and Path(path).is_file():
-        try:
-            data = yaml.safe_load(Path(path).read_text())
-        except yaml.YAMLError:
-            data = None
-        if isinstance(data, dict):
-            sections = set(data)
-    sections |= {o.split("=", 1)[0].split(".", 1)[0].strip() for o in overrides or [] if "=" in o}
-    cls = GRPOConfig if sections & {"rl", "rollout"} else SFTConfig
-    return load_config(cls, path, overrides)
-
-
-def resolve_device(spec: str, cuda_available: bool, gpu_count: int
-                   ) -> tuple[torch.device | None, tuple[str, str] | None]:
-    """Like vlforge.engine.runtime.resolve_device, but returns (detail, advice) of a problem
-    instead of raising it, so the doctor can go on checking everything else."""
-    if spec == "auto":
-        return torch.device("cuda", 0) if cuda_available and gpu_count else torch.device("cpu"), None
-    try:
-        device = torch.device(spec)
-    except (RuntimeError, ValueError):
-        return None, (f"train.device={spec} is not a device", "use train.device=auto, cpu, cuda or cuda:N")
-    if device.type == "cuda":
-        index = device.index or 0
-        if not cuda_available or gpu_count == 0:
-            return None, (f"train.device={spec} but no CUDA GPU is visible",
-                          "use train.device=cpu or auto, or run where torch sees a GPU "
-                          "(see the gpu and nvidia driver checks above)")
-        if index >= gpu_count:
-            return None, (f"train.device={spec} but only {gpu_count} GPU(s) are visible",
-                          f"use train.device=cuda:0 .. cuda:{gpu_count - 1}, or auto")
-        return torch.device("cuda", index), None
-    return device, None  # cpu, or a device type vlforge is not tested on (recipe_checks warns)
-
-
 def recipe_from_config(cfg: SFTConfig | GRPOConfig, config: str | None, cuda_available: bool,
                        gpu_count: int) -> Recipe:
-    device, problem = resolve_device(cfg.train.device, cuda_available, gpu_count)
+    device, problem = choose_device(cfg.train.device, cuda_available, gpu_count)
     return Recipe(
         config=config,
         device_spec=cfg.train.device,
@@ -566,6 +525,28 @@ def distributed_checks(env: dict[str, Any]) -> list[Check]:
     return [Check("multi-gpu", "ok", ", ".join(parts), values=values)]
 
 
+def _device_feature_check(name: str, device: torch.device | None, problem: str | None, ok: str, failed: str,
+                          advice: str | None = None) -> Check:
+    """A recipe feature the run's device must have (bf16, FP8). With no usable device there is
+    nothing to ask: "recipe device" has failed already, and judging the CPU instead would mislead."""
+    if device is None:
+        return Check(name, "skip", "train.device is unusable (see recipe device)")
+    if problem:
+        return Check(name, "fail", failed, advice or problem)
+    return Check(name, "ok", ok)
+
+
+def _library_feature_check(lib: str, feature: str, error: str | None, instead: str, module: str | None = None,
+                           version: str | None = None) -> Check:
+    """A library a recipe feature imports: ok when it imports, else fail with how to install it
+    and what to use instead."""
+    module = module or lib
+    if error is None:
+        return Check(f"recipe {lib}", "ok", f"{feature}: {module} {version + ' ' if version else ''}imports")
+    return Check(f"recipe {lib}", "fail", f"{feature} needs {module}: {_one_line(error)}",
+                 f"{_LIBRARY[lib].install}; or {instead}", {"error": error})
+
+
 def recipe_checks(recipe: Recipe, libs: dict[str, dict[str, Any]]) -> list[Check]:
     checks = []
     device = recipe.device
@@ -581,73 +562,45 @@ def recipe_checks(recipe: Recipe, libs: dict[str, dict[str, Any]]) -> list[Check
                                 {"train_device": recipe.device_spec}))
         else:
             checks.append(Check("recipe device", "ok", via, values={"train_device": recipe.device_spec}))
-    # The hardware checks ask about the device the run would use. With no usable device there is
-    # nothing to ask: "recipe device" has failed already, and judging the CPU instead would mislead.
-    unusable = "train.device is unusable (see recipe device)"
+    fp8_missing = fp8_problem(device) if device is not None else None
 
     if recipe.bf16:
-        problem = bf16_problem(device) if device is not None else None
-        if device is None:
-            checks.append(Check("recipe bf16", "skip", unusable))
-        elif problem:
-            checks.append(Check("recipe bf16", "fail", f"precision.mode=bf16 on {device}: no bf16 support", problem))
-        else:
-            checks.append(Check("recipe bf16", "ok", f"precision.mode=bf16 runs on {device}"
-                                + (" (slowly)" if device.type == "cpu" else "")))
+        checks.append(_device_feature_check(
+            "recipe bf16", device, bf16_problem(device) if device is not None else None,
+            f"precision.mode=bf16 runs on {device}" + (" (slowly)" if device and device.type == "cpu" else ""),
+            f"precision.mode=bf16 on {device}: no bf16 support"))
 
     if recipe.fp8_backend:
-        problem = fp8_problem(device) if device is not None else None
-        if device is None:
-            checks.append(Check("recipe fp8", "skip", unusable))
-        elif problem:
-            checks.append(Check("recipe fp8", "fail", f"precision.fp8.enabled on {device}: no FP8 support", problem))
-        else:
-            checks.append(Check("recipe fp8", "ok", f"precision.fp8.enabled: {device} has FP8 tensor cores"))
-        name = _BACKEND_LIBRARY[recipe.fp8_backend]
-        module = _BACKEND_MODULE[recipe.fp8_backend]
+        checks.append(_device_feature_check(
+            "recipe fp8", device, fp8_missing, f"precision.fp8.enabled: {device} has FP8 tensor cores",
+            f"precision.fp8.enabled on {device}: no FP8 support"))
+        name, module = _BACKEND_LIBRARY[recipe.fp8_backend], _BACKEND_MODULE[recipe.fp8_backend]
         error = _try_import(module) if libs[name]["available"] else libs[name]["error"]
-        if error is None:
-            checks.append(Check(f"recipe {name}", "ok", f"precision.fp8.backend={recipe.fp8_backend}: {module} imports"))
-        else:
-            other = "te" if recipe.fp8_backend == "torchao" else "torchao"
-            checks.append(Check(f"recipe {name}", "fail",
-                                f"precision.fp8.backend={recipe.fp8_backend} needs {module}: {_one_line(error)}",
-                                f"{_LIBRARY[name].install}; or use precision.fp8.backend={other}, "
-                                "or precision.fp8.enabled=false", {"error": error}))
+        other = "te" if recipe.fp8_backend == "torchao" else "torchao"
+        checks.append(_library_feature_check(
+            name, f"precision.fp8.backend={recipe.fp8_backend}", error,
+            f"use precision.fp8.backend={other}, or precision.fp8.enabled=false", module=module))
 
     if recipe.quant & {"nf4", "int8"}:
         info = libs["bitsandbytes"]
-        methods = "/".join(sorted(recipe.quant & {"nf4", "int8"}))
-        if info["available"]:
-            checks.append(Check("recipe bitsandbytes", "ok", f"quant {methods}: bitsandbytes {info['version']} imports"))
-        else:
-            checks.append(Check("recipe bitsandbytes", "fail", f"quant {methods} needs bitsandbytes: {info['error']}",
-                                f"{_LIBRARY['bitsandbytes'].install}; or set quant.language=none",
-                                {"error": info["error"]}))
+        checks.append(_library_feature_check(
+            "bitsandbytes", f"quant {'/'.join(sorted(recipe.quant & {'nf4', 'int8'}))}", info["error"],
+            "set quant.language=none", version=info["version"]))
+
     if "fp8" in recipe.quant:
-        problem = fp8_problem(device) if device is not None else None
-        if device is None:
-            checks.append(Check("recipe quant fp8", "skip", unusable))
-        elif problem:
-            checks.append(Check("recipe quant fp8", "fail", f"quant fp8 on {device}: no FP8 support",
-                                "quant fp8 needs compute capability >= 8.9 (L4, L40, H100, H200, B200): "
-                                "use quant nf4 or int8"))
-        else:
-            checks.append(Check("recipe quant fp8", "ok", f"quant fp8: {device} has FP8 tensor cores"))
-        if not libs["torchao"]["available"]:
-            checks.append(Check("recipe torchao", "fail", f"quant fp8 needs torchao: {libs['torchao']['error']}",
-                                _LIBRARY["torchao"].install, {"error": libs["torchao"]["error"]}))
+        checks.append(_device_feature_check(
+            "recipe quant fp8", device, fp8_missing, f"quant fp8: {device} has FP8 tensor cores",
+            f"quant fp8 on {device}: no FP8 support",
+            "quant fp8 needs compute capability >= 8.9 (L4, L40, H100, H200, B200): use quant nf4 or int8"))
+        info = libs["torchao"]
+        checks.append(_library_feature_check("torchao", "quant fp8", info["error"], "use quant nf4 or int8",
+                                             version=info["version"]))
 
     if recipe.flash_attn:
         info = libs["flash_attn"]
-        if info["available"]:
-            checks.append(Check("recipe flash_attn", "ok",
-                                f"model.attn_implementation=flash_attention_2: flash_attn {info['version']} imports"))
-        else:
-            checks.append(Check("recipe flash_attn", "fail",
-                                f"model.attn_implementation=flash_attention_2 needs flash_attn: {info['error']}",
-                                f"{_LIBRARY['flash_attn'].install}; or use model.attn_implementation=sdpa",
-                                {"error": info["error"]}))
+        checks.append(_library_feature_check(
+            "flash_attn", "model.attn_implementation=flash_attention_2", info["error"],
+            "use model.attn_implementation=sdpa", version=info["version"]))
 
     if recipe.model_path:
         checks.append(_model_path_check(recipe.model_path))

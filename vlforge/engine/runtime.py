@@ -36,36 +36,42 @@ _TB_EVENTS = re.compile(r"^events\.out\.tfevents\.")
 # ----------------------------------------------------------------------------- device, workers, seeds
 
 
-def device_problem(spec: str, cuda_available: bool, gpu_count: int, mps_available: bool = False,
-                   key: str = "train.device") -> str | None:
-    """Why `spec` cannot be used on this machine, or None (pure: callers pass what they probed)."""
+def choose_device(spec: str, cuda_available: bool, gpu_count: int, key: str = "train.device",
+                  mps_available: bool = False) -> tuple[torch.device | None, tuple[str, str] | None]:
+    """The device `spec` (auto | cpu | cuda | cuda:N | mps) names on a machine with `gpu_count`
+    visible GPUs: (device, None), or (None, (detail, advice)) when it cannot be used here.
+
+    Pure, so that `vlforge doctor` can report the problem and go on checking, and tests can ask
+    about machines they do not run on. `auto` and `cuda` mean torch's current CUDA device.
+    """
     if spec == "auto":
-        return None
+        return torch.device("cuda" if cuda_available and gpu_count else "cpu"), None
     try:
         device = torch.device(spec)
     except (RuntimeError, ValueError):
-        return f"{key}={spec} is not a device; use auto, cpu, cuda, cuda:N or mps"
+        return None, (f"{key}={spec} is not a device", f"use {key}=auto, cpu, cuda, cuda:N or mps")
     if device.type == "cuda":
         if not cuda_available or gpu_count == 0:
-            return f"{key}={spec} but no CUDA device is visible; use {key}=cpu or auto"
-        if (device.index or 0) >= gpu_count:
-            return f"{key}={spec} but only {gpu_count} CUDA device(s) are visible; use cuda:0 .. cuda:{gpu_count - 1}"
+            return None, (f"{key}={spec} but no CUDA GPU is visible", f"use {key}=cpu or auto, or run where "
+                          "torch sees a GPU (`vlforge doctor` says why it does not)")
+        if device.index is not None and device.index >= gpu_count:
+            return None, (f"{key}={spec} but only {gpu_count} GPU(s) are visible",
+                          f"use {key}=cuda:0 .. cuda:{gpu_count - 1}, or auto")
     elif device.type == "mps" and not mps_available:
-        return f"{key}={spec} but MPS (Apple GPU) is not available; use {key}=cpu or auto"
+        return None, (f"{key}={spec} but MPS (Apple GPU) is not available", f"use {key}=cpu or auto")
     elif device.type not in ("cpu", "cuda", "mps"):
-        return f"{key}={spec}: vlforge runs on cpu, cuda or mps"
-    return None
+        return None, (f"{key}={spec}: vlforge runs on cpu, cuda or mps", f"use {key}=auto, cpu, cuda or cuda:N")
+    return device, None
 
 
 def resolve_device(spec: str, key: str = "train.device") -> torch.device:
-    if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    cuda = torch.cuda.is_available()
-    problem = device_problem(spec, cuda, torch.cuda.device_count() if cuda else 0,
-                             torch.backends.mps.is_available(), key)
+    """choose_device on this machine; a device it cannot use is a ConfigError."""
+    available = torch.cuda.is_available()
+    device, problem = choose_device(spec, available, torch.cuda.device_count() if available else 0, key,
+                                    torch.backends.mps.is_available())
     if problem:
-        raise ConfigError(problem)
-    return torch.device(spec)
+        raise ConfigError(f"{problem[0]}; {problem[1]}")
+    return device
 
 
 def usable_cpus() -> int:
