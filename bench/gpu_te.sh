@@ -9,7 +9,7 @@
 #   there, one call a part:  bash bench/gpu_te.sh stash DIR         # DIR/src (first call) and DIR/parts/* -> /tmp/te;
 #                                                                   # the first call also starts the build (setsid)
 #   there, after the last:   bash bench/gpu_te.sh install           # reassemble, verify, wait for the build, install, import
-#                            bash bench/gpu_te.sh tests | 8b NAME OVERRIDES... | grpo NAME OVERRIDES...
+#                            bash bench/gpu_te.sh tests | measure | 8b NAME OVERRIDES... | grpo NAME OVERRIDES...
 # Everything lands under /tmp/te (kept while the machine is held) and the site dir /tmp/te/site;
 # logs and results also under $OUT. VERSION, PART_MIB, PACK (wheel | xz | auto) may be set for prep.
 set -uo pipefail
@@ -153,7 +153,20 @@ case "$cmd" in
   grpo)  # NAME OVERRIDES...: bench/gpu_grpo_smoke.sh's 8B GRPO recipe
     cd "$HERE" || exit 1
     name=$1; shift
-    bash bench/gpu_grpo_smoke.sh qwen3vl-8b-grpo "$@" && mv "$OUT/qwen3vl-8b-grpo"*-metrics.jsonl "$OUT/$name-metrics.jsonl"
+    rm -rf $TE/grpo; OUT=$TE/grpo bash bench/gpu_grpo_smoke.sh qwen3vl-8b-grpo "$@"
+    cp $TE/grpo/*-metrics.jsonl "$OUT/$name-metrics.jsonl"; cat $TE/grpo/*.txt > "$OUT/$name.txt"
+    ;;
+  measure)  # the measurements one after another, ~10 min: start it with setsid, collect $OUT later
+    for r in delayed current; do
+      stamp "8b te $r"; bash "$0" 8b 8b_te_$r precision.fp8.enabled=true precision.fp8.backend=te precision.fp8.te.recipe=$r
+    done
+    # GRPO: TE delayed on the language model, current scaling (no amax history to go stale) on the
+    # vision tower; one mini-batch per step, so approx_kl is the rollout/trainer log-prob mismatch
+    stamp "grpo te"; bash "$0" grpo grpo_te precision.fp8.enabled=true precision.fp8.backend=te \
+      precision.gradient_checkpointing=false "precision.fp8.include=[language_model.layers,visual.blocks]" \
+      precision.fp8.te.recipe=delayed precision.fp8.te_vision.recipe=current rl.mini_batch_size=16
+    stamp "grpo bf16"; bash "$0" grpo grpo_bf16 precision.gradient_checkpointing=false rl.mini_batch_size=16
+    stamp "measure done"
     ;;
   *) sed -n 2,15p "$0"; exit 2 ;;
 esac

@@ -134,6 +134,7 @@ def test_fp8_training_step_matches_bf16_on_gpu(shapes_dir, tmp_path):
 
     if not torch.cuda.is_available() or fp8_problem(torch.device("cuda")):
         pytest.skip("needs a GPU with FP8 (compute capability >= 8.9)")
+    pytest.importorskip("torchao")
     from vlforge.data.dataset import load_dataset
     from vlforge.data.encode import collate
     from vlforge.engine.health import GradHealth
@@ -218,7 +219,7 @@ def test_fp8_state_is_empty_without_te_layers_and_refuses_a_mismatch(tiny):
     assert fp8_state(tiny[0]) == {}
     assert load_fp8_state(tiny[0], {}) == 0
     with pytest.raises(RuntimeError, match="same precision.fp8 settings"):
-        load_fp8_state(tiny[0], {"model.language_model.layers.0.mlp.up_proj": torch.zeros(1, dtype=torch.uint8)})
+        load_fp8_state(tiny[0], {"model.language_model.layers.0.mlp.up_proj.scale_fwd": torch.ones(3)})
 
 
 def test_doctor_te_check_only_runs_where_te_imports():
@@ -365,6 +366,8 @@ def test_te_delayed_scaling_resume_is_exact(shapes_dir, tmp_path, method):
     first = run(tmp_path / "a")
     state = torch.load(tmp_path / "a" / "checkpoint-2" / "fp8_state.pt", weights_only=True)
     assert state and all(k.startswith("model.language_model.layers.") for k in state)
+    history = state["model.language_model.layers.0.mlp.up_proj.amax_history_fwd"]
+    assert history.shape[0] == 16 and (history > 0).any()  # te.amax_history_len: the amaxes seen so far
     resumed = run(tmp_path / "b", f"train.resume={tmp_path / 'a' / 'checkpoint-2'}")
     assert resumed[3] == first[3]  # same weights, same scales: the same step-3 forward, bit for bit
     assert resumed[4] == pytest.approx(first[4], rel=1e-3)

@@ -243,20 +243,39 @@ def _te_modules(model: nn.Module):
 
 
 def fp8_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """Each TE module's FP8 metadata (recipe, scales, amax history), as TE serializes it (uint8
-    tensors): the state that delayed scaling carries from step to step. Empty without TE layers."""
-    return {name: module.get_extra_state() for name, module in _te_modules(model)}
+    """Delayed scaling's per-module state, the part that carries from step to step: each TE
+    module's forward/backward scales and amax histories, as plain CPU tensors named
+    `<module>.scale_fwd` etc. (so torch.load(weights_only=True) reads them; TE's own extra state is
+    a pickle that TE >= 2.20 refuses to load by default). Empty without delayed-scaling TE layers."""
+    state = {}
+    for name, module in _te_modules(model):
+        meta = module.fp8_meta
+        if "scaling_fwd" not in meta or not meta["recipe"].delayed():
+            continue  # never ran in FP8, or a recipe whose scales come from the current tensor
+        for way in ("fwd", "bwd"):
+            state[f"{name}.scale_{way}"] = meta[f"scaling_{way}"].scale.detach().cpu().clone()
+            state[f"{name}.amax_history_{way}"] = meta[f"scaling_{way}"].amax_history.detach().cpu().clone()
+    return state
 
 
 def load_fp8_state(model: nn.Module, state: dict[str, torch.Tensor]) -> int:
-    """Restore `fp8_state` into a model converted the same way; returns how many modules."""
+    """Restore `fp8_state` into a model converted the same way (TEBackend.convert records each
+    layer's recipe); returns how many modules. The next FP8 forward keeps these tensors."""
     modules = dict(_te_modules(model))
-    if missing := sorted(set(state) ^ set(modules)):
-        raise RuntimeError(f"FP8 state does not match this model's TE layers (e.g. {missing[:3]}): "
+    names = sorted({key.rsplit(".", 1)[0] for key in state})
+    if unknown := [n for n in names if n not in modules]:
+        raise RuntimeError(f"FP8 state does not match this model's TE layers (e.g. {unknown[:3]}): "
                            "resume with the same precision.fp8 settings the checkpoint was trained with")
-    for name, module in modules.items():
-        module.set_extra_state(state[name])
-    return len(modules)
+    for name in names:
+        module = modules[name]
+        meta = module.fp8_meta
+        meta.setdefault("num_gemms", 1)  # one GEMM per te.Linear; TE sets it at the first FP8 forward
+        module.init_fp8_meta_tensors(meta["recipe"])  # what TE's set_extra_state does, minus the pickle
+        with torch.no_grad():
+            for way in ("fwd", "bwd"):
+                meta[f"scaling_{way}"].scale.copy_(state[f"{name}.scale_{way}"])
+                meta[f"scaling_{way}"].amax_history.copy_(state[f"{name}.amax_history_{way}"])
+    return len(names)
 
 
 class TEBackend:
@@ -269,14 +288,17 @@ class TEBackend:
 
     def convert(self, model: nn.Module, plan: dict[str, Decision]) -> int:
         chosen = {n for n, d in plan.items() if d.convert}
+        recipes = {"language": te_recipe(self.cfg.te), "vision": te_recipe(self.cfg.te_vision)}
         converted = 0
         for fqn, module in list(model.named_modules()):
             if not (isinstance(module, nn.Linear) and canonical_name(fqn) in chosen and "lora_" not in fqn):
                 continue
-            _set_submodule(model, fqn, te_linear_from(module))
+            new = te_linear_from(module)
+            # the group's recipe, so load_fp8_state can rebuild delayed-scaling state before any forward
+            new.fp8_meta["recipe"] = recipes[_te_group(canonical_name(fqn))]
+            _set_submodule(model, fqn, new)
             converted += 1
         groups = {_te_group(n) for n in chosen}
-        recipes = {"language": te_recipe(self.cfg.te), "vision": te_recipe(self.cfg.te_vision)}
         for group in groups:
             root = model.get_submodule(self.GROUP_ROOTS[group])
             forward = root.forward
