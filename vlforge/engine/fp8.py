@@ -20,8 +20,8 @@ Backends:
   (batch x tokens, or vision patches) is not a multiple of 8, so each swapped layer pads its rows
   to a multiple of 16 and slices them off again: the vision tower's patch counts and a rollout's
   decode steps (one row per sequence) work unpadded, and batches collated to `token_multiple`
-  skip the copy. Delayed scaling keeps its amax history and scales in each module's extra state:
-  `fp8_state` / `load_fp8_state` carry them through checkpoints so a resume is exact.
+  skip the copy. Delayed scaling's scales and amax histories carry from step to step:
+  `fp8_state` / `load_fp8_state` put them in checkpoints so a resume is exact.
 
 LoRA: the frozen base linear inside peft's LoRA layer is converted; the adapters stay in high
 precision. torchao still computes the (discarded) FP8 weight gradient of a frozen base layer, so
