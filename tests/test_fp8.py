@@ -1,13 +1,25 @@
 """FP8 layer selection (pure logic on real module shapes), backend errors, torchao conversion.
 
 The FP8 matmuls themselves need a GPU with compute capability >= 8.9: those tests are marked gpu.
+The TransformerEngine ones also need TE's PyTorch extension, built against the local torch
+(bench/gpu_te.sh builds it on the GPU machine); without it they skip, saying why it did not import.
 """
 
 import pytest
 import torch
 
 from vlforge.config import ConfigError, FP8Config, ModelConfig
-from vlforge.engine.fp8 import _missing_library, decide, fp8_backend, fp8_layer_plan, summarize
+from vlforge.engine.fp8 import (
+    _missing_library,
+    decide,
+    fp8_backend,
+    fp8_layer_plan,
+    fp8_state,
+    load_fp8_state,
+    summarize,
+    te_problem,
+    token_multiple,
+)
 from vlforge.model.load import build_meta_model
 
 
@@ -122,6 +134,7 @@ def test_fp8_training_step_matches_bf16_on_gpu(shapes_dir, tmp_path):
 
     if not torch.cuda.is_available() or fp8_problem(torch.device("cuda")):
         pytest.skip("needs a GPU with FP8 (compute capability >= 8.9)")
+    pytest.importorskip("torchao")
     from vlforge.data.dataset import load_dataset
     from vlforge.data.encode import collate
     from vlforge.engine.health import GradHealth
@@ -150,15 +163,22 @@ def test_fp8_training_step_matches_bf16_on_gpu(shapes_dir, tmp_path):
     assert losses[True] == pytest.approx(losses[False], rel=0.05)
 
 
-@pytest.mark.gpu
-def test_transformer_engine_backend_on_gpu(shapes_dir, tmp_path):
+def _need_te():
+    """transformer_engine.pytorch on an FP8 GPU, or skip saying what is missing."""
     from vlforge.engine.hardware import fp8_problem
 
     if not torch.cuda.is_available() or fp8_problem(torch.device("cuda")):
         pytest.skip("needs a GPU with FP8 (compute capability >= 8.9)")
-    te = pytest.importorskip("transformer_engine.pytorch",
-                             reason="TransformerEngine is not installed (it must be built against the local torch "
-                                    "and CUDA; not installable on the benchmark machine, which has no network)")
+    if problem := te_problem():
+        pytest.skip(f"TransformerEngine does not import here ({problem}); bench/gpu_te.sh builds it on the GPU machine")
+    import transformer_engine.pytorch as te
+
+    return te
+
+
+@pytest.mark.gpu
+def test_transformer_engine_backend_on_gpu(shapes_dir, tmp_path):
+    te = _need_te()
     from vlforge.data.dataset import load_dataset
     from vlforge.data.encode import collate
     from vlforge.engine.health import GradHealth
@@ -189,3 +209,183 @@ def test_te_converts_only_inside_its_autocast_groups():
     assert "no TE autocast group" in plan["lm_head"].reason
     assert plan["model.visual.blocks.0.attn.qkv"].convert
     assert plan["model.language_model.layers.0.mlp.up_proj"].convert
+
+
+def test_token_multiple_follows_the_plan():
+    assert token_multiple(_plan("qwen3vl-8b")) == 16
+    assert token_multiple(_plan("tiny")) == 1  # nothing converted: no padding
+    assert token_multiple({}) == 1  # FP8 off
+
+
+def test_fp8_state_is_empty_without_te_layers_and_refuses_a_mismatch(tiny):
+    assert fp8_state(tiny[0]) == {}
+    assert load_fp8_state(tiny[0], {}) == 0
+    with pytest.raises(RuntimeError, match="same precision.fp8 settings"):
+        load_fp8_state(tiny[0], {"model.language_model.layers.0.mlp.up_proj.scale_fwd": torch.ones(3)})
+
+
+def test_doctor_te_check_only_runs_where_te_imports():
+    from vlforge.doctor import te_checks
+
+    gpu = {"index": 0, "fp8": True}
+    assert te_checks([gpu], {"transformer_engine": {"available": False, "version": None}}) == []
+
+
+def _rel(out, ref) -> float:
+    return ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("recipe", ["delayed", "current"])
+@pytest.mark.parametrize("rows", [(4, 32), (3, 5)])  # 128 rows, and 15: not a multiple of 8, padded inside
+def test_te_linear_matches_the_bf16_layer_within_fp8_tolerance(recipe, rows):
+    te = _need_te()
+    from vlforge.config import TERecipeConfig
+    from vlforge.engine.fp8 import te_autocast, te_linear_from, te_recipe
+
+    torch.manual_seed(0)
+    ref = torch.nn.Linear(256, 512, device="cuda", dtype=torch.bfloat16)
+    layer = te_linear_from(ref)
+    assert isinstance(layer, te.Linear) and torch.equal(layer.weight, ref.weight) and torch.equal(layer.bias, ref.bias)
+    fp8_recipe = te_recipe(TERecipeConfig(recipe=recipe, fp8_format="HYBRID"))
+    for _ in range(3):  # delayed scaling: the later steps use the scales from the amax history
+        x = torch.randn(*rows, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        grad = torch.randn(*rows, 512, device="cuda", dtype=torch.bfloat16)
+        y_ref = ref(x)
+        (dx_ref,) = torch.autograd.grad(y_ref, x, grad)
+        ref.weight.grad = None
+        with te_autocast(fp8_recipe):
+            y = layer(x)
+        assert y.shape == y_ref.shape
+        (dx,) = torch.autograd.grad(y, x, grad)
+        # e4m3 operands keep 4 significant bits (~2-3% rms error each), e5m2 gradients 3 bits;
+        # a wrong weight, transpose or scale gives errors near 1
+        assert _rel(y, y_ref) < 0.06, _rel(y, y_ref)
+        assert _rel(dx, dx_ref) < 0.15, _rel(dx, dx_ref)
+    if rows == (3, 5):  # the padding is what makes unaligned rows work: plain te.Linear refuses them
+        plain = te.Linear(256, 512, params_dtype=torch.bfloat16, device="cuda")
+        with pytest.raises((ValueError, AssertionError, RuntimeError)), te_autocast(fp8_recipe):
+            plain(torch.randn(15, 256, device="cuda", dtype=torch.bfloat16))
+
+
+def _tiny_te_model(tiny, **fp8):
+    import copy
+
+    from vlforge.config import FP8Config
+    from vlforge.engine.fp8 import TEBackend
+
+    model = copy.deepcopy(tiny[0]).to("cuda", torch.bfloat16)
+    cfg = FP8Config(enabled=True, backend="te", skip_small=False, **fp8)
+    plan = fp8_layer_plan(model, cfg)
+    assert TEBackend(cfg).convert(model, plan) == summarize(plan)["converted"] > 0
+    return model, plan
+
+
+def _tiny_batch(shapes_dir, tmp_path, processor, n):
+    from vlforge.data.dataset import load_dataset
+    from vlforge.data.encode import collate
+
+    from helpers import tiny_sft_config
+
+    cfg = tiny_sft_config(shapes_dir, tmp_path)
+    data = load_dataset(cfg.data.train, processor, cfg.data)
+    batch = collate([data[i] for i in range(n)], data.encoder.pad_id)
+    return {k: v.to("cuda") if torch.is_tensor(v) else v for k, v in batch.items()}
+
+
+@pytest.mark.gpu
+def test_te_runs_each_group_under_its_own_recipe(tiny, shapes_dir, tmp_path):
+    te = _need_te()
+    from transformer_engine.common.recipe import DelayedScaling, Float8CurrentScaling
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
+    from vlforge.config import TERecipeConfig
+
+    model, plan = _tiny_te_model(tiny, include=[".*"], te=TERecipeConfig(recipe="delayed", amax_history_len=7),
+                                 te_vision=TERecipeConfig(recipe="current", fp8_format="E4M3"))
+    seen = {}
+
+    def record(name):
+        def hook(module, args):
+            seen[name] = (FP8GlobalStateManager.is_fp8_enabled(), FP8GlobalStateManager.get_fp8_recipe())
+        return hook
+
+    te_names = {n for n, m in model.named_modules() if isinstance(m, te.Linear)}
+    assert te_names == {n for n, d in plan.items() if d.convert}
+    assert any(n.startswith("model.visual.") for n in te_names) and "lm_head" not in te_names
+    for name in te_names:
+        model.get_submodule(name).register_forward_pre_hook(record(name))
+    batch = _tiny_batch(shapes_dir, tmp_path, tiny[1], 3)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = model(**{k: v for k, v in batch.items() if k != "labels"})
+    assert torch.isfinite(out.logits).all()
+    assert seen.keys() == te_names  # every converted layer ran, each inside an FP8 autocast
+    for name, (enabled, recipe) in seen.items():
+        assert enabled, name
+        if name.startswith("model.visual."):
+            assert isinstance(recipe, Float8CurrentScaling) and recipe.fp8_format.name == "E4M3", name
+        else:
+            assert isinstance(recipe, DelayedScaling) and recipe.amax_history_len == 7, name
+
+
+@pytest.mark.gpu
+def test_te_generation_with_an_unaligned_batch(tiny, shapes_dir, tmp_path):
+    """Eval and rollouts decode one row per sequence: 3 rows reach the FP8 GEMMs each step."""
+    te = _need_te()
+    model, _ = _tiny_te_model(tiny)
+    rows = []
+    model.model.language_model.layers[0].mlp.up_proj.register_forward_pre_hook(
+        lambda m, args: rows.append(args[0].numel() // args[0].shape[-1]))
+    batch = _tiny_batch(shapes_dir, tmp_path, tiny[1], 3)
+    prompt = {k: v for k, v in batch.items() if k != "labels"}
+    model.eval()
+    with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
+        out = model.generate(**prompt, max_new_tokens=4, do_sample=False, min_new_tokens=4)
+    assert out.shape == (3, prompt["input_ids"].shape[1] + 4)
+    assert rows[1:] == [3, 3, 3] and isinstance(model.model.language_model.layers[0].mlp.up_proj, te.Linear)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_te_delayed_scaling_resume_is_exact(shapes_dir, tmp_path, method):
+    _need_te()
+    import json
+    import shutil
+
+    from vlforge.recipes.sft import run_sft
+
+    from helpers import tiny_sft_config
+
+    def run(out, *extra):
+        cfg = tiny_sft_config(shapes_dir, out, "precision.mode=bf16", "train.device=cuda", f"tiers.method={method}",
+                              "precision.fp8.enabled=true", "precision.fp8.backend=te", "precision.fp8.skip_small=false",
+                              "precision.fp8.te.recipe=delayed", "train.max_steps=4", "train.save_every=2",
+                              "log.every=1", "data.val=null", "optim.schedule=constant", *extra)
+        run_sft(cfg)
+        return {r["step"]: r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+                if "loss" in r}
+
+    first = run(tmp_path / "a")
+    state = torch.load(tmp_path / "a" / "checkpoint-2" / "fp8_state.pt", weights_only=True)
+    assert state and all(k.startswith("model.language_model.layers.") for k in state)
+    history = state["model.language_model.layers.0.mlp.up_proj.amax_history_fwd"]
+    assert history.shape[0] == 16 and (history > 0).any()  # te.amax_history_len: the amaxes seen so far
+    resumed = run(tmp_path / "b", f"train.resume={tmp_path / 'a' / 'checkpoint-2'}")
+    assert resumed[3] == first[3]  # same weights, same scales: the same step-3 forward, bit for bit
+    assert resumed[4] == pytest.approx(first[4], rel=1e-3)
+    # without the amax history the resumed run quantizes step 3 with fresh scales: not the same run
+    bare = tmp_path / "bare" / "checkpoint-2"
+    shutil.copytree(tmp_path / "a" / "checkpoint-2", bare)
+    (bare / "fp8_state.pt").unlink()
+    assert run(tmp_path / "c", f"train.resume={bare}")[3] != first[3]
+
+
+@pytest.mark.gpu
+def test_doctor_runs_a_te_fp8_matmul():
+    _need_te()
+    from vlforge.doctor import FP8_TOLERANCE, collect_gpus, collect_libraries, te_checks
+
+    checks = te_checks(collect_gpus(True), collect_libraries())
+    assert checks and all(c.status == "ok" for c in checks), [c.to_dict() for c in checks]
+    assert all(0 < c.values["max_rel_error"] < FP8_TOLERANCE for c in checks)
+    assert "transformer_engine 2." in checks[0].name

@@ -484,6 +484,36 @@ def numeric_checks(gpus: list[dict[str, Any]]) -> list[Check]:
     return checks
 
 
+def te_matmul_error(device: torch.device) -> float:
+    """The same through TransformerEngine: a te.Linear forward under te.autocast (current scaling,
+    E4M3), the FP8 GEMM that precision.fp8.backend=te runs."""
+    import transformer_engine.pytorch as te
+    from transformer_engine.common import recipe
+
+    from vlforge.engine.fp8 import te_autocast
+
+    a, b, ref = _operands(device)
+    layer = te.Linear(MATMUL_SIZE, MATMUL_SIZE, bias=False, params_dtype=torch.bfloat16, device=device)
+    with torch.no_grad():
+        layer.weight.copy_(b.t())  # te.Linear computes a @ weight.T
+        with te_autocast(recipe.Float8CurrentScaling(fp8_format=recipe.Format.E4M3)):
+            out = layer(a.bfloat16())
+    return _rel_error(out, ref)
+
+
+def te_checks(gpus: list[dict[str, Any]], libs: dict[str, dict[str, Any]]) -> list[Check]:
+    """A real TE FP8 matmul on each FP8 GPU, once TransformerEngine imports (library_checks
+    reports it missing or broken)."""
+    if not libs["transformer_engine"]["available"]:
+        return []
+    version = libs["transformer_engine"]["version"]
+    return [_numeric_check(f"gpu {gpu['index']} te fp8 matmul (transformer_engine {version})", te_matmul_error,
+                           torch.device("cuda", gpu["index"]), FP8_TOLERANCE,
+                           "TransformerEngine imports but its FP8 GEMM fails: rebuild transformer_engine_torch "
+                           "against this torch (bench/gpu_te.sh), or use precision.fp8.backend=torchao")
+            for gpu in gpus if gpu["fp8"]]
+
+
 def library_checks(libs: dict[str, dict[str, Any]]) -> list[Check]:
     """Optional libraries: missing is a skip (the recipe checks fail what a recipe needs); installed
     but failing to import is a warning, since it will fail the moment a recipe uses it."""
@@ -635,7 +665,7 @@ def run_checks(cfg: SFTConfig | GRPOConfig | None = None, config_path: str | Non
     gpus = collect_gpus(env["_cuda_available"])
     libs = collect_libraries()
     checks = (version_checks(env, expect_cuda) + gpu_checks(env, gpus) + numeric_checks(gpus)
-              + library_checks(libs) + distributed_checks(env) + recipe_checks(recipe, libs))
+              + library_checks(libs) + te_checks(gpus, libs) + distributed_checks(env) + recipe_checks(recipe, libs))
     return {
         "ok": not any(c.status == "fail" for c in checks),
         "checks": [c.to_dict() for c in checks],

@@ -4,6 +4,7 @@
         adapter_model.safetensors + adapter_config.json   (LoRA)   | model*.safetensors + config.json (full)
         tokenizer / processor files                        (so a checkpoint is a usable model directory)
         optimizer.pt  scheduler.pt  scaler.pt  rng.pt
+        fp8_state.pt                                       (TransformerEngine layers only: FP8 scales, amax history)
         trainer_state.json                                 (step, epoch, data position, ...)
 
 A checkpoint is written under a temporary name and renamed into place only once complete, so a
@@ -21,6 +22,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
+
+from vlforge.engine.fp8 import fp8_state, load_fp8_state
 
 CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
 TMP_PREFIX = ".tmp-checkpoint-"  # a save in progress (or torn by a crash): never listed, never resumed from
@@ -78,6 +81,8 @@ def save_checkpoint(output_dir: str | Path, step: int, model, processor, optimiz
     torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
     torch.save(scaler.state_dict(), tmp / "scaler.pt")
     torch.save(rng_state(), tmp / "rng.pt")
+    if fp8 := fp8_state(model):  # TE delayed scaling's scales + amax history: without them a resume drifts
+        torch.save(fp8, tmp / "fp8_state.pt")
     (tmp / "trainer_state.json").write_text(json.dumps({**state, "step": step}, indent=2))
     for f in tmp.iterdir():  # make the bytes durable before the rename makes them visible
         with open(f, "rb") as fh:
@@ -124,4 +129,6 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler, scaler) -> di
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
     scaler.load_state_dict(torch.load(path / "scaler.pt", weights_only=True))
     set_rng_state(torch.load(path / "rng.pt", weights_only=False))
+    if (path / "fp8_state.pt").is_file():
+        load_fp8_state(model, torch.load(path / "fp8_state.pt", weights_only=True))
     return json.loads((path / "trainer_state.json").read_text())

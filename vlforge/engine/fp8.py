@@ -16,7 +16,12 @@ Backends:
   unless torch.compile fuses them, so the recipe compiles the decoder blocks (precision.compile=auto).
 - te: NVIDIA TransformerEngine, only if importable: te.Linear with the weights copied, run under
   `te.autocast(recipe=...)` per module group (the language model and the vision tower may use
-  different recipes: precision.fp8.te / te_vision).
+  different recipes: precision.fp8.te / te_vision). TE's FP8 GEMMs refuse inputs whose row count
+  (batch x tokens, or vision patches) is not a multiple of 8, so each swapped layer pads its rows
+  to a multiple of 16 and slices them off again: the vision tower's patch counts and a rollout's
+  decode steps (one row per sequence) work unpadded, and batches collated to `token_multiple`
+  skip the copy. Delayed scaling's scales and amax histories carry from step to step:
+  `fp8_state` / `load_fp8_state` put them in checkpoints so a resume is exact.
 
 LoRA: the frozen base linear inside peft's LoRA layer is converted; the adapters stay in high
 precision. torchao still computes the (discarded) FP8 weight gradient of a frozen base layer, so
@@ -29,6 +34,7 @@ import dataclasses
 import functools
 import importlib
 import re
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -92,7 +98,29 @@ def _te_group(name: str) -> str:
     return "vision" if name.startswith("model.visual.") else "language"
 
 
+# FP8 GEMMs want every dim a multiple of 16 (TE itself asserts rows % 8 and columns % 16).
+FP8_ALIGNMENT = 16
+
+
+def token_multiple(fp8_plan: dict[str, Decision]) -> int:
+    """Pad each batch row to this many tokens wherever a model with this plan runs (training,
+    eval, rollout prompts), so FP8 GEMMs see aligned row counts: 16 when any layer is converted,
+    else 1. Both backends want the same multiple. Both also stay correct on unaligned batches
+    (torchao pads its weight-gradient GEMM, our te.Linear pads its rows), so this only saves copies.
+    """
+    return FP8_ALIGNMENT if any(d.convert for d in fp8_plan.values()) else 1
+
+
 # ----------------------------------------------------------------------------- backends
+
+
+def te_problem() -> str | None:
+    """Why TransformerEngine's PyTorch part cannot be used here (None when it imports)."""
+    try:
+        importlib.import_module("transformer_engine.pytorch")
+    except Exception as e:  # noqa: BLE001 - a broken build raises more than ImportError
+        return f"{type(e).__name__}: {e}".splitlines()[0][:300]
+    return None
 
 
 def _missing_library(cfg: FP8Config) -> str | None:
@@ -101,13 +129,10 @@ def _missing_library(cfg: FP8Config) -> str | None:
             importlib.import_module("torchao.float8")
         except ImportError:
             return 'precision.fp8.backend=torchao needs torchao: pip install "vlforge[fp8]"'
-    else:
-        try:
-            importlib.import_module("transformer_engine.pytorch")
-        except ImportError as e:
-            return (f"precision.fp8.backend=te needs NVIDIA TransformerEngine ({e}): "
-                    "pip install --no-build-isolation 'transformer_engine[pytorch]' (or \"vlforge[te]\"), "
-                    "built against your torch and CUDA; or use precision.fp8.backend=torchao")
+    elif problem := te_problem():
+        return (f"precision.fp8.backend=te needs NVIDIA TransformerEngine ({problem}): "
+                "pip install --no-build-isolation 'transformer_engine[pytorch]' (or \"vlforge[te]\"), "
+                "built against your torch and CUDA (bench/gpu_te.sh shows how); or use precision.fp8.backend=torchao")
     return None
 
 
@@ -170,6 +195,89 @@ def te_autocast(fp8_recipe):
     return te.fp8_autocast(enabled=True, fp8_recipe=fp8_recipe)
 
 
+@functools.cache
+def te_linear_class() -> type:
+    """te.Linear that pads its input rows to FP8_ALIGNMENT inside an FP8 autocast.
+
+    TE raises on FP8 inputs whose leading dims multiply to a non-multiple of 8. Zero rows change
+    neither the amax (so not the scales) nor the weight gradient, and are sliced off the output.
+    """
+    import transformer_engine.pytorch as te
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager
+
+    class PaddedLinear(te.Linear):
+        def forward(self, inp: torch.Tensor, *args, **kwargs):
+            rows = inp.numel() // inp.shape[-1]
+            pad = -rows % FP8_ALIGNMENT
+            if not pad or not FP8GlobalStateManager.is_fp8_enabled():
+                return super().forward(inp, *args, **kwargs)
+            flat = torch.nn.functional.pad(inp.reshape(rows, inp.shape[-1]), (0, 0, 0, pad))
+            out = super().forward(flat, *args, **kwargs)
+            return out[:rows].reshape(*inp.shape[:-1], out.shape[-1])
+
+    PaddedLinear.__qualname__ = PaddedLinear.__name__ = "TELinear"
+    return PaddedLinear
+
+
+def te_linear_from(module: nn.Linear) -> nn.Module:
+    """A te_linear_class() layer with `module`'s weights, dtype, device and requires_grad."""
+    new = te_linear_class()(module.in_features, module.out_features, bias=module.bias is not None,
+                            params_dtype=module.weight.dtype, device=module.weight.device)
+    for name in ("weight", "bias"):
+        if (old := getattr(module, name)) is not None:
+            with torch.no_grad():
+                getattr(new, name).copy_(old)
+            getattr(new, name).requires_grad_(old.requires_grad)
+    return new
+
+
+def _te_modules(model: nn.Module):
+    # a model holding TE modules has imported TE: never import it just to look (seconds, CUDA libraries)
+    if "transformer_engine.pytorch" not in sys.modules:
+        return
+    from transformer_engine.pytorch.module.base import TransformerEngineBaseModule
+
+    for name, module in model.named_modules():
+        if isinstance(module, TransformerEngineBaseModule):
+            yield canonical_name(name), module
+
+
+def fp8_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Delayed scaling's per-module state, the part that carries from step to step: each TE
+    module's forward/backward scales and amax histories, as plain CPU tensors named
+    `<module>.scale_fwd` etc. (so torch.load(weights_only=True) reads them; TE's own extra state is
+    a pickle that TE >= 2.20 refuses to load by default). Empty without delayed-scaling TE layers."""
+    state = {}
+    for name, module in _te_modules(model):
+        meta = module.fp8_meta
+        if "scaling_fwd" not in meta or not meta["recipe"].delayed():
+            continue  # never ran in FP8, or a recipe whose scales come from the current tensor
+        for way in ("fwd", "bwd"):
+            state[f"{name}.scale_{way}"] = meta[f"scaling_{way}"].scale.detach().cpu().clone()
+            state[f"{name}.amax_history_{way}"] = meta[f"scaling_{way}"].amax_history.detach().cpu().clone()
+    return state
+
+
+def load_fp8_state(model: nn.Module, state: dict[str, torch.Tensor]) -> int:
+    """Restore `fp8_state` into a model converted the same way (TEBackend.convert records each
+    layer's recipe); returns how many modules. The next FP8 forward keeps these tensors."""
+    modules = dict(_te_modules(model))
+    names = sorted({key.rsplit(".", 1)[0] for key in state})
+    if unknown := [n for n in names if n not in modules]:
+        raise RuntimeError(f"FP8 state does not match this model's TE layers (e.g. {unknown[:3]}): "
+                           "resume with the same precision.fp8 settings the checkpoint was trained with")
+    for name in names:
+        module = modules[name]
+        meta = module.fp8_meta
+        meta.setdefault("num_gemms", 1)  # one GEMM per te.Linear; TE sets it at the first FP8 forward
+        module.init_fp8_meta_tensors(meta["recipe"])  # what TE's set_extra_state does, minus the pickle
+        with torch.no_grad():
+            for way in ("fwd", "bwd"):
+                meta[f"scaling_{way}"].scale.copy_(state[f"{name}.scale_{way}"])
+                meta[f"scaling_{way}"].amax_history.copy_(state[f"{name}.amax_history_{way}"])
+    return len(names)
+
+
 class TEBackend:
     """Swap eligible linears for te.Linear; run each module group under its own FP8 recipe."""
 
@@ -179,26 +287,18 @@ class TEBackend:
         self.cfg = cfg
 
     def convert(self, model: nn.Module, plan: dict[str, Decision]) -> int:
-        import transformer_engine.pytorch as te
-
         chosen = {n for n, d in plan.items() if d.convert}
+        recipes = {"language": te_recipe(self.cfg.te), "vision": te_recipe(self.cfg.te_vision)}
         converted = 0
         for fqn, module in list(model.named_modules()):
             if not (isinstance(module, nn.Linear) and canonical_name(fqn) in chosen and "lora_" not in fqn):
                 continue
-            new = te.Linear(module.in_features, module.out_features, bias=module.bias is not None,
-                            params_dtype=module.weight.dtype, device=module.weight.device)
-            with torch.no_grad():
-                new.weight.copy_(module.weight)
-                if module.bias is not None:
-                    new.bias.copy_(module.bias)
-            new.weight.requires_grad_(module.weight.requires_grad)
-            if module.bias is not None:
-                new.bias.requires_grad_(module.bias.requires_grad)
+            new = te_linear_from(module)
+            # the group's recipe, so load_fp8_state can rebuild delayed-scaling state before any forward
+            new.fp8_meta["recipe"] = recipes[_te_group(canonical_name(fqn))]
             _set_submodule(model, fqn, new)
             converted += 1
         groups = {_te_group(n) for n in chosen}
-        recipes = {"language": te_recipe(self.cfg.te), "vision": te_recipe(self.cfg.te_vision)}
         for group in groups:
             root = model.get_submodule(self.GROUP_ROOTS[group])
             forward = root.forward
