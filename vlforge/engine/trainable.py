@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from vlforge.config import ConfigError, PrecisionConfig, RunConfig
-from vlforge.engine.fp8 import fp8_backend, fp8_layer_plan
+from vlforge.engine.fp8 import fp8_backend, fp8_layer_plan, token_multiple
 from vlforge.engine.hardware import bf16_problem, quant_problem
 from vlforge.engine.precision import PrecisionPolicy
 from vlforge.engine.runtime import resolve_device
@@ -37,8 +37,8 @@ class Trainable:
 
     @property
     def token_multiple(self) -> int:
-        """Pad batches to this many tokens per row: FP8 GEMMs want dims that are multiples of 16."""
-        return 16 if any(d.convert for d in self.fp8_plan.values()) else 1
+        """Pad batches to this many tokens per row: FP8 GEMMs want aligned row counts."""
+        return token_multiple(self.fp8_plan)
 
 
 def compile_decoder_layers(model: torch.nn.Module) -> int:
