@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from vlforge.config import ConfigError, GRPOConfig, SFTConfig, dump_config, load_config
@@ -58,6 +59,8 @@ def cmd_sft(args) -> int:
     from vlforge.recipes.sft import run_sft
 
     result = run_sft(cfg)
+    if not _main_process():
+        return 0
     if result["eval"]:
         print(f"eval at step {result['final_step']}: loss {result['eval']['loss']:.4f} "
               f"accuracy {result['eval']['accuracy']:.3f} (n={result['eval']['n']})")
@@ -71,6 +74,8 @@ def cmd_grpo(args) -> int:
     from vlforge.recipes.grpo import run_grpo
 
     result = run_grpo(cfg)
+    if not _main_process():
+        return 0
     if result["eval"]:
         print(f"eval at step {result['final_step']}: accuracy {result['eval']['accuracy']:.3f} (n={result['eval']['n']})")
     print(f"outputs in {result['output_dir']}")
@@ -348,6 +353,16 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _rank_prefix() -> str:
+    """Under torchrun, which process an error comes from (torchrun then stops the others)."""
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    return f"[rank {os.environ.get('RANK', '0')} of {size}] " if size > 1 else ""
+
+
+def _main_process() -> bool:
+    return os.environ.get("RANK", "0") == "0"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     # key=value overrides may come before or after options (argparse leaves the late ones over)
@@ -361,10 +376,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except (ConfigError, DataError, RewardError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"{_rank_prefix()}error: {e}", file=sys.stderr)
         return 2
     except TrainingDiverged as e:  # the health monitor gave up; finished checkpoints are on disk
-        print(f"error: training diverged: {e}", file=sys.stderr)
+        print(f"{_rank_prefix()}error: training diverged: {e}", file=sys.stderr)
         return 3
 
 

@@ -295,6 +295,28 @@ class TrainConfig:
 
 
 @dataclass
+class DistributedConfig:
+    """Training on several processes (torchrun), and FSDP2 on one. engine/distributed.py applies it.
+
+    One process per GPU: `torchrun --nproc_per_node N -m vlforge sft CONFIG`. Mixed precision comes
+    from the `precision` section (FSDP2 gathers parameters in the compute dtype, keeps fp32 master
+    weights sharded, and reduces gradients in fp32).
+    """
+
+    # auto: FSDP2 under torchrun (world size > 1), none on one process; fsdp2 also on one process
+    # (what cpu_offload needs)
+    strategy: Literal["auto", "none", "fsdp2"] = "auto"
+    reshard_after_forward: bool = True  # FSDP2: free gathered weights after forward (memory) or keep them (speed)
+    cpu_offload: bool = False  # FSDP2: sharded parameters, gradients and optimizer state live in host memory
+    timeout_s: int = 600  # a collective waiting longer than this ends the run (a rank died or hangs)
+
+    def __post_init__(self):
+        _range(self, "timeout_s", ge=10)
+        if self.cpu_offload and self.strategy not in ("auto", "fsdp2"):
+            raise _OutOfRange("cpu_offload needs strategy fsdp2 (or auto under torchrun)")
+
+
+@dataclass
 class EvalConfig:
     every: int = 0  # optimizer steps between evals; 0 = only at the end
     max_samples: int | None = 256  # val samples used for generation accuracy
@@ -386,6 +408,7 @@ class RunConfig:
     log: LogConfig = field(default_factory=LogConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
     quant: QuantConfig = field(default_factory=QuantConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
 
 
 @dataclass

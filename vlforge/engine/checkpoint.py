@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file
 
 from vlforge.engine.fp8 import fp8_state, load_fp8_state
+from vlforge.model.export import SHARDED_DIR, is_sharded
 
 CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
 TMP_PREFIX = ".tmp-checkpoint-"  # a save in progress (or torn by a crash): never listed, never resumed from
@@ -131,4 +132,92 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler, scaler) -> di
     set_rng_state(torch.load(path / "rng.pt", weights_only=False))
     if (path / "fp8_state.pt").is_file():
         load_fp8_state(model, torch.load(path / "fp8_state.pt", weights_only=True))
+    return json.loads((path / "trainer_state.json").read_text())
+
+
+# ----------------------------------------------------------------------------- sharded (FSDP2)
+#
+#   output_dir/checkpoint-STEP/
+#       dcp/                       model + optimizer shards (torch.distributed.checkpoint): the
+#                                  trainable weights only with LoRA, every weight in full fine-tuning
+#       tokenizer / processor files, scheduler.pt, scaler.pt, trainer_state.json, rng-RANK.pt
+#
+# DCP writes each rank's shards and reads them back on any number of ranks (it reshards), so a
+# run saved on N processes resumes on M. `vlforge export` consolidates one into a plain HF directory.
+
+def _trainable_only(model, state: dict) -> dict:
+    """With LoRA only the adapters (and any other trainable tensors) are worth saving: the base is
+    the run's model.path / preset. Full fine-tuning keeps every weight (export needs them all)."""
+    from peft import PeftModel
+
+    if not isinstance(model, PeftModel):
+        return state
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    return {k: v for k, v in state.items() if k in trainable}
+
+
+def save_sharded_checkpoint(output_dir: str | Path, step: int, model, processor, optimizer, scheduler, scaler,
+                            state: dict, keep_last: int, world) -> Path:
+    """Every rank calls this (the shards are written collectively); rank 0 writes the rest and
+    renames the finished directory into place, after a barrier: atomic as the one-process save."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
+
+    out = Path(output_dir)
+    final = out / f"checkpoint-{step}"
+    tmp = out / f"{TMP_PREFIX}{step}"
+    if world.main:
+        for stale in out.glob(f"{TMP_PREFIX}*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    world.barrier()
+    model_state = _trainable_only(model, get_model_state_dict(model))
+    dcp.save({"model": model_state, "optim": get_optimizer_state_dict(model, optimizer)},
+             checkpoint_id=str(tmp / SHARDED_DIR))
+    torch.save(rng_state(), tmp / f"rng-{world.rank}.pt")
+    if world.main:
+        processor.save_pretrained(tmp)
+        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+        torch.save(scaler.state_dict(), tmp / "scaler.pt")
+        (tmp / "trainer_state.json").write_text(json.dumps({**state, "step": step, "world_size": world.size},
+                                                           indent=2))
+    world.barrier()  # every rank's shards are on disk
+    if world.main:
+        for f in tmp.rglob("*"):
+            if f.is_file():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+        _fsync_dir(tmp)
+        if final.exists():
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(out)
+        for old in list_checkpoints(out)[:-keep_last] if keep_last > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    world.barrier()
+    return final
+
+
+def load_sharded_checkpoint(path: str | Path, model, optimizer, scheduler, scaler, world) -> dict:
+    """Restore a sharded checkpoint on this world (of any size); returns trainer_state."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict, set_model_state_dict,
+                                                         set_optimizer_state_dict)
+
+    path = Path(path)
+    if not is_sharded(path):
+        raise FileNotFoundError(f"{path} is a one-process checkpoint; resume it with distributed.strategy=none "
+                                "(one process), or start the sharded run afresh")
+    model_state = _trainable_only(model, get_model_state_dict(model))
+    optim_state = get_optimizer_state_dict(model, optimizer)
+    loaded = {"model": model_state, "optim": optim_state}
+    dcp.load(loaded, checkpoint_id=str(path / SHARDED_DIR))
+    set_model_state_dict(model, loaded["model"], options=StateDictOptions(strict=False))
+    set_optimizer_state_dict(model, optimizer, loaded["optim"])
+    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
+    scaler.load_state_dict(torch.load(path / "scaler.pt", weights_only=True))
+    # this rank's RNG if the run had this rank; on a larger world the new ranks take rank 0's
+    rng = path / f"rng-{world.rank}.pt"
+    set_rng_state(torch.load(rng if rng.is_file() else path / "rng-0.pt", weights_only=False))
     return json.loads((path / "trainer_state.json").read_text())

@@ -83,10 +83,11 @@ class EvalRecorder:
     On resume, history entries after the resumed step are dropped (they will be redone).
     """
 
-    def __init__(self, out_dir: Path, data: ChatDataset, cfg: EvalConfig, metrics: MetricsLog, resume_step: int):
+    def __init__(self, out_dir: Path, data: ChatDataset, cfg: EvalConfig, metrics: MetricsLog, resume_step: int,
+                 write: bool = True):
         self.path = Path(out_dir) / "eval.json"
-        self.data, self.cfg, self.metrics = data, cfg, metrics
-        previous = json.loads(self.path.read_text()).get("history", []) if self.path.exists() else []
+        self.data, self.cfg, self.metrics, self.write = data, cfg, metrics, write  # write: rank 0 of a run
+        previous = json.loads(self.path.read_text()).get("history", []) if write and self.path.exists() else []
         self.history = [h for h in previous if h["step"] <= resume_step]
 
     def __call__(self, model, step: int, policy: PrecisionPolicy, device: torch.device) -> dict:
@@ -96,6 +97,7 @@ class EvalRecorder:
                                            policy=policy, device=device)}
         torch.set_rng_state(rng)
         self.history.append({k: v for k, v in result.items() if k != "examples"})
-        write_json_atomic({**result, "history": self.history}, self.path)
+        if self.write:
+            write_json_atomic({**result, "history": self.history}, self.path)
         self.metrics.log(step, {"eval_loss": result["loss"], "eval_accuracy": result["accuracy"]})
         return result

@@ -32,14 +32,29 @@ class TrainingDiverged(RuntimeError):
 
 
 def grad_norms(groups: dict[str, list[nn.Parameter]]) -> dict[str, float]:
-    """L2 norm of each group's gradients, fetched from the device in one transfer."""
+    """L2 norm of each group's gradients, fetched from the device in one transfer. Under FSDP2 the
+    gradients are sharded DTensors: each norm is then the whole gradient's (an all-reduce), the
+    same on every rank, so every rank makes the same skip and clip decision."""
+    from torch.distributed.tensor import DTensor
+
     norms = []
     for params in groups.values():
         grads = [p.grad for p in params if p.grad is not None]
-        norms.append(torch.nn.utils.get_total_norm(grads, norm_type=2.0).float() if grads else torch.zeros(()))
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0) if grads else torch.zeros(())
+        norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).float())
     if not norms:
         return {}
     return dict(zip(groups, torch.stack([n.to(norms[0].device) for n in norms]).tolist()))
+
+
+def clip_to(params: list[nn.Parameter], max_norm: float, total: float) -> None:
+    """Scale gradients so their global norm is at most max_norm, given that norm (a Python float:
+    a plain multiplier works on sharded DTensor gradients too)."""
+    coef = max_norm / (total + 1e-6)
+    if coef < 1.0:
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(coef)
 
 
 class LossSpikes:
@@ -92,8 +107,7 @@ class GradHealth:
         finite = math.isfinite(total) and math.isfinite(loss)
         if finite:
             if max_grad_norm:
-                params = [p for ps in self.groups.values() for p in ps]
-                torch.nn.utils.clip_grads_with_norm_(params, max_grad_norm, torch.tensor(total))
+                clip_to([p for ps in self.groups.values() for p in ps], max_grad_norm, total)
             scaler.step(optimizer)
         elif scaler.is_enabled():
             scaler.step(optimizer)  # the scaler sees the inf/nan, skips the update and backs off

@@ -23,16 +23,51 @@ def backbone_hidden(model, batch: dict) -> torch.Tensor:
     return out.last_hidden_state
 
 
-def sft_loss_sum(model, batch: dict) -> tuple[torch.Tensor, int]:
-    """(sum of next-token cross-entropy over supervised tokens, number of supervised tokens)."""
+def vision_keepalive(model, device: torch.device) -> torch.Tensor:
+    """0 x the vision tower's output on one blank image (its smallest grid), with a graph to every
+    vision parameter. A rank whose micro-batch has no image adds it to its loss: sharded (FSDP2),
+    the vision tower's all-gathers and gradient reduce-scatters are collectives every rank must
+    join, so skipping the tower on one rank would hang the others. It changes neither the loss
+    nor any gradient (its gradients are exact zeros)."""
+    visual = unwrap(model).model.visual
+    cfg = visual.config
+    m = cfg.spatial_merge_size
+    pixels = torch.zeros(m * m, cfg.in_channels * cfg.temporal_patch_size * cfg.patch_size ** 2, device=device,
+                         dtype=next(visual.parameters()).dtype)
+    out = visual(pixels, grid_thw=torch.tensor([[1, m, m]], device=device))
+    return 0.0 * (out.pooler_output.float().sum() + sum(f.float().sum() for f in out.deepstack_features))
+
+
+def sft_loss_sum(model, batch: dict, keep_vision: bool = False) -> tuple[torch.Tensor, int]:
+    """(sum of next-token cross-entropy over supervised tokens, number of supervised tokens).
+    `keep_vision`: run the vision tower even on a batch without images (vision_keepalive)."""
     hidden_BTH = backbone_hidden(model, batch)
     targets_BT = batch["labels"][:, 1:]
     supervised_BT = targets_BT != IGNORE_INDEX
     hidden_NH = hidden_BTH[:, :-1][supervised_BT]
     logits_NV = unwrap(model).lm_head(hidden_NH).float()
     loss = F.cross_entropy(logits_NV, targets_BT[supervised_BT], reduction="sum")
+    if keep_vision and batch.get("pixel_values") is None:
+        loss = loss + vision_keepalive(model, hidden_BTH.device)
     return loss, int(supervised_BT.sum())
 
 
 def count_supervised(batch: dict) -> int:
     return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+
+
+class LossForward(torch.nn.Module):
+    """The training forward as a module: `LossForward(model)(batch)` is `sft_loss_sum(model, batch)`.
+
+    Sharded (FSDP2), this is the root unit: the embeddings, final norm and lm_head are gathered
+    when its forward starts and their gradients reduced after its backward. Recipes call the
+    backbone and lm_head separately (logits only where labels are), which bypasses the HF
+    model's own forward, so the root must be a module whose forward the step does enter.
+    """
+
+    def __init__(self, model: torch.nn.Module, keep_vision: bool = False):
+        super().__init__()
+        self.model, self.keep_vision = model, keep_vision
+
+    def forward(self, batch: dict) -> tuple[torch.Tensor, int]:
+        return sft_loss_sum(self.model, batch, keep_vision=self.keep_vision)

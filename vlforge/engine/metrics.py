@@ -64,6 +64,16 @@ class MetricsLog:
             self._tb.close()
 
 
+class NullMetrics:
+    """MetricsLog's interface, writing nothing: the metrics log of ranks other than 0."""
+
+    def log(self, step: int, values: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 def read_metrics(path: str | Path) -> list[dict]:
     """The rows of a metrics.jsonl; torn lines are dropped with a warning."""
     return [row for _, row in _rows(Path(path))]

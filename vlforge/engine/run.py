@@ -1,7 +1,7 @@
 """The bookkeeping every training recipe wraps around its step loop, written once.
 
-    with begin_run(cfg) as resume_from:                  # before any model loads; holds output_dir
-        t = setup_model(cfg, ...); data = ...
+    with begin_run(cfg) as (world, resume_from):        # before any model loads; holds output_dir
+        t = setup_model(cfg, ..., world=world); data = ...
         run = Run.start(cfg, t, total_steps, val_data, resume_from, spikes=True)
         while run.step < total_steps:
             ...one recipe step: run.optimizer, run.scaler, run.health...
@@ -20,12 +20,14 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from vlforge.config import RunConfig, dump_config, resolve_paths
+from vlforge.config import ConfigError, RunConfig, dump_config, resolve_paths
 from vlforge.data.dataset import ChatDataset
-from vlforge.engine.checkpoint import load_checkpoint, save_checkpoint
+from vlforge.engine.checkpoint import (load_checkpoint, load_sharded_checkpoint, save_checkpoint,
+                                       save_sharded_checkpoint)
+from vlforge.engine.distributed import World, gathered, init_world
 from vlforge.engine.evaluate import EvalRecorder
 from vlforge.engine.health import GradHealth
-from vlforge.engine.metrics import MetricsLog
+from vlforge.engine.metrics import MetricsLog, NullMetrics
 from vlforge.engine.optim import build_optimizer, build_scheduler
 from vlforge.engine.runtime import prepare_output_dir, release_output_dir, seed_everything
 from vlforge.engine.trainable import Trainable
@@ -38,19 +40,30 @@ def due(every: int, step: int, total_steps: int) -> bool:
 
 
 @contextlib.contextmanager
-def begin_run(cfg: RunConfig) -> Iterator[Path | None]:
-    """What happens before any model loads: claim train.output_dir (locked for the run; another
-    run's results are refused), seed. Yields the checkpoint to resume from, if any; the lock is
-    released when the block ends, however it ends."""
+def begin_run(cfg: RunConfig) -> Iterator[tuple[World, Path | None]]:
+    """What happens before any model loads: join the run's processes (torchrun), claim
+    train.output_dir (rank 0 locks it for the run; another run's results are refused), seed.
+    Yields (world, checkpoint to resume from or None); the lock is released when the block ends,
+    however it ends."""
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # our own bar is the progress display; no per-save shard bars
-    resume_from = prepare_output_dir(cfg.train.output_dir, cfg.train.resume, cfg.train.overwrite)
+    world = init_world(cfg.distributed, cfg.train.device)
+    claim: tuple[Path | None, str | None] = (None, None)
+    if world.main:  # one process claims the directory; the others learn the outcome from it
+        try:
+            claim = (prepare_output_dir(cfg.train.output_dir, cfg.train.resume, cfg.train.overwrite), None)
+        except ConfigError as e:
+            claim = (None, str(e))
+    resume_from, error = world.broadcast(claim)
+    if error:
+        raise ConfigError(error)
     try:
-        seed_everything(cfg.train.seed)
-        yield resume_from
+        seed_everything(cfg.train.seed)  # the same on every rank: presets initialise identically
+        yield world, resume_from
     finally:
-        release_output_dir(cfg.train.output_dir)
+        if world.main:
+            release_output_dir(cfg.train.output_dir)
 
 
 @dataclass
@@ -73,20 +86,25 @@ class Run:
     def start(cls, cfg: RunConfig, t: Trainable, total_steps: int, val_data: ChatDataset | None,
               resume_from: Path | None, *, spikes: bool, state: dict | None = None) -> "Run":
         """Write config.yaml (only now, when the run can start), build the optimizer set, resume."""
-        out = Path(cfg.train.output_dir)
-        # paths stored absolute: the run's checkpoints then export, infer and serve from any directory
-        (out / "config.yaml").write_text(dump_config(resolve_paths(cfg)))
+        out, world = Path(cfg.train.output_dir), t.world
+        if world.main:  # paths stored absolute: the run's checkpoints then export, infer and serve anywhere
+            (out / "config.yaml").write_text(dump_config(resolve_paths(cfg)))
         optimizer = build_optimizer(param_groups(t.model, t.plan, cfg.optim.weight_decay), cfg.optim, t.device.type)
         scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
         scaler = t.policy.grad_scaler()
         health = GradHealth(t.model, t.plan, cfg.health, cfg.precision.mode, spikes=spikes)
         state = {"epoch": 0, "position": 0, **(state or {})}
         if resume_from is not None:
-            state = load_checkpoint(resume_from, t.model, optimizer, scheduler, scaler)
-            print(f"resumed from {resume_from} at step {state['step']}")
+            load = load_sharded_checkpoint if world.sharded else load_checkpoint
+            state = load(resume_from, t.model, optimizer, scheduler, scaler, *([world] if world.sharded else []))
+            if world.main:
+                print(f"resumed from {resume_from} at step {state['step']}")
         step = state.get("step", 0)
-        metrics = MetricsLog(out, cfg.log.tensorboard, resume_step=step if resume_from else 0)
-        recorder = EvalRecorder(out, val_data, cfg.eval, metrics, step) if val_data is not None else None
+        # every rank evaluates (a sharded forward needs them all); rank 0 writes
+        metrics = MetricsLog(out, cfg.log.tensorboard, resume_step=step if resume_from else 0) if world.main \
+            else NullMetrics()
+        recorder = EvalRecorder(out, val_data, cfg.eval, metrics, step, write=world.main) \
+            if val_data is not None else None
         return cls(cfg, t, out, total_steps, optimizer, scheduler, scaler, health, metrics, recorder, state, step)
 
     @property
@@ -97,7 +115,8 @@ class Run:
         """Evaluate now (at self.step) when there is validation data."""
         if self.recorder is None:
             return None
-        self.last_eval = self.recorder(self.t.model, self.step, self.t.policy, self.t.device)
+        with gathered(self.t.root):  # sharded: every rank evaluates, the root unit gathered for generate
+            self.last_eval = self.recorder(self.t.model, self.step, self.t.policy, self.t.device)
         return self.last_eval
 
     def finish_step(self, row: dict, always_log: bool = False) -> None:
@@ -111,8 +130,12 @@ class Run:
         if due(self.cfg.eval.every, self.step, self.total_steps):
             self.evaluate()
         if due(self.cfg.train.save_every, self.step, self.total_steps):
-            save_checkpoint(self.out, self.step, self.t.model, self.t.processor, self.optimizer, self.scheduler,
-                            self.scaler, self.state, self.cfg.train.keep_last)
+            args = (self.out, self.step, self.t.model, self.t.processor, self.optimizer, self.scheduler, self.scaler,
+                    self.state, self.cfg.train.keep_last)
+            if self.t.world.sharded:
+                save_sharded_checkpoint(*args, self.t.world)
+            else:
+                save_checkpoint(*args)
 
     def close(self) -> None:
         self.metrics.close()

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from vlforge.config import ConfigError, PrecisionConfig, RunConfig
+from vlforge.engine.distributed import World, refuse_unsupported, wrap
 from vlforge.engine.fp8 import fp8_backend, fp8_layer_plan, token_multiple
 from vlforge.engine.hardware import bf16_problem, quant_problem
 from vlforge.engine.precision import PrecisionPolicy
@@ -34,6 +35,8 @@ class Trainable:
     policy: PrecisionPolicy
     device: torch.device
     fp8_plan: dict = field(default_factory=dict)  # linear name -> fp8.Decision (empty without FP8)
+    world: World = field(default_factory=World)  # this process's rank in the run (one process: rank 0 of 1)
+    root: torch.nn.Module | None = None  # sharded: the FSDP2 root unit (a LossForward) the step calls
 
     @property
     def token_multiple(self) -> int:
@@ -74,12 +77,15 @@ def refuse_bad_combinations(cfg: RunConfig, device: torch.device) -> None:
                           "te.autocast; use the torchao backend or turn checkpointing off")
 
 
-def setup_model(cfg: RunConfig, compile_blocks: bool | None = None) -> Trainable:
-    """Load, plan, wrap and cast the model. `compile_blocks` compiles the decoder layers; None:
-    what `precision.compile` means for a training step (default_compile)."""
-    device = resolve_device(cfg.train.device)
+def setup_model(cfg: RunConfig, compile_blocks: bool | None = None, world: World | None = None) -> Trainable:
+    """Load, plan, wrap and cast the model; shard it over `world` (FSDP2) when the run is
+    distributed. `compile_blocks` compiles the decoder layers; None: what `precision.compile`
+    means for a training step (default_compile)."""
+    world = world or World(device=resolve_device(cfg.train.device))
+    device = world.device
     policy = PrecisionPolicy(cfg.precision, device.type)
     refuse_bad_combinations(cfg, device)
+    refuse_unsupported(cfg, world)
     fp8 = fp8_backend(cfg.precision.fp8, device) if cfg.precision.fp8.enabled else None  # fails before loading
     # Full fine-tuning loads straight into the master dtype; LoRA loads the frozen base in the
     # compute dtype (peft creates the adapters in fp32). policy.apply then settles every tensor.
@@ -107,5 +113,8 @@ def setup_model(cfg: RunConfig, compile_blocks: bool | None = None) -> Trainable
             core.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if default_compile(cfg.precision) if compile_blocks is None else compile_blocks:
         compile_decoder_layers(model)
+    # sharded last: FSDP2 takes the parameters in their storage dtypes (fp32 masters) and gathers
+    # them in the compute dtype; `t.model` stays the (peft / HF) model, its parameters now sharded
+    root = wrap(model, world, cfg.distributed, policy.compute_dtype, policy.master_dtype)
     model.train()
-    return Trainable(model, processor, plan, policy, device, fp8_plan)
+    return Trainable(model, processor, plan, policy, device, fp8_plan, world, root)

@@ -27,7 +27,8 @@ from vlforge.config import (ConfigError, ModelConfig, PrecisionConfig, QuantConf
 from vlforge.model.load import DTYPES, load_model
 
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
-BASE_FILE = "vlforge_base.json"  # an adapter export's base model (what a checkpoint's run config.yaml says)
+BASE_FILE = "vlforge_base.json"
+SHARDED_DIR = "dcp"  # a sharded (FSDP2) checkpoint's weights and optimizer state: engine/checkpoint.py  # an adapter export's base model (what a checkpoint's run config.yaml says)
 
 
 def run_config(checkpoint: Path) -> RunConfig:
@@ -50,9 +51,39 @@ def run_config(checkpoint: Path) -> RunConfig:
     return load_recipe_config(path)
 
 
+def is_sharded(checkpoint: str | Path) -> bool:
+    return (Path(checkpoint) / SHARDED_DIR).is_dir()
+
+
+def consolidate_sharded(checkpoint: Path, dtype: torch.dtype = torch.float32):
+    """(model, processor) of a sharded checkpoint, in this one process (no process group needed):
+    the run's base with its plan applied, the saved weights loaded into it, LoRA merged."""
+    import torch.distributed.checkpoint as dcp
+    from transformers import AutoProcessor
+
+    from vlforge.model.tiers import apply_plan, build_plan
+
+    run = run_config(checkpoint)
+    model, _ = load_model(run.model, dtype=torch.float32)
+    model = apply_plan(model, build_plan(model, run.tiers))
+    reader = dcp.FileSystemReader(str(checkpoint / SHARDED_DIR))
+    saved = {k.removeprefix("model.") for k in reader.read_metadata().state_dict_metadata if k.startswith("model.")}
+    state = {k: v for k, v in model.state_dict().items() if k in saved}
+    if missing := saved - set(state):
+        raise ConfigError(f"{checkpoint}: weights {sorted(missing)[:3]} do not exist in the run's model "
+                          "(its config.yaml changed since?)")
+    dcp.load({"model": state}, storage_reader=reader)
+    model.load_state_dict(state, strict=False)
+    if run.tiers.method == "lora":
+        model = model.merge_and_unload()
+    return model.to(dtype), AutoProcessor.from_pretrained(str(checkpoint), local_files_only=True)
+
+
 def _check_checkpoint(checkpoint: Path) -> str:
     if not checkpoint.is_dir():
         raise ConfigError(f"{checkpoint} is not a directory (expected runs/NAME/checkpoint-STEP)")
+    if is_sharded(checkpoint):
+        return "sharded"
     if (checkpoint / "adapter_config.json").is_file():
         return "lora"
     if (checkpoint / "config.json").is_file():
@@ -95,7 +126,10 @@ def load_merged(checkpoint: Path, dtype: torch.dtype = torch.bfloat16):
     """(model, processor) with LoRA merged into an unquantized base, or the full checkpoint's weights."""
     from transformers import AutoProcessor, Qwen3VLForConditionalGeneration
 
-    if _check_checkpoint(checkpoint) == "full":
+    kind = _check_checkpoint(checkpoint)
+    if kind == "sharded":
+        return consolidate_sharded(checkpoint, dtype)
+    if kind == "full":
         model = Qwen3VLForConditionalGeneration.from_pretrained(str(checkpoint), dtype=dtype, local_files_only=True)
         return model, AutoProcessor.from_pretrained(str(checkpoint), local_files_only=True)
     # never into a quantized base, even for a QLoRA run: the update would be rounded away
@@ -135,7 +169,8 @@ def export(checkpoint: str | Path, out: str | Path, *, merge: bool = False, quan
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     files = sorted(p.name for p in out.iterdir())
-    return {"out": str(out), "kind": "merged" if kind == "lora" else "full", "quant": _quant_name(quant), "files": files}
+    name = {"lora": "merged", "sharded": "consolidated"}.get(kind, "full")
+    return {"out": str(out), "kind": name, "quant": _quant_name(quant), "files": files}
 
 
 def _save(model, processor, out: Path) -> None:

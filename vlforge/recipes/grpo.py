@@ -263,9 +263,12 @@ def run_grpo(cfg: GRPOConfig) -> dict:
         raise ConfigError(f"rl.rewards: {e}") from e
     for path in filter(None, (cfg.data.train, cfg.data.val)):  # a bad file fails now, not after the model loads
         check_readable(path, cfg.data.on_error, cfg.data.max_image_pixels)
-    with begin_run(cfg) as resume_from:
+    with begin_run(cfg) as (world, resume_from):
+        if world.strategy != "none":
+            raise ConfigError("vlforge grpo runs on one process for now (distributed.strategy=none, no torchrun); "
+                              "multi-GPU GRPO is not built yet")
         # compile only when asked: rollout decode shapes change every step and would keep recompiling
-        t = setup_model(cfg, compile_blocks=cfg.precision.compile is True)
+        t = setup_model(cfg, compile_blocks=cfg.precision.compile is True, world=world)
         disable_dropout(t.model)
         ref_model = None
         if cfg.rl.kl_beta > 0 and cfg.tiers.method == "full":  # a frozen copy of the starting policy

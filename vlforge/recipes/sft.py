@@ -19,7 +19,7 @@ from tqdm import tqdm
 from vlforge.config import ConfigError, SFTConfig
 from vlforge.data.dataset import ChatDataset, batches_from, load_dataset
 from vlforge.data.encode import collate
-from vlforge.data.jsonl import check_readable
+from vlforge.data.jsonl import DataError, check_readable
 from vlforge.engine.evaluate import to_device
 from vlforge.engine.health import GradHealth
 from vlforge.engine.losses import count_supervised, sft_loss_sum
@@ -31,15 +31,21 @@ from vlforge.model.tiers import plan_summary, unwrap
 
 
 def micro_batches(data: ChatDataset, batch_size: int, seed: int, epoch: int, position: int, num_workers: int,
-                  token_multiple: int = 1):
-    """Endless stream of (batch, epoch, position-after) continuing across epochs; resumable."""
+                  token_multiple: int = 1, rank: int = 0, world_size: int = 1):
+    """Endless stream of (batch, epoch, position-after) continuing across epochs; resumable.
+
+    With several ranks, each global micro-batch of batch_size x world_size samples (the order one
+    process would take) is split into contiguous slices, rank r taking the r-th; epoch and
+    position count global samples, so a run resumes on any number of ranks."""
     while True:
-        index_lists = list(batches_from(len(data), batch_size, seed, epoch, position))
-        if not index_lists:
+        global_lists = list(batches_from(len(data), batch_size * world_size, seed, epoch, position))
+        if not global_lists:
             if position == 0:
-                raise ConfigError(f"train.batch_size={batch_size} is larger than the dataset ({len(data)} samples)")
+                raise ConfigError(f"train.batch_size={batch_size} x {world_size} processes is larger than the "
+                                  f"dataset ({len(data)} samples)")
             epoch, position = epoch + 1, 0
             continue
+        index_lists = [(ix[rank * batch_size:(rank + 1) * batch_size], pos) for ix, pos in global_lists]
         # The loader gets its own generator: creating an iterator draws a seed from it, and drawing
         # from the global RNG instead would shift dropout masks after a mid-epoch resume.
         loader = torch.utils.data.DataLoader(
@@ -58,8 +64,14 @@ def train_step(t: Trainable, micro: list[dict], optimizer, scaler, health: GradH
     # data.on_error=skip: rows whose image failed to decode are left out of their batch (counted)
     skipped_rows = sum(int(b.get("skipped_rows", 0)) for b in micro)
     skipped = {"skipped_rows": skipped_rows} if skipped_rows else {}
-    micro = [b for b in micro if len(b["input_ids"])]
-    total_tokens = sum(count_supervised(b) for b in micro)
+    world = t.world
+    kept = [b for b in micro if len(b["input_ids"])]
+    if world.sharded and len(kept) < len(micro):  # the other ranks would wait for its forward
+        raise DataError("every row of one micro-batch was skipped (data.on_error=skip) in a sharded run, where "
+                        "each rank must run every micro-batch: fix or drop the rows `vlforge data check` reports")
+    micro = kept
+    # the supervised tokens of the whole global batch (every micro-batch on every rank)
+    total_tokens = int(world.sum(sum(count_supervised(b) for b in micro)))
     if total_tokens == 0:  # every row of the step was skipped: no update (and no 0/0 loss)
         optimizer.zero_grad(set_to_none=True)
         return {"loss": float("nan"), "grad_norm": 0.0, "skipped": True, **skipped, "supervised_tokens": 0,
@@ -68,13 +80,17 @@ def train_step(t: Trainable, micro: list[dict], optimizer, scaler, health: GradH
     for batch in micro:
         batch = to_device(batch, t.device)
         with t.policy.autocast():
-            loss_sum, _ = sft_loss_sum(t.model, batch)  # fp32 whatever the compute dtype
+            # fp32 whatever the compute dtype; sharded, through the FSDP2 root unit (which also runs the
+            # vision tower on a text-only micro-batch: the other ranks' collectives wait for it)
+            loss_sum, _ = t.root(batch) if t.root is not None else sft_loss_sum(t.model, batch)
         loss = loss_sum / total_tokens
-        scaler.scale(loss).backward()
+        # FSDP2 averages gradients over ranks; x world size makes it the global batch's sum
+        scaler.scale(loss * world.size).backward()
         loss_total += float(loss.detach())
+    loss_total = world.sum(loss_total)  # the global batch's loss, the same on every rank
     row = health.step(optimizer, scaler, max_grad_norm, loss_total)
     return {"loss": loss_total, **row, **skipped, "supervised_tokens": total_tokens,
-            "tokens": sum(int(b["attention_mask"].sum()) for b in micro)}
+            "tokens": int(world.sum(sum(int(b["attention_mask"].sum()) for b in micro)))}  # all ranks
 
 
 def run_sft(cfg: SFTConfig) -> dict:
@@ -83,29 +99,33 @@ def run_sft(cfg: SFTConfig) -> dict:
         raise ConfigError("data.train is not set: give a JSONL file (data.train=path/to/train.jsonl)")
     for path in filter(None, (cfg.data.train, cfg.data.val)):  # a bad file fails now, not after the model loads
         check_readable(path, cfg.data.on_error, cfg.data.max_image_pixels)
-    with begin_run(cfg) as resume_from:
-        t = setup_model(cfg)
+    with begin_run(cfg) as (world, resume_from):
+        t = setup_model(cfg, world=world)
         train_data = load_dataset(cfg.data.train, t.processor, cfg.data)
         val_data = load_dataset(cfg.data.val, t.processor, cfg.data) if cfg.data.val else None
         tc = cfg.train
-        samples_per_step = tc.batch_size * tc.grad_accum
+        samples_per_step = tc.batch_size * tc.grad_accum * world.size  # the global batch
         steps_per_epoch = len(train_data) // samples_per_step
         if steps_per_epoch == 0:
-            raise ConfigError(f"batch_size x grad_accum = {samples_per_step} exceeds the {len(train_data)} "
-                              "training samples")
+            raise ConfigError(f"batch_size x grad_accum x processes = {samples_per_step} exceeds the "
+                              f"{len(train_data)} training samples")
         total_steps = tc.max_steps or tc.epochs * steps_per_epoch
         run = Run.start(cfg, t, total_steps, val_data, resume_from, spikes=True, state={"tokens_seen": 0})
         summary = plan_summary(unwrap(t.model), t.plan)
-        print(f"training {summary['trainable_params']:,} of {summary['total_params']:,} parameters "
-              f"({cfg.tiers.method}); {len(train_data)} samples, {total_steps} steps, device {t.device}")
+        say = print if world.main else (lambda *a, **k: None)  # one process speaks for the run
+        say(f"training {summary['trainable_params']:,} of {summary['total_params']:,} parameters "
+              f"({cfg.tiers.method}); {len(train_data)} samples, {total_steps} steps, device {t.device}"
+            + (f", {world.size} processes ({world.strategy})" if world.strategy != "none" else ""))
         if train_data.report.skipped:
-            print(f"skipped rows: {dict(train_data.report.skipped)}")
+            say(f"skipped rows: {dict(train_data.report.skipped)}")
         if cfg.eval.at_start and run.step == 0:
             run.evaluate()
 
         stream = micro_batches(train_data, tc.batch_size, tc.seed, run.state["epoch"], run.state["position"],
-                               resolve_num_workers(cfg.data.num_workers, t.device), t.token_multiple)
-        bar = tqdm(total=total_steps, initial=run.step, disable=not cfg.log.progress, desc="sft", dynamic_ncols=True)
+                               resolve_num_workers(cfg.data.num_workers, t.device), t.token_multiple,
+                               world.rank, world.size)
+        bar = tqdm(total=total_steps, initial=run.step, disable=not (cfg.log.progress and world.main), desc="sft",
+                   dynamic_ncols=True)
         while run.step < total_steps:
             start = time.perf_counter()
             micro = []
@@ -123,8 +143,9 @@ def run_sft(cfg: SFTConfig) -> dict:
             bar.set_postfix(loss=f"{result['loss']:.4f}", lr=f"{lr:.2e}", tok_s=f"{row['tokens_per_s']:.0f}")
         bar.close()
         run.close()
-        rows = read_metrics(run.out / "metrics.jsonl")
-        marks = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
-        # log scale: losses span orders of magnitude and a linear axis hides the tail
-        plot_metric(rows, "loss", run.out / "loss.png", title="training loss", marks=marks, log_y=True)
+        if world.main:
+            rows = read_metrics(run.out / "metrics.jsonl")
+            marks = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
+            # log scale: losses span orders of magnitude and a linear axis hides the tail
+            plot_metric(rows, "loss", run.out / "loss.png", title="training loss", marks=marks, log_y=True)
         return {"output_dir": str(run.out), "final_step": run.step, "eval": run.last_eval, "plan": summary}

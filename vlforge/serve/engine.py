@@ -236,12 +236,15 @@ class InferenceEngine:
     def _load(cls, source: str, quant: QuantConfig | None, device: str, dtype: torch.dtype) -> "InferenceEngine":
         from vlforge.engine.hardware import quant_problem
         from vlforge.engine.runtime import resolve_device
-        from vlforge.model.export import run_config
+        from vlforge.model.export import is_sharded, run_config
         from vlforge.model.load import load_model
         from vlforge.model.quant import verify
 
         dev = resolve_device(device)
         path = Path(source)
+        if is_sharded(path):
+            raise ConfigError(f"{path} is a sharded (multi-process) checkpoint: consolidate it first with "
+                              f"`vlforge export {path} --out DIR`, then load DIR")
         lora = (path / "adapter_config.json").is_file()
         wanted = quant if quant is not None else run_config(path).quant if lora else QuantConfig()
         if problem := quant_problem(wanted, dev):  # before any weight loads

@@ -1,0 +1,174 @@
+"""Several processes, one training run: torchrun's process group, FSDP2 wrapping, and the
+few collectives the recipes need. PyTorch's own engine throughout (torch.distributed, FSDP2
+`fully_shard`, DCP in engine/checkpoint.py); nothing here re-implements sharding.
+
+    torchrun --nproc_per_node 8 -m vlforge sft CONFIG          # one process per GPU
+    world = init_world(cfg.distributed, cfg.train.device)     # rank 0 of 1 without torchrun
+    model = wrap(model, world, cfg.distributed, policy)        # FSDP2 units: decoder layers, vision blocks
+
+Rank r of N trains on its slice of every global batch (recipes/sft.py); gradients are reduced
+in fp32 by FSDP2, which averages over ranks, so each rank's loss is scaled by N to keep the
+update of a global batch the same as one process's.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from vlforge.config import ConfigError, DistributedConfig
+from vlforge.engine.runtime import resolve_device
+from vlforge.model.tiers import unwrap
+
+
+@dataclass
+class World:
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+    strategy: str = "none"  # none | fsdp2 (resolved from distributed.strategy)
+    device: torch.device = torch.device("cpu")
+
+    @property
+    def main(self) -> bool:
+        """Rank 0 writes the run's files (metrics, plots, eval.json, checkpoints' metadata)."""
+        return self.rank == 0
+
+    @property
+    def sharded(self) -> bool:
+        return self.strategy == "fsdp2"
+
+    @property
+    def active(self) -> bool:
+        """A process group exists (torchrun, or FSDP2 on one process)."""
+        return dist.is_available() and dist.is_initialized()
+
+    def sum(self, value: float) -> float:
+        """Sum of a number over all ranks (fp64: token counts and losses add up exactly)."""
+        if not self.active or self.size == 1:
+            return float(value)
+        t = torch.tensor([float(value)], dtype=torch.float64, device=self._comm_device)
+        dist.all_reduce(t)
+        return float(t.item())
+
+    def broadcast(self, obj):
+        """Rank 0's `obj` on every rank."""
+        if not self.active or self.size == 1:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.active and self.size > 1:
+            dist.barrier()
+
+    @property
+    def _comm_device(self) -> torch.device:
+        return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def torchrun_env() -> tuple[int, int, int] | None:
+    """(rank, world size, local rank) when started by torchrun, else None."""
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        return None
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
+
+
+def init_world(cfg: DistributedConfig, device_spec: str) -> World:
+    """Join torchrun's process group (or make a one-process group for FSDP2 alone). Idempotent."""
+    env = torchrun_env()
+    rank, size, local_rank = env or (0, 1, 0)
+    strategy = cfg.strategy if cfg.strategy != "auto" else ("fsdp2" if size > 1 else "none")
+    if size > 1 and strategy == "none":
+        raise ConfigError(f"distributed.strategy=none but torchrun started {size} processes: use fsdp2 "
+                          "(or run one process)")
+    if size > 1 and device_spec.startswith("cuda:"):
+        raise ConfigError(f"train.device={device_spec} under torchrun: each process takes the GPU of its "
+                          "LOCAL_RANK; use train.device=auto (or cuda)")
+    device = resolve_device(device_spec)
+    if device.type == "cuda" and size > 1:
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+    if strategy != "none" and not dist.is_initialized():
+        if env is None:  # FSDP2 on one process: a group of one
+            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.setdefault("RANK", "0")
+            os.environ.setdefault("WORLD_SIZE", "1")
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                timeout=datetime.timedelta(seconds=cfg.timeout_s))
+    return World(rank, size, local_rank, strategy, device)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def refuse_unsupported(cfg, world: World) -> None:
+    """What does not work sharded yet, refused before the model loads (cfg: a RunConfig)."""
+    if world.strategy == "none":
+        return
+    why = {
+        "precision.mode=fp16": cfg.precision.mode == "fp16",  # GradScaler does not unscale DTensor shards
+        "precision.fp8.enabled": cfg.precision.fp8.enabled,
+        "quant (QLoRA)": cfg.quant.enabled,
+        "precision.overrides": bool(cfg.precision.overrides),
+    }
+    bad = [k for k, v in why.items() if v]
+    if bad:
+        raise ConfigError(f"distributed.strategy={world.strategy} does not support {', '.join(bad)} yet: "
+                          "train those on one process (distributed.strategy=none), or turn them off")
+
+
+def wrap(model: torch.nn.Module, world: World, cfg: DistributedConfig, compute_dtype: torch.dtype,
+         master_dtype: torch.dtype) -> torch.nn.Module | None:
+    """FSDP2 (fully_shard) over a model whose parameters are already in their storage dtypes.
+    Returns the root unit (a LossForward the step calls), or None when the run is not sharded.
+
+    Units: every language decoder layer and every vision block (the memory peaks), the rest of the
+    vision tower (called on its own by losses.vision_keepalive), and the root, which holds the
+    embeddings, final norm and lm_head (tied weights stay one parameter). Each unit is gathered
+    when its forward starts; generation gathers the root explicitly (`gathered`).
+    """
+    if world.strategy == "none":
+        return None
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    from vlforge.engine.losses import LossForward
+
+    core = unwrap(model)
+    # bf16 compute with fp32 masters: gather parameters in bf16, reduce gradients in fp32
+    mp = MixedPrecisionPolicy(param_dtype=compute_dtype if master_dtype != compute_dtype else None,
+                              reduce_dtype=torch.float32)
+    kwargs = {"mp_policy": mp, "reshard_after_forward": cfg.reshard_after_forward}
+    if cfg.cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
+    for block in core.model.visual.blocks:
+        fully_shard(block, **kwargs)
+    for layer in core.model.language_model.layers:
+        fully_shard(layer, **kwargs)
+    fully_shard(core.model.visual, **kwargs)
+    return fully_shard(LossForward(model, keep_vision=True), **kwargs)
+
+
+@contextlib.contextmanager
+def gathered(root):
+    """The root unit's parameters gathered for a forward that does not enter it (generation)."""
+    if root is None:
+        yield
+        return
+    root.unshard()
+    try:
+        yield
+    finally:
+        root.reshard()
