@@ -253,6 +253,13 @@ class PrecisionConfig:
 
 @dataclass
 class OptimConfig:
+    # AdamW keeps two moments per trainable parameter. `adamw` (torch, fused on CUDA) keeps them in
+    # fp32: 8 bytes/param, 70 GB for an 8.8B full fine-tune on top of its fp32 weights and grads.
+    # `adamw8bit` (bitsandbytes) keeps them in uint8 with one fp32 scale per 256 values: ~2
+    # bytes/param (tensors under 4096 values, i.e. biases and norms, stay fp32). `paged_adamw8bit`
+    # also lets CUDA page that state out to host memory under GPU memory pressure (CUDA only).
+    # Both 8-bit ones need `pip install 'vlforge[quant]'` and plain (not FSDP2-sharded) parameters.
+    name: Literal["adamw", "adamw8bit", "paged_adamw8bit"] = "adamw"
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8

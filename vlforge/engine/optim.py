@@ -1,12 +1,19 @@
-"""AdamW over per-tier param groups and the warmup + decay learning-rate schedule."""
+"""AdamW (torch fp32 or bitsandbytes 8-bit) over per-tier param groups, and the warmup + decay
+learning-rate schedule."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import torch
 
-from vlforge.config import OptimConfig
+from vlforge.config import ConfigError, OptimConfig
+
+# bitsandbytes' 8-bit optimizers keep a tensor's moments in uint8 only from this many elements
+# (its `min_8bit_size` default); smaller tensors (biases, norms) keep fp32 moments.
+MIN_8BIT_SIZE = 4096
+BLOCK = 256  # values per fp32 absmax scale in bitsandbytes' blockwise 8-bit state
 
 
 def lr_factor(step: int, total: int, warmup: int, schedule: str, min_ratio: float) -> float:
@@ -23,10 +30,55 @@ def lr_factor(step: int, total: int, warmup: int, schedule: str, min_ratio: floa
     return min_ratio + (1.0 - min_ratio) * decay
 
 
+def optimizer_problem(cfg: OptimConfig, device_type: str, sharded: bool) -> str | None:
+    """Why `cfg.name` cannot run here (None: it can). Pure; called before any model loads.
+
+    `sharded`: parameters are FSDP2 DTensors. bitsandbytes (0.50) 8-bit AdamW refuses them: its update
+    kernel is a custom op with no DTensor rule ("got mixed torch.Tensor and DTensor"), checked with a
+    2-process gloo `fully_shard` run. Running it on the local shards instead would quantize blocks per
+    shard, so the state would depend on the world size and could not be resumed on another one."""
+    if cfg.name == "adamw":
+        return None
+    if sharded:
+        return (f"optim.name={cfg.name} does not work under FSDP2: bitsandbytes' 8-bit update takes plain "
+                "tensors, not FSDP2's sharded (DTensor) parameters. Use optim.name=adamw (sharding already "
+                "splits its state across GPUs; distributed.cpu_offload moves it to host memory), or "
+                "DDP or one process without FSDP2")
+    if cfg.name == "paged_adamw8bit" and device_type != "cuda":
+        return (f"optim.name=paged_adamw8bit pages optimizer state between GPU and host memory, which needs "
+                f"CUDA; this run is on {device_type}: use optim.name=adamw8bit (or adamw)")
+    if device_type not in ("cuda", "cpu"):
+        return (f"optim.name={cfg.name}: bitsandbytes has no 8-bit optimizer kernels for {device_type}; "
+                "use optim.name=adamw")
+    if importlib.util.find_spec("bitsandbytes") is None:
+        return f"optim.name={cfg.name} needs bitsandbytes: pip install 'vlforge[quant]' (or use optim.name=adamw)"
+    return None
+
+
+def state_bytes(numel: int, name: str) -> int:
+    """Bytes of optimizer state one parameter tensor of `numel` values gets (the step count aside)."""
+    if name == "adamw" or numel < MIN_8BIT_SIZE:
+        return 8 * numel  # two fp32 moments
+    return 2 * numel + 2 * 4 * -(-numel // BLOCK)  # two uint8 moments + their fp32 block scales
+
+
 def build_optimizer(groups: list[dict], cfg: OptimConfig, device_type: str) -> torch.optim.Optimizer:
-    # fused AdamW on CUDA: one kernel for all params (the peer baseline uses it too).
-    fused = device_type == "cuda"
-    return torch.optim.AdamW(groups, betas=cfg.betas, eps=cfg.eps, fused=fused)  # lr: per tier group
+    """One optimizer over `groups` (tiers.param_groups: each group's own lr and weight_decay)."""
+    if cfg.name == "adamw":
+        # fused AdamW on CUDA: one kernel for all params (the peer baseline uses it too).
+        fused = device_type == "cuda"
+        return torch.optim.AdamW(groups, betas=cfg.betas, eps=cfg.eps, fused=fused)  # lr: per tier group
+    from torch.distributed.tensor import DTensor
+
+    # also checked here, not only before loading: a caller that shards without saying so is still refused
+    sharded = any(isinstance(p, DTensor) for g in groups for p in g["params"])
+    if problem := optimizer_problem(cfg, device_type, sharded):
+        raise ConfigError(problem)
+    import bitsandbytes as bnb
+
+    cls = bnb.optim.PagedAdamW8bit if cfg.name == "paged_adamw8bit" else bnb.optim.AdamW8bit
+    # min_8bit_size stated so state_bytes stays true; lr and weight_decay: per tier group
+    return cls(groups, betas=cfg.betas, eps=cfg.eps, min_8bit_size=MIN_8BIT_SIZE)
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int):

@@ -18,6 +18,7 @@ from vlforge.config import ConfigError, PrecisionConfig, RunConfig
 from vlforge.engine.distributed import World, refuse_unsupported, wrap
 from vlforge.engine.fp8 import fp8_backend, fp8_layer_plan, token_multiple
 from vlforge.engine.hardware import bf16_problem, quant_problem
+from vlforge.engine.optim import optimizer_problem
 from vlforge.engine.precision import PrecisionPolicy
 from vlforge.engine.runtime import resolve_device
 from vlforge.model.load import load_model
@@ -64,6 +65,8 @@ def default_compile(precision: PrecisionConfig) -> bool:
 def refuse_bad_combinations(cfg: RunConfig, device: torch.device) -> None:
     """Everything that can be refused from the config and the device alone, before loading weights."""
     if cfg.precision.mode == "bf16" and (problem := bf16_problem(device)):
+        raise ConfigError(problem)
+    if problem := optimizer_problem(cfg.optim, device.type, sharded=False):  # sharded: True under FSDP2
         raise ConfigError(problem)
     if cfg.quant.enabled and cfg.tiers.method != "lora":
         raise ConfigError("quant (QLoRA) needs tiers.method=lora: quantized base weights cannot be trained directly")
