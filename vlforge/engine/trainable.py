@@ -62,11 +62,11 @@ def default_compile(precision: PrecisionConfig) -> bool:
     return bool(precision.compile)
 
 
-def refuse_bad_combinations(cfg: RunConfig, device: torch.device) -> None:
+def refuse_bad_combinations(cfg: RunConfig, device: torch.device, sharded: bool = False) -> None:
     """Everything that can be refused from the config and the device alone, before loading weights."""
     if cfg.precision.mode == "bf16" and (problem := bf16_problem(device)):
         raise ConfigError(problem)
-    if problem := optimizer_problem(cfg.optim, device.type, sharded=False):  # sharded: True under FSDP2
+    if problem := optimizer_problem(cfg.optim, device.type, sharded=sharded):
         raise ConfigError(problem)
     if cfg.quant.enabled and cfg.tiers.method != "lora":
         raise ConfigError("quant (QLoRA) needs tiers.method=lora: quantized base weights cannot be trained directly")
@@ -87,7 +87,7 @@ def setup_model(cfg: RunConfig, compile_blocks: bool | None = None, world: World
     world = world or World(device=resolve_device(cfg.train.device))
     device = world.device
     policy = PrecisionPolicy(cfg.precision, device.type)
-    refuse_bad_combinations(cfg, device)
+    refuse_bad_combinations(cfg, device, sharded=world.sharded)
     refuse_unsupported(cfg, world)
     fp8 = fp8_backend(cfg.precision.fp8, device) if cfg.precision.fp8.enabled else None  # fails before loading
     # Full fine-tuning loads straight into the master dtype; LoRA loads the frozen base in the
