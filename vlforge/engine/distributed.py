@@ -153,11 +153,16 @@ def wrap(model: torch.nn.Module, world: World, cfg: DistributedConfig, compute_d
     kwargs = {"mp_policy": mp, "reshard_after_forward": cfg.reshard_after_forward}
     if cfg.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
+    # The vision tower stays gathered from its forward to its backward: its features join the
+    # language model at several layers (deepstack), so a rank with images reaches its backward in
+    # the middle of the layers' backward, a text-only rank (vision_keepalive) at the end; gathering
+    # again in backward would then put the ranks' collectives out of order. It is small (~0.6B at 32B).
+    vision = {**kwargs, "reshard_after_forward": False}
     for block in core.model.visual.blocks:
-        fully_shard(block, **kwargs)
+        fully_shard(block, **vision)
     for layer in core.model.language_model.layers:
         fully_shard(layer, **kwargs)
-    fully_shard(core.model.visual, **kwargs)
+    fully_shard(core.model.visual, **vision)
     return fully_shard(LossForward(model, keep_vision=True), **kwargs)
 
 

@@ -25,10 +25,10 @@ def backbone_hidden(model, batch: dict) -> torch.Tensor:
 
 def vision_keepalive(model, device: torch.device) -> torch.Tensor:
     """0 x the vision tower's output on one blank image (its smallest grid), with a graph to every
-    vision parameter. A rank whose micro-batch has no image adds it to its loss: sharded (FSDP2),
-    the vision tower's all-gathers and gradient reduce-scatters are collectives every rank must
-    join, so skipping the tower on one rank would hang the others. It changes neither the loss
-    nor any gradient (its gradients are exact zeros)."""
+    vision parameter. A rank whose micro-batch has no image runs it: sharded (FSDP2), the vision
+    tower's all-gathers and gradient reduce-scatters are collectives every rank must join, so
+    skipping the tower on one rank would hang the others. It changes neither the loss nor any
+    gradient (its gradients are exact zeros)."""
     visual = unwrap(model).model.visual
     cfg = visual.config
     m = cfg.spatial_merge_size
@@ -40,15 +40,27 @@ def vision_keepalive(model, device: torch.device) -> torch.Tensor:
 
 def sft_loss_sum(model, batch: dict, keep_vision: bool = False) -> tuple[torch.Tensor, int]:
     """(sum of next-token cross-entropy over supervised tokens, number of supervised tokens).
-    `keep_vision`: run the vision tower even on a batch without images (vision_keepalive)."""
-    hidden_BTH = backbone_hidden(model, batch)
+    `keep_vision`: run the vision tower even on a batch without images (vision_keepalive), first,
+    where a batch with images runs it too: sharded, every rank then gathers the same units in the
+    same order."""
+    if keep_vision and batch.get("pixel_values") is None:
+        keepalive = vision_keepalive(model, batch["input_ids"].device)
+        # joined to the token embeddings, where a batch's image features join: the first decoder
+        # layer's input then needs a gradient exactly when it does on ranks with images (FSDP2
+        # orders a unit's gradient reduction by that), and the loss and every gradient stay the same
+        embed = unwrap(model).model.get_input_embeddings()
+        hook = embed.register_forward_hook(lambda module, args, out: out + keepalive.to(out.dtype))
+        try:
+            hidden_BTH = backbone_hidden(model, batch)
+        finally:
+            hook.remove()
+    else:
+        hidden_BTH = backbone_hidden(model, batch)
     targets_BT = batch["labels"][:, 1:]
     supervised_BT = targets_BT != IGNORE_INDEX
     hidden_NH = hidden_BTH[:, :-1][supervised_BT]
     logits_NV = unwrap(model).lm_head(hidden_NH).float()
     loss = F.cross_entropy(logits_NV, targets_BT[supervised_BT], reduction="sum")
-    if keep_vision and batch.get("pixel_values") is None:
-        loss = loss + vision_keepalive(model, hidden_BTH.device)
     return loss, int(supervised_BT.sum())
 
 

@@ -1,0 +1,146 @@
+"""torchrun + FSDP2 on CPU (gloo), tiny model: N processes give the one-process update.
+
+Each launch is a real `torchrun --nproc_per_node 2 -m vlforge sft ...` with a timeout, so a hang
+fails the test instead of blocking the suite.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from PIL import Image
+from safetensors.torch import load_file
+
+from vlforge.data.dataset import epoch_order
+from vlforge.model.export import export
+from vlforge.recipes.sft import run_sft
+
+from helpers import tiny_sft_config
+
+TIMEOUT_S = 240
+COMMON = ["model.preset=tiny", "precision.mode=fp32", "train.device=cpu", "log.progress=false",
+          "optim.schedule=constant", "optim.warmup_steps=0", "data.val=null", "train.seed=0",
+          "tiers.vision.train=true", "tiers.language.dropout=0", "tiers.projector.dropout=0",
+          "tiers.vision.dropout=0"]  # dropout masks are drawn per rank: no dropout in a parity test
+
+
+def launch(args: list[str], cwd, nproc: int = 2) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+           "-m", "vlforge", "sft", *args] if nproc else [sys.executable, "-m", "vlforge", "sft", *args]
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+
+
+def losses(run_dir) -> list[float]:
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+            if "loss" in json.loads(line)]
+
+
+def config_file(tmp_path, train_jsonl, *overrides) -> str:
+    path = tmp_path / "run.yaml"
+    lines = [f"data: {{train: {train_jsonl}}}"]
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+def test_two_processes_equal_one_and_resume_on_another_world_size(shapes_dir, tmp_path):
+    """Full fine-tuning: 2 ranks x batch 2 == 1 process x batch 4 (losses and weights); a run saved
+    on 2 ranks resumes on 1 (FSDP2 on one process) to the same weights as the uninterrupted run."""
+    straight = tmp_path / "one"
+    run_sft(tiny_sft_config(shapes_dir, straight, *COMMON, "tiers.method=full", "train.batch_size=4",
+                            "train.max_steps=3"))
+    cfg = config_file(tmp_path, shapes_dir / "train.jsonl")
+    split = tmp_path / "split"
+    args = [cfg, *COMMON, "tiers.method=full", f"train.output_dir={split}"]
+    first = launch(args + ["train.batch_size=2", "train.max_steps=2"], tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert (split / "checkpoint-2" / "dcp").is_dir() and (split / "checkpoint-2" / "rng-1.pt").is_file()
+    second = launch(args + ["train.batch_size=4", "train.max_steps=3", "train.resume=auto",
+                            "distributed.strategy=fsdp2"], tmp_path, nproc=0)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from" in second.stdout
+    assert losses(split) == pytest.approx(losses(straight), rel=1e-5)
+
+    export(split / "checkpoint-3", tmp_path / "consolidated", dtype=torch.float32)  # plain HF directory
+    ours, theirs = load_file(tmp_path / "consolidated" / "model.safetensors"), \
+        load_file(straight / "checkpoint-3" / "model.safetensors")
+    assert set(ours) == set(theirs)
+    for name in theirs:
+        torch.testing.assert_close(ours[name], theirs[name], rtol=1e-5, atol=1e-5)
+
+
+def _mixed_modality_data(shapes_dir, tmp_path) -> tuple:
+    """Rows where, in every global batch of 4, rank 1's two rows are text-only."""
+    rows = [json.loads(line) for line in (shapes_dir / "train.jsonl").read_text().splitlines()][:32]
+    order = epoch_order(len(rows), 0, 0)
+    text_only = {order[i] for i in range(len(order)) if i % 4 >= 2}
+    for i in text_only:
+        rows[i] = {"text": "Say the colour word.", "answer": "red"}
+    for i, row in enumerate(rows):
+        if "image" in row:
+            row["image"] = str(shapes_dir / row["image"])
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path, text_only
+
+
+def test_lora_with_text_only_rows_on_one_rank(shapes_dir, tmp_path):
+    """A rank whose micro-batches have no image still completes its steps (the vision tower runs
+    on a dummy input, contributing nothing), and LoRA on 2 ranks equals LoRA on one process."""
+    data, _ = _mixed_modality_data(shapes_dir, tmp_path)
+    one = tmp_path / "one"
+    cfg = tiny_sft_config(shapes_dir, one, *COMMON, "tiers.method=lora", "train.batch_size=4", "train.max_steps=2")
+    cfg.data.train = str(data)
+    run_sft(cfg)
+    two = tmp_path / "two"
+    result = launch([config_file(tmp_path, data), *COMMON, "tiers.method=lora", "train.batch_size=2",
+                     "train.max_steps=2", f"train.output_dir={two}"], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("outputs in") == 1  # one process speaks for the run
+    assert losses(two) == pytest.approx(losses(one), rel=1e-5)
+
+
+def test_an_error_on_one_rank_ends_the_run_naming_that_rank(shapes_dir, tmp_path):
+    rows = [{"image": f"{i}.png", "text": "What colour is it?", "answer": "red"} for i in range(4)]
+    for i in range(4):
+        Image.new("RGB", (32, 32), "red").save(tmp_path / f"{i}.png")
+    order = epoch_order(4, 0, 0)
+    (tmp_path / f"{order[1]}.png").write_bytes((tmp_path / f"{order[1]}.png").read_bytes()[:60])  # rank 1's row
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    result = launch([config_file(tmp_path, data), *COMMON, "tiers.method=lora", "train.batch_size=1",
+                     "train.max_steps=2", "data.on_error=skip", f"train.output_dir={tmp_path / 'run'}"], tmp_path)
+    assert result.returncode != 0
+    assert "[rank 1 of 2] error:" in result.stderr and "every row of one micro-batch was skipped" in result.stderr
+
+
+def test_vision_keepalive_changes_no_loss_and_no_gradient(tiny):
+    """On a text-only batch the keep-alive runs every vision parameter into the graph (zero
+    gradients) and leaves the loss and the language model's gradients exactly as they were."""
+    import copy
+
+    from vlforge.data.encode import collate
+    from vlforge.engine.losses import sft_loss_sum
+
+    model = copy.deepcopy(tiny[0]).train()
+    tok = tiny[1].tokenizer
+    ids = torch.tensor(tok("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nred<|im_end|>")["input_ids"])
+    batch = collate([{"input_ids": ids, "labels": ids.clone(), "mm_token_type_ids": torch.zeros_like(ids)}],
+                    tok.pad_token_id)
+    results = []
+    for keep in (False, True):
+        model.zero_grad(set_to_none=True)
+        loss, _ = sft_loss_sum(model, batch, keep_vision=keep)
+        loss.backward()
+        results.append((loss.item(), {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}))
+    (plain, plain_grads), (kept, kept_grads) = results
+    assert plain == kept
+    vision = [n for n in plain_grads if n.startswith("model.visual.")]
+    assert vision and all(plain_grads[n] is None for n in vision)
+    assert all(kept_grads[n] is not None and not kept_grads[n].any() for n in vision)
+    for n, g in plain_grads.items():
+        if g is not None:
+            assert torch.equal(g, kept_grads[n]), n
