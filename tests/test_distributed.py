@@ -144,3 +144,15 @@ def test_vision_keepalive_changes_no_loss_and_no_gradient(tiny):
     for n, g in plain_grads.items():
         if g is not None:
             assert torch.equal(g, kept_grads[n]), n
+
+
+def test_what_is_not_built_sharded_is_refused_before_loading(shapes_dir, tmp_path):
+    from vlforge.config import ConfigError, GRPOConfig, load_config
+    from vlforge.recipes.grpo import run_grpo
+
+    cfg = load_config(GRPOConfig, "configs/demo-grpo.yaml", [f"data.train={shapes_dir / 'train.jsonl'}",
+                                                             "distributed.strategy=fsdp2", "model.path=/nonexistent"])
+    with pytest.raises(ConfigError, match="multi-GPU GRPO is not built yet"):
+        run_grpo(cfg)
+    with pytest.raises(ConfigError, match="cpu_offload needs strategy fsdp2"):
+        load_config(GRPOConfig, None, ["distributed.strategy=none", "distributed.cpu_offload=true"])

@@ -33,6 +33,7 @@ class World:
     local_rank: int = 0
     strategy: str = "none"  # none | fsdp2 (resolved from distributed.strategy)
     device: torch.device = torch.device("cpu")
+    owns_group: bool = False  # init_world created the process group (close() ends it)
 
     @property
     def main(self) -> bool:
@@ -68,6 +69,10 @@ class World:
         if self.active and self.size > 1:
             dist.barrier()
 
+    def close(self) -> None:
+        if self.owns_group and self.active:
+            dist.destroy_process_group()
+
     @property
     def _comm_device(self) -> torch.device:
         return self.device if dist.get_backend() == "nccl" else torch.device("cpu")
@@ -95,7 +100,8 @@ def init_world(cfg: DistributedConfig, device_spec: str) -> World:
     if device.type == "cuda" and size > 1:
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
-    if strategy != "none" and not dist.is_initialized():
+    owns_group = strategy != "none" and not dist.is_initialized()
+    if owns_group:
         if env is None:  # FSDP2 on one process: a group of one
             os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
@@ -103,7 +109,7 @@ def init_world(cfg: DistributedConfig, device_spec: str) -> World:
             os.environ.setdefault("WORLD_SIZE", "1")
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
                                 timeout=datetime.timedelta(seconds=cfg.timeout_s))
-    return World(rank, size, local_rank, strategy, device)
+    return World(rank, size, local_rank, strategy, device, owns_group)
 
 
 def _free_port() -> int:

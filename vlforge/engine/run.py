@@ -64,6 +64,7 @@ def begin_run(cfg: RunConfig) -> Iterator[tuple[World, Path | None]]:
     finally:
         if world.main:
             release_output_dir(cfg.train.output_dir)
+        world.close()
 
 
 @dataclass

@@ -23,6 +23,7 @@ from vlforge.config import ConfigError, GRPOConfig
 from vlforge.data.dataset import ChatDataset, batches_from, load_dataset
 from vlforge.data.encode import collate, encode_prompt
 from vlforge.data.jsonl import DataError, check_readable
+from vlforge.engine.distributed import torchrun_env
 from vlforge.engine.evaluate import to_device
 from vlforge.engine.health import GradHealth
 from vlforge.engine.metrics import plot_metric, read_metrics
@@ -263,10 +264,10 @@ def run_grpo(cfg: GRPOConfig) -> dict:
         raise ConfigError(f"rl.rewards: {e}") from e
     for path in filter(None, (cfg.data.train, cfg.data.val)):  # a bad file fails now, not after the model loads
         check_readable(path, cfg.data.on_error, cfg.data.max_image_pixels)
+    if cfg.distributed.strategy == "fsdp2" or torchrun_env():
+        raise ConfigError("vlforge grpo runs on one process for now (no torchrun, distributed.strategy auto or "
+                          "none): multi-GPU GRPO is not built yet")
     with begin_run(cfg) as (world, resume_from):
-        if world.strategy != "none":
-            raise ConfigError("vlforge grpo runs on one process for now (distributed.strategy=none, no torchrun); "
-                              "multi-GPU GRPO is not built yet")
         # compile only when asked: rollout decode shapes change every step and would keep recompiling
         t = setup_model(cfg, compile_blocks=cfg.precision.compile is True, world=world)
         disable_dropout(t.model)
