@@ -57,6 +57,15 @@ class World:
         dist.all_reduce(t)
         return float(t.item())
 
+    def gather(self, t: torch.Tensor) -> torch.Tensor:
+        """Every rank's `t` (equal shapes), concatenated along dim 0 in rank order, on every rank."""
+        if not self.active or self.size == 1:
+            return t
+        local = t.to(self._comm_device)
+        parts = [torch.empty_like(local) for _ in range(self.size)]
+        dist.all_gather(parts, local)
+        return torch.cat(parts).to(t.device)
+
     def broadcast(self, obj):
         """Rank 0's `obj` on every rank."""
         if not self.active or self.size == 1:
@@ -139,7 +148,7 @@ def refuse_unsupported(cfg, world: World) -> None:
 def wrap(model: torch.nn.Module, world: World, cfg: DistributedConfig, compute_dtype: torch.dtype,
          master_dtype: torch.dtype) -> torch.nn.Module | None:
     """FSDP2 (fully_shard) over a model whose parameters are already in their storage dtypes.
-    Returns the root unit (a LossForward the step calls), or None when the run is not sharded.
+    Returns the root unit (a losses.Root the step calls), or None when the run is not sharded.
 
     Units: every language decoder layer and every vision block (the memory peaks), the rest of the
     vision tower (called on its own by losses.vision_keepalive), and the root, which holds the
@@ -150,7 +159,7 @@ def wrap(model: torch.nn.Module, world: World, cfg: DistributedConfig, compute_d
         return None
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    from vlforge.engine.losses import LossForward
+    from vlforge.engine.losses import Root
 
     core = unwrap(model)
     # bf16 compute with fp32 masters: gather parameters in bf16, reduce gradients in fp32
@@ -164,12 +173,30 @@ def wrap(model: torch.nn.Module, world: World, cfg: DistributedConfig, compute_d
     # the middle of the layers' backward, a text-only rank (vision_keepalive) at the end; gathering
     # again in backward would then put the ranks' collectives out of order. It is small (~0.6B at 32B).
     vision = {**kwargs, "reshard_after_forward": False}
-    for block in core.model.visual.blocks:
-        fully_shard(block, **vision)
-    for layer in core.model.language_model.layers:
-        fully_shard(layer, **kwargs)
-    fully_shard(core.model.visual, **vision)
-    return fully_shard(LossForward(model, keep_vision=True), **kwargs)
+    units = [(block, vision) for block in core.model.visual.blocks]
+    units += [(layer, kwargs) for layer in core.model.language_model.layers]
+    units += [(core.model.visual, vision)]
+    for unit, how in units:
+        fully_shard(unit, **how)
+    root = fully_shard(Root(model), **kwargs)
+    # Enter the root once now: FSDP2 initialises its state on the first forward of any unit, and
+    # that unit becomes the root; rollouts and keep-alives call inner units first.
+    with torch.no_grad():
+        root(lambda model: None)
+    # each unit's own setting, for fully_gathered to restore
+    root.reshard_settings = [(u, how["reshard_after_forward"]) for u, how in units] + \
+        [(root, kwargs["reshard_after_forward"])]  # the root last
+    return root
+
+
+def reshard_all(root) -> None:
+    """Every unit back to its shards. After a forward without backward (eval, reference log-probs)
+    the vision units, which reshard only after their backward, are left gathered; code that then
+    changes parameters' attributes (peft's disable_adapter toggles requires_grad) would change
+    the gathered copies, not the sharded parameters the optimizer holds."""
+    if root is not None:
+        for unit, _ in root.reshard_settings:
+            unit.reshard()
 
 
 @contextlib.contextmanager
@@ -182,4 +209,23 @@ def gathered(root):
     try:
         yield
     finally:
-        root.reshard()
+        reshard_all(root)
+
+
+@contextlib.contextmanager
+def fully_gathered(root):
+    """Every unit's parameters gathered, in one fixed order on every rank, and kept gathered until
+    the block ends: for rollouts, where each rank decodes for as many steps as its own responses
+    need, so no forward may issue a collective (the other ranks would not join it)."""
+    if root is None:
+        yield
+        return
+    for unit, _ in reversed(root.reshard_settings):
+        unit.set_reshard_after_forward(False, recurse=False)
+        unit.unshard()
+    try:
+        yield
+    finally:
+        for unit, reshard in root.reshard_settings:
+            unit.reshard()
+            unit.set_reshard_after_forward(reshard, recurse=False)

@@ -38,6 +38,14 @@ def vision_keepalive(model, device: torch.device) -> torch.Tensor:
     return 0.0 * (out.pooler_output.float().sum() + sum(f.float().sum() for f in out.deepstack_features))
 
 
+def drop_keepalive_grads(model) -> None:
+    """For an optimizer step whose global batch had no image at all: the vision tower's gradients
+    are the keep-alive's zeros; None instead, as one process leaves them, so AdamW skips those
+    parameters (a zero gradient would still move them by momentum and weight decay)."""
+    for p in unwrap(model).model.visual.parameters():
+        p.grad = None
+
+
 def sft_loss_sum(model, batch: dict, keep_vision: bool = False) -> tuple[torch.Tensor, int]:
     """(sum of next-token cross-entropy over supervised tokens, number of supervised tokens).
     `keep_vision`: run the vision tower even on a batch without images (vision_keepalive), first,
@@ -68,18 +76,18 @@ def count_supervised(batch: dict) -> int:
     return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
 
 
-class LossForward(torch.nn.Module):
-    """The training forward as a module: `LossForward(model)(batch)` is `sft_loss_sum(model, batch)`.
+class Root(torch.nn.Module):
+    """`Root(model)(fn, *args)` is `fn(model, *args)`: a training step's forward as one module.
 
     Sharded (FSDP2), this is the root unit: the embeddings, final norm and lm_head are gathered
-    when its forward starts and their gradients reduced after its backward. Recipes call the
-    backbone and lm_head separately (logits only where labels are), which bypasses the HF
-    model's own forward, so the root must be a module whose forward the step does enter.
+    when its forward starts and their gradients reduced after its backward. The recipes call the
+    backbone and lm_head themselves (logits only where labels are; shared image features in GRPO),
+    which bypasses the HF model's own forward, so the root must be a module the step does enter.
     """
 
-    def __init__(self, model: torch.nn.Module, keep_vision: bool = False):
+    def __init__(self, model: torch.nn.Module):
         super().__init__()
-        self.model, self.keep_vision = model, keep_vision
+        self.model = model
 
-    def forward(self, batch: dict) -> tuple[torch.Tensor, int]:
-        return sft_loss_sum(self.model, batch, keep_vision=self.keep_vision)
+    def forward(self, fn, *args, **kwargs):
+        return fn(self.model, *args, **kwargs)

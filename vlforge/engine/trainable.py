@@ -37,7 +37,11 @@ class Trainable:
     device: torch.device
     fp8_plan: dict = field(default_factory=dict)  # linear name -> fp8.Decision (empty without FP8)
     world: World = field(default_factory=World)  # this process's rank in the run (one process: rank 0 of 1)
-    root: torch.nn.Module | None = None  # sharded: the FSDP2 root unit (a LossForward) the step calls
+    root: torch.nn.Module | None = None  # sharded: the FSDP2 root unit (a losses.Root) the step calls
+
+    def forward(self, fn, *args, **kwargs):
+        """`fn(model, *args)`, entered through the FSDP2 root unit when the run is sharded (losses.Root)."""
+        return self.root(fn, *args, **kwargs) if self.root is not None else fn(self.model, *args, **kwargs)
 
     @property
     def token_multiple(self) -> int:

@@ -23,9 +23,10 @@ from vlforge.config import ConfigError, GRPOConfig
 from vlforge.data.dataset import ChatDataset, batches_from, load_dataset
 from vlforge.data.encode import collate, encode_prompt
 from vlforge.data.jsonl import DataError, check_readable
-from vlforge.engine.distributed import torchrun_env
+from vlforge.engine.distributed import World, fully_gathered, reshard_all, torchrun_env
 from vlforge.engine.evaluate import to_device
 from vlforge.engine.health import GradHealth
+from vlforge.engine.losses import drop_keepalive_grads
 from vlforge.engine.metrics import plot_metric, read_metrics
 from vlforge.engine.run import Run, begin_run
 from vlforge.engine.trainable import Trainable, setup_model
@@ -51,11 +52,14 @@ def disable_dropout(model) -> None:
             module.p = 0.0
 
 
-def prompt_stream(data: ChatDataset, batch_size: int, seed: int, epoch: int, position: int):
-    """Endless (indices, epoch, position-after) over the prompt set, resumable like SFT's."""
+def prompt_stream(data: ChatDataset, batch_size: int, seed: int, epoch: int, position: int, world: World = World()):
+    """Endless (indices, epoch, position-after) over the prompt set, resumable like SFT's. With
+    several ranks each global batch of `batch_size` prompts is split into contiguous slices, rank r
+    taking the r-th: every group stays whole on one rank."""
+    per_rank = batch_size // world.size
     while True:
         for idx, pos in batches_from(len(data), batch_size, seed, epoch, position):
-            yield idx, epoch, pos
+            yield idx[world.rank * per_rank:(world.rank + 1) * per_rank], epoch, pos
         epoch, position = epoch + 1, 0
 
 
@@ -80,8 +84,12 @@ def rollout_round(t: Trainable, data: ChatDataset, idx: list[int], cfg: GRPOConf
     if not samples:
         return None, {}
     prompts = to_device(collate(encoded, data.encoder.pad_id, left_pad=True), t.device)
-    with t.policy.autocast():
-        rollout = generate_groups(t.model, data.encoder, prompts, [len(s.images) for s in samples], cfg.rollout)
+    # sharded: the whole model gathered for the rollout, so that ranks decoding for different
+    # numbers of steps issue no collectives
+    with t.policy.autocast(), fully_gathered(t.root):
+        n = len(samples) * cfg.rollout.group_size  # this rank's rows of the global batch
+        rollout = generate_groups(t.model, data.encoder, prompts, [len(s.images) for s in samples], cfg.rollout,
+                                  first_row=t.world.rank * n, all_rows=t.world.size * n)
     G = cfg.rollout.group_size
     tok = data.encoder.tokenizer  # decode only each response's own tokens (not the padding after EOS)
     texts = [tok.decode(ids[m.bool()], skip_special_tokens=True)
@@ -105,17 +113,31 @@ def collect(t: Trainable, data, stream, state: dict, cfg: GRPOConfig, rewards) -
         rollout, scored = rollout_round(t, data, idx, cfg, rewards)
         if rollout is None:  # every prompt of the round was skipped (data.on_error=skip)
             continue
+        if t.world.size > 1:  # every rank's groups, in the one-process order: advantages and metrics
+            local = scored["reward"]
+            scored = gather_scores(t.world, scored)
+            rollout_stats = {"lengths": t.world.gather(rollout.response_mask.sum(1).float()).cpu(),
+                             "finished": t.world.gather(rollout.finished.float()).cpu()}
+        else:
+            rollout_stats = {"lengths": rollout.response_mask.sum(1).float().cpu(),
+                             "finished": rollout.finished.float().cpu()}
         reward_BG = scored["reward"].view(-1, G)  # fewer than B rows when prompts were skipped
         zero_var = (reward_BG.max(1).values == reward_BG.min(1).values)
         stats["reward"].append(scored["reward"])
         stats["correct"] += scored["correct"]
         stats["zero_var"].append(zero_var.float())
-        stats["lengths"].append(rollout.response_mask.sum(1).float().cpu())
-        stats["finished"].append(rollout.finished.float().cpu())
+        stats["lengths"].append(rollout_stats["lengths"])
+        stats["finished"].append(rollout_stats["finished"])
         for k, v in scored["per_fn"].items():
             stats["per_fn"].setdefault(k, []).extend(v)
         groups = [b for b in range(len(reward_BG)) if not (cfg.rl.dynamic_sampling and zero_var[b])][:B - kept_groups]
-        if groups:
+        if t.world.size > 1:  # (no dynamic sampling here) this rank's slice of the global groups
+            adv = grpo_advantages(scored["reward"], G, scale=cfg.rl.adv_scale)
+            n = len(local)
+            batches.append(Batch(rollout, list(range(n)), adv[t.world.rank * n:(t.world.rank + 1) * n].to(t.device),
+                                 None))
+            kept_groups = B
+        elif groups:
             adv = grpo_advantages(scored["reward"], G, scale=cfg.rl.adv_scale).to(t.device)
             seqs = [b * G + g for b in groups for g in range(G)]
             batches.append(Batch(rollout, seqs, adv, None))
@@ -131,6 +153,17 @@ def collect(t: Trainable, data, stream, state: dict, cfg: GRPOConfig, rewards) -
     return batches, stats
 
 
+def gather_scores(world: World, scored: dict) -> dict:
+    """A rollout round's rewards, per-function scores and correctness from every rank, in rank
+    order: the global batch, as one process would have scored it."""
+    def everyone(values) -> torch.Tensor:
+        return world.gather(torch.as_tensor(values, dtype=torch.float32))
+
+    return {"reward": everyone(scored["reward"]),
+            "per_fn": {k: everyone(v).tolist() for k, v in scored["per_fn"].items()},
+            "correct": everyone(scored["correct"]).tolist()}
+
+
 def pool_batch_std(batches: list[Batch], kept_rewards: list[torch.Tensor], group_size: int) -> None:
     """adv_scale=batch over several rollout rounds: one std over every kept group, not each round's."""
     adv = grpo_advantages(torch.cat(kept_rewards), group_size, scale="batch")
@@ -142,8 +175,12 @@ def pool_batch_std(batches: list[Batch], kept_rewards: list[torch.Tensor], group
 def reference_logprobs(t: Trainable, ref_model, batch: Batch, temperature: float) -> torch.Tensor:
     with torch.no_grad(), t.policy.autocast():
         if ref_model is None:  # LoRA: the base model is the reference, no second copy
+            reshard_all(t.root)  # peft toggles requires_grad: on the sharded parameters, not gathered copies
             with t.model.disable_adapter():
-                return sequence_logprobs(t.model, batch.rollout, temperature, seq_index=batch.seqs)[0]
+                logp = t.forward(sequence_logprobs, batch.rollout, temperature, seq_index=batch.seqs,
+                                 keep_vision=t.world.sharded)[0]
+                reshard_all(t.root)
+            return logp
         return sequence_logprobs(ref_model, batch.rollout, temperature, seq_index=batch.seqs)[0]
 
 
@@ -166,14 +203,14 @@ def mini_batches(batches: list[Batch], size: int) -> list[list[tuple[Batch, list
     return out
 
 
-def part_weights(masks: list[torch.Tensor], agg: str) -> list[float]:
+def part_weights(masks: list[torch.Tensor], agg: str, world: World = World()) -> list[float]:
     """Weights that make the sum of per-part aggregated losses equal the loss of the concatenated
-    mini-batch: parts' shares of its tokens (token-mean) or non-empty sequences (seq-mean-*);
-    Dr. GRPO's sum over a constant simply adds up."""
+    mini-batch: parts' shares of its tokens (token-mean) or non-empty sequences (seq-mean-*), the
+    mini-batch being every rank's parts; Dr. GRPO's sum over a constant simply adds up."""
     if agg == "seq-mean-token-sum-norm":
         return [1.0] * len(masks)
     units = [float(m.sum()) if agg == "token-mean" else float((m.sum(-1) > 0).sum()) for m in masks]
-    total = sum(units)
+    total = world.sum(sum(units))
     return [u / total if total > 0 else 0.0 for u in units]
 
 
@@ -185,7 +222,7 @@ def update(t: Trainable, ref_model, batches: list[Batch], optimizer, scaler, hea
     own and weighted by its share of the mini-batch's tokens (or sequences), which equals the loss
     of the concatenated mini-batch; one optimizer step per mini-batch.
     """
-    rl, temperature = cfg.rl, cfg.rollout.temperature
+    rl, temperature, world = cfg.rl, cfg.rollout.temperature, t.world
     if rl.kl_beta > 0:
         for b in batches:
             b.ref_logp = reference_logprobs(t, ref_model, b, temperature)  # [len(seqs), R], fixed for the step
@@ -195,30 +232,38 @@ def update(t: Trainable, ref_model, batches: list[Batch], optimizer, scaler, hea
         + (["clip_frac_lower"] if rl.dual_clip is not None else [])
     logs: dict[str, list] = {k: [] for k in logged}
     for _ in range(rl.epochs):
-        for parts in mini_batches(batches, rl.mini_batch_size):
+        for parts in mini_batches(batches, rl.mini_batch_size // world.size):  # this rank's share
             masks = [b.rollout.response_mask[[b.seqs[i] for i in part]].float() for b, part in parts]
-            weights, tokens = part_weights(masks, rl.agg), [float(m.sum()) for m in masks]
+            weights, tokens = part_weights(masks, rl.agg, world), [float(m.sum()) for m in masks]
+            all_tokens = world.sum(sum(tokens))  # the mini-batch's response tokens on every rank
             step = dict.fromkeys(logged, 0.0)
             for (b, part), mask, w, n_tok in zip(parts, masks, weights, tokens):
                 seqs = [b.seqs[i] for i in part]
                 with t.policy.autocast():
-                    logp, entropy = sequence_logprobs(t.model, b.rollout, temperature, seq_index=seqs, with_entropy=True)
+                    logp, entropy = t.forward(sequence_logprobs, b.rollout, temperature, seq_index=seqs,
+                                              with_entropy=True, keep_vision=world.sharded)
                 # norm_length: Dr. GRPO's constant divisor is the length cap, not this batch's longest
                 loss, stats = policy_loss(logp, b.rollout.logprobs[seqs], b.advantages[seqs], mask,
                                           clip_low=rl.clip_low, clip_high=rl.clip_high, dual_clip=rl.dual_clip,
                                           agg=rl.agg, norm_length=cfg.rollout.max_new_tokens)
-                share = n_tok / max(sum(tokens), 1.0)  # token-weighted statistics
+                share = n_tok / max(all_tokens, 1.0)  # token-weighted statistics
                 if rl.kl_beta > 0:
                     kl = kl_penalty(logp, b.ref_logp[part], rl.kl_kind)
                     # both terms are fp32 (log-probs are); the sum is scaled once, for fp16 only
                     loss = loss + rl.kl_beta * agg_loss(kl, mask, rl.agg, cfg.rollout.max_new_tokens)
                     step["kl"] += share * float((kl.detach() * mask).sum() / mask.sum().clamp(min=1))
-                scaler.scale(loss * w).backward()  # gradients of the parts add up to the mini-batch's
+                # gradients of the parts add up to the mini-batch's; x world size: FSDP2 averages over ranks
+                scaler.scale(loss * w * world.size).backward()
                 step["loss"] += w * float(loss.detach())
                 for k in ("clip_frac", "ratio_mean", "approx_kl", "clip_frac_lower"):
                     if k in step:
                         step[k] += share * float(stats[k])
                 step["entropy"] += share * float((entropy * mask).sum() / mask.sum().clamp(min=1))
+            step = {k: world.sum(v) for k, v in step.items()}  # every rank's parts: the mini-batch's values
+            with_images = sum(b.rollout.images_per_prompt[b.rollout.prompt_of_seq[b.seqs[i]]] > 0
+                              for b, part in parts for i in part)
+            if world.sharded and not world.sum(with_images):
+                drop_keepalive_grads(t.model)
             for k, v in health.step(optimizer, scaler, cfg.optim.max_grad_norm, step["loss"]).items():
                 logs.setdefault(k, []).append(v)
             for k, v in step.items():
@@ -230,12 +275,15 @@ def update(t: Trainable, ref_model, batches: list[Batch], optimizer, scaler, hea
     return row
 
 
-def step_metrics(stats: dict, batches: list[Batch], train_logs: dict, t_rollout: float, t_train: float) -> dict:
+def step_metrics(stats: dict, batches: list[Batch], train_logs: dict, t_rollout: float, t_train: float,
+                 world: World = World()) -> dict:
+    """The step's row; `stats` already hold every rank's rollouts, `batches` this rank's."""
     reward = torch.cat(stats["reward"])
     lengths = torch.cat(stats["lengths"])
     adv = torch.cat([b.advantages[b.seqs].cpu() for b in batches]) if batches else torch.zeros(1)
-    tokens = sum(int(b.rollout.prompt_mask.sum()) * b.rollout.group_size + int(b.rollout.response_mask.sum())
-                 for b in batches)
+    adv = world.gather(adv) if batches else adv
+    tokens = world.sum(sum(int(b.rollout.prompt_mask.sum()) * b.rollout.group_size + int(b.rollout.response_mask.sum())
+                           for b in batches))
     row = {
         "reward_mean": float(reward.mean()), "reward_std": float(reward.std()) if len(reward) > 1 else 0.0,
         **{f"reward/{k}": sum(v) / len(v) for k, v in stats["per_fn"].items()},
@@ -245,11 +293,31 @@ def step_metrics(stats: dict, batches: list[Batch], train_logs: dict, t_rollout:
         "response_length_mean": float(lengths.mean()), "response_length_max": float(lengths.max()),
         "truncated_frac": 1.0 - float(torch.cat(stats["finished"]).mean()),
         "zero_var_group_frac": float(torch.cat(stats["zero_var"]).mean()),
-        "groups_trained": sum(len(b.seqs) for b in batches) // max(1, batches[0].rollout.group_size) if batches else 0,
+        "groups_trained": int(world.sum(sum(len(b.seqs) for b in batches))) // max(1, batches[0].rollout.group_size)
+        if batches else 0,
         "time_rollout_s": t_rollout, "time_train_s": t_train,
         "tokens_per_s": tokens / max(t_rollout + t_train, 1e-9),
     }
     return {**row, **train_logs}
+
+
+def refuse_unsupported_sharded(cfg: GRPOConfig, world_size: int) -> None:
+    """What GRPO does not do sharded yet (each rank then holds B / N whole groups and takes equal
+    shares of every mini-batch), refused before anything starts."""
+    rl, rollout = cfg.rl, cfg.rollout
+    problems = [
+        (rl.dynamic_sampling, "rl.dynamic_sampling (ranks would keep different numbers of groups)"),
+        (cfg.data.on_error == "skip", "data.on_error=skip (a skipped prompt would leave its rank a group short)"),
+        (rl.kl_beta > 0 and cfg.tiers.method == "full", "rl.kl_beta > 0 with full fine-tuning (a sharded frozen "
+                                                        "reference is not built; LoRA's adapter-disabled one works)"),
+        (rollout.prompts_per_step % world_size != 0, f"rollout.prompts_per_step={rollout.prompts_per_step} not a "
+                                                     f"multiple of the {world_size} processes"),
+        (rl.mini_batch_size % world_size != 0, f"rl.mini_batch_size={rl.mini_batch_size} not a multiple of the "
+                                               f"{world_size} processes"),
+    ]
+    bad = [why for hit, why in problems if hit]
+    if bad:
+        raise ConfigError(f"sharded GRPO (FSDP2) does not support {'; '.join(bad)} yet: change them or run one process")
 
 
 def run_grpo(cfg: GRPOConfig) -> dict:
@@ -265,8 +333,7 @@ def run_grpo(cfg: GRPOConfig) -> dict:
     for path in filter(None, (cfg.data.train, cfg.data.val)):  # a bad file fails now, not after the model loads
         check_readable(path, cfg.data.on_error, cfg.data.max_image_pixels)
     if cfg.distributed.strategy == "fsdp2" or torchrun_env():
-        raise ConfigError("vlforge grpo runs on one process for now (no torchrun, distributed.strategy auto or "
-                          "none): multi-GPU GRPO is not built yet")
+        refuse_unsupported_sharded(cfg, (torchrun_env() or (0, 1, 0))[1])
     with begin_run(cfg) as (world, resume_from):
         # compile only when asked: rollout decode shapes change every step and would keep recompiling
         t = setup_model(cfg, compile_blocks=cfg.precision.compile is True, world=world)
@@ -284,10 +351,13 @@ def run_grpo(cfg: GRPOConfig) -> dict:
         # the lr schedule advances once per GRPO step, however many mini-batch updates it makes
         run = Run.start(cfg, t, total_steps, val, resume_from, spikes=False)
         B, G = cfg.rollout.prompts_per_step, cfg.rollout.group_size
-        print(f"GRPO: {len(data)} prompts, {B} x {G} rollouts per step, {total_steps} steps, device {t.device}")
+        if world.main:
+            print(f"GRPO: {len(data)} prompts, {B} x {G} rollouts per step, {total_steps} steps, device {t.device}"
+                  + (f", {world.size} processes ({world.strategy})" if world.strategy != "none" else ""))
         first_eval = run.evaluate() if cfg.eval.at_start and run.step == 0 else None
-        stream = prompt_stream(data, B, cfg.train.seed, run.state["epoch"], run.state["position"])
-        bar = tqdm(total=total_steps, initial=run.step, disable=not cfg.log.progress, desc="grpo", dynamic_ncols=True)
+        stream = prompt_stream(data, B, cfg.train.seed, run.state["epoch"], run.state["position"], world)
+        bar = tqdm(total=total_steps, initial=run.step, disable=not (cfg.log.progress and world.main), desc="grpo",
+                   dynamic_ncols=True)
         while run.step < total_steps:
             start = time.perf_counter()
             t.model.eval()  # rollouts sample from the policy without dropout
@@ -297,12 +367,13 @@ def run_grpo(cfg: GRPOConfig) -> dict:
             lr = run.lr
             train_logs = update(t, ref_model, batches, run.optimizer, run.scaler, run.health, cfg) if batches else {}
             t_train = time.perf_counter() - start - t_rollout
-            row = {**step_metrics(stats, batches, train_logs, t_rollout, t_train), "lr": lr}
+            row = {**step_metrics(stats, batches, train_logs, t_rollout, t_train, world), "lr": lr}
             run.finish_step(row, always_log=bool(row.get("skipped")))  # bad steps always logged
             bar.update(1)
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}", acc=f"{row['accuracy']:.2f}")
         bar.close()
         run.close()
-        rows = read_metrics(run.out / "metrics.jsonl")
-        plot_metric(rows, "reward_mean", run.out / "reward.png", title="GRPO reward per step")
+        if world.main:
+            rows = read_metrics(run.out / "metrics.jsonl")
+            plot_metric(rows, "reward_mean", run.out / "reward.png", title="GRPO reward per step")
         return {"output_dir": str(run.out), "final_step": run.step, "eval": run.last_eval, "first_eval": first_eval}

@@ -22,7 +22,7 @@ from vlforge.data.encode import collate
 from vlforge.data.jsonl import DataError, check_readable
 from vlforge.engine.evaluate import to_device
 from vlforge.engine.health import GradHealth
-from vlforge.engine.losses import count_supervised, sft_loss_sum
+from vlforge.engine.losses import count_supervised, drop_keepalive_grads, sft_loss_sum
 from vlforge.engine.metrics import plot_metric, read_metrics
 from vlforge.engine.run import Run, begin_run
 from vlforge.engine.runtime import resolve_num_workers
@@ -82,12 +82,14 @@ def train_step(t: Trainable, micro: list[dict], optimizer, scaler, health: GradH
         with t.policy.autocast():
             # fp32 whatever the compute dtype; sharded, through the FSDP2 root unit (which also runs the
             # vision tower on a text-only micro-batch: the other ranks' collectives wait for it)
-            loss_sum, _ = t.root(batch) if t.root is not None else sft_loss_sum(t.model, batch)
+            loss_sum, _ = t.forward(sft_loss_sum, batch, keep_vision=world.sharded)
         loss = loss_sum / total_tokens
         # FSDP2 averages gradients over ranks; x world size makes it the global batch's sum
         scaler.scale(loss * world.size).backward()
         loss_total += float(loss.detach())
     loss_total = world.sum(loss_total)  # the global batch's loss, the same on every rank
+    if world.sharded and not world.sum(sum(b.get("pixel_values") is not None for b in micro)):
+        drop_keepalive_grads(t.model)
     row = health.step(optimizer, scaler, max_grad_norm, loss_total)
     return {"loss": loss_total, **row, **skipped, "supervised_tokens": total_tokens,
             "tokens": int(world.sum(sum(int(b["attention_mask"].sum()) for b in micro)))}  # all ranks

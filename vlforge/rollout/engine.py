@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from vlforge.config import RolloutConfig
 from vlforge.data.encode import Encoder
+from vlforge.engine.losses import vision_keepalive
 from vlforge.model.tiers import unwrap
 
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
@@ -62,14 +63,19 @@ def _cache_of(output):
 
 
 def forward_shared(core, input_ids_NT: torch.Tensor, attention_mask_NT: torch.Tensor, position_ids_3NT: torch.Tensor,
-                   feats: ImageFeatures | None, prompt_of_seq: list[int], cache=None, use_cache: bool = False):
+                   feats: ImageFeatures | None, prompt_of_seq: list[int], cache=None, use_cache: bool = False,
+                   keepalive: torch.Tensor | None = None):
     """Qwen3-VL's language model over N sequences whose image tokens reuse `feats` of their prompt.
 
     Equivalent to the HF forward with each prompt's pixels repeated per sequence (tested), without
     running the vision tower again. Returns the language model output (last_hidden_state, cache).
+    `keepalive` (a zero from engine.losses.vision_keepalive) joins the embeddings where image
+    features would: a sharded text-only mini-batch then reduces gradients like one with images.
     """
     lm = core.model.language_model
     embeds_NTH = lm.embed_tokens(input_ids_NT)
+    if keepalive is not None:
+        embeds_NTH = embeds_NTH + keepalive.to(embeds_NTH.dtype)
     kwargs = {}
     image_mask_NT = input_ids_NT == core.config.image_token_id
     if feats is not None and bool(image_mask_NT.any()):
@@ -137,8 +143,14 @@ def _vision_token_ids(encoder: Encoder) -> list[int]:
 
 @torch.no_grad()
 def generate_groups(model, encoder: Encoder, prompts: dict, images_per_prompt: list[int],
-                    cfg: RolloutConfig) -> Rollout:
-    """Sample `cfg.group_size` responses for each of the B prompts of a left-padded prompt batch."""
+                    cfg: RolloutConfig, first_row: int = 0, all_rows: int | None = None) -> Rollout:
+    """Sample `cfg.group_size` responses for each of the B prompts of a left-padded prompt batch.
+
+    Sampling is Gumbel-max with noise drawn for the rollout's `all_rows` sequences of every rank
+    (this batch being rows first_row.. of them) from one seed taken from the global RNG: a
+    response's tokens depend on its place in the global batch, not on how the batch is split
+    over processes, so N ranks sample what one process samples (the same distribution as
+    multinomial sampling)."""
     core = unwrap(model)
     G, device = cfg.group_size, prompts["input_ids"].device
     ids_BP, mask_BP = prompts["input_ids"], prompts["attention_mask"]
@@ -156,6 +168,8 @@ def generate_groups(model, encoder: Encoder, prompts: dict, images_per_prompt: l
     end_ids = torch.tensor(encoder.end_ids, device=device)
 
     N = hidden_NH.shape[0]
+    all_rows = N if all_rows is None else all_rows
+    noise = torch.Generator(device=device).manual_seed(int(torch.randint(2**62, (1,))))  # same on every rank
     tokens, logps = [], []
     alive_N = torch.ones(N, dtype=torch.bool, device=device)
     alive_steps = []
@@ -165,8 +179,10 @@ def generate_groups(model, encoder: Encoder, prompts: dict, images_per_prompt: l
         if cfg.temperature == 0:
             tok_N = logits_NV.argmax(-1)
         else:
-            probs = filter_logits(logits_NV / cfg.temperature, cfg.top_k, cfg.top_p).softmax(-1)
-            tok_N = torch.multinomial(probs, 1)[:, 0]
+            filtered_NV = filter_logits(logits_NV / cfg.temperature, cfg.top_k, cfg.top_p)
+            uniform_NV = torch.rand(all_rows, filtered_NV.shape[-1], generator=noise, device=device)
+            gumbel_NV = -torch.log(-torch.log(uniform_NV[first_row:first_row + N].clamp_min(1e-20)))
+            tok_N = (filtered_NV + gumbel_NV).argmax(-1)
         tok_N = torch.where(alive_N, tok_N, torch.full_like(tok_N, encoder.pad_id))
         logps.append(torch.where(alive_N, token_logprobs(logits_NV, tok_N, max(cfg.temperature, 1e-6)), 0.0))
         tokens.append(tok_N)
@@ -199,16 +215,18 @@ def _images_of(rollout: Rollout, prompts: list[int]) -> tuple[torch.Tensor | Non
 
 
 def sequence_logprobs(model, rollout: Rollout, temperature: float, seq_index: list[int] | None = None,
-                      with_entropy: bool = False):
+                      with_entropy: bool = False, keep_vision: bool = False):
     """Log-probs [n, R] of the response tokens of sequences `seq_index` (default all), recomputed
     by teacher forcing with gradients; the images of the prompts those sequences belong to (only
-    those) are encoded once for all their sequences.
+    those) are encoded once for all their sequences. `keep_vision`: run the vision tower even
+    when those prompts have no image (sharded runs: engine.losses.vision_keepalive).
     Returns (logp, entropy or None)."""
     core = unwrap(model)
     seq_index = list(range(rollout.response_ids.shape[0])) if seq_index is None else seq_index
     prompt_of = [rollout.prompt_of_seq[n] for n in seq_index]
     needed = sorted(set(prompt_of))  # a mini-batch usually covers a few prompts: encode only theirs
     feats = encode_images(core, *_images_of(rollout, needed), [rollout.images_per_prompt[b] for b in needed])
+    keepalive = vision_keepalive(model, rollout.prompt_ids.device) if keep_vision and feats is None else None
     local = {b: i for i, b in enumerate(needed)}
     idx = torch.tensor(prompt_of, device=rollout.prompt_ids.device)
     resp = rollout.response_ids[seq_index]
@@ -219,7 +237,8 @@ def sequence_logprobs(model, rollout: Rollout, temperature: float, seq_index: li
         starts = [sum(rollout.images_per_prompt[:b]) for b in range(len(rollout.images_per_prompt))]
         grid = torch.cat([rollout.image_grid_thw[starts[b]:starts[b] + rollout.images_per_prompt[b]] for b in prompt_of])
     pos = rope_positions(core, ids, mask, core.config.image_token_id, grid)
-    hidden = forward_shared(core, ids, mask, pos, feats, [local[b] for b in prompt_of]).last_hidden_state
+    hidden = forward_shared(core, ids, mask, pos, feats, [local[b] for b in prompt_of],
+                            keepalive=keepalive).last_hidden_state
     P, R = rollout.prompt_ids.shape[1], resp.shape[1]
     hidden_nRH = hidden[:, P - 1:P - 1 + R]  # the state before each response token predicts it
     logits = core.lm_head(hidden_nRH).float() / temperature
