@@ -2,6 +2,8 @@
 
     python bench/sft_throughput.py --preset qwen3vl-2b --method full
     python bench/sft_throughput.py --preset qwen3vl-8b --method lora
+    python bench/sft_throughput.py --preset qwen3vl-2b --method full --fsdp        # FSDP2, world size 1
+    python bench/sft_throughput.py --preset qwen3vl-8b --method full --grad-ckpt --override optim.name=adamw8bit
     python bench/sft_throughput.py --preset qwen3vl-8b --method full --steps 200 --curve fp8.json \
         --override precision.fp8.enabled=true precision.master_weights=compute
 
@@ -21,8 +23,9 @@ import torch
 from PIL import Image
 
 from vlforge.config import SFTConfig, load_config
-from vlforge.data.encode import Encoder, ImageLimits, Plan, collate, encode
+from vlforge.data.encode import Encoder, ImageLimits, SampleTokens, collate, encode
 from vlforge.data.jsonl import Sample
+from vlforge.engine.distributed import init_world
 from vlforge.engine.fp8 import summarize
 from vlforge.engine.health import GradHealth
 from vlforge.engine.optim import build_optimizer
@@ -69,6 +72,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=32, help="distinct samples, cycled")
     ap.add_argument("--curve", help="write per-step loss and tokens/s to this JSON file")
     ap.add_argument("--override", nargs="*", default=[])
+    ap.add_argument("--fsdp", action="store_true", help="FSDP2 on this one process (distributed.strategy=fsdp2)")
     args = ap.parse_args()
 
     vision = "tiers.vision.train=false" if args.method == "lora" else "tiers.vision.train=true"
@@ -79,7 +83,9 @@ def main() -> None:
         *(["tiers.projector.train=false", "tiers.language.r=16", "tiers.language.alpha=32"] if args.method == "lora" else []),
         *args.override])
     torch.backends.cuda.matmul.allow_tf32 = True
-    t = setup_model(cfg)
+    if args.fsdp:
+        cfg.distributed.strategy = "fsdp2"
+    t = setup_model(cfg, world=init_world(cfg.distributed, cfg.train.device))
     encoder = Encoder(t.processor, ImageLimits(3136, args.image * args.image))
     import tempfile
 
@@ -89,7 +95,7 @@ def main() -> None:
         items = []
         for s in samples:
             ids = encoder.token_ids(s.messages, [(args.image, args.image)])
-            items.append(encode(encoder, s, Plan(ids, encoder.assistant_labels(ids), len(ids))))
+            items.append(encode(encoder, s, SampleTokens(ids, encoder.assistant_labels(ids), len(ids))))
     batches = [collate(items[i:i + args.batch], encoder.pad_id, multiple=t.token_multiple)
                for i in range(0, len(items), args.batch)]
     optimizer = build_optimizer(param_groups(t.model, t.plan, 0.0), cfg.optim, "cuda")
@@ -111,6 +117,7 @@ def main() -> None:
     pad_fraction = 1 - sum(int(b["attention_mask"].sum()) for b in batches) / sum(b["attention_mask"].numel() for b in batches)
     result = {
         "preset": args.preset, "method": args.method, "batch": args.batch, "grad_ckpt": args.grad_ckpt,
+        "strategy": t.world.strategy, "optim": cfg.optim.name,
         "tokens_per_s": sum(tokens) / sum(times), "step_s": step_s,
         "peak_gb": torch.cuda.max_memory_allocated() / 1e9, "pad_fraction": pad_fraction,
         "seq_len_mean": sum(len(x["input_ids"]) for x in items) / len(items),
