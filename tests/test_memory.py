@@ -93,6 +93,9 @@ def test_8bit_state_uses_the_8bit_sizes(meta_8b):
     n = est["trainable_params"]
     # two uint8 moments + an fp32 scale per 256 values; the few small tensors keep fp32 moments
     assert 2 * n < est["no_offload"]["optimizer_state"]["gpu"] < 2.1 * n
+    # bitsandbytes' update does not take FSDP2's sharded parameters: the sharded columns say they do not apply
+    assert "optim.name=adamw8bit does not work under FSDP2" in est["fsdp2_problem"]
+    assert memory_estimate(model, plan, cfg, world_size=1)["fsdp2_problem"] is None
 
 
 def test_cli_plan_memory_table_json_and_world_size(capsys, monkeypatch):

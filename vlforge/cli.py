@@ -370,7 +370,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=cmd_serve)
 
     doctor = sub.add_parser("doctor", help="check Python, torch, GPUs and libraries (and what a recipe needs)")
-    doctor.add_argument("--config", help="recipe YAML: also check what it needs (device, bf16, FP8, flash-attn, model.path)")
+    doctor.add_argument("--config", help="recipe YAML: also check what it needs (device, bf16, FP8, flash-attn, model.path, "
+                             "optimizer, distributed)")
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
     doctor.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. precision.fp8.enabled=true")
     doctor.set_defaults(func=cmd_doctor)

@@ -154,6 +154,11 @@ def memory_estimate(model: nn.Module, plan: list, cfg, world_size: int = 1) -> d
                   reshard_after_forward=d.reshard_after_forward)
     sharded = strategy == "fsdp2"
     offload_applies = d.cpu_offload and sharded  # auto on one process resolves to none: no offload
+    not_estimated = "activations, autocast copies, CUDA/NCCL workspaces, allocator fragmentation"
+    if hasattr(cfg, "rollout"):  # GRPO
+        not_estimated += ", the rollout KV cache"
+        if cfg.tiers.method == "full" and cfg.rl.kl_beta > 0:
+            not_estimated += ", the frozen reference copy (full fine-tuning with rl.kl_beta > 0)"
     return {
         "world_size": world_size,
         "strategy": strategy,
@@ -168,8 +173,23 @@ def memory_estimate(model: nn.Module, plan: list, cfg, world_size: int = 1) -> d
         "selected": "cpu_offload" if offload_applies else "no_offload",
         "no_offload": _layout(tensors, sharded=sharded, offload=False, **common),
         "cpu_offload": _layout(tensors, sharded=True, offload=True, **common),
-        "not_estimated": "activations, autocast copies, CUDA/NCCL workspaces, allocator fragmentation",
+        "fsdp2_problem": fsdp2_problem(cfg, world_size),
+        "not_estimated": not_estimated,
     }
+
+
+def fsdp2_problem(cfg, world_size: int) -> str | None:
+    """Why the run would refuse `cfg` under FSDP2 (and so cpu_offload), or None: the refusals
+    engine/distributed.refuse_unsupported and engine/optim.optimizer_problem raise before loading."""
+    from vlforge.config import ConfigError
+    from vlforge.engine.distributed import World, refuse_unsupported
+    from vlforge.engine.optim import optimizer_problem
+
+    try:
+        refuse_unsupported(cfg, World(size=world_size, strategy="fsdp2"))
+    except ConfigError as e:
+        return str(e)
+    return optimizer_problem(cfg.optim, "cuda", sharded=True)
 
 
 def _gb(value: float) -> str:
@@ -200,8 +220,10 @@ def format_memory(est: dict) -> str:
     lines.append(f"this config: {chosen}" + ("" if strategy == "fsdp2" else
                                              " (cpu_offload needs distributed.strategy=fsdp2)"))
     lines.append(f"loading: each process first holds the whole model, {_gb(est['load_bytes'])}")
-    lines.append(f"not estimated: {est['not_estimated']} (activations grow with batch, sequence length "
-                 "and images; precision.gradient_checkpointing shrinks them)")
+    lines.append(f"not estimated: {est['not_estimated']} (activations grow with batch, sequence length and "
+                 "images; precision.gradient_checkpointing shrinks them)")
+    if est["fsdp2_problem"]:
+        lines.append(f"FSDP2 columns (and cpu_offload) do not apply, the run refuses them: {est['fsdp2_problem']}")
     if est["problem"]:
         lines.append(f"error: {est['problem']}")
     return "\n".join(lines)
