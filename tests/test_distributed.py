@@ -190,3 +190,57 @@ def test_grpo_on_two_ranks_equals_one_process(shapes_dir, tmp_path):
     for key in theirs:  # Adam's first steps are about lr x sign(g): a gradient element near 0 that
         # rounds differently moves its weight by up to ~lr (1e-4 here) differently; a real bug moves many
         torch.testing.assert_close(ours[key], theirs[key], rtol=1e-4, atol=2e-5)
+
+
+def _dcp_model_state(checkpoint) -> dict:
+    """A sharded checkpoint's model weights as one dict, read without a process group."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    out = checkpoint.parent / f"{checkpoint.name}.pt"
+    dcp_to_torch_save(checkpoint / "dcp", out)
+    return torch.load(out, weights_only=False)["model"]
+
+
+@pytest.mark.slow  # three 2-rank torchrun launches
+def test_sigkill_of_every_rank_then_resume_equals_the_uninterrupted_run(shapes_dir, tmp_path):
+    """All ranks (and torchrun) SIGKILLed after checkpoint-2, then train.resume=auto on 2 ranks:
+    the same losses and final weights as a 2-rank run never interrupted."""
+    import signal
+    import time
+
+    steps = 8
+
+    def saved(run) -> list[int]:  # finished checkpoints from step 2 on (keep_last removes older ones)
+        names = [p.name.removeprefix("checkpoint-") for p in run.glob("checkpoint-*")]
+        return [int(s) for s in names if s.isdigit() and int(s) >= 2]
+
+    cfg = config_file(tmp_path, shapes_dir / "train.jsonl")
+    args = [cfg, *COMMON, "tiers.method=full", "train.batch_size=2", f"train.max_steps={steps}",
+            "train.save_every=1", "train.keep_last=2"]
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    result = launch(args + [f"train.output_dir={straight}"], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "-m", "vlforge",
+           "sft", *args, f"train.output_dir={killed}"]
+    # a session of its own: torchrun and both ranks are one process group, killed together
+    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    try:
+        deadline = time.time() + TIMEOUT_S
+        while time.time() < deadline and proc.poll() is None and not saved(killed):
+            time.sleep(0.01)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert 2 <= max(saved(killed)) < steps, f"the run was not killed mid-way: {saved(killed)}"
+    result = launch(args + [f"train.output_dir={killed}", "train.resume=auto"], tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed from" in result.stdout
+
+    assert losses(killed) == losses(straight)  # no step missing or logged twice
+    ours, theirs = _dcp_model_state(killed / f"checkpoint-{steps}"), _dcp_model_state(straight / f"checkpoint-{steps}")
+    assert ours.keys() == theirs.keys() and ours
+    for name in theirs:
+        assert torch.equal(ours[name], theirs[name]), name

@@ -250,3 +250,134 @@ def test_quant_recipe_needs_bitsandbytes_or_fp8_hardware(capsys):
     assert main(["doctor", "--json", "quant.language=fp8"]) == 1
     failed = _fails(json.loads(capsys.readouterr().out))
     assert [c["name"] for c in failed] == ["recipe quant fp8"] and "nf4 or int8" in failed[0]["advice"]
+
+
+# ----------------------------------------------------------------------------- torchrun / distributed
+
+def _env(gpus: int = 0, nccl: bool = True, gloo: bool = True, **launch) -> dict:
+    """collect_environment()'s distributed facts for a machine with `gpus` GPUs, in a launch whose
+    torchrun variables are `launch` (e.g. RANK="1")."""
+    return {"_gpu_count": gpus, "_cuda_available": gpus > 0, "_distributed": True, "_nccl": nccl,
+            "_nccl_version": "2.27.3" if nccl else None, "_gloo": gloo, "_launch": launch}
+
+
+TORCHRUN_2 = dict(RANK="1", WORLD_SIZE="2", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2", MASTER_ADDR="10.0.0.1",
+                  MASTER_PORT="29500")
+
+
+def _by_name(checks) -> dict:
+    return {c.name: c for c in checks}
+
+
+def test_torchrun_launch_is_read_from_the_environment():
+    from vlforge.doctor import distributed_checks
+
+    alone = _by_name(distributed_checks(_env(gpus=8)))
+    assert alone["torchrun"].status == "ok" and "not under torchrun" in alone["torchrun"].detail
+    assert "torchrun --nproc_per_node 8" in alone["torchrun"].detail and "process group" not in alone
+
+    cpu = _by_name(distributed_checks(_env(**TORCHRUN_2)))
+    assert cpu["torchrun"].status == "ok" and cpu["torchrun"].detail == \
+        "rank 1 of 2 (local rank 1 of 2), rendezvous 10.0.0.1:29500"
+    assert cpu["torchrun"].values["world_size"] == 2
+    assert cpu["process group"].status == "ok" and "gloo on CPU for 2" in cpu["process group"].detail
+    assert "gpu per process" not in cpu
+    assert _by_name(distributed_checks(_env(gloo=False, **TORCHRUN_2)))["process group"].status == "fail"
+
+    no_master = {k: v for k, v in TORCHRUN_2.items() if k != "MASTER_ADDR"}
+    (bad,) = [c for c in distributed_checks(_env(**no_master)) if c.name == "torchrun"]
+    assert bad.status == "fail" and bad.detail.startswith("MASTER_ADDR not set") and "torchrun" in bad.advice
+    half = _by_name(distributed_checks(_env(RANK="0")))["torchrun"]
+    assert half.status == "warn" and "RANK set without WORLD_SIZE: vlforge runs as one process" in half.detail
+    assert _by_name(distributed_checks(_env(**{**TORCHRUN_2, "RANK": "2"})))["torchrun"].status == "fail"
+    assert "not a whole number" in _by_name(distributed_checks(_env(**{**TORCHRUN_2, "WORLD_SIZE": "two"})))[
+        "torchrun"].detail
+    no_local = {k: v for k, v in TORCHRUN_2.items() if k != "LOCAL_RANK"}
+    assert "every process on a node takes GPU 0" in _by_name(distributed_checks(_env(**no_local)))["torchrun"].detail
+
+
+def test_one_gpu_per_process_and_nccl():
+    from vlforge.doctor import distributed_checks
+
+    eight = dict(TORCHRUN_2, WORLD_SIZE="16", RANK="9", LOCAL_WORLD_SIZE="8")
+    ok = _by_name(distributed_checks(_env(gpus=8, **eight)))
+    assert ok["process group"].status == "ok" and ok["process group"].detail == "NCCL 2.27.3 for 16 process(es)"
+    assert ok["gpu per process"].status == "ok" and "this one: cuda:1" in ok["gpu per process"].detail
+    shared = _by_name(distributed_checks(_env(gpus=4, **eight)))["gpu per process"]
+    assert shared.status == "fail" and "8 processes on this node but 4 GPU(s)" in shared.detail
+    assert "--nproc_per_node 4" in shared.advice
+    idle = _by_name(distributed_checks(_env(gpus=8, **dict(eight, LOCAL_WORLD_SIZE="4"))))["gpu per process"]
+    assert idle.status == "warn" and "4 GPU(s) idle" in idle.detail
+    # a launcher that hides all GPUs but one from each process: local rank 3 has no cuda:3
+    hidden = _by_name(distributed_checks(_env(gpus=1, **dict(eight, LOCAL_RANK="3"))))["gpu per process"]
+    assert hidden.status == "fail" and "no cuda:3" in hidden.detail
+    no_nccl = _by_name(distributed_checks(_env(gpus=8, nccl=False, **eight)))
+    assert no_nccl["process group"].status == "fail" and no_nccl["multi-gpu"].status == "warn"
+
+
+def _recipe_dist(env: dict, *overrides: str) -> dict:
+    from vlforge.config import load_config
+    from vlforge.doctor import distributed_recipe_checks
+
+    cfg = load_config(SFTConfig, None, list(overrides))
+    recipe = recipe_from_config(cfg, None, env["_cuda_available"], env["_gpu_count"])
+    return _by_name(distributed_recipe_checks(cfg, env, recipe))
+
+
+def test_recipe_distributed_section_resolved_and_refused_as_the_run_would():
+    two = _env(**TORCHRUN_2)
+    checks = _recipe_dist(two)
+    assert checks["recipe distributed"].status == "ok"
+    assert checks["recipe distributed"].detail == ("distributed.strategy=auto -> fsdp2 over 2 process(es) "
+                                                   "(reshard_after_forward, no cpu offload)")
+    assert checks["recipe fsdp2"].status == "ok" and checks["recipe optimizer"].status == "ok"
+
+    checks = _recipe_dist(two, "precision.fp8.enabled=true", "optim.name=adamw8bit")
+    fsdp2, optim = checks["recipe fsdp2"], checks["recipe optimizer"]
+    assert fsdp2.status == "fail" and fsdp2.detail == "distributed.strategy=fsdp2 does not support precision.fp8.enabled yet"
+    assert "distributed.strategy=none" in fsdp2.advice
+    assert optim.status == "fail" and optim.detail == "optim.name=adamw8bit does not work under FSDP2"
+    assert "Use optim.name=adamw" in optim.advice
+
+    refused = _recipe_dist(two, "distributed.strategy=none")["recipe distributed"]
+    assert refused.status == "fail" and "torchrun started 2 processes" in refused.detail and "fsdp2" in refused.advice
+    assert "recipe fsdp2" not in _recipe_dist(two, "distributed.strategy=none")
+    pinned = _recipe_dist(two, "train.device=cuda:1")["recipe distributed"]
+    assert pinned.status == "fail" and "use train.device=auto" in pinned.advice
+
+    alone = _recipe_dist(_env(), "distributed.cpu_offload=true")["recipe distributed"]
+    assert alone.status == "warn" and "cpu_offload=true is ignored" in alone.detail
+    assert "distributed.strategy=fsdp2" in alone.advice
+    one = _recipe_dist(_env(), "distributed.strategy=fsdp2", "distributed.cpu_offload=true")
+    assert "fsdp2 over 1 process(es) (reshard_after_forward, cpu_offload)" in one["recipe distributed"].detail
+
+
+def test_planned_strategy_is_what_init_world_does(monkeypatch):
+    """The doctor's and --plan's resolution (engine/distributed.planned_strategy, which init_world calls) against the real init_world."""
+    from vlforge.config import DistributedConfig
+    from vlforge.engine.distributed import init_world, planned_strategy
+
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(key, raising=False)  # restored (removed) after the test
+    for strategy in ("auto", "none", "fsdp2"):
+        world = init_world(DistributedConfig(strategy=strategy), "cpu")  # fsdp2: a gloo group of one
+        try:
+            assert planned_strategy(strategy, 1, "cpu") == (world.strategy, None)
+        finally:
+            world.close()
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    for strategy, device in (("none", "cpu"), ("auto", "cuda:1")):
+        _, problem = planned_strategy(strategy, 2, device)
+        with pytest.raises(ConfigError) as e:
+            init_world(DistributedConfig(strategy=strategy), device)
+        assert str(e.value) == problem
+
+
+def test_under_torchrun_other_ranks_print_only_their_failures(monkeypatch, capsys):
+    for key, value in TORCHRUN_2.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("MASTER_ADDR")
+    assert main(["doctor"]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("[rank 1 of 2] [FAIL] torchrun: MASTER_ADDR not set")

@@ -25,30 +25,47 @@ def _quiet_libraries() -> None:
     hf_logging.disable_progress_bar()
 
 
-def _print_plan(cfg, as_json: bool) -> None:
-    """`--plan`: what trains (tiers, ranks, lrs, parameter counts) and in which precision, from a
-    meta-device model (no weights: works for 32B on a laptop)."""
+def _print_plan(cfg, as_json: bool, world_size: int) -> None:
+    """`--plan`: what trains (tiers, ranks, lrs, parameter counts), in which precision, and the
+    per-process memory on `world_size` processes, from a meta-device model (no weights: works for
+    32B on a laptop)."""
+    from vlforge.engine.memory import format_memory, memory_estimate
     from vlforge.engine.precision import format_precision_plan, precision_plan
     from vlforge.model.load import build_meta_model
     from vlforge.model.tiers import build_plan, format_plan, plan_summary
 
     model, _ = build_meta_model(cfg.model)
     plan = build_plan(model, cfg.tiers)
-    summary = {**plan_summary(model, plan), "precision": precision_plan(model, plan, cfg.precision, cfg.quant)}
+    summary = {**plan_summary(model, plan), "precision": precision_plan(model, plan, cfg.precision, cfg.quant),
+               "memory": memory_estimate(model, plan, cfg, world_size)}
     print(json.dumps(summary, indent=2) if as_json
-          else format_plan(summary) + "\n\n" + format_precision_plan(summary["precision"]))
+          else "\n\n".join((format_plan(summary), format_precision_plan(summary["precision"]),
+                             format_memory(summary["memory"]))))
+
+
+def _plan_world_size(args) -> int:
+    """--world-size, else torchrun's WORLD_SIZE, else 1."""
+    if args.world_size is not None:
+        return args.world_size
+    text = os.environ.get("WORLD_SIZE", "1")
+    if not text.isdigit() or int(text) < 1:
+        raise ConfigError(f"WORLD_SIZE={text!r} in the environment is not a process count; pass --world-size N")
+    return int(text)
 
 
 def _recipe_config(cls, args):
     """The recipe's config; handles --print-config and --plan. None when the command is done."""
     if args.json and not args.plan:
         raise ConfigError("--json goes with --plan (vlforge %s CONFIG --plan --json)" % args.command)
+    if args.world_size is not None and not args.plan:
+        raise ConfigError("--world-size goes with --plan (vlforge %s CONFIG --plan --world-size 8); torchrun "
+                          "sets the processes of a run" % args.command)
     cfg = load_config(cls, args.config, args.overrides)
     if args.print_config:
         print(dump_config(cfg), end="")
         return None
     if args.plan:
-        _print_plan(cfg, args.json)
+        _print_plan(cfg, args.json, _plan_world_size(args))
         return None
     return cfg
 
@@ -117,7 +134,12 @@ def cmd_doctor(args) -> int:
 
     cfg = load_recipe_config(args.config, args.overrides) if args.config or args.overrides else None
     report = run_checks(cfg, config_path=args.config)
-    print(json.dumps(report, indent=2) if args.json else format_report(report))
+    if not _main_process():  # under torchrun: rank 0 prints the report, the others only what fails on them
+        for c in report["checks"]:
+            if c["status"] == "fail":
+                print(f"{_rank_prefix()}[FAIL] {c['name']}: {c['detail']}", file=sys.stderr)
+    else:
+        print(json.dumps(report, indent=2) if args.json else format_report(report))
     return 0 if report["ok"] else 1
 
 
@@ -249,8 +271,10 @@ def _model_source_args(p: argparse.ArgumentParser) -> None:
 
 
 def _recipe_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--plan", action="store_true", help="print the trainable and precision plan and exit (no training)")
+    p.add_argument("--plan", action="store_true", help="print the trainable, precision and memory plan and exit (no training)")
     p.add_argument("--json", action="store_true", help="with --plan: print JSON")
+    p.add_argument("--world-size", type=_at_least(1), metavar="N",
+                   help="with --plan: estimate memory per process for N processes (default: WORLD_SIZE or 1)")
     p.add_argument("--print-config", action="store_true", help="print the effective config and exit")
 
 
@@ -346,7 +370,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.set_defaults(func=cmd_serve)
 
     doctor = sub.add_parser("doctor", help="check Python, torch, GPUs and libraries (and what a recipe needs)")
-    doctor.add_argument("--config", help="recipe YAML: also check what it needs (device, bf16, FP8, flash-attn, model.path)")
+    doctor.add_argument("--config", help="recipe YAML: also check what it needs (device, bf16, FP8, flash-attn, model.path, "
+                             "optimizer, distributed)")
     doctor.add_argument("--json", action="store_true", help="print the report as JSON")
     doctor.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. precision.fp8.enabled=true")
     doctor.set_defaults(func=cmd_doctor)

@@ -12,9 +12,13 @@ a person's patience. The doctor finds those problems up front, in one command:
 - the optional libraries (torchao, bitsandbytes, TransformerEngine, flash-attn, Liger), each
   actually imported, since an extension built against another torch installs fine and then
   fails at import;
-- multi-GPU plumbing (torch.distributed, NCCL);
+- multi-GPU plumbing (torch.distributed, NCCL, gloo) and the torchrun launch this process is in
+  (RANK / WORLD_SIZE / LOCAL_RANK / LOCAL_WORLD_SIZE / MASTER_ADDR / MASTER_PORT, one GPU per
+  process);
 - with a recipe (`--config` + overrides): what that recipe needs (device, bf16, FP8 and its
-  backend, flash-attention, a local model directory), failed when this machine cannot give it.
+  backend, flash-attention, a local model directory, the optimizer), failed when this machine
+  cannot give it, and what its `distributed` section does in this launch (the strategy as
+  engine/distributed.init_world resolves it, and what is refused under FSDP2).
 
 Each finding is a `Check` (ok | warn | fail | skip, a detail, and advice saying what to do).
 `run_checks` returns a JSON-able report; `format_report` renders it for people. Only "fail"
@@ -39,7 +43,7 @@ from typing import Any, Iterator, Literal
 
 import torch
 
-from vlforge.config import GRPOConfig, SFTConfig
+from vlforge.config import ConfigError, GRPOConfig, SFTConfig
 from vlforge.engine.hardware import bf16_problem, capability, fp8_problem
 from vlforge.engine.runtime import choose_device
 
@@ -58,6 +62,9 @@ MIN_DRIVER_FOR_CUDA = {11: "450.80.02", 12: "525.60.13", 13: "580.65.06"}
 BF16_TOLERANCE = 2e-2  # bf16 keeps 8 significant bits: <= 0.4% rounding per operand
 FP8_TOLERANCE = 0.1  # e4m3 keeps 4: <= 6% per element, averaging down over the 256-term sums
 MATMUL_SIZE = 256  # a multiple of 16, as FP8 tensor cores require
+
+# What torchrun sets in every process it starts (and what torch.distributed's env:// rendezvous reads)
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 @dataclass
@@ -195,6 +202,21 @@ def cuda_probe() -> tuple[bool, int, str | None]:
     return available, count, message
 
 
+def distributed_probe(cuda_available: bool) -> dict[str, Any]:
+    """torch.distributed's backends in this torch build (nothing is initialised)."""
+    dist = torch.distributed.is_available()
+    nccl = dist and torch.distributed.is_nccl_available()
+    nccl_version = None
+    if nccl and cuda_available:
+        try:
+            v = torch.cuda.nccl.version()
+            nccl_version = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
+        except Exception:  # noqa: BLE001 - a version we cannot read is not a failure
+            nccl_version = None
+    return {"_distributed": dist, "_nccl": nccl, "_nccl_version": nccl_version,
+            "_gloo": dist and torch.distributed.is_gloo_available()}
+
+
 def collect_environment() -> dict[str, Any]:
     driver, driver_error = nvidia_driver()
     available, count, cuda_warning = cuda_probe()
@@ -211,6 +233,8 @@ def collect_environment() -> dict[str, Any]:
         "_gpu_count": count,
         "_cuda_warning": cuda_warning,
         "_hip": getattr(torch.version, "hip", None),
+        **distributed_probe(available),
+        "_launch": {k: os.environ[k] for k in LAUNCH_VARS if k in os.environ},
     }
 
 
@@ -533,26 +557,182 @@ def library_checks(libs: dict[str, dict[str, Any]]) -> list[Check]:
     return checks
 
 
+@dataclass
+class Launch:
+    """The torchrun launch this process is in, read from LAUNCH_VARS (pure; see `parse_launch`)."""
+
+    torchrun: bool  # RANK and WORLD_SIZE set: engine/distributed.torchrun_env() sees a launch
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int | None = None  # processes on this node; None when not set
+    rendezvous: str | None = None  # MASTER_ADDR:MASTER_PORT
+    problem: tuple[Status, str, str] | None = None  # (status, detail, advice) of a broken launch
+
+
+_TORCHRUN_ADVICE = ("launch with torchrun (torchrun --nproc_per_node N -m vlforge sft CONFIG), which sets RANK, "
+                    "WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT in every process")
+
+
+def parse_launch(launch: dict[str, str]) -> Launch:
+    """What the launch variables say, and what is wrong with them. `launch`: name -> value of the
+    LAUNCH_VARS that are set (collect_environment's "_launch")."""
+    if "RANK" not in launch or "WORLD_SIZE" not in launch:
+        stray = [k for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK") if k in launch]
+        if stray:  # torchrun_env() needs both: the run would silently be one process
+            return Launch(False, problem=("warn", f"{' and '.join(stray)} set without "
+                                          f"{'WORLD_SIZE' if 'RANK' in launch else 'RANK'}: vlforge runs as one process",
+                                          f"{_TORCHRUN_ADVICE}; or unset {' '.join(stray)}"))
+        return Launch(False)
+    numbers = {}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        if key in launch:
+            try:
+                numbers[key] = int(launch[key])
+            except ValueError:
+                return Launch(True, problem=("fail", f"{key}={launch[key]!r} is not a whole number", _TORCHRUN_ADVICE))
+    rank, size = numbers["RANK"], numbers["WORLD_SIZE"]
+    out = Launch(True, rank, size, numbers.get("LOCAL_RANK", 0), numbers.get("LOCAL_WORLD_SIZE"),
+                 f"{launch['MASTER_ADDR']}:{launch['MASTER_PORT']}" if {"MASTER_ADDR", "MASTER_PORT"} <= set(launch)
+                 else None)
+    if size < 1 or not 0 <= rank < size:
+        out.problem = ("fail", f"RANK={rank} with WORLD_SIZE={size}: a rank must be 0 .. WORLD_SIZE-1", _TORCHRUN_ADVICE)
+    elif out.rendezvous is None:
+        missing = " and ".join(k for k in ("MASTER_ADDR", "MASTER_PORT") if k not in launch)
+        # one process with fsdp2 would fail at init_process_group; auto resolves to none and never meets it
+        out.problem = ("fail" if size > 1 else "warn",
+                       f"{missing} not set: the processes cannot meet (torch.distributed's env:// rendezvous)",
+                       _TORCHRUN_ADVICE)
+    elif size > 1 and "LOCAL_RANK" not in launch:
+        out.problem = ("warn", "LOCAL_RANK not set: every process on a node takes GPU 0", _TORCHRUN_ADVICE)
+    return out
+
+
 def distributed_checks(env: dict[str, Any]) -> list[Check]:
-    count = env["_gpu_count"]
-    dist = torch.distributed.is_available()
-    nccl = dist and torch.distributed.is_nccl_available()
-    nccl_version = None
-    if nccl and env["_cuda_available"]:
-        try:
-            v = torch.cuda.nccl.version()
-            nccl_version = ".".join(map(str, v)) if isinstance(v, tuple) else str(v)
-        except Exception:  # noqa: BLE001 - a version we cannot read is not a failure
-            nccl_version = None
-    values = {"gpu_count": count, "distributed": dist, "nccl": nccl, "nccl_version": nccl_version}
+    """torch.distributed and its backends, and the torchrun launch (pure over collect_environment's
+    dict: `_gpu_count`, `_cuda_available`, `_distributed`, `_nccl`, `_nccl_version`, `_gloo`, `_launch`)."""
+    count, dist, nccl, gloo = env["_gpu_count"], env["_distributed"], env["_nccl"], env["_gloo"]
+    nccl_version = env.get("_nccl_version")
+    values = {"gpu_count": count, "distributed": dist, "nccl": nccl, "nccl_version": nccl_version, "gloo": gloo}
     if count > 1 and not (dist and nccl):
         missing = "torch.distributed" if not dist else "NCCL"
-        return [Check("multi-gpu", "warn", f"{count} GPUs but this torch has no {missing}: one GPU at a time",
-                      "install a Linux CUDA build of torch (https://pytorch.org/get-started/locally/): "
-                      "it ships with NCCL", values)]
-    parts = [f"{count} GPU(s)", f"torch.distributed {'yes' if dist else 'no'}",
-             f"NCCL {nccl_version or ('yes' if nccl else 'no')}"]
-    return [Check("multi-gpu", "ok", ", ".join(parts), values=values)]
+        checks = [Check("multi-gpu", "warn", f"{count} GPUs but this torch has no {missing}: one GPU at a time",
+                        "install a Linux CUDA build of torch (https://pytorch.org/get-started/locally/): "
+                        "it ships with NCCL", values)]
+    else:
+        parts = [f"{count} GPU(s)", f"torch.distributed {'yes' if dist else 'no'}",
+                 f"NCCL {nccl_version or ('yes' if nccl else 'no')}", f"gloo {'yes' if gloo else 'no'}"]
+        checks = [Check("multi-gpu", "ok", ", ".join(parts), values=values)]
+
+    launch = parse_launch(env.get("_launch", {}))
+    lv = {"torchrun": launch.torchrun, "rank": launch.rank, "world_size": launch.world_size,
+          "local_rank": launch.local_rank, "local_world_size": launch.local_world_size,
+          "rendezvous": launch.rendezvous}
+    if launch.problem:
+        status, detail, advice = launch.problem
+        checks.append(Check("torchrun", status, detail, advice, lv))
+        if status == "fail":
+            return checks
+    elif not launch.torchrun:
+        hint = f"; this machine can run torchrun --nproc_per_node {count} (one process per GPU)" if count > 1 else ""
+        checks.append(Check("torchrun", "ok", f"not under torchrun: one process{hint}", values=lv))
+    else:
+        local = f" of {launch.local_world_size}" if launch.local_world_size is not None else ""
+        checks.append(Check("torchrun", "ok", f"rank {launch.rank} of {launch.world_size} (local rank "
+                            f"{launch.local_rank}{local}), rendezvous {launch.rendezvous}", values=lv))
+    if not launch.torchrun:
+        return checks
+
+    # the process group init_world makes: NCCL where the processes have GPUs, gloo on CPU
+    if env["_cuda_available"] and count > 0:
+        if not (dist and nccl):
+            checks.append(Check("process group", "fail", f"GPUs but no NCCL in this torch for {launch.world_size} "
+                                "processes", "install a Linux CUDA build of torch (it ships with NCCL)"))
+        else:
+            checks.append(Check("process group", "ok", f"NCCL {nccl_version or ''}".rstrip()
+                                + f" for {launch.world_size} process(es)"))
+        checks.append(_gpu_per_process_check(launch, count))
+    elif not (dist and gloo):
+        checks.append(Check("process group", "fail", "no GPU and no gloo backend: processes cannot talk on CPU",
+                            "install a torch build with torch.distributed (the PyPI builds have gloo)"))
+    else:
+        checks.append(Check("process group", "ok", f"gloo on CPU for {launch.world_size} process(es) (no GPU: "
+                            "slow, fine for tests)"))
+    return checks
+
+
+def _gpu_per_process_check(launch: Launch, count: int) -> Check:
+    """One GPU per process: init_world puts local rank i on cuda:i of the GPUs this process sees."""
+    values = {"gpu_count": count, "local_rank": launch.local_rank, "local_world_size": launch.local_world_size}
+    advice = (f"start one process per GPU: torchrun --nproc_per_node {count} (and leave CUDA_VISIBLE_DEVICES "
+              "the same for every process of a node)")
+    if launch.local_rank >= count:
+        return Check("gpu per process", "fail", f"local rank {launch.local_rank} but this process sees {count} "
+                     f"GPU(s): it has no cuda:{launch.local_rank}", advice, values)
+    if launch.local_world_size is None:
+        return Check("gpu per process", "warn", f"LOCAL_WORLD_SIZE not set: cannot tell whether {count} GPU(s) "
+                     "are one per process", _TORCHRUN_ADVICE, values)
+    if launch.local_world_size > count:
+        return Check("gpu per process", "fail", f"{launch.local_world_size} processes on this node but {count} "
+                     "GPU(s) visible: the processes would share GPUs", advice, values)
+    if launch.local_world_size < count:
+        return Check("gpu per process", "warn", f"{launch.local_world_size} processes on this node, {count} GPUs: "
+                     f"{count - launch.local_world_size} GPU(s) idle", advice, values)
+    return Check("gpu per process", "ok", f"{count} processes on this node, one GPU each (this one: "
+                 f"cuda:{launch.local_rank})", values=values)
+
+
+def _split(message: str) -> tuple[str, str]:
+    """A refusal's message as (what is wrong, what to do): vlforge's messages put them either side
+    of the first ': '."""
+    what, _, todo = message.partition(": ")
+    return (what, todo) if todo else (message, "")
+
+
+def distributed_recipe_checks(cfg: SFTConfig | GRPOConfig, env: dict[str, Any], recipe: Recipe) -> list[Check]:
+    """What the recipe's `distributed` and `optim` sections do in this launch, refused as the run
+    would refuse them (before any model loads), without initialising anything."""
+    from vlforge.engine.distributed import World, refuse_unsupported
+    from vlforge.engine.distributed import planned_strategy
+    from vlforge.engine.optim import optimizer_problem
+
+    launch = parse_launch(env.get("_launch", {}))
+    size = launch.world_size if launch.torchrun else 1
+    d = cfg.distributed
+    strategy, problem = planned_strategy(d.strategy, size, cfg.train.device)
+    values = {"strategy": d.strategy, "resolved": strategy, "world_size": size}
+    checks = []
+    if problem:
+        checks.append(Check("recipe distributed", "fail", *_split(problem), values))
+    elif strategy == "none":
+        if d.cpu_offload:
+            checks.append(Check("recipe distributed", "warn", f"distributed.strategy={d.strategy} on one process "
+                                "means none: distributed.cpu_offload=true is ignored",
+                                "set distributed.strategy=fsdp2 to offload on one process", values))
+        else:
+            checks.append(Check("recipe distributed", "ok", f"distributed.strategy={d.strategy} -> none: one "
+                                "process, no sharding", values=values))
+    else:
+        how = ", ".join(["reshard_after_forward" if d.reshard_after_forward else "gathered weights kept after "
+                         "forward", "cpu_offload" if d.cpu_offload else "no cpu offload"])
+        checks.append(Check("recipe distributed", "ok", f"distributed.strategy={d.strategy} -> fsdp2 over {size} "
+                            f"process(es) ({how})", values=values))
+    sharded = strategy == "fsdp2"
+    if sharded:
+        try:
+            refuse_unsupported(cfg, World(size=size, strategy=strategy))
+        except ConfigError as e:
+            checks.append(Check("recipe fsdp2", "fail", *_split(str(e))))
+        else:
+            checks.append(Check("recipe fsdp2", "ok", "nothing this recipe uses is refused under FSDP2"))
+    if recipe.device is None:
+        checks.append(Check("recipe optimizer", "skip", "train.device is unusable (see recipe device)"))
+    elif opt := optimizer_problem(cfg.optim, recipe.device.type, sharded=sharded):
+        checks.append(Check("recipe optimizer", "fail", *_split(opt), {"optimizer": cfg.optim.name}))
+    else:
+        checks.append(Check("recipe optimizer", "ok", f"optim.name={cfg.optim.name} runs on {recipe.device}"
+                            + (" with FSDP2" if sharded else ""), values={"optimizer": cfg.optim.name}))
+    return checks
 
 
 def _device_feature_check(name: str, device: torch.device | None, problem: str | None, ok: str, failed: str,
@@ -665,7 +845,8 @@ def run_checks(cfg: SFTConfig | GRPOConfig | None = None, config_path: str | Non
     gpus = collect_gpus(env["_cuda_available"])
     libs = collect_libraries()
     checks = (version_checks(env, expect_cuda) + gpu_checks(env, gpus) + numeric_checks(gpus)
-              + library_checks(libs) + te_checks(gpus, libs) + distributed_checks(env) + recipe_checks(recipe, libs))
+              + library_checks(libs) + te_checks(gpus, libs) + distributed_checks(env) + recipe_checks(recipe, libs)
+              + distributed_recipe_checks(cfg if cfg is not None else SFTConfig(), env, recipe))
     return {
         "ok": not any(c.status == "fail" for c in checks),
         "checks": [c.to_dict() for c in checks],

@@ -94,17 +94,26 @@ def torchrun_env() -> tuple[int, int, int] | None:
     return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
 
 
+def planned_strategy(strategy: str, world_size: int, device_spec: str) -> tuple[str, str | None]:
+    """(strategy, problem): distributed.strategy resolved for `world_size` processes, and why the
+    run cannot start that way (or None). Pure: `vlforge doctor` and `--plan` ask it too."""
+    resolved = strategy if strategy != "auto" else ("fsdp2" if world_size > 1 else "none")
+    if world_size > 1 and resolved == "none":
+        return resolved, (f"distributed.strategy=none but torchrun started {world_size} processes: use fsdp2 "
+                          "(or run one process)")
+    if world_size > 1 and device_spec.startswith("cuda:"):
+        return resolved, (f"train.device={device_spec} under torchrun: each process takes the GPU of its "
+                          "LOCAL_RANK; use train.device=auto (or cuda)")
+    return resolved, None
+
+
 def init_world(cfg: DistributedConfig, device_spec: str) -> World:
     """Join torchrun's process group (or make a one-process group for FSDP2 alone). Idempotent."""
     env = torchrun_env()
     rank, size, local_rank = env or (0, 1, 0)
-    strategy = cfg.strategy if cfg.strategy != "auto" else ("fsdp2" if size > 1 else "none")
-    if size > 1 and strategy == "none":
-        raise ConfigError(f"distributed.strategy=none but torchrun started {size} processes: use fsdp2 "
-                          "(or run one process)")
-    if size > 1 and device_spec.startswith("cuda:"):
-        raise ConfigError(f"train.device={device_spec} under torchrun: each process takes the GPU of its "
-                          "LOCAL_RANK; use train.device=auto (or cuda)")
+    strategy, problem = planned_strategy(cfg.strategy, size, device_spec)
+    if problem:
+        raise ConfigError(problem)
     device = resolve_device(device_spec)
     if device.type == "cuda" and size > 1:
         device = torch.device("cuda", local_rank)

@@ -1,0 +1,216 @@
+"""Per-GPU memory of a training run, estimated from a meta-device model: what `--plan` shows.
+
+    model, _ = build_meta_model(cfg.model); plan = build_plan(model, cfg.tiers)
+    est = memory_estimate(model, plan, cfg, world_size=8)      # cfg: a RunConfig; pure arithmetic
+    print(format_memory(est))
+
+Counted, per process: parameters in their storage dtypes (fp32 masters of what trains, the frozen
+rest in the compute dtype, quantized linears at their packed size), gradients of the trainable
+parameters (in their own dtype), optimizer state (AdamW: two moments in the parameter's dtype;
+8-bit: optim.state_bytes), each tensor split over the processes under FSDP2 (dim 0, padded as
+FSDP2 pads it), and the FSDP2 units gathered for compute. With distributed.cpu_offload the
+sharded parameters, gradients and optimizer state live in host memory; only the gathered units
+stay on the GPU. Not counted: activations (batch, sequence length, images and gradient
+checkpointing decide them), the one-process path's autocast copies, CUDA/NCCL workspaces and
+allocator fragmentation.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch.nn as nn
+
+from vlforge.engine.distributed import planned_strategy
+from vlforge.engine.optim import state_bytes
+from vlforge.engine.precision import NAMES, PrecisionPolicy
+
+GB = 1e9  # decimal gigabytes, as GPU datasheets count them (an H200 has 141 GB)
+
+# Bytes per weight element of a quantized linear: nf4 with double quantization (4 bits + an 8-bit
+# absmax per 64 values + an fp32 scale per 256 absmaxes), int8 and fp8 (one byte + a scale per row).
+QUANT_BYTES = {"nf4": 0.5 + 1 / 64 + 4 / (64 * 256), "int8": 1.0, "fp8": 1.0}
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    unit: str  # the FSDP2 unit it is sharded in (engine/distributed.wrap's units)
+    shape: tuple[int, ...]
+    dtype_bytes: float
+    trainable: bool
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def shard_numel(self, world_size: int) -> int:
+        """Elements one rank holds: FSDP2 splits dim 0 into world_size equal chunks, the last padded."""
+        if not self.shape:
+            return 1
+        return -(-self.shape[0] // world_size) * math.prod(self.shape[1:])
+
+
+def _unit(name: str) -> str:
+    """The FSDP2 unit of parameter/module `name`, as engine/distributed.wrap builds them."""
+    parts = name.split(".")
+    if name.startswith("model.visual.blocks.") and len(parts) > 3:
+        return f"vision block {parts[3]}"
+    if name.startswith("model.language_model.layers.") and len(parts) > 3:
+        return f"layer {parts[3]}"
+    if name.startswith("model.visual."):
+        return "vision rest"
+    return "root"
+
+
+def _tensors(model: nn.Module, plan: list, cfg) -> list[_Tensor]:
+    """Every parameter of the trained model (LoRA adapters included) with its storage dtype."""
+    from vlforge.model.quant import quant_plan
+
+    policy = PrecisionPolicy(cfg.precision, "cpu")
+    full_roots = [e.module for e in plan if e.kind == "full"]
+    quantized = {n: m for n, m in quant_plan(model, cfg.quant).items() if m != "none"} if cfg.quant.enabled else {}
+    out = []
+    for name, p in model.named_parameters():  # tied weights once, as named_parameters gives them
+        module = name.rpartition(".")[0]
+        trainable = any(module == r or module.startswith(r + ".") for r in full_roots)
+        if module in quantized and name.endswith(".weight"):
+            size = QUANT_BYTES[quantized[module]]
+        else:
+            size = policy.param_dtype(module, trainable).itemsize
+        out.append(_Tensor(_unit(name), tuple(p.shape), size, trainable))
+    master = policy.master_dtype.itemsize
+    for e in plan:  # LoRA: A (r x in) and B (out x r) per adapted linear, in the master dtype
+        if e.kind != "lora":
+            continue
+        linear = model.get_submodule(e.module)
+        unit = _unit(e.module)
+        out += [_Tensor(unit, (e.r, linear.in_features), master, True),
+                _Tensor(unit, (linear.out_features, e.r), master, True)]
+    return out
+
+
+def _layout(tensors: list[_Tensor], world_size: int, sharded: bool, offload: bool, optim: str,
+            compute_bytes: int, reshard_after_forward: bool) -> dict:
+    """Bytes per part on the GPU and in host memory, for one layout."""
+
+    def held(t: _Tensor) -> int:
+        return t.shard_numel(world_size) if sharded else t.numel
+
+    trainable = [t for t in tensors if t.trainable]
+    params = sum(held(t) * t.dtype_bytes for t in tensors)
+    grads = sum(held(t) * t.dtype_bytes for t in trainable)
+    # 8-bit blocks are per tensor (8-bit is refused under FSDP2, so these tensors are whole)
+    state = sum(state_bytes(held(t), optim) if optim != "adamw" else 2 * held(t) * t.dtype_bytes
+                for t in trainable)
+    gathered = 0.0
+    if sharded:
+        # units gathered at once in the compute dtype: the root (all forward and backward), the
+        # vision tower (kept gathered from its forward to its backward), and the decoder layers:
+        # the running one and the prefetched next, or all of them without reshard_after_forward
+        units: dict[str, int] = {}
+        for t in tensors:
+            units[t.unit] = units.get(t.unit, 0) + t.numel
+        layers = sorted((v for k, v in units.items() if k.startswith("layer ")), reverse=True)
+        always = sum(v for k, v in units.items() if not k.startswith("layer "))
+        gathered = (always + sum(layers if not reshard_after_forward else layers[:2])) * compute_bytes
+    where = "host" if offload else "gpu"
+    parts = {"parameters": params, "gradients": grads, "optimizer_state": state}
+    out = {k: {"gpu": 0.0, "host": 0.0} for k in (*parts, "gathered")}
+    for k, v in parts.items():
+        out[k][where] = v
+    out["gathered"]["gpu"] = gathered
+    out["total"] = {w: sum(out[k][w] for k in (*parts, "gathered")) for w in ("gpu", "host")}
+    return out
+
+
+def memory_estimate(model: nn.Module, plan: list, cfg, world_size: int = 1) -> dict:
+    """Per-process memory of `cfg` (a RunConfig) on `world_size` processes, in bytes.
+
+    `model`: the plain (meta-device) model, `plan`: its tier plan. Returns the resolved strategy,
+    the counts, and two layouts: "no_offload" (what cfg.distributed does without cpu_offload) and
+    "cpu_offload" (FSDP2 with CPUOffloadPolicy at this world size); "selected" names the one the
+    config runs. JSON-able.
+    """
+    d = cfg.distributed
+    strategy, problem = planned_strategy(d.strategy, world_size, cfg.train.device)
+    tensors = _tensors(model, plan, cfg)
+    policy = PrecisionPolicy(cfg.precision, "cpu")
+    compute = policy.compute_dtype.itemsize
+    common = dict(world_size=world_size, optim=cfg.optim.name, compute_bytes=compute,
+                  reshard_after_forward=d.reshard_after_forward)
+    sharded = strategy == "fsdp2"
+    offload_applies = d.cpu_offload and sharded  # auto on one process resolves to none: no offload
+    not_estimated = "activations, autocast copies, CUDA/NCCL workspaces, allocator fragmentation"
+    if hasattr(cfg, "rollout"):  # GRPO
+        not_estimated += ", the rollout KV cache"
+        if cfg.tiers.method == "full" and cfg.rl.kl_beta > 0:
+            not_estimated += ", the frozen reference copy (full fine-tuning with rl.kl_beta > 0)"
+    return {
+        "world_size": world_size,
+        "strategy": strategy,
+        "problem": problem,
+        "optimizer": cfg.optim.name,
+        "master_weights": NAMES[policy.master_dtype],
+        "compute": NAMES[policy.compute_dtype],
+        "params": sum(t.numel for t in tensors),
+        "trainable_params": sum(t.numel for t in tensors if t.trainable),
+        # each process loads the whole model in its storage dtypes before sharding it
+        "load_bytes": sum(t.numel * t.dtype_bytes for t in tensors),
+        "selected": "cpu_offload" if offload_applies else "no_offload",
+        "no_offload": _layout(tensors, sharded=sharded, offload=False, **common),
+        "cpu_offload": _layout(tensors, sharded=True, offload=True, **common),
+        "fsdp2_problem": fsdp2_problem(cfg, world_size),
+        "not_estimated": not_estimated,
+    }
+
+
+def fsdp2_problem(cfg, world_size: int) -> str | None:
+    """Why the run would refuse `cfg` under FSDP2 (and so cpu_offload), or None: the refusals
+    engine/distributed.refuse_unsupported and engine/optim.optimizer_problem raise before loading."""
+    from vlforge.config import ConfigError
+    from vlforge.engine.distributed import World, refuse_unsupported
+    from vlforge.engine.optim import optimizer_problem
+
+    try:
+        refuse_unsupported(cfg, World(size=world_size, strategy="fsdp2"))
+    except ConfigError as e:
+        return str(e)
+    return optimizer_problem(cfg.optim, "cuda", sharded=True)
+
+
+def _gb(value: float) -> str:
+    if not value:
+        return "-"
+    for unit, size in (("GB", GB), ("MB", 1e6), ("kB", 1e3)):
+        if value >= size / 10:
+            return f"{value / size:.1f} {unit}"
+    return f"{value:.0f} B"
+
+
+def format_memory(est: dict) -> str:
+    n, strategy = est["world_size"], est["strategy"]
+    how = f"FSDP2 over {n} process(es), every tensor split {n} ways" if strategy == "fsdp2" \
+        else "one process, no sharding"
+    lines = [f"memory per process: {how}; {est['optimizer']}, master weights {est['master_weights']}, "
+             f"compute {est['compute']} (GB = 1e9 bytes)"]
+    rows = [("", "no offload GPU", "host", "cpu_offload GPU", "host")]
+    labels = {"parameters": "parameters", "gradients": "gradients", "optimizer_state": "optimizer state",
+              "gathered": "gathered units (FSDP2)", "total": "total"}
+    for key, label in labels.items():
+        a, b = est["no_offload"][key], est["cpu_offload"][key]
+        rows.append((label, _gb(a["gpu"]), _gb(a["host"]), _gb(b["gpu"]), _gb(b["host"])))
+    widths = [max(len(r[i]) for r in rows) for i in range(5)]
+    lines += ["  " + "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+              for r in rows]
+    chosen = "cpu_offload" if est["selected"] == "cpu_offload" else "no offload"
+    lines.append(f"this config: {chosen}" + ("" if strategy == "fsdp2" else
+                                             " (cpu_offload needs distributed.strategy=fsdp2)"))
+    lines.append(f"loading: each process first holds the whole model, {_gb(est['load_bytes'])}")
+    lines.append(f"not estimated: {est['not_estimated']} (activations grow with batch, sequence length and "
+                 "images; precision.gradient_checkpointing shrinks them)")
+    if est["fsdp2_problem"]:
+        lines.append(f"FSDP2 columns (and cpu_offload) do not apply, the run refuses them: {est['fsdp2_problem']}")
+    if est["problem"]:
+        lines.append(f"error: {est['problem']}")
+    return "\n".join(lines)
