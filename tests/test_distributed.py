@@ -48,25 +48,28 @@ def config_file(tmp_path, train_jsonl, *overrides) -> str:
 
 def test_two_processes_equal_one_and_resume_on_another_world_size(shapes_dir, tmp_path):
     """Full fine-tuning: 2 ranks x batch 2 == 1 process x batch 4 (losses and weights); a run saved
-    on 2 ranks resumes on 1 (FSDP2 on one process) to the same weights as the uninterrupted run."""
+    on 2 ranks resumes on 1 (FSDP2 on one process), and that one's checkpoint on 2 again, to the
+    same losses and weights as the uninterrupted one-process run."""
     straight = tmp_path / "one"
     run_sft(tiny_sft_config(shapes_dir, straight, *COMMON, "tiers.method=full", "train.batch_size=4",
-                            "train.max_steps=3"))
+                            "train.max_steps=4"))
     cfg = config_file(tmp_path, shapes_dir / "train.jsonl")
     split = tmp_path / "split"
-    args = [cfg, *COMMON, "tiers.method=full", f"train.output_dir={split}"]
+    args = [cfg, *COMMON, "tiers.method=full", f"train.output_dir={split}", "train.resume=auto"]
     first = launch(args + ["train.batch_size=2", "train.max_steps=2"], tmp_path)
     assert first.returncode == 0, first.stderr[-3000:]
     assert (split / "checkpoint-2" / "dcp").is_dir() and (split / "checkpoint-2" / "rng-1.pt").is_file()
-    second = launch(args + ["train.batch_size=4", "train.max_steps=3", "train.resume=auto",
-                            "distributed.strategy=fsdp2"], tmp_path, nproc=0)
+    second = launch(args + ["train.batch_size=4", "train.max_steps=3", "distributed.strategy=fsdp2"], tmp_path,
+                    nproc=0)
     assert second.returncode == 0, second.stderr[-3000:]
     assert "resumed from" in second.stdout
+    third = launch(args + ["train.batch_size=2", "train.max_steps=4"], tmp_path)
+    assert third.returncode == 0, third.stderr[-3000:]
     assert losses(split) == pytest.approx(losses(straight), rel=1e-5)
 
-    export(split / "checkpoint-3", tmp_path / "consolidated", dtype=torch.float32)  # plain HF directory
+    export(split / "checkpoint-4", tmp_path / "consolidated", dtype=torch.float32)  # plain HF directory
     ours, theirs = load_file(tmp_path / "consolidated" / "model.safetensors"), \
-        load_file(straight / "checkpoint-3" / "model.safetensors")
+        load_file(straight / "checkpoint-4" / "model.safetensors")
     assert set(ours) == set(theirs)
     for name in theirs:
         torch.testing.assert_close(ours[name], theirs[name], rtol=1e-5, atol=1e-5)
