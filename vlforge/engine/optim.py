@@ -43,7 +43,7 @@ def optimizer_problem(cfg: OptimConfig, device_type: str, sharded: bool) -> str 
         return (f"optim.name={cfg.name} does not work under FSDP2: bitsandbytes' 8-bit update takes plain "
                 "tensors, not FSDP2's sharded (DTensor) parameters. Use optim.name=adamw (sharding already "
                 "splits its state across GPUs; distributed.cpu_offload moves it to host memory), or "
-                "DDP or one process without FSDP2")
+                "train on one process (distributed.strategy=none)")
     if cfg.name == "paged_adamw8bit" and device_type != "cuda":
         return (f"optim.name=paged_adamw8bit pages optimizer state between GPU and host memory, which needs "
                 f"CUDA; this run is on {device_type}: use optim.name=adamw8bit (or adamw)")
