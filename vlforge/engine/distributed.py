@@ -120,13 +120,12 @@ def init_world(cfg: DistributedConfig, device_spec: str) -> World:
         torch.cuda.set_device(device)
     owns_group = strategy != "none" and not dist.is_initialized()
     if owns_group:
-        if env is None:  # FSDP2 on one process: a group of one
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
-            os.environ.setdefault("RANK", "0")
-            os.environ.setdefault("WORLD_SIZE", "1")
+        # FSDP2 on one process: a group of one on a free local port, given explicitly (setting
+        # RANK/WORLD_SIZE in the environment would make later code believe torchrun started it)
+        where = {} if env is not None else {"init_method": f"tcp://127.0.0.1:{_free_port()}", "rank": 0,
+                                            "world_size": 1}
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
-                                timeout=datetime.timedelta(seconds=cfg.timeout_s))
+                                timeout=datetime.timedelta(seconds=cfg.timeout_s), **where)
     return World(rank, size, local_rank, strategy, device, owns_group)
 
 

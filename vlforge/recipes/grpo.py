@@ -332,8 +332,9 @@ def run_grpo(cfg: GRPOConfig) -> dict:
         raise ConfigError(f"rl.rewards: {e}") from e
     for path in filter(None, (cfg.data.train, cfg.data.val)):  # a bad file fails now, not after the model loads
         check_readable(path, cfg.data.on_error, cfg.data.max_image_pixels)
-    if cfg.distributed.strategy == "fsdp2" or torchrun_env():
-        refuse_unsupported_sharded(cfg, (torchrun_env() or (0, 1, 0))[1])
+    world_size = (torchrun_env() or (0, 1, 0))[1]
+    if cfg.distributed.strategy == "fsdp2" or world_size > 1:
+        refuse_unsupported_sharded(cfg, world_size)
     with begin_run(cfg) as (world, resume_from):
         # compile only when asked: rollout decode shapes change every step and would keep recompiling
         t = setup_model(cfg, compile_blocks=cfg.precision.compile is True, world=world)
