@@ -94,16 +94,22 @@ def test_lora_with_text_only_rows_on_one_rank(shapes_dir, tmp_path):
     """A rank whose micro-batches have no image still completes its steps (the vision tower runs
     on a dummy input, contributing nothing), and LoRA on 2 ranks equals LoRA on one process."""
     data, _ = _mixed_modality_data(shapes_dir, tmp_path)
+    evals = [f"data.val={shapes_dir / 'val.jsonl'}", "eval.max_samples=4", "eval.max_new_tokens=4"]
     one = tmp_path / "one"
-    cfg = tiny_sft_config(shapes_dir, one, *COMMON, "tiers.method=lora", "train.batch_size=4", "train.max_steps=2")
+    cfg = tiny_sft_config(shapes_dir, one, *COMMON, "tiers.method=lora", "train.batch_size=4", "train.max_steps=2",
+                          *evals)
     cfg.data.train = str(data)
     run_sft(cfg)
     two = tmp_path / "two"
     result = launch([config_file(tmp_path, data), *COMMON, "tiers.method=lora", "train.batch_size=2",
-                     "train.max_steps=2", f"train.output_dir={two}"], tmp_path)
+                     "train.max_steps=2", f"train.output_dir={two}", *evals], tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("outputs in") == 1  # one process speaks for the run
     assert losses(two) == pytest.approx(losses(one), rel=1e-5)
+    # held-out eval on every rank (generation decoding in step, synced), written once
+    ev_one, ev_two = (json.loads((d / "eval.json").read_text()) for d in (one, two))
+    assert ev_two["loss"] == pytest.approx(ev_one["loss"], rel=1e-5)
+    assert [e["generated"] for e in ev_two["examples"]] == [e["generated"] for e in ev_one["examples"]]
 
 
 def test_an_error_on_one_rank_ends_the_run_naming_that_rank(shapes_dir, tmp_path):

@@ -23,6 +23,12 @@ from vlforge.model.tiers import unwrap
 from vlforge.rl.rewards import exact_match
 
 
+def sharded_run() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
 def to_device(batch: dict, device: torch.device) -> dict:
     return {k: v.to(device) for k, v in batch.items()}
 
@@ -38,7 +44,10 @@ def generate_answers(model, encoder: Encoder, samples, *, batch_size: int, max_n
         batch = to_device(collate([encode_prompt(encoder, x) for x in chunk], encoder.pad_id, left_pad=True), device)
         with policy.autocast():
             out = core.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
-                                pad_token_id=encoder.pad_id, eos_token_id=encoder.end_ids)
+                                pad_token_id=encoder.pad_id, eos_token_id=encoder.end_ids,
+                                # sharded (FSDP2), every forward gathers weights with the other ranks:
+                                # decode until every rank is done, not each on its own
+                                synced_gpus=sharded_run())
         new = out[:, batch["input_ids"].shape[1]:]
         answers += [t.strip() for t in encoder.tokenizer.batch_decode(new, skip_special_tokens=True)]
     return answers
