@@ -49,21 +49,23 @@ def begin_run(cfg: RunConfig) -> Iterator[tuple[World, Path | None]]:
 
     hf_logging.disable_progress_bar()  # our own bar is the progress display; no per-save shard bars
     world = init_world(cfg.distributed, cfg.train.device)
-    claim: tuple[Path | None, str | None] = (None, None)
-    if world.main:  # one process claims the directory; the others learn the outcome from it
-        try:
-            claim = (prepare_output_dir(cfg.train.output_dir, cfg.train.resume, cfg.train.overwrite), None)
-        except ConfigError as e:
-            claim = (None, str(e))
-    resume_from, error = world.broadcast(claim)
-    if error:
-        raise ConfigError(error)
     try:
-        seed_everything(cfg.train.seed)  # the same on every rank: presets initialise identically
-        yield world, resume_from
+        claim: tuple[Path | None, str | None] = (None, None)
+        if world.main:  # one process claims the directory; the others learn the outcome from it
+            try:
+                claim = (prepare_output_dir(cfg.train.output_dir, cfg.train.resume, cfg.train.overwrite), None)
+            except ConfigError as e:
+                claim = (None, str(e))
+        resume_from, error = world.broadcast(claim)
+        if error:
+            raise ConfigError(error)
+        try:
+            seed_everything(cfg.train.seed)  # the same on every rank: presets initialise identically
+            yield world, resume_from
+        finally:
+            if world.main:
+                release_output_dir(cfg.train.output_dir)
     finally:
-        if world.main:
-            release_output_dir(cfg.train.output_dir)
         world.close()
 
 
