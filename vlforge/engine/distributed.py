@@ -51,11 +51,15 @@ class World:
 
     def sum(self, value: float) -> float:
         """Sum of a number over all ranks (fp64: token counts and losses add up exactly)."""
+        return self.sums(value)[0]
+
+    def sums(self, *values: float) -> list[float]:
+        """Each number summed over all ranks, in one all-reduce (one host sync, not one per number)."""
         if not self.active or self.size == 1:
-            return float(value)
-        t = torch.tensor([float(value)], dtype=torch.float64, device=self._comm_device)
+            return [float(v) for v in values]
+        t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self._comm_device)
         dist.all_reduce(t)
-        return float(t.item())
+        return t.tolist()
 
     def gather(self, t: torch.Tensor) -> torch.Tensor:
         """Every rank's `t` (equal shapes), concatenated along dim 0 in rank order, on every rank."""

@@ -114,7 +114,7 @@ def collect(t: Trainable, data, stream, state: dict, cfg: GRPOConfig, rewards) -
         if rollout is None:  # every prompt of the round was skipped (data.on_error=skip)
             continue
         if t.world.size > 1:  # every rank's groups, in the one-process order: advantages and metrics
-            local = scored["reward"]
+            n = len(scored["reward"])  # this rank's sequences
             scored = gather_scores(t.world, scored)
             rollout_stats = {"lengths": t.world.gather(rollout.response_mask.sum(1).float()).cpu(),
                              "finished": t.world.gather(rollout.finished.float()).cpu()}
@@ -133,7 +133,6 @@ def collect(t: Trainable, data, stream, state: dict, cfg: GRPOConfig, rewards) -
         groups = [b for b in range(len(reward_BG)) if not (cfg.rl.dynamic_sampling and zero_var[b])][:B - kept_groups]
         if t.world.size > 1:  # (no dynamic sampling here) this rank's slice of the global groups
             adv = grpo_advantages(scored["reward"], G, scale=cfg.rl.adv_scale)
-            n = len(local)
             batches.append(Batch(rollout, list(range(n)), adv[t.world.rank * n:(t.world.rank + 1) * n].to(t.device),
                                  None))
             kept_groups = B
@@ -259,10 +258,11 @@ def update(t: Trainable, ref_model, batches: list[Batch], optimizer, scaler, hea
                     if k in step:
                         step[k] += share * float(stats[k])
                 step["entropy"] += share * float((entropy * mask).sum() / mask.sum().clamp(min=1))
-            step = {k: world.sum(v) for k, v in step.items()}  # every rank's parts: the mini-batch's values
             with_images = sum(b.rollout.images_per_prompt[b.rollout.prompt_of_seq[b.seqs[i]]] > 0
                               for b, part in parts for i in part)
-            if world.sharded and not world.sum(with_images):
+            *totals, with_images = world.sums(*step.values(), with_images)  # every rank's parts: the mini-batch's
+            step = dict(zip(step, totals))
+            if world.sharded and not with_images:
                 drop_keepalive_grads(t.model)
             for k, v in health.step(optimizer, scaler, cfg.optim.max_grad_norm, step["loss"]).items():
                 logs.setdefault(k, []).append(v)

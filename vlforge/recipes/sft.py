@@ -87,12 +87,13 @@ def train_step(t: Trainable, micro: list[dict], optimizer, scaler, health: GradH
         # FSDP2 averages gradients over ranks; x world size makes it the global batch's sum
         scaler.scale(loss * world.size).backward()
         loss_total += float(loss.detach())
-    loss_total = world.sum(loss_total)  # the global batch's loss, the same on every rank
-    if world.sharded and not world.sum(sum(b.get("pixel_values") is not None for b in micro)):
+    # the global batch's loss (the same on every rank), its micro-batches with images, its tokens
+    loss_total, with_images, tokens = world.sums(loss_total, sum(b.get("pixel_values") is not None for b in micro),
+                                                 sum(int(b["attention_mask"].sum()) for b in micro))
+    if world.sharded and not with_images:
         drop_keepalive_grads(t.model)
     row = health.step(optimizer, scaler, max_grad_norm, loss_total)
-    return {"loss": loss_total, **row, **skipped, "supervised_tokens": total_tokens,
-            "tokens": int(world.sum(sum(int(b["attention_mask"].sum()) for b in micro)))}  # all ranks
+    return {"loss": loss_total, **row, **skipped, "supervised_tokens": total_tokens, "tokens": int(tokens)}
 
 
 def run_sft(cfg: SFTConfig) -> dict:
