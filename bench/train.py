@@ -1,0 +1,261 @@
+"""Training throughput of three paths on the same batches, in one process: plain transformers
+(+peft), TRL's SFTTrainer, and vlforge. Prints a table and one JSON line per path.
+
+    python bench/train.py --preset qwen3vl-2b --method full --steps 50
+    python bench/train.py --preset qwen3vl-8b --method lora --steps 50 --ours precision.compile=true
+    python bench/train.py --preset qwen3vl-2b --method full --paths peer,ours --json out.json
+
+Workload: shared/BASELINES.md's (sft_throughput.synthetic_samples: one 448x448 image, ~64 prompt
+tokens, a 128-384-token answer; batch 8), random weights of the published architecture, the same
+initial weights for every path (one seed), bf16 autocast, fp32 master weights for full fine-tuning,
+fused AdamW at one learning rate, gradient clipping at 1.0, no dropout. LoRA: r=16, alpha=32 on the
+language model's attention projections (the peer baseline's setup). Each path runs `--warmup`
+untimed steps, then `--steps` timed ones over the same cycled batches, so their losses after N
+steps compare (they must agree within bf16 noise; the table shows the spread).
+
+MFU = model FLOPs per second / 989e12 (H100/H200 dense bf16 peak). Model FLOPs of a step (the same
+useful work for every path, whatever it computes beyond it):
+    k x (decoder params x non-pad tokens + vision params x image patches + lm_head params x supervised tokens)
+    + k/2 x 4 x layers x hidden x sum over rows of T^2 / 2     (causal attention scores and values)
+with k = 6 for full fine-tuning (forward 2, backward 4) and k = 4 for LoRA (the frozen base
+computes no weight gradients; the adapters' own FLOPs are left out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import random
+import tempfile
+import time
+
+import torch
+
+from vlforge.config import ModelConfig, SFTConfig, load_config
+from vlforge.data.encode import Encoder, ImageLimits, SampleTokens, collate, encode
+from vlforge.engine.health import GradHealth
+from vlforge.engine.optim import build_optimizer
+from vlforge.engine.trainable import setup_model
+from vlforge.model.load import load_model, load_processor
+from vlforge.model.tiers import param_groups
+from vlforge.recipes.sft import train_step
+
+from sft_throughput import synthetic_samples
+
+PEAK_FLOPS = 989e12
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a smoke run with --preset tiny
+LORA_TARGETS = r"model\.language_model\.layers\.\d+\.self_attn\.(q|k|v|o)_proj"
+
+
+def model_flops(core, batches: list[dict], lora: bool) -> list[float]:
+    """Model FLOPs of one step on each batch (the module docstring's formula)."""
+    text = core.config.text_config
+    k = 4 if lora else 6
+    decoder = sum(p.numel() for p in core.model.language_model.layers.parameters())
+    vision = sum(p.numel() for p in core.model.visual.parameters())
+    head = core.lm_head.weight.numel()
+    out = []
+    for b in batches:
+        lengths = b["attention_mask"].sum(1).double()
+        patches = int(b["image_grid_thw"].prod(-1).sum()) if "image_grid_thw" in b else 0
+        supervised = int((b["labels"][:, 1:] != -100).sum())
+        linear = decoder * float(lengths.sum()) + vision * patches + head * supervised
+        attention = 4 * text.num_hidden_layers * text.hidden_size * float((lengths ** 2).sum()) / 2
+        out.append(k * linear + k / 2 * attention)
+    return out
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def timed(steps: int, warmup: int, step_fn) -> tuple[list[float], list[float]]:
+    losses, times = [], []
+    for i in range(warmup + steps):
+        sync()
+        start = time.perf_counter()
+        loss = step_fn(i)
+        sync()
+        losses.append(loss)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+    return losses, times
+
+
+def run_peer(args, batches) -> dict:
+    """What TRL/LLaMA-Factory run underneath: the HF forward with labels (full [B, T, V] logits),
+    peft LoRA, fused AdamW."""
+    lora = args.method == "lora"
+    model, _ = load_model(ModelConfig(preset=args.preset, seed=args.seed), dtype=torch.bfloat16 if lora else torch.float32,
+                          device=DEVICE)
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=LORA_TARGETS))
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, fused=DEVICE == "cuda")
+    model.train()
+
+    def step(i: int) -> float:
+        b = {k: v.to(DEVICE) for k, v in batches[i % len(batches)].items()}
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            loss = model(**b).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(loss)
+
+    return {"model": model, "run": step}
+
+
+def run_ours(args, batches) -> dict:
+    lora = args.method == "lora"
+    tiers = ([f"tiers.language.r=16", "tiers.language.alpha=32", "tiers.language.dropout=0.0",
+              "tiers.projector.train=false", "tiers.vision.train=false"] if lora else ["tiers.vision.train=true"])
+    cfg = load_config(SFTConfig, None, [
+        f"model.preset={args.preset}", f"model.seed={args.seed}", f"tiers.method={args.method}", "precision.mode=bf16",
+        f"train.device={DEVICE}", *tiers, *(f"tiers.{t}.lr={args.lr}" for t in ("language", "projector", "vision")),
+        *args.ours])
+    t = setup_model(cfg)
+    optimizer = build_optimizer(param_groups(t.model, t.plan, 0.0), cfg.optim, DEVICE)
+    scaler, health = t.policy.grad_scaler(), GradHealth(t.model, t.plan, cfg.health, cfg.precision.mode)
+
+    def step(i: int) -> float:
+        return train_step(t, [batches[i % len(batches)]], optimizer, scaler, health, 1.0)["loss"]
+
+    return {"model": t.model, "run": step}
+
+
+def run_trl(args, samples, n_steps: int) -> dict:
+    """TRL's SFTTrainer on the same samples (its own collator, so its batches are its own)."""
+    from datasets import Dataset
+    from PIL import Image
+    from transformers import TrainerCallback
+    from trl import SFTConfig as TRLConfig, SFTTrainer
+
+    lora = args.method == "lora"
+    model, processor = load_model(ModelConfig(preset=args.preset, seed=args.seed),
+                                  dtype=torch.bfloat16 if lora else torch.float32, device=DEVICE)
+    rows = [{"messages": [{"role": m["role"], "content": [{"type": "image"} if c.get("type") == "image" else c
+                                                           for c in (m["content"] if isinstance(m["content"], list)
+                                                                     else [{"type": "text", "text": m["content"]}])]}
+                          for m in s.messages],
+             "images": [Image.open(p).convert("RGB") for p in s.images]} for s in samples]
+    times, losses, tokens = [], [], []
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, _args, state, *a, **k):
+            sync()
+            self.start, self.seen = time.perf_counter(), state.num_input_tokens_seen
+
+        def on_step_end(self, _args, state, *a, **k):
+            sync()
+            times.append(time.perf_counter() - self.start)
+            tokens.append(state.num_input_tokens_seen - self.seen)  # its own batches' non-pad tokens
+
+        def on_log(self, _args, _state, _control, logs=None, **k):
+            if logs and "loss" in logs:
+                losses.append(logs["loss"])
+
+    peft_config = None
+    if lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=LORA_TARGETS)
+    with tempfile.TemporaryDirectory() as out:
+        cfg = TRLConfig(output_dir=out, max_steps=n_steps, per_device_train_batch_size=args.batch, learning_rate=args.lr,
+                        lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0, bf16=DEVICE == "cuda", use_cpu=DEVICE == "cpu",
+                        logging_steps=1, report_to=[], save_strategy="no", optim="adamw_torch_fused" if DEVICE == "cuda" else "adamw_torch",
+                        dataloader_num_workers=0, max_length=None, seed=args.seed, remove_unused_columns=False,
+                        include_num_input_tokens_seen="non_padding")
+        trainer = SFTTrainer(model=model, args=cfg, train_dataset=Dataset.from_list(rows), processing_class=processor,
+                             peft_config=peft_config, callbacks=[Clock()])
+        if DEVICE == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        trainer.train()
+    return {"losses": losses, "times": times[args.warmup:], "tokens": tokens[args.warmup:]}
+
+
+def summarize(name: str, losses, times, tokens_per_step, flops_per_step, args) -> dict:
+    n = len(times)
+    return {"path": name, "preset": args.preset, "method": args.method, "batch": args.batch, "timed_steps": n,
+            "tokens_per_s": sum(tokens_per_step[:n]) / sum(times) if tokens_per_step else None,
+            "step_s": sum(times) / n, "mfu": sum(flops_per_step[:n]) / sum(times) / PEAK_FLOPS if flops_per_step else None,
+            "peak_gb": torch.cuda.max_memory_allocated() / 1e9 if DEVICE == "cuda" else None, "loss_first": losses[0],
+            "loss_last5": sum(losses[-5:]) / len(losses[-5:]), "losses": losses}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--preset", default="qwen3vl-2b")
+    ap.add_argument("--method", default="full", choices=["full", "lora"])
+    ap.add_argument("--paths", default="peer,trl,ours")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--samples", type=int, default=64)
+    ap.add_argument("--lr", type=float, default=None, help="default: 1e-5 full, 1e-4 LoRA")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--image", type=int, default=448, help="image side in pixels")
+    ap.add_argument("--ours", nargs="*", default=[], help="vlforge config overrides for our path")
+    ap.add_argument("--json", help="write all results (with per-step losses) here")
+    args = ap.parse_args()
+    args.lr = args.lr or (1e-4 if args.method == "lora" else 1e-5)
+    torch.backends.cuda.matmul.allow_tf32 = True
+
+    encoder = Encoder(load_processor(ModelConfig(preset=args.preset)), ImageLimits(3136, args.image * args.image))
+    tmp = tempfile.TemporaryDirectory()
+    samples = synthetic_samples(args.samples, tmp.name, args.image, random.Random(0))
+    items = []
+    for s in samples:
+        ids = encoder.token_ids(s.messages, [(args.image, args.image)])
+        items.append(encode(encoder, s, SampleTokens(ids, encoder.assistant_labels(ids), len(ids))))
+    batches = [collate(items[i:i + args.batch], encoder.pad_id) for i in range(0, len(items), args.batch)]
+    total = args.warmup + args.steps
+    order = [batches[i % len(batches)] for i in range(args.warmup, total)]
+    tokens = [int(b["attention_mask"].sum()) for b in order]
+
+    results = []
+    for name in args.paths.split(","):
+        torch.manual_seed(args.seed)
+        if DEVICE == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        try:
+            if name == "trl":
+                r = run_trl(args, samples, total)
+                # TRL builds its own batches (same samples, its collator and order): its own token counts
+                results.append(summarize(name, r["losses"], r["times"], r["tokens"], None, args))
+            else:
+                path = (run_peer if name == "peer" else run_ours)(args, batches)
+                losses, times = timed(args.steps, args.warmup, path["run"])
+                from vlforge.model.tiers import unwrap
+
+                flops = model_flops(unwrap(path["model"]), order, args.method == "lora")
+                results.append(summarize(name, losses, times, tokens, flops, args))
+                del path
+        except Exception as e:  # a path that cannot run is reported, and the others still run
+            results.append({"path": name, "error": f"{type(e).__name__}: {e}"[:2000]})
+        gc.collect()
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+        print(json.dumps({k: v for k, v in results[-1].items() if k != "losses"}), flush=True)
+
+    print(f"\n| path | tokens/s | step | MFU | peak GB | loss first -> last 5 |\n| --- | --- | --- | --- | --- | --- |")
+    for r in results:
+        if "error" in r:
+            print(f"| {r['path']} | error: {r['error'][:120]} | | | | |")
+            continue
+        mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] else "-"
+        print(f"| {r['path']} | {r['tokens_per_s']:,.0f} | {r['step_s']:.3f} s | {mfu} | {r['peak_gb'] or 0:.1f} | "
+              f"{r['loss_first']:.4f} -> {r['loss_last5']:.4f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__,
+                       "transformers": __import__("transformers").__version__, "results": results}, f)
+
+
+if __name__ == "__main__":
+    main()
