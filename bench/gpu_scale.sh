@@ -8,8 +8,8 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFE
 OUT=${OUT:-/tmp/vlforge-gpu}; mkdir -p "$OUT"
 run() { echo "+ $*" >&2; python3 bench/sft_throughput.py "$@" 2>"$OUT/last.err" | tail -1 | tee -a "$OUT/scale.jsonl" \
         || tail -5 "$OUT/last.err"; }
-run --preset qwen3vl-2b --method full
-run --preset qwen3vl-2b --method full --fsdp
-run --preset qwen3vl-2b --method full --fsdp --override distributed.reshard_after_forward=false
-run --preset qwen3vl-4b --method full --fsdp --steps 3 --warmup 1 --override distributed.cpu_offload=true
-run --preset qwen3vl-32b --method lora --grad-ckpt --steps 4 --warmup 2
+run --preset qwen3vl-2b --method full --steps 6 --warmup 2
+run --preset qwen3vl-2b --method full --fsdp --steps 6 --warmup 2
+run --preset qwen3vl-2b --method full --fsdp --steps 6 --warmup 2 --override distributed.reshard_after_forward=false
+run --preset qwen3vl-4b --method full --fsdp --steps 2 --warmup 1 --override distributed.cpu_offload=true
+run --preset qwen3vl-32b --method lora --grad-ckpt --steps 3 --warmup 1

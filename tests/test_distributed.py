@@ -75,6 +75,25 @@ def test_two_processes_equal_one_and_resume_on_another_world_size(shapes_dir, tm
         torch.testing.assert_close(ours[name], theirs[name], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("reshard", ["true", "false"])
+def test_fsdp2_on_one_process_trains_like_no_sharding(shapes_dir, tmp_path, reshard):
+    """FSDP2 at world size 1 (both reshard_after_forward settings) updates every weight as the
+    unsharded run does. With `false` the root unit once stayed gathered after wrap's first
+    forward and its parameters (embeddings, final norm, lm_head) never moved."""
+    runs = {}
+    for name, extra in (("plain", []), ("fsdp", ["distributed.strategy=fsdp2",
+                                                 f"distributed.reshard_after_forward={reshard}"])):
+        runs[name] = tmp_path / name
+        run_sft(tiny_sft_config(shapes_dir, runs[name], *COMMON, "tiers.method=full", "train.max_steps=2",
+                                "train.save_every=2", *extra))
+    assert losses(runs["fsdp"]) == pytest.approx(losses(runs["plain"]), rel=1e-5)
+    export(runs["fsdp"] / "checkpoint-2", tmp_path / "consolidated", dtype=torch.float32)
+    ours, theirs = load_file(tmp_path / "consolidated" / "model.safetensors"), \
+        load_file(runs["plain"] / "checkpoint-2" / "model.safetensors")
+    for name in theirs:
+        torch.testing.assert_close(ours[name], theirs[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
 def _mixed_modality_data(shapes_dir, tmp_path) -> tuple:
     """Rows where, in every global batch of 4, rank 1's two rows are text-only."""
     rows = [json.loads(line) for line in (shapes_dir / "train.jsonl").read_text().splitlines()][:32]

@@ -198,6 +198,10 @@ def wrap(model: torch.nn.Module, world: World, cfg: DistributedConfig, compute_d
     # each unit's own setting, for fully_gathered to restore
     root.reshard_settings = [(u, how["reshard_after_forward"]) for u, how in units] + \
         [(root, kwargs["reshard_after_forward"])]  # the root last
+    # With reshard_after_forward=false that no-grad forward leaves the root gathered, and a unit
+    # gathered outside a backward-tracked forward gets no gradient reduced into its shards: the
+    # first step would then leave the embeddings, final norm and lm_head untouched (tested).
+    reshard_all(root)
     return root
 
 
