@@ -331,7 +331,8 @@ class InferenceEngine:
         if min_new := min(r.min_new_tokens for r in requests):
             sampling["min_new_tokens"] = min_new
         streamer = _BatchStreamer(self, requests, on_text)
-        keys = [image_key(im, self.encoder_for(r).limits) for r in requests for im in r.images] if self.share_images else []
+        keys = ([image_key(im, self.encoder_for(r).limits) for r in requests for im in r.images]
+                if self.share_images else [])
         with self.lock, torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"), \
                 share_repeated_images(self.model, keys, inputs.get("image_grid_thw")) as shared:
             self.images_shared += shared

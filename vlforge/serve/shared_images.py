@@ -84,7 +84,8 @@ def share_repeated_images(model, keys: list, grid_thw: torch.Tensor | None) -> I
                                "and deepstack_features this transformers version was expected to give")
         out.pooler_output = out.pooler_output.index_select(0, back_merged)
         if getattr(out, "deepstack_features", None) is not None:
-            out.deepstack_features = [f.index_select(0, back_merged) for f in out.deepstack_features]
+            out.deepstack_features = [(f if torch.is_tensor(f) else torch.cat(list(f))).index_select(0, back_merged)
+                                      for f in out.deepstack_features]  # a layer's rows, or its rows per image
         if getattr(out, "last_hidden_state", None) is not None and out.last_hidden_state.shape[0] == len(keep_patches):
             out.last_hidden_state = out.last_hidden_state.index_select(0, back_patches)
         return out
