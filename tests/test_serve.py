@@ -13,6 +13,7 @@ import pytest
 httpx = pytest.importorskip("httpx")
 uvicorn = pytest.importorskip("uvicorn")
 pytest.importorskip("fastapi")
+pytest.importorskip("prometheus_client")
 
 import torch  # noqa: E402
 from PIL import Image  # noqa: E402

@@ -217,18 +217,19 @@ def cmd_serve(args) -> int:
         from vlforge.serve.app import create_app
         from vlforge.serve.config import ServeConfig
     except ImportError as e:
-        raise ConfigError(f"vlforge serve needs fastapi and uvicorn ({e.name} is missing): "
+        raise ConfigError(f"vlforge serve needs fastapi, uvicorn and prometheus_client ({e.name} is missing): "
                           "pip install 'vlforge[serve]'") from None
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port {args.port}: must be 0..65535")
-    cfg = ServeConfig.from_flags(vars(args))  # checked before the model loads
+    cfg = ServeConfig.from_flags(vars(args), environ=os.environ)  # checked before the model loads
     app = create_app(_engine(args), cfg)
     name = app.state.vlforge.model_name
-    if args.host not in ("127.0.0.1", "localhost", "::1"):
+    if args.host not in ("127.0.0.1", "localhost", "::1") and cfg.api_key is None:
         print(f"warning: listening on {args.host} without authentication; anyone who can reach the port can use "
-              "the model (put a proxy with auth in front)", file=sys.stderr)
+              "the model (set VLFORGE_API_KEY, or put a proxy with auth in front)", file=sys.stderr)
     print(f"serving {name!r} on http://{args.host}:{args.port}/v1 (POST /v1/chat/completions, GET /v1/models, "
-          f"GET /health); local image files: {cfg.allow_files or 'not allowed'}", flush=True)
+          f"GET /health, GET /metrics); local image files: {cfg.allow_files or 'not allowed'}; API key: "
+          f"{'required' if cfg.api_key else 'none'}", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info")
     return 0
 

@@ -7,8 +7,10 @@ in images.py, the settings in config.py.
     uvicorn.run(app, host="127.0.0.1", port=8000)         # what `vlforge serve` does
 
 Endpoints: `POST /v1/chat/completions` (OpenAI's chat completions shape, `stream: true` for
-server-sent events), `GET /v1/models`, `GET /health`. Every error is a 4xx/5xx in OpenAI's
-shape `{"error": {"message", "type", "param", "code"}}`, and the server keeps serving.
+server-sent events), `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus text format,
+metrics.py). Every error is a 4xx/5xx in OpenAI's shape `{"error": {"message", "type", "param",
+"code"}}`, and the server keeps serving. With `cfg.api_key` set, every route but /health needs
+`Authorization: Bearer KEY` (401 without it).
 
 A handler validates a request in a worker thread, off the event loop (JSON parsed, prompt length
 bounded, images decoded, tokens counted), puts it on the batcher's queue and awaits its events.
@@ -19,6 +21,7 @@ row stops at the next token.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import time
@@ -28,7 +31,7 @@ from dataclasses import replace
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HTTPRequest
@@ -37,7 +40,9 @@ from vlforge.serve.batcher import Batcher, Job
 from vlforge.serve.config import ServeConfig
 from vlforge.serve.engine import Completion, Request
 from vlforge.serve.images import ImageLoader
-from vlforge.serve.schema import APIError, ChatRequest, error_body, parse_chat_request, validation_message
+from vlforge.serve.metrics import CountRequests, ServeMetrics
+from vlforge.serve.schema import (APIError, ChatRequest, error_body, image_limits, parse_chat_request,
+                                  validation_message)
 
 log = logging.getLogger("vlforge.serve")
 
@@ -107,19 +112,27 @@ class _Server:
         if at_least > limit:
             raise APIError(400, f"the prompt is at least {at_least} tokens (from its length in characters); the "
                                 f"limit is {limit}", param="messages", code="context_length_exceeded")
-        images = [self.images.load(url, param) for url, param in image_urls]
+        limits = self.limits(req)
+        images = [self.images.load(url, param, limits and limits.max_pixels) for url, param in image_urls]
         temperature = 1.0 if req.temperature is None else req.temperature
         # greedy ignores top_p: normalise it so greedy requests share a generate call (the engine groups
         # a batch by its sampling settings)
         top_p = 1.0 if req.top_p is None or temperature == 0 else req.top_p
         request = Request(messages=messages, images=images,
                           max_new_tokens=req.asked_tokens or min(self.cfg.default_max_tokens, self.cfg.max_tokens),
-                          temperature=temperature, top_p=top_p, stop=req.stops, min_new_tokens=req.min_tokens or 0)
+                          temperature=temperature, top_p=top_p, stop=req.stops, min_new_tokens=req.min_tokens or 0,
+                          image_limits=limits)
         n_prompt = self._count(self.engine.prompt_tokens, request)
         if n_prompt > limit:
             raise APIError(400, f"the prompt is {n_prompt} tokens (images included); the limit is {limit}",
                            param="messages", code="context_length_exceeded")
         return request
+
+    def limits(self, req: ChatRequest):
+        """The request's own ImageLimits (its min_pixels/max_pixels within the engine's), or None."""
+        own = getattr(getattr(self.engine, "encoder", None), "limits", None)
+        asked = image_limits(req, None if own is None else (own.min_pixels, own.max_pixels))
+        return None if asked is None else replace(own, min_pixels=asked[0], max_pixels=asked[1])
 
     @staticmethod
     def _count(count, what) -> int:
@@ -134,7 +147,10 @@ def create_app(engine, cfg: ServeConfig | None = None) -> FastAPI:
     `prompt_tokens(request)` and `generate(requests, on_text)`) with the settings `cfg`."""
     cfg = cfg or ServeConfig()
     cfg = replace(cfg, model_name=cfg.model_name or engine.name)
-    batcher = Batcher(engine, max_batch=cfg.max_batch, window_s=cfg.batch_window_s, max_queue=cfg.max_queue)
+    metrics = ServeMetrics()
+    batcher = Batcher(engine, max_batch=cfg.max_batch, window_s=cfg.batch_window_s, max_queue=cfg.max_queue,
+                      metrics=metrics)
+    metrics.watch(batcher, engine)
     keep = getattr(getattr(engine, "encoder", None), "limits", None)
     state = _Server(engine, cfg, ImageLoader(cfg, keep.max_pixels if keep else None), batcher)
     preparing = asyncio.Semaphore(max(2, cfg.max_batch))  # bounds images decoded but not yet queued
@@ -147,6 +163,10 @@ def create_app(engine, cfg: ServeConfig | None = None) -> FastAPI:
 
     app = FastAPI(title="vlforge", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.vlforge = state
+    app.state.metrics = metrics
+    if cfg.api_key is not None:
+        app.add_middleware(RequireKey, key=cfg.api_key)
+    app.add_middleware(CountRequests, metrics=metrics)  # added last: outermost, so refusals are counted too
 
     @app.exception_handler(APIError)
     async def _api_error(request, exc: APIError):
@@ -172,6 +192,10 @@ def create_app(engine, cfg: ServeConfig | None = None) -> FastAPI:
     async def health():
         return {"status": "ok", "model": state.model_name, **batcher.stats()}
 
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(metrics.render(), media_type=metrics.content_type)
+
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [_model_card(state)]}
@@ -184,12 +208,13 @@ def create_app(engine, cfg: ServeConfig | None = None) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(http_request: HTTPRequest):
+        arrived = time.monotonic()
         body = await state.read_body(http_request)
         batcher.check_room()  # refuse before decoding anything when the queue is full
         # JSON parsing, image decoding and token counting run in a worker thread, off the event loop
         async with preparing:
             request, stream, include_usage = await asyncio.to_thread(state.prepare, body)
-        job = Job(request, stream, asyncio.get_running_loop(), asyncio.Queue())
+        job = Job(request, stream, asyncio.get_running_loop(), asyncio.Queue(), arrived=arrived)
         batcher.submit(job)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if job.stream:
@@ -205,6 +230,31 @@ def create_app(engine, cfg: ServeConfig | None = None) -> FastAPI:
                 "usage": _usage(c)}
 
     return app
+
+
+class RequireKey:
+    """ASGI middleware: every route but /health needs `Authorization: Bearer KEY` (401 in OpenAI's
+    shape otherwise). The key is compared in constant time and never logged nor echoed. Plain ASGI
+    (not BaseHTTPMiddleware): streamed answers and disconnect detection pass through untouched."""
+
+    OPEN = ("/health",)  # load balancers and orchestrators probe it without credentials
+
+    def __init__(self, app, key: str):
+        self.app, self.key = app, key.encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or scope["path"] in self.OPEN:
+            return await self.app(scope, receive, send)
+        given = next((v for k, v in scope["headers"] if k == b"authorization"), None)
+        scheme, _, token = (given or b"").partition(b" ")
+        # compare_digest on bytes: its time does not depend on where the first wrong byte is
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.key):
+            return await self.app(scope, receive, send)
+        message = ("this server needs an API key: send the header `Authorization: Bearer KEY`" if given is None
+                   else "invalid API key (the header must be `Authorization: Bearer KEY`)")
+        response = JSONResponse(error_body(message, "invalid_request_error", None, "invalid_api_key"),
+                                status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        await response(scope, receive, send)
 
 
 async def _wait(job: Job, http_request: HTTPRequest) -> Completion | None:

@@ -14,7 +14,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from vlforge.serve.engine import Request
@@ -29,6 +29,8 @@ class Job:
     stream: bool
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue
+    arrived: float = field(default_factory=time.monotonic)  # when the request reached the server
+    first_text_at: float | None = None  # when its first text was generated (streamed or not)
 
     @property
     def cancelled(self) -> bool:
@@ -48,8 +50,9 @@ class Job:
 class Batcher:
     """A single thread owning the engine: gathers waiting jobs into one `engine.generate` call."""
 
-    def __init__(self, engine, max_batch: int = 8, window_s: float = 0.005, max_queue: int = 64):
+    def __init__(self, engine, max_batch: int = 8, window_s: float = 0.005, max_queue: int = 64, metrics=None):
         self.engine, self.max_batch, self.window_s, self.max_queue = engine, max_batch, window_s, max_queue
+        self.metrics = metrics  # a ServeMetrics, or None
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
@@ -118,26 +121,35 @@ class Batcher:
             batch = live
             if not batch:
                 continue
-            streaming = any(j.stream for j in batch)
 
             def on_text(i: int, text: str, batch=batch) -> None:
-                if batch[i].stream:
-                    batch[i].emit("text", text)
+                job = batch[i]
+                if job.first_text_at is None:  # time to first token, streamed or not
+                    job.first_text_at = time.monotonic()
+                if job.stream:
+                    job.emit("text", text)
 
             self.batches += 1
             self.max_batch_seen = max(self.max_batch_seen, len(batch))
             self.running = len(batch)
+            if self.metrics is not None:
+                self.metrics.batch_size.observe(len(batch))
             try:
-                completions = self.engine.generate([j.request for j in batch], on_text=on_text if streaming else None)
+                completions = self.engine.generate([j.request for j in batch], on_text=on_text)
             except Exception as e:  # noqa: BLE001 - answered to each client; the server keeps serving
                 log.exception("generation failed for a batch of %d", len(batch))
                 outcomes = [("error", e)] * len(batch)
+                if self.metrics is not None:
+                    self.metrics.generations.labels("error").inc(len(batch))
             else:
                 outcomes = [("done", c) for c in completions]
-                for c in completions:
+                now = time.monotonic()
+                for j, c in zip(batch, completions):
                     if c.finish_reason == "cancelled":
                         self.cancelled += 1
                         self.cancelled_tokens += c.completion_tokens
+                    if self.metrics is not None:
+                        self.metrics.finished(j, c, now)
             # stats first: a client that has its answer sees them counted
             self.running = 0
             self.requests_done += len(batch)

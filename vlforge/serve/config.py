@@ -14,6 +14,7 @@ from pathlib import Path
 from vlforge.config import ConfigError
 
 MB = 1024 * 1024
+API_KEY_ENV = "VLFORGE_API_KEY"  # the API key when --api-key is not given
 
 
 def _flag(default, flag: str, help: str, *, unit: int = 1, minimum: float = 1):
@@ -35,6 +36,12 @@ class ServeConfig:
         "flag": "--allow-files", "metavar": "DIR",
         "help": "let requests name image files inside DIR (paths relative to DIR, absolute, or file://; symlinks "
                 "resolved, nothing outside DIR); default: base64 data URLs only"})
+    # repr=False: the key never shows in a log line or an error that prints the config
+    api_key: str | None = field(default=None, repr=False, metadata={
+        "flag": "--api-key", "metavar": "KEY",
+        "help": f"require the header `Authorization: Bearer KEY` on every route but /health (401 without it); "
+                f"default: the environment variable {API_KEY_ENV}, if set. A flag shows in the process list: "
+                f"prefer the variable"})
     max_batch: int = _flag(8, "--max-batch", "requests generated together in one batch")
     max_body_bytes: int = _flag(20 * MB, "--max-body-mb", "largest request body in MB, base64 images included",
                                 unit=MB)
@@ -63,6 +70,8 @@ class ServeConfig:
             raise ConfigError("--model-name: must not be empty")
         if self.allow_files is not None and not Path(self.allow_files).is_dir():
             raise ConfigError(f"--allow-files {self.allow_files}: not a directory")
+        if self.api_key is not None:
+            check_api_key(self.api_key, "--api-key")
 
     @classmethod
     def flags(cls) -> list:
@@ -70,8 +79,9 @@ class ServeConfig:
         return [f for f in fields(cls) if "flag" in f.metadata]
 
     @classmethod
-    def from_flags(cls, values: dict) -> "ServeConfig":
-        """From flag values keyed by field name, each in its flag's units (`--max-body-mb 1.5`)."""
+    def from_flags(cls, values: dict, environ: dict | None = None) -> "ServeConfig":
+        """From flag values keyed by field name, each in its flag's units (`--max-body-mb 1.5`);
+        `environ` (the CLI passes os.environ): where the API key comes from when no flag gives it."""
         kwargs = {}
         for f in cls.flags():
             value, unit = values[f.name], f.metadata.get("unit", 1)
@@ -80,7 +90,17 @@ class ServeConfig:
                     raise ConfigError(f"{f.metadata['flag']} {value}: must be positive")
                 value = int(value * unit)
             kwargs[f.name] = value
+        if kwargs.get("api_key") is None and environ is not None and environ.get(API_KEY_ENV) is not None:
+            kwargs["api_key"] = check_api_key(environ[API_KEY_ENV], API_KEY_ENV)
         return cls(**kwargs)
 
 
-__all__ = ["ServeConfig"]
+def check_api_key(key: str, where: str) -> str:
+    """An API key a client can send in a header: printable ASCII, no spaces (never echoed back)."""
+    if not key or not all("!" <= c <= "~" for c in key):
+        raise ConfigError(f"{where}: the API key must be non-empty printable ASCII without spaces (it travels in "
+                          "the Authorization header)")
+    return key
+
+
+__all__ = ["API_KEY_ENV", "ServeConfig", "check_api_key"]

@@ -16,6 +16,7 @@ receives each request's new text as it is produced, which the server turns into 
 
 from __future__ import annotations
 
+import copy
 import json
 import threading
 from dataclasses import dataclass, field
@@ -30,6 +31,7 @@ from transformers.image_utils import SizeDict
 from vlforge.config import ConfigError, ModelConfig, QuantConfig
 from vlforge.data.encode import Encoder, ImageLimits, collate
 from vlforge.model.presets import PRESETS
+from vlforge.serve.shared_images import image_key, share_repeated_images
 
 # Default answer lengths when a request does not say: a class name or a short answer fits in 16 /
 # 64 tokens, and a short cap keeps a model that does not stop from running long; descriptions need more.
@@ -45,6 +47,8 @@ class Request:
     top_p: float = 1.0
     stop: list[str] = field(default_factory=list)
     min_new_tokens: int = 0  # suppress end-of-turn before this many tokens (benchmarks)
+    # this request's image resize bounds (the server's per-request min_pixels/max_pixels); None: the engine's
+    image_limits: ImageLimits | None = None
     # set from another thread (the server, when the client disconnects): the request's row stops at the
     # next token, the rest of its batch goes on
     cancelled: threading.Event = field(default_factory=threading.Event, repr=False, compare=False)
@@ -199,6 +203,8 @@ class InferenceEngine:
         self.end_ids = self.encoder.end_ids
         self.chars_per_token = max_chars_per_token(self.tokenizer)
         self.lock = threading.Lock()  # one generate at a time on the model
+        self.share_images = True  # a batch's repeated images go through the vision tower once
+        self.images_shared = 0  # images not encoded again because an identical one was in their batch
         model.eval()
 
     def set_image_limits(self, min_pixels: int | None = None, max_pixels: int | None = None) -> None:
@@ -268,19 +274,34 @@ class InferenceEngine:
 
     # ------------------------------------------------------------------ generation
 
+    def encoder_for(self, request: Request) -> Encoder:
+        """The encoder of the request's image limits: the engine's, or a copy at the request's own
+        (the same processor; `pixels` and `image_tokens` read `limits`, so pixels and counts agree)."""
+        if request.image_limits is None or request.image_limits == self.encoder.limits:
+            return self.encoder
+        encoder = copy.copy(self.encoder)
+        encoder.limits = request.image_limits
+        return encoder
+
     def _inputs(self, requests: list[Request]) -> dict:
         items = []
         for r in requests:
-            ids = self.encoder.token_ids(r.messages, [im.size for im in r.images], add_generation_prompt=True)
+            encoder = self.encoder_for(r)
+            ids = encoder.token_ids(r.messages, [im.size for im in r.images], add_generation_prompt=True)
             item = {"input_ids": torch.tensor(ids)}
-            item["mm_token_type_ids"] = (item["input_ids"] == self.encoder.image_token_id).long()
+            item["mm_token_type_ids"] = (item["input_ids"] == encoder.image_token_id).long()
             if r.images:
-                item.update(self.encoder.pixels([im.convert("RGB") for im in r.images]))
+                item.update(encoder.pixels([im.convert("RGB") for im in r.images]))
+                got = int((item["image_grid_thw"].prod(-1) // encoder.merge**2).sum())
+                if got != int(item["mm_token_type_ids"].sum()):  # keeps text and pixels provably in step
+                    raise RuntimeError(f"the image processor gave {got} image tokens, the prompt has "
+                                       f"{int(item['mm_token_type_ids'].sum())} (image limits {encoder.limits})")
             items.append(item)
         return {k: v.to(self.device) for k, v in collate(items, self.encoder.pad_id, left_pad=True).items()}
 
     def prompt_tokens(self, request: Request) -> int:
-        return len(self.encoder.token_ids(request.messages, [im.size for im in request.images], add_generation_prompt=True))
+        return len(self.encoder_for(request).token_ids(request.messages, [im.size for im in request.images],
+                                                       add_generation_prompt=True))
 
     def min_prompt_tokens(self, messages: list[dict]) -> int:
         """A lower bound of the prompt's tokens from its length in characters, without tokenizing (0
@@ -310,7 +331,11 @@ class InferenceEngine:
         if min_new := min(r.min_new_tokens for r in requests):
             sampling["min_new_tokens"] = min_new
         streamer = _BatchStreamer(self, requests, on_text)
-        with self.lock, torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
+        keys = ([image_key(im, self.encoder_for(r).limits) for r in requests for im in r.images]
+                if self.share_images else [])
+        with self.lock, torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"), \
+                share_repeated_images(self.model, keys, inputs.get("image_grid_thw")) as shared:
+            self.images_shared += shared
             self.model.generate(**inputs, max_new_tokens=max(r.max_new_tokens for r in requests),
                                 pad_token_id=self.encoder.pad_id, eos_token_id=self.end_ids, streamer=streamer,
                                 stopping_criteria=StoppingCriteriaList([_RowsDone(streamer)]), **sampling)

@@ -36,7 +36,8 @@ class ImageLoader:
         # queue of waiting requests from holding full-resolution images
         self.keep_pixels = keep_pixels
 
-    def load(self, url: str, param: str) -> Image.Image:
+    def load(self, url: str, param: str, keep_pixels: int | None = None) -> Image.Image:
+        """`keep_pixels`: the request's own bound when it names one (at most the loader's)."""
         url = url.strip()
         if url[:5].lower() == "data:":
             data = self._data_url(url, param)
@@ -49,7 +50,7 @@ class ImageLoader:
         else:
             raise APIError(400, f"unsupported image URL scheme in {url[:40]!r}; send a data:image/...;base64 URL",
                            param=param, code="unsupported_image_url")
-        return self._decode(data, param)
+        return self._decode(data, param, keep_pixels or self.keep_pixels)
 
     def _data_url(self, url: str, param: str) -> bytes:
         header, sep, payload = url[5:].partition(",")
@@ -113,7 +114,7 @@ class ImageLoader:
                            param=param, code="image_too_large")
         return data
 
-    def _decode(self, data: bytes, param: str) -> Image.Image:
+    def _decode(self, data: bytes, param: str, keep_pixels: int | None) -> Image.Image:
         limit = self.cfg.max_image_pixels
         try:
             im = Image.open(io.BytesIO(data), formats=IMAGE_FORMATS)  # reads the header only
@@ -136,8 +137,8 @@ class ImageLoader:
             except (OSError, ValueError, SyntaxError, EOFError, Image.DecompressionBombError):
                 raise APIError(400, "cannot decode the image (truncated or corrupt)", param=param,
                                code="invalid_image") from None
-        if self.keep_pixels and w * h > self.keep_pixels:
-            scale = (self.keep_pixels / (w * h)) ** 0.5
+        if keep_pixels and w * h > keep_pixels:
+            scale = (keep_pixels / (w * h)) ** 0.5
             rgb = rgb.resize((max(1, int(w * scale)), max(1, int(h * scale))), Image.Resampling.BICUBIC)
         return rgb
 

@@ -85,6 +85,10 @@ class ChatRequest(_Schema):
     n: int | None = 1
     # vLLM's extension: no end of turn before this many tokens (benchmarks, and tests of long generations)
     min_tokens: int | None = Field(None, ge=0)
+    # vlforge's extension: this request's image resize bounds (pixels per image, width x height), within
+    # the server's own (--min-pixels/--max-pixels); an image is resized as the processor would at these
+    min_pixels: int | None = Field(None, ge=1)
+    max_pixels: int | None = Field(None, ge=1)
     # accepted only when empty/off: features this server does not have
     tools: list | None = None
     functions: list | None = None
@@ -98,6 +102,34 @@ class ChatRequest(_Schema):
     def asked_tokens(self) -> int | None:
         """max_completion_tokens (OpenAI's current name) or max_tokens; None when the request does not say."""
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+def image_limits(req: ChatRequest, server: tuple[int, int] | None) -> tuple[int, int] | None:
+    """The request's (min_pixels, max_pixels), each side defaulting to the server's own `server`;
+    None when the request names neither. Refused (400, naming the field) outside the server's bounds:
+    a request may ask for fewer pixels per image than the server allows, or more of its small images'
+    detail, never more work per image than the operator set."""
+    if req.min_pixels is None and req.max_pixels is None:
+        return None
+    if server is None:
+        param = "min_pixels" if req.min_pixels is not None else "max_pixels"
+        raise APIError(400, "this server does not resize images per request", param=param, code="unsupported")
+    lo, hi = server
+    if req.min_pixels is not None and req.min_pixels < lo:
+        raise APIError(400, f"min_pixels={req.min_pixels} is below this server's lower bound of {lo} pixels per "
+                            f"image; ask for {lo}..{hi}", param="min_pixels", code="invalid_value")
+    if req.max_pixels is not None and req.max_pixels > hi:
+        raise APIError(400, f"max_pixels={req.max_pixels} is above this server's limit of {hi} pixels per image; "
+                            f"ask for {lo}..{hi}", param="max_pixels", code="invalid_value")
+    want_lo = lo if req.min_pixels is None else req.min_pixels
+    want_hi = hi if req.max_pixels is None else req.max_pixels
+    if want_lo > want_hi:
+        said = (f"min_pixels={want_lo} is above max_pixels={want_hi}" if req.min_pixels is not None and
+                req.max_pixels is not None else f"min_pixels={want_lo} is above this server's max_pixels {want_hi}"
+                if req.min_pixels is not None else f"max_pixels={want_hi} is below this server's min_pixels {want_lo}")
+        raise APIError(400, f"{said}; min_pixels must be <= max_pixels",
+                       param="min_pixels" if req.min_pixels is not None else "max_pixels", code="invalid_value")
+    return want_lo, want_hi
 
 
 def validation_message(err: ValidationError | RequestValidationError) -> tuple[str, str | None]:
@@ -161,4 +193,4 @@ def parse_chat_request(body: bytes | bytearray, cfg: ServeConfig) -> ChatRequest
     return req
 
 
-__all__ = ["APIError", "ChatRequest", "error_body", "parse_chat_request", "validation_message"]
+__all__ = ["APIError", "ChatRequest", "error_body", "image_limits", "parse_chat_request", "validation_message"]

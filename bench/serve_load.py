@@ -1,0 +1,212 @@
+"""`vlforge serve` under load: requests/s, latency and time to first token at 1, 8 and 32 clients.
+
+    python bench/serve_load.py --preset qwen3vl-2b --out serve_load.json          # on a GPU machine
+    python bench/serve_load.py --preset tiny --device cpu --requests 2 --new-tokens 4 16 --image-size 64
+                                                                                  # smoke run (proves it works)
+
+Starts `vlforge serve PRESET` (random weights) as its own process on a free loopback port, waits
+for /health, warms it up (one batch of full-length requests), then for each concurrency level
+runs that many clients at once, each sending `--requests` streamed chat completions one after
+another. Requests alternate between the short and the long `--new-tokens` (min_tokens = max_tokens:
+random weights would otherwise stop at random points), each with its own synthetic image (distinct
+colours: no two share vision features) unless `--image-size 0`. Latency is from sending the
+request to its last byte; time to first token (TTFT) to its first streamed text; both measured by
+the client. The server's own /metrics gives the mean batch size of each level.
+
+Prints a table, then the whole report as one JSON line (also written to --out). `--serve-arg`
+passes extra flags to `vlforge serve` (to compare engines or batch sizes on the same workload).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import io
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+import numpy as np
+from PIL import Image
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args, port: int, log) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "vlforge.cli", "serve", args.preset, "--device", args.device, "--port", str(port),
+           "--max-batch", str(args.max_batch), "--max-tokens-limit", str(max(args.new_tokens)), *args.serve_arg]
+    repo = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])),
+           "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+    env.pop("VLFORGE_API_KEY", None)  # the benchmark's server takes no key
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+
+
+def wait_ready(url: str, server: subprocess.Popen, timeout_s: float, log_path: Path) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if server.poll() is not None:
+            raise SystemExit(f"the server exited ({server.returncode}):\n{log_path.read_text()[-3000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise SystemExit(f"the server did not answer /health within {timeout_s:.0f} s:\n{log_path.read_text()[-3000:]}")
+
+
+def image_url(size: int, seed: int) -> str | None:
+    if size <= 0:
+        return None
+    color = ((seed * 37) % 256, (seed * 91 + 40) % 256, (seed * 53 + 90) % 256)
+    im = Image.new("RGB", (size, size), color)
+    im.paste((255 - color[0], 255 - color[1], 255 - color[2]), (size // 4, size // 4, size // 2, size // 2))
+    buf = io.BytesIO()
+    im.save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
+def payload(args, n_tokens: int, seed: int) -> dict:
+    content: list[dict] = [{"type": "text", "text": f"Request {seed}: describe the picture in detail."}]
+    if (url := image_url(args.image_size, seed)) is not None:
+        content.insert(0, {"type": "image_url", "image_url": {"url": url}})
+    return {"messages": [{"role": "user", "content": content}], "max_tokens": n_tokens, "min_tokens": n_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+
+
+async def one_request(client: httpx.AsyncClient, body: dict) -> dict:
+    start = time.perf_counter()
+    first, usage, status = None, None, None
+    async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+        status = r.status_code
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[len("data: "):])
+            if "error" in event:
+                status = 500
+            elif event.get("usage"):
+                usage = event["usage"]
+            elif first is None and event["choices"] and event["choices"][0]["delta"].get("content"):
+                first = time.perf_counter()
+    end = time.perf_counter()
+    return {"status": status, "latency_s": end - start, "ttft_s": None if first is None else first - start,
+            "completion_tokens": (usage or {}).get("completion_tokens", 0), "max_tokens": body["max_tokens"]}
+
+
+async def run_level(url: str, args, clients: int, seed0: int) -> dict:
+    short, long_ = min(args.new_tokens), max(args.new_tokens)
+    limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
+    async with httpx.AsyncClient(base_url=url, timeout=args.timeout_s, limits=limits) as client:
+        async def worker(c: int) -> list[dict]:
+            out = []
+            for k in range(args.requests):
+                seed = seed0 + c * args.requests + k
+                out.append(await one_request(client, payload(args, short if (c + k) % 2 == 0 else long_, seed)))
+            return out
+
+        start = time.perf_counter()
+        results = [r for rs in await asyncio.gather(*(worker(c) for c in range(clients))) for r in rs]
+        wall = time.perf_counter() - start
+    ok = [r for r in results if r["status"] == 200]
+    lat = [r["latency_s"] for r in ok]
+    ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
+
+    def pct(xs, q):
+        return round(float(np.percentile(xs, q)), 4) if xs else None
+
+    def by_length(n):
+        return pct([r["latency_s"] for r in ok if r["max_tokens"] == n], 50)
+
+    return {"clients": clients, "requests": len(results), "errors": len(results) - len(ok), "wall_s": round(wall, 3),
+            "requests_per_s": round(len(ok) / wall, 3),
+            "completion_tokens_per_s": round(sum(r["completion_tokens"] for r in ok) / wall, 1),
+            "latency_p50_s": pct(lat, 50), "latency_p99_s": pct(lat, 99),
+            "ttft_p50_s": pct(ttft, 50), "ttft_p99_s": pct(ttft, 99),
+            f"latency_p50_s_{short}_tokens": by_length(short), f"latency_p50_s_{long_}_tokens": by_length(long_)}
+
+
+def batch_stats(url: str) -> tuple[float, float]:
+    """(sum, count) of the server's batch-size histogram."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    samples = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples if not s.labels}
+    return samples.get("vlforge_batch_size_sum", 0.0), samples.get("vlforge_batch_size_count", 0.0)
+
+
+def table(levels: list[dict]) -> str:
+    cols = ["clients", "requests", "errors", "requests_per_s", "completion_tokens_per_s", "latency_p50_s",
+            "latency_p99_s", "ttft_p50_s", "ttft_p99_s", "mean_batch"]
+    cols += [k for k in levels[0] if k.startswith("latency_p50_s_")] if levels else []  # short vs long answers
+    rows = [cols] + [[str(level.get(c)) for c in cols] for level in levels]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
+    return "\n".join("  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", default="qwen3vl-2b", help="a vlforge preset (random weights) or a model directory")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--clients", type=int, nargs="+", default=[1, 8, 32], help="concurrency levels")
+    ap.add_argument("--requests", type=int, default=4, help="requests each client sends, one after another")
+    ap.add_argument("--new-tokens", type=int, nargs=2, default=[32, 256], metavar=("SHORT", "LONG"),
+                    help="the two answer lengths requests alternate between")
+    ap.add_argument("--image-size", type=int, default=448, help="side of each request's image; 0: text only")
+    ap.add_argument("--max-batch", type=int, default=32)
+    ap.add_argument("--serve-arg", action="append", default=[], help="an extra `vlforge serve` argument (repeatable)")
+    ap.add_argument("--startup-timeout-s", type=float, default=900)
+    ap.add_argument("--timeout-s", type=float, default=1800, help="per request")
+    ap.add_argument("--out", help="write the JSON report here too")
+    args = ap.parse_args()
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryDirectory() as tmp:
+        log_path = Path(tmp) / "server.log"
+        with open(log_path, "w") as log:
+            server = start_server(args, port, log)
+            try:
+                started = time.perf_counter()
+                wait_ready(url, server, args.startup_timeout_s, log_path)
+                startup_s = time.perf_counter() - started
+                # warm-up: a batch of full-length requests (allocator, kernels, any compilation)
+                asyncio.run(run_level(url, argparse.Namespace(**{**vars(args), "requests": 1}),
+                                      min(4, max(args.clients)), 10**6))
+                levels, seed = [], 0
+                for clients in args.clients:
+                    before = batch_stats(url)
+                    level = asyncio.run(run_level(url, args, clients, seed))
+                    after = batch_stats(url)
+                    level["mean_batch"] = round((after[0] - before[0]) / max(1.0, after[1] - before[1]), 2)
+                    levels.append(level)
+                    seed += clients * args.requests
+                    print(f"{clients} clients: {level['requests_per_s']} requests/s", file=sys.stderr, flush=True)
+            finally:
+                server.terminate()
+                try:
+                    server.wait(30)
+                except subprocess.TimeoutExpired:
+                    server.kill()
+    report = {"preset": args.preset, "device": args.device, "max_batch": args.max_batch,
+              "new_tokens": args.new_tokens, "image_size": args.image_size, "requests_per_client": args.requests,
+              "serve_args": args.serve_arg, "server_startup_s": round(startup_s, 1), "levels": levels}
+    print(table(levels))
+    print(json.dumps(report))
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

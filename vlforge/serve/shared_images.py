@@ -1,0 +1,102 @@
+"""Identical images in one batch go through the vision tower once.
+
+transformers' `generate` runs the vision tower over every image of its `pixel_values` at prefill,
+so two requests of a batch that send the same picture cost two vision passes. Around one generate
+call, `share_repeated_images` puts two hooks on the vision tower: before it runs, it keeps only the
+first copy of each repeated image's patches (and its grid row); after, it copies each result row
+(the merged image embeddings, every deepstack layer's features, the last hidden state) back to
+every image that repeats it, so the language model gets exactly the rows it would have had.
+
+Sharing changes nothing but the work: the vision tower's attention is per image (`cu_seqlens`) and
+its position embeddings come from the image's own grid, so an image's features depend on its own
+patches only. "Identical" is decided by the caller's keys (the serve engine: the decoded image's
+bytes, mode and size, and the resize bounds, which fix its pixel values and grid). Hooks, not a
+second vision path: `generate` keeps computing positions, masks and the KV cache its own way.
+
+    keys = [image_key(im, limits) for im in images]      # one per image, in pixel_values order
+    with share_repeated_images(model, keys, inputs["image_grid_thw"]) as saved:
+        model.generate(**inputs, ...)                     # saved: images not encoded again
+"""
+
+from __future__ import annotations
+
+import hashlib
+from contextlib import contextmanager
+from typing import Iterator
+
+import torch
+from PIL import Image
+
+from vlforge.model.tiers import unwrap
+
+
+def image_key(image: Image.Image, limits) -> tuple:
+    """What makes two images' vision features equal: the same pixels at the same resize bounds."""
+    digest = hashlib.blake2b(image.tobytes(), digest_size=32).digest()
+    return image.mode, image.size, limits.min_pixels, limits.max_pixels, digest
+
+
+@contextmanager
+def share_repeated_images(model, keys: list, grid_thw: torch.Tensor | None) -> Iterator[int]:
+    """Within the block, the vision tower of `model` encodes each distinct key once. Yields how many
+    images are not encoded again (0: nothing repeats, and no hook is set)."""
+    first: dict = {}
+    source = [first.setdefault(k, len(first)) for k in keys]  # image -> its distinct image
+    if grid_thw is None or len(first) == len(keys):
+        yield 0
+        return
+    if len(keys) != len(grid_thw):
+        raise ValueError(f"{len(keys)} image keys for {len(grid_thw)} images")
+    visual = unwrap(model).model.visual
+    merge2 = visual.spatial_merge_size ** 2
+    patches = grid_thw.prod(-1).tolist()
+    starts = [sum(patches[:i]) for i in range(len(patches))]
+    distinct = [source.index(j) for j in range(len(first))]  # the first image of each distinct one
+    device = grid_thw.device
+
+    def rows(count_of, start_of, images) -> torch.Tensor:
+        return torch.cat([torch.arange(start_of[i], start_of[i] + count_of[i]) for i in images]).to(device)
+
+    keep_patches = rows(patches, starts, distinct)
+    # where each distinct image's rows lie in the tower's (shorter) output, per patch and per merged token
+    out_patches = [sum(patches[i] for i in distinct[:j]) for j in range(len(distinct))]
+    back_patches = rows([patches[distinct[j]] for j in source], [out_patches[j] for j in source], range(len(keys)))
+    merged = [n // merge2 for n in patches]
+    out_merged = [o // merge2 for o in out_patches]
+    back_merged = rows([merged[distinct[j]] for j in source], [out_merged[j] for j in source], range(len(keys)))
+    total, pending = sum(patches), []
+
+    def before(module, args, kwargs):
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        grid = args[1] if len(args) > 1 else kwargs.get("grid_thw")
+        if hidden is None or grid is None or hidden.shape[0] != total or not torch.equal(grid, grid_thw):
+            return None  # another call (not this batch's images): left alone
+        pending.append(True)
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("hidden_states", "grid_thw")}
+        return (hidden.index_select(0, keep_patches),), {**kwargs, "grid_thw": grid_thw[distinct]}
+
+    def after(module, args, kwargs, out):
+        if not pending:
+            return None
+        pending.pop()
+        if not hasattr(out, "pooler_output"):
+            raise RuntimeError(f"the vision tower returned {type(out).__name__}, not the output with pooler_output "
+                               "and deepstack_features this transformers version was expected to give")
+        out.pooler_output = out.pooler_output.index_select(0, back_merged)
+        if getattr(out, "deepstack_features", None) is not None:
+            out.deepstack_features = [(f if torch.is_tensor(f) else torch.cat(list(f))).index_select(0, back_merged)
+                                      for f in out.deepstack_features]  # a layer's rows, or its rows per image
+        if getattr(out, "last_hidden_state", None) is not None and out.last_hidden_state.shape[0] == len(keep_patches):
+            out.last_hidden_state = out.last_hidden_state.index_select(0, back_patches)
+        return out
+
+    handles = [visual.register_forward_pre_hook(before, with_kwargs=True),
+               visual.register_forward_hook(after, with_kwargs=True)]
+    try:
+        yield len(keys) - len(first)
+    finally:
+        for h in handles:
+            h.remove()
+
+
+__all__ = ["image_key", "share_repeated_images"]
