@@ -265,7 +265,7 @@ def pack(items: list, pad_id: int, multiple: int = 1, pad_to: int | None = None)
     masked_scatter (image features) and deepstack injection fill image positions in.
 
     `multiple`: the row's length rounded up to a multiple (FP8 GEMMs); `pad_to`: a fixed row
-    length (flex_attention compiles per shape: one shape for every batch). The tail is one filler
+    length, also rounded up to `multiple` (flex_attention compiles per shape: one shape for every batch). The tail is one filler
     "sample" of pad tokens with positions of its own (attending only among themselves), ignored
     labels, and no count in `seq_lens`. SkippedRows are left out and counted as in `collate`.
     """
@@ -277,9 +277,9 @@ def pack(items: list, pad_id: int, multiple: int = 1, pad_to: int | None = None)
                 "skipped_rows": torch.tensor(skipped)}
     lens = [len(x["input_ids"]) for x in items]
     total = sum(lens)
-    length = pad_to if pad_to is not None else -(-total // multiple) * multiple
-    if length < total:
+    if pad_to is not None and pad_to < total:
         raise ValueError(f"pack: {total} tokens do not fit pad_to={pad_to}")
+    length = -(-(total if pad_to is None else pad_to) // multiple) * multiple
     filler = length - total
     labels = []
     for x in items:
