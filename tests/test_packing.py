@@ -60,7 +60,7 @@ def _loss_and_grads(model, batch):
     model.zero_grad(set_to_none=True)
     loss, n = sft_loss_sum(model, batch)
     loss.backward()
-    return float(loss), n, {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    return float(loss.detach()), n, {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
@@ -232,3 +232,12 @@ def test_packed_token_budget_on_two_ranks_equals_one_process(shapes_dir, mixed_j
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     assert _losses(two) == pytest.approx(_losses(one), rel=1e-5)
+
+
+def test_pack_pads_to_a_fixed_length_rounded_to_the_multiple(mixed):
+    data, items = mixed
+    total = sum(len(x["input_ids"]) for x in items)
+    row = pack(items, data.encoder.pad_id, multiple=16, pad_to=total + 3)
+    assert row["input_ids"].shape == (1, -(-(total + 3) // 16) * 16)
+    with pytest.raises(ValueError, match="do not fit"):
+        pack(items, data.encoder.pad_id, pad_to=total - 1)
