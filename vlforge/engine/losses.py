@@ -39,18 +39,20 @@ def packed_position_ids(core, input_ids_1T: torch.Tensor, mm_token_type_ids_1T: 
     sequence (masking_utils.find_packed_sequence_indices; flash-attention's varlen path reads the
     same row). The filler after the last sample (`pack`'s `multiple`/`pad_to`) is one more sequence.
     """
+    # On the CPU: get_rope_index walks each sample's token groups in Python (.tolist(), per-image
+    # aranges), which on the GPU would be a sync and a few tiny kernels per sample; one copy each way.
     device, T = input_ids_1T.device, input_ids_1T.shape[1]
-    lens = torch.tensor(seq_lens, device=device)
     S = int(sum(seq_lens))
-    mask_nL = torch.arange(max(seq_lens), device=device)[None] < lens[:, None]
-    ids_nL = torch.zeros(mask_nL.shape, dtype=input_ids_1T.dtype, device=device).masked_scatter(mask_nL, input_ids_1T[0, :S])
-    mm_nL = torch.zeros_like(ids_nL).masked_scatter(mask_nL, mm_token_type_ids_1T[0, :S].to(ids_nL.dtype))
-    mrope_3nL, _ = core.model.get_rope_index(ids_nL, mm_nL, image_grid_thw=image_grid_thw, attention_mask=mask_nL.long())
-    text_S = torch.arange(mask_nL.shape[1], device=device).expand_as(mask_nL)[mask_nL]
-    filler = torch.arange(T - S, device=device)
+    mask_nL = torch.arange(max(seq_lens))[None] < torch.tensor(seq_lens)[:, None]
+    ids_nL = torch.zeros(mask_nL.shape, dtype=torch.long).masked_scatter(mask_nL, input_ids_1T[0, :S].cpu().long())
+    mm_nL = torch.zeros_like(ids_nL).masked_scatter(mask_nL, mm_token_type_ids_1T[0, :S].cpu().long())
+    grid = image_grid_thw.cpu() if image_grid_thw is not None else None
+    mrope_3nL, _ = core.model.get_rope_index(ids_nL, mm_nL, image_grid_thw=grid, attention_mask=mask_nL.long())
+    text_S = torch.arange(mask_nL.shape[1]).expand_as(mask_nL)[mask_nL]
+    filler = torch.arange(T - S)
     text_T = torch.cat([text_S, filler])
-    mrope_3T = torch.cat([mrope_3nL[:, mask_nL].to(device), filler.expand(3, -1)], dim=1)
-    return torch.cat([text_T[None], mrope_3T])[:, None]
+    mrope_3T = torch.cat([mrope_3nL[:, mask_nL], filler.expand(3, -1)], dim=1)
+    return torch.cat([text_T[None], mrope_3T])[:, None].to(device)
 
 
 def backbone_hidden(model, batch: dict) -> torch.Tensor:
