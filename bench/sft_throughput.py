@@ -6,10 +6,18 @@
     python bench/sft_throughput.py --preset qwen3vl-8b --method full --grad-ckpt --override optim.name=adamw8bit
     python bench/sft_throughput.py --preset qwen3vl-8b --method full --steps 200 --curve fp8.json \
         --override precision.fp8.enabled=true precision.master_weights=compute
+    python bench/sft_throughput.py --preset qwen3vl-2b --method full --packing          # same batches, packed
+    python bench/sft_throughput.py --preset qwen3vl-2b --method full --mixed --max-tokens-per-batch 16384 [--packing]
+    python bench/sft_throughput.py ... --packing --override model.attn_implementation=flex_attention loss.impl=plain
 
 Each sample: one 448x448 image (196 image tokens), ~64 prompt tokens, an answer of 128-384
-tokens; batch 8, random weights of the published architecture. Uses the real recipe pieces
-(setup_model, the dataset encoder, collate, train_step). Prints one JSON line.
+tokens; batch 8, random weights of the published architecture. `--mixed`: answers of 8-1024
+tokens and 1-4 images of 224-448 px per sample (where padding costs most). `--packing`: each
+micro-batch's samples in one row (data.packing); `--max-tokens-per-batch`: micro-batches by that
+token budget instead of --batch samples (data.max_tokens_per_batch), packed or padded. The
+samples are the same with and without --packing (--seed), and with --batch alone so are the
+batches. Uses the real recipe pieces (setup_model, the dataset encoder, collate/pack, the
+batch sampler, train_step). Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -23,11 +31,13 @@ import torch
 from PIL import Image
 
 from vlforge.config import SFTConfig, load_config
-from vlforge.data.encode import Encoder, ImageLimits, SampleTokens, collate, encode
+from vlforge.data.dataset import budget_batches
+from vlforge.data.encode import Encoder, ImageLimits, SampleTokens, collate, encode, pack
 from vlforge.data.jsonl import Sample
 from vlforge.engine.distributed import init_world
 from vlforge.engine.fp8 import summarize
 from vlforge.engine.health import GradHealth
+from vlforge.engine.losses import count_tokens
 from vlforge.engine.optim import build_optimizer
 from vlforge.model.tiers import param_groups
 from vlforge.engine.trainable import setup_model
@@ -47,16 +57,20 @@ def markov_answer(rng: random.Random, n_words: int) -> str:
     return " ".join(words)
 
 
-def synthetic_samples(n: int, tmp: str, image_side: int, rng: random.Random) -> list[Sample]:
+def synthetic_samples(n: int, tmp: str, image_side: int, rng: random.Random, mixed: bool = False) -> list[Sample]:
+    """BASELINES.md's samples, or (mixed) answers of 8-1024 words and 1-4 images of 224-448 px."""
     samples = []
     for i in range(n):
-        path = f"{tmp}/img{i}.png"
-        Image.frombytes("RGB", (image_side, image_side), rng.randbytes(image_side * image_side * 3)).save(path)
+        sides = [rng.choice((224, 336, 448)) for _ in range(rng.randint(1, 4))] if mixed else [image_side]
+        paths = []
+        for k, side in enumerate(sides):
+            paths.append(f"{tmp}/img{i}_{k}.png")
+            Image.frombytes("RGB", (side, side), rng.randbytes(side * side * 3)).save(paths[-1])
         prompt = " ".join(rng.choice(WORDS) for _ in range(60))
-        answer = markov_answer(rng, rng.randint(128, 384))
-        user = [{"type": "image", "image": path}, {"type": "text", "text": prompt}]
+        answer = markov_answer(rng, rng.randint(8, 1024) if mixed else rng.randint(128, 384))
+        user = [*({"type": "image", "image": p} for p in paths), {"type": "text", "text": prompt}]
         samples.append(Sample([{"role": "user", "content": user}, {"role": "assistant", "content": answer}],
-                              [__import__("pathlib").Path(path)], f"synthetic:{i}"))
+                              [__import__("pathlib").Path(p) for p in paths], f"synthetic:{i}"))
     return samples
 
 
@@ -73,6 +87,10 @@ def main() -> None:
     ap.add_argument("--curve", help="write per-step loss and tokens/s to this JSON file")
     ap.add_argument("--override", nargs="*", default=[])
     ap.add_argument("--fsdp", action="store_true", help="FSDP2 on this one process (distributed.strategy=fsdp2)")
+    ap.add_argument("--packing", action="store_true", help="one row per micro-batch, no padding (data.packing)")
+    ap.add_argument("--max-tokens-per-batch", type=int, help="micro-batches by token budget (data.max_tokens_per_batch)")
+    ap.add_argument("--mixed", action="store_true", help="answers of 8-1024 tokens, 1-4 images per sample")
+    ap.add_argument("--seed", type=int, default=0, help="the synthetic samples (and the budget batches' order)")
     args = ap.parse_args()
 
     vision = "tiers.vision.train=false" if args.method == "lora" else "tiers.vision.train=true"
@@ -89,15 +107,23 @@ def main() -> None:
     encoder = Encoder(t.processor, ImageLimits(3136, args.image * args.image))
     import tempfile
 
-    rng = random.Random(0)
+    rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory() as tmp:
-        samples = synthetic_samples(args.samples, tmp, args.image, rng)
+        samples = synthetic_samples(args.samples, tmp, args.image, rng, mixed=args.mixed)
         items = []
         for s in samples:
-            ids = encoder.token_ids(s.messages, [(args.image, args.image)])
+            ids = encoder.token_ids(s.messages, [Image.open(p).size for p in s.images])
             items.append(encode(encoder, s, SampleTokens(ids, encoder.assistant_labels(ids), len(ids))))
-    batches = [collate(items[i:i + args.batch], encoder.pad_id, multiple=t.token_multiple)
-               for i in range(0, len(items), args.batch)]
+    if args.max_tokens_per_batch:  # the recipe's sampler (epoch 0's order)
+        index_lists = [ix for ix, _ in budget_batches([len(x["input_ids"]) for x in items], args.max_tokens_per_batch,
+                                                      args.packing, args.seed, 0)]
+    else:
+        index_lists = [list(range(i, min(i + args.batch, len(items)))) for i in range(0, len(items), args.batch)]
+    # flex_attention compiles per shape: packed rows of one length (the recipe does the same)
+    pad_to = (args.max_tokens_per_batch if args.packing and args.max_tokens_per_batch
+              and cfg.model.attn_implementation == "flex_attention" else None)
+    batches = [pack([items[i] for i in ix], encoder.pad_id, multiple=t.token_multiple, pad_to=pad_to) if args.packing
+               else collate([items[i] for i in ix], encoder.pad_id, multiple=t.token_multiple) for ix in index_lists]
     optimizer = build_optimizer(param_groups(t.model, t.plan, 0.0), cfg.optim, "cuda")
     scaler = t.policy.grad_scaler()
     health = GradHealth(t.model, t.plan, cfg.health, cfg.precision.mode)
@@ -107,16 +133,20 @@ def main() -> None:
         batch = batches[step % len(batches)]
         torch.cuda.synchronize()
         start = time.perf_counter()
-        out = train_step(t, [batch], optimizer, scaler, health, 1.0)
+        out = train_step(t, [batch], optimizer, scaler, health, 1.0, cfg.loss)
         torch.cuda.synchronize()
         losses.append(out["loss"])
         if step >= args.warmup:
             times.append(time.perf_counter() - start)
             tokens.append(out["tokens"])
     step_s = sum(times) / len(times)
-    pad_fraction = 1 - sum(int(b["attention_mask"].sum()) for b in batches) / sum(b["attention_mask"].numel() for b in batches)
+    pad_fraction = 1 - sum(count_tokens(b) for b in batches) / sum(b["input_ids"].numel() for b in batches)
     result = {
         "preset": args.preset, "method": args.method, "batch": args.batch, "grad_ckpt": args.grad_ckpt,
+        "packing": args.packing, "max_tokens_per_batch": args.max_tokens_per_batch, "mixed": args.mixed,
+        "micro_batches": len(batches), "rows_mean": sum(len(b["input_ids"]) for b in batches) / len(batches),
+        "row_tokens_mean": sum(b["input_ids"].numel() for b in batches) / len(batches),
+        "attn": cfg.model.attn_implementation, "loss_impl": cfg.loss.impl,
         "strategy": t.world.strategy, "optim": cfg.optim.name,
         "tokens_per_s": sum(tokens) / sum(times), "step_s": step_s,
         "peak_gb": torch.cuda.max_memory_allocated() / 1e9, "pad_fraction": pad_fraction,

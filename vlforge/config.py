@@ -70,7 +70,9 @@ def _rule(ge, gt, le, lt) -> str:
 class ModelConfig:
     path: str | None = None  # local HF-format Qwen3-VL directory (never downloaded); wins over preset
     preset: str | None = None  # tiny | qwen3vl-2b | qwen3vl-4b | qwen3vl-8b | qwen3vl-32b (random weights)
-    attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    # flex_attention: transformers compiles torch's flex_attention (a block-sparse document mask for
+    # data.packing); flash_attention_2 needs the flash-attn package (varlen kernels when packed)
+    attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flex_attention"] = "sdpa"
     seed: int = 0  # initialisation seed for presets
 
     def __post_init__(self):
@@ -90,13 +92,37 @@ class DataConfig:
     # decoding. PIL itself refuses more than 2 x Image.MAX_IMAGE_PIXELS = 178,956,970: the ceiling.
     max_image_pixels: int = 178_956_970
     num_workers: int | Literal["auto"] = "auto"  # DataLoader workers; auto: engine.runtime.resolve_num_workers
+    # Padding-free packing: a micro-batch's samples concatenated into one row, attention kept inside
+    # each sample (block-diagonal, from per-sample position ids) and M-RoPE computed per sample.
+    # See docs/packing.md. Off by default until measured faster on the GPU.
+    packing: bool = False
+    # Micro-batches by a token budget instead of train.batch_size samples: packed, the row's total
+    # tokens; padded, rows x the longest row. Must fit one sample of data.max_length.
+    max_tokens_per_batch: int | None = None
 
     def __post_init__(self):
         _require(self.max_length >= 8, f"data.max_length must be >= 8, got {self.max_length}")
+        _require(self.max_tokens_per_batch is None or self.max_tokens_per_batch >= self.max_length,
+                 f"data.max_tokens_per_batch={self.max_tokens_per_batch} is below data.max_length={self.max_length}: "
+                 "a sample of the longest allowed length would fit no batch; raise it or lower data.max_length")
         _require(0 < self.min_pixels <= self.max_pixels, "data.min_pixels must be > 0 and <= data.max_pixels")
         _require(0 < self.max_image_pixels <= 178_956_970,
                  f"data.max_image_pixels must be in 1..178956970 (PIL refuses larger images), got {self.max_image_pixels}")
         _require(self.num_workers == "auto" or self.num_workers >= 0, "data.num_workers must be >= 0 or auto")
+
+
+@dataclass
+class LossConfig:
+    """How the lm_head + cross-entropy (SFT loss) is computed; engine/losses.py. All keep fp32 math."""
+
+    # auto: liger-kernel's fused linear cross-entropy on CUDA when installed (`vlforge[liger]`),
+    # else chunked; chunked: ours, [chunk_size, V] logits at a time in forward and backward;
+    # plain: every supervised position's logits at once (the reference the others are tested against)
+    impl: Literal["auto", "liger", "chunked", "plain"] = "auto"
+    chunk_size: int = 1024  # label positions per chunk (chunked): 1024 x 151,936 fp32 logits = 0.6 GB
+
+    def __post_init__(self):
+        _range(self, "chunk_size", ge=1)
 
 
 @dataclass
@@ -407,6 +433,7 @@ class RunConfig:
 
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
     tiers: TiersConfig = field(default_factory=TiersConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

@@ -42,6 +42,11 @@ class ChatDataset(torch.utils.data.Dataset):
     def truncated(self) -> int:
         return sum(p.keep < len(p.ids) for p in self.tokenized)
 
+    @property
+    def lengths(self) -> list[int]:
+        """Each sample's token count (image tokens included), as trained: for token-budget batches."""
+        return [p.keep for p in self.tokenized]
+
 
 def load_dataset(path: str, processor, cfg: DataConfig) -> ChatDataset:
     """Read + validate + tokenize every row. Bad rows raise (on_error=fail) or are counted (skip)."""
@@ -81,3 +86,69 @@ def batches_from(n: int, batch_size: int, seed: int, epoch: int, start: int = 0)
     order = epoch_order(n, seed, epoch)
     for s in range(start, n - batch_size + 1, batch_size):
         yield order[s:s + batch_size], s + batch_size
+
+
+def budget_batches(lengths: list[int], max_tokens: int, packed: bool, seed: int, epoch: int, start: int = 0):
+    """Yields (index_list, next_position) for one epoch from sample `start`, each batch as many
+    samples, in epoch order, as fit `max_tokens`: packed, their total length; padded, rows x the
+    longest row. Every sample of the epoch is in exactly one batch (the last may be small).
+
+    Greedy in the (seed, epoch) order, so a batch depends only on where it starts: resuming from
+    a position continues exactly as the uninterrupted run. (A lookahead bin packer would fill
+    rows better but would tie each batch to the ones before it.)"""
+    order = epoch_order(len(lengths), seed, epoch)
+    batch, total, longest = [], 0, 0
+    for pos in range(start, len(order)):
+        n = lengths[order[pos]]
+        if n > max_tokens:
+            raise DataError(f"a sample of {n} tokens exceeds data.max_tokens_per_batch={max_tokens}")
+        cost = total + n if packed else max(longest, n) * (len(batch) + 1)
+        if batch and cost > max_tokens:
+            yield batch, pos
+            batch, total, longest = [], 0, 0
+        batch.append(order[pos])
+        total, longest = total + n, max(longest, n)
+    if batch:
+        yield batch, len(order)
+
+
+@dataclass(frozen=True)
+class Batching:
+    """How micro-batches are formed: `batch_size` samples, or (max_tokens set) by a token budget."""
+
+    batch_size: int
+    max_tokens: int | None = None
+    packed: bool = False
+
+    @classmethod
+    def of(cls, cfg: DataConfig, batch_size: int) -> "Batching":
+        return cls(batch_size, cfg.max_tokens_per_batch, cfg.packing)
+
+
+def global_batches(lengths: list[int], batching: Batching, seed: int, epoch: int, start: int = 0, world_size: int = 1):
+    """Yields (one index list per rank, next_position) for one epoch: a global micro-batch.
+
+    Fixed size: batch_size x world_size samples (the order one process takes), rank r taking the
+    r-th slice; the ragged tail is dropped. Token budget: world_size consecutive budget batches,
+    rank r taking the r-th; a tail of fewer batches than ranks is dropped (with one process,
+    nothing is). Either way every rank gets one micro-batch per global micro-batch: equal numbers
+    of forwards, which sharded (FSDP2) training needs (every rank joins every unit's collectives),
+    and the sequence of budget batches does not depend on the number of ranks."""
+    if batching.max_tokens is None:
+        size = batching.batch_size
+        for ix, pos in batches_from(len(lengths), size * world_size, seed, epoch, start):
+            yield [ix[r * size:(r + 1) * size] for r in range(world_size)], pos
+        return
+    group = []
+    for ix, pos in budget_batches(lengths, batching.max_tokens, batching.packed, seed, epoch, start):
+        group.append(ix)
+        if len(group) == world_size:
+            yield group, pos
+            group = []
+
+
+def micro_batches_per_epoch(lengths: list[int], batching: Batching, seed: int, epoch: int, world_size: int = 1) -> int:
+    """Global micro-batches in one epoch (with a token budget the count depends on the epoch's order)."""
+    if batching.max_tokens is None:
+        return len(lengths) // (batching.batch_size * world_size)
+    return sum(1 for _ in global_batches(lengths, batching, seed, epoch, 0, world_size))

@@ -251,3 +251,51 @@ def collate(items: list, pad_id: int, left_pad: bool = False, multiple: int = 1)
     if skipped:
         out["skipped_rows"] = torch.tensor(skipped)
     return out
+
+
+def pack(items: list, pad_id: int, multiple: int = 1, pad_to: int | None = None) -> dict:
+    """Concatenate encoded samples into ONE row, without padding between them (data.packing).
+
+    The row carries `seq_lens` [n] (each sample's length, in order) instead of an attention mask;
+    the model's forward turns it into per-sample position ids (engine.losses.packed_position_ids),
+    from which transformers restricts attention to each sample. Each sample's first label is
+    ignored, so no position is trained to predict the next sample's first token (its labels are
+    never supervised anyway: every sample starts with <|im_start|>). Images are concatenated in
+    sample order, the order of their tokens in the row, which is the order the model's
+    masked_scatter (image features) and deepstack injection fill image positions in.
+
+    `multiple`: the row's length rounded up to a multiple (FP8 GEMMs); `pad_to`: a fixed row
+    length, also rounded up to `multiple` (flex_attention compiles per shape: one shape for every batch). The tail is one filler
+    "sample" of pad tokens with positions of its own (attending only among themselves), ignored
+    labels, and no count in `seq_lens`. SkippedRows are left out and counted as in `collate`.
+    """
+    skipped = sum(isinstance(x, SkippedRow) for x in items)
+    items = [x for x in items if not isinstance(x, SkippedRow)]
+    if not items:
+        keys = ("input_ids", "mm_token_type_ids", "labels")
+        return {**{k: torch.zeros((0, 0), dtype=torch.long) for k in keys}, "seq_lens": torch.zeros(0, dtype=torch.long),
+                "skipped_rows": torch.tensor(skipped)}
+    lens = [len(x["input_ids"]) for x in items]
+    total = sum(lens)
+    if pad_to is not None and pad_to < total:
+        raise ValueError(f"pack: {total} tokens do not fit pad_to={pad_to}")
+    length = -(-(total if pad_to is None else pad_to) // multiple) * multiple
+    filler = length - total
+    labels = []
+    for x in items:
+        lab = x["labels"].clone()
+        lab[0] = IGNORE_INDEX
+        labels.append(lab)
+    out = {
+        "input_ids": torch.cat([x["input_ids"] for x in items] + [torch.full((filler,), pad_id)])[None],
+        "mm_token_type_ids": torch.cat([x["mm_token_type_ids"] for x in items] + [torch.zeros(filler, dtype=torch.long)])[None],
+        "labels": torch.cat(labels + [torch.full((filler,), IGNORE_INDEX)])[None],
+        "seq_lens": torch.tensor(lens),
+    }
+    with_images = [x for x in items if "pixel_values" in x]
+    if with_images:
+        out["pixel_values"] = torch.cat([x["pixel_values"] for x in with_images])
+        out["image_grid_thw"] = torch.cat([x["image_grid_thw"] for x in with_images])
+    if skipped:
+        out["skipped_rows"] = torch.tensor(skipped)
+    return out

@@ -1,26 +1,157 @@
-"""Token losses computed from hidden states, so logits exist only where a label does.
+"""Token losses computed from hidden states, so logits exist only where a label does, a chunk at a time.
 
 Qwen3-VL's vocabulary is 151,936 wide: materialising [B, T, V] logits for prompt and image tokens
 that carry no label wastes most of a step's memory. We run the backbone, gather the positions
-whose next token is supervised, and apply lm_head there only. Cross-entropy is in fp32.
+whose next token is supervised, and apply lm_head there only; and even those N positions never
+hold [N, V] logits at once: `linear_cross_entropy_sum` is liger-kernel's fused linear
+cross-entropy on CUDA (when installed) or our chunked one, and `token_logprobs_entropy` (GRPO) is
+chunked. Cross-entropy, log-probs and entropy are fp32 math.
+
+Packed batches (data.packing: one row of several samples, `seq_lens` instead of an attention mask)
+get per-sample position ids here (`packed_position_ids`); transformers restricts attention to each
+sample from them (docs/packing.md says how, per attention implementation).
 """
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
+from vlforge.config import ConfigError, LossConfig
 from vlforge.data.encode import IGNORE_INDEX
 from vlforge.model.tiers import unwrap
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "mm_token_type_ids", "pixel_values", "image_grid_thw")
 
 
+def packed_position_ids(core, input_ids_1T: torch.Tensor, mm_token_type_ids_1T: torch.Tensor,
+                        image_grid_thw: torch.Tensor | None, seq_lens: list[int]) -> torch.Tensor:
+    """Position ids [4, 1, T] of a packed row: [text positions; t; h; w], Qwen3-VL's 4-row form.
+
+    M-RoPE (rows 1-3) comes from the model's own get_rope_index over the samples as separate rows,
+    so every sample's positions, its images' 3-D ones included, restart at 0 exactly as when the
+    sample is alone; the image grids are taken in order, one sample after the other, as in the row.
+    Row 0 (text positions, 0..len-1 per sample) is what transformers reads for the attention mask:
+    with no 2-D attention mask, a position that does not follow its predecessor starts a new
+    sequence (masking_utils.find_packed_sequence_indices; flash-attention's varlen path reads the
+    same row). The filler after the last sample (`pack`'s `multiple`/`pad_to`) is one more sequence.
+    """
+    # On the CPU: get_rope_index walks each sample's token groups in Python (.tolist(), per-image
+    # aranges), which on the GPU would be a sync and a few tiny kernels per sample; one copy each way.
+    device, T = input_ids_1T.device, input_ids_1T.shape[1]
+    S = int(sum(seq_lens))
+    mask_nL = torch.arange(max(seq_lens))[None] < torch.tensor(seq_lens)[:, None]
+    ids_nL = torch.zeros(mask_nL.shape, dtype=torch.long).masked_scatter(mask_nL, input_ids_1T[0, :S].cpu().long())
+    mm_nL = torch.zeros_like(ids_nL).masked_scatter(mask_nL, mm_token_type_ids_1T[0, :S].cpu().long())
+    grid = image_grid_thw.cpu() if image_grid_thw is not None else None
+    mrope_3nL, _ = core.model.get_rope_index(ids_nL, mm_nL, image_grid_thw=grid, attention_mask=mask_nL.long())
+    text_S = torch.arange(mask_nL.shape[1]).expand_as(mask_nL)[mask_nL]
+    filler = torch.arange(T - S)
+    text_T = torch.cat([text_S, filler])
+    mrope_3T = torch.cat([mrope_3nL[:, mask_nL], filler.expand(3, -1)], dim=1)
+    return torch.cat([text_T[None], mrope_3T])[:, None].to(device)
+
+
 def backbone_hidden(model, batch: dict) -> torch.Tensor:
     """Last hidden states [B, T, H] of the language model (vision features merged in)."""
     core = unwrap(model)
-    out = core.model(**{k: batch[k] for k in MODEL_INPUTS if k in batch}, use_cache=False)
+    inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
+    if "seq_lens" in batch:  # packed: no attention mask, per-sample positions instead
+        inputs["position_ids"] = packed_position_ids(core, batch["input_ids"], batch["mm_token_type_ids"],
+                                                     batch.get("image_grid_thw"), batch["seq_lens"].tolist())
+    out = core.model(**inputs, use_cache=False)
     return out.last_hidden_state
+
+
+# ----------------------------------------------------------------------------- lm_head + loss
+
+
+def liger_available() -> bool:
+    return importlib.util.find_spec("liger_kernel") is not None
+
+
+def resolve_loss_impl(impl: str, lm_head: torch.nn.Module, device: torch.device) -> str:
+    """"plain", "chunked" or "liger" for loss.impl on this device and head.
+
+    liger's fused op takes the weight matrix itself, so only a plain nn.Linear head without bias
+    (not an FP8 or LoRA-wrapped one) and only on CUDA (Triton kernels)."""
+    fits = device.type == "cuda" and type(lm_head) is torch.nn.Linear and lm_head.bias is None
+    if impl == "liger":
+        if not liger_available():
+            raise ConfigError("loss.impl=liger: liger-kernel is not installed; pip install 'vlforge[liger]' "
+                              "or set loss.impl=chunked")
+        if not fits:
+            raise ConfigError(f"loss.impl=liger needs CUDA and a plain bias-free lm_head (got {type(lm_head).__name__} "
+                              f"on {device.type}); use loss.impl=auto or chunked")
+        return "liger"
+    if impl == "auto":
+        return "liger" if fits and liger_available() else "chunked"
+    return impl
+
+
+def _ce_sum(lm_head, hidden_NH: torch.Tensor, targets_N: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(lm_head(hidden_NH).float(), targets_N, reduction="sum")
+
+
+def linear_cross_entropy_sum(hidden_NH: torch.Tensor, lm_head: torch.nn.Module, targets_N: torch.Tensor,
+                             impl: str = "auto", chunk_size: int = 1024) -> torch.Tensor:
+    """sum_n CE(lm_head(hidden_NH[n]), targets_N[n]), fp32 scalar; every target is a real label.
+
+    plain: [N, V] logits at once (the reference). chunked: chunk_size positions at a time, each
+    chunk under activation checkpointing, so neither forward nor backward holds more than
+    [chunk_size, V] logits (backward recomputes a chunk's logits: one more lm_head matmul, a few
+    ms per step; torch has no fused linear+CE of its own). liger: liger-kernel's fused op, which
+    computes the gradients chunk by chunk in its forward (fp32 accumulation)."""
+    impl = resolve_loss_impl(impl, lm_head, hidden_NH.device)
+    if impl == "plain" or len(targets_N) == 0:  # an empty chunk list would leave no graph to backward through
+        return _ce_sum(lm_head, hidden_NH, targets_N)
+    if impl == "liger":
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+
+        return liger_fused_linear_cross_entropy(hidden_NH, lm_head.weight, targets_N, ignore_index=IGNORE_INDEX,
+                                                reduction="sum", accum_dtype=torch.float32).float()
+    grad = torch.is_grad_enabled()
+    total = hidden_NH.new_zeros((), dtype=torch.float32)
+    for s in range(0, len(targets_N), chunk_size):
+        args = (lm_head, hidden_NH[s:s + chunk_size], targets_N[s:s + chunk_size])
+        total = total + (checkpoint(_ce_sum, *args, use_reentrant=False, preserve_rng_state=False) if grad
+                         else _ce_sum(*args))
+    return total
+
+
+def _logprob_chunk(lm_head, hidden_NH, tokens_N, temperature, banned_N, with_entropy):
+    logits_NV = lm_head(hidden_NH).float() / temperature
+    if banned_N is not None:
+        logits_NV = logits_NV.index_fill(-1, banned_N, float("-inf"))
+    logp_all_NV = F.log_softmax(logits_NV, dim=-1)
+    logp_N = logp_all_NV.gather(-1, tokens_N[:, None])[:, 0]
+    if not with_entropy:
+        return logp_N, None
+    with torch.no_grad():  # entropy is reported, never differentiated
+        entropy_N = -(logp_all_NV.exp() * logp_all_NV.nan_to_num(neginf=0.0)).sum(-1)
+    return logp_N, entropy_N
+
+
+def token_logprobs_entropy(hidden_NH: torch.Tensor, lm_head: torch.nn.Module, tokens_N: torch.Tensor,
+                           temperature: float = 1.0, banned_ids: list[int] | None = None, with_entropy: bool = False,
+                           chunk_size: int = 1024) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log p(tokens_N[n]) [N], entropy [N] (detached) or None) under softmax(lm_head(hidden_NH) / T)
+    with `banned_ids` at -inf (the rollout never samples them, so the trainer's policy excludes them
+    too), fp32. Chunked like linear_cross_entropy_sum: at most [chunk_size, V] logits in forward and
+    backward. (liger's fused op cannot ban vocabulary entries nor return the entropy.)"""
+    banned_N = torch.tensor(banned_ids, device=hidden_NH.device) if banned_ids else None
+    grad = torch.is_grad_enabled()
+    logps, entropies = [], []
+    for s in range(0, max(len(tokens_N), 1), chunk_size):
+        args = (lm_head, hidden_NH[s:s + chunk_size], tokens_N[s:s + chunk_size], temperature, banned_N, with_entropy)
+        logp, entropy = (checkpoint(_logprob_chunk, *args, use_reentrant=False, preserve_rng_state=False) if grad
+                         else _logprob_chunk(*args))
+        logps.append(logp)
+        entropies.append(entropy)
+    return torch.cat(logps), (torch.cat(entropies).detach() if with_entropy else None)
 
 
 def vision_keepalive(model, device: torch.device) -> torch.Tensor:
@@ -46,8 +177,11 @@ def drop_keepalive_grads(model) -> None:
         p.grad = None
 
 
-def sft_loss_sum(model, batch: dict, keep_vision: bool = False) -> tuple[torch.Tensor, int]:
-    """(sum of next-token cross-entropy over supervised tokens, number of supervised tokens).
+def sft_loss_sum(model, batch: dict, keep_vision: bool = False, loss: LossConfig = LossConfig()
+                 ) -> tuple[torch.Tensor, int]:
+    """(sum of next-token cross-entropy over supervised tokens, number of supervised tokens), for a
+    padded batch or a packed row alike (`pack` ignores each sample's first label, so no position
+    predicts across a sample boundary). `loss`: how lm_head + cross-entropy run (LossConfig).
     `keep_vision`: run the vision tower even on a batch without images (vision_keepalive), first,
     where a batch with images runs it too: sharded, every rank then gathers the same units in the
     same order."""
@@ -67,13 +201,18 @@ def sft_loss_sum(model, batch: dict, keep_vision: bool = False) -> tuple[torch.T
     targets_BT = batch["labels"][:, 1:]
     supervised_BT = targets_BT != IGNORE_INDEX
     hidden_NH = hidden_BTH[:, :-1][supervised_BT]
-    logits_NV = unwrap(model).lm_head(hidden_NH).float()
-    loss = F.cross_entropy(logits_NV, targets_BT[supervised_BT], reduction="sum")
-    return loss, int(supervised_BT.sum())
+    loss_sum = linear_cross_entropy_sum(hidden_NH, unwrap(model).lm_head, targets_BT[supervised_BT],
+                                        loss.impl, loss.chunk_size)
+    return loss_sum, int(supervised_BT.sum())
 
 
 def count_supervised(batch: dict) -> int:
     return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+
+
+def count_tokens(batch: dict) -> int:
+    """Real tokens of a batch: padding and a packed row's filler not counted."""
+    return int(batch["seq_lens"].sum()) if "seq_lens" in batch else int(batch["attention_mask"].sum())
 
 
 class Root(torch.nn.Module):

@@ -6,6 +6,8 @@
 Per optimizer step: `grad_accum` micro-batches, each loss a *sum* of token cross-entropies divided
 by the number of supervised tokens in the whole accumulated batch, so the update is the same for
 batch 8 x accum 1 and batch 2 x accum 4. Then unscale (fp16 only), clip, step, schedule.
+A micro-batch is train.batch_size samples or, with data.max_tokens_per_batch, as many as fit that
+many tokens; padded rows, or (data.packing) one row of samples back to back (docs/packing.md).
 """
 
 from __future__ import annotations
@@ -16,13 +18,13 @@ import time
 import torch
 from tqdm import tqdm
 
-from vlforge.config import ConfigError, SFTConfig
-from vlforge.data.dataset import ChatDataset, batches_from, load_dataset
-from vlforge.data.encode import collate
+from vlforge.config import ConfigError, LossConfig, SFTConfig
+from vlforge.data.dataset import Batching, ChatDataset, global_batches, load_dataset, micro_batches_per_epoch
+from vlforge.data.encode import collate, pack
 from vlforge.data.jsonl import DataError, check_readable
 from vlforge.engine.evaluate import to_device
 from vlforge.engine.health import GradHealth
-from vlforge.engine.losses import count_supervised, drop_keepalive_grads, sft_loss_sum
+from vlforge.engine.losses import count_supervised, count_tokens, drop_keepalive_grads, sft_loss_sum
 from vlforge.engine.metrics import plot_metric, read_metrics
 from vlforge.engine.run import Run, begin_run
 from vlforge.engine.runtime import resolve_num_workers
@@ -30,28 +32,37 @@ from vlforge.engine.trainable import Trainable, setup_model
 from vlforge.model.tiers import plan_summary, unwrap
 
 
-def micro_batches(data: ChatDataset, batch_size: int, seed: int, epoch: int, position: int, num_workers: int,
-                  token_multiple: int = 1, rank: int = 0, world_size: int = 1):
+def micro_batches(data: ChatDataset, batch_size: int | Batching, seed: int, epoch: int, position: int,
+                  num_workers: int, token_multiple: int = 1, rank: int = 0, world_size: int = 1,
+                  pad_to: int | None = None):
     """Endless stream of (batch, epoch, position-after) continuing across epochs; resumable.
 
-    With several ranks, each global micro-batch of batch_size x world_size samples (the order one
-    process would take) is split into contiguous slices, rank r taking the r-th; epoch and
-    position count global samples, so a run resumes on any number of ranks."""
+    `batch_size`: samples per micro-batch, or a Batching (token budget, packed rows). With several
+    ranks, each global micro-batch (the micro-batches one process would take in turn, one per
+    rank) is split so that rank r takes the r-th part (data.dataset.global_batches); epoch and
+    position count global samples, so a run resumes on any number of ranks. `pad_to`: packed
+    rows' fixed length (flex_attention)."""
+    batching = batch_size if isinstance(batch_size, Batching) else Batching(batch_size)
+    lengths = data.lengths
+    if batching.packed:  # a partial, not a lambda: picklable for worker processes
+        collate_fn = functools.partial(pack, pad_id=data.encoder.pad_id, multiple=token_multiple, pad_to=pad_to)
+    else:
+        collate_fn = functools.partial(collate, pad_id=data.encoder.pad_id, multiple=token_multiple)
     while True:
-        global_lists = list(batches_from(len(data), batch_size * world_size, seed, epoch, position))
+        global_lists = list(global_batches(lengths, batching, seed, epoch, position, world_size))
         if not global_lists:
             if position == 0:
-                raise ConfigError(f"train.batch_size={batch_size} x {world_size} processes is larger than the "
-                                  f"dataset ({len(data)} samples)")
+                what = (f"data.max_tokens_per_batch={batching.max_tokens} gives fewer batches than the {world_size} "
+                        "processes" if batching.max_tokens else f"train.batch_size={batching.batch_size} x "
+                        f"{world_size} processes is larger than the dataset")
+                raise ConfigError(f"{what} ({len(data)} samples)")
             epoch, position = epoch + 1, 0
             continue
-        index_lists = [(ix[rank * batch_size:(rank + 1) * batch_size], pos) for ix, pos in global_lists]
+        index_lists = [(ix[rank], pos) for ix, pos in global_lists]
         # The loader gets its own generator: creating an iterator draws a seed from it, and drawing
         # from the global RNG instead would shift dropout masks after a mid-epoch resume.
         loader = torch.utils.data.DataLoader(
-            data, batch_sampler=[ix for ix, _ in index_lists], num_workers=num_workers,
-            # a partial, not a lambda: picklable for worker processes
-            collate_fn=functools.partial(collate, pad_id=data.encoder.pad_id, multiple=token_multiple),
+            data, batch_sampler=[ix for ix, _ in index_lists], num_workers=num_workers, collate_fn=collate_fn,
             generator=torch.Generator().manual_seed(seed + epoch))
         for batch, (_, pos) in zip(loader, index_lists):
             yield batch, epoch, pos
@@ -59,8 +70,8 @@ def micro_batches(data: ChatDataset, batch_size: int, seed: int, epoch: int, pos
 
 
 def train_step(t: Trainable, micro: list[dict], optimizer, scaler, health: GradHealth,
-               max_grad_norm: float | None) -> dict:
-    """One optimizer step over the accumulated micro-batches. Returns step metrics."""
+               max_grad_norm: float | None, loss: LossConfig = LossConfig()) -> dict:
+    """One optimizer step over the accumulated micro-batches (padded or packed). Returns step metrics."""
     # data.on_error=skip: rows whose image failed to decode are left out of their batch (counted)
     skipped_rows = sum(int(b.get("skipped_rows", 0)) for b in micro)
     skipped = {"skipped_rows": skipped_rows} if skipped_rows else {}
@@ -75,21 +86,21 @@ def train_step(t: Trainable, micro: list[dict], optimizer, scaler, health: GradH
     if total_tokens == 0:  # every row of the step was skipped: no update (and no 0/0 loss)
         optimizer.zero_grad(set_to_none=True)
         return {"loss": float("nan"), "grad_norm": 0.0, "skipped": True, **skipped, "supervised_tokens": 0,
-                "tokens": sum(int(b["attention_mask"].sum()) for b in micro)}
+                "tokens": sum(count_tokens(b) for b in micro)}
     loss_total = 0.0
     for batch in micro:
         batch = to_device(batch, t.device)
         with t.policy.autocast():
             # fp32 whatever the compute dtype; sharded, through the FSDP2 root unit (which also runs the
             # vision tower on a text-only micro-batch: the other ranks' collectives wait for it)
-            loss_sum, _ = t.forward(sft_loss_sum, batch, keep_vision=world.sharded)
-        loss = loss_sum / total_tokens
+            loss_sum, _ = t.forward(sft_loss_sum, batch, keep_vision=world.sharded, loss=loss)
+        micro_loss = loss_sum / total_tokens
         # FSDP2 averages gradients over ranks; x world size makes it the global batch's sum
-        scaler.scale(loss * world.size).backward()
-        loss_total += float(loss.detach())
+        scaler.scale(micro_loss * world.size).backward()
+        loss_total += float(micro_loss.detach())
     # the global batch's loss (the same on every rank), its micro-batches with images, its tokens
     loss_total, with_images, tokens = world.sums(loss_total, sum(b.get("pixel_values") is not None for b in micro),
-                                                 sum(int(b["attention_mask"].sum()) for b in micro))
+                                                 sum(count_tokens(b) for b in micro))
     if world.sharded and not with_images:
         drop_keepalive_grads(t.model)
     row = health.step(optimizer, scaler, max_grad_norm, loss_total)
@@ -107,12 +118,16 @@ def run_sft(cfg: SFTConfig) -> dict:
         train_data = load_dataset(cfg.data.train, t.processor, cfg.data)
         val_data = load_dataset(cfg.data.val, t.processor, cfg.data) if cfg.data.val else None
         tc = cfg.train
-        samples_per_step = tc.batch_size * tc.grad_accum * world.size  # the global batch
-        steps_per_epoch = len(train_data) // samples_per_step
-        if steps_per_epoch == 0:
-            raise ConfigError(f"batch_size x grad_accum x processes = {samples_per_step} exceeds the "
-                              f"{len(train_data)} training samples")
-        total_steps = tc.max_steps or tc.epochs * steps_per_epoch
+        batching = Batching.of(cfg.data, tc.batch_size)
+        per_epoch = [micro_batches_per_epoch(train_data.lengths, batching, tc.seed, e, world.size)
+                     for e in range(1 if tc.max_steps else tc.epochs)]  # global micro-batches
+        if per_epoch[0] < tc.grad_accum:
+            what = (f"data.max_tokens_per_batch={batching.max_tokens} makes {per_epoch[0]} micro-batches per "
+                    f"process" if batching.max_tokens else f"batch_size x processes = {tc.batch_size * world.size} "
+                    f"makes {per_epoch[0]} micro-batches")
+            raise ConfigError(f"{what} of the {len(train_data)} training samples, fewer than "
+                              f"train.grad_accum={tc.grad_accum}")
+        total_steps = tc.max_steps or sum(n // tc.grad_accum for n in per_epoch)
         run = Run.start(cfg, t, total_steps, val_data, resume_from, spikes=True, state={"tokens_seen": 0})
         summary = plan_summary(unwrap(t.model), t.plan)
         say = print if world.main else (lambda *a, **k: None)  # one process speaks for the run
@@ -124,9 +139,12 @@ def run_sft(cfg: SFTConfig) -> dict:
         if cfg.eval.at_start and run.step == 0:
             run.evaluate()
 
-        stream = micro_batches(train_data, tc.batch_size, tc.seed, run.state["epoch"], run.state["position"],
+        # flex_attention compiles for each new shape: packed rows of one fixed length (the budget) then
+        pad_to = (batching.max_tokens if batching.packed and batching.max_tokens
+                  and cfg.model.attn_implementation == "flex_attention" else None)
+        stream = micro_batches(train_data, batching, tc.seed, run.state["epoch"], run.state["position"],
                                resolve_num_workers(cfg.data.num_workers, t.device), t.token_multiple,
-                               world.rank, world.size)
+                               world.rank, world.size, pad_to)
         bar = tqdm(total=total_steps, initial=run.step, disable=not (cfg.log.progress and world.main), desc="sft",
                    dynamic_ncols=True)
         while run.step < total_steps:
@@ -136,7 +154,7 @@ def run_sft(cfg: SFTConfig) -> dict:
                 batch, run.state["epoch"], run.state["position"] = next(stream)
                 micro.append(batch)
             lr = run.lr
-            result = train_step(t, micro, run.optimizer, run.scaler, run.health, cfg.optim.max_grad_norm)
+            result = train_step(t, micro, run.optimizer, run.scaler, run.health, cfg.optim.max_grad_norm, cfg.loss)
             elapsed = time.perf_counter() - start
             run.state["tokens_seen"] += result["tokens"]
             row = {**{k: v for k, v in result.items() if k not in ("tokens", "supervised_tokens")}, "lr": lr,

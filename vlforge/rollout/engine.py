@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from vlforge.config import RolloutConfig
 from vlforge.data.encode import Encoder
-from vlforge.engine.losses import vision_keepalive
+from vlforge.engine.losses import token_logprobs_entropy, vision_keepalive
 from vlforge.model.tiers import unwrap
 
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
@@ -241,12 +241,11 @@ def sequence_logprobs(model, rollout: Rollout, temperature: float, seq_index: li
                             keepalive=keepalive).last_hidden_state
     P, R = rollout.prompt_ids.shape[1], resp.shape[1]
     hidden_nRH = hidden[:, P - 1:P - 1 + R]  # the state before each response token predicts it
-    logits = core.lm_head(hidden_nRH).float() / temperature
-    logits[..., rollout.banned_ids] = float("-inf")
-    logp_all = F.log_softmax(logits, dim=-1)
-    logp = logp_all.gather(-1, resp[..., None])[..., 0] * rollout.response_mask[seq_index]
-    entropy = None
-    if with_entropy:
-        entropy = -(logp_all.exp() * logp_all.nan_to_num(neginf=0.0)).sum(-1).detach()
+    # logits only at response tokens, a chunk at a time (engine.losses.token_logprobs_entropy); 0 elsewhere
+    mask_nR = rollout.response_mask[seq_index].bool()
+    logp_N, entropy_N = token_logprobs_entropy(hidden_nRH[mask_nR], core.lm_head, resp[mask_nR], temperature,
+                                               rollout.banned_ids, with_entropy)
+    logp = logp_N.new_zeros(mask_nR.shape).masked_scatter(mask_nR, logp_N)
+    entropy = entropy_N.new_zeros(mask_nR.shape).masked_scatter(mask_nR, entropy_N) if with_entropy else None
     return logp, entropy
 

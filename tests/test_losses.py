@@ -1,0 +1,152 @@
+"""Chunked / fused lm_head + cross-entropy and GRPO log-probs against the plain computation.
+
+fp32 and bf16 (autocast, as training runs), loss/log-probs/entropy and gradients; and the point of
+the chunking: lm_head never produces more than [chunk, V] logits, in forward or in backward.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vlforge.config import ConfigError
+from vlforge.engine.losses import linear_cross_entropy_sum, resolve_loss_impl, token_logprobs_entropy
+
+N, H, V = 53, 24, 97
+
+
+def _inputs(seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    head = torch.nn.Linear(H, V, bias=False)
+    with torch.no_grad():
+        head.weight.copy_(torch.randn(V, H, generator=g) * 0.3)
+    hidden = torch.randn(N, H, generator=g).requires_grad_()
+    targets = torch.randint(0, V, (N,), generator=g)
+    return head.to(device), hidden.detach().to(device).requires_grad_(), targets.to(device)
+
+
+def _grads(fn, head, hidden):
+    head.zero_grad(set_to_none=True)
+    hidden.grad = None
+    out = fn()
+    out.backward()
+    return out.detach(), hidden.grad.clone(), head.weight.grad.clone()
+
+
+def _autocast(dtype):
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=dtype == "bf16")
+
+
+def _check_against_plain(ours, plain, truth, dtype):
+    """fp32: equal to the plain computation. bf16: bf16 matmuls round differently per chunk (the
+    plain weight gradient is one bf16 product, ours a fp32 sum of per-chunk ones), so each tensor
+    must be as close to the fp32 truth as the plain bf16 computation is (within 1.5x)."""
+    for a, b, t in zip(ours, plain, truth):
+        if dtype == "fp32":
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-5)
+        else:
+            assert (a - t).norm() <= 1.5 * (b - t).norm() + 1e-3 * t.norm(), (a - t).norm() / t.norm()
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_chunked_cross_entropy_matches_plain(dtype):
+    head, hidden, targets = _inputs()
+    plain_fn = lambda: F.cross_entropy(head(hidden).float(), targets, reduction="sum")
+    truth = _grads(plain_fn, head, hidden)
+    with _autocast(dtype):
+        plain = _grads(plain_fn, head, hidden)
+        chunked = _grads(lambda: linear_cross_entropy_sum(hidden, head, targets, "chunked", chunk_size=8), head, hidden)
+    assert chunked[0].dtype == torch.float32
+    _check_against_plain(chunked, plain, truth, dtype)
+    if dtype == "bf16":
+        torch.testing.assert_close(chunked[0], truth[0], rtol=1e-2, atol=0)
+
+
+def _rows_seen_by(head):
+    """Rows of every lm_head output, forward and backward-recompute alike."""
+    rows = []
+    handle = head.register_forward_hook(lambda m, a, out: rows.append(out.shape[0]))
+    return rows, handle
+
+
+@pytest.mark.parametrize("fn", ["loss", "logprobs"])
+def test_chunks_bound_the_logits_in_forward_and_backward(fn):
+    head, hidden, targets = _inputs()
+    rows, handle = _rows_seen_by(head)
+    if fn == "loss":
+        out = linear_cross_entropy_sum(hidden, head, targets, "chunked", chunk_size=8)
+    else:
+        out = token_logprobs_entropy(hidden, head, targets, 0.7, [1, 2], with_entropy=True, chunk_size=8)[0].sum()
+    forward = len(rows)
+    out.backward()
+    handle.remove()
+    assert max(rows) <= 8 and sum(rows[:forward]) == N
+    assert sum(rows[forward:]) == N  # backward recomputes each chunk, one at a time
+    rows, handle = _rows_seen_by(head)
+    linear_cross_entropy_sum(hidden, head, targets, "plain").backward()
+    handle.remove()
+    assert rows == [N]  # the reference holds all of them: what the chunked path avoids
+
+
+def test_empty_targets_give_zero_with_a_graph():
+    head, hidden, _ = _inputs()
+    for impl in ("chunked", "plain"):
+        loss = linear_cross_entropy_sum(hidden[:0], head, torch.zeros(0, dtype=torch.long), impl)
+        assert float(loss.detach()) == 0.0
+        loss.backward()  # sharded ranks must all run backward, an empty micro-batch included
+    logp, _ = token_logprobs_entropy(hidden[:0], head, torch.zeros(0, dtype=torch.long))
+    assert logp.shape == (0,)
+    logp.sum().backward()
+
+
+def _plain_logprobs(head, hidden, tokens, temperature, banned):
+    logits = head(hidden).float() / temperature
+    logits[..., banned] = float("-inf")
+    logp_all = F.log_softmax(logits, dim=-1)
+    entropy = -(logp_all.exp() * logp_all.nan_to_num(neginf=0.0)).sum(-1)
+    return logp_all.gather(-1, tokens[:, None])[:, 0], entropy
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_chunked_logprobs_and_entropy_match_plain(dtype):
+    head, hidden, tokens = _inputs(1)
+    tokens = tokens.clamp(min=3)  # the sampled tokens are never banned ones
+    banned, weights = [0, 1, 2], torch.linspace(-1, 1, N)
+    results = {}
+    for name, autocast in (("truth", _autocast("fp32")), ("plain", _autocast(dtype)), ("ours", _autocast(dtype))):
+        with autocast:
+            if name == "ours":
+                logp, entropy = token_logprobs_entropy(hidden, head, tokens, 0.7, banned, with_entropy=True, chunk_size=16)
+            else:
+                logp, entropy = _plain_logprobs(head, hidden, tokens, 0.7, banned)
+            logp_value, grad_hidden, grad_weight = _grads(lambda: (logp * weights).sum(), head, hidden)
+        results[name] = (logp.detach(), entropy.detach(), grad_hidden, grad_weight)
+        if name == "ours":
+            assert logp.dtype == entropy.dtype == torch.float32 and not entropy.requires_grad
+    _check_against_plain(results["ours"], results["plain"], results["truth"], dtype)
+    # banned ids really are excluded: without them the log-probs are lower
+    unbanned, _ = token_logprobs_entropy(hidden, head, tokens, 0.7, None)
+    assert (unbanned < results["truth"][0] - 1e-6).all()
+
+
+def test_loss_impl_choice_on_cpu():
+    head = torch.nn.Linear(H, V, bias=False)
+    assert resolve_loss_impl("auto", head, torch.device("cpu")) == "chunked"
+    assert resolve_loss_impl("plain", head, torch.device("cpu")) == "plain"
+    with pytest.raises(ConfigError, match="loss.impl=liger"):
+        resolve_loss_impl("liger", head, torch.device("cpu"))
+
+
+@pytest.mark.gpu
+def test_liger_fused_cross_entropy_matches_plain_on_cuda():
+    pytest.importorskip("liger_kernel")
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    head, hidden, targets = _inputs(2, "cuda")
+    assert resolve_loss_impl("auto", head, hidden.device) == "liger"
+    for dtype in (None, torch.bfloat16):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype is not None):
+            plain = _grads(lambda: F.cross_entropy(head(hidden).float(), targets, reduction="sum"), head, hidden)
+            fused = _grads(lambda: linear_cross_entropy_sum(hidden, head, targets, "liger"), head, hidden)
+        tol = dict(rtol=1e-4, atol=1e-4) if dtype is None else dict(rtol=2e-2, atol=2e-2)
+        for a, b in zip(fused, plain):
+            torch.testing.assert_close(a.float(), b.float(), **tol)
