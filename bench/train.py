@@ -3,12 +3,14 @@
 
     python bench/train.py --preset qwen3vl-2b --method full --steps 50
     python bench/train.py --preset qwen3vl-8b --method lora --steps 50 --ours precision.compile=true
-    python bench/train.py --preset qwen3vl-2b --method full --paths peer,ours --json out.json
+    python bench/train.py --preset qwen3vl-2b --method full --paths peer,ours,packed --json out.json
 
 Workload: shared/BASELINES.md's (sft_throughput.synthetic_samples: one 448x448 image, ~64 prompt
 tokens, a 128-384-token answer; batch 8), random weights of the published architecture, the same
 initial weights for every path (one seed), bf16 autocast, fp32 master weights for full fine-tuning,
-fused AdamW at one learning rate, gradient clipping at 1.0, no dropout. LoRA: r=16, alpha=32 on the
+fused AdamW at one learning rate, gradient clipping at 1.0, no dropout. `packed` is our path on the
+same micro-batches packed into one row each (data.packing); its FLOPs and tokens are the padded
+batches' (the same samples), so its tokens/s and MFU compare directly. LoRA: r=16, alpha=32 on the
 language model's attention projections (the peer baseline's setup). Each path runs `--warmup`
 untimed steps, then `--steps` timed ones over the same cycled batches, so their losses after N
 steps compare (they must agree within bf16 noise; the table shows the spread).
@@ -33,7 +35,7 @@ import time
 import torch
 
 from vlforge.config import ModelConfig, SFTConfig, load_config
-from vlforge.data.encode import Encoder, ImageLimits, SampleTokens, collate, encode
+from vlforge.data.encode import Encoder, ImageLimits, SampleTokens, collate, encode, pack
 from vlforge.engine.health import GradHealth
 from vlforge.engine.optim import build_optimizer
 from vlforge.engine.trainable import setup_model
@@ -111,20 +113,20 @@ def run_peer(args, batches) -> dict:
     return {"model": model, "run": step}
 
 
-def run_ours(args, batches) -> dict:
+def run_ours(args, batches, packed: bool = False) -> dict:
     lora = args.method == "lora"
     tiers = ([f"tiers.language.r=16", "tiers.language.alpha=32", "tiers.language.dropout=0.0",
               "tiers.projector.train=false", "tiers.vision.train=false"] if lora else ["tiers.vision.train=true"])
     cfg = load_config(SFTConfig, None, [
         f"model.preset={args.preset}", f"model.seed={args.seed}", f"tiers.method={args.method}", "precision.mode=bf16",
         f"train.device={DEVICE}", *tiers, *(f"tiers.{t}.lr={args.lr}" for t in ("language", "projector", "vision")),
-        *args.ours])
+        *(["data.packing=true"] if packed else []), *args.ours])
     t = setup_model(cfg)
     optimizer = build_optimizer(param_groups(t.model, t.plan, 0.0), cfg.optim, DEVICE)
     scaler, health = t.policy.grad_scaler(), GradHealth(t.model, t.plan, cfg.health, cfg.precision.mode)
 
     def step(i: int) -> float:
-        return train_step(t, [batches[i % len(batches)]], optimizer, scaler, health, 1.0)["loss"]
+        return train_step(t, [batches[i % len(batches)]], optimizer, scaler, health, 1.0, cfg.loss)["loss"]
 
     return {"model": t.model, "run": step}
 
@@ -192,7 +194,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="qwen3vl-2b")
     ap.add_argument("--method", default="full", choices=["full", "lora"])
-    ap.add_argument("--paths", default="peer,trl,ours")
+    ap.add_argument("--paths", default="peer,trl,ours,packed", help="packed: ours with data.packing")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=3)
@@ -214,6 +216,8 @@ def main() -> None:
         ids = encoder.token_ids(s.messages, [(args.image, args.image)])
         items.append(encode(encoder, s, SampleTokens(ids, encoder.assistant_labels(ids), len(ids))))
     batches = [collate(items[i:i + args.batch], encoder.pad_id) for i in range(0, len(items), args.batch)]
+    # the same samples per micro-batch, each batch's samples back to back in one row (data.packing)
+    packed = [pack(items[i:i + args.batch], encoder.pad_id) for i in range(0, len(items), args.batch)]
     total = args.warmup + args.steps
     order = [batches[i % len(batches)] for i in range(args.warmup, total)]
     tokens = [int(b["attention_mask"].sum()) for b in order]
@@ -229,7 +233,8 @@ def main() -> None:
                 # TRL builds its own batches (same samples, its collator and order): its own token counts
                 results.append(summarize(name, r["losses"], r["times"], r["tokens"], None, args))
             else:
-                path = (run_peer if name == "peer" else run_ours)(args, batches)
+                path = (run_peer(args, batches) if name == "peer" else run_ours(args, batches) if name == "ours"
+                        else run_ours(args, packed, packed=True))
                 losses, times = timed(args.steps, args.warmup, path["run"])
                 from vlforge.model.tiers import unwrap
 
