@@ -69,8 +69,12 @@ def _rule(ge, gt, le, lt) -> str:
 @dataclass
 class ModelConfig:
     path: str | None = None  # local HF-format Qwen3-VL directory (never downloaded); wins over preset
-    preset: str | None = None  # tiny | qwen3vl-2b | qwen3vl-4b | qwen3vl-8b | qwen3vl-32b (random weights)
+    # tiny | qwen3vl-2b | -4b | -8b | -32b | tiny-moe | qwen3vl-30b-a3b | qwen3vl-235b-a22b (random weights)
+    preset: str | None = None
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2"] = "sdpa"
+    # MoE models: transformers' expert kernels; auto = grouped_mm (grouped GEMM) on CUDA, eager
+    # (the reference loop over experts) elsewhere (model/load.experts_implementation)
+    experts_implementation: Literal["auto", "eager", "grouped_mm", "batched_mm"] = "auto"
     seed: int = 0  # initialisation seed for presets
 
     def __post_init__(self):
@@ -109,6 +113,10 @@ class TierConfig:
     alpha: float = 16.0
     dropout: float = 0.0
     mlp: bool = False  # also adapt the MLP projections (language and vision tiers)
+    # MoE models, language tier: LoRA on the fused 3-D expert weights (LoRA only; full trains them anyway)
+    experts: bool = False
+    # MoE models, language tier: train the router (mlp.gate) fully; frozen by default (model/tiers.py: why)
+    router: bool = False
     last_n_blocks: int | None = 2  # vision tier only; null = every block (+ patch embedding when full)
 
     def __post_init__(self):
