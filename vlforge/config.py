@@ -298,8 +298,13 @@ class TrainConfig:
     keep_last: int = 2
     resume: Literal["auto", "never"] | str = "never"  # auto | never | path to a checkpoint-STEP dir
     overwrite: bool = False
+    # MoE models: x the router load-balancing loss (engine/moe.py), added to the training loss.
+    # SFT default 0.001: the coefficient Qwen3-VL-30B-A3B / 235B-A22B ship in config.json, i.e. what
+    # their training balanced with; GRPO defaults to 0 (the policy loss alone; the load is logged).
+    router_aux_loss_coef: float = 0.001
 
     def __post_init__(self):
+        _range(self, "router_aux_loss_coef", ge=0)
         for key in ("batch_size", "grad_accum", "epochs", "keep_last"):
             _range(self, key, ge=1)
         _range(self, "max_steps", ge=1)  # or null
@@ -490,7 +495,8 @@ class RLConfig:
 class GRPOConfig(RunConfig):
     """`vlforge grpo`: the shared sections (another default output_dir and length) + rollout and rl."""
 
-    train: TrainConfig = field(default_factory=lambda: TrainConfig(output_dir="runs/grpo", max_steps=100))
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(output_dir="runs/grpo", max_steps=100,
+                                                                   router_aux_loss_coef=0.0))
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     rl: RLConfig = field(default_factory=RLConfig)
 
