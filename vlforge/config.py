@@ -368,8 +368,15 @@ class QuantConfig:
     vision: Literal["none", "nf4", "int8", "fp8"] = "none"
     projector: Literal["none", "nf4", "int8", "fp8"] = "none"
     allow_4bit_vision: bool = False  # nf4 on the vision tower / projector only when forced
+    # MoE models' fused 3-D expert weights: stay in the load dtype (model/quant.py: why)
+    experts: Literal["none", "nf4", "int8", "fp8"] = "none"
 
     def __post_init__(self):
+        if self.experts != "none":
+            raise ConfigError(f"quant.experts={self.experts}: the fused 3-D MoE expert weights cannot be quantized "
+                              "here: bitsandbytes quantizes nn.Linear layers only, and transformers' torchao path "
+                              "converts nn.Linear weights unless given per-parameter configs vlforge does not build; "
+                              "keep quant.experts=none (attention is quantized, experts stay bf16)")
         for group in ("vision", "projector"):
             if getattr(self, group) == "nf4" and not self.allow_4bit_vision:
                 raise ConfigError(f"quant.{group}=nf4: 4-bit vision weights lose fine visual detail for little "
