@@ -12,7 +12,7 @@ from vlforge.config import ConfigError, DataConfig, ModelConfig, QuantConfig, SF
 from vlforge.data.dataset import load_dataset
 from vlforge.data.encode import collate
 from vlforge.engine.losses import backbone_hidden
-from vlforge.engine.moe import Routing, load_balancing_loss, load_metrics
+from vlforge.engine.moe import Routing, load_balancing_loss, load_metrics, router_modules
 from vlforge.model.load import build_meta_model, load_model
 from vlforge.model.tiers import apply_plan, build_plan, plan_summary, unwrap
 
@@ -170,6 +170,10 @@ def test_router_hooks_give_the_models_own_router_logits_and_aux_loss(tiny_moe, b
     for i, ref in enumerate(out.router_logits):
         assert torch.equal(routed.logits[i], ref)
     torch.testing.assert_close(routed.aux_loss(), out.aux_loss)
+    with torch.no_grad():
+        model(**_inputs(batch))  # outside capture: the hooks keep nothing
+    assert routing.step_metrics() and not routing.step_metrics()  # one capture's load, then reset
+    routing.remove()
     assert Routing.of(load_model(ModelConfig(preset="tiny"))[0]) is None  # dense: nothing to hook
 
 
@@ -254,7 +258,7 @@ def test_grpo_rollout_logprobs_and_routing_agree_with_the_trainer(tiny_moe, shap
     prompts = collate([encode_prompt(data.encoder, data.samples[i]) for i in range(3)], data.encoder.pad_id,
                       left_pad=True)
     cfg = RolloutConfig(group_size=4, max_new_tokens=8, temperature=1.0)
-    routers = Routing.of(model).routers
+    routers = router_modules(model)
     calls: dict[int, list] = {i: [] for i, _ in routers}  # every router call of the rollout, in order
     handles = [m.register_forward_hook(lambda mod, a, out, i=i: calls[i].append(out[0].detach()))
                for i, m in routers]
@@ -266,6 +270,7 @@ def test_grpo_rollout_logprobs_and_routing_agree_with_the_trainer(tiny_moe, shap
     routing = Routing.of(model)
     with torch.no_grad(), routing.capture(None) as routed:
         logp, _ = sequence_logprobs(model, rollout, cfg.temperature)
+    routing.remove()
     mask = rollout.response_mask.bool()
     assert mask.sum() > 12
     torch.testing.assert_close(logp[mask], rollout.logprobs[mask], atol=1e-5, rtol=1e-5)

@@ -118,14 +118,25 @@ class Routed:
 
 
 class Routing:
-    """The router hooks of one MoE model and the expert load counted since the last step_metrics()."""
+    """The router hooks of one MoE model and the expert load counted since the last step_metrics().
+
+    The hooks are registered once and do nothing outside `capture` (evaluation, generation): one
+    set of hooks for the model's life, so torch.compile'd decoder layers see no new hook per step."""
 
     def __init__(self, routers: list[tuple[int, nn.Module]], top_k: int, coef: float = 0.0):
         self.routers, self.top_k = routers, top_k
         self.coef = coef  # train.router_aux_loss_coef
         self.n_layers = len({i for i, _ in routers})
-        self._counts: torch.Tensor | None = None
-        self._aux: list[float] = []
+        self._routed: Routed | None = None
+        self._counts: torch.Tensor | None = None  # [L, E] on the model's device: no host sync per micro-batch
+        self._aux: list[torch.Tensor] = []
+        self._handles = [m.register_forward_hook(self._hook(i)) for i, m in routers]
+
+    def _hook(self, layer: int):
+        def keep(module, args, output):
+            if self._routed is not None:
+                self._routed.logits[layer] = output[0]
+        return keep
 
     @classmethod
     def of(cls, model: nn.Module, coef: float = 0.0) -> "Routing | None":
@@ -134,39 +145,36 @@ class Routing:
             return None
         return cls(routers, routers[0][1].top_k, coef)
 
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
     @contextlib.contextmanager
     def capture(self, mask: torch.Tensor | None):
         """Router logits of the forwards run inside, for the rows of `mask` ([B, T] or [N])."""
         routed = Routed(mask_N=None if mask is None else mask.reshape(-1), top_k=self.top_k)
-
-        def hook(layer):
-            def keep(module, args, output):
-                routed.logits[layer] = output[0]
-            return keep
-
-        handles = [m.register_forward_hook(hook(i)) for i, m in self.routers]
+        self._routed = routed
         try:
             yield routed
         finally:
-            for h in handles:
-                h.remove()
+            self._routed = None
         if routed.logits:
-            counts = routed.counts().cpu()
+            counts = routed.counts()
             self._counts = counts if self._counts is None else self._counts + counts
 
-    def record_aux(self, value: float) -> None:
-        self._aux.append(value)
+    def record_aux(self, value: torch.Tensor) -> None:
+        self._aux.append(value.detach())
 
     def step_metrics(self, world=None) -> dict:
         """The expert-load summaries (and mean aux loss) since the last call, every rank's tokens."""
         if self._counts is None:
             return {}
-        counts = self._counts
+        counts = self._counts.cpu()
         if world is not None and world.size > 1:
             counts = torch.tensor(world.sums(*counts.flatten().tolist())).reshape(counts.shape)
         row = load_metrics(counts)
         if self._aux:
-            row["moe/aux_loss"] = sum(self._aux) / len(self._aux)
+            row["moe/aux_loss"] = float(torch.stack(self._aux).float().mean())
         self._counts, self._aux = None, []
         return row
 
@@ -182,5 +190,5 @@ def aux_term(routing: Routing | None, routed: Routed | None, parts: int) -> torc
     if routing is None or routed is None or not routed.logits:
         return 0.0
     aux = routed.aux_loss()
-    routing.record_aux(float(aux.detach()))
+    routing.record_aux(aux)
     return routing.coef * aux / parts if routing.coef else 0.0
