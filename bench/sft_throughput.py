@@ -9,6 +9,13 @@
     python bench/sft_throughput.py --preset qwen3vl-2b --method full --packing          # same batches, packed
     python bench/sft_throughput.py --preset qwen3vl-2b --method full --mixed --max-tokens-per-batch 16384 [--packing]
     python bench/sft_throughput.py ... --packing --override model.attn_implementation=flex_attention loss.impl=plain
+    python bench/sft_throughput.py --preset qwen3vl-30b-a3b --method lora --grad-ckpt     # MoE: LoRA attention + experts
+    python bench/sft_throughput.py --preset qwen3vl-30b-a3b --method lora --grad-ckpt --override model.experts_implementation=eager
+
+MoE presets (qwen3vl-30b-a3b, qwen3vl-235b-a22b) with --method lora train LoRA on attention and on
+the fused experts (tiers.language.experts=true), router frozen; the experts run with
+model.experts_implementation (auto: grouped_mm on CUDA). Gradient checkpointing is advised there:
+without it peft's folded expert copies of every layer stay alive until backward (--plan shows it).
 
 Each sample: one 448x448 image (196 image tokens), ~64 prompt tokens, an answer of 128-384
 tokens; batch 8, random weights of the published architecture. `--mixed`: answers of 8-1024
@@ -39,6 +46,7 @@ from vlforge.engine.fp8 import summarize
 from vlforge.engine.health import GradHealth
 from vlforge.engine.losses import count_tokens
 from vlforge.engine.optim import build_optimizer
+from vlforge.model.presets import MOE_PRESETS
 from vlforge.model.tiers import param_groups
 from vlforge.engine.trainable import setup_model
 from vlforge.recipes.sft import train_step
@@ -99,6 +107,7 @@ def main() -> None:
         f"precision.gradient_checkpointing={str(args.grad_ckpt).lower()}", vision,
         # the peer baseline trains LoRA on LM attention only
         *(["tiers.projector.train=false", "tiers.language.r=16", "tiers.language.alpha=32"] if args.method == "lora" else []),
+        *(["tiers.language.experts=true"] if args.method == "lora" and args.preset in MOE_PRESETS else []),
         *args.override])
     torch.backends.cuda.matmul.allow_tf32 = True
     if args.fsdp:
@@ -155,6 +164,9 @@ def main() -> None:
         "transformers": __import__("transformers").__version__, "overrides": args.override,
         "loss_first": losses[0], "loss_last10": sum(losses[-10:]) / len(losses[-10:]),
         "fp8": summarize(t.fp8_plan) if t.fp8_plan else None,
+        # MoE: the expert kernels and the last step's expert load (engine/moe.py)
+        "experts_implementation": getattr(getattr(t.model.config, "text_config", None), "_experts_implementation", None),
+        **{k: v for k, v in out.items() if k.startswith("moe/")},
     }
     if args.curve:
         with open(args.curve, "w") as f:

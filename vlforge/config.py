@@ -69,10 +69,14 @@ def _rule(ge, gt, le, lt) -> str:
 @dataclass
 class ModelConfig:
     path: str | None = None  # local HF-format Qwen3-VL directory (never downloaded); wins over preset
-    preset: str | None = None  # tiny | qwen3vl-2b | qwen3vl-4b | qwen3vl-8b | qwen3vl-32b (random weights)
+    # tiny | qwen3vl-2b | -4b | -8b | -32b | tiny-moe | qwen3vl-30b-a3b | qwen3vl-235b-a22b (random weights)
+    preset: str | None = None
     # flex_attention: transformers compiles torch's flex_attention (a block-sparse document mask for
     # data.packing); flash_attention_2 needs the flash-attn package (varlen kernels when packed)
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flex_attention"] = "sdpa"
+    # MoE models: transformers' expert kernels; auto = grouped_mm (grouped GEMM) on CUDA, eager
+    # (the reference loop over experts) elsewhere (model/load.experts_implementation)
+    experts_implementation: Literal["auto", "eager", "grouped_mm", "batched_mm"] = "auto"
     seed: int = 0  # initialisation seed for presets
 
     def __post_init__(self):
@@ -135,6 +139,10 @@ class TierConfig:
     alpha: float = 16.0
     dropout: float = 0.0
     mlp: bool = False  # also adapt the MLP projections (language and vision tiers)
+    # MoE models, language tier: LoRA on the fused 3-D expert weights (LoRA only; full trains them anyway)
+    experts: bool = False
+    # MoE models, language tier: train the router (mlp.gate) fully; frozen by default (model/tiers.py: why)
+    router: bool = False
     last_n_blocks: int | None = 2  # vision tier only; null = every block (+ patch embedding when full)
 
     def __post_init__(self):
@@ -316,8 +324,13 @@ class TrainConfig:
     keep_last: int = 2
     resume: Literal["auto", "never"] | str = "never"  # auto | never | path to a checkpoint-STEP dir
     overwrite: bool = False
+    # MoE models: x the router load-balancing loss (engine/moe.py), added to the training loss.
+    # SFT default 0.001: the coefficient Qwen3-VL-30B-A3B / 235B-A22B ship in config.json, i.e. what
+    # their training balanced with; GRPO defaults to 0 (the policy loss alone; the load is logged).
+    router_aux_loss_coef: float = 0.001
 
     def __post_init__(self):
+        _range(self, "router_aux_loss_coef", ge=0)
         for key in ("batch_size", "grad_accum", "epochs", "keep_last"):
             _range(self, key, ge=1)
         _range(self, "max_steps", ge=1)  # or null
@@ -381,8 +394,15 @@ class QuantConfig:
     vision: Literal["none", "nf4", "int8", "fp8"] = "none"
     projector: Literal["none", "nf4", "int8", "fp8"] = "none"
     allow_4bit_vision: bool = False  # nf4 on the vision tower / projector only when forced
+    # MoE models' fused 3-D expert weights: stay in the load dtype (model/quant.py: why)
+    experts: Literal["none", "nf4", "int8", "fp8"] = "none"
 
     def __post_init__(self):
+        if self.experts != "none":
+            raise ConfigError(f"quant.experts={self.experts}: the fused 3-D MoE expert weights cannot be quantized "
+                              "here: bitsandbytes quantizes nn.Linear layers only, and transformers' torchao path "
+                              "converts nn.Linear weights unless given per-parameter configs vlforge does not build; "
+                              "keep quant.experts=none (attention is quantized, experts stay bf16)")
         for group in ("vision", "projector"):
             if getattr(self, group) == "nf4" and not self.allow_4bit_vision:
                 raise ConfigError(f"quant.{group}=nf4: 4-bit vision weights lose fine visual detail for little "
@@ -509,7 +529,8 @@ class RLConfig:
 class GRPOConfig(RunConfig):
     """`vlforge grpo`: the shared sections (another default output_dir and length) + rollout and rl."""
 
-    train: TrainConfig = field(default_factory=lambda: TrainConfig(output_dir="runs/grpo", max_steps=100))
+    train: TrainConfig = field(default_factory=lambda: TrainConfig(output_dir="runs/grpo", max_steps=100,
+                                                                   router_aux_loss_coef=0.0))
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     rl: RLConfig = field(default_factory=RLConfig)
 

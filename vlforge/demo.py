@@ -74,12 +74,14 @@ def format_table(before: dict, after: dict) -> str:
     return "\n".join(lines)
 
 
-def run_grpo_stage(root: Path, paths: dict, overrides: list[str]) -> dict:
-    """GRPO from an SFT model stopped early: the RL stage on its own, measured on held-out data."""
+def run_grpo_stage(root: Path, paths: dict, overrides: list[str], model_overrides: list[str] = ()) -> dict:
+    """GRPO from an SFT model stopped early: the RL stage on its own, measured on held-out data.
+    `model_overrides`: the demo's model.* overrides (model.preset=tiny-moe), so both stages use that model."""
     start_dir = root / "sft-undertrained"
     cfg = load_config(SFTConfig, packaged_config("demo-sft.yaml"), [
         f"data.train={paths['train']}", "data.val=null", f"train.output_dir={start_dir}",
-        f"train.max_steps={UNDERTRAINED_SFT_STEPS}", f"train.save_every={UNDERTRAINED_SFT_STEPS}", "log.progress=false"])
+        f"train.max_steps={UNDERTRAINED_SFT_STEPS}", f"train.save_every={UNDERTRAINED_SFT_STEPS}", "log.progress=false",
+        *model_overrides])
     run_sft(cfg)
     grpo_cfg = load_config(GRPOConfig, packaged_config("demo-grpo.yaml"), [
         f"model.path={start_dir / f'checkpoint-{UNDERTRAINED_SFT_STEPS}'}", f"data.train={paths['train']}",
@@ -114,7 +116,7 @@ def run_demo(out: str | None = None, overwrite: bool = False, overrides: list[st
     print(f"3/4 SFT done in {sft_seconds:.0f} s\n\n{format_table(before, after)}\n\n"
           f"loss curve: {root / 'loss.png'}   run: {result['output_dir']}\n")
     print(f"4/4 GRPO from an under-trained SFT model ({UNDERTRAINED_SFT_STEPS} steps), exact-match reward ...")
-    grpo = run_grpo_stage(root, paths, grpo_overrides or [])
+    grpo = run_grpo_stage(root, paths, grpo_overrides or [], [o for o in overrides or [] if o.startswith("model.")])
     elapsed = time.perf_counter() - start
     print(f"\nGRPO stage (greedy accuracy on held-out data)\n"
           f"{format_table(grpo['first_eval'], grpo['eval'])}\n\nreward curve: {root / 'reward.png'}   "

@@ -215,6 +215,14 @@ def count_tokens(batch: dict) -> int:
     return int(batch["seq_lens"].sum()) if "seq_lens" in batch else int(batch["attention_mask"].sum())
 
 
+def real_tokens(batch: dict) -> torch.Tensor:
+    """[B, T] 1 on a batch's real tokens (the attention mask; a packed row: all but its filler tail)."""
+    if "seq_lens" not in batch:
+        return batch["attention_mask"]
+    T = batch["input_ids"].shape[1]
+    return (torch.arange(T, device=batch["input_ids"].device) < batch["seq_lens"].sum())[None].long()
+
+
 class Root(torch.nn.Module):
     """`Root(model)(fn, *args)` is `fn(model, *args)`: a training step's forward as one module.
 

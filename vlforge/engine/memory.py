@@ -10,7 +10,8 @@ parameters (in their own dtype), optimizer state (AdamW: two moments in the para
 8-bit: optim.state_bytes), each tensor split over the processes under FSDP2 (dim 0, padded as
 FSDP2 pads it), and the FSDP2 units gathered for compute. With distributed.cpu_offload the
 sharded parameters, gradients and optimizer state live in host memory; only the gathered units
-stay on the GPU. Not counted: activations (batch, sequence length, images and gradient
+stay on the GPU. MoE models count every expert (all are resident, whichever few a token uses),
+and expert LoRA as peft builds it (one rank-r pair per expert). Not counted: activations (batch, sequence length, images and gradient
 checkpointing decide them), the one-process path's autocast copies, CUDA/NCCL workspaces and
 allocator fragmentation.
 """
@@ -66,6 +67,7 @@ def _unit(name: str) -> str:
 def _tensors(model: nn.Module, plan: list, cfg) -> list[_Tensor]:
     """Every parameter of the trained model (LoRA adapters included) with its storage dtype."""
     from vlforge.model.quant import quant_plan
+    from vlforge.model.tiers import expert_shape
 
     policy = PrecisionPolicy(cfg.precision, "cpu")
     full_roots = [e.module for e in plan if e.kind == "full"]
@@ -83,10 +85,17 @@ def _tensors(model: nn.Module, plan: list, cfg) -> list[_Tensor]:
     for e in plan:  # LoRA: A (r x in) and B (out x r) per adapted linear, in the master dtype
         if e.kind != "lora":
             continue
-        linear = model.get_submodule(e.module)
         unit = _unit(e.module)
+        if e.target == "parameter":  # fused MoE experts: peft's A (r*E x in), B (out x r*E)
+            experts, fan_in, fan_out = expert_shape(model.get_parameter(e.module))
+            out += [_Tensor(unit, (e.r * experts, fan_in), master, True),
+                    _Tensor(unit, (fan_out, e.r * experts), master, True)]
+            continue
+        linear = model.get_submodule(e.module)
         out += [_Tensor(unit, (e.r, linear.in_features), master, True),
                 _Tensor(unit, (linear.out_features, e.r), master, True)]
+    # not counted: a router trained beside LoRA is a peft copy (modules_to_save) next to its frozen
+    # original, E x H values per layer (0.26M for 30B-A3B)
     return out
 
 
@@ -142,6 +151,7 @@ def memory_estimate(model: nn.Module, plan: list, cfg, world_size: int = 1) -> d
     sharded = strategy == "fsdp2"
     offload_applies = d.cpu_offload and sharded  # auto on one process resolves to none: no offload
     not_estimated = "activations, autocast copies, CUDA/NCCL workspaces, allocator fragmentation"
+
     if hasattr(cfg, "rollout"):  # GRPO
         not_estimated += ", the rollout KV cache"
         if cfg.tiers.method == "full" and cfg.rl.kl_beta > 0:
@@ -160,9 +170,25 @@ def memory_estimate(model: nn.Module, plan: list, cfg, world_size: int = 1) -> d
         "selected": "cpu_offload" if offload_applies else "no_offload",
         "no_offload": _layout(tensors, sharded=sharded, offload=False, **common),
         "cpu_offload": _layout(tensors, sharded=True, offload=True, **common),
+        "expert_lora_copies": expert_lora_copies(model, plan, cfg, compute),
         "fsdp2_problem": fsdp2_problem(cfg, world_size),
         "not_estimated": not_estimated,
     }
+
+
+def expert_lora_copies(model: nn.Module, plan: list, cfg, compute_bytes: int) -> float:
+    """GPU bytes of the expert weights peft folds LoRA into: each forward adds the update to a
+    full copy of a layer's fused experts (ParamWrapper's baddbmm), which the expert GEMM keeps for
+    backward: every MoE layer's copy at once, or one layer's under gradient checkpointing (the
+    recomputation folds again). 0 without expert LoRA."""
+    per_layer: dict[str, int] = {}
+    for e in plan:
+        if e.kind == "lora" and e.target == "parameter":
+            per_layer[_unit(e.module)] = per_layer.get(_unit(e.module), 0) + model.get_parameter(e.module).numel()
+    if not per_layer:
+        return 0.0
+    held = max(per_layer.values()) if cfg.precision.gradient_checkpointing else sum(per_layer.values())
+    return float(held * compute_bytes)
 
 
 def fsdp2_problem(cfg, world_size: int) -> str | None:
@@ -207,6 +233,9 @@ def format_memory(est: dict) -> str:
     lines.append(f"this config: {chosen}" + ("" if strategy == "fsdp2" else
                                              " (cpu_offload needs distributed.strategy=fsdp2)"))
     lines.append(f"loading: each process first holds the whole model, {_gb(est['load_bytes'])}")
+    if est.get("expert_lora_copies"):
+        lines.append(f"expert LoRA: + {_gb(est['expert_lora_copies'])} of folded expert weights held for backward "
+                     "(peft adds the update to a copy of each layer's experts; gradient checkpointing keeps one layer's)")
     lines.append(f"not estimated: {est['not_estimated']} (activations grow with batch, sequence length and "
                  "images; precision.gradient_checkpointing shrinks them)")
     if est["fsdp2_problem"]:

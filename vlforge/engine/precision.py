@@ -183,7 +183,7 @@ def precision_plan(model: nn.Module, plan: list, cfg: PrecisionConfig, quant: Qu
     fp8_layers = {name: d.reason for name, d in decisions.items() if d.convert}
     policy = PrecisionPolicy(cfg, "cpu")
     out = {"mode": cfg.mode, "master_weights": NAMES[policy.master_dtype],
-           "table": policy.table(model, trainable, {e.module for e in plan if e.kind == "lora"}, fp8_layers,
+           "table": policy.table(model, trainable, {e.owner for e in plan if e.kind == "lora"}, fp8_layers,
                                  quantized={n: m for n, m in quant_plan(model, quant).items() if m != "none"}
                                  if quant is not None and quant.enabled else None)}
     if decisions:

@@ -18,6 +18,7 @@ from vlforge.config import ConfigError, PrecisionConfig, RunConfig
 from vlforge.engine.distributed import World, refuse_unsupported, wrap
 from vlforge.engine.fp8 import fp8_backend, fp8_layer_plan, token_multiple
 from vlforge.engine.hardware import bf16_problem, quant_problem
+from vlforge.engine.moe import Routing
 from vlforge.engine.optim import optimizer_problem
 from vlforge.engine.precision import PrecisionPolicy
 from vlforge.engine.runtime import resolve_device
@@ -38,6 +39,7 @@ class Trainable:
     fp8_plan: dict = field(default_factory=dict)  # linear name -> fp8.Decision (empty without FP8)
     world: World = field(default_factory=World)  # this process's rank in the run (one process: rank 0 of 1)
     root: torch.nn.Module | None = None  # sharded: the FSDP2 root unit (a losses.Root) the step calls
+    routing: Routing | None = None  # MoE: router hooks for the aux loss and expert-load metrics (engine/moe.py)
 
     def forward(self, fn, *args, **kwargs):
         """`fn(model, *args)`, entered through the FSDP2 root unit when the run is sharded (losses.Root)."""
@@ -124,4 +126,5 @@ def setup_model(cfg: RunConfig, compile_blocks: bool | None = None, world: World
     # them in the compute dtype; `t.model` stays the (peft / HF) model, its parameters now sharded
     root = wrap(model, world, cfg.distributed, policy.compute_dtype, policy.master_dtype)
     model.train()
-    return Trainable(model, processor, plan, policy, device, fp8_plan, world, root)
+    routing = Routing.of(model, cfg.train.router_aux_loss_coef)
+    return Trainable(model, processor, plan, policy, device, fp8_plan, world, root, routing)

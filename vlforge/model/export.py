@@ -5,8 +5,11 @@
     vlforge export runs/x/checkpoint-500 --out merged-nf4/ --merge --quant nf4
 
 The merged directory holds config.json, safetensors shards, generation config, tokenizer,
-processor and chat-template files: plain `Qwen3VLForConditionalGeneration.from_pretrained` and
-`AutoProcessor.from_pretrained` load it, with no vlforge installed. LoRA is merged in bf16 into
+processor and chat-template files: plain `Qwen3VLForConditionalGeneration.from_pretrained` (MoE:
+`Qwen3VLMoeForConditionalGeneration`) and `AutoProcessor.from_pretrained` load it, with no vlforge
+installed. MoE expert LoRA (peft parameter targeting) merges into the fused expert weights and a
+trained router (peft modules_to_save) replaces the original, so the merged directory is a plain
+MoE checkpoint. LoRA is merged in bf16 into
 an unquantized base (merging into NF4 weights would round the update away and cannot be saved
 as a plain model); quantization is applied afterwards, by loading the merged weights through
 transformers' quantizer and saving that.
@@ -124,13 +127,15 @@ def load_lora_checkpoint(checkpoint: Path, dtype: torch.dtype = torch.bfloat16, 
 
 def load_merged(checkpoint: Path, dtype: torch.dtype = torch.bfloat16):
     """(model, processor) with LoRA merged into an unquantized base, or the full checkpoint's weights."""
-    from transformers import AutoProcessor, Qwen3VLForConditionalGeneration
+    from transformers import AutoProcessor
+
+    from vlforge.model.load import dir_config, model_class
 
     kind = _check_checkpoint(checkpoint)
     if kind == "sharded":
         return consolidate_sharded(checkpoint, dtype)
-    if kind == "full":
-        model = Qwen3VLForConditionalGeneration.from_pretrained(str(checkpoint), dtype=dtype, local_files_only=True)
+    if kind == "full":  # dense or MoE, as its config.json says
+        model = model_class(dir_config(checkpoint)).from_pretrained(str(checkpoint), dtype=dtype, local_files_only=True)
         return model, AutoProcessor.from_pretrained(str(checkpoint), local_files_only=True)
     # never into a quantized base, even for a QLoRA run: the update would be rounded away
     model, processor, _ = load_lora_checkpoint(checkpoint, torch.float32, quant=QuantConfig())

@@ -1,4 +1,10 @@
-"""Load a Qwen3-VL model + processor from a local directory or a built-in preset. Never downloads."""
+"""Load a Qwen3-VL model + processor from a local directory or a built-in preset. Never downloads.
+
+The architecture follows the config: `model_type` qwen3_vl is the dense
+`Qwen3VLForConditionalGeneration`, qwen3_vl_moe the mixture-of-experts
+`Qwen3VLMoeForConditionalGeneration` (30B-A3B, 235B-A22B). MoE experts run with
+`model.experts_implementation` (auto: transformers' grouped GEMM on CUDA, its reference loop elsewhere).
+"""
 
 from __future__ import annotations
 
@@ -7,10 +13,10 @@ import tempfile
 from pathlib import Path
 
 import torch
-from transformers import AutoProcessor, Qwen3VLForConditionalGeneration
+from transformers import AutoProcessor, Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration
 
 from vlforge.config import ConfigError, ModelConfig, QuantConfig
-from vlforge.model.presets import TINY_PATCH, build_processor, preset_config, tiny_tokenizer
+from vlforge.model.presets import PRESETS, TINY_PATCH, TINY_PRESETS, build_processor, is_moe, preset_config, tiny_tokenizer
 
 # The dtype names of the config (precision.mode, --dtype) as torch dtypes.
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -39,9 +45,48 @@ def load_processor(cfg: ModelConfig):
     _offline()
     if cfg.path:
         return AutoProcessor.from_pretrained(str(check_model_dir(cfg.path)), local_files_only=True)
-    if cfg.preset == "tiny":
+    if cfg.preset in TINY_PRESETS:
         return build_processor(tiny_tokenizer(), TINY_PATCH)
     return build_processor(tiny_tokenizer(), 16)
+
+
+ARCHITECTURES = {"qwen3_vl": Qwen3VLForConditionalGeneration, "qwen3_vl_moe": Qwen3VLMoeForConditionalGeneration}
+
+
+def dir_config(path: str | Path):
+    """The model config of a local directory, its architecture checked (dense or MoE Qwen3-VL)."""
+    from transformers import AutoConfig
+
+    path = check_model_dir(path)
+    try:
+        config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except (ValueError, OSError, KeyError) as e:
+        raise ConfigError(f"model.path: {path}/config.json is not a config transformers reads ({e})") from None
+    if config.model_type not in ARCHITECTURES:
+        raise ConfigError(f"model.path: {path}/config.json has model_type '{config.model_type}'; vlforge loads "
+                          f"Qwen3-VL ({' or '.join(ARCHITECTURES)}) models")
+    return config
+
+
+def model_class(config) -> type:
+    return ARCHITECTURES["qwen3_vl_moe" if is_moe(config) else "qwen3_vl"]
+
+
+def experts_implementation(cfg: ModelConfig, device: torch.device) -> str:
+    """transformers' expert kernels: `grouped_mm` (one grouped GEMM per projection over every
+    expert's tokens) is the fastest it offers and its own default since 5.1x; auto picks it on
+    CUDA and the reference Python loop over experts (`eager`) elsewhere, where grouped_mm's CPU path
+    brings nothing and eager is the numerics the parity tests compare against."""
+    if cfg.experts_implementation != "auto":
+        return cfg.experts_implementation
+    return "grouped_mm" if device.type == "cuda" else "eager"
+
+
+def _impl_kwargs(cfg: ModelConfig, config, device: torch.device) -> dict:
+    kwargs = {"attn_implementation": cfg.attn_implementation}
+    if is_moe(config):
+        kwargs["experts_implementation"] = experts_implementation(cfg, device)
+    return kwargs
 
 
 def load_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
@@ -54,24 +99,23 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: str
     """
     _offline()
     if not cfg.path and not cfg.preset:
-        raise ConfigError("set model.path (a local Qwen3-VL directory) or model.preset "
-                          "(tiny, qwen3vl-2b, qwen3vl-4b, qwen3vl-8b, qwen3vl-32b)")
+        raise ConfigError(f"set model.path (a local Qwen3-VL directory) or model.preset ({', '.join(PRESETS)})")
     if quant is not None and quant.enabled:
         return _load_quantized(cfg, quant, dtype, torch.device(device))
     processor = load_processor(cfg)
+    target = torch.device(device)
     if cfg.path:
-        model = Qwen3VLForConditionalGeneration.from_pretrained(
+        config = dir_config(cfg.path)
+        model = model_class(config).from_pretrained(
             str(check_model_dir(cfg.path)), dtype=dtype, local_files_only=True,
-            attn_implementation=cfg.attn_implementation, device_map=str(device) if str(device) != "cpu" else None)
+            device_map=str(device) if str(device) != "cpu" else None, **_impl_kwargs(cfg, config, target))
     else:
         config = preset_config(cfg.preset, processor.tokenizer)
-        config._attn_implementation = cfg.attn_implementation
-        target = torch.device(device)
         cuda = [target.index or 0] if target.type == "cuda" else []
         with torch.random.fork_rng(devices=cuda):  # the init seed must not reset the run's own RNG stream
             torch.manual_seed(cfg.seed)
             with torch.device(device):
-                model = Qwen3VLForConditionalGeneration._from_config(config, dtype=dtype)
+                model = model_class(config)._from_config(config, dtype=dtype, **_impl_kwargs(cfg, config, target))
     model.generation_config.pad_token_id = processor.tokenizer.pad_token_id
     model.generation_config.eos_token_id = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
     return model, processor
@@ -88,13 +132,13 @@ def _load_quantized(cfg: ModelConfig, quant: QuantConfig, dtype: torch.dtype, de
             del model
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-            return _load_quantized(ModelConfig(path=tmp, attn_implementation=cfg.attn_implementation), quant,
-                                   dtype, device)
+            return _load_quantized(ModelConfig(path=tmp, attn_implementation=cfg.attn_implementation,
+                                               experts_implementation=cfg.experts_implementation), quant, dtype, device)
     meta, processor = build_meta_model(cfg)
     kwargs = from_pretrained_kwargs(quant, quant_plan(meta, quant), compute_dtype=dtype)
-    model = Qwen3VLForConditionalGeneration.from_pretrained(
-        str(check_model_dir(cfg.path)), dtype=dtype, local_files_only=True, attn_implementation=cfg.attn_implementation,
-        device_map=str(device) if device.type == "cuda" else None, **kwargs)
+    model = model_class(meta.config).from_pretrained(
+        str(check_model_dir(cfg.path)), dtype=dtype, local_files_only=True,
+        device_map=str(device) if device.type == "cuda" else None, **_impl_kwargs(cfg, meta.config, device), **kwargs)
     verify(model, quant)  # the skip list must have been exact
     model.generation_config.pad_token_id = processor.tokenizer.pad_token_id
     model.generation_config.eos_token_id = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
@@ -102,14 +146,9 @@ def _load_quantized(cfg: ModelConfig, quant: QuantConfig, dtype: torch.dtype, de
 
 
 def build_meta_model(cfg: ModelConfig):
-    """The model's module tree and shapes without allocating weights (for `--plan` on 8B on a laptop)."""
-    from transformers import AutoConfig
-
+    """The model's module tree and shapes without allocating weights (for `--plan` on 8B or 30B-A3B on a laptop)."""
     processor = load_processor(cfg)
-    if cfg.path:
-        config = AutoConfig.from_pretrained(str(check_model_dir(cfg.path)), local_files_only=True)
-    else:
-        config = preset_config(cfg.preset, processor.tokenizer)
+    config = dir_config(cfg.path) if cfg.path else preset_config(cfg.preset, processor.tokenizer)
     with torch.device("meta"):
-        model = Qwen3VLForConditionalGeneration._from_config(config)
+        model = model_class(config)._from_config(config)
     return model, processor

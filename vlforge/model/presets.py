@@ -7,6 +7,11 @@ own Qwen3-VL processor. It runs the whole pipeline on a laptop CPU in seconds.
 The published presets copy the architecture of the Qwen3-VL Instruct checkpoints (layer counts,
 widths, deepstack layers, tied embeddings) with random weights: speed and memory do not depend on
 weight values, so benchmarks use them without any download.
+
+The mixture-of-experts presets (`tiny-moe`, `qwen3vl-30b-a3b`, `qwen3vl-235b-a22b`) are
+`Qwen3VLMoeForConditionalGeneration`s: every decoder layer's MLP is a router (`mlp.gate`) over
+fused 3-D expert weights (`mlp.experts.gate_up_proj` [E, 2I, H], `mlp.experts.down_proj` [E, H, I]);
+the vision tower and projector are the dense model's.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from __future__ import annotations
 from importlib import resources
 from pathlib import Path
 
-from transformers import AutoTokenizer, Qwen3VLConfig, Qwen3VLProcessor
+from transformers import AutoTokenizer, Qwen3VLConfig, Qwen3VLMoeConfig, Qwen3VLProcessor
 
 from vlforge.config import ConfigError
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import Qwen2VLImageProcessor
@@ -45,7 +50,27 @@ _PUBLISHED = {
         False,
     ),
 }
-PRESETS = ("tiny", *_PUBLISHED)
+# The MoE checkpoints Qwen/Qwen3-VL-30B-A3B-Instruct and Qwen/Qwen3-VL-235B-A22B-Instruct, from their
+# config.json on the Hugging Face hub (cross-checked with NVIDIA Megatron-Bridge's Qwen3-VL-MoE
+# model args): every layer sparse (decoder_sparse_step 1, no mlp_only_layers), 128 experts, top-8,
+# untied embeddings. intermediate_size is the dense-MLP width those configs carry (unused: no dense layer).
+_PUBLISHED_MOE = {
+    "qwen3vl-30b-a3b": (
+        dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768, num_hidden_layers=48,
+             num_attention_heads=32, num_key_value_heads=4, num_experts=128, num_experts_per_tok=8),
+        dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, deepstack_visual_indexes=[8, 16, 24]),
+        False,
+    ),
+    "qwen3vl-235b-a22b": (
+        dict(hidden_size=4096, intermediate_size=12288, moe_intermediate_size=1536, num_hidden_layers=94,
+             num_attention_heads=64, num_key_value_heads=4, num_experts=128, num_experts_per_tok=8),
+        dict(depth=27, hidden_size=1152, intermediate_size=4304, num_heads=16, deepstack_visual_indexes=[8, 16, 24]),
+        False,
+    ),
+}
+MOE_PRESETS = ("tiny-moe", *_PUBLISHED_MOE)
+PRESETS = ("tiny", *_PUBLISHED, *MOE_PRESETS)
+TINY_PRESETS = ("tiny", "tiny-moe")  # the 8x8-patch processor
 
 # The tiny model sees 8x8-pixel patches (published models: 16x16) so that the 64x64 demo images
 # still give 16 image tokens after the 2x2 spatial merge.
@@ -75,12 +100,17 @@ def _token_ids(tokenizer) -> dict:
     return ids
 
 
-def preset_config(name: str, tokenizer) -> Qwen3VLConfig:
+def is_moe(config) -> bool:
+    """Whether a (Qwen3-VL) model config is the mixture-of-experts architecture."""
+    return getattr(config, "model_type", None) == "qwen3_vl_moe"
+
+
+def preset_config(name: str, tokenizer) -> Qwen3VLConfig | Qwen3VLMoeConfig:
     if name not in PRESETS:
         raise ConfigError(f"unknown model.preset '{name}': choose one of {list(PRESETS)} or set model.path")
     rope = {"rope_type": "default", "rope_theta": 5_000_000.0, "mrope_interleaved": True}
     pad = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    if name == "tiny":
+    if name in TINY_PRESETS:
         vocab = (len(tokenizer) + 63) // 64 * 64
         text = dict(vocab_size=vocab, hidden_size=64, intermediate_size=192, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=16,
@@ -90,11 +120,17 @@ def preset_config(name: str, tokenizer) -> Qwen3VLConfig:
                     rope_parameters={**rope, "rope_theta": 10_000.0, "mrope_section": [4, 2, 2]})
         vision = dict(depth=2, hidden_size=64, intermediate_size=128, num_heads=4, patch_size=TINY_PATCH,
                       out_hidden_size=64, num_position_embeddings=64, deepstack_visual_indexes=[0])
+        if name == "tiny-moe":  # tiny's attention and vision; 8 experts of width 32, top-2, in both layers
+            text.update(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, decoder_sparse_step=1,
+                        mlp_only_layers=[])
+            return Qwen3VLMoeConfig(text_config=text, vision_config=vision, tie_word_embeddings=False,
+                                    **_token_ids(tokenizer))
         return Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=False,
                              **_token_ids(tokenizer))
-    text_kw, vision_kw, tie = _PUBLISHED[name]
+    moe = name in _PUBLISHED_MOE
+    text_kw, vision_kw, tie = (_PUBLISHED_MOE if moe else _PUBLISHED)[name]
     text = dict(vocab_size=151936, head_dim=128, max_position_embeddings=262144, pad_token_id=pad,
                 rope_parameters={**rope, "mrope_section": [24, 20, 20]}, **text_kw)
     vision = dict(patch_size=16, out_hidden_size=text_kw["hidden_size"], num_position_embeddings=2304, **vision_kw)
     # Token ids follow the shipped tokenizer so the tiny tokenizer can drive random-weight benchmarks.
-    return Qwen3VLConfig(text_config=text, vision_config=vision, tie_word_embeddings=tie, **_token_ids(tokenizer))
+    return (Qwen3VLMoeConfig if moe else Qwen3VLConfig)(text_config=text, vision_config=vision, tie_word_embeddings=tie, **_token_ids(tokenizer))

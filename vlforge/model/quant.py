@@ -17,6 +17,16 @@ lm_head and the embeddings are never quantized (they are the most sensitive laye
 default to bf16; 4-bit there needs `allow_4bit_vision` (small vision GEMMs gain little memory and
 lose accuracy on fine visual detail).
 
+Mixture-of-experts models: the fused 3-D expert weights (`mlp.experts.gate_up_proj` / `down_proj`)
+and the routers (`mlp.gate`) are not nn.Linear, and both libraries quantize only nn.Linear
+through transformers: bitsandbytes swaps Linear for Linear4bit / Linear8bitLt (nothing handles a
+3-D weight), and transformers' torchao path converts Linear weights unless an FqnToConfig names
+other parameters, which vlforge neither builds nor verifies. So with `quant.language` the
+attention (and any dense MLP) is quantized and the experts and routers stay in the load dtype
+(bf16): `quant.experts` other than none is refused, and `verify()` checks every expert weight
+is still a plain tensor. For 30B-A3B that is ~1B quantized attention weights beside ~29B bf16
+expert weights: weight memory stays close to bf16's.
+
 Quantization goes through transformers' own quantizer integrations (`BitsAndBytesConfig`,
 `TorchAoConfig`) at `from_pretrained`, so a quantized model saves and loads with plain transformers.
 One backend per model: bitsandbytes methods (nf4, int8) cannot be mixed with torchao's fp8.
@@ -47,6 +57,9 @@ def group_of(name: str) -> str | None:
     return None  # lm_head, embeddings, patch embedding: never quantized
 
 
+EXPERT_PARAM = re.compile(r"^model\.language_model\.layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)$")
+
+
 def quant_plan(model: nn.Module, cfg: QuantConfig) -> dict[str, str]:
     """Method for every nn.Linear of a (plain or meta) Qwen3-VL model."""
     plan = {}
@@ -55,6 +68,13 @@ def quant_plan(model: nn.Module, cfg: QuantConfig) -> dict[str, str]:
             group = group_of(name)
             plan[name] = getattr(cfg, group) if group else "none"
     return plan
+
+
+def expert_plan(model: nn.Module, cfg: QuantConfig) -> dict[str, str]:
+    """Method for every fused expert weight of an MoE model (parameter name -> quant.experts,
+    always none: see the module docstring); {} for a dense model."""
+    return {canonical_name(name): cfg.experts for name, p in model.named_parameters()
+            if EXPERT_PARAM.match(canonical_name(name)) and p.ndim == 3}
 
 
 def _skip_modules(plan: dict[str, str], keep: str) -> list[str]:
@@ -128,7 +148,7 @@ def applied_method(module: nn.Module) -> str:
 
 
 def verify(model: nn.Module, cfg: QuantConfig) -> dict:
-    """Check every linear got exactly its planned method; returns counts and memory.
+    """Check every linear (and MoE expert weight) got exactly its planned method; returns counts and memory.
 
     Raises ConfigError naming the first modules that differ: the skip list must be exact.
     """
@@ -144,8 +164,19 @@ def verify(model: nn.Module, cfg: QuantConfig) -> dict:
         counts[f"{group or 'other'}:{got}"] = counts.get(f"{group or 'other'}:{got}", 0) + 1
         if got != want:
             wrong.append(f"{name} is {got}, planned {want}")
+    planned = expert_plan(core, cfg)
+    for name, p in core.named_parameters():  # fused 3-D experts: must stay plain tensors
+        name = canonical_name(name)
+        if name not in planned:
+            continue
+        want = planned[name]
+        got = "none" if type(p.data) is torch.Tensor and p.dtype in (torch.bfloat16, torch.float16, torch.float32) \
+            else type(p.data).__name__
+        counts[f"experts:{got}"] = counts.get(f"experts:{got}", 0) + 1
+        if got != want:
+            wrong.append(f"{name} is {got}, planned {want}")
     if wrong:
-        raise ConfigError(f"quantization plan not met for {len(wrong)} linears: {'; '.join(wrong[:5])}")
+        raise ConfigError(f"quantization plan not met for {len(wrong)} weights: {'; '.join(wrong[:5])}")
     weights_bytes = sum(t.numel() * t.element_size() for t in list(core.parameters()) + list(core.buffers()))
     return {"linears": counts, "weights_gb": weights_bytes / 1e9}
 

@@ -3,6 +3,7 @@
 Three tiers over transformers' Qwen3-VL module tree:
 
     language   model.language_model.layers.N.self_attn.{q,k,v,o}_proj   (+ mlp.{gate,up,down}_proj)
+               MoE: + mlp.experts.{gate_up_proj,down_proj} (experts: true), mlp.gate (router: true)
     projector  model.visual.merger.linear_fc{1,2}, model.visual.deepstack_merger_list.N.linear_fc{1,2}
     vision     model.visual.blocks.N.attn.{qkv,proj} for the last N blocks   (+ mlp.linear_fc{1,2})
 
@@ -10,6 +11,17 @@ With `tiers.method: lora` each selected Linear gets a LoRA adapter (peft) with i
 dropout; with `full` the tier's whole sub-tree trains (language includes embeddings and lm_head,
 vision includes the patch embedding when every block trains). Everything else is frozen.
 The plan is computed from module names and shapes only, so it works on a meta-device model.
+
+Mixture-of-experts models (Qwen3-VL-30B-A3B, 235B-A22B) store each layer's experts as two fused
+3-D parameters, not as nn.Linear per expert. `tiers.language.experts: true` gives each of them a
+LoRA through peft's parameter targeting (`LoraConfig(target_parameters=...)`: one rank-r pair per
+expert, folded into the weight for the forward); peft cannot apply dropout there (x cannot be
+factored out of the folded weight), so expert entries have dropout 0. The router (`mlp.gate`, [E, H])
+is frozen unless `tiers.language.router: true`, and then trained fully, not through LoRA: it is tiny
+(E x H, 0.26M values per 30B-A3B layer, less than an r=8 LoRA pair on an attention projection
+saves), and a low-rank change of it shifts every token's expert choice at once, which is how
+routing collapses; frozen routing keeps the pretrained load balance. Full fine-tuning trains every
+language weight, experts included, and the router only with `router: true`.
 """
 
 from __future__ import annotations
@@ -35,6 +47,38 @@ class PlanEntry:
     dropout: float | None
     lr: float
     params: int  # trainable parameters this entry adds (LoRA) or unfreezes (full)
+    target: str = "module"  # "module" (an nn.Linear / sub-tree) | "parameter" (a fused 3-D expert weight)
+
+    @property
+    def owner(self) -> str:
+        """The module holding the trained weights: the entry itself, or a parameter's module."""
+        return self.module.rpartition(".")[0] if self.target == "parameter" else self.module
+
+
+def expert_shape(param) -> tuple[int, int, int]:
+    """(experts, in_features, out_features) of a fused expert weight [E, out, in] (transformers'
+    layout: gate_up_proj [E, 2I, H], down_proj [E, H, I]), as peft's ParamWrapper reads it."""
+    experts, out_features, in_features = param.shape
+    return experts, in_features, out_features
+
+
+def is_moe_model(model: nn.Module) -> bool:
+    return getattr(model.config, "model_type", None) == "qwen3_vl_moe"
+
+
+def _expert_params(model: nn.Module) -> list[str]:
+    names = []
+    pattern = re.compile(r"model\.language_model\.layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)")
+    for name, p in model.named_parameters():
+        if pattern.fullmatch(name) and p.ndim == 3:
+            names.append(name)
+    return names
+
+
+def _routers(model: nn.Module) -> list[str]:
+    lm = model.model.language_model
+    return [f"model.language_model.layers.{i}.mlp.gate" for i, layer in enumerate(lm.layers)
+            if hasattr(layer.mlp, "experts")]
 
 
 def _vision_blocks(model: nn.Module, tcfg: TierConfig) -> set[int]:
@@ -65,9 +109,15 @@ def _full_groups(model: nn.Module, tier: str, tcfg: TierConfig) -> list[str]:
     """Sub-module names whose parameters all train together in full fine-tuning."""
     if tier == "language":
         lm = model.model.language_model
-        return (["model.language_model.embed_tokens"]
-                + [f"model.language_model.layers.{i}" for i in range(len(lm.layers))]
-                + ["model.language_model.norm", "lm_head"])
+        layers = []
+        for i, layer in enumerate(lm.layers):
+            prefix = f"model.language_model.layers.{i}"
+            if hasattr(layer.mlp, "experts") and not tcfg.router:  # every child but the frozen router
+                layers += [f"{prefix}.{child}" for child, _ in layer.named_children() if child != "mlp"]
+                layers += [f"{prefix}.mlp.{child}" for child, _ in layer.mlp.named_children() if child != "gate"]
+            else:
+                layers.append(prefix)
+        return ["model.language_model.embed_tokens"] + layers + ["model.language_model.norm", "lm_head"]
     if tier == "projector":
         n = len(model.model.visual.deepstack_merger_list)
         return ["model.visual.merger"] + [f"model.visual.deepstack_merger_list.{i}" for i in range(n)]
@@ -82,6 +132,7 @@ def build_plan(model: nn.Module, tiers: TiersConfig) -> list[PlanEntry]:
     """Every trained module with its tier and hyper-parameters. `model` is the unwrapped HF model."""
     entries: list[PlanEntry] = []
     seen: set[int] = set()  # tied weights (2B/4B lm_head == embed_tokens) count once
+    _check_moe_keys(model, tiers)
     for tier in TIERS:
         tcfg: TierConfig = getattr(tiers, tier)
         if not tcfg.train:
@@ -91,6 +142,16 @@ def build_plan(model: nn.Module, tiers: TiersConfig) -> list[PlanEntry]:
                 lin = model.get_submodule(name)
                 params = tcfg.r * (lin.in_features + lin.out_features)
                 entries.append(PlanEntry(name, tier, "lora", tcfg.r, tcfg.alpha, tcfg.dropout, tcfg.lr, params))
+            if tier == "language" and tcfg.experts:
+                for name in _expert_params(model):
+                    experts, fan_in, fan_out = expert_shape(model.get_parameter(name))
+                    # no dropout: peft's ParamWrapper refuses it (see the module docstring)
+                    entries.append(PlanEntry(name, tier, "lora", tcfg.r, tcfg.alpha, 0.0, tcfg.lr,
+                                             tcfg.r * experts * (fan_in + fan_out), target="parameter"))
+            if tier == "language" and tcfg.router:
+                for name in _routers(model):
+                    params = model.get_submodule(name).weight.numel()
+                    entries.append(PlanEntry(name, tier, "full", None, None, None, tcfg.lr, params))
         else:
             for name in _full_groups(model, tier, tcfg):
                 params = 0
@@ -104,12 +165,32 @@ def build_plan(model: nn.Module, tiers: TiersConfig) -> list[PlanEntry]:
     return entries
 
 
+def _check_moe_keys(model: nn.Module, tiers: TiersConfig) -> None:
+    for tier in ("projector", "vision"):
+        tcfg = getattr(tiers, tier)
+        for key in ("experts", "router"):
+            if getattr(tcfg, key):
+                raise ConfigError(f"tiers.{tier}.{key}: only the language tier has experts and a router; "
+                                  f"set tiers.language.{key} instead")
+    lang = tiers.language
+    if (lang.experts or lang.router) and not is_moe_model(model):
+        key = "experts" if lang.experts else "router"
+        raise ConfigError(f"tiers.language.{key}: this model is dense (no mixture-of-experts layers); "
+                          "use a Qwen3-VL MoE model (model.preset=tiny-moe / qwen3vl-30b-a3b, or a 30B-A3B "
+                          f"directory) or set tiers.language.{key}=false")
+    if lang.experts and tiers.method == "full":
+        raise ConfigError("tiers.language.experts applies to LoRA: full fine-tuning already trains the experts "
+                          "(every language weight); remove it or use tiers.method=lora")
+
+
 def plan_summary(model: nn.Module, plan: list[PlanEntry]) -> dict:
     """Parameter counts of a plan, the same before and after it is applied: with LoRA the total is
     the base's parameters plus the adapters', whether or not `model` holds the adapters yet."""
     trainable = sum(e.params for e in plan)
-    base = sum(p.numel() for name, p in model.named_parameters() if ".lora_" not in name)  # tied: once
-    total = base + trainable if plan and plan[0].kind == "lora" else base
+    # tied weights once; a router trained beside LoRA is a peft copy (modules_to_save) counted once
+    base = sum(p.numel() for name, p in model.named_parameters()
+               if ".lora_" not in name and ".modules_to_save." not in name)
+    total = base + sum(e.params for e in plan if e.kind == "lora")
     return {"modules": [asdict(e) for e in plan], "trainable_params": trainable, "total_params": total,
             "trainable_fraction": trainable / total}
 
@@ -117,7 +198,8 @@ def plan_summary(model: nn.Module, plan: list[PlanEntry]) -> dict:
 def format_plan(summary: dict) -> str:
     rows = [("module", "tier", "kind", "r", "alpha", "dropout", "lr", "params")]
     for e in summary["modules"]:
-        rows.append((e["module"], e["tier"], e["kind"], str(e["r"] or "-"), str(e["alpha"] or "-"),
+        kind = e["kind"] + (" (3-D experts)" if e.get("target") == "parameter" else "")
+        rows.append((e["module"], e["tier"], kind, str(e["r"] or "-"), str(e["alpha"] or "-"),
                      "-" if e["dropout"] is None else str(e["dropout"]), f"{e['lr']:g}", f"{e['params']:,}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
@@ -130,24 +212,35 @@ def format_plan(summary: dict) -> str:
 
 
 def apply_plan(model: nn.Module, plan: list[PlanEntry]) -> nn.Module:
-    """Freeze everything, then add LoRA adapters (returns a peft model) or unfreeze the full groups."""
+    """Freeze everything, then add LoRA adapters (returns a peft model) or unfreeze the full groups.
+
+    A LoRA plan's full entries (a trained MoE router) become peft `modules_to_save`: a trained copy
+    that the adapter checkpoint saves, `merge_and_unload` puts in place and `disable_adapter`
+    (GRPO's reference) sets aside."""
     model.requires_grad_(False)
-    if plan[0].kind == "full":
+    lora = [e for e in plan if e.kind == "lora"]
+    if not lora:
         for e in plan:
             model.get_submodule(e.module).requires_grad_(True)
         return model
 
     from peft import LoraConfig, get_peft_model
 
+    modules = [e for e in lora if e.target == "module"]
+    params = [e for e in lora if e.target == "parameter"]
+    full = [e.module for e in plan if e.kind == "full"]
     config = LoraConfig(
-        target_modules=[e.module for e in plan],
-        r=plan[0].r, lora_alpha=plan[0].alpha, lora_dropout=0.0, bias="none",
-        rank_pattern={re.escape(e.module): e.r for e in plan},
-        alpha_pattern={re.escape(e.module): e.alpha for e in plan},
+        target_modules=[e.module for e in modules],
+        target_parameters=[e.module for e in params] or None,
+        modules_to_save=full or None,
+        r=lora[0].r, lora_alpha=lora[0].alpha, lora_dropout=0.0, bias="none",
+        # expert entries are the language tier's, lora[0]'s when they exist: the defaults above
+        rank_pattern={re.escape(e.module): e.r for e in modules},
+        alpha_pattern={re.escape(e.module): e.alpha for e in modules},
     )
     peft_model = get_peft_model(model, config)
     # peft has one dropout per config; tiers each have their own, so set it per module.
-    for e in plan:
+    for e in modules:
         layer = model.get_submodule(e.module)
         layer.lora_dropout[LORA_ADAPTER] = nn.Dropout(e.dropout) if e.dropout else nn.Identity()
     return peft_model
@@ -167,9 +260,11 @@ def unwrap(model: nn.Module) -> nn.Module:
 
 
 def tier_of_param(name: str, plan: list[PlanEntry]) -> str | None:
-    """Tier of a trainable parameter name (peft prefixes like base_model.model. are tolerated)."""
+    """Tier of a trainable parameter name (peft prefixes like base_model.model. are tolerated;
+    an expert LoRA's A/B live on the experts module, `.base_layer` nested once per parameter)."""
+    plain = canonical_name(name)
     for e in plan:
-        if f"{e.module}." in name or name.endswith(e.module):
+        if f"{e.module}." in name or name.endswith(e.module) or plain.startswith(f"{e.owner}."):
             return e.tier
     return None
 

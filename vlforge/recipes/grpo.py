@@ -28,6 +28,7 @@ from vlforge.engine.evaluate import to_device
 from vlforge.engine.health import GradHealth
 from vlforge.engine.losses import drop_keepalive_grads
 from vlforge.engine.metrics import plot_metric, read_metrics
+from vlforge.engine.moe import aux_term, capture
 from vlforge.engine.run import Run, begin_run
 from vlforge.engine.trainable import Trainable, setup_model
 from vlforge.rl import RewardSpec, agg_loss, build_rewards, exact_match, grpo_advantages, kl_penalty, policy_loss
@@ -183,6 +184,13 @@ def reference_logprobs(t: Trainable, ref_model, batch: Batch, temperature: float
         return sequence_logprobs(ref_model, batch.rollout, temperature, seq_index=batch.seqs)[0]
 
 
+def token_rows(rollout: Rollout, seqs: list[int]) -> torch.Tensor:
+    """[n, P + R] mask of the token rows sequence_logprobs runs for `seqs` (prompt + response):
+    the rows an MoE router sees, padding left out of the load-balancing loss and the load metrics."""
+    prompt = rollout.prompt_mask[[rollout.prompt_of_seq[s] for s in seqs]]
+    return torch.cat([prompt, rollout.response_mask[seqs]], dim=1)
+
+
 def mini_batches(batches: list[Batch], size: int) -> list[list[tuple[Batch, list[int]]]]:
     """Consecutive mini-batches of `size` sequences over all kept groups, across rollout rounds.
 
@@ -238,7 +246,7 @@ def update(t: Trainable, ref_model, batches: list[Batch], optimizer, scaler, hea
             step = dict.fromkeys(logged, 0.0)
             for (b, part), mask, w, n_tok in zip(parts, masks, weights, tokens):
                 seqs = [b.seqs[i] for i in part]
-                with t.policy.autocast():
+                with t.policy.autocast(), capture(t.routing, token_rows(b.rollout, seqs)) as routed:  # MoE
                     logp, entropy = t.forward(sequence_logprobs, b.rollout, temperature, seq_index=seqs,
                                               with_entropy=True, keep_vision=world.sharded)
                 # norm_length: Dr. GRPO's constant divisor is the length cap, not this batch's longest
@@ -251,8 +259,9 @@ def update(t: Trainable, ref_model, batches: list[Batch], optimizer, scaler, hea
                     # both terms are fp32 (log-probs are); the sum is scaled once, for fp16 only
                     loss = loss + rl.kl_beta * agg_loss(kl, mask, rl.agg, cfg.rollout.max_new_tokens)
                     step["kl"] += share * float((kl.detach() * mask).sum() / mask.sum().clamp(min=1))
-                # gradients of the parts add up to the mini-batch's; x world size: FSDP2 averages over ranks
-                scaler.scale(loss * w * world.size).backward()
+                # gradients of the parts add up to the mini-batch's; x world size: FSDP2 averages over ranks;
+                # MoE: + train.router_aux_loss_coef x the router load-balancing loss (0 by default)
+                scaler.scale((loss + aux_term(t.routing, routed, 1)) * w * world.size).backward()
                 step["loss"] += w * float(loss.detach())
                 for k in ("clip_frac", "ratio_mean", "approx_kl", "clip_frac_lower"):
                     if k in step:
@@ -368,7 +377,8 @@ def run_grpo(cfg: GRPOConfig) -> dict:
             lr = run.lr
             train_logs = update(t, ref_model, batches, run.optimizer, run.scaler, run.health, cfg) if batches else {}
             t_train = time.perf_counter() - start - t_rollout
-            row = {**step_metrics(stats, batches, train_logs, t_rollout, t_train, world), "lr": lr}
+            row = {**step_metrics(stats, batches, train_logs, t_rollout, t_train, world), "lr": lr,
+                   **(t.routing.step_metrics(world) if t.routing else {})}  # MoE: the update's expert load
             run.finish_step(row, always_log=bool(row.get("skipped")))  # bad steps always logged
             bar.update(1)
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}", acc=f"{row['accuracy']:.2f}")

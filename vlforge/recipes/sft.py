@@ -24,8 +24,9 @@ from vlforge.data.encode import collate, pack
 from vlforge.data.jsonl import DataError, check_readable
 from vlforge.engine.evaluate import to_device
 from vlforge.engine.health import GradHealth
-from vlforge.engine.losses import count_supervised, count_tokens, drop_keepalive_grads, sft_loss_sum
+from vlforge.engine.losses import count_supervised, count_tokens, drop_keepalive_grads, real_tokens, sft_loss_sum
 from vlforge.engine.metrics import plot_metric, read_metrics
+from vlforge.engine.moe import aux_term, capture
 from vlforge.engine.run import Run, begin_run
 from vlforge.engine.runtime import resolve_num_workers
 from vlforge.engine.trainable import Trainable, setup_model
@@ -90,13 +91,14 @@ def train_step(t: Trainable, micro: list[dict], optimizer, scaler, health: GradH
     loss_total = 0.0
     for batch in micro:
         batch = to_device(batch, t.device)
-        with t.policy.autocast():
+        with t.policy.autocast(), capture(t.routing, real_tokens(batch)) as routed:  # MoE: router logits
             # fp32 whatever the compute dtype; sharded, through the FSDP2 root unit (which also runs the
             # vision tower on a text-only micro-batch: the other ranks' collectives wait for it)
             loss_sum, _ = t.forward(sft_loss_sum, batch, keep_vision=world.sharded, loss=loss)
         micro_loss = loss_sum / total_tokens
-        # FSDP2 averages gradients over ranks; x world size makes it the global batch's sum
-        scaler.scale(micro_loss * world.size).backward()
+        # FSDP2 averages gradients over ranks; x world size makes it the global batch's sum. MoE: + the
+        # router load-balancing loss (the micro-batches' mean; logged apart as moe/aux_loss)
+        scaler.scale((micro_loss + aux_term(t.routing, routed, len(micro))) * world.size).backward()
         loss_total += float(micro_loss.detach())
     # the global batch's loss (the same on every rank), its micro-batches with images, its tokens
     loss_total, with_images, tokens = world.sums(loss_total, sum(b.get("pixel_values") is not None for b in micro),
@@ -104,7 +106,8 @@ def train_step(t: Trainable, micro: list[dict], optimizer, scaler, health: GradH
     if world.sharded and not with_images:
         drop_keepalive_grads(t.model)
     row = health.step(optimizer, scaler, max_grad_norm, loss_total)
-    return {"loss": loss_total, **row, **skipped, "supervised_tokens": total_tokens, "tokens": int(tokens)}
+    moe = t.routing.step_metrics(world) if t.routing else {}  # expert load of the step's tokens
+    return {"loss": loss_total, **row, **moe, **skipped, "supervised_tokens": total_tokens, "tokens": int(tokens)}
 
 
 def run_sft(cfg: SFTConfig) -> dict:

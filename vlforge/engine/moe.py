@@ -1,0 +1,194 @@
+"""Mixture-of-experts training signals: the router load-balancing loss and per-step expert load.
+
+    routing = Routing.of(model, coef)             # None for a dense model
+    with capture(routing, batch["attention_mask"]) as routed:
+        loss_sum, _ = sft_loss_sum(model, batch)   # the step's own forward: no second one
+    loss = loss + aux_term(routing, routed, parts=1)  # coef x aux, fp32
+    row.update(routing.step_metrics())            # expert load since the last call
+
+The router logits come from forward hooks on every `mlp.gate` (transformers'
+`Qwen3VLMoeTextTopKRouter`, whose output[0] is the logits [tokens, E]), active only inside
+`capture`: the recipes call the backbone themselves (logits only where labels are, shared image
+features in GRPO), so the HF forward's `output_router_logits` path, which computes the loss in
+the top-level forward from recorded outputs, is never entered. Hooks also leave gradient
+checkpointing's recomputation (in backward, after `capture` has closed) out of the count.
+
+Shapes: L MoE layers, N = B*T token rows (padding included, masked out), E experts, k = top-k.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def load_balancing_loss(logits_L_NE: list[torch.Tensor], top_k: int, mask_N: torch.Tensor | None = None) -> torch.Tensor:
+    """Switch-Transformer load-balancing loss (Fedus et al. 2021, eqs. 4-6) as transformers computes
+    it for Qwen3-VL-MoE (`load_balancing_loss_func`), in fp32:
+
+        loss = E * sum_e f_e * P_e
+        f_e  = share of the top-k assignments that go to expert e   (sums to k; no gradient)
+        P_e  = mean router probability of expert e                  (sums to 1)
+
+    both pooled over every layer's unmasked tokens. Balanced routing gives k (Switch's k = 1
+    gives 1); the coefficient therefore means what `router_aux_loss_coef` means in the model's
+    own config.json (0.001 for Qwen3-VL-30B-A3B).
+    """
+    E = logits_L_NE[0].shape[-1]
+    device = logits_L_NE[0].device
+    counts_E = torch.zeros(E, dtype=torch.float32, device=device)
+    probs_E = torch.zeros(E, dtype=torch.float32, device=device)
+    rows = torch.zeros((), dtype=torch.float32, device=device)
+    w_N = None if mask_N is None else mask_N.reshape(-1).to(device=device, dtype=torch.float32)
+    for logits_NE in logits_L_NE:
+        probs_NE = F.softmax(logits_NE.float(), dim=-1)
+        top_Nk = probs_NE.topk(top_k, dim=-1).indices
+        w = torch.ones(probs_NE.shape[0], device=device) if w_N is None else w_N
+        counts_E = counts_E.scatter_add(0, top_Nk.reshape(-1), w.repeat_interleave(top_k))
+        probs_E = probs_E + (probs_NE * w[:, None]).sum(0)
+        rows = rows + w.sum()
+    rows = rows.clamp(min=1.0)
+    return E * torch.sum((counts_E / rows) * (probs_E / rows))
+
+
+def load_metrics(counts_LE: torch.Tensor) -> dict:
+    """Expert-load summaries from assignment counts [L, E] (top-k choices of unmasked tokens).
+
+    Per layer: max_load = the busiest expert's share of assignments (1/E when balanced, 1/k
+    when every token goes to the same k experts), entropy = load entropy / log E (1 balanced,
+    0 collapsed), unused = experts that got no token. Logged as the mean over layers and the
+    worst layer's value (and which layer that is): a collapse in one layer shows, and the row
+    stays 7 numbers whatever the depth.
+    """
+    counts_LE = counts_LE.double()
+    total_L1 = counts_LE.sum(-1, keepdim=True).clamp(min=1)
+    share_LE = counts_LE / total_L1
+    E = counts_LE.shape[-1]
+    max_load_L = share_LE.max(-1).values
+    entropy_L = -(share_LE * share_LE.clamp(min=1e-30).log()).sum(-1) / math.log(E)
+    unused_L = (counts_LE == 0).sum(-1).double()
+    worst = int(max_load_L.argmax())
+    return {"moe/max_load_mean": float(max_load_L.mean()), "moe/max_load_worst": float(max_load_L[worst]),
+            "moe/entropy_mean": float(entropy_L.mean()), "moe/entropy_worst": float(entropy_L.min()),
+            "moe/unused_mean": float(unused_L.mean()), "moe/unused_worst": int(unused_L.max()),
+            "moe/worst_layer": worst}
+
+
+def router_modules(model: nn.Module) -> list[tuple[int, nn.Module]]:
+    """(layer index, router) of every MoE layer; a router trained beside LoRA appears twice (peft's
+    frozen original and its trained copy): only the one peft runs fires its hook."""
+    from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeTextTopKRouter
+
+    out = []
+    for name, module in model.named_modules():
+        if isinstance(module, Qwen3VLMoeTextTopKRouter):
+            layer = int(name.split(".layers.")[1].split(".")[0])
+            out.append((layer, module))
+    return out
+
+
+@dataclass
+class Routed:
+    """One forward's router logits, layer by layer, and its token mask."""
+
+    logits: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [N, E]
+    mask_N: torch.Tensor | None = None
+    top_k: int = 1
+
+    def aux_loss(self) -> torch.Tensor:
+        layers = [self.logits[i] for i in sorted(self.logits)]
+        return load_balancing_loss(layers, self.top_k, self.mask_N)
+
+    def counts(self) -> torch.Tensor:
+        """Top-k assignment counts [L, E] of the unmasked tokens (no gradient)."""
+        rows = []
+        for i in sorted(self.logits):
+            logits_NE = self.logits[i].detach()
+            top = logits_NE.float().topk(self.top_k, dim=-1).indices  # softmax is monotone: same choice
+            w = torch.ones(logits_NE.shape[0], device=top.device) if self.mask_N is None \
+                else self.mask_N.reshape(-1).to(top.device, torch.float32)
+            rows.append(torch.zeros(logits_NE.shape[-1], device=top.device).scatter_add(
+                0, top.reshape(-1), w.repeat_interleave(self.top_k)))
+        return torch.stack(rows)
+
+
+class Routing:
+    """The router hooks of one MoE model and the expert load counted since the last step_metrics().
+
+    The hooks are registered once and do nothing outside `capture` (evaluation, generation): one
+    set of hooks for the model's life, so torch.compile'd decoder layers see no new hook per step."""
+
+    def __init__(self, routers: list[tuple[int, nn.Module]], top_k: int, coef: float = 0.0):
+        self.routers, self.top_k = routers, top_k
+        self.coef = coef  # train.router_aux_loss_coef
+        self.n_layers = len({i for i, _ in routers})
+        self._routed: Routed | None = None
+        self._counts: torch.Tensor | None = None  # [L, E] on the model's device: no host sync per micro-batch
+        self._aux: list[torch.Tensor] = []
+        self._handles = [m.register_forward_hook(self._hook(i)) for i, m in routers]
+
+    def _hook(self, layer: int):
+        def keep(module, args, output):
+            if self._routed is not None:
+                self._routed.logits[layer] = output[0]
+        return keep
+
+    @classmethod
+    def of(cls, model: nn.Module, coef: float = 0.0) -> "Routing | None":
+        routers = router_modules(model)
+        if not routers:
+            return None
+        return cls(routers, routers[0][1].top_k, coef)
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+    @contextlib.contextmanager
+    def capture(self, mask: torch.Tensor | None):
+        """Router logits of the forwards run inside, for the rows of `mask` ([B, T] or [N])."""
+        routed = Routed(mask_N=None if mask is None else mask.reshape(-1), top_k=self.top_k)
+        self._routed = routed
+        try:
+            yield routed
+        finally:
+            self._routed = None
+        if routed.logits:
+            counts = routed.counts()
+            self._counts = counts if self._counts is None else self._counts + counts
+
+    def record_aux(self, value: torch.Tensor) -> None:
+        self._aux.append(value.detach())
+
+    def step_metrics(self, world=None) -> dict:
+        """The expert-load summaries (and mean aux loss) since the last call, every rank's tokens."""
+        if self._counts is None:
+            return {}
+        counts = self._counts.cpu()
+        if world is not None and world.size > 1:
+            counts = torch.tensor(world.sums(*counts.flatten().tolist())).reshape(counts.shape)
+        row = load_metrics(counts)
+        if self._aux:
+            row["moe/aux_loss"] = float(torch.stack(self._aux).float().mean())
+        self._counts, self._aux = None, []
+        return row
+
+
+def capture(routing: Routing | None, mask: torch.Tensor | None):
+    """`routing.capture(mask)`, or a context yielding None for a dense model (the recipes' one line)."""
+    return contextlib.nullcontext(None) if routing is None else routing.capture(mask)
+
+
+def aux_term(routing: Routing | None, routed: Routed | None, parts: int) -> torch.Tensor | float:
+    """`coef x` the load-balancing loss of one of `parts` forwards whose mean the step takes (0.0
+    for a dense model); the unscaled value is kept for the step's `moe/aux_loss`."""
+    if routing is None or routed is None or not routed.logits:
+        return 0.0
+    aux = routed.aux_loss()
+    routing.record_aux(aux)
+    return routing.coef * aux / parts if routing.coef else 0.0
