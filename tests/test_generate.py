@@ -148,12 +148,13 @@ def test_sampling_distribution(top_k, top_p):
 
 
 @pytest.mark.gpu
-def test_cuda_graph_decode_equals_eager(setup):
+@pytest.mark.parametrize("compiled", [False, True])
+def test_cuda_graph_decode_equals_eager(setup, compiled):
     model, encoder, samples = setup
     model = model.cuda()
     requests = [GenRequest(prompt_of(encoder, samples[i]), max_new_tokens=6 + 5 * i, temperature=t, seed=1,
                            first_row=i) for i in range(5) for t in (0.0, 1.0)]
-    graphs = Engine(model, use_graphs=True)
+    graphs = Engine(model, use_graphs=True, compile=compiled)
     with_graphs = run(graphs, encoder, requests, slots=4)
     assert graphs.graphs and graphs.stats.capture_s > 0
     eager = run(Engine(model, use_graphs=False), encoder, requests, slots=4)

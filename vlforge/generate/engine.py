@@ -143,20 +143,23 @@ class SlotCache:
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.rows = torch.arange(slots, device=device)
         self.slots, self.length, self.dtype = slots, length, dtype
-        self.S, self.Lb, self.write_S = slots, length, None
+        self.write_S = self.span_L = None
 
-    def bind(self, S: int, Lb: int, write_S: torch.Tensor) -> None:
-        self.S, self.Lb, self.write_S = S, Lb, write_S
+    def bind(self, write_S: torch.Tensor, span_L: torch.Tensor) -> None:
+        """Rows write at write_S ([S]); attention reads len(span_L) positions. Sizes come from
+        tensors, not Python ints, so a compiled step serves every bucket without recompiling."""
+        self.write_S, self.span_L = write_S, span_L
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         K, V = self.keys[layer_idx], self.values[layer_idx]
-        rows = self.rows[:self.S]
+        S, Lb = key_states.shape[0], self.span_L.shape[0]
+        rows = self.rows[:S]
         K[rows, :, self.write_S] = key_states[:, :, 0].to(K.dtype)
         V[rows, :, self.write_S] = value_states[:, :, 0].to(V.dtype)
-        return K[:self.S, :, :self.Lb], V[:self.S, :, :self.Lb]
+        return K[:S, :, :Lb], V[:S, :, :Lb]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        return self.Lb  # not used for positions: every call passes explicit position ids
+        return 0  # not used for positions: every call passes explicit position ids and a 4-D mask
 
     def fill(self, slots_M: torch.Tensor, cache, rows_M: torch.Tensor, lengths_M: torch.Tensor, P: int) -> None:
         """Copy prefill KV (a DynamicCache over B left-padded prompts of length P) into slots:
@@ -213,20 +216,34 @@ def _attention(config, name: str):
         config._attn_implementation = previous
 
 
+def _decode_hidden(core, cache, tok_S1, length_S, span_L, pos_S):
+    """The language model on one token per row: last hidden states [S, H]."""
+    mask_S11L = (span_L[None] <= length_S[:, None])[:, None, None, :]  # the input token's own slot included
+    pos_31S = pos_S[None, :, None].expand(3, -1, -1)
+    out = forward_shared(core, tok_S1, mask_S11L, pos_31S, None, [], cache=cache, use_cache=True)
+    return out.last_hidden_state[:, -1]
+
+
 class Engine:
     """Generation for one model: its KV slots, decode state and CUDA graphs live across calls.
 
     use_graphs: None = on CUDA, unless torch.distributed runs several processes (FSDP2's hooks
     must run every forward); False = eager steps (the same code; CPU always).
+    compile: torch.compile the decode step's language-model forward (fuses the layers' small
+    elementwise ops: norms, rotary, activations; a graph of the eager layers is ~65 kernels per layer
+    and bound by their count). None = with graphs. One compile (dynamic shapes) serves every
+    bucket; its time counts in capture_s.
     """
 
     def __init__(self, model, *, max_slots: int = 256, sync_every: int = 8, use_graphs: bool | None = None,
-                 max_prefill_tokens: int = 32768):
+                 compile: bool | None = None, max_prefill_tokens: int = 32768):
         self._core = weakref.ref(unwrap(model))  # the engine lives as long as its model, not longer
         self.lm = self.core.model.language_model
         self.text_config = self.lm.layers[0].self_attn.config
         self.max_slots, self.sync_every, self.use_graphs = max_slots, sync_every, use_graphs
         self.max_prefill_tokens = max_prefill_tokens
+        self.compile = compile
+        self._decode_hidden = _decode_hidden
         self.cache: SlotCache | None = None
         self.state: _State | None = None
         self.graphs: dict = {}
@@ -237,6 +254,13 @@ class Engine:
     @property
     def core(self):
         return self._core()
+
+    def reserve(self, slots: int, length: int, dtype: torch.dtype | None = None) -> None:
+        """Allocate the KV slots for `slots` rows of `length` tokens now, so later calls up to that
+        size reuse the same buffers and graphs (a larger call reallocates and recaptures)."""
+        device = self.core.lm_head.weight.device
+        self._ensure_buffers(_bucket(slots), LENGTH_BUCKET * math.ceil(length / LENGTH_BUCKET),
+                             dtype or self._kv_dtype(device), device)
 
     # -- buffers ------------------------------------------------------------------------------
 
@@ -250,6 +274,7 @@ class Engine:
         length = max(length, c.length if c is not None else 0)
         self.cache = self.state = None
         self.graphs.clear()  # they point at the old buffers
+        self.pool = None  # a pool whose graphs are gone cannot take new captures
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         self.cache = SlotCache(cfg.num_hidden_layers, slots, cfg.num_key_value_heads, length, head_dim, dtype, device)
         self.state = _State(slots, length + 1, device)
@@ -276,13 +301,11 @@ class Engine:
     def _step(self, S: int, Lb: int, mode: str) -> None:
         st = self.state
         length_S, alive_S = st.length[:S], st.alive[:S]
-        mask_S11L = (self.arange_L[:Lb][None] <= length_S[:, None])[:, None, None, :]  # the input token included
-        self.cache.bind(S, Lb, length_S)
-        pos_31S = st.pos[:S][None, :, None].expand(3, -1, -1)
+        span_L = self.arange_L[:Lb]
+        self.cache.bind(length_S, span_L)
         with _attention(self.text_config, DECODE_ATTENTION):
-            out = forward_shared(self.core, st.tok[:S, None], mask_S11L, pos_31S, None, [], cache=self.cache,
-                                 use_cache=True)
-        logits_SV = self._logits(out.last_hidden_state[:, -1])
+            hidden_SH = self._decode_hidden(self.core, self.cache, st.tok[:S, None], length_S, span_L, st.pos[:S])
+        logits_SV = self._logits(hidden_SH)
         tok_S, logp_S = sample(logits_SV, st.temperature[:S], st.top_k[:S], st.top_p[:S], st.key[:S], st.count[:S],
                                mode)
         tok_S = torch.where(alive_S, tok_S, self.pad)
@@ -423,6 +446,8 @@ class Engine:
             self.banned[torch.tensor(banned_ids, device=device)] = True
         self.state.alive.zero_()
         use_graphs = self._graphs_on(device)
+        if (self.compile if self.compile is not None else use_graphs) and self._decode_hidden is _decode_hidden:
+            self._decode_hidden = torch.compile(_decode_hidden, dynamic=True)
         if all(r.temperature <= 0 for r in requests):
             mode = "greedy"
         elif any(r.temperature > 0 and (r.top_k > 0 or r.top_p < 1) for r in requests):
