@@ -136,7 +136,7 @@ def main() -> None:
     model.eval()
     core = model
     encoder = Encoder(processor, ImageLimits(3136, 448 * 448))
-    engine = Engine(model, sync_every=args.sync_every)
+    engine = Engine(model, sync_every=args.sync_every, compile=True)
     # one set of KV buffers for every case (256 slots x the mixed run's longest row): no reallocation
     engine.reserve(256, 300 + 512)
     rows = []

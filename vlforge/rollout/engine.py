@@ -62,7 +62,8 @@ def generate_groups(model, encoder: Encoder, prompts: dict, images_per_prompt: l
                 for b, p in enumerate(prompts_of_batch(prompts, images_per_prompt))]
     banned = vision_token_ids(encoder)
     results = engine_for(model).generate(requests, stop_ids=encoder.end_ids, banned_ids=banned,
-                                         image_token_id=encoder.image_token_id, pad_id=encoder.pad_id)
+                                         image_token_id=encoder.image_token_id, pad_id=encoder.pad_id,
+                                         compile=cfg.compile)
     R = max(len(r.tokens) for r in results)
     ids_NR = torch.full((len(results), R), encoder.pad_id, dtype=torch.long)
     logp_NR = torch.zeros(len(results), R)
