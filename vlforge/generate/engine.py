@@ -257,6 +257,13 @@ class Engine:
     def core(self):
         return self._core()
 
+    def release(self) -> None:
+        """Free the KV slots and graphs (e.g. before a memory-hungry phase); the next call
+        allocates and captures again (the compiled step is kept)."""
+        self.cache = self.state = None
+        self.graphs.clear()
+        self.pool = None
+
     def reserve(self, slots: int, length: int, dtype: torch.dtype | None = None) -> None:
         """Allocate the KV slots for `slots` rows of `length` tokens now, so later calls up to that
         size reuse the same buffers and graphs (a larger call reallocates and recaptures)."""
@@ -292,7 +299,13 @@ class Engine:
             return self.use_graphs
         import torch.distributed as dist
 
-        return not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            return False
+        try:  # FSDP2, even on one process: its unshard/reshard hooks must run on every forward
+            from torch.distributed.fsdp import FSDPModule
+        except ImportError:
+            return True
+        return not any(isinstance(m, FSDPModule) for m in self.core.modules())
 
     # -- one decode step (the captured part) -----------------------------------------------------
 
@@ -405,7 +418,9 @@ class Engine:
         st.key[slots_M] = torch.tensor(keys, device=device)
         st.max_new[slots_M] = torch.tensor([r.max_new_tokens for r in reqs], device=device)
         st.count[slots_M] = 0
-        logits_MV = self._logits(out.last_hidden_state[:, -1])[rows_M]
+        # lm_head over the slots' rows (not the B prompts'): each row of every lm_head call is one
+        # sequence, as in the decode steps
+        logits_MV = self._logits(out.last_hidden_state[:, -1][rows_M])
         tok_M, logp_M = sample(logits_MV, st.temperature[slots_M], st.top_k[slots_M], st.top_p[slots_M],
                                st.key[slots_M], st.count[slots_M], mode)
         st.out_tok[slots_M, 0] = tok_M
