@@ -74,10 +74,13 @@ def test_results_stream_and_seeds_reproduce(setup):
     engine = engine_for(model)
     prompt = prompt_of(encoder, samples[0])
     req = GenRequest(prompt, n=4, max_new_tokens=10, temperature=1.0, seed=3)
-    streamed = []
-    first = run(engine, encoder, [req], on_result=streamed.append)
+    streamed, pieces = [], {}
+    first = run(engine, encoder, [req], on_result=streamed.append,
+                on_tokens=lambda i, s, ids: pieces.setdefault((i, s), []).append(ids))
     assert sorted((r.request, r.sample) for r in streamed) == [(0, s) for s in range(4)]
     assert all(torch.equal(a.tokens, b.tokens) for a, b in zip(sorted(streamed, key=lambda r: r.sample), first))
+    assert max(len(p) for p in pieces.values()) > 1  # streamed over several sync points
+    assert all(sum(pieces[(0, r.sample)], []) == r.tokens.tolist() for r in first)
     again = run(engine, encoder, [req])
     assert all(torch.equal(a.tokens, b.tokens) for a, b in zip(first, again))
     assert len({tuple(r.tokens.tolist()) for r in first}) > 1  # the 4 samples differ

@@ -438,15 +438,24 @@ class Engine:
     @torch.no_grad()
     def generate(self, requests: list[GenRequest], *, stop_ids: list[int], banned_ids: list[int],
                  image_token_id: int, pad_id: int, slots: int | None = None,
-                 on_result: Callable[[GenResult], None] | None = None, compile: bool | None = None) -> list[GenResult]:
+                 on_result: Callable[[GenResult], None] | None = None,
+                 on_tokens: Callable[[int, int, list[int]], None] | None = None,
+                 compile: bool | None = None) -> list[GenResult]:
         """Results in request order (each request's n samples in turn). `slots` caps the decode
         batch (default: every sample at once, up to max_slots); `on_result` gets each result as
-        soon as its row finishes (at a sync point); `compile`: this call's decode step compiled
+        soon as its row finishes (at a sync point); `on_tokens(request, sample, new_ids)` streams
+        each row's new tokens at every sync point (one extra device-to-host copy per sync point,
+        only when given; a result's streamed ids joined are its tokens); `compile`: this call's decode step compiled
         (default: the engine's `compile`; CUDA graphs only)."""
         if not requests:
             return []
         if len(stop_ids) > MAX_STOP_IDS:
             raise ValueError(f"at most {MAX_STOP_IDS} stop token ids, got {len(stop_ids)}")
+        for i, r in enumerate(requests):
+            if r.n < 1 or r.max_new_tokens < 1 or len(r.prompt.input_ids) == 0 or r.temperature < 0:
+                raise ValueError(f"request {i}: needs n >= 1, max_new_tokens >= 1, a non-empty prompt and "
+                                 f"temperature >= 0 (got n={r.n}, max_new_tokens={r.max_new_tokens}, "
+                                 f"{len(r.prompt.input_ids)} prompt tokens, temperature={r.temperature})")
         device = self.core.lm_head.weight.device
         total = sum(r.n for r in requests)
         n_slots = _bucket(min(slots or self.max_slots, self.max_slots, total))
@@ -481,6 +490,7 @@ class Engine:
         queue = deque(range(len(requests)))
         free = list(range(n_slots))
         occupant: dict[int, tuple[int, int]] = {}  # slot -> (request, sample)
+        sent: dict[int, int] = {}  # slot -> tokens already streamed
         bound: dict[int, int] = {}  # slot -> an upper bound of its KV length (host-side, no sync)
         while queue or occupant:
             admitted, tokens = [], 0
@@ -496,6 +506,7 @@ class Engine:
                 for s, slot in enumerate(sl):
                     occupant[slot] = (i, s)
                     bound[slot] = len(r.prompt.input_ids)
+                    sent[slot] = 0
             if admitted:
                 start = time.perf_counter()
                 self._prefill(admitted, image_token_id, pad_id, mode)
@@ -511,6 +522,8 @@ class Engine:
             alive = self.state.alive[:S].cpu()  # the sync point
             self.stats.decode_s += time.perf_counter() - start
             self.stats.steps += steps
+            if on_tokens is not None:
+                self._stream(occupant, sent, S, on_tokens)
             done = [slot for slot in occupant if not alive[slot]]
             if done:
                 self._harvest(done, occupant, requests, results, on_result)
@@ -518,6 +531,16 @@ class Engine:
                     del occupant[slot], bound[slot]
                 free += done
         return [res for per in results for res in per]
+
+    def _stream(self, occupant, sent, S: int, on_tokens) -> None:
+        counts = self.state.count[:S].cpu()
+        width = int(counts.max())
+        toks = self.state.out_tok[:S, :width].cpu()
+        for slot, (i, s) in occupant.items():
+            n = int(counts[slot])
+            if n > sent[slot]:
+                on_tokens(i, s, toks[slot, sent[slot]:n].tolist())
+                sent[slot] = n
 
     def _harvest(self, done, occupant, requests, results, on_result) -> None:
         st = self.state
