@@ -257,7 +257,17 @@ def test_grpo_rollout_logprobs_and_routing_agree_with_the_trainer(tiny_moe, shap
     data = load_dataset(str(shapes_dir / "train.jsonl"), tiny_moe[1], DataConfig())
     prompts = collate([encode_prompt(data.encoder, data.samples[i]) for i in range(3)], data.encoder.pad_id,
                       left_pad=True)
-    cfg = RolloutConfig(group_size=4, max_new_tokens=8, temperature=1.0)
+    torch.manual_seed(0)
+    with torch.no_grad():  # the generation engine's rollout: its log-probs are the trainer's
+        rollout = generate_groups(model, data.encoder, prompts, [1, 1, 1],
+                                  RolloutConfig(group_size=4, max_new_tokens=8, temperature=1.0))
+        logp, _ = sequence_logprobs(model, rollout, 1.0)
+    mask = rollout.response_mask.bool()
+    assert mask.sum() > 12
+    torch.testing.assert_close(logp[mask], rollout.logprobs[mask], atol=1e-5, rtol=1e-5)
+    # routing flips, counted on the plain decode loop (rollout.engine=hf), whose decode call s is
+    # response token s of every sequence in order
+    cfg = RolloutConfig(group_size=4, max_new_tokens=8, temperature=1.0, engine="hf")
     routers = router_modules(model)
     calls: dict[int, list] = {i: [] for i, _ in routers}  # every router call of the rollout, in order
     handles = [m.register_forward_hook(lambda mod, a, out, i=i: calls[i].append(out[0].detach()))

@@ -19,6 +19,7 @@ from vlforge.data.encode import Encoder, collate, encode, encode_prompt
 from vlforge.engine.losses import sft_loss_sum
 from vlforge.engine.metrics import MetricsLog, write_json_atomic
 from vlforge.engine.precision import PrecisionPolicy
+from vlforge.generate.engine import GenRequest, Prompt, engine_for
 from vlforge.model.tiers import unwrap
 from vlforge.rl.rewards import exact_match
 
@@ -36,7 +37,29 @@ def to_device(batch: dict, device: torch.device) -> dict:
 @torch.no_grad()
 def generate_answers(model, encoder: Encoder, samples, *, batch_size: int, max_new_tokens: int,
                      policy: PrecisionPolicy, device: torch.device) -> list[str]:
-    """Greedy answers for each sample's prompt (everything before its final assistant turn)."""
+    """Greedy answers for each sample's prompt (everything before its final assistant turn), on
+    generate/'s engine with `batch_size` decode slots (continuous batching: a finished answer's
+    slot takes the next prompt). Sharded (FSDP2), every forward gathers weights with the other
+    ranks, so ranks must decode in step: there transformers' generate with synced_gpus does it."""
+    if sharded_run():
+        return _generate_answers_synced(model, encoder, samples, batch_size=batch_size,
+                                        max_new_tokens=max_new_tokens, policy=policy, device=device)
+    prompts = []
+    for x in samples:
+        item = encode_prompt(encoder, x)
+        prompts.append(Prompt(item["input_ids"], item.get("pixel_values"), item.get("image_grid_thw")))
+    requests = [GenRequest(p, max_new_tokens=max_new_tokens) for p in prompts]
+    with policy.autocast():
+        results = engine_for(model).generate(requests, stop_ids=encoder.end_ids, banned_ids=[],
+                                             image_token_id=encoder.image_token_id, pad_id=encoder.pad_id,
+                                             slots=batch_size)
+    tok = encoder.tokenizer
+    return [tok.decode(r.tokens, skip_special_tokens=True).strip() for r in results]
+
+
+@torch.no_grad()
+def _generate_answers_synced(model, encoder: Encoder, samples, *, batch_size: int, max_new_tokens: int,
+                             policy: PrecisionPolicy, device: torch.device) -> list[str]:
     core = unwrap(model)
     answers = []
     for s in range(0, len(samples), batch_size):
@@ -44,10 +67,7 @@ def generate_answers(model, encoder: Encoder, samples, *, batch_size: int, max_n
         batch = to_device(collate([encode_prompt(encoder, x) for x in chunk], encoder.pad_id, left_pad=True), device)
         with policy.autocast():
             out = core.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
-                                pad_token_id=encoder.pad_id, eos_token_id=encoder.end_ids,
-                                # sharded (FSDP2), every forward gathers weights with the other ranks:
-                                # decode until every rank is done, not each on its own
-                                synced_gpus=sharded_run())
+                                pad_token_id=encoder.pad_id, eos_token_id=encoder.end_ids, synced_gpus=True)
         new = out[:, batch["input_ids"].shape[1]:]
         answers += [t.strip() for t in encoder.tokenizer.batch_decode(new, skip_special_tokens=True)]
     return answers

@@ -3,10 +3,8 @@
 Shapes: B prompts, G responses per prompt, N = B*G sequences, P prompt length (left-padded),
 R response length (right-padded), H hidden size, V vocabulary.
 
-    encode_images       the vision tower, once per prompt image            -> ImageFeatures
-    forward_shared      language model over N sequences, image features gathered per sequence
-    generate_groups     prefill B prompts once, copy the KV cache G times, sample R tokens
-    sequence_logprobs   the trainer's log-probs of response tokens (same function family)
+    generate_groups     G responses per prompt on generate/'s engine (each prompt prefilled once)
+    sequence_logprobs   the trainer's log-probs of response tokens (same forward: generate.forward)
 
 Log-probs are of the temperature-scaled policy, log_softmax(logits / T), before top-k/top-p
 truncation (as verl's actor computes them), in fp32. Vision special tokens are never sampled.
@@ -14,8 +12,6 @@ truncation (as verl's actor computes them), in fp32. Vision special tokens are n
 
 from __future__ import annotations
 
-import functools
-import inspect
 from dataclasses import dataclass
 
 import torch
@@ -24,97 +20,10 @@ import torch.nn.functional as F
 from vlforge.config import RolloutConfig
 from vlforge.data.encode import Encoder
 from vlforge.engine.losses import token_logprobs_entropy, vision_keepalive
+from vlforge.generate.engine import GenRequest, engine_for, prompts_of_batch
+from vlforge.generate.forward import (VISION_TOKENS, ImageFeatures, cache_of, encode_images, filter_logits,  # noqa: F401
+                                      forward_shared, rope_positions, token_logprobs, vision_token_ids)
 from vlforge.model.tiers import unwrap
-
-VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
-
-
-@dataclass
-class ImageFeatures:
-    embeds: torch.Tensor  # [image tokens of all prompts, H], prompts' images in order
-    deepstack: list[torch.Tensor]  # per deepstack layer, same rows
-    rows_per_prompt: list[torch.Tensor]  # prompt b -> row indices of its image tokens
-
-
-def encode_images(core, pixel_values: torch.Tensor | None, grid_thw: torch.Tensor | None,
-                  images_per_prompt: list[int]) -> ImageFeatures | None:
-    """One vision-tower pass over every prompt's images (not G times)."""
-    if pixel_values is None:
-        return None
-    out = core.model.visual(pixel_values, grid_thw=grid_thw, return_dict=True)
-    tokens_per_image = (grid_thw.prod(-1) // core.model.visual.spatial_merge_size**2).tolist()
-    rows, start, image = [], 0, 0
-    for n in images_per_prompt:
-        count = sum(tokens_per_image[image:image + n])
-        rows.append(torch.arange(start, start + count, device=pixel_values.device))
-        start, image = start + count, image + n
-    deepstack = [d if torch.is_tensor(d) else torch.cat(list(d)) for d in out.deepstack_features]
-    return ImageFeatures(out.pooler_output, deepstack, rows)
-
-
-@functools.cache
-def _cache_kwarg(model_class: type) -> str:
-    params = inspect.signature(model_class.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.2x
-
-
-def _cache_of(output):
-    return output["cache"] if "cache" in output else output.past_key_values
-
-
-def forward_shared(core, input_ids_NT: torch.Tensor, attention_mask_NT: torch.Tensor, position_ids_3NT: torch.Tensor,
-                   feats: ImageFeatures | None, prompt_of_seq: list[int], cache=None, use_cache: bool = False,
-                   keepalive: torch.Tensor | None = None):
-    """Qwen3-VL's language model over N sequences whose image tokens reuse `feats` of their prompt.
-
-    Equivalent to the HF forward with each prompt's pixels repeated per sequence (tested), without
-    running the vision tower again. Returns the language model output (last_hidden_state, cache).
-    `keepalive` (a zero from engine.losses.vision_keepalive) joins the embeddings where image
-    features would: a sharded text-only mini-batch then reduces gradients like one with images.
-    """
-    lm = core.model.language_model
-    embeds_NTH = lm.embed_tokens(input_ids_NT)
-    if keepalive is not None:
-        embeds_NTH = embeds_NTH + keepalive.to(embeds_NTH.dtype)
-    kwargs = {}
-    image_mask_NT = input_ids_NT == core.config.image_token_id
-    if feats is not None and bool(image_mask_NT.any()):
-        rows = torch.cat([feats.rows_per_prompt[b] for b in prompt_of_seq])
-        image_embeds = feats.embeds[rows].to(embeds_NTH.dtype)
-        embeds_NTH = embeds_NTH.masked_scatter(image_mask_NT[..., None], image_embeds)
-        kwargs = {"visual_pos_masks": image_mask_NT, "deepstack_visual_embeds": [d[rows] for d in feats.deepstack]}
-    return lm(inputs_embeds=embeds_NTH, attention_mask=attention_mask_NT, position_ids=position_ids_3NT,
-              use_cache=use_cache, **{_cache_kwarg(type(lm)): cache}, **kwargs)
-
-
-def rope_positions(core, input_ids: torch.Tensor, attention_mask: torch.Tensor, image_token_id: int,
-                   grid_thw: torch.Tensor | None) -> torch.Tensor:
-    """Qwen3-VL M-RoPE position ids [3, N, T] (via the model's own get_rope_index)."""
-    mm_types = (input_ids == image_token_id).long()
-    if grid_thw is None or not bool(mm_types.any()):
-        pos = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        return pos[None].expand(3, -1, -1)
-    position_ids, _ = core.model.get_rope_index(input_ids, mm_types, image_grid_thw=grid_thw,
-                                                attention_mask=attention_mask)
-    return position_ids
-
-
-def token_logprobs(logits_NV: torch.Tensor, tokens_N: torch.Tensor, temperature: float) -> torch.Tensor:
-    return F.log_softmax(logits_NV.float() / temperature, dim=-1).gather(-1, tokens_N[:, None])[:, 0]
-
-
-def filter_logits(logits_NV: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
-    """Top-k then nucleus filtering (the sampling distribution only; log-probs use the full one)."""
-    if top_k > 0 and top_k < logits_NV.shape[-1]:
-        kth = torch.topk(logits_NV, top_k, dim=-1).values[:, -1:]
-        logits_NV = logits_NV.masked_fill(logits_NV < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits_NV, descending=True, dim=-1)
-        probs = sorted_logits.softmax(-1)
-        drop = probs.cumsum(-1) - probs > top_p  # keep the smallest prefix whose mass reaches top_p
-        logits_NV = logits_NV.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-    return logits_NV
-
 
 @dataclass
 class Rollout:
@@ -135,16 +44,42 @@ class Rollout:
         return [n // self.group_size for n in range(self.response_ids.shape[0])]
 
 
-def _vision_token_ids(encoder: Encoder) -> list[int]:
-    tok = encoder.tokenizer
-    ids = [tok.convert_tokens_to_ids(t) for t in VISION_TOKENS]
-    return [i for i in ids if i is not None and i != tok.unk_token_id]
-
-
 @torch.no_grad()
 def generate_groups(model, encoder: Encoder, prompts: dict, images_per_prompt: list[int],
                     cfg: RolloutConfig, first_row: int = 0, all_rows: int | None = None) -> Rollout:
     """Sample `cfg.group_size` responses for each of the B prompts of a left-padded prompt batch.
+
+    On generate/'s engine: each prompt prefilled once into its G slots. The noise of a response's
+    token is a function of (one seed taken from the global RNG, its global row first_row + n,
+    step), so N ranks sample what one process samples, whatever the split (`all_rows` is only
+    used by rollout.engine=hf)."""
+    if cfg.engine == "hf":
+        return _generate_groups_hf(model, encoder, prompts, images_per_prompt, cfg, first_row, all_rows)
+    G, device = cfg.group_size, prompts["input_ids"].device
+    seed = int(torch.randint(2**62, (1,)))  # same on every rank
+    requests = [GenRequest(p, n=G, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+                           top_k=cfg.top_k, seed=seed, first_row=first_row + b * G)
+                for b, p in enumerate(prompts_of_batch(prompts, images_per_prompt))]
+    banned = vision_token_ids(encoder)
+    results = engine_for(model).generate(requests, stop_ids=encoder.end_ids, banned_ids=banned,
+                                         image_token_id=encoder.image_token_id, pad_id=encoder.pad_id,
+                                         compile=cfg.compile)
+    R = max(len(r.tokens) for r in results)
+    ids_NR = torch.full((len(results), R), encoder.pad_id, dtype=torch.long)
+    logp_NR = torch.zeros(len(results), R)
+    mask_NR = torch.zeros(len(results), R, dtype=torch.long)
+    for n, r in enumerate(results):
+        ids_NR[n, :len(r.tokens)], logp_NR[n, :len(r.tokens)], mask_NR[n, :len(r.tokens)] = r.tokens, r.logprobs, 1
+    finished = torch.tensor([r.stopped for r in results])
+    return Rollout(prompts["input_ids"], prompts["attention_mask"], prompts.get("pixel_values"),
+                   prompts.get("image_grid_thw"), images_per_prompt, ids_NR.to(device), mask_NR.to(device),
+                   logp_NR.to(device), finished.to(device), G, banned)
+
+
+@torch.no_grad()
+def _generate_groups_hf(model, encoder: Encoder, prompts: dict, images_per_prompt: list[int],
+                    cfg: RolloutConfig, first_row: int = 0, all_rows: int | None = None) -> Rollout:
+    """rollout.engine=hf: the plain decode loop on transformers' DynamicCache (for comparison).
 
     Sampling is Gumbel-max with noise drawn for the rollout's `all_rows` sequences of every rank
     (this batch being rows first_row.. of them) from one seed taken from the global RNG: a
@@ -159,12 +94,12 @@ def generate_groups(model, encoder: Encoder, prompts: dict, images_per_prompt: l
     pos_3BP = rope_positions(core, ids_BP, mask_BP, encoder.image_token_id, grid)
 
     out = forward_shared(core, ids_BP, mask_BP, pos_3BP, feats, list(range(len(ids_BP))), use_cache=True)
-    cache = _cache_of(out)
+    cache = cache_of(out)
     cache.batch_repeat_interleave(G)  # the G responses of a prompt share its prefill
     hidden_NH = out.last_hidden_state[:, -1].repeat_interleave(G, 0)
     mask_NT = mask_BP.repeat_interleave(G, 0)
     next_pos_N = pos_3BP.amax(dim=(0, 2)).repeat_interleave(G, 0) + 1
-    banned = torch.tensor(_vision_token_ids(encoder), device=device)
+    banned = torch.tensor(vision_token_ids(encoder), device=device)
     end_ids = torch.tensor(encoder.end_ids, device=device)
 
     N = hidden_NH.shape[0]
@@ -193,7 +128,7 @@ def generate_groups(model, encoder: Encoder, prompts: dict, images_per_prompt: l
         mask_NT = torch.cat([mask_NT, alive_steps[-1][:, None].long()], dim=1)
         pos_3N1 = (next_pos_N + step)[None, :, None].expand(3, -1, -1)
         out = forward_shared(core, tok_N[:, None], mask_NT, pos_3N1, None, [], cache=cache, use_cache=True)
-        cache = _cache_of(out)
+        cache = cache_of(out)
         hidden_NH = out.last_hidden_state[:, -1]
     response_mask = torch.stack(alive_steps, 1).long()
     return Rollout(ids_BP, mask_BP, prompts.get("pixel_values"), grid, images_per_prompt,

@@ -1,0 +1,166 @@
+"""generate/: the engine against transformers' generate, the trainer's log-probs, itself alone, and the
+sampling distribution."""
+
+import copy
+
+import pytest
+import torch
+
+from vlforge.config import DataConfig, RolloutConfig
+from vlforge.data.dataset import load_dataset
+from vlforge.data.encode import collate, encode_prompt
+from vlforge.generate.engine import Engine, GenRequest, Prompt, engine_for
+from vlforge.generate.forward import vision_token_ids
+from vlforge.generate.sampling import row_key, sample
+from vlforge.rollout.engine import generate_groups, sequence_logprobs
+
+
+@pytest.fixture
+def setup(tiny, shapes_dir):
+    model, processor = tiny
+    model = copy.deepcopy(model).eval()
+    data = load_dataset(str(shapes_dir / "train.jsonl"), processor, DataConfig())
+    return model, data.encoder, data.samples
+
+
+def prompt_of(encoder, sample) -> Prompt:
+    x = encode_prompt(encoder, sample)
+    return Prompt(x["input_ids"], x.get("pixel_values"), x.get("image_grid_thw"))
+
+
+def run(engine, encoder, requests, **kwargs):
+    kwargs.setdefault("stop_ids", encoder.end_ids)
+    return engine.generate(requests, banned_ids=vision_token_ids(encoder), image_token_id=encoder.image_token_id,
+                           pad_id=encoder.pad_id, **kwargs)
+
+
+def test_greedy_equals_transformers_generate(setup):
+    model, encoder, samples = setup
+    chosen = samples[:4]  # prompt lengths 32, 33, 36, 32: left padding differs per row
+    batch = collate([encode_prompt(encoder, s) for s in chosen], encoder.pad_id, left_pad=True)
+    assert len(set(batch["attention_mask"].sum(1).tolist())) > 1
+    with torch.no_grad():
+        out = model.generate(**batch, max_new_tokens=12, do_sample=False, pad_token_id=encoder.pad_id,
+                             eos_token_id=None)
+    reference = out[:, batch["input_ids"].shape[1]:]
+    # generate bans nothing and never stops here: neither do we
+    results = Engine(model).generate([GenRequest(prompt_of(encoder, s), max_new_tokens=12) for s in chosen],
+                                     stop_ids=[], banned_ids=[], image_token_id=encoder.image_token_id,
+                                     pad_id=encoder.pad_id)
+    ours = torch.stack([r.tokens for r in results])
+    assert torch.equal(ours, reference)
+    assert len(set(map(tuple, ours.tolist()))) > 1  # the rows really differ
+
+
+def test_joining_mid_batch_changes_nothing(setup):
+    """6 requests through 2 slots (rows finish at different lengths, waiting ones join the running
+    batch) give each request the tokens it gets alone: greedy, and sampled with a seed."""
+    model, encoder, samples = setup
+    engine = Engine(model, sync_every=3)
+    for temperature in (0.0, 1.0):
+        requests = [GenRequest(prompt_of(encoder, samples[i]), max_new_tokens=4 + 3 * i, temperature=temperature,
+                               seed=7, first_row=i) for i in range(6)]
+        batched = run(engine, encoder, requests, slots=2)
+        assert engine.stats.prefills > 2  # requests really joined later
+        for i, r in enumerate(requests):
+            [alone] = run(engine, encoder, [r])
+            assert torch.equal(batched[i].tokens, alone.tokens), (temperature, i)
+            torch.testing.assert_close(batched[i].logprobs, alone.logprobs, atol=1e-5, rtol=1e-5)
+        assert [len(r.tokens) for r in batched] != [len(r.tokens) for r in batched[:1]] * 6
+
+
+def test_results_stream_and_seeds_reproduce(setup):
+    model, encoder, samples = setup
+    engine = engine_for(model)
+    prompt = prompt_of(encoder, samples[0])
+    req = GenRequest(prompt, n=4, max_new_tokens=10, temperature=1.0, seed=3)
+    streamed, pieces = [], {}
+    first = run(engine, encoder, [req], on_result=streamed.append,
+                on_tokens=lambda i, s, ids: pieces.setdefault((i, s), []).append(ids))
+    assert sorted((r.request, r.sample) for r in streamed) == [(0, s) for s in range(4)]
+    assert all(torch.equal(a.tokens, b.tokens) for a, b in zip(sorted(streamed, key=lambda r: r.sample), first))
+    assert max(len(p) for p in pieces.values()) > 1  # streamed over several sync points
+    assert all(sum(pieces[(0, r.sample)], []) == r.tokens.tolist() for r in first)
+    again = run(engine, encoder, [req])
+    assert all(torch.equal(a.tokens, b.tokens) for a, b in zip(first, again))
+    assert len({tuple(r.tokens.tolist()) for r in first}) > 1  # the 4 samples differ
+    other = run(engine, encoder, [GenRequest(prompt, n=4, max_new_tokens=10, temperature=1.0, seed=4)])
+    assert [r.tokens.tolist() for r in other] != [r.tokens.tolist() for r in first]
+
+
+def test_rollout_logprobs_with_filters_match_trainer(setup):
+    model, encoder, samples = setup
+    prompts = collate([encode_prompt(encoder, samples[i]) for i in range(3)], encoder.pad_id, left_pad=True)
+    cfg = RolloutConfig(group_size=3, max_new_tokens=10, temperature=0.8, top_k=40, top_p=0.8)
+    rollout = generate_groups(model, encoder, prompts, [1, 1, 1], cfg)
+    with torch.no_grad():
+        logp, _ = sequence_logprobs(model, rollout, cfg.temperature)
+    mask = rollout.response_mask.bool()
+    torch.testing.assert_close(logp[mask], rollout.logprobs[mask], atol=1e-5, rtol=1e-5)
+    banned = set(vision_token_ids(encoder))
+    assert not banned & set(rollout.response_ids[mask].tolist())
+
+
+def test_greedy_rollout_equals_the_hf_loop(setup):
+    model, encoder, samples = setup
+    prompts = collate([encode_prompt(encoder, samples[i]) for i in range(3)], encoder.pad_id, left_pad=True)
+    ours = generate_groups(model, encoder, prompts, [1, 1, 1], RolloutConfig(temperature=0.0, max_new_tokens=8))
+    hf = generate_groups(model, encoder, prompts, [1, 1, 1], RolloutConfig(temperature=0.0, max_new_tokens=8,
+                                                                          engine="hf"))
+    assert torch.equal(ours.response_mask, hf.response_mask)
+    assert torch.equal(ours.response_ids * ours.response_mask, hf.response_ids * hf.response_mask)
+    torch.testing.assert_close(ours.logprobs, hf.logprobs, atol=1e-4, rtol=1e-4)
+
+
+def _chi_square(tokens: torch.Tensor, probs: torch.Tensor) -> float:
+    counts = torch.bincount(tokens, minlength=len(probs)).double()
+    expected = probs.double() * len(tokens)
+    assert counts[expected == 0].sum() == 0  # a token the distribution excludes was never drawn
+    keep = expected > 0
+    return float(((counts[keep] - expected[keep]) ** 2 / expected[keep]).sum())
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (4, 1.0), (0, 0.9)])
+def test_sampling_distribution(top_k, top_p):
+    """20,000 draws (one per noise row) from a 6-token distribution: a chi-square statistic far
+    below the 0.1% critical value of its degrees of freedom, and banned/filtered tokens
+    never drawn. The draws are deterministic (fixed keys): this cannot flake."""
+    n, T = 20000, 0.7
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, float("-inf")])
+    probs = torch.softmax(logits / T, -1)
+    if top_k:
+        probs[probs.argsort(descending=True)[top_k:]] = 0
+    if top_p < 1:
+        order = probs.argsort(descending=True)
+        drop = probs[order].cumsum(0) - probs[order] > top_p
+        probs[order[drop]] = 0
+    probs = probs / probs.sum()
+    keys = torch.tensor([row_key(11, r) for r in range(n)])
+    mode = "filter" if top_k or top_p < 1 else "sample"
+    tok, logp = sample(logits.expand(n, -1), torch.full((n,), T), torch.full((n,), top_k), torch.full((n,), top_p),
+                       keys, torch.zeros(n, dtype=torch.long), mode)
+    dof = int((probs > 0).sum()) - 1
+    critical = {4: 18.47, 3: 16.27, 2: 13.82, 1: 10.83}[dof]  # chi-square 0.1% points
+    assert _chi_square(tok, probs) < critical
+    torch.testing.assert_close(logp, torch.log_softmax(logits / T, -1)[tok])
+    # the step counter moves the noise too: step 1 draws other tokens than step 0 for the same rows
+    tok1, _ = sample(logits.expand(n, -1), torch.full((n,), T), torch.full((n,), top_k), torch.full((n,), top_p),
+                     keys, torch.ones(n, dtype=torch.long), mode)
+    assert (tok1 != tok).float().mean() > 0.3
+    assert _chi_square(tok1, probs) < critical
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compiled", [False, True])
+def test_cuda_graph_decode_equals_eager(setup, compiled):
+    model, encoder, samples = setup
+    model = model.cuda()
+    requests = [GenRequest(prompt_of(encoder, samples[i]), max_new_tokens=6 + 5 * i, temperature=t, seed=1,
+                           first_row=i) for i in range(5) for t in (0.0, 1.0)]
+    graphs = Engine(model, use_graphs=True, compile=compiled)
+    with_graphs = run(graphs, encoder, requests, slots=4)
+    assert graphs.graphs and graphs.stats.capture_s > 0
+    eager = run(Engine(model, use_graphs=False), encoder, requests, slots=4)
+    for a, b in zip(with_graphs, eager):
+        assert torch.equal(a.tokens, b.tokens)
+        torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-4, rtol=1e-4)

@@ -1,0 +1,118 @@
+"""The model-forward pieces every generation path shares (GRPO rollouts, the trainer's log-probs, eval).
+
+    encode_images       the vision tower, once per prompt image            -> ImageFeatures
+    forward_shared      language model over N sequences, image features gathered per sequence
+    rope_positions      Qwen3-VL M-RoPE position ids (the model's own get_rope_index)
+    filter_logits       top-k / top-p (the sampling distribution only)
+    token_logprobs      log_softmax(logits / T) at the given tokens, fp32
+    vision_token_ids    the special tokens never sampled
+
+Shapes: N sequences, T tokens, H hidden size, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from vlforge.data.encode import Encoder
+
+VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
+
+
+@dataclass
+class ImageFeatures:
+    embeds: torch.Tensor  # [image tokens of all prompts, H], prompts' images in order
+    deepstack: list[torch.Tensor]  # per deepstack layer, same rows
+    rows_per_prompt: list[torch.Tensor]  # prompt b -> row indices of its image tokens
+
+
+def encode_images(core, pixel_values: torch.Tensor | None, grid_thw: torch.Tensor | None,
+                  images_per_prompt: list[int]) -> ImageFeatures | None:
+    """One vision-tower pass over every prompt's images (not G times)."""
+    if pixel_values is None:
+        return None
+    out = core.model.visual(pixel_values, grid_thw=grid_thw, return_dict=True)
+    tokens_per_image = (grid_thw.prod(-1) // core.model.visual.spatial_merge_size**2).tolist()
+    rows, start, image = [], 0, 0
+    for n in images_per_prompt:
+        count = sum(tokens_per_image[image:image + n])
+        rows.append(torch.arange(start, start + count, device=pixel_values.device))
+        start, image = start + count, image + n
+    deepstack = [d if torch.is_tensor(d) else torch.cat(list(d)) for d in out.deepstack_features]
+    return ImageFeatures(out.pooler_output, deepstack, rows)
+
+
+@functools.cache
+def _cache_kwarg(model_class: type) -> str:
+    params = inspect.signature(model_class.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"  # renamed in transformers 5.2x
+
+
+def cache_of(output):
+    """The cache a language-model forward returned (its key was renamed in transformers 5.2x)."""
+    return output["cache"] if "cache" in output else output.past_key_values
+
+
+def forward_shared(core, input_ids_NT: torch.Tensor, attention_mask_NT: torch.Tensor, position_ids_3NT: torch.Tensor,
+                   feats: ImageFeatures | None, prompt_of_seq: list[int], cache=None, use_cache: bool = False,
+                   keepalive: torch.Tensor | None = None):
+    """Qwen3-VL's language model over N sequences whose image tokens reuse `feats` of their prompt.
+
+    Equivalent to the HF forward with each prompt's pixels repeated per sequence (tested), without
+    running the vision tower again. Returns the language model output (last_hidden_state, cache).
+    `keepalive` (a zero from engine.losses.vision_keepalive) joins the embeddings where image
+    features would: a sharded text-only mini-batch then reduces gradients like one with images.
+    """
+    lm = core.model.language_model
+    embeds_NTH = lm.embed_tokens(input_ids_NT)
+    if keepalive is not None:
+        embeds_NTH = embeds_NTH + keepalive.to(embeds_NTH.dtype)
+    kwargs = {}
+    image_mask_NT = input_ids_NT == core.config.image_token_id
+    if feats is not None and bool(image_mask_NT.any()):
+        rows = torch.cat([feats.rows_per_prompt[b] for b in prompt_of_seq])
+        image_embeds = feats.embeds[rows].to(embeds_NTH.dtype)
+        embeds_NTH = embeds_NTH.masked_scatter(image_mask_NT[..., None], image_embeds)
+        kwargs = {"visual_pos_masks": image_mask_NT, "deepstack_visual_embeds": [d[rows] for d in feats.deepstack]}
+    return lm(inputs_embeds=embeds_NTH, attention_mask=attention_mask_NT, position_ids=position_ids_3NT,
+              use_cache=use_cache, **{_cache_kwarg(type(lm)): cache}, **kwargs)
+
+
+def rope_positions(core, input_ids: torch.Tensor, attention_mask: torch.Tensor, image_token_id: int,
+                   grid_thw: torch.Tensor | None) -> torch.Tensor:
+    """Qwen3-VL M-RoPE position ids [3, N, T] (via the model's own get_rope_index)."""
+    mm_types = (input_ids == image_token_id).long()
+    if grid_thw is None or not bool(mm_types.any()):
+        pos = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+        return pos[None].expand(3, -1, -1)
+    position_ids, _ = core.model.get_rope_index(input_ids, mm_types, image_grid_thw=grid_thw,
+                                                attention_mask=attention_mask)
+    return position_ids
+
+
+def token_logprobs(logits_NV: torch.Tensor, tokens_N: torch.Tensor, temperature: float) -> torch.Tensor:
+    return F.log_softmax(logits_NV.float() / temperature, dim=-1).gather(-1, tokens_N[:, None])[:, 0]
+
+
+def filter_logits(logits_NV: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Top-k then nucleus filtering (the sampling distribution only; log-probs use the full one)."""
+    if top_k > 0 and top_k < logits_NV.shape[-1]:
+        kth = torch.topk(logits_NV, top_k, dim=-1).values[:, -1:]
+        logits_NV = logits_NV.masked_fill(logits_NV < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits_NV, descending=True, dim=-1)
+        probs = sorted_logits.softmax(-1)
+        drop = probs.cumsum(-1) - probs > top_p  # keep the smallest prefix whose mass reaches top_p
+        logits_NV = logits_NV.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    return logits_NV
+
+
+def vision_token_ids(encoder: Encoder) -> list[int]:
+    tok = encoder.tokenizer
+    ids = [tok.convert_tokens_to_ids(t) for t in VISION_TOKENS]
+    return [i for i in ids if i is not None and i != tok.unk_token_id]

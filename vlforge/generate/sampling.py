@@ -1,0 +1,88 @@
+"""Sampling on the GPU with no host round-trip: temperature, top-k, top-p, greedy, and the noise.
+
+Shapes: S decode slots (rows), V vocabulary.
+
+The noise of a row's token at step t is one uniform number u = hash(row key, t), and the token is
+the inverse CDF of the (filtered) temperature-scaled distribution at u, in vocabulary order. So
+a response's tokens depend on (seed, its global row, step) only: not on the other rows, the
+batch layout, the slot it sits in or the process that samples it; it needs no torch.Generator
+(CUDA-graph capturable; per-request seeds for free). One uniform per row instead of a
+Gumbel draw per (row, vocabulary entry) also saves [S, V] random numbers per step.
+
+torch has no counter-based RNG taking per-row keys (torch.Generator is one stream per device), so
+the hash is written here: lowbias32 (Chris Wellons' 32-bit integer mix) on int64 tensors holding
+32-bit values. u has 24 bits (the fp32 mantissa), so probabilities below ~6e-8 are not resolved.
+"""
+
+from __future__ import annotations
+
+import torch
+
+M32 = 0xFFFFFFFF
+GOLDEN = 0x9E3779B9
+
+
+def mix32(x):
+    """lowbias32 on a Python int or an int64 tensor of values < 2**32 (products wrap; & keeps 32 bits)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & M32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & M32
+    return x ^ (x >> 16)
+
+
+def row_key(seed: int, row: int) -> int:
+    """The noise key of global row `row` of a generation seeded `seed` (any Python int)."""
+    seed &= (1 << 64) - 1
+    return mix32(mix32(mix32(seed & M32) ^ (seed >> 32)) ^ (row & M32))
+
+
+def uniform(key_S: torch.Tensor, step_S: torch.Tensor) -> torch.Tensor:
+    """u in (0, 1), fp32, a function of (key, step) only."""
+    h = mix32(key_S ^ mix32((step_S * GOLDEN) & M32))
+    return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
+
+
+def drop_mask(x_SV: torch.Tensor, top_k_S: torch.Tensor, top_p_S: torch.Tensor) -> torch.Tensor:
+    """True where top-k then top-p removes a token (as generate.forward.filter_logits, per row).
+
+    Rows with top_k 0 and top_p 1 drop nothing (top-p is applied only where top_p < 1, so fp32
+    rounding of the cumulative sum never trims an unfiltered row's tail)."""
+    V = x_SV.shape[-1]
+    sorted_SV, order_SV = x_SV.sort(-1, descending=True)
+    k_S = torch.where(top_k_S > 0, top_k_S, V).clamp(max=V)
+    kth_S1 = sorted_SV.gather(1, (k_S - 1)[:, None])
+    below_k = sorted_SV < kth_S1
+    probs = sorted_SV.masked_fill(below_k, float("-inf")).softmax(-1)
+    beyond_p = (probs.cumsum(-1) - probs > top_p_S[:, None]) & (top_p_S < 1)[:, None]
+    drop_sorted = below_k | beyond_p
+    return torch.empty_like(drop_sorted).scatter_(1, order_SV, drop_sorted)
+
+
+def sample(logits_SV: torch.Tensor, temperature_S: torch.Tensor, top_k_S: torch.Tensor, top_p_S: torch.Tensor,
+           key_S: torch.Tensor, step_S: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens [S], log-probs [S]) from fp32 logits (banned tokens already -inf).
+
+    mode: "greedy" (argmax for every row), "sample" (rows with temperature 0 take the argmax),
+    "filter" (as sample, with per-row top-k/top-p). Log-probs are log_softmax(logits / T) at the
+    token before top-k/top-p (T = 1e-6 for greedy rows, as the rollout path always did), computed
+    as x - logsumexp(x): no [S, V] log-softmax is kept.
+    """
+    greedy_S = temperature_S <= 0
+    x_SV = logits_SV / torch.where(greedy_S, 1e-6, temperature_S)[:, None]
+    lse_S = torch.logsumexp(x_SV, -1)
+    best_S = logits_SV.argmax(-1)
+    if mode == "greedy":
+        tok_S = best_S
+    else:
+        probs_SV = (x_SV - lse_S[:, None]).exp()
+        if mode == "filter":
+            probs_SV = probs_SV.masked_fill(drop_mask(x_SV, top_k_S, top_p_S), 0.0)
+        cdf_SV = probs_SV.cumsum(-1)
+        # u scaled by the row's own total: the filtered mass (and fp32 rounding of the sum) never
+        # leaves u past the end, and a zero-probability token is never the first cdf > u
+        target_S1 = (uniform(key_S, step_S) * cdf_SV[:, -1])[:, None]
+        tok_S = torch.searchsorted(cdf_SV, target_S1, right=True)[:, 0].clamp(max=x_SV.shape[-1] - 1)
+        tok_S = torch.where(greedy_S, best_S, tok_S)
+    logp_S = x_SV.gather(1, tok_S[:, None])[:, 0] - lse_S
+    return tok_S, logp_S
