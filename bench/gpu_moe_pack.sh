@@ -17,5 +17,5 @@ run --preset qwen3vl-2b --method full --max-tokens-per-batch 4608 --steps 8 --ov
 run --preset qwen3vl-2b --method full --max-tokens-per-batch 4608 --packing --steps 8 \
     --override precision.compile=true model.attn_implementation=flex_attention
 run --preset qwen3vl-8b --method lora --steps 8 --override precision.compile=true
-run --preset qwen3vl-2b --method full --fsdp --steps 6 --warmup 2
-run --preset qwen3vl-2b --method full --fsdp --steps 6 --warmup 2 --override distributed.reshard_after_forward=false
+# run --preset qwen3vl-2b --method full --fsdp --steps 6 --warmup 2
+# run --preset qwen3vl-2b --method full --fsdp --steps 6 --warmup 2 --override distributed.reshard_after_forward=false

@@ -93,6 +93,15 @@ def test_failing_reward_names_the_function_and_sample(shapes_dir, tmp_path):
         run_grpo(cfg)
 
 
+@pytest.mark.parametrize("key", ["data.packing=true", "data.max_tokens_per_batch=4096", "loss.impl=liger"])
+def test_sft_only_keys_are_refused_before_loading(shapes_dir, tmp_path, key):
+    from vlforge.config import ConfigError
+
+    with pytest.raises(ConfigError, match=key.split("=")[0]):
+        run_grpo(grpo_config(shapes_dir, tmp_path / "run", tmp_path, key))
+    assert not (tmp_path / "run").exists()
+
+
 def test_grpo_resume_equals_uninterrupted(shapes_dir, tmp_path):
     common = ["tiers.method=full", "rl.kl_beta=0.0", "train.save_every=2"]
     run_grpo(grpo_config(shapes_dir, tmp_path / "straight", tmp_path, "train.max_steps=4", *common))

@@ -405,3 +405,50 @@ def test_packed_rows_give_the_padded_batchs_aux_loss_and_expert_load(tiny_moe, s
         len(router_modules(model))  # top-2 of every real token, in every MoE layer
     torch.testing.assert_close(counts_packed, counts_padded)
     torch.testing.assert_close(aux_packed, aux_padded, rtol=1e-5, atol=1e-6)
+
+
+def test_router_aux_loss_on_two_ranks_equals_one_process_accumulating(shapes_dir, tmp_path):
+    """The load-balancing loss is a mean over micro-batches: 2 ranks x batch 2 make the update one
+    process makes with batch 2 x accum 2 on the same samples (not world size x the router loss)."""
+    import os
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from vlforge.recipes.sft import run_sft
+
+    common = ["model.preset=tiny-moe", "precision.mode=fp32", "train.device=cpu", "log.progress=false", "data.val=null",
+              "optim.schedule=constant", "optim.warmup_steps=0", "train.seed=0", "tiers.method=full",
+              "tiers.vision.train=true", "tiers.language.router=true", "tiers.language.lr=0.01",
+              "train.router_aux_loss_coef=1.0", "train.max_steps=2", "train.save_every=2", "train.batch_size=2",
+              f"data.train={shapes_dir / 'train.jsonl'}"]
+    one = tmp_path / "one"
+    run_sft(load_config(SFTConfig, None, [*common, f"train.output_dir={one}", "train.grad_accum=2"]))
+    two = tmp_path / "two"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    config = tmp_path / "run.yaml"
+    config.write_text(f"data: {{train: {shapes_dir / 'train.jsonl'}}}\n")
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           "-m", "vlforge", "sft", str(config), *common, f"train.output_dir={two}"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [[json.loads(line) for line in (d / "metrics.jsonl").read_text().splitlines()] for d in (one, two)]
+    assert [r["moe/aux_loss"] for r in rows[1] if "moe/aux_loss" in r] == \
+        pytest.approx([r["moe/aux_loss"] for r in rows[0] if "moe/aux_loss" in r], rel=1e-5)
+    from vlforge.model.export import export
+
+    export(two / "checkpoint-2", tmp_path / "consolidated", dtype=torch.float32)
+    ours, theirs = load_file(tmp_path / "consolidated" / "model.safetensors"), \
+        load_file(one / "checkpoint-2" / "model.safetensors")
+    for name in ("model.language_model.layers.0.mlp.gate.weight", "model.language_model.layers.1.mlp.gate.weight"):
+        torch.testing.assert_close(ours[name], theirs[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_flex_attention_is_refused_for_the_dense_model_with_the_reason():
+    """transformers' dense Qwen3-VL class declares no flex_attention support (its MoE class does):
+    a ConfigError naming the key, not a ValueError from inside from_pretrained."""
+    with pytest.raises(ConfigError, match="model.attn_implementation=flex_attention"):
+        load_model(ModelConfig(preset="tiny", attn_implementation="flex_attention"))
+    model, _ = load_model(ModelConfig(preset="tiny-moe", attn_implementation="flex_attention"))
+    assert model.config._attn_implementation == "flex_attention"

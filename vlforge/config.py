@@ -71,8 +71,9 @@ class ModelConfig:
     path: str | None = None  # local HF-format Qwen3-VL directory (never downloaded); wins over preset
     # tiny | qwen3vl-2b | -4b | -8b | -32b | tiny-moe | qwen3vl-30b-a3b | qwen3vl-235b-a22b (random weights)
     preset: str | None = None
-    # flex_attention: transformers compiles torch's flex_attention (a block-sparse document mask for
-    # data.packing); flash_attention_2 needs the flash-attn package (varlen kernels when packed)
+    # flex_attention (MoE models only in transformers 5.17-5.24): torch's flex_attention, a
+    # block-sparse document mask for data.packing; flash_attention_2 needs the flash-attn package
+    # (varlen kernels when packed); sdpa packs through a dense block-diagonal mask (slower than padding)
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flex_attention"] = "sdpa"
     # MoE models: transformers' expert kernels; auto = grouped_mm (grouped GEMM) on CUDA, eager
     # (the reference loop over experts) elsewhere (model/load.experts_implementation)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from vlforge.config import EvalConfig
+from vlforge.config import EvalConfig, LossConfig
 from vlforge.data.dataset import ChatDataset
 from vlforge.data.encode import Encoder, collate, encode, encode_prompt
 from vlforge.engine.losses import sft_loss_sum
@@ -75,8 +75,9 @@ def _generate_answers_synced(model, encoder: Encoder, samples, *, batch_size: in
 
 @torch.no_grad()
 def evaluate(model, data: ChatDataset, *, batch_size: int, max_new_tokens: int, max_samples: int | None,
-             policy: PrecisionPolicy, device: torch.device) -> dict:
-    """{"loss", "accuracy", "n", "by_task"} on the first `max_samples` samples of `data`."""
+             policy: PrecisionPolicy, device: torch.device, loss: LossConfig = LossConfig()) -> dict:
+    """{"loss", "accuracy", "n", "by_task"} on the first `max_samples` samples of `data`; the
+    held-out loss computed as the run computes its training loss (`loss`: the run's loss.impl)."""
     was_training = model.training
     model.eval()
     n = len(data) if max_samples is None else min(max_samples, len(data))
@@ -85,8 +86,8 @@ def evaluate(model, data: ChatDataset, *, batch_size: int, max_new_tokens: int, 
         items = [encode(data.encoder, data.samples[i], data.tokenized[i]) for i in range(s, min(n, s + batch_size))]
         batch = to_device(collate(items, data.encoder.pad_id), device)
         with policy.autocast():
-            loss, count = sft_loss_sum(model, batch)
-        loss_sum += float(loss)
+            batch_loss, count = sft_loss_sum(model, batch, loss=loss)
+        loss_sum += float(batch_loss)
         tokens += count
     samples = data.samples[:n]
     answers = generate_answers(model, data.encoder, samples, batch_size=batch_size,
@@ -113,9 +114,10 @@ class EvalRecorder:
     """
 
     def __init__(self, out_dir: Path, data: ChatDataset, cfg: EvalConfig, metrics: MetricsLog, resume_step: int,
-                 write: bool = True):
+                 write: bool = True, loss: LossConfig = LossConfig()):
         self.path = Path(out_dir) / "eval.json"
         self.data, self.cfg, self.metrics, self.write = data, cfg, metrics, write  # write: rank 0 of a run
+        self.loss = loss
         previous = json.loads(self.path.read_text()).get("history", []) if write and self.path.exists() else []
         self.history = [h for h in previous if h["step"] <= resume_step]
 
@@ -123,7 +125,7 @@ class EvalRecorder:
         rng = torch.get_rng_state()
         result = {"step": step, **evaluate(model, self.data, batch_size=self.cfg.batch_size,
                                            max_new_tokens=self.cfg.max_new_tokens, max_samples=self.cfg.max_samples,
-                                           policy=policy, device=device)}
+                                           policy=policy, device=device, loss=self.loss)}
         torch.set_rng_state(rng)
         self.history.append({k: v for k, v in result.items() if k != "examples"})
         if self.write:

@@ -133,6 +133,10 @@ class Routing:
         self._handles = [m.register_forward_hook(self._hook(i)) for i, m in routers]
 
     def _hook(self, layer: int):
+        # torch.compile must not trace the hook: the layer index it closes over would be a guard, and
+        # the one compiled MoE block would recompile for every layer (past the recompile limit, the
+        # later layers would run uncompiled)
+        @torch.compiler.disable
         def keep(module, args, output):
             if self._routed is not None:
                 self._routed.logits[layer] = output[0]
@@ -173,8 +177,11 @@ class Routing:
         if world is not None and world.size > 1:
             counts = torch.tensor(world.sums(*counts.flatten().tolist())).reshape(counts.shape)
         row = load_metrics(counts)
-        if self._aux:
-            row["moe/aux_loss"] = float(torch.stack(self._aux).float().mean())
+        if self._aux:  # the mean over every rank's forwards, as one process accumulating them would log
+            total, n = float(torch.stack(self._aux).float().sum()), len(self._aux)
+            if world is not None and world.size > 1:
+                total, n = world.sums(total, n)
+            row["moe/aux_loss"] = total / n
         self._counts, self._aux = None, []
         return row
 

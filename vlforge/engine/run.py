@@ -106,7 +106,7 @@ class Run:
         # every rank evaluates (a sharded forward needs them all); rank 0 writes
         metrics = MetricsLog(out, cfg.log.tensorboard, resume_step=step if resume_from else 0) if world.main \
             else NullMetrics()
-        recorder = EvalRecorder(out, val_data, cfg.eval, metrics, step, write=world.main) \
+        recorder = EvalRecorder(out, val_data, cfg.eval, metrics, step, write=world.main, loss=cfg.loss) \
             if val_data is not None else None
         return cls(cfg, t, out, total_steps, optimizer, scheduler, scaler, health, metrics, recorder, state, step)
 

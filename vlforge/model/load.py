@@ -8,6 +8,8 @@ The architecture follows the config: `model_type` qwen3_vl is the dense
 
 from __future__ import annotations
 
+import importlib.util
+
 import os
 import tempfile
 from pathlib import Path
@@ -82,7 +84,21 @@ def experts_implementation(cfg: ModelConfig, device: torch.device) -> str:
     return "grouped_mm" if device.type == "cuda" else "eager"
 
 
+def attention_problem(attn: str, cls: type) -> str | None:
+    """Why `model.attn_implementation` cannot run for this model class (None: it can); transformers
+    would raise a ValueError / ImportError from deep inside from_pretrained instead."""
+    if attn == "flex_attention" and not getattr(cls, "_supports_flex_attn", False):
+        return (f"model.attn_implementation=flex_attention: transformers' {cls.__name__} does not support "
+                "flex_attention (its MoE sibling does); use sdpa (packed rows then attend through a block-"
+                "diagonal mask) or flash_attention_2 (pip install flash-attn: varlen kernels for packed rows)")
+    if attn == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
+        return "model.attn_implementation=flash_attention_2 needs the flash-attn package: pip install flash-attn"
+    return None
+
+
 def _impl_kwargs(cfg: ModelConfig, config, device: torch.device) -> dict:
+    if problem := attention_problem(cfg.attn_implementation, model_class(config)):
+        raise ConfigError(problem)
     kwargs = {"attn_implementation": cfg.attn_implementation}
     if is_moe(config):
         kwargs["experts_implementation"] = experts_implementation(cfg, device)

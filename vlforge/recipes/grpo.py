@@ -243,11 +243,14 @@ def update(t: Trainable, ref_model, batches: list[Batch], optimizer, scaler, hea
             masks = [b.rollout.response_mask[[b.seqs[i] for i in part]].float() for b, part in parts]
             weights, tokens = part_weights(masks, rl.agg, world), [float(m.sum()) for m in masks]
             all_tokens = world.sum(sum(tokens))  # the mini-batch's response tokens on every rank
+            # MoE: the router loss is the mini-batch's mean over its sequences, whatever rl.agg does
+            all_seqs = world.sum(sum(len(part) for _, part in parts)) if t.routing is not None else 1.0
             step = dict.fromkeys(logged, 0.0)
             for (b, part), mask, w, n_tok in zip(parts, masks, weights, tokens):
                 seqs = [b.seqs[i] for i in part]
                 with t.policy.autocast(), capture(t.routing, token_rows(b.rollout, seqs)) as routed:  # MoE
                     logp, entropy = t.forward(sequence_logprobs, b.rollout, temperature, seq_index=seqs,
+                                              chunk_size=cfg.loss.chunk_size,
                                               with_entropy=True, keep_vision=world.sharded)
                 # norm_length: Dr. GRPO's constant divisor is the length cap, not this batch's longest
                 loss, stats = policy_loss(logp, b.rollout.logprobs[seqs], b.advantages[seqs], mask,
@@ -261,7 +264,8 @@ def update(t: Trainable, ref_model, batches: list[Batch], optimizer, scaler, hea
                     step["kl"] += share * float((kl.detach() * mask).sum() / mask.sum().clamp(min=1))
                 # gradients of the parts add up to the mini-batch's; x world size: FSDP2 averages over ranks;
                 # MoE: + train.router_aux_loss_coef x the router load-balancing loss (0 by default)
-                scaler.scale((loss + aux_term(t.routing, routed, 1)) * w * world.size).backward()
+                aux = aux_term(t.routing, routed, 1) * (len(part) / all_seqs if all_seqs else 0.0)
+                scaler.scale((loss * w + aux) * world.size).backward()
                 step["loss"] += w * float(loss.detach())
                 for k in ("clip_frac", "ratio_mean", "approx_kl", "clip_frac_lower"):
                     if k in step:
@@ -335,6 +339,12 @@ def run_grpo(cfg: GRPOConfig) -> dict:
         raise ConfigError("rollout.temperature must be > 0 for GRPO: it needs sampled responses and their log-probs")
     if not cfg.data.train:
         raise ConfigError("data.train is not set: give a JSONL of prompts with reference answers")
+    if cfg.data.packing or cfg.data.max_tokens_per_batch:
+        raise ConfigError("data.packing / data.max_tokens_per_batch are SFT batching keys: GRPO batches prompts by "
+                          "rollout.prompts_per_step; remove them")
+    if cfg.loss.impl == "liger":
+        raise ConfigError("loss.impl=liger: GRPO's log-probs need banned vision tokens and the entropy, which "
+                          "liger's fused op cannot give; GRPO always uses the chunked computation (loss.chunk_size)")
     try:  # before any model loading: a typo in a reward spec should fail in a second, not after minutes
         rewards = build_rewards([RewardSpec(r.name, r.weight, dict(r.kwargs)) for r in cfg.rl.rewards])
     except (ValueError, FileNotFoundError, AttributeError, TypeError, ImportError) as e:

@@ -97,8 +97,9 @@ def train_step(t: Trainable, micro: list[dict], optimizer, scaler, health: GradH
             loss_sum, _ = t.forward(sft_loss_sum, batch, keep_vision=world.sharded, loss=loss)
         micro_loss = loss_sum / total_tokens
         # FSDP2 averages gradients over ranks; x world size makes it the global batch's sum. MoE: + the
-        # router load-balancing loss (the micro-batches' mean; logged apart as moe/aux_loss)
-        scaler.scale((micro_loss + aux_term(t.routing, routed, len(micro))) * world.size).backward()
+        # router load-balancing loss, the mean over every rank's micro-batches (FSDP2's average makes
+        # it so: no x world size), logged apart as moe/aux_loss
+        scaler.scale(micro_loss * world.size + aux_term(t.routing, routed, len(micro))).backward()
         loss_total += float(micro_loss.detach())
     # the global batch's loss (the same on every rank), its micro-batches with images, its tokens
     loss_total, with_images, tokens = world.sums(loss_total, sum(b.get("pixel_values") is not None for b in micro),

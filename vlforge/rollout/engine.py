@@ -150,7 +150,7 @@ def _images_of(rollout: Rollout, prompts: list[int]) -> tuple[torch.Tensor | Non
 
 
 def sequence_logprobs(model, rollout: Rollout, temperature: float, seq_index: list[int] | None = None,
-                      with_entropy: bool = False, keep_vision: bool = False):
+                      with_entropy: bool = False, keep_vision: bool = False, chunk_size: int = 1024):
     """Log-probs [n, R] of the response tokens of sequences `seq_index` (default all), recomputed
     by teacher forcing with gradients; the images of the prompts those sequences belong to (only
     those) are encoded once for all their sequences. `keep_vision`: run the vision tower even
@@ -179,7 +179,7 @@ def sequence_logprobs(model, rollout: Rollout, temperature: float, seq_index: li
     # logits only at response tokens, a chunk at a time (engine.losses.token_logprobs_entropy); 0 elsewhere
     mask_nR = rollout.response_mask[seq_index].bool()
     logp_N, entropy_N = token_logprobs_entropy(hidden_nRH[mask_nR], core.lm_head, resp[mask_nR], temperature,
-                                               rollout.banned_ids, with_entropy)
+                                               rollout.banned_ids, with_entropy, chunk_size)
     logp = logp_N.new_zeros(mask_nR.shape).masked_scatter(mask_nR, logp_N)
     entropy = entropy_N.new_zeros(mask_nR.shape).masked_scatter(mask_nR, entropy_N) if with_entropy else None
     return logp, entropy
