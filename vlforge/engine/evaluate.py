@@ -23,10 +23,14 @@ from vlforge.model.tiers import unwrap
 from vlforge.rl.rewards import exact_match
 
 
-def sharded_run() -> bool:
+def sharded_run(model) -> bool:
+    """FSDP2 over several processes: every forward gathers weights with the other ranks. (DDP's
+    replicas generate on their own: its forward has no collective, only its backward.)"""
     import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
 
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and \
+        any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def to_device(batch: dict, device: torch.device) -> dict:
@@ -47,7 +51,7 @@ def generate_answers(model, encoder: Encoder, samples, *, batch_size: int, max_n
                                 pad_token_id=encoder.pad_id, eos_token_id=encoder.end_ids,
                                 # sharded (FSDP2), every forward gathers weights with the other ranks:
                                 # decode until every rank is done, not each on its own
-                                synced_gpus=sharded_run())
+                                synced_gpus=sharded_run(model))
         new = out[:, batch["input_ids"].shape[1]:]
         answers += [t.strip() for t in encoder.tokenizer.batch_decode(new, skip_special_tokens=True)]
     return answers
