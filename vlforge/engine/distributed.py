@@ -90,6 +90,15 @@ class World:
         dist.all_gather(parts, local)
         return torch.cat(parts).to(t.device)
 
+    def gather_objects(self, obj) -> list:
+        """Every rank's `obj` (picklable, any size: per-rank lists of different lengths), in rank
+        order, on every rank."""
+        if not self.active or self.size == 1:
+            return [obj]
+        out = [None] * self.size
+        dist.all_gather_object(out, obj)
+        return out
+
     def broadcast(self, obj):
         """Rank 0's `obj` on every rank."""
         if not self.active or self.size == 1:
