@@ -242,18 +242,23 @@ def part_weights(masks: list[torch.Tensor], agg: str, world: World = World()) ->
     return [u / total if total > 0 else 0.0 for u in units]
 
 
-def pad_mini_batches(plan: list[list], world: World, spare: Batch | None) -> list[list]:
-    """Each rank's mini-batches (mini_batches) padded so that every rank takes part in every
-    optimizer step: as many mini-batches on every rank, each with at least one part (DDP: one
-    gradient all-reduce per step) or, sharded, as many parts as the rank with most (FSDP2: every
-    forward and backward is a collective). A pad is (spare, None): one sequence's forward whose
-    loss is multiplied by 0, so its gradients are exact zeros. Ranks differ when their prompts'
-    groups were kept unequally (dynamic sampling, data.on_error=skip)."""
+def rank_mini_batches(batches: list[Batch], mini_batch_size: int, world: World, spare: Batch | None) -> list[list]:
+    """This rank's parts of each of the step's mini-batches. One process: mini_batches. Several:
+    as many mini-batches as one process makes of every rank's kept sequences, each rank's own
+    split evenly over them (ranks hold unequal shares when their prompts' groups were kept
+    unequally: dynamic sampling, data.on_error=skip), then padded so that every rank takes part in
+    every optimizer step: each mini-batch with at least one part (DDP: one gradient all-reduce per
+    step) or, sharded, as many parts as the rank with most (FSDP2: every forward and backward is a
+    collective). A pad is (spare, None): one sequence's forward whose loss is multiplied by 0, so
+    its gradients are exact zeros."""
     if world.size == 1:
-        return plan
+        return mini_batches(batches, mini_batch_size)
+    mine = sum(len(b.seqs) for b in batches)
+    count = -(-int(world.sum(mine)) // mini_batch_size)  # one process's number of mini-batches
+    plan = mini_batches(batches, max(1, -(-mine // count)))
     shapes = world.gather_objects([len(parts) for parts in plan])
     out = []
-    for m in range(max(len(shape) for shape in shapes)):
+    for m in range(count):
         parts = list(plan[m]) if m < len(plan) else []
         need = max(shape[m] if m < len(shape) else 0 for shape in shapes) if world.sharded else 1
         if len(parts) < need and spare is None:
@@ -271,7 +276,7 @@ def update(t: Trainable, ref_model, batches: list[Batch], optimizer, scaler, hea
     A mini-batch may span rollout rounds (dynamic sampling): each part's loss is aggregated on its
     own and weighted by its share of the mini-batch's tokens (or sequences), which equals the loss
     of the concatenated mini-batch; one optimizer step per mini-batch. Several ranks: each takes
-    its share of every mini-batch; `spare` pads the ranks with fewer (pad_mini_batches).
+    its share of every mini-batch; `spare` pads the ranks with fewer (rank_mini_batches).
     """
     rl, temperature, world = cfg.rl, cfg.rollout.temperature, t.world
     if rl.kl_beta > 0:
@@ -285,7 +290,7 @@ def update(t: Trainable, ref_model, batches: list[Batch], optimizer, scaler, hea
     logged = ["loss", "clip_frac", "ratio_mean", "approx_kl", "entropy"] + (["kl"] if rl.kl_beta > 0 else []) \
         + (["clip_frac_lower"] if rl.dual_clip is not None else [])
     logs: dict[str, list] = {k: [] for k in logged}
-    plan = pad_mini_batches(mini_batches(batches, rl.mini_batch_size // world.size), world, spare)  # this rank's share
+    plan = rank_mini_batches(batches, rl.mini_batch_size, world, spare)  # this rank's share of each
     for _ in range(rl.epochs):
         for parts in plan:
             real = [(b, part) for b, part in parts if part is not None]
