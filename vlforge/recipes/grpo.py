@@ -242,6 +242,12 @@ def part_weights(masks: list[torch.Tensor], agg: str, world: World = World()) ->
     return [u / total if total > 0 else 0.0 for u in units]
 
 
+def no_spare(world: World) -> DataError:
+    return DataError(f"rank {world.rank} has no sequence of its own this step (every one of its prompts failed to "
+                     "decode, data.on_error=skip) to take part in the other ranks' updates: run `vlforge data check` "
+                     "and fix or drop those rows")
+
+
 def rank_mini_batches(batches: list[Batch], mini_batch_size: int, world: World, spare: Batch | None) -> list[list]:
     """This rank's parts of each of the step's mini-batches. One process: mini_batches. Several:
     as many mini-batches as one process makes of every rank's kept sequences, each rank's own
@@ -262,9 +268,7 @@ def rank_mini_batches(batches: list[Batch], mini_batch_size: int, world: World, 
         parts = list(plan[m]) if m < len(plan) else []
         need = max(shape[m] if m < len(shape) else 0 for shape in shapes) if world.sharded else 1
         if len(parts) < need and spare is None:
-            raise DataError(f"rank {world.rank} has no sequence of its own this step (every one of its prompts "
-                            "failed to decode, data.on_error=skip) to take part in the other ranks' updates: run "
-                            "`vlforge data check` and fix or drop those rows")
+            raise no_spare(world)
         out.append(parts + [(spare, None)] * (need - len(parts)))
     return out
 
@@ -280,11 +284,14 @@ def update(t: Trainable, ref_model, batches: list[Batch], optimizer, scaler, hea
     """
     rl, temperature, world = cfg.rl, cfg.rollout.temperature, t.world
     if rl.kl_beta > 0:
+        # sharded, each of these forwards is a collective: as many on every rank (counted first)
+        pads = max(world.gather_objects(len(batches))) - len(batches) if world.sharded else 0
         for b in batches:
             b.ref_logp = reference_logprobs(t, ref_model, b, temperature)  # [len(seqs), R], fixed for the step
-        if world.sharded:  # each of those forwards is a collective: as many on every rank
-            for _ in range(max(world.gather_objects(len(batches))) - len(batches)):
-                reference_logprobs(t, ref_model, spare, temperature)
+        if pads and spare is None:
+            raise no_spare(world)
+        for _ in range(pads):
+            reference_logprobs(t, ref_model, spare, temperature)
     # ratio_mean is exactly 1 until the step's first update (a check that rollout and trainer agree);
     # clip_frac_lower is the share of tokens where the dual clip binds
     logged = ["loss", "clip_frac", "ratio_mean", "approx_kl", "entropy"] + (["kl"] if rl.kl_beta > 0 else []) \
