@@ -180,8 +180,8 @@ def test_what_is_not_built_sharded_is_refused_before_loading(shapes_dir, tmp_pat
 
     cfg = load_config(GRPOConfig, "configs/demo-grpo.yaml", [f"data.train={shapes_dir / 'train.jsonl'}",
                                                              "distributed.strategy=fsdp2", "model.path=/nonexistent",
-                                                             "rl.dynamic_sampling=true", "data.on_error=skip"])
-    with pytest.raises(ConfigError, match="does not support rl.dynamic_sampling .*; data.on_error=skip"):
+                                                             "tiers.method=full", "rl.kl_beta=0.1"])
+    with pytest.raises(ConfigError, match=r"GRPO \(fsdp2\) does not support rl.kl_beta > 0 with full fine-tuning"):
         run_grpo(cfg)  # before anything loads: model.path does not exist
     with pytest.raises(ConfigError, match="cpu_offload needs strategy fsdp2"):
         load_config(GRPOConfig, None, ["distributed.strategy=none", "distributed.cpu_offload=true"])
@@ -272,3 +272,124 @@ def test_sigkill_of_every_rank_then_resume_equals_the_uninterrupted_run(shapes_d
     assert ours.keys() == theirs.keys() and ours
     for name in theirs:
         assert torch.equal(ours[name], theirs[name]), name
+
+
+# ----------------------------------------------------------------------------- DDP (distributed.strategy=ddp)
+
+DDP = "distributed.strategy=ddp"
+
+
+def test_ddp_equals_one_process_and_resumes_on_other_world_sizes(shapes_dir, tmp_path):
+    """DDP, full fine-tuning with 8-bit AdamW and gradient accumulation (no_sync on the first
+    micro-batch): 2 ranks x batch 2 == 1 process x batch 4. Saved on 2 ranks (the one-process
+    format, written by rank 0, plus rank 1's RNG), resumed on one plain process, then on 2 ranks
+    again: the uninterrupted one-process run's losses and weights."""
+    extra = ["tiers.method=full", "train.grad_accum=2", "optim.name=adamw8bit"]
+    straight = tmp_path / "one"
+    run_sft(tiny_sft_config(shapes_dir, straight, *COMMON, *extra, "train.batch_size=4", "train.max_steps=4"))
+    split = tmp_path / "split"
+    args = [config_file(tmp_path, shapes_dir / "train.jsonl"), *COMMON, *extra, f"train.output_dir={split}",
+            "train.resume=auto"]
+    first = launch(args + [DDP, "train.batch_size=2", "train.max_steps=2"], tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    saved = split / "checkpoint-2"
+    assert (saved / "model.safetensors").is_file() and (saved / "rng-1.pt").is_file() and not (saved / "dcp").exists()
+    second = launch(args + ["distributed.strategy=none", "train.batch_size=4", "train.max_steps=3"], tmp_path, nproc=0)
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert "resumed from" in second.stdout
+    third = launch(args + [DDP, "train.batch_size=2", "train.max_steps=4"], tmp_path)
+    assert third.returncode == 0, third.stderr[-3000:]
+    assert "resumed from" in third.stdout and "2 processes (ddp)" in third.stdout
+    assert losses(split) == pytest.approx(losses(straight), rel=1e-5)
+    ours, theirs = (load_file(d / "checkpoint-4" / "model.safetensors") for d in (split, straight))
+    assert set(ours) == set(theirs)
+    for name in theirs:
+        torch.testing.assert_close(ours[name], theirs[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_ddp_lora_with_text_only_rows_on_one_rank_and_precision_overrides(shapes_dir, tmp_path):
+    """LoRA under DDP, rank 1's rows text-only (the vision keep-alive keeps every parameter in the
+    graph, as DDP needs), with precision.overrides (refused under FSDP2): the one-process losses
+    and held-out eval (each replica generates on its own: no synced decoding)."""
+    data, _ = _mixed_modality_data(shapes_dir, tmp_path)
+    config = tmp_path / "lora.yaml"
+    config.write_text(f"data: {{train: {data}}}\n"
+                      "precision: {overrides: [{pattern: 'norm', storage: fp32, compute: fp32}]}\n")
+    evals = [f"data.val={shapes_dir / 'val.jsonl'}", "eval.max_samples=4", "eval.max_new_tokens=4"]
+    args = [str(config), *COMMON, "tiers.method=lora", "train.max_steps=2", *evals]
+    one = launch(args + ["train.batch_size=4", f"train.output_dir={tmp_path / 'one'}"], tmp_path, nproc=0)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = launch(args + [DDP, "train.batch_size=2", f"train.output_dir={tmp_path / 'two'}"], tmp_path)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), rel=1e-5)
+    ev_one, ev_two = (json.loads((tmp_path / d / "eval.json").read_text()) for d in ("one", "two"))
+    assert ev_two["loss"] == pytest.approx(ev_one["loss"], rel=1e-5)
+    assert [e["generated"] for e in ev_two["examples"]] == [e["generated"] for e in ev_one["examples"]]
+
+
+def _grpo_one_and_two(tmp_path, config_text: str, args: list[str], strategy: str) -> dict:
+    """metrics.jsonl rows of the same GRPO run on one process and on 2 ranks under `strategy`."""
+    config = tmp_path / "grpo.yaml"
+    config.write_text(config_text)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    runs = {}
+    for name, prefix in (("one", [sys.executable]), ("two", [sys.executable, "-m", "torch.distributed.run",
+                                                              "--standalone", "--nproc_per_node=2"])):
+        extra = [f"distributed.strategy={strategy}"] if name == "two" else []
+        result = subprocess.run([*prefix, "-m", "vlforge", "grpo", str(config), *COMMON, *args, *extra,
+                                 f"train.output_dir={tmp_path / name}"], cwd=tmp_path, env=env, capture_output=True,
+                                text=True, timeout=TIMEOUT_S)
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[name] = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    return runs
+
+
+def _assert_same_grpo(runs: dict, tmp_path, merge: bool) -> None:
+    for one, two in zip(runs["one"], runs["two"], strict=True):
+        for key in ("reward_mean", "groups_trained", "zero_var_group_frac", "accuracy"):
+            assert two[key] == one[key], key
+        for key in ("grad_norm", "kl", "entropy", "adv_std", "response_length_mean", "loss"):
+            assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-7), key
+    if merge:
+        for name in runs:
+            export(tmp_path / name / "checkpoint-2", tmp_path / f"{name}-merged", merge=True, dtype=torch.float32)
+    files = [tmp_path / (f"{n}-merged" if merge else f"{n}/checkpoint-2") / "model.safetensors" for n in ("two", "one")]
+    ours, theirs = (load_file(f) for f in files)
+    for key in theirs:  # Adam's first steps are about lr x sign(g): see test_grpo_on_two_ranks_equals_one_process
+        torch.testing.assert_close(ours[key], theirs[key], rtol=1e-4, atol=2e-5, msg=key)
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_grpo_dynamic_sampling_and_skipped_prompts_on_two_ranks_equal_one_process(shapes_dir, tmp_path, strategy):
+    """LoRA GRPO with KL, rl.dynamic_sampling and data.on_error=skip on 2 ranks: rank 1's prompts
+    (text-only, answer 'red') always score 0 and are dropped, and one of rank 0's images is
+    broken, so the ranks keep unequal shares (rank 1 none: its updates are zero-gradient pads).
+    The kept groups, rewards, advantages and the update are one process's."""
+    data, _ = _mixed_modality_data(shapes_dir, tmp_path)
+    rows = [json.loads(line) for line in data.read_text().splitlines()]
+    first = epoch_order(len(rows), 0, 0)[0]  # rank 0's first prompt of step 1
+    broken = tmp_path / "broken.png"  # its header reads (the row loads), its pixels do not (the rollout skips it)
+    broken.write_bytes(open(rows[first]["image"], "rb").read()[:60])
+    rows[first]["image"] = str(broken)
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "reward.py").write_text("def varied(completion, answer, **row):\n"
+                                        "    return 0.0 if answer == 'red' else float(len(completion) % 3)\n")
+    runs = _grpo_one_and_two(tmp_path, f"data: {{train: {data}, on_error: skip}}\n"
+                             f"rl: {{kl_beta: 0.1, mini_batch_size: 16, dynamic_sampling: true, "
+                             f"rewards: [{{name: '{tmp_path / 'reward.py'}:varied'}}]}}\n"
+                             "rollout: {group_size: 4, prompts_per_step: 4, max_new_tokens: 5}\n",
+                             ["tiers.method=lora", "train.max_steps=2", "optim.max_grad_norm=null"], strategy)
+    assert runs["one"][0]["zero_var_group_frac"] >= 0.5  # rank 1's groups dropped (and more rounds sampled)
+    _assert_same_grpo(runs, tmp_path, merge=True)
+
+
+def test_grpo_full_fine_tuning_with_kl_under_ddp_equals_one_process(shapes_dir, tmp_path):
+    """Full fine-tuning GRPO with KL to a frozen copy (each DDP rank holds its own): 2 ranks == 1 process."""
+    data, _ = _mixed_modality_data(shapes_dir, tmp_path)
+    (tmp_path / "reward.py").write_text("def varied(completion, answer, **row):\n"
+                                        "    return float(len(completion) % 3)\n")
+    runs = _grpo_one_and_two(tmp_path, f"data: {{train: {data}}}\n"
+                             f"rl: {{kl_beta: 0.1, mini_batch_size: 8, rewards: [{{name: '{tmp_path / 'reward.py'}:varied'}}]}}\n"
+                             "rollout: {group_size: 4, prompts_per_step: 2, max_new_tokens: 5}\n",
+                             ["tiers.method=full", "train.max_steps=2", "optim.max_grad_norm=null"], "ddp")
+    _assert_same_grpo(runs, tmp_path, merge=False)

@@ -343,7 +343,7 @@ class TrainConfig:
 
 @dataclass
 class DistributedConfig:
-    """Training on several processes (torchrun), and FSDP2 on one. engine/distributed.py applies it.
+    """Training on several processes (torchrun: FSDP2 or DDP), and FSDP2 on one. engine/distributed.py applies it.
 
     One process per GPU: `torchrun --nproc_per_node N -m vlforge sft CONFIG`. Mixed precision comes
     from the `precision` section (FSDP2 gathers parameters in the compute dtype, keeps fp32 master
@@ -351,8 +351,8 @@ class DistributedConfig:
     """
 
     # auto: FSDP2 under torchrun (world size > 1), none on one process; fsdp2 also on one process
-    # (what cpu_offload needs)
-    strategy: Literal["auto", "none", "fsdp2"] = "auto"
+    # (what cpu_offload needs); ddp: a full replica per process (models whose training state fits one GPU)
+    strategy: Literal["auto", "none", "fsdp2", "ddp"] = "auto"
     reshard_after_forward: bool = True  # FSDP2: free gathered weights after forward (memory) or keep them (speed)
     cpu_offload: bool = False  # FSDP2: sharded parameters, gradients and optimizer state live in host memory
     timeout_s: int = 600  # a collective waiting longer than this ends the run (a rank died or hangs)

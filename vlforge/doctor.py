@@ -712,6 +712,9 @@ def distributed_recipe_checks(cfg: SFTConfig | GRPOConfig, env: dict[str, Any], 
         else:
             checks.append(Check("recipe distributed", "ok", f"distributed.strategy={d.strategy} -> none: one "
                                 "process, no sharding", values=values))
+    elif strategy == "ddp":
+        checks.append(Check("recipe distributed", "ok", f"distributed.strategy={d.strategy} -> ddp over {size} "
+                            "process(es) (a full replica of the model and its training state on each)", values=values))
     else:
         how = ", ".join(["reshard_after_forward" if d.reshard_after_forward else "gathered weights kept after "
                          "forward", "cpu_offload" if d.cpu_offload else "no cpu offload"])

@@ -3,7 +3,7 @@
     output_dir/checkpoint-STEP/
         adapter_model.safetensors + adapter_config.json   (LoRA)   | model*.safetensors + config.json (full)
         tokenizer / processor files                        (so a checkpoint is a usable model directory)
-        optimizer.pt  scheduler.pt  scaler.pt  rng.pt
+        optimizer.pt  scheduler.pt  scaler.pt  rng.pt  (DDP: + rng-RANK.pt of the other ranks)
         fp8_state.pt                                       (TransformerEngine layers only: FP8 scales, amax history)
         trainer_state.json                                 (step, epoch, data position, ...)
 
@@ -62,49 +62,73 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
 
 
 def save_checkpoint(output_dir: str | Path, step: int, model, processor, optimizer, scheduler, scaler,
-                    state: dict, keep_last: int) -> Path:
+                    state: dict, keep_last: int, world=None) -> Path:
+    """Write checkpoint-STEP atomically. `world` (DDP, engine.distributed.World): every rank calls
+    this; the replicas are identical, so rank 0 writes the one-process checkpoint and each other
+    rank only its RNG state (rng-RANK.pt: dropout and sampling streams differ per rank), and rank 0
+    renames the directory into place once every rank has written. Such a checkpoint resumes on one
+    process or on any number of DDP ranks."""
     from peft import PeftModel
 
     out = Path(output_dir)
     final = out / f"checkpoint-{step}"
-    # Torn leftovers of a crashed save. Never another live run's save in progress: a run holds
-    # output_dir's lock (engine/runtime.py) for its whole life.
-    for stale in out.glob(f"{TMP_PREFIX}*"):
-        shutil.rmtree(stale, ignore_errors=True)
-    tmp = out / f"{TMP_PREFIX}{step}-{os.getpid()}"
-    tmp.mkdir(parents=True)
-    if isinstance(model, PeftModel):
-        model.save_pretrained(tmp)
-    else:
-        model.save_pretrained(tmp, max_shard_size="5GB")
-    processor.save_pretrained(tmp)
-    torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-    torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-    torch.save(scaler.state_dict(), tmp / "scaler.pt")
-    torch.save(rng_state(), tmp / "rng.pt")
-    if fp8 := fp8_state(model):  # TE delayed scaling's scales + amax history: without them a resume drifts
-        torch.save(fp8, tmp / "fp8_state.pt")
-    (tmp / "trainer_state.json").write_text(json.dumps({**state, "step": step}, indent=2))
-    for f in tmp.iterdir():  # make the bytes durable before the rename makes them visible
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-    _fsync_dir(tmp)
-    if final.exists():  # re-saving a step after a resume: replace the old copy
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    _fsync_dir(out)
-    for old in list_checkpoints(out)[:-keep_last] if keep_last > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
+    several = world is not None and world.size > 1
+    # one name every rank can compute when several write into it; a pid otherwise
+    tmp = out / (f"{TMP_PREFIX}{step}" if several else f"{TMP_PREFIX}{step}-{os.getpid()}")
+    main = world is None or world.main
+    if main:
+        # Torn leftovers of a crashed save. Never another live run's save in progress: a run holds
+        # output_dir's lock (engine/runtime.py) for its whole life.
+        for stale in out.glob(f"{TMP_PREFIX}*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    if several:
+        world.barrier()  # the directory exists
+        if not world.main:
+            torch.save(rng_state(), tmp / f"rng-{world.rank}.pt")
+    if main:
+        if isinstance(model, PeftModel):
+            model.save_pretrained(tmp)
+        else:
+            model.save_pretrained(tmp, max_shard_size="5GB")
+        processor.save_pretrained(tmp)
+        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+        torch.save(scaler.state_dict(), tmp / "scaler.pt")
+        torch.save(rng_state(), tmp / "rng.pt")
+        if fp8 := fp8_state(model):  # TE delayed scaling's scales + amax history: without them a resume drifts
+            torch.save(fp8, tmp / "fp8_state.pt")
+        (tmp / "trainer_state.json").write_text(json.dumps({**state, "step": step}, indent=2))
+    if several:
+        world.barrier()  # every rank's RNG state is on disk
+    if main:
+        for f in tmp.iterdir():  # make the bytes durable before the rename makes them visible
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        _fsync_dir(tmp)
+        if final.exists():  # re-saving a step after a resume: replace the old copy
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(out)
+        for old in list_checkpoints(out)[:-keep_last] if keep_last > 0 else []:
+            shutil.rmtree(old, ignore_errors=True)
+    if several:
+        world.barrier()  # no rank runs ahead to the next save (and its stale-directory sweep)
     return final
 
 
-def load_checkpoint(path: str | Path, model, optimizer, scheduler, scaler) -> dict:
-    """Restore weights, optimizer, scheduler, loss scaler and RNG in place; returns trainer_state."""
+def load_checkpoint(path: str | Path, model, optimizer, scheduler, scaler, rank: int = 0) -> dict:
+    """Restore weights, optimizer, scheduler, loss scaler and RNG in place; returns trainer_state.
+    `rank` (DDP): every rank loads the same files, and its own RNG state where the saving run had
+    that rank (rank 0's otherwise)."""
     from peft import PeftModel, set_peft_model_state_dict
 
     path = Path(path)
     if not (path / "trainer_state.json").is_file():
         raise FileNotFoundError(f"{path} is not a complete vlforge checkpoint (no trainer_state.json)")
+    if is_sharded(path):
+        raise FileNotFoundError(f"{path} is a sharded (FSDP2) checkpoint; resume it with distributed.strategy=fsdp2 "
+                                "(any number of processes), or `vlforge export` it and start from the export")
     if isinstance(model, PeftModel):
         if not (path / "adapter_model.safetensors").is_file():
             raise FileNotFoundError(f"{path} has no adapter_model.safetensors: it was not written by a LoRA run")
@@ -129,7 +153,8 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler, scaler) -> di
     optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
     scaler.load_state_dict(torch.load(path / "scaler.pt", weights_only=True))
-    set_rng_state(torch.load(path / "rng.pt", weights_only=False))
+    rng = path / f"rng-{rank}.pt"
+    set_rng_state(torch.load(rng if rank and rng.is_file() else path / "rng.pt", weights_only=False))
     if (path / "fp8_state.pt").is_file():
         load_fp8_state(model, torch.load(path / "fp8_state.pt", weights_only=True))
     return json.loads((path / "trainer_state.json").read_text())
@@ -207,8 +232,8 @@ def load_sharded_checkpoint(path: str | Path, model, optimizer, scheduler, scale
 
     path = Path(path)
     if not is_sharded(path):
-        raise FileNotFoundError(f"{path} is a one-process checkpoint; resume it with distributed.strategy=none "
-                                "(one process), or start the sharded run afresh")
+        raise FileNotFoundError(f"{path} is a one-process (or DDP) checkpoint; resume it with "
+                                "distributed.strategy=none (one process) or ddp, or start the sharded run afresh")
     model_state = _trainable_only(model, get_model_state_dict(model))
     optim_state = get_optimizer_state_dict(model, optimizer)
     loaded = {"model": model_state, "optim": optim_state}

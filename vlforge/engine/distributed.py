@@ -1,14 +1,20 @@
-"""Several processes, one training run: torchrun's process group, FSDP2 wrapping, and the
-few collectives the recipes need. PyTorch's own engine throughout (torch.distributed, FSDP2
-`fully_shard`, DCP in engine/checkpoint.py); nothing here re-implements sharding.
+"""Several processes, one training run: torchrun's process group, FSDP2 or DDP wrapping, and
+the few collectives the recipes need. PyTorch's own engine throughout (torch.distributed, FSDP2
+`fully_shard`, DistributedDataParallel, DCP in engine/checkpoint.py); nothing here re-implements
+sharding or gradient averaging.
 
     torchrun --nproc_per_node 8 -m vlforge sft CONFIG          # one process per GPU
     world = init_world(cfg.distributed, cfg.train.device)     # rank 0 of 1 without torchrun
-    model = wrap(model, world, cfg.distributed, policy)        # FSDP2 units: decoder layers, vision blocks
+    root = wrap(model, world, cfg.distributed, ...)            # FSDP2 units (decoder layers, vision blocks) | DDP
 
-Rank r of N trains on its slice of every global batch (recipes/sft.py); gradients are reduced
-in fp32 by FSDP2, which averages over ranks, so each rank's loss is scaled by N to keep the
-update of a global batch the same as one process's.
+Two strategies: `fsdp2` shards every parameter, gradient and optimizer state over the ranks
+(World.sharded); `ddp` keeps a full replica on every rank and all-reduces gradients
+(World.replicated): simpler and faster for models whose full training state fits one GPU, and
+plain tensors, so everything that works on one process works there. Either way the recipes'
+forward runs through the root module (World.wrapped), whose backward holds collectives every
+rank must join. Rank r of N trains on its slice of every global batch (recipes/sft.py); both
+average gradients over ranks, so each rank's loss is scaled by N to keep the update of a global
+batch the same as one process's.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ class World:
     rank: int = 0
     size: int = 1
     local_rank: int = 0
-    strategy: str = "none"  # none | fsdp2 (resolved from distributed.strategy)
+    strategy: str = "none"  # none | fsdp2 | ddp (resolved from distributed.strategy)
     device: torch.device = torch.device("cpu")
     owns_group: bool = False  # init_world created the process group (close() ends it)
 
@@ -42,7 +48,21 @@ class World:
 
     @property
     def sharded(self) -> bool:
+        """FSDP2: parameters, gradients and optimizer state are DTensor shards; every forward of a
+        unit (no-grad ones too: eval, rollouts, reference log-probs) is a collective."""
         return self.strategy == "fsdp2"
+
+    @property
+    def replicated(self) -> bool:
+        """DDP: every rank holds the whole model as plain tensors; only backward (the gradient
+        all-reduce) is a collective, forwards without backward are each rank's own."""
+        return self.strategy == "ddp"
+
+    @property
+    def wrapped(self) -> bool:
+        """The step runs through a wrapper (FSDP2 root or DDP) whose backward every rank must join,
+        with every parameter in the graph (text-only batches run the vision keep-alive)."""
+        return self.strategy in ("fsdp2", "ddp")
 
     @property
     def active(self) -> bool:
@@ -69,6 +89,15 @@ class World:
         parts = [torch.empty_like(local) for _ in range(self.size)]
         dist.all_gather(parts, local)
         return torch.cat(parts).to(t.device)
+
+    def gather_objects(self, obj) -> list:
+        """Every rank's `obj` (picklable, any size: per-rank lists of different lengths), in rank
+        order, on every rank."""
+        if not self.active or self.size == 1:
+            return [obj]
+        out = [None] * self.size
+        dist.all_gather_object(out, obj)
+        return out
 
     def broadcast(self, obj):
         """Rank 0's `obj` on every rank."""
@@ -104,7 +133,7 @@ def planned_strategy(strategy: str, world_size: int, device_spec: str) -> tuple[
     resolved = strategy if strategy != "auto" else ("fsdp2" if world_size > 1 else "none")
     if world_size > 1 and resolved == "none":
         return resolved, (f"distributed.strategy=none but torchrun started {world_size} processes: use fsdp2 "
-                          "(or run one process)")
+                          "or ddp (or run one process)")
     if world_size > 1 and device_spec.startswith("cuda:"):
         return resolved, (f"train.device={device_spec} under torchrun: each process takes the GPU of its "
                           "LOCAL_RANK; use train.device=auto (or cuda)")
@@ -124,7 +153,7 @@ def init_world(cfg: DistributedConfig, device_spec: str) -> World:
         torch.cuda.set_device(device)
     owns_group = strategy != "none" and not dist.is_initialized()
     if owns_group:
-        # FSDP2 on one process: a group of one on a free local port, given explicitly (setting
+        # FSDP2 (or DDP) on one process: a group of one on a free local port, given explicitly (setting
         # RANK/WORLD_SIZE in the environment would make later code believe torchrun started it)
         where = {} if env is not None else {"init_method": f"tcp://127.0.0.1:{_free_port()}", "rank": 0,
                                             "world_size": 1}
@@ -142,8 +171,10 @@ def _free_port() -> int:
 
 
 def refuse_unsupported(cfg, world: World) -> None:
-    """What does not work sharded yet, refused before the model loads (cfg: a RunConfig)."""
-    if world.strategy == "none":
+    """What does not work sharded yet, refused before the model loads (cfg: a RunConfig). DDP
+    refuses nothing here: its parameters are the plain tensors one process trains (fp16's
+    GradScaler, precision overrides, FP8 and QLoRA layers, 8-bit AdamW all see what they see there)."""
+    if not world.sharded:
         return
     why = {
         "precision.mode=fp16": cfg.precision.mode == "fp16",  # GradScaler does not unscale DTensor shards
@@ -154,13 +185,14 @@ def refuse_unsupported(cfg, world: World) -> None:
     bad = [k for k, v in why.items() if v]
     if bad:
         raise ConfigError(f"distributed.strategy={world.strategy} does not support {', '.join(bad)} yet: "
-                          "train those on one process (distributed.strategy=none), or turn them off")
+                          "use distributed.strategy=ddp if the model's training state fits one GPU, train on one "
+                          "process (distributed.strategy=none), or turn them off")
 
 
 def wrap(model: torch.nn.Module, world: World, cfg: DistributedConfig, compute_dtype: torch.dtype,
          master_dtype: torch.dtype) -> torch.nn.Module | None:
-    """FSDP2 (fully_shard) over a model whose parameters are already in their storage dtypes.
-    Returns the root unit (a losses.Root the step calls), or None when the run is not sharded.
+    """FSDP2 (fully_shard) or DDP over a model whose parameters are already in their storage dtypes.
+    Returns the root (a losses.Root the step calls, wrapped), or None on one process without either.
 
     Units: every language decoder layer and every vision block (the memory peaks), the rest of the
     vision tower (called on its own by losses.vision_keepalive), and the root, which holds the
@@ -169,6 +201,8 @@ def wrap(model: torch.nn.Module, world: World, cfg: DistributedConfig, compute_d
     """
     if world.strategy == "none":
         return None
+    if world.replicated:
+        return _wrap_ddp(model, world)
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
     from vlforge.engine.losses import Root
@@ -205,12 +239,47 @@ def wrap(model: torch.nn.Module, world: World, cfg: DistributedConfig, compute_d
     return root
 
 
+def _wrap_ddp(model: torch.nn.Module, world: World) -> torch.nn.Module:
+    """DistributedDataParallel over losses.Root(model): the recipes call the backbone and lm_head
+    themselves, so the module DDP watches must be the one the step enters (as FSDP2's root).
+
+    - No device_ids: DDP would then move the step's inputs itself, and they are not only tensors
+      (the step function, rollouts); the recipes put them on the device already.
+    - broadcast_buffers=False: the buffers (rotary frequencies) are constants, identical on every
+      rank; broadcasting them would make every forward, no-grad ones included, a collective.
+    - Every parameter gets a gradient in every backward (a text-only batch runs the vision
+      keep-alive), so DDP need not search the graph for unused ones (find_unused_parameters off).
+      Not static_graph: with no_sync in its first step (gradient accumulation) torch's reducer
+      fails an internal assert ("expect_autograd_hooks_", torch 2.14, gloo; seen here).
+    DDP broadcasts rank 0's parameters when it is built: replicas start identical even where
+    initialisation drew random numbers differently."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    from vlforge.engine.losses import Root
+
+    return DistributedDataParallel(Root(model), broadcast_buffers=False)
+
+
+def no_sync(root, last: bool):
+    """Context for one backward of several that make up a step: DDP reduces gradients only in the
+    last (`last`), accumulating locally before; FSDP2 and one process: no change (FSDP2 reduces
+    every backward's gradients into its shards, which is what it saves memory by)."""
+    if root is not None and not last and hasattr(root, "no_sync"):
+        return root.no_sync()
+    return contextlib.nullcontext()
+
+
+def _fsdp(root):
+    """The FSDP2 root unit, or None (no wrapper, or DDP: nothing to gather or reshard)."""
+    return root if root is not None and hasattr(root, "reshard_settings") else None
+
+
 def reshard_all(root) -> None:
     """Every unit back to its shards. After a forward without backward (eval, reference log-probs)
     the vision units, which reshard only after their backward, are left gathered; code that then
     changes parameters' attributes (peft's disable_adapter toggles requires_grad) would change
     the gathered copies, not the sharded parameters the optimizer holds."""
-    if root is not None:
+    if (root := _fsdp(root)) is not None:
         for unit, _ in root.reshard_settings:
             unit.reshard()
 
@@ -218,7 +287,7 @@ def reshard_all(root) -> None:
 @contextlib.contextmanager
 def gathered(root):
     """The root unit's parameters gathered for a forward that does not enter it (generation)."""
-    if root is None:
+    if (root := _fsdp(root)) is None:
         yield
         return
     root.unshard()
@@ -233,7 +302,7 @@ def fully_gathered(root):
     """Every unit's parameters gathered, in one fixed order on every rank, and kept gathered until
     the block ends: for rollouts, where each rank decodes for as many steps as its own responses
     need, so no forward may issue a collective (the other ranks would not join it)."""
-    if root is None:
+    if (root := _fsdp(root)) is None:
         yield
         return
     for unit, _ in reversed(root.reshard_settings):

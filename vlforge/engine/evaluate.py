@@ -24,10 +24,14 @@ from vlforge.model.tiers import unwrap
 from vlforge.rl.rewards import exact_match
 
 
-def sharded_run() -> bool:
+def sharded_run(model) -> bool:
+    """FSDP2 over several processes: every forward gathers weights with the other ranks. (DDP's
+    replicas generate on their own: its forward has no collective, only its backward.)"""
     import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
 
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1 and \
+        any(isinstance(p, DTensor) for p in model.parameters())
 
 
 def to_device(batch: dict, device: torch.device) -> dict:
@@ -41,7 +45,7 @@ def generate_answers(model, encoder: Encoder, samples, *, batch_size: int, max_n
     generate/'s engine with `batch_size` decode slots (continuous batching: a finished answer's
     slot takes the next prompt). Sharded (FSDP2), every forward gathers weights with the other
     ranks, so ranks must decode in step: there transformers' generate with synced_gpus does it."""
-    if sharded_run():
+    if sharded_run(model):
         return _generate_answers_synced(model, encoder, samples, batch_size=batch_size,
                                         max_new_tokens=max_new_tokens, policy=policy, device=device)
     prompts = []

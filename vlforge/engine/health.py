@@ -34,7 +34,8 @@ class TrainingDiverged(RuntimeError):
 def grad_norms(groups: dict[str, list[nn.Parameter]]) -> dict[str, float]:
     """L2 norm of each group's gradients, fetched from the device in one transfer. Under FSDP2 the
     gradients are sharded DTensors: each norm is then the whole gradient's (an all-reduce), the
-    same on every rank, so every rank makes the same skip and clip decision."""
+    same on every rank, so every rank makes the same skip and clip decision. Under DDP they are plain
+    tensors DDP has already averaged over the ranks: the same on every rank without a collective."""
     from torch.distributed.tensor import DTensor
 
     norms = []

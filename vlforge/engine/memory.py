@@ -216,8 +216,8 @@ def _gb(value: float) -> str:
 
 def format_memory(est: dict) -> str:
     n, strategy = est["world_size"], est["strategy"]
-    how = f"FSDP2 over {n} process(es), every tensor split {n} ways" if strategy == "fsdp2" \
-        else "one process, no sharding"
+    how = {"fsdp2": f"FSDP2 over {n} process(es), every tensor split {n} ways",
+           "ddp": f"DDP over {n} process(es), every one holding everything"}.get(strategy, "one process, no sharding")
     lines = [f"memory per process: {how}; {est['optimizer']}, master weights {est['master_weights']}, "
              f"compute {est['compute']} (GB = 1e9 bytes)"]
     rows = [("", "no offload GPU", "host", "cpu_offload GPU", "host")]

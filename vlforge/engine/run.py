@@ -98,12 +98,14 @@ class Run:
         health = GradHealth(t.model, t.plan, cfg.health, cfg.precision.mode, spikes=spikes)
         state = {"epoch": 0, "position": 0, **(state or {})}
         if resume_from is not None:
-            load = load_sharded_checkpoint if world.sharded else load_checkpoint
-            state = load(resume_from, t.model, optimizer, scheduler, scaler, *([world] if world.sharded else []))
+            if world.sharded:
+                state = load_sharded_checkpoint(resume_from, t.model, optimizer, scheduler, scaler, world)
+            else:  # one process, or DDP: every rank loads the same one-process checkpoint (its own RNG)
+                state = load_checkpoint(resume_from, t.model, optimizer, scheduler, scaler, rank=world.rank)
             if world.main:
                 print(f"resumed from {resume_from} at step {state['step']}")
         step = state.get("step", 0)
-        # every rank evaluates (a sharded forward needs them all); rank 0 writes
+        # every rank evaluates (a sharded forward needs them all; DDP's ranks would wait for rank 0 anyway); rank 0 writes
         metrics = MetricsLog(out, cfg.log.tensorboard, resume_step=step if resume_from else 0) if world.main \
             else NullMetrics()
         recorder = EvalRecorder(out, val_data, cfg.eval, metrics, step, write=world.main, loss=cfg.loss) \
@@ -137,8 +139,8 @@ class Run:
                     self.state, self.cfg.train.keep_last)
             if self.t.world.sharded:
                 save_sharded_checkpoint(*args, self.t.world)
-            else:
-                save_checkpoint(*args)
+            else:  # one process, or DDP (identical replicas: rank 0 writes, each rank adds its RNG)
+                save_checkpoint(*args, world=self.t.world if self.t.world.replicated else None)
 
     def close(self) -> None:
         self.metrics.close()

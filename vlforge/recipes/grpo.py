@@ -23,7 +23,7 @@ from vlforge.config import ConfigError, GRPOConfig
 from vlforge.data.dataset import ChatDataset, batches_from, load_dataset
 from vlforge.data.encode import collate, encode_prompt
 from vlforge.data.jsonl import DataError, check_readable
-from vlforge.engine.distributed import World, fully_gathered, reshard_all, torchrun_env
+from vlforge.engine.distributed import World, fully_gathered, no_sync, planned_strategy, reshard_all, torchrun_env
 from vlforge.engine.evaluate import to_device
 from vlforge.engine.health import GradHealth
 from vlforge.engine.losses import drop_keepalive_grads
@@ -43,6 +43,7 @@ class Batch:
     seqs: list[int]  # sequence indices (of kept groups) in the rollout
     advantages: torch.Tensor  # [N] per sequence of the rollout
     ref_logp: torch.Tensor | None  # [N, R]
+    kept_rows: list[int] | None = None  # seqs' positions among the step's kept sequences of every rank
 
 
 def disable_dropout(model) -> None:
@@ -82,16 +83,21 @@ def encode_prompts(data: ChatDataset, idx: list[int], on_error: str) -> tuple[li
 def rollout_round(t: Trainable, data: ChatDataset, idx: list[int], cfg: GRPOConfig,
                   rewards) -> tuple[Rollout | None, dict]:
     samples, encoded = encode_prompts(data, idx, cfg.data.on_error)
+    G = cfg.rollout.group_size
+    # every rank's prompts left after data.on_error=skip: this rank's rows of the global batch are
+    # the ones one process would give these prompts (its rollout noise, tested)
+    counts = t.world.gather_objects(len(samples))
+    first_row, all_rows = sum(counts[:t.world.rank]) * G, sum(counts) * G
     if not samples:
+        with fully_gathered(t.root):  # sharded: gathered with the ranks that do roll out
+            pass
         return None, {}
     prompts = to_device(collate(encoded, data.encoder.pad_id, left_pad=True), t.device)
     # sharded: the whole model gathered for the rollout, so that ranks decoding for different
     # numbers of steps issue no collectives
     with t.policy.autocast(), fully_gathered(t.root):
-        n = len(samples) * cfg.rollout.group_size  # this rank's rows of the global batch
         rollout = generate_groups(t.model, data.encoder, prompts, [len(s.images) for s in samples], cfg.rollout,
-                                  first_row=t.world.rank * n, all_rows=t.world.size * n)
-    G = cfg.rollout.group_size
+                                  first_row=first_row, all_rows=all_rows)
     tok = data.encoder.tokenizer  # decode only each response's own tokens (not the padding after EOS)
     texts = [tok.decode(ids[m.bool()], skip_special_tokens=True)
              for ids, m in zip(rollout.response_ids.cpu(), rollout.response_mask.cpu())]
@@ -104,72 +110,87 @@ def rollout_round(t: Trainable, data: ChatDataset, idx: list[int], cfg: GRPOConf
                      "correct": [exact_match(c, a) for c, a in zip(texts, answers)]}
 
 
-def collect(t: Trainable, data, stream, state: dict, cfg: GRPOConfig, rewards) -> tuple[list[Batch], dict]:
-    """Rollout rounds until B groups with non-zero reward variance (dynamic sampling) or one round."""
-    B, G = cfg.rollout.prompts_per_step, cfg.rollout.group_size
+def collect(t: Trainable, data, stream, state: dict, cfg: GRPOConfig, rewards
+            ) -> tuple[list[Batch], dict, Batch | None]:
+    """Rollout rounds until B groups with non-zero reward variance (dynamic sampling) or one round.
+    Returns (this rank's kept groups, every rank's statistics, a spare sequence of this rank's for
+    padding updates, or None).
+
+    Several ranks: each round's rewards are gathered, so the kept groups are the ones one process
+    would keep (the first B with reward variance, in prompt order) with its advantages; each rank
+    trains those of its own prompts, so the ranks' shares may differ (update pads them)."""
+    B, G, world = cfg.rollout.prompts_per_step, cfg.rollout.group_size, t.world
     batches, stats = [], {"reward": [], "correct": [], "per_fn": {}, "zero_var": [], "lengths": [], "finished": []}
-    kept_groups, kept_rewards = 0, []
+    kept_groups, kept_rewards, spare = 0, [], None  # kept_rewards: each round's kept sequences, every rank's
     for _ in range(cfg.rl.max_sampling_tries if cfg.rl.dynamic_sampling else 1):
         idx, state["epoch"], state["position"] = next(stream)
         rollout, scored = rollout_round(t, data, idx, cfg, rewards)
-        if rollout is None:  # every prompt of the round was skipped (data.on_error=skip)
+        scored, sizes = gather_round(world, rollout, scored)  # the global batch, in one-process order
+        if scored is None:  # every prompt of the round was skipped (data.on_error=skip), on every rank
             continue
-        if t.world.size > 1:  # every rank's groups, in the one-process order: advantages and metrics
-            n = len(scored["reward"])  # this rank's sequences
-            scored = gather_scores(t.world, scored)
-            rollout_stats = {"lengths": t.world.gather(rollout.response_mask.sum(1).float()).cpu(),
-                             "finished": t.world.gather(rollout.finished.float()).cpu()}
-        else:
-            rollout_stats = {"lengths": rollout.response_mask.sum(1).float().cpu(),
-                             "finished": rollout.finished.float().cpu()}
+        if rollout is not None:
+            spare = Batch(rollout, [0], torch.zeros(len(rollout.finished), device=t.device), None)
+        lo = sum(sizes[:world.rank])  # this rank's sequences are lo .. lo + sizes[rank] of the round's
         reward_BG = scored["reward"].view(-1, G)  # fewer than B rows when prompts were skipped
         zero_var = (reward_BG.max(1).values == reward_BG.min(1).values)
         stats["reward"].append(scored["reward"])
         stats["correct"] += scored["correct"]
         stats["zero_var"].append(zero_var.float())
-        stats["lengths"].append(rollout_stats["lengths"])
-        stats["finished"].append(rollout_stats["finished"])
+        stats["lengths"].append(scored["lengths"])
+        stats["finished"].append(scored["finished"])
         for k, v in scored["per_fn"].items():
             stats["per_fn"].setdefault(k, []).extend(v)
         groups = [b for b in range(len(reward_BG)) if not (cfg.rl.dynamic_sampling and zero_var[b])][:B - kept_groups]
-        if t.world.size > 1:  # (no dynamic sampling here) this rank's slice of the global groups
-            adv = grpo_advantages(scored["reward"], G, scale=cfg.rl.adv_scale)
-            batches.append(Batch(rollout, list(range(n)), adv[t.world.rank * n:(t.world.rank + 1) * n].to(t.device),
-                                 None))
-            kept_groups = B
-        elif groups:
-            adv = grpo_advantages(scored["reward"], G, scale=cfg.rl.adv_scale).to(t.device)
-            seqs = [b * G + g for b in groups for g in range(G)]
-            batches.append(Batch(rollout, seqs, adv, None))
-            kept_rewards.append(scored["reward"][seqs])
-            kept_groups += len(groups)
+        kept = [b * G + g for b in groups for g in range(G)]  # the round's kept sequences, all ranks'
+        mine = [(row, s - lo) for row, s in enumerate(kept) if lo <= s < lo + sizes[world.rank]]
+        if mine:
+            adv = grpo_advantages(scored["reward"], G, scale=cfg.rl.adv_scale)[lo:lo + sizes[world.rank]]
+            offset = sum(len(r) for r in kept_rewards)
+            batches.append(Batch(rollout, [s for _, s in mine], adv.to(t.device), None,
+                                 kept_rows=[offset + row for row, _ in mine]))
+        if kept:
+            kept_rewards.append(scored["reward"][kept])
+        kept_groups += len(groups)
         if kept_groups >= B:
             break
     if not stats["reward"]:
         raise DataError(f"every prompt of this step's rollout rounds failed to decode (data.on_error=skip); "
                         f"run `vlforge data check {cfg.data.train}` and fix or drop those rows")
-    if cfg.rl.adv_scale == "batch" and len(batches) > 1:
+    if cfg.rl.adv_scale == "batch" and len(kept_rewards) > 1:
         pool_batch_std(batches, kept_rewards, G)
-    return batches, stats
+    return batches, stats, spare
 
 
-def gather_scores(world: World, scored: dict) -> dict:
-    """A rollout round's rewards, per-function scores and correctness from every rank, in rank
-    order: the global batch, as one process would have scored it."""
-    def everyone(values) -> torch.Tensor:
-        return world.gather(torch.as_tensor(values, dtype=torch.float32))
-
-    return {"reward": everyone(scored["reward"]),
-            "per_fn": {k: everyone(v).tolist() for k, v in scored["per_fn"].items()},
-            "correct": everyone(scored["correct"]).tolist()}
+def gather_round(world: World, rollout: Rollout | None, scored: dict) -> tuple[dict | None, list[int]]:
+    """A rollout round's rewards, per-function scores, correctness, lengths and finished flags
+    from every rank, in rank order: the global batch, as one process would have scored it (None
+    when every rank skipped all its prompts); and each rank's number of sequences."""
+    mine = None if rollout is None else {
+        "reward": scored["reward"], "per_fn": scored["per_fn"], "correct": scored["correct"],
+        "lengths": rollout.response_mask.sum(1).float().cpu(), "finished": rollout.finished.float().cpu()}
+    every = world.gather_objects(mine)  # one collective for all of it (ranks may hold different counts)
+    sizes = [0 if p is None else len(p["reward"]) for p in every]
+    every = [p for p in every if p is not None]
+    if not every:
+        return None, sizes
+    return {"reward": torch.cat([p["reward"] for p in every]),
+            "per_fn": {k: [v for p in every for v in p["per_fn"][k]] for k in every[0]["per_fn"]},
+            "correct": [c for p in every for c in p["correct"]],
+            "lengths": torch.cat([p["lengths"] for p in every]),
+            "finished": torch.cat([p["finished"] for p in every])}, sizes
 
 
 def pool_batch_std(batches: list[Batch], kept_rewards: list[torch.Tensor], group_size: int) -> None:
-    """adv_scale=batch over several rollout rounds: one std over every kept group, not each round's."""
+    """adv_scale=batch over several rollout rounds: one std over every kept group, not each round's.
+    `kept_rewards`: each round's kept rewards (every rank's); a batch's kept_rows (or, without them,
+    the batches in turn) say which are its own."""
     adv = grpo_advantages(torch.cat(kept_rewards), group_size, scale="batch")
-    for b, chunk in zip(batches, torch.split(adv, [len(b.seqs) for b in batches])):
+    start = 0
+    for b in batches:
+        rows = b.kept_rows if b.kept_rows is not None else list(range(start, start + len(b.seqs)))
+        start += len(b.seqs)
         b.advantages = b.advantages.clone()
-        b.advantages[b.seqs] = chunk.to(b.advantages.device)
+        b.advantages[b.seqs] = adv[rows].to(b.advantages.device)
 
 
 def reference_logprobs(t: Trainable, ref_model, batch: Batch, temperature: float) -> torch.Tensor:
@@ -221,61 +242,109 @@ def part_weights(masks: list[torch.Tensor], agg: str, world: World = World()) ->
     return [u / total if total > 0 else 0.0 for u in units]
 
 
+def no_spare(world: World) -> DataError:
+    return DataError(f"rank {world.rank} has no sequence of its own this step (every one of its prompts failed to "
+                     "decode, data.on_error=skip) to take part in the other ranks' updates: run `vlforge data check` "
+                     "and fix or drop those rows")
+
+
+def rank_mini_batches(batches: list[Batch], mini_batch_size: int, world: World, spare: Batch | None) -> list[list]:
+    """This rank's parts of each of the step's mini-batches. One process: mini_batches. Several:
+    as many mini-batches as one process makes of every rank's kept sequences, each rank's own
+    split evenly over them (ranks hold unequal shares when their prompts' groups were kept
+    unequally: dynamic sampling, data.on_error=skip), then padded so that every rank takes part in
+    every optimizer step: each mini-batch with at least one part (DDP: one gradient all-reduce per
+    step) or, sharded, as many parts as the rank with most (FSDP2: every forward and backward is a
+    collective). A pad is (spare, None): one sequence's forward whose loss is multiplied by 0, so
+    its gradients are exact zeros."""
+    if world.size == 1:
+        return mini_batches(batches, mini_batch_size)
+    mine = sum(len(b.seqs) for b in batches)
+    count = -(-int(world.sum(mine)) // mini_batch_size)  # one process's number of mini-batches
+    plan = mini_batches(batches, max(1, -(-mine // count)))
+    shapes = world.gather_objects([len(parts) for parts in plan])
+    out = []
+    for m in range(count):
+        parts = list(plan[m]) if m < len(plan) else []
+        need = max(shape[m] if m < len(shape) else 0 for shape in shapes) if world.sharded else 1
+        if len(parts) < need and spare is None:
+            raise no_spare(world)
+        out.append(parts + [(spare, None)] * (need - len(parts)))
+    return out
+
+
 def update(t: Trainable, ref_model, batches: list[Batch], optimizer, scaler, health: GradHealth,
-           cfg: GRPOConfig) -> dict:
+           cfg: GRPOConfig, spare: Batch | None = None) -> dict:
     """rl.epochs passes of mini-batch policy-gradient steps over the collected groups.
 
     A mini-batch may span rollout rounds (dynamic sampling): each part's loss is aggregated on its
     own and weighted by its share of the mini-batch's tokens (or sequences), which equals the loss
-    of the concatenated mini-batch; one optimizer step per mini-batch.
+    of the concatenated mini-batch; one optimizer step per mini-batch. Several ranks: each takes
+    its share of every mini-batch; `spare` pads the ranks with fewer (rank_mini_batches).
     """
     rl, temperature, world = cfg.rl, cfg.rollout.temperature, t.world
     if rl.kl_beta > 0:
+        # sharded, each of these forwards is a collective: as many on every rank (counted first)
+        pads = max(world.gather_objects(len(batches))) - len(batches) if world.sharded else 0
         for b in batches:
             b.ref_logp = reference_logprobs(t, ref_model, b, temperature)  # [len(seqs), R], fixed for the step
+        if pads and spare is None:
+            raise no_spare(world)
+        for _ in range(pads):
+            reference_logprobs(t, ref_model, spare, temperature)
     # ratio_mean is exactly 1 until the step's first update (a check that rollout and trainer agree);
     # clip_frac_lower is the share of tokens where the dual clip binds
     logged = ["loss", "clip_frac", "ratio_mean", "approx_kl", "entropy"] + (["kl"] if rl.kl_beta > 0 else []) \
         + (["clip_frac_lower"] if rl.dual_clip is not None else [])
     logs: dict[str, list] = {k: [] for k in logged}
+    plan = rank_mini_batches(batches, rl.mini_batch_size, world, spare)  # this rank's share of each
     for _ in range(rl.epochs):
-        for parts in mini_batches(batches, rl.mini_batch_size // world.size):  # this rank's share
-            masks = [b.rollout.response_mask[[b.seqs[i] for i in part]].float() for b, part in parts]
+        for parts in plan:
+            real = [(b, part) for b, part in parts if part is not None]
+            masks = [b.rollout.response_mask[[b.seqs[i] for i in part]].float() for b, part in real]
             weights, tokens = part_weights(masks, rl.agg, world), [float(m.sum()) for m in masks]
             all_tokens = world.sum(sum(tokens))  # the mini-batch's response tokens on every rank
             # MoE: the router loss is the mini-batch's mean over its sequences, whatever rl.agg does
-            all_seqs = world.sum(sum(len(part) for _, part in parts)) if t.routing is not None else 1.0
+            all_seqs = world.sum(sum(len(part) for _, part in real)) if t.routing is not None else 1.0
             step = dict.fromkeys(logged, 0.0)
-            for (b, part), mask, w, n_tok in zip(parts, masks, weights, tokens):
-                seqs = [b.seqs[i] for i in part]
-                with t.policy.autocast(), capture(t.routing, token_rows(b.rollout, seqs)) as routed:  # MoE
-                    logp, entropy = t.forward(sequence_logprobs, b.rollout, temperature, seq_index=seqs,
-                                              chunk_size=cfg.loss.chunk_size,
-                                              with_entropy=True, keep_vision=world.sharded)
-                # norm_length: Dr. GRPO's constant divisor is the length cap, not this batch's longest
-                loss, stats = policy_loss(logp, b.rollout.logprobs[seqs], b.advantages[seqs], mask,
-                                          clip_low=rl.clip_low, clip_high=rl.clip_high, dual_clip=rl.dual_clip,
-                                          agg=rl.agg, norm_length=cfg.rollout.max_new_tokens)
-                share = n_tok / max(all_tokens, 1.0)  # token-weighted statistics
-                if rl.kl_beta > 0:
-                    kl = kl_penalty(logp, b.ref_logp[part], rl.kl_kind)
-                    # both terms are fp32 (log-probs are); the sum is scaled once, for fp16 only
-                    loss = loss + rl.kl_beta * agg_loss(kl, mask, rl.agg, cfg.rollout.max_new_tokens)
-                    step["kl"] += share * float((kl.detach() * mask).sum() / mask.sum().clamp(min=1))
-                # gradients of the parts add up to the mini-batch's; x world size: FSDP2 averages over ranks;
-                # MoE: + train.router_aux_loss_coef x the router load-balancing loss (0 by default)
-                aux = aux_term(t.routing, routed, 1) * (len(part) / all_seqs if all_seqs else 0.0)
-                scaler.scale((loss * w + aux) * world.size).backward()
+            for j, (b, part) in enumerate(parts):
+                with no_sync(t.root, last=j == len(parts) - 1):  # DDP: one gradient all-reduce per mini-batch
+                    if part is None:  # padding: the collectives of a forward and backward, no gradient
+                        with t.policy.autocast():
+                            logp = t.forward(sequence_logprobs, b.rollout, temperature, seq_index=b.seqs,
+                                             keep_vision=world.wrapped)[0]
+                        scaler.scale(0.0 * logp.sum()).backward()
+                        continue
+                    mask, w, n_tok = masks[j], weights[j], tokens[j]  # real parts come first
+                    seqs = [b.seqs[i] for i in part]
+                    with t.policy.autocast(), capture(t.routing, token_rows(b.rollout, seqs)) as routed:  # MoE
+                        logp, entropy = t.forward(sequence_logprobs, b.rollout, temperature, seq_index=seqs,
+                                                  with_entropy=True, keep_vision=world.wrapped,
+                                                  chunk_size=cfg.loss.chunk_size)
+                    # norm_length: Dr. GRPO's constant divisor is the length cap, not this batch's longest
+                    loss, stats = policy_loss(logp, b.rollout.logprobs[seqs], b.advantages[seqs], mask,
+                                              clip_low=rl.clip_low, clip_high=rl.clip_high, dual_clip=rl.dual_clip,
+                                              agg=rl.agg, norm_length=cfg.rollout.max_new_tokens)
+                    share = n_tok / max(all_tokens, 1.0)  # token-weighted statistics
+                    if rl.kl_beta > 0:
+                        kl = kl_penalty(logp, b.ref_logp[part], rl.kl_kind)
+                        # both terms are fp32 (log-probs are); the sum is scaled once, for fp16 only
+                        loss = loss + rl.kl_beta * agg_loss(kl, mask, rl.agg, cfg.rollout.max_new_tokens)
+                        step["kl"] += share * float((kl.detach() * mask).sum() / mask.sum().clamp(min=1))
+                    # gradients of the parts add up to the mini-batch's; x world size: FSDP2 and DDP average
+                    # over ranks; MoE: + train.router_aux_loss_coef x the router load-balancing loss (0 by default)
+                    aux = aux_term(t.routing, routed, 1) * (len(part) / all_seqs if all_seqs else 0.0)
+                    scaler.scale((loss * w + aux) * world.size).backward()
                 step["loss"] += w * float(loss.detach())
                 for k in ("clip_frac", "ratio_mean", "approx_kl", "clip_frac_lower"):
                     if k in step:
                         step[k] += share * float(stats[k])
                 step["entropy"] += share * float((entropy * mask).sum() / mask.sum().clamp(min=1))
             with_images = sum(b.rollout.images_per_prompt[b.rollout.prompt_of_seq[b.seqs[i]]] > 0
-                              for b, part in parts for i in part)
+                              for b, part in real for i in part)
             *totals, with_images = world.sums(*step.values(), with_images)  # every rank's parts: the mini-batch's
             step = dict(zip(step, totals))
-            if world.sharded and not with_images:
+            if world.wrapped and not with_images:
                 drop_keepalive_grads(t.model)
             for k, v in health.step(optimizer, scaler, cfg.optim.max_grad_norm, step["loss"]).items():
                 logs.setdefault(k, []).append(v)
@@ -289,12 +358,14 @@ def update(t: Trainable, ref_model, batches: list[Batch], optimizer, scaler, hea
 
 
 def step_metrics(stats: dict, batches: list[Batch], train_logs: dict, t_rollout: float, t_train: float,
-                 world: World = World()) -> dict:
+                 world: World = World(), group_size: int | None = None) -> dict:
     """The step's row; `stats` already hold every rank's rollouts, `batches` this rank's."""
     reward = torch.cat(stats["reward"])
     lengths = torch.cat(stats["lengths"])
-    adv = torch.cat([b.advantages[b.seqs].cpu() for b in batches]) if batches else torch.zeros(1)
-    adv = world.gather(adv) if batches else adv
+    adv = torch.cat([b.advantages[b.seqs].cpu() for b in batches]) if batches else torch.zeros(0)
+    adv = torch.cat(world.gather_objects(adv))  # every rank's kept sequences (ranks may hold different counts)
+    adv = adv if len(adv) else torch.zeros(1)
+    G = group_size or (batches[0].rollout.group_size if batches else 1)
     tokens = world.sum(sum(int(b.rollout.prompt_mask.sum()) * b.rollout.group_size + int(b.rollout.response_mask.sum())
                            for b in batches))
     row = {
@@ -306,23 +377,21 @@ def step_metrics(stats: dict, batches: list[Batch], train_logs: dict, t_rollout:
         "response_length_mean": float(lengths.mean()), "response_length_max": float(lengths.max()),
         "truncated_frac": 1.0 - float(torch.cat(stats["finished"]).mean()),
         "zero_var_group_frac": float(torch.cat(stats["zero_var"]).mean()),
-        "groups_trained": int(world.sum(sum(len(b.seqs) for b in batches))) // max(1, batches[0].rollout.group_size)
-        if batches else 0,
+        "groups_trained": int(world.sum(sum(len(b.seqs) for b in batches))) // G,
         "time_rollout_s": t_rollout, "time_train_s": t_train,
         "tokens_per_s": tokens / max(t_rollout + t_train, 1e-9),
     }
     return {**row, **train_logs}
 
 
-def refuse_unsupported_sharded(cfg: GRPOConfig, world_size: int) -> None:
-    """What GRPO does not do sharded yet (each rank then holds B / N whole groups and takes equal
-    shares of every mini-batch), refused before anything starts."""
+def refuse_unsupported_sharded(cfg: GRPOConfig, world_size: int, strategy: str = "fsdp2") -> None:
+    """What GRPO does not do on several processes (each rank then holds B / N whole groups and
+    takes equal shares of every mini-batch) or under FSDP2, refused before anything starts."""
     rl, rollout = cfg.rl, cfg.rollout
     problems = [
-        (rl.dynamic_sampling, "rl.dynamic_sampling (ranks would keep different numbers of groups)"),
-        (cfg.data.on_error == "skip", "data.on_error=skip (a skipped prompt would leave its rank a group short)"),
-        (rl.kl_beta > 0 and cfg.tiers.method == "full", "rl.kl_beta > 0 with full fine-tuning (a sharded frozen "
-                                                        "reference is not built; LoRA's adapter-disabled one works)"),
+        (strategy == "fsdp2" and rl.kl_beta > 0 and cfg.tiers.method == "full",
+         "rl.kl_beta > 0 with full fine-tuning (a sharded frozen reference is not built; LoRA's adapter-disabled "
+         "one works, and distributed.strategy=ddp keeps a frozen copy on every rank)"),
         (rollout.prompts_per_step % world_size != 0, f"rollout.prompts_per_step={rollout.prompts_per_step} not a "
                                                      f"multiple of the {world_size} processes"),
         (rl.mini_batch_size % world_size != 0, f"rl.mini_batch_size={rl.mini_batch_size} not a multiple of the "
@@ -330,7 +399,8 @@ def refuse_unsupported_sharded(cfg: GRPOConfig, world_size: int) -> None:
     ]
     bad = [why for hit, why in problems if hit]
     if bad:
-        raise ConfigError(f"sharded GRPO (FSDP2) does not support {'; '.join(bad)} yet: change them or run one process")
+        raise ConfigError(f"distributed GRPO ({strategy}) does not support {'; '.join(bad)} yet: change them or "
+                          "run one process")
 
 
 def run_grpo(cfg: GRPOConfig) -> dict:
@@ -352,14 +422,15 @@ def run_grpo(cfg: GRPOConfig) -> dict:
     for path in filter(None, (cfg.data.train, cfg.data.val)):  # a bad file fails now, not after the model loads
         check_readable(path, cfg.data.on_error, cfg.data.max_image_pixels)
     world_size = (torchrun_env() or (0, 1, 0))[1]
-    if cfg.distributed.strategy == "fsdp2" or world_size > 1:
-        refuse_unsupported_sharded(cfg, world_size)
+    strategy, _ = planned_strategy(cfg.distributed.strategy, world_size, cfg.train.device)
+    if strategy != "none":
+        refuse_unsupported_sharded(cfg, world_size, strategy)
     with begin_run(cfg) as (world, resume_from):
         # compile only when asked: rollout decode shapes change every step and would keep recompiling
         t = setup_model(cfg, compile_blocks=cfg.precision.compile is True, world=world)
         disable_dropout(t.model)
         ref_model = None
-        if cfg.rl.kl_beta > 0 and cfg.tiers.method == "full":  # a frozen copy of the starting policy
+        if cfg.rl.kl_beta > 0 and cfg.tiers.method == "full":  # a frozen copy of the starting policy (DDP: each rank's)
             ref_model = copy.deepcopy(t.model).requires_grad_(False).eval()
             t.policy.apply(ref_model)  # frozen: stored in the compute dtype, not as fp32 master weights
         data = load_dataset(cfg.data.train, t.processor, cfg.data)
@@ -381,13 +452,15 @@ def run_grpo(cfg: GRPOConfig) -> dict:
         while run.step < total_steps:
             start = time.perf_counter()
             t.model.eval()  # rollouts sample from the policy without dropout
-            batches, stats = collect(t, data, stream, run.state, cfg, rewards)
+            batches, stats, spare = collect(t, data, stream, run.state, cfg, rewards)
             t_rollout = time.perf_counter() - start
             t.model.train()
             lr = run.lr
-            train_logs = update(t, ref_model, batches, run.optimizer, run.scaler, run.health, cfg) if batches else {}
+            trained = world.sum(len(batches)) > 0  # any rank kept a group: every rank joins the update
+            train_logs = update(t, ref_model, batches, run.optimizer, run.scaler, run.health, cfg, spare) \
+                if trained else {}
             t_train = time.perf_counter() - start - t_rollout
-            row = {**step_metrics(stats, batches, train_logs, t_rollout, t_train, world), "lr": lr,
+            row = {**step_metrics(stats, batches, train_logs, t_rollout, t_train, world, G), "lr": lr,
                    **(t.routing.step_metrics(world) if t.routing else {})}  # MoE: the update's expert load
             run.finish_step(row, always_log=bool(row.get("skipped")))  # bad steps always logged
             bar.update(1)

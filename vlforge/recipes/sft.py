@@ -22,6 +22,7 @@ from vlforge.config import ConfigError, LossConfig, SFTConfig
 from vlforge.data.dataset import Batching, ChatDataset, global_batches, load_dataset, micro_batches_per_epoch
 from vlforge.data.encode import collate, pack
 from vlforge.data.jsonl import DataError, check_readable
+from vlforge.engine.distributed import no_sync
 from vlforge.engine.evaluate import to_device
 from vlforge.engine.health import GradHealth
 from vlforge.engine.losses import count_supervised, count_tokens, drop_keepalive_grads, real_tokens, sft_loss_sum
@@ -78,8 +79,8 @@ def train_step(t: Trainable, micro: list[dict], optimizer, scaler, health: GradH
     skipped = {"skipped_rows": skipped_rows} if skipped_rows else {}
     world = t.world
     kept = [b for b in micro if len(b["input_ids"])]
-    if world.sharded and len(kept) < len(micro):  # the other ranks would wait for its forward
-        raise DataError("every row of one micro-batch was skipped (data.on_error=skip) in a sharded run, where "
+    if world.wrapped and len(kept) < len(micro):  # the other ranks would wait for its forward (backward)
+        raise DataError("every row of one micro-batch was skipped (data.on_error=skip) in a distributed run, where "
                         "each rank must run every micro-batch: fix or drop the rows `vlforge data check` reports")
     micro = kept
     # the supervised tokens of the whole global batch (every micro-batch on every rank)
@@ -89,22 +90,24 @@ def train_step(t: Trainable, micro: list[dict], optimizer, scaler, health: GradH
         return {"loss": float("nan"), "grad_norm": 0.0, "skipped": True, **skipped, "supervised_tokens": 0,
                 "tokens": sum(count_tokens(b) for b in micro)}
     loss_total = 0.0
-    for batch in micro:
+    for i, batch in enumerate(micro):
         batch = to_device(batch, t.device)
         with t.policy.autocast(), capture(t.routing, real_tokens(batch)) as routed:  # MoE: router logits
-            # fp32 whatever the compute dtype; sharded, through the FSDP2 root unit (which also runs the
-            # vision tower on a text-only micro-batch: the other ranks' collectives wait for it)
-            loss_sum, _ = t.forward(sft_loss_sum, batch, keep_vision=world.sharded, loss=loss)
+            # fp32 whatever the compute dtype; distributed, through the FSDP2 root unit or DDP (which also
+            # runs the vision tower on a text-only micro-batch: the other ranks' collectives wait for it)
+            with no_sync(t.root, last=i == len(micro) - 1):  # DDP: one gradient all-reduce per step
+                loss_sum, _ = t.forward(sft_loss_sum, batch, keep_vision=world.wrapped, loss=loss)
         micro_loss = loss_sum / total_tokens
-        # FSDP2 averages gradients over ranks; x world size makes it the global batch's sum. MoE: + the
-        # router load-balancing loss, the mean over every rank's micro-batches (FSDP2's average makes
-        # it so: no x world size), logged apart as moe/aux_loss
-        scaler.scale(micro_loss * world.size + aux_term(t.routing, routed, len(micro))).backward()
+        # FSDP2 and DDP average gradients over ranks; x world size makes it the global batch's sum. MoE: +
+        # the router load-balancing loss, the mean over every rank's micro-batches (the ranks' average
+        # makes it so: no x world size), logged apart as moe/aux_loss
+        with no_sync(t.root, last=i == len(micro) - 1):
+            scaler.scale(micro_loss * world.size + aux_term(t.routing, routed, len(micro))).backward()
         loss_total += float(micro_loss.detach())
     # the global batch's loss (the same on every rank), its micro-batches with images, its tokens
     loss_total, with_images, tokens = world.sums(loss_total, sum(b.get("pixel_values") is not None for b in micro),
                                                  sum(count_tokens(b) for b in micro))
-    if world.sharded and not with_images:
+    if world.wrapped and not with_images:
         drop_keepalive_grads(t.model)
     row = health.step(optimizer, scaler, max_grad_norm, loss_total)
     moe = t.routing.step_metrics(world) if t.routing else {}  # expert load of the step's tokens

@@ -15,7 +15,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from vlforge.config import RolloutConfig
 from vlforge.data.encode import Encoder
