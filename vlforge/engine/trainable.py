@@ -23,6 +23,7 @@ from vlforge.engine.optim import optimizer_problem
 from vlforge.engine.precision import PrecisionPolicy
 from vlforge.engine.runtime import resolve_device
 from vlforge.model.load import load_model
+from vlforge.model.presets import is_moe
 from vlforge.model.quant import format_report, keep_trainable, verify
 from vlforge.model.tiers import apply_plan, build_plan, unwrap
 
@@ -59,12 +60,19 @@ def compile_decoder_layers(model: torch.nn.Module) -> int:
     return len(layers)
 
 
-def default_compile(precision: PrecisionConfig) -> bool:
-    """What `precision.compile` means for a training step: true, false, or auto = on with torchao
-    FP8, whose casts only pay off when fused. (GRPO passes `precision.compile is True` instead:
-    its rollouts change decode shapes every step, which compiled blocks would keep recompiling.)"""
+def default_compile(precision: PrecisionConfig, device: torch.device, measured_setup: bool = True) -> bool:
+    """What `precision.compile` means for a training step: true, false, or auto = compile the
+    decoder layers where that was measured faster: on CUDA (one H200, docs/benchmarks.md: 2B full
+    1.16x at 8.6 GB less memory, 8B LoRA ~1.2x; torchao FP8 needs it for its casts to fuse), for a
+    `measured_setup` (a dense model on one process without quant or checkpointing: compile under
+    FSDP2, with recomputation, QLoRA's 4-bit layers or the MoE router hooks is not measured yet), not with TransformerEngine's layers
+    (measured eager only), and not on CPU, where compiling costs more than a short run gains.
+    (GRPO passes `precision.compile is True` instead: its training forward's shapes change with
+    every rollout's response lengths.)"""
     if precision.compile == "auto":
-        return precision.fp8.enabled and precision.fp8.backend == "torchao"
+        if precision.fp8.enabled:  # torchao's casts pay only fused (the rule before any bf16 measurement)
+            return precision.fp8.backend == "torchao"
+        return device.type == "cuda" and measured_setup
     return bool(precision.compile)
 
 
@@ -120,7 +128,9 @@ def setup_model(cfg: RunConfig, compile_blocks: bool | None = None, world: World
             core.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
             core.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    if default_compile(cfg.precision) if compile_blocks is None else compile_blocks:
+    measured = not (cfg.quant.enabled or cfg.precision.gradient_checkpointing or world.strategy != "none"
+                    or is_moe(unwrap(model).config))
+    if default_compile(cfg.precision, device, measured) if compile_blocks is None else compile_blocks:
         compile_decoder_layers(model)
     # sharded last: FSDP2 takes the parameters in their storage dtypes (fp32 masters) and gathers
     # them in the compute dtype; `t.model` stays the (peft / HF) model, its parameters now sharded
