@@ -272,3 +272,95 @@ def test_sigkill_of_every_rank_then_resume_equals_the_uninterrupted_run(shapes_d
     assert ours.keys() == theirs.keys() and ours
     for name in theirs:
         assert torch.equal(ours[name], theirs[name]), name
+
+
+# ----------------------------------------------------------------------------- sharded loading (meta init)
+
+PROBE_RUNS = {  # name -> overrides: full fine-tuning, and LoRA with cpu_offload (shards in host memory)
+    "full": ["tiers.method=full", "precision.mode=bf16"],  # fp32 masters, bf16 frozen storage
+    "lora": ["tiers.method=lora", "distributed.cpu_offload=true"],
+}
+
+
+def _probe_config(name: str, *extra):
+    from vlforge.config import SFTConfig, load_config
+
+    return load_config(SFTConfig, None, [*COMMON, *PROBE_RUNS[name], *extra])
+
+
+def _probe_model(t) -> dict:
+    """What a rank's model holds after setup_model: the full state dict (gathered), every
+    parameter's dtype and trainability, every buffer, and the elements this rank stores."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.tensor import DTensor
+
+    options = StateDictOptions(full_state_dict=True) if t.world.sharded else None
+    params = dict(t.model.named_parameters())
+    return {"state": get_model_state_dict(t.model, options=options) if options else t.model.state_dict(),
+            "params": {n: (p.dtype, p.requires_grad) for n, p in params.items()},
+            "buffers": {n: b.clone() for n, b in t.model.named_buffers()},
+            "held": sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in params.values()),
+            "rng": torch.get_rng_state()}
+
+
+def probe_sharded_setup(out_dir: str) -> None:
+    """Run under torchrun: each rank's model after setup_model, per PROBE_RUNS entry, saved to
+    out_dir/NAME-RANK.pt, with how often this rank loaded weights (load_model: whole models)."""
+    import vlforge.engine.trainable as trainable
+    import vlforge.model.load as load
+    from vlforge.engine.distributed import init_world, meta_init
+    from vlforge.engine.runtime import seed_everything
+
+    loads = []
+    real = load.load_model
+
+    def counted(cfg, *args, **kwargs):  # the real loader, counted
+        loads.append(str(kwargs.get("device", "cpu")))
+        return real(cfg, *args, **kwargs)
+
+    load.load_model = trainable.load_model = counted
+    for name in PROBE_RUNS:
+        cfg = _probe_config(name)
+        world = init_world(cfg.distributed, cfg.train.device)
+        seed_everything(cfg.train.seed)  # as begin_run does
+        loads.clear()
+        t = trainable.setup_model(cfg, world=world)
+        torch.save({**_probe_model(t), "loads": list(loads), "meta_init": meta_init(cfg.distributed, world)},
+                   os.path.join(out_dir, f"{name}-{world.rank}.pt"))
+    world.close()
+
+
+def test_sharded_loading_gives_every_rank_the_one_process_model(tmp_path):
+    """2 ranks, meta init (auto): only rank 0 loads weights (on the CPU), each rank holds half of
+    them, and the sharded model is the one-process model: every weight, dtype (fp32 masters,
+    bf16 frozen storage), trainable flag, LoRA adapter and non-persistent buffer (the text and
+    vision rotary inv_freq / original_inv_freq, which no state dict carries), and the RNG state."""
+    from vlforge.engine.runtime import seed_everything
+    from vlforge.engine.trainable import setup_model
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             __file__, str(tmp_path)], env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for name in PROBE_RUNS:
+        seed_everything(0)
+        one = _probe_model(setup_model(_probe_config(name, "distributed.cpu_offload=false")))
+        ranks = [torch.load(tmp_path / f"{name}-{r}.pt", weights_only=False) for r in (0, 1)]
+        assert [r["meta_init"] for r in ranks] == [True, True]
+        assert [r["loads"] for r in ranks] == [["cpu"], []], "only rank 0 loads the model, in host memory"
+        assert sum(r["held"] for r in ranks) == one["held"] and ranks[1]["held"] < one["held"]
+        assert {"model.language_model.rotary_emb.inv_freq", "model.visual.rotary_pos_emb.inv_freq"} <= \
+            {n.removeprefix("base_model.model.") for n in one["buffers"]}
+        for rank in ranks:
+            assert rank["params"] == one["params"]
+            assert rank["state"].keys() == one["state"].keys()
+            for key, value in one["state"].items():
+                assert rank["state"][key].dtype == value.dtype and torch.equal(rank["state"][key], value), key
+            assert rank["buffers"].keys() == one["buffers"].keys()
+            for key, value in one["buffers"].items():
+                assert torch.equal(rank["buffers"][key], value), key
+            assert torch.equal(rank["rng"], one["rng"])
+
+
+if __name__ == "__main__":  # torchrun tests/test_distributed.py OUT_DIR (the sharded-loading probe)
+    probe_sharded_setup(sys.argv[1])
