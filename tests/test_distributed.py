@@ -278,7 +278,7 @@ def test_sigkill_of_every_rank_then_resume_equals_the_uninterrupted_run(shapes_d
 
 PROBE_RUNS = {  # name -> overrides: full fine-tuning, and LoRA with cpu_offload (shards in host memory)
     "full": ["tiers.method=full", "precision.mode=bf16"],  # fp32 masters, bf16 frozen storage
-    "lora": ["tiers.method=lora", "distributed.cpu_offload=true"],
+    "lora": ["tiers.method=lora", "precision.mode=bf16", "distributed.cpu_offload=true"],  # bf16 base, fp32 adapters
 }
 
 
@@ -334,9 +334,13 @@ def test_sharded_loading_gives_every_rank_the_one_process_model(tmp_path):
     """2 ranks, meta init (auto): only rank 0 loads weights (on the CPU), each rank holds half of
     them, and the sharded model is the one-process model: every weight, dtype (fp32 masters,
     bf16 frozen storage), trainable flag, LoRA adapter and non-persistent buffer (the text and
-    vision rotary inv_freq / original_inv_freq, which no state dict carries), and the RNG state."""
+    vision rotary inv_freq / original_inv_freq, which no state dict carries), and the RNG state.
+    `--plan`'s estimate of rank 0's host memory is the state dict it sends."""
+    from vlforge.engine.memory import memory_estimate
     from vlforge.engine.runtime import seed_everything
     from vlforge.engine.trainable import setup_model
+    from vlforge.model.load import build_meta_model, load_on_host
+    from vlforge.model.tiers import apply_plan, build_plan
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
@@ -360,6 +364,34 @@ def test_sharded_loading_gives_every_rank_the_one_process_model(tmp_path):
             for key, value in one["buffers"].items():
                 assert torch.equal(rank["buffers"][key], value), key
             assert torch.equal(rank["rng"], one["rng"])
+        cfg = _probe_config(name)
+        meta, _ = build_meta_model(cfg.model)
+        plan = build_plan(meta, cfg.tiers)
+        load = memory_estimate(meta, plan, cfg, world_size=2)["load"]
+        dtype = torch.float32 if name == "full" else torch.bfloat16  # the load dtype: masters / compute
+        sent = apply_plan(load_on_host(cfg.model, dtype), plan).state_dict()
+        assert load["meta_init"] and load["host_rank0"] == sum(v.numel() * v.element_size() for v in sent.values())
+
+
+def test_lora_with_cpu_offload_loaded_sharded_trains_and_resumes_like_one_process(shapes_dir, tmp_path):
+    """LoRA + cpu_offload on 2 ranks, built on the meta device and filled from rank 0: 2 steps,
+    then train.resume=auto to step 3, give one process's losses and merged weights."""
+    one = tmp_path / "one"
+    run_sft(tiny_sft_config(shapes_dir, one, *COMMON, "tiers.method=lora", "train.batch_size=4", "train.max_steps=3"))
+    two = tmp_path / "two"
+    args = [config_file(tmp_path, shapes_dir / "train.jsonl"), *COMMON, "tiers.method=lora", "train.batch_size=2",
+            "distributed.cpu_offload=true", f"train.output_dir={two}", "train.resume=auto"]
+    for steps in (2, 3):
+        result = launch(args + [f"train.max_steps={steps}"], tmp_path)
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed from" in result.stdout
+    assert losses(two) == pytest.approx(losses(one), rel=1e-5)
+    for name in ("one", "two"):
+        export(tmp_path / name / "checkpoint-3", tmp_path / f"{name}-merged", merge=True, dtype=torch.float32)
+    ours, theirs = (load_file(tmp_path / f"{n}-merged" / "model.safetensors") for n in ("two", "one"))
+    assert ours.keys() == theirs.keys()
+    for key in theirs:
+        torch.testing.assert_close(ours[key], theirs[key], rtol=1e-5, atol=1e-6, msg=key)
 
 
 if __name__ == "__main__":  # torchrun tests/test_distributed.py OUT_DIR (the sharded-loading probe)
