@@ -276,16 +276,19 @@ def test_sigkill_of_every_rank_then_resume_equals_the_uninterrupted_run(shapes_d
 
 # ----------------------------------------------------------------------------- sharded loading (meta init)
 
-PROBE_RUNS = {  # name -> overrides: full fine-tuning, and LoRA with cpu_offload (shards in host memory)
-    "full": ["tiers.method=full", "precision.mode=bf16"],  # fp32 masters, bf16 frozen storage
-    "lora": ["tiers.method=lora", "precision.mode=bf16", "distributed.cpu_offload=true"],  # bf16 base, fp32 adapters
+PROBE_RUNS = {  # name -> (overrides, the dtype rank 0 reads the weights in)
+    "full": (["tiers.method=full", "precision.mode=bf16"], "torch.float32"),  # fp32 masters, bf16 frozen storage
+    "lora": (["tiers.method=lora", "precision.mode=bf16", "distributed.cpu_offload=true"],  # shards in host memory
+             "torch.bfloat16"),  # the base in bf16, the adapters fp32
+    # a bf16 directory under fp32 masters: rank 0 keeps it bf16 (half the host memory), exact all the same
+    "dir": (["tiers.method=full", "precision.mode=bf16", "model.path={dir}"], "torch.bfloat16"),
 }
 
 
-def _probe_config(name: str, *extra):
+def _probe_config(name: str, model_dir, *extra):
     from vlforge.config import SFTConfig, load_config
 
-    return load_config(SFTConfig, None, [*COMMON, *PROBE_RUNS[name], *extra])
+    return load_config(SFTConfig, None, [*COMMON, *(o.format(dir=model_dir) for o in PROBE_RUNS[name][0]), *extra])
 
 
 def _probe_model(t) -> dict:
@@ -303,7 +306,7 @@ def _probe_model(t) -> dict:
             "rng": torch.get_rng_state()}
 
 
-def probe_sharded_setup(out_dir: str) -> None:
+def probe_sharded_setup(out_dir: str, model_dir: str) -> None:
     """Run under torchrun: each rank's model after setup_model, per PROBE_RUNS entry, saved to
     out_dir/NAME-RANK.pt, with how often this rank loaded weights (load_model: whole models)."""
     import vlforge.engine.trainable as trainable
@@ -315,12 +318,12 @@ def probe_sharded_setup(out_dir: str) -> None:
     real = load.load_model
 
     def counted(cfg, *args, **kwargs):  # the real loader, counted
-        loads.append(str(kwargs.get("device", "cpu")))
+        loads.append((str(kwargs.get("device", "cpu")), str(kwargs.get("dtype"))))
         return real(cfg, *args, **kwargs)
 
     load.load_model = trainable.load_model = counted
     for name in PROBE_RUNS:
-        cfg = _probe_config(name)
+        cfg = _probe_config(name, model_dir)
         world = init_world(cfg.distributed, cfg.train.device)
         seed_everything(cfg.train.seed)  # as begin_run does
         loads.clear()
@@ -334,24 +337,30 @@ def test_sharded_loading_gives_every_rank_the_one_process_model(tmp_path):
     """2 ranks, meta init (auto): only rank 0 loads weights (on the CPU), each rank holds half of
     them, and the sharded model is the one-process model: every weight, dtype (fp32 masters,
     bf16 frozen storage), trainable flag, LoRA adapter and non-persistent buffer (the text and
-    vision rotary inv_freq / original_inv_freq, which no state dict carries), and the RNG state.
-    `--plan`'s estimate of rank 0's host memory is the state dict it sends."""
+    vision rotary inv_freq / original_inv_freq, which no state dict carries), and the RNG state;
+    also from a bf16 directory that rank 0 reads as stored under fp32 masters. `--plan`'s
+    estimate of rank 0's host memory is the state dict it sends."""
     from vlforge.engine.memory import memory_estimate
     from vlforge.engine.runtime import seed_everything
     from vlforge.engine.trainable import setup_model
-    from vlforge.model.load import build_meta_model, load_on_host
+    from vlforge.config import ModelConfig
+    from vlforge.model.load import build_meta_model, load_model, load_on_host
     from vlforge.model.tiers import apply_plan, build_plan
 
+    model_dir = tmp_path / "bf16-model"
+    for part in load_model(ModelConfig(preset="tiny"), dtype=torch.bfloat16):
+        part.save_pretrained(model_dir)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                             __file__, str(tmp_path)], env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+                             __file__, str(tmp_path), str(model_dir)], env=env, capture_output=True, text=True,
+                            timeout=TIMEOUT_S)
     assert result.returncode == 0, result.stderr[-3000:]
-    for name in PROBE_RUNS:
+    for name, (_, host_dtype) in PROBE_RUNS.items():
         seed_everything(0)
-        one = _probe_model(setup_model(_probe_config(name, "distributed.cpu_offload=false")))
+        one = _probe_model(setup_model(_probe_config(name, model_dir, "distributed.cpu_offload=false")))
         ranks = [torch.load(tmp_path / f"{name}-{r}.pt", weights_only=False) for r in (0, 1)]
         assert [r["meta_init"] for r in ranks] == [True, True]
-        assert [r["loads"] for r in ranks] == [["cpu"], []], "only rank 0 loads the model, in host memory"
+        assert [r["loads"] for r in ranks] == [[("cpu", host_dtype)], []], "only rank 0 loads, in host memory"
         assert sum(r["held"] for r in ranks) == one["held"] and ranks[1]["held"] < one["held"]
         assert {"model.language_model.rotary_emb.inv_freq", "model.visual.rotary_pos_emb.inv_freq"} <= \
             {n.removeprefix("base_model.model.") for n in one["buffers"]}
@@ -364,12 +373,11 @@ def test_sharded_loading_gives_every_rank_the_one_process_model(tmp_path):
             for key, value in one["buffers"].items():
                 assert torch.equal(rank["buffers"][key], value), key
             assert torch.equal(rank["rng"], one["rng"])
-        cfg = _probe_config(name)
+        cfg = _probe_config(name, model_dir)
         meta, _ = build_meta_model(cfg.model)
         plan = build_plan(meta, cfg.tiers)
         load = memory_estimate(meta, plan, cfg, world_size=2)["load"]
-        dtype = torch.float32 if name == "full" else torch.bfloat16  # the load dtype: masters / compute
-        sent = apply_plan(load_on_host(cfg.model, dtype), plan).state_dict()
+        sent = apply_plan(load_on_host(cfg.model, getattr(torch, host_dtype.removeprefix("torch."))), plan).state_dict()
         assert load["meta_init"] and load["host_rank0"] == sum(v.numel() * v.element_size() for v in sent.values())
 
 
@@ -395,4 +403,4 @@ def test_lora_with_cpu_offload_loaded_sharded_trains_and_resumes_like_one_proces
 
 
 if __name__ == "__main__":  # torchrun tests/test_distributed.py OUT_DIR (the sharded-loading probe)
-    probe_sharded_setup(sys.argv[1])
+    probe_sharded_setup(sys.argv[1], sys.argv[2])

@@ -179,10 +179,13 @@ def _load(tensors: list[_Tensor], cfg, world_size: int, strategy: str) -> dict:
     """Memory while the model loads, before training starts. The model is first read in its load
     dtype (engine/trainable.setup_model: full fine-tuning in the master dtype, every weight; LoRA
     the base in the compute dtype, peft's adapters in fp32), then cast to the storage dtypes.
-    Sharded loading (distributed.meta_init): rank 0 holds that whole model in host memory, and
-    each GPU its shards plus one whole tensor at a time (the one being sent out). Otherwise each
-    process holds the whole model on its device first."""
+    Sharded loading (distributed.meta_init): rank 0 holds that whole model in host memory (full
+    fine-tuning of a narrower checkpoint: as stored, model.load.host_dtype), and each GPU its
+    shards plus one whole tensor at a time (the one being sent out). Otherwise each process
+    holds the whole model on its device first."""
     from vlforge.engine.distributed import World, meta_init
+
+    from vlforge.model.load import host_dtype
 
     policy = PrecisionPolicy(cfg.precision, "cpu")
     load = policy.master_dtype if cfg.tiers.method == "full" else policy.compute_dtype
@@ -194,10 +197,12 @@ def _load(tensors: list[_Tensor], cfg, world_size: int, strategy: str) -> dict:
     sharded = meta_init(cfg.distributed, World(size=world_size, strategy=strategy))
     if not sharded:
         return {"meta_init": False, "gpu": whole, "host_rank0": 0.0}
+    host = host_dtype(cfg.model, load, cfg.tiers.method == "full").itemsize  # a bf16 checkpoint's own dtype
     offload = cfg.distributed.cpu_offload
     shards = 0 if offload else sum(t.shard_numel(world_size) * t.dtype_bytes for t in tensors)
-    largest = max([t.numel * load.itemsize for t in base] + [t.numel * 4 for t in adapters])
-    return {"meta_init": True, "gpu": shards + largest, "host_rank0": whole}
+    largest = max([t.numel * host for t in base] + [t.numel * 4 for t in adapters])
+    return {"meta_init": True, "gpu": shards + largest,
+            "host_rank0": sum(t.numel for t in base) * host + sum(t.numel for t in adapters) * 4}
 
 
 def expert_lora_copies(model: nn.Module, plan: list, cfg, compute_bytes: int) -> float:

@@ -22,7 +22,7 @@ from vlforge.engine.moe import Routing
 from vlforge.engine.optim import optimizer_problem
 from vlforge.engine.precision import PrecisionPolicy
 from vlforge.engine.runtime import resolve_device
-from vlforge.model.load import build_meta_model, load_model, load_on_host
+from vlforge.model.load import build_meta_model, host_dtype, load_model, load_on_host
 from vlforge.model.quant import format_report, keep_trainable, verify
 from vlforge.model.tiers import apply_plan, build_plan, unwrap
 
@@ -138,7 +138,8 @@ def setup_model(cfg: RunConfig, compile_blocks: bool | None = None, world: World
 def _meta_model(cfg: RunConfig, load_dtype: torch.dtype, world: World):
     """(model, processor, plan, source) for sharded loading: the model with its trainable plan
     built on the meta device on every rank, and on rank 0 `source`, the weights a one-process
-    run starts from, as (state dict, buffers) in host memory.
+    run starts from, as (state dict, buffers) in host memory (model.load.host_dtype: a bf16
+    checkpoint stays bf16 there under fp32 masters).
 
     Rank 0 loads the model on the CPU and applies the same plan to it, where peft draws the
     LoRA adapters from the CPU generator as it does on one process (it creates them on the CPU
@@ -152,7 +153,7 @@ def _meta_model(cfg: RunConfig, load_dtype: torch.dtype, world: World):
         model = apply_plan(model, plan)
     source = None
     if world.main:
-        full = apply_plan(load_on_host(cfg.model, load_dtype), plan)
+        full = apply_plan(load_on_host(cfg.model, host_dtype(cfg.model, load_dtype, cfg.tiers.method == "full")), plan)
         source = (full.state_dict(), outside_state_dict(full))
     torch.set_rng_state(world.broadcast(torch.get_rng_state()))
     return model, processor, plan, source

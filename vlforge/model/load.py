@@ -164,6 +164,29 @@ def build_meta_model(cfg: ModelConfig, dtype: torch.dtype | None = None, device:
     return model, processor
 
 
+def stored_dtype(path: str | Path) -> torch.dtype | None:
+    """The one floating dtype a local directory's safetensors hold every weight in (bf16 for the
+    published Qwen3-VL), or None: mixed, another (FP8) or no safetensors. Reads headers only."""
+    from safetensors import safe_open
+
+    names = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+    found = set()
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            found |= {f.get_slice(key).get_dtype() for key in f.keys()}
+    floats = {d for d in found if d.startswith(("F", "BF"))}
+    return names.get(floats.pop()) if len(floats) == 1 else None
+
+
+def host_dtype(cfg: ModelConfig, dtype: torch.dtype, full: bool) -> torch.dtype:
+    """The dtype rank 0 reads the weights in for sharded loading, for a run that loads them in
+    `dtype`: full fine-tuning (`full`) of a checkpoint stored narrower (bf16 under fp32 masters)
+    reads them as stored, half the host memory, and the shards' cast up is exact. Not with LoRA:
+    peft rounds new adapters to the base's dtype before making them fp32."""
+    stored = stored_dtype(cfg.path) if full and cfg.path else None
+    return stored if stored is not None and stored.itemsize < dtype.itemsize else dtype
+
+
 def load_on_host(cfg: ModelConfig, dtype: torch.dtype):
     """load_model's weights in host memory, exactly (a preset: the same seeded initialisation as
     load_model on the CPU): what rank 0 sends the other ranks under sharded loading. Nothing
