@@ -184,7 +184,6 @@ def _load(tensors: list[_Tensor], cfg, world_size: int, strategy: str) -> dict:
     shards plus one whole tensor at a time (the one being sent out). Otherwise each process
     holds the whole model on its device first."""
     from vlforge.engine.distributed import World, meta_init
-
     from vlforge.model.load import host_dtype
 
     policy = PrecisionPolicy(cfg.precision, "cpu")
