@@ -393,3 +393,135 @@ def test_grpo_full_fine_tuning_with_kl_under_ddp_equals_one_process(shapes_dir, 
                              "rollout: {group_size: 4, prompts_per_step: 2, max_new_tokens: 5}\n",
                              ["tiers.method=full", "train.max_steps=2", "optim.max_grad_norm=null"], "ddp")
     _assert_same_grpo(runs, tmp_path, merge=False)
+
+
+# ----------------------------------------------------------------------------- sharded loading (meta init)
+
+PROBE_RUNS = {  # name -> (overrides, the dtype rank 0 reads the weights in)
+    "full": (["tiers.method=full", "precision.mode=bf16"], "torch.float32"),  # fp32 masters, bf16 frozen storage
+    "lora": (["tiers.method=lora", "precision.mode=bf16", "distributed.cpu_offload=true"],  # shards in host memory
+             "torch.bfloat16"),  # the base in bf16, the adapters fp32
+    # a bf16 directory under fp32 masters: rank 0 keeps it bf16 (half the host memory), exact all the same
+    "dir": (["tiers.method=full", "precision.mode=bf16", "model.path={dir}"], "torch.bfloat16"),
+}
+
+
+def _probe_config(name: str, model_dir, *extra):
+    from vlforge.config import SFTConfig, load_config
+
+    return load_config(SFTConfig, None, [*COMMON, *(o.format(dir=model_dir) for o in PROBE_RUNS[name][0]), *extra])
+
+
+def _probe_model(t) -> dict:
+    """What a rank's model holds after setup_model: the full state dict (gathered), every
+    parameter's dtype and trainability, every buffer, and the elements this rank stores."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.tensor import DTensor
+
+    options = StateDictOptions(full_state_dict=True) if t.world.sharded else None
+    params = dict(t.model.named_parameters())
+    return {"state": get_model_state_dict(t.model, options=options) if options else t.model.state_dict(),
+            "params": {n: (p.dtype, p.requires_grad) for n, p in params.items()},
+            "buffers": {n: b.clone() for n, b in t.model.named_buffers()},
+            "held": sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in params.values()),
+            "rng": torch.get_rng_state()}
+
+
+def probe_sharded_setup(out_dir: str, model_dir: str) -> None:
+    """Run under torchrun: each rank's model after setup_model, per PROBE_RUNS entry, saved to
+    out_dir/NAME-RANK.pt, with how often this rank loaded weights (load_model: whole models)."""
+    import vlforge.engine.trainable as trainable
+    import vlforge.model.load as load
+    from vlforge.engine.distributed import init_world, meta_init
+    from vlforge.engine.runtime import seed_everything
+
+    loads = []
+    real = load.load_model
+
+    def counted(cfg, *args, **kwargs):  # the real loader, counted
+        loads.append((str(kwargs.get("device", "cpu")), str(kwargs.get("dtype"))))
+        return real(cfg, *args, **kwargs)
+
+    load.load_model = trainable.load_model = counted
+    for name in PROBE_RUNS:
+        cfg = _probe_config(name, model_dir)
+        world = init_world(cfg.distributed, cfg.train.device)
+        seed_everything(cfg.train.seed)  # as begin_run does
+        loads.clear()
+        t = trainable.setup_model(cfg, world=world)
+        torch.save({**_probe_model(t), "loads": list(loads), "meta_init": meta_init(cfg.distributed, world)},
+                   os.path.join(out_dir, f"{name}-{world.rank}.pt"))
+    world.close()
+
+
+def test_sharded_loading_gives_every_rank_the_one_process_model(tmp_path):
+    """2 ranks, meta init (auto): only rank 0 loads weights (on the CPU), each rank holds half of
+    them, and the sharded model is the one-process model: every weight, dtype (fp32 masters,
+    bf16 frozen storage), trainable flag, LoRA adapter and non-persistent buffer (the text and
+    vision rotary inv_freq / original_inv_freq, which no state dict carries), and the RNG state;
+    also from a bf16 directory that rank 0 reads as stored under fp32 masters. `--plan`'s
+    estimate of rank 0's host memory is the state dict it sends."""
+    from vlforge.engine.memory import memory_estimate
+    from vlforge.engine.runtime import seed_everything
+    from vlforge.engine.trainable import setup_model
+    from vlforge.config import ModelConfig
+    from vlforge.model.load import build_meta_model, load_model, load_on_host
+    from vlforge.model.tiers import apply_plan, build_plan
+
+    model_dir = tmp_path / "bf16-model"
+    for part in load_model(ModelConfig(preset="tiny"), dtype=torch.bfloat16):
+        part.save_pretrained(model_dir)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             __file__, str(tmp_path), str(model_dir)], env=env, capture_output=True, text=True,
+                            timeout=TIMEOUT_S)
+    assert result.returncode == 0, result.stderr[-3000:]
+    for name, (_, host_dtype) in PROBE_RUNS.items():
+        seed_everything(0)
+        one = _probe_model(setup_model(_probe_config(name, model_dir, "distributed.cpu_offload=false")))
+        ranks = [torch.load(tmp_path / f"{name}-{r}.pt", weights_only=False) for r in (0, 1)]
+        assert [r["meta_init"] for r in ranks] == [True, True]
+        assert [r["loads"] for r in ranks] == [[("cpu", host_dtype)], []], "only rank 0 loads, in host memory"
+        assert sum(r["held"] for r in ranks) == one["held"] and ranks[1]["held"] < one["held"]
+        assert {"model.language_model.rotary_emb.inv_freq", "model.visual.rotary_pos_emb.inv_freq"} <= \
+            {n.removeprefix("base_model.model.") for n in one["buffers"]}
+        for rank in ranks:
+            assert rank["params"] == one["params"]
+            assert rank["state"].keys() == one["state"].keys()
+            for key, value in one["state"].items():
+                assert rank["state"][key].dtype == value.dtype and torch.equal(rank["state"][key], value), key
+            assert rank["buffers"].keys() == one["buffers"].keys()
+            for key, value in one["buffers"].items():
+                assert torch.equal(rank["buffers"][key], value), key
+            assert torch.equal(rank["rng"], one["rng"])
+        cfg = _probe_config(name, model_dir)
+        meta, _ = build_meta_model(cfg.model)
+        plan = build_plan(meta, cfg.tiers)
+        load = memory_estimate(meta, plan, cfg, world_size=2)["load"]
+        sent = apply_plan(load_on_host(cfg.model, getattr(torch, host_dtype.removeprefix("torch."))), plan).state_dict()
+        assert load["meta_init"] and load["host_rank0"] == sum(v.numel() * v.element_size() for v in sent.values())
+
+
+def test_lora_with_cpu_offload_loaded_sharded_trains_and_resumes_like_one_process(shapes_dir, tmp_path):
+    """LoRA + cpu_offload on 2 ranks, built on the meta device and filled from rank 0: 2 steps,
+    then train.resume=auto to step 3, give one process's losses and merged weights."""
+    one = tmp_path / "one"
+    run_sft(tiny_sft_config(shapes_dir, one, *COMMON, "tiers.method=lora", "train.batch_size=4", "train.max_steps=3"))
+    two = tmp_path / "two"
+    args = [config_file(tmp_path, shapes_dir / "train.jsonl"), *COMMON, "tiers.method=lora", "train.batch_size=2",
+            "distributed.cpu_offload=true", f"train.output_dir={two}", "train.resume=auto"]
+    for steps in (2, 3):
+        result = launch(args + [f"train.max_steps={steps}"], tmp_path)
+        assert result.returncode == 0, result.stderr[-3000:]
+    assert "resumed from" in result.stdout
+    assert losses(two) == pytest.approx(losses(one), rel=1e-5)
+    for name in ("one", "two"):
+        export(tmp_path / name / "checkpoint-3", tmp_path / f"{name}-merged", merge=True, dtype=torch.float32)
+    ours, theirs = (load_file(tmp_path / f"{n}-merged" / "model.safetensors") for n in ("two", "one"))
+    assert ours.keys() == theirs.keys()
+    for key in theirs:
+        torch.testing.assert_close(ours[key], theirs[key], rtol=1e-5, atol=1e-6, msg=key)
+
+
+if __name__ == "__main__":  # torchrun tests/test_distributed.py OUT_DIR (the sharded-loading probe)
+    probe_sharded_setup(sys.argv[1], sys.argv[2])

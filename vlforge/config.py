@@ -356,6 +356,10 @@ class DistributedConfig:
     reshard_after_forward: bool = True  # FSDP2: free gathered weights after forward (memory) or keep them (speed)
     cpu_offload: bool = False  # FSDP2: sharded parameters, gradients and optimizer state live in host memory
     timeout_s: int = 600  # a collective waiting longer than this ends the run (a rank died or hangs)
+    # FSDP2: every rank builds the model on the meta device and rank 0 loads the weights in host
+    # memory and sends each rank its shards, so no GPU ever holds the whole model; auto: with
+    # more than one process or with cpu_offload (false: each process loads the whole model first)
+    meta_init: bool | Literal["auto"] = "auto"
 
     def __post_init__(self):
         _range(self, "timeout_s", ge=10)

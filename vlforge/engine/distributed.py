@@ -189,10 +189,56 @@ def refuse_unsupported(cfg, world: World) -> None:
                           "process (distributed.strategy=none), or turn them off")
 
 
+def meta_init(cfg: DistributedConfig, world: World) -> bool:
+    """Whether this run builds its model on the meta device and fills the shards from rank 0
+    (distributed.meta_init; auto: FSDP2 over several processes, or with cpu_offload)."""
+    if not world.sharded:
+        return False
+    return world.size > 1 or cfg.cpu_offload if cfg.meta_init == "auto" else cfg.meta_init
+
+
+def outside_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """What a state dict does not carry and `to_empty` leaves uninitialised: every buffer
+    (Qwen3-VL's are the text and vision rotary `inv_freq` / `original_inv_freq`, all
+    non-persistent) and any tensor kept as a plain module attribute. Small (a few kB)."""
+    out = {}
+    for name, module in model.named_modules():
+        prefix = f"{name}." if name else ""
+        for key, value in vars(module).items():
+            if isinstance(value, torch.Tensor) and not isinstance(value, torch.nn.Parameter):
+                out[prefix + key] = value.detach().clone()
+        out.update({prefix + key: b.detach().clone() for key, b in module._buffers.items() if b is not None})
+    return out
+
+
+def materialize(root: torch.nn.Module, model: torch.nn.Module, world: World, offload: bool,
+                source: tuple[dict, dict] | None) -> None:
+    """Fill a model built on the meta device and sharded by fully_shard: allocate each rank's
+    shards (`to_empty`; in host memory under cpu_offload), then copy rank 0's full state dict
+    into them, one tensor at a time (set_model_state_dict's broadcast_from_rank0; each shard
+    converted to its storage dtype), then rank 0's buffers and tensor attributes, on the
+    compute device. `source`: rank 0's (state dict, outside_state_dict), None on the others."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    root.to_empty(device=torch.device("cpu") if offload else world.device)
+    state, extras = source if source is not None else ({}, {})
+    set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
+    for name, value in world.broadcast(extras).items():
+        owner, _, key = name.rpartition(".")
+        module = model.get_submodule(owner)
+        value = value.to(world.device)
+        if key in module._buffers:  # keeps the buffer's persistence
+            module._buffers[key] = value
+        else:
+            setattr(module, key, value)
+
+
 def wrap(model: torch.nn.Module, world: World, cfg: DistributedConfig, compute_dtype: torch.dtype,
-         master_dtype: torch.dtype) -> torch.nn.Module | None:
+         master_dtype: torch.dtype, source: tuple[dict, dict] | None = None) -> torch.nn.Module | None:
     """FSDP2 (fully_shard) or DDP over a model whose parameters are already in their storage dtypes.
     Returns the root (a losses.Root the step calls, wrapped), or None on one process without either.
+    A model on the meta device (meta_init, FSDP2 only) is filled once sharded, from rank 0's `source`
+    (materialize).
 
     Units: every language decoder layer and every vision block (the memory peaks), the rest of the
     vision tower (called on its own by losses.vision_keepalive), and the root, which holds the
@@ -213,7 +259,8 @@ def wrap(model: torch.nn.Module, world: World, cfg: DistributedConfig, compute_d
                               reduce_dtype=torch.float32)
     kwargs = {"mp_policy": mp, "reshard_after_forward": cfg.reshard_after_forward}
     if cfg.cpu_offload:
-        kwargs["offload_policy"] = CPUOffloadPolicy()
+        # pinned host memory speeds the copies to a GPU; a CPU run (tests) has none to pin
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=world.device.type == "cuda")
     # The vision tower stays gathered from its forward to its backward: its features join the
     # language model at several layers (deepstack), so a rank with images reaches its backward in
     # the middle of the layers' backward, a text-only rank (vision_keepalive) at the end; gathering
@@ -225,6 +272,8 @@ def wrap(model: torch.nn.Module, world: World, cfg: DistributedConfig, compute_d
     for unit, how in units:
         fully_shard(unit, **how)
     root = fully_shard(Root(model), **kwargs)
+    if any(p.is_meta for p in model.parameters()):
+        materialize(root, model, world, cfg.cpu_offload, source)
     # Enter the root once now: FSDP2 initialises its state on the first forward of any unit, and
     # that unit becomes the root; rollouts and keep-alives call inner units first.
     with torch.no_grad():

@@ -165,8 +165,7 @@ def memory_estimate(model: nn.Module, plan: list, cfg, world_size: int = 1) -> d
         "compute": NAMES[policy.compute_dtype],
         "params": sum(t.numel for t in tensors),
         "trainable_params": sum(t.numel for t in tensors if t.trainable),
-        # each process loads the whole model in its storage dtypes before sharding it
-        "load_bytes": sum(t.numel * t.dtype_bytes for t in tensors),
+        "load": _load(tensors, cfg, world_size, strategy),
         "selected": "cpu_offload" if offload_applies else "no_offload",
         "no_offload": _layout(tensors, sharded=sharded, offload=False, **common),
         "cpu_offload": _layout(tensors, sharded=True, offload=True, **common),
@@ -174,6 +173,35 @@ def memory_estimate(model: nn.Module, plan: list, cfg, world_size: int = 1) -> d
         "fsdp2_problem": fsdp2_problem(cfg, world_size),
         "not_estimated": not_estimated,
     }
+
+
+def _load(tensors: list[_Tensor], cfg, world_size: int, strategy: str) -> dict:
+    """Memory while the model loads, before training starts. The model is first read in its load
+    dtype (engine/trainable.setup_model: full fine-tuning in the master dtype, every weight; LoRA
+    the base in the compute dtype, peft's adapters in fp32), then cast to the storage dtypes.
+    Sharded loading (distributed.meta_init): rank 0 holds that whole model in host memory (full
+    fine-tuning of a narrower checkpoint: as stored, model.load.host_dtype), and each GPU its
+    shards plus one whole tensor at a time (the one being sent out). Otherwise each process
+    holds the whole model on its device first."""
+    from vlforge.engine.distributed import World, meta_init
+    from vlforge.model.load import host_dtype
+
+    policy = PrecisionPolicy(cfg.precision, "cpu")
+    load = policy.master_dtype if cfg.tiers.method == "full" else policy.compute_dtype
+    base = [t for t in tensors if not (cfg.tiers.method == "lora" and t.trainable)]
+    adapters = [t for t in tensors if cfg.tiers.method == "lora" and t.trainable]
+    whole = sum(t.numel for t in base) * load.itemsize + sum(t.numel for t in adapters) * 4
+    if cfg.quant.enabled:  # QLoRA reads the weights straight into their packed form
+        whole = sum(t.numel * t.dtype_bytes for t in base) + sum(t.numel for t in adapters) * 4
+    sharded = meta_init(cfg.distributed, World(size=world_size, strategy=strategy))
+    if not sharded:
+        return {"meta_init": False, "gpu": whole, "host_rank0": 0.0}
+    host = host_dtype(cfg.model, load, cfg.tiers.method == "full").itemsize  # a bf16 checkpoint's own dtype
+    offload = cfg.distributed.cpu_offload
+    shards = 0 if offload else sum(t.shard_numel(world_size) * t.dtype_bytes for t in tensors)
+    largest = max([t.numel * host for t in base] + [t.numel * 4 for t in adapters])
+    return {"meta_init": True, "gpu": shards + largest,
+            "host_rank0": sum(t.numel for t in base) * host + sum(t.numel for t in adapters) * 4}
 
 
 def expert_lora_copies(model: nn.Module, plan: list, cfg, compute_bytes: int) -> float:
@@ -232,7 +260,13 @@ def format_memory(est: dict) -> str:
     chosen = "cpu_offload" if est["selected"] == "cpu_offload" else "no offload"
     lines.append(f"this config: {chosen}" + ("" if strategy == "fsdp2" else
                                              " (cpu_offload needs distributed.strategy=fsdp2)"))
-    lines.append(f"loading: each process first holds the whole model, {_gb(est['load_bytes'])}")
+    load = est["load"]
+    if load["meta_init"]:
+        lines.append(f"loading (meta_init): rank 0 reads the whole model into host memory, {_gb(load['host_rank0'])}; "
+                     f"each GPU holds only its shards and one whole tensor at a time, {_gb(load['gpu'])}")
+    else:
+        lines.append(f"loading: each process first holds the whole model, {_gb(load['gpu'])}"
+                     + (" (distributed.meta_init=true: only rank 0, in host memory)" if strategy == "fsdp2" else ""))
     if est.get("expert_lora_copies"):
         lines.append(f"expert LoRA: + {_gb(est['expert_lora_copies'])} of folded expert weights held for backward "
                      "(peft adds the update to a copy of each layer's experts; gradient checkpointing keeps one layer's)")

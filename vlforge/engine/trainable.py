@@ -15,14 +15,14 @@ from dataclasses import dataclass, field
 import torch
 
 from vlforge.config import ConfigError, PrecisionConfig, RunConfig
-from vlforge.engine.distributed import World, refuse_unsupported, wrap
+from vlforge.engine.distributed import World, meta_init, outside_state_dict, refuse_unsupported, wrap
 from vlforge.engine.fp8 import fp8_backend, fp8_layer_plan, token_multiple
 from vlforge.engine.hardware import bf16_problem, quant_problem
 from vlforge.engine.moe import Routing
 from vlforge.engine.optim import optimizer_problem
 from vlforge.engine.precision import PrecisionPolicy
 from vlforge.engine.runtime import resolve_device
-from vlforge.model.load import load_model
+from vlforge.model.load import build_meta_model, host_dtype, load_model, load_on_host
 from vlforge.model.presets import is_moe
 from vlforge.model.quant import format_report, keep_trainable, verify
 from vlforge.model.tiers import apply_plan, build_plan, unwrap
@@ -111,12 +111,16 @@ def setup_model(cfg: RunConfig, compile_blocks: bool | None = None, world: World
     # weight (the whole vision tower) to fp32; policy.apply below leaves the packed 4-bit weights
     # alone and keeps the rest in their storage dtypes, and non-reentrant checkpointing needs no
     # input that requires grad.
-    model, processor = load_model(cfg.model, dtype=load_dtype, device=device, quant=cfg.quant)
-    if cfg.quant.enabled:
-        print(format_report(verify(model, cfg.quant)))
-        keep_trainable(model)  # evals and rollouts switch to eval mode mid-run
-    plan = build_plan(model, cfg.tiers)
-    model = apply_plan(model, plan)
+    source = None  # sharded loading: rank 0's full weights, which fill every rank's shards in `wrap`
+    if meta_init(cfg.distributed, world):
+        model, processor, plan, source = _meta_model(cfg, load_dtype, world)
+    else:
+        model, processor = load_model(cfg.model, dtype=load_dtype, device=device, quant=cfg.quant)
+        if cfg.quant.enabled:
+            print(format_report(verify(model, cfg.quant)))
+            keep_trainable(model)  # evals and rollouts switch to eval mode mid-run
+        plan = build_plan(model, cfg.tiers)
+        model = apply_plan(model, plan)
     fp8_plan = {}
     if fp8 is not None:
         fp8_plan = fp8_layer_plan(unwrap(model), cfg.precision.fp8)
@@ -134,7 +138,32 @@ def setup_model(cfg: RunConfig, compile_blocks: bool | None = None, world: World
         compile_decoder_layers(model)
     # sharded last: FSDP2 takes the parameters in their storage dtypes (fp32 masters) and gathers
     # them in the compute dtype; `t.model` stays the (peft / HF) model, its parameters now sharded
-    root = wrap(model, world, cfg.distributed, policy.compute_dtype, policy.master_dtype)
+    root = wrap(model, world, cfg.distributed, policy.compute_dtype, policy.master_dtype, source)
+    del source  # rank 0's host copy of the whole model
     model.train()
     routing = Routing.of(model, cfg.train.router_aux_loss_coef)
     return Trainable(model, processor, plan, policy, device, fp8_plan, world, root, routing)
+
+
+def _meta_model(cfg: RunConfig, load_dtype: torch.dtype, world: World):
+    """(model, processor, plan, source) for sharded loading: the model with its trainable plan
+    built on the meta device on every rank, and on rank 0 `source`, the weights a one-process
+    run starts from, as (state dict, buffers) in host memory (model.load.host_dtype: a bf16
+    checkpoint stays bf16 there under fp32 masters).
+
+    Rank 0 loads the model on the CPU and applies the same plan to it, where peft draws the
+    LoRA adapters from the CPU generator as it does on one process (it creates them on the CPU
+    whatever the base's device), so they travel with the state dict and every run starts from
+    one process's adapters. The meta model's plan runs under fork_rng (peft's meta adapters
+    would draw from it too), and rank 0's generator state is then everyone's: each rank leaves
+    setup_model with the state a one-process run has."""
+    with torch.random.fork_rng(devices=[]):
+        model, processor = build_meta_model(cfg.model, dtype=load_dtype, device=world.device)
+        plan = build_plan(model, cfg.tiers)
+        model = apply_plan(model, plan)
+    source = None
+    if world.main:
+        full = apply_plan(load_on_host(cfg.model, host_dtype(cfg.model, load_dtype, cfg.tiers.method == "full")), plan)
+        source = (full.state_dict(), outside_state_dict(full))
+    torch.set_rng_state(world.broadcast(torch.get_rng_state()))
+    return model, processor, plan, source

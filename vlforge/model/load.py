@@ -12,6 +12,7 @@ import importlib.util
 
 import os
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -132,9 +133,13 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: str
             torch.manual_seed(cfg.seed)
             with torch.device(device):
                 model = model_class(config)._from_config(config, dtype=dtype, **_impl_kwargs(cfg, config, target))
+    _generation_tokens(model, processor)
+    return model, processor
+
+
+def _generation_tokens(model, processor) -> None:
     model.generation_config.pad_token_id = processor.tokenizer.pad_token_id
     model.generation_config.eos_token_id = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
-    return model, processor
 
 
 def _load_quantized(cfg: ModelConfig, quant: QuantConfig, dtype: torch.dtype, device: torch.device):
@@ -156,15 +161,50 @@ def _load_quantized(cfg: ModelConfig, quant: QuantConfig, dtype: torch.dtype, de
         str(check_model_dir(cfg.path)), dtype=dtype, local_files_only=True,
         device_map=str(device) if device.type == "cuda" else None, **_impl_kwargs(cfg, meta.config, device), **kwargs)
     verify(model, quant)  # the skip list must have been exact
-    model.generation_config.pad_token_id = processor.tokenizer.pad_token_id
-    model.generation_config.eos_token_id = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
+    _generation_tokens(model, processor)
     return model, processor
 
 
-def build_meta_model(cfg: ModelConfig):
-    """The model's module tree and shapes without allocating weights (for `--plan` on 8B or 30B-A3B on a laptop)."""
+def build_meta_model(cfg: ModelConfig, dtype: torch.dtype | None = None, device: str | torch.device | None = None):
+    """The model's module tree and shapes without allocating weights: for `--plan` on 8B or
+    30B-A3B on a laptop, and for sharded loading (engine/distributed.materialize fills its
+    shards), where `dtype` and `device` (the one it will run on: it picks the attention and expert
+    kernels) make it the model load_model would build there."""
     processor = load_processor(cfg)
     config = dir_config(cfg.path) if cfg.path else preset_config(cfg.preset, processor.tokenizer)
+    kwargs = {} if device is None else {"dtype": dtype, **_impl_kwargs(cfg, config, torch.device(device))}
     with torch.device("meta"):
-        model = model_class(config)._from_config(config)
+        model = model_class(config)._from_config(config, **kwargs)
+    if device is not None:
+        _generation_tokens(model, processor)
     return model, processor
+
+
+def stored_dtype(path: str | Path) -> torch.dtype | None:
+    """The one floating dtype a local directory's safetensors hold every weight in (bf16 for the
+    published Qwen3-VL), or None: mixed, another (FP8) or no safetensors. Reads headers only."""
+    from safetensors import safe_open
+
+    names = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}
+    found = set()
+    for file in sorted(Path(path).glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            found |= {f.get_slice(key).get_dtype() for key in f.keys()}
+    floats = {d for d in found if d.startswith(("F", "BF"))}
+    return names.get(floats.pop()) if len(floats) == 1 else None
+
+
+def host_dtype(cfg: ModelConfig, dtype: torch.dtype, full: bool) -> torch.dtype:
+    """The dtype rank 0 reads the weights in for sharded loading, for a run that loads them in
+    `dtype`: full fine-tuning (`full`) of a checkpoint stored narrower (bf16 under fp32 masters)
+    reads them as stored, half the host memory, and the shards' cast up is exact. Not with LoRA:
+    peft rounds new adapters to the base's dtype before making them fp32."""
+    stored = stored_dtype(cfg.path) if full and cfg.path else None
+    return stored if stored is not None and stored.itemsize < dtype.itemsize else dtype
+
+
+def load_on_host(cfg: ModelConfig, dtype: torch.dtype):
+    """load_model's weights in host memory, exactly (a preset: the same seeded initialisation as
+    load_model on the CPU): what rank 0 sends the other ranks under sharded loading. Nothing
+    runs on it, so it takes the sdpa attention whatever the run uses (flash-attn wants a GPU)."""
+    return load_model(replace(cfg, attn_implementation="sdpa"), dtype=dtype, device="cpu")[0]
