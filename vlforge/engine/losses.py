@@ -68,7 +68,7 @@ def backbone_hidden(model, batch: dict) -> torch.Tensor:
     seq_lens = batch["seq_lens"].tolist()
     inputs["position_ids"] = packed_position_ids(core, batch["input_ids"], batch["mm_token_type_ids"],
                                                  batch.get("image_grid_thw"), seq_lens)
-    if not use_packed_attention(core.model.language_model.config):  # eager / flash / flex: transformers' own
+    if not use_packed_attention(core):  # eager / flash / flex, or packed_attention=mask: transformers' own
         return core.model(**inputs, use_cache=False).last_hidden_state
     rows = PackedRows.of(seq_lens, batch["input_ids"].shape[1], batch["input_ids"].device)
     with packed_forward():

@@ -73,13 +73,20 @@ def packed_forward():
         _IN_PACKED_FORWARD.reset(token)
 
 
-def use_packed_attention(text_config) -> bool:
-    """Switch a language model's config from `sdpa` to the packed implementation (True if it now
+def keep_mask_attention(core) -> None:
+    """model.packed_attention=mask: this model's packed rows keep transformers' block-diagonal mask
+    (the previous behaviour, for measurements against it)."""
+    core._vlforge_packed_mask = True  # a plain module attribute: never saved with the weights
+
+
+def use_packed_attention(core) -> bool:
+    """Switch the language model's config from `sdpa` to the packed implementation (True if it now
     uses it). Only sdpa: it is the same for every call without `packed_rows`, so eval, generation
     and padded batches are unchanged; eager stays the dense-mask reference, flash_attention_2 and
     flex_attention restrict packed rows themselves. The switch is permanent for the model (a
     recomputed layer in backward must call the same implementation as its forward did)."""
-    if text_config._attn_implementation == "sdpa":
+    text_config = core.model.language_model.config
+    if text_config._attn_implementation == "sdpa" and not getattr(core, "_vlforge_packed_mask", False):
         text_config._attn_implementation = PACKED_ATTENTION
     return text_config._attn_implementation == PACKED_ATTENTION
 
