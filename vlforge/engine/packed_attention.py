@@ -124,7 +124,9 @@ def varlen_usable(query: torch.Tensor, dropout: float, scaling: float | None) ->
 def _varlen_call(query_HqTD, key_HkTD, value_HkTD, rows: PackedRows, scaling):
     varlen_attn, params = _varlen()
     Hq, Hk = query_HqTD.shape[0], key_HkTD.shape[0]
-    q, k, v = (x.transpose(0, 1) for x in (query_HqTD, key_HkTD, value_HkTD))  # [T, H, D], D contiguous
+    # [T, H, D]; contiguous, as flash-attention's varlen entry points are called elsewhere (one
+    # copy of q, k, v per layer, small next to the projections)
+    q, k, v = (x.transpose(0, 1).contiguous() for x in (query_HqTD, key_HkTD, value_HkTD))
     kwargs = {}
     if Hk != Hq:
         if "enable_gqa" in params:
