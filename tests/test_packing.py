@@ -18,7 +18,9 @@ from safetensors.torch import load_file
 from vlforge.config import ConfigError, DataConfig, load_config, SFTConfig
 from vlforge.data.dataset import Batching, budget_batches, global_batches, load_dataset
 from vlforge.data.encode import IGNORE_INDEX, collate, pack
+from vlforge.engine import packed_attention
 from vlforge.engine.losses import count_tokens, packed_position_ids, sft_loss_sum
+from vlforge.engine.packed_attention import PACKED_ATTENTION, PackedRows, packed_rows_attention
 from vlforge.recipes.sft import micro_batches, run_sft
 
 from helpers import tiny_sft_config
@@ -63,24 +65,111 @@ def _loss_and_grads(model, batch):
     return float(loss.detach()), n, {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_packed_row_gives_the_padded_loss_and_gradients(tiny, mixed, attn):
+class Spy:
+    """Counts calls of a module function (monkeypatched), calling through to it."""
+
+    def __init__(self, monkeypatch, module, name):
+        self.calls, real = 0, getattr(module, name)
+
+        def wrapper(*args, **kwargs):
+            self.calls += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, wrapper)
+
+
+@pytest.mark.parametrize("attn,checkpointing", [("sdpa", False), ("sdpa", True), ("eager", False)])
+def test_packed_row_gives_the_padded_loss_and_gradients(tiny, mixed, attn, checkpointing, monkeypatch):
+    """sdpa: our per-sample attention (engine/packed_attention.py), no dense mask built; with
+    activation checkpointing too (the recomputed layers get the row's sequences again through their
+    kwargs). eager: transformers' block-diagonal mask, the reference."""
     model = copy.deepcopy(tiny[0])
     model.config._attn_implementation = attn  # the text model shares this config object
     model.model.language_model.config._attn_implementation = attn
+    if checkpointing:  # as engine/trainable.py turns it on (the method's name changed in transformers 5.2x)
+        if hasattr(model, "activation_checkpointing_enable"):
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        else:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+    ours = Spy(monkeypatch, packed_attention, "packed_rows_attention")
+    masks = Spy(monkeypatch, packed_attention, "sdpa_mask")
     data, items = mixed
     assert sum("pixel_values" in x for x in items) == 4 and len(items) == 6
     loss_pad, n_pad, grads_pad = _loss_and_grads(model, collate(items, data.encoder.pad_id))
     packed = pack(items, data.encoder.pad_id, multiple=16)  # with a filler tail after the last sample
     assert packed["input_ids"].shape[0] == 1 and packed["input_ids"].shape[1] % 16 == 0
     assert packed["input_ids"].shape[1] > int(packed["seq_lens"].sum())
+    padded_masks = masks.calls
     loss_pack, n_pack, grads_pack = _loss_and_grads(model, packed)
+    if attn == "sdpa":  # every decoder layer's attention went per sample (recomputed ones again), no mask built
+        layers = model.config.text_config.num_hidden_layers
+        assert model.model.language_model.config._attn_implementation == PACKED_ATTENTION
+        assert ours.calls == layers * (2 if checkpointing else 1)
+        assert masks.calls == padded_masks
+    else:
+        assert ours.calls == 0
     assert n_pack == n_pad > 0
     assert loss_pack == pytest.approx(loss_pad, rel=1e-6)
     assert grads_pack.keys() == grads_pad.keys()
     assert any(k.startswith("model.visual.") for k in grads_pad)  # the vision tower (deepstack) included
     for name in grads_pad:
         torch.testing.assert_close(grads_pack[name], grads_pad[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def _block_diagonal_reference(q, k, v, lengths, scale):
+    """Dense attention with a block-diagonal causal mask (what transformers' sdpa path computes)."""
+    T = q.shape[2]
+    seq = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
+    allowed = (seq[:, None] == seq[None]) & torch.ones(T, T, dtype=torch.bool).tril()
+    out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=allowed, scale=scale, enable_gqa=True)
+    return out.transpose(1, 2)
+
+
+def test_packed_rows_attention_equals_the_block_diagonal_mask():
+    """GQA (4 query heads on 2 KV heads), a non-default scale, samples of 1..9 tokens and a filler
+    tail: the same outputs and gradients as dense attention under the block-diagonal mask."""
+    torch.manual_seed(0)
+    rows = PackedRows.of([5, 1, 9, 3], 20, torch.device("cpu"))
+    assert rows.lengths == (5, 1, 9, 3, 2) and rows.cu_seqlens.tolist() == [0, 5, 6, 15, 18, 20] and rows.max_len == 9
+    q = torch.randn(1, 4, 20, 8, requires_grad=True)
+    k, v = (torch.randn(1, 2, 20, 8, requires_grad=True) for _ in range(2))
+    out = packed_rows_attention(q, k, v, rows, scaling=0.3)
+    ref = _block_diagonal_reference(q, k, v, rows.lengths, 0.3)
+    assert out.shape == (1, 20, 4, 8)
+    torch.testing.assert_close(out, ref)
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, (q, k, v), g)
+    for ours, theirs in zip(grads, torch.autograd.grad(ref, (q, k, v), g)):
+        torch.testing.assert_close(ours, theirs)
+    one_sequence = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3, enable_gqa=True)
+    assert not torch.allclose(out, one_sequence.transpose(1, 2))  # not vacuous: the samples are kept apart
+    with pytest.raises(ValueError, match="one row of 20 tokens"):
+        packed_rows_attention(q[:, :, :19], k[:, :, :19], v[:, :, :19], rows)
+    with pytest.raises(ValueError, match="more than the row's 10 tokens"):
+        PackedRows.of([5, 6], 10, torch.device("cpu"))
+
+
+def test_compiled_layers_do_not_recompile_for_a_new_row_composition(tiny, mixed):
+    """Packed rows of one length but different samples: the compiled decoder layers (dynamo, eager
+    backend: no codegen on the CPU) trace their graphs once; the row's sequences stay out of them."""
+    from torch._dynamo.utils import counters
+
+    model = copy.deepcopy(tiny[0])
+    data, items = mixed
+    for layer in model.model.language_model.layers:
+        layer.compile(backend="eager")
+    rows = [pack(items[i:j], data.encoder.pad_id, pad_to=640) for i, j in ((0, 3), (3, 6), (1, 2))]
+    assert len({tuple(r["seq_lens"].tolist()) for r in rows}) == 3 and {r["input_ids"].shape[1] for r in rows} == {640}
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.no_grad():
+        sft_loss_sum(model, rows[0])
+        graphs = counters["stats"]["unique_graphs"]
+        for row in rows[1:]:
+            sft_loss_sum(model, row)
+    assert graphs > 0 and counters["stats"]["unique_graphs"] == graphs
+    torch._dynamo.reset()
 
 
 def test_packing_without_per_sample_positions_differs(tiny, mixed):
@@ -177,15 +266,23 @@ def _losses(out):
     return [r["loss"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
 
 
-def test_packed_training_equals_padded_and_keeps_grad_accum_invariance(shapes_dir, tmp_path):
-    """Through the recipe: packed batch 4 x accum 1 == packed batch 2 x accum 2 == padded batch 4."""
+def test_packed_training_equals_padded_and_keeps_grad_accum_invariance(shapes_dir, tmp_path, monkeypatch):
+    """Through the recipe: packed batch 4 x accum 1 == packed batch 2 x accum 2 == padded batch 4;
+    with the default sdpa, packed rows go through our per-sample attention and build no mask."""
     common = ["tiers.method=full", "train.max_steps=2", "eval.every=0", "data.val=null"]
+    ours = Spy(monkeypatch, packed_attention, "packed_rows_attention")
+    masks = Spy(monkeypatch, packed_attention, "sdpa_mask")
     run_sft(tiny_sft_config(shapes_dir, tmp_path / "pad", *common, "train.batch_size=4"))
+    assert ours.calls == 0
     run_sft(tiny_sft_config(shapes_dir, tmp_path / "pack", *common, "train.batch_size=4", "data.packing=true"))
+    assert ours.calls == 2 * 2 and masks.calls == 0  # 2 steps x 2 decoder layers
+    run_sft(tiny_sft_config(shapes_dir, tmp_path / "mask", *common, "train.batch_size=4", "data.packing=true",
+                            "model.packed_attention=mask"))
+    assert ours.calls == 2 * 2  # the dense-mask path, kept for measurements: transformers' own sdpa
     run_sft(tiny_sft_config(shapes_dir, tmp_path / "accum", *common, "train.batch_size=2", "train.grad_accum=2",
                             "data.packing=true"))
     pad = _final(tmp_path / "pad")
-    for other in ("pack", "accum"):
+    for other in ("pack", "accum", "mask"):
         weights = _final(tmp_path / other)
         for name in pad:
             torch.testing.assert_close(weights[name], pad[name], atol=2e-6, rtol=1e-5, msg=f"{other}: {name}")
@@ -241,3 +338,21 @@ def test_pack_pads_to_a_fixed_length_rounded_to_the_multiple(mixed):
     assert row["input_ids"].shape == (1, -(-(total + 3) // 16) * 16)
     with pytest.raises(ValueError, match="do not fit"):
         pack(items, data.encoder.pad_id, pad_to=total - 1)
+
+
+@pytest.mark.gpu
+def test_varlen_attention_in_bf16_matches_the_padded_batch(tiny, mixed, monkeypatch):
+    """On CUDA in bf16, packed rows run torch's varlen_attn (counted: not the per-sample fallback)
+    and give the padded batch's loss and gradients within bf16 tolerance."""
+    data, items = mixed
+    model = copy.deepcopy(tiny[0]).to("cuda", torch.bfloat16)
+    varlen = Spy(monkeypatch, packed_attention, "_varlen_call")
+    cuda = lambda b: {k: v.to("cuda") for k, v in b.items()}  # the model casts pixel_values to its own dtype
+    loss_pad, n_pad, grads_pad = _loss_and_grads(model, cuda(collate(items, data.encoder.pad_id)))
+    loss_pack, n_pack, grads_pack = _loss_and_grads(model, cuda(pack(items, data.encoder.pad_id, multiple=16)))
+    assert model.model.language_model.config._attn_implementation == PACKED_ATTENTION
+    assert varlen.calls == model.config.text_config.num_hidden_layers
+    assert n_pack == n_pad and loss_pack == pytest.approx(loss_pad, rel=2e-2)
+    for name in grads_pad:
+        a, b = grads_pack[name].float(), grads_pad[name].float()
+        assert (a - b).norm() <= 5e-2 * b.norm() + 1e-6, name

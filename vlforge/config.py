@@ -73,8 +73,12 @@ class ModelConfig:
     preset: str | None = None
     # flex_attention (MoE models only in transformers 5.17-5.24): torch's flex_attention, a
     # block-sparse document mask for data.packing; flash_attention_2 needs the flash-attn package
-    # (varlen kernels when packed); sdpa packs through a dense block-diagonal mask (slower than padding)
+    # (varlen kernels when packed); sdpa packs rows through engine/packed_attention.py (each
+    # sample's own causal attention: torch's varlen_attn on CUDA), eager through a dense mask
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flex_attention"] = "sdpa"
+    # data.packing with sdpa: per_sample (above), or mask = transformers' dense block-diagonal
+    # mask over the whole row (the previous path, measured slower than padding; for comparisons)
+    packed_attention: Literal["per_sample", "mask"] = "per_sample"
     # MoE models: transformers' expert kernels; auto = grouped_mm (grouped GEMM) on CUDA, eager
     # (the reference loop over experts) elsewhere (model/load.experts_implementation)
     experts_implementation: Literal["auto", "eager", "grouped_mm", "batched_mm"] = "auto"

@@ -8,8 +8,9 @@ cross-entropy on CUDA (when installed) or our chunked one, and `token_logprobs_e
 chunked. Cross-entropy, log-probs and entropy are fp32 math.
 
 Packed batches (data.packing: one row of several samples, `seq_lens` instead of an attention mask)
-get per-sample position ids here (`packed_position_ids`); transformers restricts attention to each
-sample from them (docs/packing.md says how, per attention implementation).
+get per-sample position ids here (`packed_position_ids`); with sdpa, attention runs per sample
+through engine/packed_attention.py (varlen kernels on CUDA), with eager / flash_attention_2 /
+flex_attention transformers restricts it from the positions (docs/packing.md, per implementation).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from torch.utils.checkpoint import checkpoint
 
 from vlforge.config import ConfigError, LossConfig
 from vlforge.data.encode import IGNORE_INDEX
+from vlforge.engine.packed_attention import PackedRows, packed_forward, use_packed_attention
 from vlforge.model.tiers import unwrap
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "mm_token_type_ids", "pixel_values", "image_grid_thw")
@@ -59,11 +61,18 @@ def backbone_hidden(model, batch: dict) -> torch.Tensor:
     """Last hidden states [B, T, H] of the language model (vision features merged in)."""
     core = unwrap(model)
     inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
-    if "seq_lens" in batch:  # packed: no attention mask, per-sample positions instead
-        inputs["position_ids"] = packed_position_ids(core, batch["input_ids"], batch["mm_token_type_ids"],
-                                                     batch.get("image_grid_thw"), batch["seq_lens"].tolist())
-    out = core.model(**inputs, use_cache=False)
-    return out.last_hidden_state
+    if "seq_lens" not in batch:
+        return core.model(**inputs, use_cache=False).last_hidden_state
+    # packed: no attention mask, per-sample positions instead; with sdpa, attention per sample
+    # (engine/packed_attention.py): the row's sequences computed once here, for every layer
+    seq_lens = batch["seq_lens"].tolist()
+    inputs["position_ids"] = packed_position_ids(core, batch["input_ids"], batch["mm_token_type_ids"],
+                                                 batch.get("image_grid_thw"), seq_lens)
+    if not use_packed_attention(core):  # eager / flash / flex, or packed_attention=mask: transformers' own
+        return core.model(**inputs, use_cache=False).last_hidden_state
+    rows = PackedRows.of(seq_lens, batch["input_ids"].shape[1], batch["input_ids"].device)
+    with packed_forward():
+        return core.model(**inputs, use_cache=False, packed_rows=rows).last_hidden_state
 
 
 # ----------------------------------------------------------------------------- lm_head + loss

@@ -20,6 +20,7 @@ from vlforge.engine.fp8 import fp8_backend, fp8_layer_plan, token_multiple
 from vlforge.engine.hardware import bf16_problem, quant_problem
 from vlforge.engine.moe import Routing
 from vlforge.engine.optim import optimizer_problem
+from vlforge.engine.packed_attention import keep_mask_attention
 from vlforge.engine.precision import PrecisionPolicy
 from vlforge.engine.runtime import resolve_device
 from vlforge.model.load import build_meta_model, host_dtype, load_model, load_on_host
@@ -126,6 +127,8 @@ def setup_model(cfg: RunConfig, compile_blocks: bool | None = None, world: World
         fp8_plan = fp8_layer_plan(unwrap(model), cfg.precision.fp8)
         fp8.convert(unwrap(model), fp8_plan)
     policy.apply(model)
+    if cfg.model.packed_attention == "mask":
+        keep_mask_attention(unwrap(model))
     if cfg.precision.gradient_checkpointing:
         core = unwrap(model)
         if hasattr(core, "activation_checkpointing_enable"):  # the name in transformers >= 5.2x

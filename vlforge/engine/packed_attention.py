@@ -1,0 +1,185 @@
+"""Attention for packed rows that computes each sample's own causal attention only.
+
+With `sdpa`, transformers restricts a packed row's attention by a dense block-diagonal mask
+[1, 1, T, T]: SDPA then has no flash kernel and computes the scores of the whole row (8x the
+attention of the padded batch at 8 samples a row; measured slower than padding, docs/packing.md).
+transformers' dense Qwen3-VL refuses flex_attention and flash-attn is not installed here, so this
+module registers one more implementation through transformers' own extension points:
+
+- `AttentionInterface` "vlforge_packed": a call that carries `packed_rows` (a `PackedRows`, passed
+  by engine/losses.backbone_hidden as a model kwarg, which transformers forwards to every decoder
+  layer's attention) attends within each sample; every other call (padded batches, eval,
+  generation, the vision tower) is transformers' own `sdpa_attention_forward`, unchanged.
+- `AttentionMaskInterface` "vlforge_packed": transformers' `sdpa_mask`, except inside a packed
+  forward (`packed_forward()`), where it returns None: the dense mask is never built.
+
+Per sample, on CUDA (bf16/fp16, sm80+): torch's own `torch.nn.attention.varlen.varlen_attn` (flash
+kernels over cu_seqlens, one call a layer); elsewhere (CPU, fp32, dropout, a torch without it):
+SDPA per sample with is_causal=True over slices of the row (no mask; exact). Why kwargs and not a
+context for the lengths: activation checkpointing recomputes a layer in backward, after the
+forward's context is gone, but with the layer's own kwargs; and the kwarg is one opaque object
+handled by a compiler-disabled function, so compiled decoder layers neither guard on nor recompile
+for a row's composition (tests/test_packing.py counts the graphs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import functools
+import inspect
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+PACKED_ATTENTION = "vlforge_packed"
+_IN_PACKED_FORWARD = contextvars.ContextVar("vlforge_packed_forward", default=False)
+
+
+@dataclass(frozen=True, eq=False)  # eq=False: hashed by identity, nothing for torch.compile to compare
+class PackedRows:
+    """A packed row's sequences, computed once per forward: `lengths` (host ints: every sample,
+    then the filler tail as one more sequence, summing to the row length), `cu_seqlens` [n+1]
+    int32 on the row's device (the varlen kernel's offsets) and `max_len`."""
+
+    lengths: tuple[int, ...]
+    cu_seqlens: torch.Tensor
+    max_len: int
+
+    @classmethod
+    def of(cls, seq_lens: list[int], row_length: int, device: torch.device) -> PackedRows:
+        lengths = [int(n) for n in seq_lens if n > 0]
+        if (filler := row_length - sum(lengths)) > 0:
+            lengths.append(filler)
+        if sum(lengths) != row_length:
+            raise ValueError(f"packed row: seq_lens sum to {sum(seq_lens)}, more than the row's {row_length} tokens")
+        cu = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+        # one small host-to-device copy per forward (not per layer); pinned so it does not sync
+        cu = cu.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else cu.to(device)
+        return cls(tuple(lengths), cu, max(lengths))
+
+
+@contextlib.contextmanager
+def packed_forward():
+    """Around a packed row's forward: the mask function builds no mask (the attention restricts itself)."""
+    token = _IN_PACKED_FORWARD.set(True)
+    try:
+        yield
+    finally:
+        _IN_PACKED_FORWARD.reset(token)
+
+
+def keep_mask_attention(core) -> None:
+    """model.packed_attention=mask: this model's packed rows keep transformers' block-diagonal mask
+    (the previous behaviour, for measurements against it)."""
+    core._vlforge_packed_mask = True  # a plain module attribute: never saved with the weights
+
+
+def use_packed_attention(core) -> bool:
+    """Switch the language model's config from `sdpa` to the packed implementation (True if it now
+    uses it). Only sdpa: it is the same for every call without `packed_rows`, so eval, generation
+    and padded batches are unchanged; eager stays the dense-mask reference, flash_attention_2 and
+    flex_attention restrict packed rows themselves. The switch is permanent for the model (a
+    recomputed layer in backward must call the same implementation as its forward did)."""
+    text_config = core.model.language_model.config
+    if text_config._attn_implementation == "sdpa" and not getattr(core, "_vlforge_packed_mask", False):
+        text_config._attn_implementation = PACKED_ATTENTION
+    return text_config._attn_implementation == PACKED_ATTENTION
+
+
+@functools.cache
+def _varlen():
+    """(varlen_attn, its parameter names) or None. Its signature changed across torch releases
+    (is_causal=, then window_size=(-1, 0) for causal, then enable_gqa=): adapt to what is there."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
+
+
+@functools.cache
+def _flash_capable(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 8  # flash kernels: Ampere and newer
+
+
+def varlen_usable(query: torch.Tensor, dropout: float, scaling: float | None) -> bool:
+    """Whether torch's varlen_attn can take this call: CUDA sm80+, half precision, no dropout (its
+    dropout is fixed at 0), a head size the flash kernel takes, a scale it can be given."""
+    if not query.is_cuda or query.dtype not in (torch.bfloat16, torch.float16) or dropout > 0:
+        return False
+    if (found := _varlen()) is None or not _flash_capable(query.device.index or 0):
+        return False
+    D = query.shape[-1]
+    if D % 8 or D > 256:
+        return False
+    _, params = found
+    return "scale" in params or scaling is None or abs(scaling - D ** -0.5) < 1e-12 * D ** -0.5
+
+
+def _varlen_call(query_HqTD, key_HkTD, value_HkTD, rows: PackedRows, scaling):
+    varlen_attn, params = _varlen()
+    Hq, Hk = query_HqTD.shape[0], key_HkTD.shape[0]
+    # [T, H, D]; contiguous, as flash-attention's varlen entry points are called elsewhere (one
+    # copy of q, k, v per layer, small next to the projections)
+    q, k, v = (x.transpose(0, 1).contiguous() for x in (query_HqTD, key_HkTD, value_HkTD))
+    kwargs = {}
+    if Hk != Hq:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:  # older releases: repeat the KV heads (what transformers' sdpa path does with a mask)
+            k, v = (x.repeat_interleave(Hq // Hk, dim=1) for x in (k, v))
+    if "window_size" in params:
+        kwargs["window_size"] = (-1, 0)  # causal
+    else:
+        kwargs["is_causal"] = True
+    if "scale" in params:
+        kwargs["scale"] = scaling
+    out_THD = varlen_attn(q, k, v, rows.cu_seqlens, rows.cu_seqlens, rows.max_len, rows.max_len, **kwargs)
+    return out_THD[None]
+
+
+def _per_sample_call(query, key, value, rows: PackedRows, dropout, scaling):
+    """SDPA over each sample's slice of the row, causal without a mask (flash on CUDA, exact on CPU)."""
+    gqa = key.shape[1] != query.shape[1]
+    outs, start = [], 0
+    for n in rows.lengths:
+        s = slice(start, start + n)
+        outs.append(F.scaled_dot_product_attention(query[:, :, s], key[:, :, s], value[:, :, s], dropout_p=dropout,
+                                                   is_causal=True, scale=scaling, enable_gqa=gqa))
+        start += n
+    return torch.cat(outs, dim=2).transpose(1, 2)  # [1, T, Hq, D], as transformers' attention functions return
+
+
+@torch.compiler.disable  # the row's composition stays out of compiled graphs: no guard, no recompile per row
+def packed_rows_attention(query, key, value, rows: PackedRows, dropout: float = 0.0,
+                          scaling: float | None = None) -> torch.Tensor:
+    """Causal attention within each sequence of a packed row. query [1, Hq, T, D], key/value
+    [1, Hkv, T, D] (Hq a multiple of Hkv) -> [1, T, Hq, D]."""
+    if query.shape[0] != 1 or query.shape[2] != sum(rows.lengths) or key.shape[2] != query.shape[2]:
+        raise ValueError(f"packed attention takes one row of {sum(rows.lengths)} tokens and no cache; "
+                         f"got query {tuple(query.shape)}, key {tuple(key.shape)}")
+    if varlen_usable(query, dropout, scaling):
+        return _varlen_call(query[0], key[0], value[0], rows, scaling)
+    return _per_sample_call(query, key, value, rows, dropout, scaling)
+
+
+def _attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, packed_rows=None, **kwargs):
+    if packed_rows is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      **kwargs)
+    if attention_mask is not None:
+        raise ValueError("packed attention got an attention mask: a packed row has none (its seq_lens restrict it)")
+    return packed_rows_attention(query, key, value, packed_rows, dropout, scaling), None
+
+
+def _mask(*args, **kwargs):
+    return None if _IN_PACKED_FORWARD.get() else sdpa_mask(*args, **kwargs)
+
+
+AttentionInterface.register(PACKED_ATTENTION, _attention)
+AttentionMaskInterface.register(PACKED_ATTENTION, _mask)
