@@ -477,6 +477,8 @@ class InferenceEngine:
         sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p} if temperature > 0 else {"do_sample": False}
         if min_new := min(r.min_new_tokens for r in requests):
             sampling["min_new_tokens"] = min_new
+        # the tokens generate/'s engine never generates either (vision special tokens: issue 11)
+        sampling["suppress_tokens"] = self.banned_ids()
         streamer = _BatchStreamer(self, requests, on_text)
         keys = ([image_key(im, self.encoder_for(r).limits) for r in requests for im in r.images]
                 if self.share_images else [])

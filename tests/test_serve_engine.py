@@ -1,0 +1,127 @@
+"""infer/serve on generate/'s engine: the same greedy answers as the old transformers-generate path
+(engine=hf), and continuous batching over real loopback HTTP (a short request joins a long one's
+batch and answers first, with the tokens it gets alone)."""
+
+import json
+import threading
+
+import pytest
+import torch
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("uvicorn")
+pytest.importorskip("fastapi")
+
+from PIL import Image  # noqa: E402
+from test_serve import LiveServer, body, data_url, png_bytes, user  # noqa: E402
+
+from vlforge.config import ConfigError  # noqa: E402
+from vlforge.serve.app import create_app  # noqa: E402
+from vlforge.serve.config import ServeConfig  # noqa: E402
+from vlforge.serve.engine import InferenceEngine, Request  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return InferenceEngine.load("tiny", device="cpu", dtype=torch.float32)
+
+
+def _msg(text: str, images: int = 0) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image"}] * images + [{"type": "text", "text": text}]}]
+
+
+def _requests() -> list[Request]:
+    red, noise = Image.new("RGB", (64, 48), (200, 30, 30)), Image.effect_noise((40, 56), 60).convert("RGB")
+    return [Request(_msg("hi"), max_new_tokens=10),
+            Request(_msg("What colour is the shape in the picture?", 1), [red], max_new_tokens=5),
+            Request(_msg("Describe both pictures in detail, please.", 2), [noise, red], max_new_tokens=8,
+                    min_new_tokens=8),
+            Request(_msg("and a longer question with no image at all, to pad the batch", 0), max_new_tokens=9,
+                    stop=["zz"])]
+
+
+def test_greedy_batch_equals_the_old_generate_path(engine):
+    """Requests of different prompt lengths, images and max tokens in one batch: generate/'s engine
+    and transformers generate (engine=hf) give the same text, token counts and finish reasons."""
+    ours = engine.generate(_requests())
+    engine.engine_kind = "hf"
+    try:
+        assert not engine.continuous
+        old = engine.generate(_requests())
+    finally:
+        engine.engine_kind = "vlforge"
+    assert [(c.text, c.completion_tokens, c.finish_reason, c.prompt_tokens) for c in ours] == \
+        [(c.text, c.completion_tokens, c.finish_reason, c.prompt_tokens) for c in old]
+    assert len({c.completion_tokens for c in ours}) > 1 and ours[2].completion_tokens == 8
+
+
+def test_unknown_engine_is_a_clear_error():
+    with pytest.raises(ConfigError, match="--engine 'vllm': one of vlforge, hf"):
+        InferenceEngine.load("tiny", device="cpu", engine="vllm")
+
+
+def test_sampled_and_greedy_requests_share_one_decode_batch(engine):
+    """A greedy request keeps its answer next to sampled ones (one batch, per-row sampling), and a
+    seeded sampled request reproduces."""
+    greedy = Request(_msg("hi"), max_new_tokens=10, min_new_tokens=10)
+    alone = engine.generate([greedy])[0]
+
+    def sampled():
+        return Request(_msg("tell me"), max_new_tokens=10, min_new_tokens=10, temperature=1.0, top_p=0.9, seed=7)
+
+    mixed = engine.generate([sampled(), greedy, sampled()])
+    assert mixed[1].text == alone.text
+    assert mixed[0].text == mixed[2].text == engine.generate([sampled()])[0].text
+
+
+@pytest.fixture(scope="module")
+def slow_server(engine):
+    """The tiny model with each decode step slowed (a hook on its first layer), so that a request
+    sent after another started surely arrives while that one still decodes."""
+    import time
+
+    handle = engine.model.model.language_model.layers[0].register_forward_pre_hook(lambda m, a: time.sleep(0.02))
+    try:
+        with LiveServer(create_app(engine, ServeConfig(max_batch=4, batch_window_s=0.0, max_tokens=64))) as s:
+            yield s
+    finally:
+        handle.remove()
+
+
+def _content(events) -> str:
+    return "".join(e["choices"][0]["delta"].get("content", "") for e in events if isinstance(e, dict) and e["choices"])
+
+
+def test_short_request_joins_a_running_batch_and_answers_first(slow_server):
+    long_body = body(user("Tell me a long story about a red square.", data_url(png_bytes())), max_tokens=64,
+                     min_tokens=64)
+    short_body = body(user("hi"), max_tokens=2)
+    with httpx.Client(base_url=slow_server.url, timeout=120) as c:
+        alone_long = c.post("/v1/chat/completions", json=long_body).json()["choices"][0]["message"]["content"]
+        alone_short = c.post("/v1/chat/completions", json=short_body).json()["choices"][0]["message"]["content"]
+        before = c.get("/health").json()
+        order, short = [], {}
+
+        def send_short():
+            with httpx.Client(base_url=slow_server.url, timeout=120) as other:
+                short["r"] = other.post("/v1/chat/completions", json=short_body).json()
+            order.append("short")
+
+        events, thread = [], threading.Thread(target=send_short)
+        with c.stream("POST", "/v1/chat/completions", json={**long_body, "stream": True}) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[len("data: "):]
+                events.append(data if data == "[DONE]" else json.loads(data))
+                if not thread.is_alive() and '"content"' in line and not order and thread.ident is None:
+                    thread.start()  # the long answer is decoding: the short one arrives now
+        order.append("long")
+        thread.join(60)
+        after = c.get("/health").json()
+    assert order == ["short", "long"]  # the short request did not wait for the long one's batch
+    assert short["r"]["choices"][0]["message"]["content"] == alone_short  # the same greedy tokens as alone
+    assert short["r"]["usage"]["completion_tokens"] == 2
+    assert _content(events) == alone_long  # streamed text == the final text alone
+    assert after["max_batch_seen"] >= 2 and after["batches"] - before["batches"] == 2  # joined, not queued
+    assert after["running"] == 0 and after["queue"] == 0
