@@ -125,3 +125,17 @@ def test_short_request_joins_a_running_batch_and_answers_first(slow_server):
     assert _content(events) == alone_long  # streamed text == the final text alone
     assert after["max_batch_seen"] >= 2 and after["batches"] - before["batches"] == 2  # joined, not queued
     assert after["running"] == 0 and after["queue"] == 0
+
+
+def test_seed_reproduces_a_sampled_answer_over_http(engine):
+    with LiveServer(create_app(engine, ServeConfig(batch_window_s=0.0))) as s, \
+            httpx.Client(base_url=s.url, timeout=120) as c:
+        def ask(seed):
+            payload = body(user("Tell me anything."), max_tokens=12, min_tokens=12, temperature=1.0, seed=seed)
+            r = c.post("/v1/chat/completions", json=payload)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["message"]["content"]
+
+        first = ask(1234)
+        assert ask(1234) == first
+        assert len({first, ask(1), ask(2), ask(3)}) > 1  # other seeds draw other answers
