@@ -139,3 +139,25 @@ def test_seed_reproduces_a_sampled_answer_over_http(engine):
         first = ask(1234)
         assert ask(1234) == first
         assert len({first, ask(1), ask(2), ask(3)}) > 1  # other seeds draw other answers
+
+
+def test_lora_checkpoint_and_nf4_model_answer_as_on_the_old_path(shapes_dir, tmp_path):
+    """generate/'s engine runs transformers' layers, so a LoRA checkpoint (peft's injected layers)
+    and an NF4 language model (bitsandbytes' linears; decoded without CUDA graphs) answer as
+    transformers generate does."""
+    from helpers import tiny_sft_config
+
+    from vlforge.config import QuantConfig
+    from vlforge.recipes.sft import run_sft
+
+    run_sft(tiny_sft_config(shapes_dir, tmp_path / "run", "tiers.method=lora", "tiers.language.lr=0.02",
+                            "train.max_steps=1", "data.val=null"))
+    asks = [Request(_msg("what colour?"), max_new_tokens=6), Request(_msg("hi"), max_new_tokens=4)]
+    for source, quant, dtype in ((tmp_path / "run" / "checkpoint-1", None, torch.float32),
+                                 ("tiny", QuantConfig.from_flag("nf4"), torch.bfloat16)):
+        e = InferenceEngine.load(str(source), quant=quant, device="cpu", dtype=dtype)
+        assert (e.quant_report is not None) == (quant is not None)
+        assert e.gen_engine().use_graphs is (False if quant is not None else None)
+        ours = [e.generate([a])[0].text for a in asks]
+        e.engine_kind = "hf"
+        assert ours == [e.generate([a])[0].text for a in asks], source

@@ -5,6 +5,10 @@
                                           temperature=1.0, seed=s)], stop_ids=encoder.end_ids,
                               banned_ids=vision_token_ids(encoder))
 
+    feed = Feed(refill)                              # requests joining a running call (the server's)
+    ticket = feed.put(GenRequest(...))               # from any thread; joins at the next sync point
+    engine.generate([], ..., feed=feed, on_tokens=..., on_result=...)    # feed.finish(ticket) ends one
+
 Shapes: S decode slots, L KV-cache length, Lb the filled part attention reads (a bucket), B
 prompts of one prefill, V vocabulary, D head dim.
 
@@ -22,7 +26,8 @@ cache and the decode attention call):
   (generate.sampling) and per-row stop / max-token bookkeeping, all tensor ops: on CUDA it is
   captured once per (slot bucket, length bucket, sampling mode) as a CUDA graph and replayed.
 - The host syncs every `sync_every` steps: finished rows leave (their slots are freed, `on_result`
-  is called), waiting requests join. A row's tokens do not depend on which other rows share its
+  is called), waiting requests join (also those put on a Feed meanwhile; a finished one's slot
+  is freed). A row's tokens do not depend on which other rows share its
   steps (per-row positions and masks, per-row noise), so joining mid-batch changes nothing.
 """
 
@@ -663,7 +668,10 @@ class Engine:
             return torch.get_autocast_dtype("cuda")
         if device.type == "cpu" and torch.is_autocast_enabled("cpu"):
             return torch.get_autocast_dtype("cpu")
-        return self.lm.layers[0].self_attn.k_proj.weight.dtype
+        dtype = self.lm.layers[0].self_attn.k_proj.weight.dtype
+        # a quantized k_proj (bitsandbytes NF4/int8: integer storage; FP8) keeps its keys in the dtype
+        # of the unquantized activations, the embeddings'
+        return dtype if dtype.is_floating_point and dtype.itemsize >= 2 else self.lm.embed_tokens.weight.dtype
 
 
 def _check(i: int, r: GenRequest) -> None:

@@ -86,7 +86,7 @@ def _partial_stop(text: str, stops: list[str]) -> int:
 
 class _BatchStreamer:
     """The per-row bookkeeping of one batched generate(): transformers calls put() with each step's
-    tokens; rows finish at an end token, their own max_new_tokens, a stop string or when cancelled,
+    tokens (generate/'s engine: push() with a row's tokens of a sync point; rows join by add()); rows finish at an end token, their own max_new_tokens, a stop string or when cancelled,
     and _RowsDone tells generate() so, which stops computing them. Text goes to on_text(row, new_text)
     as it grows, holding back a tail that may still become a stop string; `text` ends as each row's
     answer.
