@@ -4,6 +4,7 @@ batch and answers first, with the tokens it gets alone)."""
 
 import json
 import threading
+import time
 
 import pytest
 import torch
@@ -74,16 +75,39 @@ def test_sampled_and_greedy_requests_share_one_decode_batch(engine):
     assert mixed[0].text == mixed[2].text == engine.generate([sampled()])[0].text
 
 
-@pytest.fixture(scope="module")
-def slow_server(engine):
-    """The tiny model with each decode step slowed (a hook on its first layer), so that a request
-    sent after another started surely arrives while that one still decodes."""
-    import time
+class Gate:
+    """A hook on the model's first decoder layer: once armed, at the third call (the long request's
+    prefill and two decode steps ran) it says so (`decoding`) and holds the decode until the server
+    has another request waiting, so that request surely arrives while the long one still decodes
+    (no timing assumptions). Then, while `slow`, each step takes 10 ms longer: the short answer's
+    trip back to its client has a margin of the long one's remaining ~60 steps."""
 
-    handle = engine.model.model.language_model.layers[0].register_forward_pre_hook(lambda m, a: time.sleep(0.02))
+    def __init__(self, batcher):
+        self.batcher, self.armed, self.slow, self.calls, self.held = batcher, False, False, 0, False
+        self.decoding = threading.Event()
+
+    def __call__(self, module, args):
+        if self.slow:
+            time.sleep(0.01)
+        if not self.armed:
+            return
+        self.calls += 1
+        if self.calls >= 3:
+            self.decoding.set()
+            deadline = time.monotonic() + 60
+            while self.batcher.waiting == 0 and time.monotonic() < deadline:
+                time.sleep(0.005)
+            self.held, self.armed = self.batcher.waiting > 0, False
+
+
+@pytest.fixture(scope="module")
+def gated_server(engine):
+    app = create_app(engine, ServeConfig(max_batch=4, batch_window_s=0.0, max_tokens=64))
+    gate = Gate(app.state.vlforge.batcher)
+    handle = engine.model.model.language_model.layers[0].register_forward_pre_hook(gate)
     try:
-        with LiveServer(create_app(engine, ServeConfig(max_batch=4, batch_window_s=0.0, max_tokens=64))) as s:
-            yield s
+        with LiveServer(app) as s:
+            yield s, gate
     finally:
         handle.remove()
 
@@ -92,33 +116,37 @@ def _content(events) -> str:
     return "".join(e["choices"][0]["delta"].get("content", "") for e in events if isinstance(e, dict) and e["choices"])
 
 
-def test_short_request_joins_a_running_batch_and_answers_first(slow_server):
+def test_short_request_joins_a_running_batch_and_answers_first(gated_server):
+    server, gate = gated_server
     long_body = body(user("Tell me a long story about a red square.", data_url(png_bytes())), max_tokens=64,
                      min_tokens=64)
     short_body = body(user("hi"), max_tokens=2)
-    with httpx.Client(base_url=slow_server.url, timeout=120) as c:
+    with httpx.Client(base_url=server.url, timeout=120) as c:
         alone_long = c.post("/v1/chat/completions", json=long_body).json()["choices"][0]["message"]["content"]
         alone_short = c.post("/v1/chat/completions", json=short_body).json()["choices"][0]["message"]["content"]
         before = c.get("/health").json()
         order, short = [], {}
 
         def send_short():
-            with httpx.Client(base_url=slow_server.url, timeout=120) as other:
+            assert gate.decoding.wait(60)  # the long answer is decoding: the short one arrives now
+            with httpx.Client(base_url=server.url, timeout=120) as other:
                 short["r"] = other.post("/v1/chat/completions", json=short_body).json()
             order.append("short")
 
         events, thread = [], threading.Thread(target=send_short)
+        gate.armed = gate.slow = True
+        thread.start()
         with c.stream("POST", "/v1/chat/completions", json={**long_body, "stream": True}) as r:
             for line in r.iter_lines():
                 if not line.startswith("data: "):
                     continue
                 data = line[len("data: "):]
                 events.append(data if data == "[DONE]" else json.loads(data))
-                if not thread.is_alive() and '"content"' in line and not order and thread.ident is None:
-                    thread.start()  # the long answer is decoding: the short one arrives now
         order.append("long")
+        gate.slow = False
         thread.join(60)
         after = c.get("/health").json()
+    assert gate.held  # the long answer was still decoding when the short request arrived
     assert order == ["short", "long"]  # the short request did not wait for the long one's batch
     assert short["r"]["choices"][0]["message"]["content"] == alone_short  # the same greedy tokens as alone
     assert short["r"]["usage"]["completion_tokens"] == 2
