@@ -639,11 +639,12 @@ class Engine:
     def _stream(self, occupant, sent, S: int, on_tokens) -> None:
         counts = self.state.count[:S].cpu()
         width = int(counts.max())
-        toks = self.state.out_tok[:S, :width].cpu()
+        lo = min((sent[slot] for slot in occupant), default=0)  # only columns not streamed yet cross to the host
+        toks = self.state.out_tok[:S, lo:width].cpu()
         for slot, (i, s) in occupant.items():
             n = int(counts[slot])
             if n > sent[slot]:
-                on_tokens(i, s, toks[slot, sent[slot]:n].tolist())
+                on_tokens(i, s, toks[slot, sent[slot] - lo:n - lo].tolist())
                 sent[slot] = n
 
     def _harvest(self, done, occupant, requests, results, on_result) -> None:
