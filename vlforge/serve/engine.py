@@ -401,12 +401,14 @@ class InferenceEngine:
         rows: dict[int, int] = {}  # ticket -> streamer row
         prompt_tokens: dict[int, int] = {}
         live: dict[int, Request] = {}
+        # the model's generation_config top_k, which transformers generate applies to sampled requests too
+        top_k = getattr(getattr(self.model, "generation_config", None), "top_k", None) or 0
 
         def put(feed: Feed, r: Request) -> None:
             prompt = self._prompt(r)
             seed = r.seed if r.seed is not None else secrets.randbits(63)
             ticket = feed.put(GenRequest(prompt, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
-                                         top_p=r.top_p if r.temperature > 0 else 1.0, seed=seed,
+                                         top_p=r.top_p if r.temperature > 0 else 1.0, top_k=top_k, seed=seed,
                                          min_new_tokens=min(r.min_new_tokens, r.max_new_tokens)))
             rows[ticket] = streamer.add(r)
             prompt_tokens[ticket] = len(prompt.input_ids)
