@@ -14,7 +14,16 @@ request to its last byte; time to first token (TTFT) to its first streamed text;
 the client. The server's own /metrics gives the mean batch size of each level.
 
 Prints a table, then the whole report as one JSON line (also written to --out). `--serve-arg`
-passes extra flags to `vlforge serve` (to compare engines or batch sizes on the same workload).
+passes extra flags to `vlforge serve` (to compare engines or batch sizes on the same workload);
+a value holding spaces is split like a shell line. The old generation path against the default
+(generate/'s engine, continuous batching):
+
+    python bench/serve_load.py --preset qwen3vl-2b --out new.json
+    python bench/serve_load.py --preset qwen3vl-2b --serve-arg "--engine hf" --out old.json
+
+`mean_batch` is the server's vlforge_batch_size histogram: requests per batch with --engine hf,
+requests joining the running batch together with the default engine; `max_running` (from
+/health) is the most requests generating at once so far.
 """
 
 from __future__ import annotations
@@ -25,6 +34,7 @@ import base64
 import io
 import json
 import os
+import shlex
 import socket
 import subprocess
 import sys
@@ -46,7 +56,8 @@ def free_port() -> int:
 
 def start_server(args, port: int, log) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "vlforge.cli", "serve", args.preset, "--device", args.device, "--port", str(port),
-           "--max-batch", str(args.max_batch), "--max-tokens-limit", str(max(args.new_tokens)), *args.serve_arg]
+           "--max-batch", str(args.max_batch), "--max-tokens-limit", str(max(args.new_tokens)),
+           *[a for arg in args.serve_arg for a in shlex.split(arg)]]
     repo = str(Path(__file__).resolve().parents[1])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])),
            "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
@@ -148,11 +159,21 @@ def batch_stats(url: str) -> tuple[float, float]:
 
 def table(levels: list[dict]) -> str:
     cols = ["clients", "requests", "errors", "requests_per_s", "completion_tokens_per_s", "latency_p50_s",
-            "latency_p99_s", "ttft_p50_s", "ttft_p99_s", "mean_batch"]
+            "latency_p99_s", "ttft_p50_s", "ttft_p99_s", "mean_batch", "max_running"]
     cols += [k for k in levels[0] if k.startswith("latency_p50_s_")] if levels else []  # short vs long answers
     rows = [cols] + [[str(level.get(c)) for c in cols] for level in levels]
     widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
     return "\n".join("  ".join(v.rjust(w) for v, w in zip(r, widths)) for r in rows)
+
+
+def _engine_of(serve_args: list[str]) -> str:
+    words = [a for arg in serve_args for a in shlex.split(arg)]
+    for i, w in enumerate(words):
+        if w == "--engine" and i + 1 < len(words):
+            return words[i + 1]
+        if w.startswith("--engine="):
+            return w.split("=", 1)[1]
+    return "vlforge"
 
 
 def main() -> None:
@@ -165,7 +186,8 @@ def main() -> None:
                     help="the two answer lengths requests alternate between")
     ap.add_argument("--image-size", type=int, default=448, help="side of each request's image; 0: text only")
     ap.add_argument("--max-batch", type=int, default=32)
-    ap.add_argument("--serve-arg", action="append", default=[], help="an extra `vlforge serve` argument (repeatable)")
+    ap.add_argument("--serve-arg", action="append", default=[], help="extra `vlforge serve` arguments (repeatable; split like a shell line), "
+                                                                  "e.g. \"--engine hf\"")
     ap.add_argument("--startup-timeout-s", type=float, default=900)
     ap.add_argument("--timeout-s", type=float, default=1800, help="per request")
     ap.add_argument("--out", help="write the JSON report here too")
@@ -190,6 +212,7 @@ def main() -> None:
                     level = asyncio.run(run_level(url, args, clients, seed))
                     after = batch_stats(url)
                     level["mean_batch"] = round((after[0] - before[0]) / max(1.0, after[1] - before[1]), 2)
+                    level["max_running"] = httpx.get(f"{url}/health", timeout=30).json().get("max_batch_seen")
                     levels.append(level)
                     seed += clients * args.requests
                     print(f"{clients} clients: {level['requests_per_s']} requests/s", file=sys.stderr, flush=True)
@@ -201,7 +224,7 @@ def main() -> None:
                     server.kill()
     report = {"preset": args.preset, "device": args.device, "max_batch": args.max_batch,
               "new_tokens": args.new_tokens, "image_size": args.image_size, "requests_per_client": args.requests,
-              "serve_args": args.serve_arg, "server_startup_s": round(startup_s, 1), "levels": levels}
+              "serve_args": args.serve_arg, "engine": _engine_of(args.serve_arg), "server_startup_s": round(startup_s, 1), "levels": levels}
     print(table(levels))
     print(json.dumps(report))
     if args.out:

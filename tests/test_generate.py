@@ -9,7 +9,7 @@ import torch
 from vlforge.config import DataConfig, RolloutConfig
 from vlforge.data.dataset import load_dataset
 from vlforge.data.encode import collate, encode_prompt
-from vlforge.generate.engine import Engine, GenRequest, Prompt, engine_for
+from vlforge.generate.engine import Engine, Feed, GenRequest, Prompt, engine_for
 from vlforge.generate.forward import vision_token_ids
 from vlforge.generate.sampling import row_key, sample
 from vlforge.rollout.engine import generate_groups, sequence_logprobs
@@ -164,3 +164,36 @@ def test_cuda_graph_decode_equals_eager(setup, compiled):
     for a, b in zip(with_graphs, eager):
         assert torch.equal(a.tokens, b.tokens)
         torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-4, rtol=1e-4)
+
+
+def test_feed_joins_a_running_generate_and_finish_frees_the_slot(setup):
+    """Requests put on a Feed while a generate runs join at a sync point and get the tokens they get
+    alone; a finished (cancelled) request leaves at the next sync point; min_new_tokens holds
+    the stop ids back; a greedy row keeps its tokens when a sampled request joins."""
+    model, encoder, samples = setup
+    engine = Engine(model, sync_every=2)
+    reqs = [GenRequest(prompt_of(encoder, samples[0]), max_new_tokens=24, min_new_tokens=24),
+            GenRequest(prompt_of(encoder, samples[1]), max_new_tokens=3),
+            GenRequest(prompt_of(encoder, samples[2]), max_new_tokens=10, temperature=1.0, seed=5),
+            GenRequest(prompt_of(encoder, samples[3]), max_new_tokens=24, min_new_tokens=24)]
+    alone = [run(engine, encoder, [r])[0].tokens for r in reqs]
+    assert len(alone[0]) == 24  # min_new_tokens: no stop before 24
+    fed, order, syncs = [], [], []
+
+    def refill(feed):  # at sync points: the others arrive while request 0 decodes; 3 is cancelled
+        syncs.append(1)
+        if len(syncs) == 2:
+            fed.extend(feed.put(r) for r in reqs[1:])
+        if len(syncs) == 6:
+            feed.finish(fed[2])
+
+    feed = Feed(refill)
+    feed.put(reqs[0])
+    out = run(engine, encoder, [], feed=feed, slots=4, on_result=lambda res: order.append(res.request))
+    by_ticket = {r.request: r for r in out}
+    assert fed == [1, 2, 3]
+    for t in (0, 1, 2):
+        assert torch.equal(by_ticket[t].tokens, alone[t]), t
+    assert 0 < len(by_ticket[3].tokens) < 24  # cancelled mid-answer: its slot was freed early
+    assert order.index(1) < order.index(0)  # the short request, joined late, finished first
+    assert feed.pending() == 0 and run(engine, encoder, [], feed=feed) == []

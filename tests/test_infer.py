@@ -269,3 +269,18 @@ def test_cancelled_row_stops_at_the_next_token_and_the_batch_goes_on(engine):
     assert cancelled.finish_reason == "cancelled" and cancelled.completion_tokens < n // 4
     assert cancelled.text.startswith("".join(seen))
     assert done.text == alone.text and done.completion_tokens == n and done.finish_reason == "length"
+
+
+def test_engine_flag_keeps_the_old_generate_path(tiny_dir, capsys):
+    """`--engine hf` answers through transformers generate, the default through generate/'s engine:
+    the same greedy answer; a bad name is a usage error."""
+    from vlforge.cli import main
+
+    answers = []
+    for flag in ([], ["--engine", "hf"]):
+        assert main(["infer", str(tiny_dir), "--device", "cpu", "--prompt", "hi", "--max-new-tokens", "6", *flag]) == 0
+        answers.append(capsys.readouterr().out)
+    assert answers[0] == answers[1] and answers[0].strip()
+    with pytest.raises(SystemExit) as e:
+        main(["infer", str(tiny_dir), "--engine", "vllm", "--prompt", "hi"])
+    assert e.value.code == 2 and "invalid choice" in capsys.readouterr().err

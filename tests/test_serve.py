@@ -536,14 +536,15 @@ def test_decoded_images_are_shrunk_to_what_the_processor_keeps():
 
 @pytest.fixture(scope="module")
 def long_server(engine):
-    """The tiny model, allowed long answers (the cancel test asks for 2,000 tokens)."""
-    with LiveServer(create_app(engine, ServeConfig(max_tokens=2000, batch_window_s=0.0))) as s:
+    """The tiny model, allowed long answers (the cancel test asks for 2,000 tokens), one request
+    generating at a time (so the one behind a cancelled request waits for its slot, not joins)."""
+    with LiveServer(create_app(engine, ServeConfig(max_tokens=2000, batch_window_s=0.0, max_batch=1))) as s:
         yield s
 
 
 def test_stream_cancelled_on_disconnect_frees_the_model(long_server):
-    """A streaming client that leaves mid-answer: its generation stops at the next token (not at
-    max_tokens), so the request behind it is served at once."""
+    """A streaming client that leaves mid-answer: its generation stops at the next sync point (not
+    at max_tokens), so the request behind it gets the slot at once."""
     n = 2000
     with httpx.Client(base_url=long_server.url, timeout=120) as c:
         before = c.get("/health").json()

@@ -151,7 +151,7 @@ def _engine(args):
     if args.min_pixels is not None and args.max_pixels is not None and args.min_pixels > args.max_pixels:
         raise ConfigError(f"--min-pixels {args.min_pixels} is above --max-pixels {args.max_pixels}")  # before loading
     engine = InferenceEngine.load(args.source, quant=quant, device=args.device, min_pixels=args.min_pixels,
-                                  max_pixels=args.max_pixels)
+                                  max_pixels=args.max_pixels, engine=getattr(args, "engine", "vlforge"))
     if engine.quant_report:
         from vlforge.model.quant import format_report
 
@@ -265,6 +265,9 @@ def _model_source_args(p: argparse.ArgumentParser) -> None:
                    help="quantize the language model at load (vision tower and projector stay bf16); default "
                         "none, except a QLoRA checkpoint, which loads on its run's quantized base")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    p.add_argument("--engine", choices=["vlforge", "hf"], default="vlforge",
+                   help="generation: vlforge = generate/'s engine (continuous batching, as GRPO rollouts); hf = "
+                        "transformers generate, requests batched by sampling settings (the old path, for comparison)")
     p.add_argument("--min-pixels", type=_at_least(1), help="images smaller than this (width x height) are "
                                                            "upscaled; default: the model's preprocessor config")
     p.add_argument("--max-pixels", type=_at_least(1), help="images larger than this are downscaled; default: the "

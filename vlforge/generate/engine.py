@@ -5,6 +5,10 @@
                                           temperature=1.0, seed=s)], stop_ids=encoder.end_ids,
                               banned_ids=vision_token_ids(encoder))
 
+    feed = Feed(refill)                              # requests joining a running call (the server's)
+    ticket = feed.put(GenRequest(...))               # from any thread; joins at the next sync point
+    engine.generate([], ..., feed=feed, on_tokens=..., on_result=...)    # feed.finish(ticket) ends one
+
 Shapes: S decode slots, L KV-cache length, Lb the filled part attention reads (a bucket), B
 prompts of one prefill, V vocabulary, D head dim.
 
@@ -22,13 +26,15 @@ cache and the decode attention call):
   (generate.sampling) and per-row stop / max-token bookkeeping, all tensor ops: on CUDA it is
   captured once per (slot bucket, length bucket, sampling mode) as a CUDA graph and replayed.
 - The host syncs every `sync_every` steps: finished rows leave (their slots are freed, `on_result`
-  is called), waiting requests join. A row's tokens do not depend on which other rows share its
+  is called), waiting requests join (also those put on a Feed meanwhile; a finished one's slot
+  is freed). A row's tokens do not depend on which other rows share its
   steps (per-row positions and masks, per-row noise), so joining mid-batch changes nothing.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 import time
 import weakref
 from collections import deque
@@ -88,6 +94,7 @@ class GenRequest:
     top_k: int = 0  # 0 = off
     seed: int = 0
     first_row: int = 0  # sample i draws the noise of global row first_row + i
+    min_new_tokens: int = 0  # stop ids are masked out of the logits before this many tokens (as generate's)
 
 
 @dataclass
@@ -108,6 +115,55 @@ class GenStats:
     prefills: int = 0
     tokens: int = 0
     graphs: list = field(default_factory=list)  # keys of graphs captured in this call
+
+
+class Feed:
+    """Requests added to a running `generate(..., feed=feed)` from any thread; the scheduler takes
+    them at its next sync point (they join the decode batch while slots are free) and ends the
+    rows of requests `finish`ed. A fed request is known by the ticket `put` returns (its index in
+    results and callbacks: with a feed, every request comes through it).
+
+    A request whose prompt + max_new_tokens does not fit the call's KV length (or whose n exceeds
+    its slots) stays queued; the call returns once nothing runs, and the next call sizes for it.
+    `refill`, if given, is called at every sync point before taking (a single-threaded caller's
+    chance to put arrivals and finish requests).
+    """
+
+    def __init__(self, refill: Callable[["Feed"], None] | None = None):
+        self._lock = threading.Lock()
+        self._new: deque[tuple[int, GenRequest]] = deque()
+        self._finish: set[int] = set()
+        self._tickets = 0
+        self.refill = refill
+
+    def put(self, request: GenRequest) -> int:
+        with self._lock:
+            ticket, self._tickets = self._tickets, self._tickets + 1
+            self._new.append((ticket, request))
+        return ticket
+
+    def finish(self, ticket: int) -> None:
+        """End the request at the next sync point: its result holds the tokens generated so far
+        (none if it had not started)."""
+        with self._lock:
+            self._finish.add(ticket)
+
+    def pending(self) -> int:
+        with self._lock:
+            return len(self._new)
+
+    def _take(self, fits: Callable[[GenRequest], bool]) -> list[tuple[int, GenRequest]]:
+        """The queued requests that fit, in order (the first that does not stops the taking: FIFO)."""
+        with self._lock:
+            out = []
+            while self._new and fits(self._new[0][1]):
+                out.append(self._new.popleft())
+            return out
+
+    def _finished(self) -> set[int]:
+        with self._lock:
+            done, self._finish = self._finish, set()
+            return done
 
 
 def _decode_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -189,6 +245,7 @@ class _State:
         self.length = torch.zeros(slots, **long)  # KV entries filled = where the input token is written
         self.count = torch.zeros(slots, **long)  # tokens generated
         self.max_new = torch.ones(slots, **long)
+        self.min_new = torch.zeros(slots, **long)
         self.key = torch.zeros(slots, **long)  # noise key
         self.top_k = torch.zeros(slots, **long)
         self.temperature = torch.zeros(slots, dtype=torch.float32, device=device)
@@ -291,6 +348,7 @@ class Engine:
         self.stop_ids = torch.full((MAX_STOP_IDS,), -1, dtype=torch.long, device=device)
         self.pad = torch.zeros((), dtype=torch.long, device=device)  # what finished rows emit
         self.banned = torch.zeros(self.core.lm_head.out_features, dtype=torch.bool, device=device)
+        self.is_stop = torch.zeros_like(self.banned)  # the stop ids as a mask (min_new_tokens)
 
     def _graphs_on(self, device) -> bool:
         if device.type != "cuda":
@@ -309,9 +367,12 @@ class Engine:
 
     # -- one decode step (the captured part) -----------------------------------------------------
 
-    def _logits(self, hidden_SH: torch.Tensor) -> torch.Tensor:
+    def _logits(self, hidden_SH: torch.Tensor, early_S: torch.Tensor) -> torch.Tensor:
+        """fp32 logits, banned ids and (rows still under their min_new_tokens: early_S) stop ids at -inf."""
         logits_SV = self.core.lm_head(hidden_SH).float()
-        return logits_SV.masked_fill(self.banned[None, :logits_SV.shape[-1]], float("-inf"))
+        V = logits_SV.shape[-1]
+        drop_SV = self.banned[None, :V] | (early_S[:, None] & self.is_stop[None, :V])
+        return logits_SV.masked_fill(drop_SV, float("-inf"))
 
     def _step(self, S: int, Lb: int, mode: str) -> None:
         st = self.state
@@ -320,7 +381,7 @@ class Engine:
         self.cache.bind(length_S, span_L)
         with _attention(self.text_config, DECODE_ATTENTION):
             hidden_SH = self._decode_hidden(self.core, self.cache, st.tok[:S, None], length_S, span_L, st.pos[:S])
-        logits_SV = self._logits(hidden_SH)
+        logits_SV = self._logits(hidden_SH, st.count[:S] < st.min_new[:S])
         tok_S, logp_S = sample(logits_SV, st.temperature[:S], st.top_k[:S], st.top_p[:S], st.key[:S], st.count[:S],
                                mode)
         tok_S = torch.where(alive_S, tok_S, self.pad)
@@ -417,10 +478,11 @@ class Engine:
         st.top_k[slots_M] = torch.tensor([int(r.top_k) for r in reqs], device=device)
         st.key[slots_M] = torch.tensor(keys, device=device)
         st.max_new[slots_M] = torch.tensor([r.max_new_tokens for r in reqs], device=device)
+        st.min_new[slots_M] = torch.tensor([r.min_new_tokens for r in reqs], device=device)
         st.count[slots_M] = 0
         # lm_head over the slots' rows (not the B prompts'): each row of every lm_head call is one
         # sequence, as in the decode steps
-        logits_MV = self._logits(out.last_hidden_state[:, -1][rows_M])
+        logits_MV = self._logits(out.last_hidden_state[:, -1][rows_M], st.min_new[slots_M] > 0)
         tok_M, logp_M = sample(logits_MV, st.temperature[slots_M], st.top_k[slots_M], st.top_p[slots_M],
                                st.key[slots_M], st.count[slots_M], mode)
         st.out_tok[slots_M, 0] = tok_M
@@ -440,25 +502,33 @@ class Engine:
                  image_token_id: int, pad_id: int, slots: int | None = None,
                  on_result: Callable[[GenResult], None] | None = None,
                  on_tokens: Callable[[int, int, list[int]], None] | None = None,
-                 compile: bool | None = None) -> list[GenResult]:
+                 compile: bool | None = None, feed: Feed | None = None) -> list[GenResult]:
         """Results in request order (each request's n samples in turn). `slots` caps the decode
         batch (default: every sample at once, up to max_slots); `on_result` gets each result as
         soon as its row finishes (at a sync point); `on_tokens(request, sample, new_ids)` streams
         each row's new tokens at every sync point (one extra device-to-host copy per sync point,
         only when given; a result's streamed ids joined are its tokens); `compile`: this call's decode step compiled
-        (default: the engine's `compile`; CUDA graphs only)."""
-        if not requests:
-            return []
+        (default: the engine's `compile`; CUDA graphs only).
+
+        `feed`: requests come through it instead (`requests` must be empty; indices are the feed's
+        tickets): those queued now are sized for, later ones join at sync points while they fit
+        (see Feed); `slots` then defaults to max_slots. Returns when nothing runs or waits that fits."""
+        if feed is not None and requests:
+            raise ValueError("with a feed, every request comes through it (pass requests=[])")
         if len(stop_ids) > MAX_STOP_IDS:
             raise ValueError(f"at most {MAX_STOP_IDS} stop token ids, got {len(stop_ids)}")
-        for i, r in enumerate(requests):
-            if r.n < 1 or r.max_new_tokens < 1 or len(r.prompt.input_ids) == 0 or r.temperature < 0:
-                raise ValueError(f"request {i}: needs n >= 1, max_new_tokens >= 1, a non-empty prompt and "
-                                 f"temperature >= 0 (got n={r.n}, max_new_tokens={r.max_new_tokens}, "
-                                 f"{len(r.prompt.input_ids)} prompt tokens, temperature={r.temperature})")
+        if feed is not None and feed.refill is not None:
+            feed.refill(feed)
+        taken = feed._take(lambda r: True) if feed is not None else list(enumerate(requests))
+        if not taken:
+            return []
+        tickets = [t for t, _ in taken]
+        requests = [r for _, r in taken]
+        for t, r in taken:
+            _check(t, r)
         device = self.core.lm_head.weight.device
         total = sum(r.n for r in requests)
-        n_slots = _bucket(min(slots or self.max_slots, self.max_slots, total))
+        n_slots = _bucket(min(slots or self.max_slots, self.max_slots, total if feed is None else self.max_slots))
         if max(r.n for r in requests) > n_slots:
             raise ValueError(f"a request asks for {max(r.n for r in requests)} samples; the engine has "
                              f"{n_slots} slots (raise slots / max_slots)")
@@ -468,6 +538,9 @@ class Engine:
         self._ensure_buffers(n_slots, length, kv_dtype, device)
         self.stop_ids.fill_(-1)
         self.stop_ids[:len(stop_ids)] = torch.tensor(stop_ids, dtype=torch.long, device=device)
+        self.is_stop.zero_()
+        if stop_ids:
+            self.is_stop[torch.tensor(stop_ids, device=device)] = True
         self.pad.fill_(pad_id)
         self.banned.zero_()
         if banned_ids:
@@ -478,12 +551,7 @@ class Engine:
         if compiled and self._compiled is None:
             self._compiled = torch.compile(_decode_hidden, dynamic=True)
         self._decode_hidden = self._compiled if compiled else _decode_hidden
-        if all(r.temperature <= 0 for r in requests):
-            mode = "greedy"
-        elif any(r.temperature > 0 and (r.top_k > 0 or r.top_p < 1) for r in requests):
-            mode = "filter"
-        else:
-            mode = "sample"
+        mode = _mode(requests, "greedy")
 
         self.stats = GenStats()
         results: list[list[GenResult | None]] = [[None] * r.n for r in requests]
@@ -492,6 +560,10 @@ class Engine:
         occupant: dict[int, tuple[int, int]] = {}  # slot -> (request, sample)
         sent: dict[int, int] = {}  # slot -> tokens already streamed
         bound: dict[int, int] = {}  # slot -> an upper bound of its KV length (host-side, no sync)
+
+        def fits(r: GenRequest) -> bool:  # joins this call: within its KV length and slots
+            return len(r.prompt.input_ids) + r.max_new_tokens <= self.cache.length and r.n <= n_slots
+
         while queue or occupant:
             admitted, tokens = [], 0
             while queue and requests[queue[0]].n <= len(free):
@@ -508,38 +580,71 @@ class Engine:
                     bound[slot] = len(r.prompt.input_ids)
                     sent[slot] = 0
             if admitted:
+                mode = _mode([r for _, r, _ in admitted], mode)  # a joining request may need more than greedy
                 start = time.perf_counter()
                 self._prefill(admitted, image_token_id, pad_id, mode)
                 self.stats.prefills += 1
                 self.stats.prefill_s += _elapsed(start, device)
-            S = _bucket(max(occupant) + 1)
-            steps = self.sync_every
-            Lb = min(self.cache.length, LENGTH_BUCKET * math.ceil((max(bound.values()) + steps) / LENGTH_BUCKET))
-            start = time.perf_counter()
-            self._run_steps(S, Lb, mode, steps, use_graphs)
-            for slot in occupant:
-                bound[slot] += steps
-            alive = self.state.alive[:S].cpu()  # the sync point
-            self.stats.decode_s += time.perf_counter() - start
-            self.stats.steps += steps
-            if on_tokens is not None:
-                self._stream(occupant, sent, S, on_tokens)
-            done = [slot for slot in occupant if not alive[slot]]
+            if occupant:
+                S = _bucket(max(occupant) + 1)
+                steps = self.sync_every
+                Lb = min(self.cache.length, LENGTH_BUCKET * math.ceil((max(bound.values()) + steps) / LENGTH_BUCKET))
+                start = time.perf_counter()
+                self._run_steps(S, Lb, mode, steps, use_graphs)
+                for slot in occupant:
+                    bound[slot] += steps
+                alive = self.state.alive[:S].cpu()  # the sync point
+                self.stats.decode_s += time.perf_counter() - start
+                self.stats.steps += steps
+                if on_tokens is not None:
+                    self._stream(occupant, sent, S, lambda i, s, ids: on_tokens(tickets[i], s, ids))
+                done = [slot for slot in occupant if not alive[slot]]
+            else:
+                done = []
+            if feed is not None:
+                if feed.refill is not None:
+                    feed.refill(feed)
+                if ended := feed._finished():
+                    done = self._finish_early(ended, tickets, occupant, done, queue, requests, results, on_result)
+                for t, r in feed._take(fits):
+                    _check(t, r)
+                    tickets.append(t)
+                    requests.append(r)
+                    results.append([None] * r.n)
+                    queue.append(len(requests) - 1)
             if done:
-                self._harvest(done, occupant, requests, results, on_result)
+                self._harvest(done, occupant, requests, results,
+                              None if on_result is None else lambda res: on_result(_ticketed(res, tickets)))
                 for slot in done:
                     del occupant[slot], bound[slot]
                 free += done
-        return [res for per in results for res in per]
+        return [_ticketed(res, tickets) for per in results for res in per]
+
+    def _finish_early(self, ended: set[int], tickets, occupant, done, queue, requests, results, on_result) -> list[int]:
+        """Requests a feed finished: their rows stop (slots freed at this sync point); those not
+        started yet leave the queue with empty results."""
+        index = {t: i for i, t in enumerate(tickets)}
+        ended_i = {index[t] for t in ended if t in index}
+        rows = [slot for slot, (i, _) in occupant.items() if i in ended_i and slot not in done]
+        if rows:
+            self.state.alive[torch.tensor(rows, device=self.state.alive.device)] = False
+        for i in [i for i in queue if i in ended_i]:
+            queue.remove(i)
+            for s in range(requests[i].n):
+                res = results[i][s] = GenResult(i, s, torch.zeros(0, dtype=torch.long), torch.zeros(0), False)
+                if on_result is not None:
+                    on_result(_ticketed(res, tickets))
+        return done + rows
 
     def _stream(self, occupant, sent, S: int, on_tokens) -> None:
         counts = self.state.count[:S].cpu()
         width = int(counts.max())
-        toks = self.state.out_tok[:S, :width].cpu()
+        lo = min((sent[slot] for slot in occupant), default=0)  # only columns not streamed yet cross to the host
+        toks = self.state.out_tok[:S, lo:width].cpu()
         for slot, (i, s) in occupant.items():
             n = int(counts[slot])
             if n > sent[slot]:
-                on_tokens(i, s, toks[slot, sent[slot]:n].tolist())
+                on_tokens(i, s, toks[slot, sent[slot] - lo:n - lo].tolist())
                 sent[slot] = n
 
     def _harvest(self, done, occupant, requests, results, on_result) -> None:
@@ -564,7 +669,38 @@ class Engine:
             return torch.get_autocast_dtype("cuda")
         if device.type == "cpu" and torch.is_autocast_enabled("cpu"):
             return torch.get_autocast_dtype("cpu")
-        return self.lm.layers[0].self_attn.k_proj.weight.dtype
+        dtype = self.lm.layers[0].self_attn.k_proj.weight.dtype
+        # a quantized k_proj (bitsandbytes NF4/int8: integer storage; FP8) keeps its keys in the dtype
+        # of the unquantized activations, the embeddings'
+        return dtype if dtype.is_floating_point and dtype.itemsize >= 2 else self.lm.embed_tokens.weight.dtype
+
+
+def _check(i: int, r: GenRequest) -> None:
+    if r.n < 1 or r.max_new_tokens < 1 or len(r.prompt.input_ids) == 0 or r.temperature < 0:
+        raise ValueError(f"request {i}: needs n >= 1, max_new_tokens >= 1, a non-empty prompt and "
+                         f"temperature >= 0 (got n={r.n}, max_new_tokens={r.max_new_tokens}, "
+                         f"{len(r.prompt.input_ids)} prompt tokens, temperature={r.temperature})")
+
+
+_MODES = ("greedy", "sample", "filter")  # each also serves the rows of the ones before it, token for token
+
+
+def _mode(requests: list[GenRequest], at_least: str) -> str:
+    """The sampling mode the requests need (never below `at_least`: rows already running keep theirs)."""
+    if any(r.temperature > 0 and (r.top_k > 0 or r.top_p < 1) for r in requests):
+        need = "filter"
+    elif any(r.temperature > 0 for r in requests):
+        need = "sample"
+    else:
+        need = "greedy"
+    return max(need, at_least, key=_MODES.index)
+
+
+def _ticketed(res: GenResult | None, tickets: list[int]) -> GenResult | None:
+    """A result known by its caller's index (the request's ticket with a feed, else its position)."""
+    if res is None or tickets[res.request] == res.request:
+        return res
+    return GenResult(tickets[res.request], res.sample, res.tokens, res.logprobs, res.stopped)
 
 
 def _elapsed(start: float, device) -> float:

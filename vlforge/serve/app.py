@@ -121,7 +121,7 @@ class _Server:
         request = Request(messages=messages, images=images,
                           max_new_tokens=req.asked_tokens or min(self.cfg.default_max_tokens, self.cfg.max_tokens),
                           temperature=temperature, top_p=top_p, stop=req.stops, min_new_tokens=req.min_tokens or 0,
-                          image_limits=limits)
+                          image_limits=limits, seed=req.seed)
         n_prompt = self._count(self.engine.prompt_tokens, request)
         if n_prompt > limit:
             raise APIError(400, f"the prompt is {n_prompt} tokens (images included); the limit is {limit}",

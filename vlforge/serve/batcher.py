@@ -1,10 +1,13 @@
-"""The batcher: one background thread owns the engine and runs one `engine.generate` for whatever
-requests are waiting (up to `max_batch`, after a gather window of a few ms), routing each request's
-streamed text to its asyncio queue through `loop.call_soon_threadsafe`.
+"""The batcher: one background thread owns the engine. It takes whatever requests are waiting (up
+to `max_batch`, after a gather window of a few ms) and, with a continuous engine (generate/'s:
+`engine.continuous`), keeps feeding it: at each sync point of the running batch, waiting requests
+join while fewer than `max_batch` decode, and each finished one answers at once (a short request
+no longer waits for the longest of its batch). Other engines (engine=hf, test doubles) get one
+`engine.generate` per batch. Each request's streamed text goes to its asyncio queue through
+`loop.call_soon_threadsafe`.
 
-A job whose client goes away is cancelled (`Job.cancel`): skipped if its batch has not started,
-else its row of the running batch stops at the next token (the engine checks `Request.cancelled`)
-while the other rows go on.
+A job whose client goes away is cancelled (`Job.cancel`): skipped if it has not started, else its
+row stops at the next sync point (the engine checks `Request.cancelled`) while the others go on.
 """
 
 from __future__ import annotations
@@ -56,11 +59,11 @@ class Batcher:
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
-        self.batches = 0  # engine.generate calls
-        self.max_batch_seen = 0
+        self.batches = 0  # groups of requests handed to the engine together (a generate call, or a join)
+        self.max_batch_seen = 0  # the most requests generating at once
         self.requests_done = 0
         self.skipped = 0  # requests whose client left before their batch started
-        self.running = 0  # requests in the batch being generated now
+        self.running = 0  # requests being generated now
         self.cancelled = 0  # requests whose client left while their batch ran (their row stopped early)
         self.cancelled_tokens = 0  # tokens generated for those before they stopped
 
@@ -121,40 +124,10 @@ class Batcher:
             batch = live
             if not batch:
                 continue
-
-            def on_text(i: int, text: str, batch=batch) -> None:
-                job = batch[i]
-                if job.first_text_at is None:  # time to first token, streamed or not
-                    job.first_text_at = time.monotonic()
-                if job.stream:
-                    job.emit("text", text)
-
-            self.batches += 1
-            self.max_batch_seen = max(self.max_batch_seen, len(batch))
-            self.running = len(batch)
-            if self.metrics is not None:
-                self.metrics.batch_size.observe(len(batch))
-            try:
-                completions = self.engine.generate([j.request for j in batch], on_text=on_text)
-            except Exception as e:  # noqa: BLE001 - answered to each client; the server keeps serving
-                log.exception("generation failed for a batch of %d", len(batch))
-                outcomes = [("error", e)] * len(batch)
-                if self.metrics is not None:
-                    self.metrics.generations.labels("error").inc(len(batch))
+            if getattr(self.engine, "continuous", False):
+                stop = self._run_continuous(batch) or stop
             else:
-                outcomes = [("done", c) for c in completions]
-                now = time.monotonic()
-                for j, c in zip(batch, completions):
-                    if c.finish_reason == "cancelled":
-                        self.cancelled += 1
-                        self.cancelled_tokens += c.completion_tokens
-                    if self.metrics is not None:
-                        self.metrics.finished(j, c, now)
-            # stats first: a client that has its answer sees them counted
-            self.running = 0
-            self.requests_done += len(batch)
-            for j, (kind, payload) in zip(batch, outcomes):
-                j.emit(kind, payload)
+                self._run_batch(batch)
         while True:  # shutting down: answer whoever is still waiting
             try:
                 job = self._queue.get_nowait()
@@ -162,6 +135,111 @@ class Batcher:
                 break
             if job is not None:
                 job.emit("error", RuntimeError("the server is shutting down"))
+
+    def _admit(self, group: list[Job], jobs: dict) -> None:
+        self.batches += 1
+        for j in group:
+            jobs[id(j.request)] = j
+        self.running = len(jobs)
+        self.max_batch_seen = max(self.max_batch_seen, len(jobs))
+        if self.metrics is not None:
+            self.metrics.batch_size.observe(len(group))
+
+    def _run_continuous(self, batch: list[Job]) -> bool:
+        """Feed the engine until nothing runs; True if the shutdown sentinel was taken meanwhile."""
+        jobs: dict[int, Job] = {}  # id(request) -> its job, while it generates
+        stopping = False
+
+        def more() -> list:  # at the engine's sync points (this thread): who joins now
+            nonlocal stopping
+            group = []
+            while not stopping and len(jobs) + len(group) < self.max_batch:
+                try:
+                    job = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if job is None:
+                    stopping = True  # the running requests finish; the waiting ones are answered
+                elif job.cancelled:
+                    self.skipped += 1
+                else:
+                    group.append(job)
+            if group:
+                self._admit(group, jobs)
+            return [j.request for j in group]
+
+        def on_text(request, text: str) -> None:
+            job = jobs[id(request)]
+            if job.first_text_at is None:  # time to first token, streamed or not
+                job.first_text_at = time.monotonic()
+            if job.stream:
+                job.emit("text", text)
+
+        def on_done(request, c) -> None:
+            job = jobs.pop(id(request))
+            if c.finish_reason == "cancelled":
+                self.cancelled += 1
+                self.cancelled_tokens += c.completion_tokens
+            if self.metrics is not None:
+                self.metrics.finished(job, c, time.monotonic())
+            # stats first: a client that has its answer sees them counted
+            self.running = len(jobs)
+            self.requests_done += 1
+            job.emit("done", c)
+
+        self._admit(batch, jobs)
+        try:
+            self.engine.generate_continuous([j.request for j in batch], on_text, on_done, more=more,
+                                            slots=self.max_batch)
+        except Exception as e:  # noqa: BLE001 - answered to each client; the server keeps serving
+            log.exception("generation failed with %d requests running", len(jobs))
+            if self.metrics is not None:
+                self.metrics.generations.labels("error").inc(len(jobs))
+            failed = list(jobs.values())
+            jobs.clear()
+            self.running = 0
+            self.requests_done += len(failed)
+            for j in failed:
+                j.emit("error", e)
+        self.running = 0
+        return stopping
+
+    def _run_batch(self, batch: list[Job]) -> None:
+        """One engine.generate for the batch (engines that take no requests while they run)."""
+
+        def on_text(i: int, text: str, batch=batch) -> None:
+            job = batch[i]
+            if job.first_text_at is None:  # time to first token, streamed or not
+                job.first_text_at = time.monotonic()
+            if job.stream:
+                job.emit("text", text)
+
+        self.batches += 1
+        self.max_batch_seen = max(self.max_batch_seen, len(batch))
+        self.running = len(batch)
+        if self.metrics is not None:
+            self.metrics.batch_size.observe(len(batch))
+        try:
+            completions = self.engine.generate([j.request for j in batch], on_text=on_text)
+        except Exception as e:  # noqa: BLE001 - answered to each client; the server keeps serving
+            log.exception("generation failed for a batch of %d", len(batch))
+            outcomes = [("error", e)] * len(batch)
+            if self.metrics is not None:
+                self.metrics.generations.labels("error").inc(len(batch))
+        else:
+            outcomes = [("done", c) for c in completions]
+            now = time.monotonic()
+            for j, c in zip(batch, completions):
+                if c.finish_reason == "cancelled":
+                    self.cancelled += 1
+                    self.cancelled_tokens += c.completion_tokens
+                if self.metrics is not None:
+                    self.metrics.finished(j, c, now)
+        # stats first: a client that has its answer sees them counted
+        self.running = 0
+        self.requests_done += len(batch)
+        for j, (kind, payload) in zip(batch, outcomes):
+            j.emit(kind, payload)
 
 
 

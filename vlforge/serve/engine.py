@@ -9,16 +9,22 @@ What it loads: an HF model directory (an `vlforge export` output, a full fine-tu
 or released weights), a LoRA checkpoint (`adapter_config.json`; its base model comes from the
 run's `config.yaml`), or a preset name (`tiny`, random weights) for tests and demos.
 
-Requests in one `generate` call are batched (left padding, one `model.generate`), grouped by
-their sampling settings; each stops at its own `max_new_tokens` and stop strings. `on_text`
-receives each request's new text as it is produced, which the server turns into SSE chunks.
+Generation runs on generate/'s engine (the one GRPO rollouts and eval use): every request of a
+`generate` call, whatever its sampling settings, shares one decode batch; each stops at its own
+`max_new_tokens`, an end token or a stop string, and its slot is freed at the next sync point.
+`generate_continuous` also takes requests arriving while it runs (the server's batcher): they join
+at a sync point instead of waiting for the batch. `on_text` receives each request's new text as
+it is produced (at sync points), which the server turns into SSE chunks. `engine="hf"` keeps the
+previous path (transformers `generate`, requests batched by sampling settings) for comparison.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import secrets
 import threading
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -30,12 +36,16 @@ from transformers.image_utils import SizeDict
 
 from vlforge.config import ConfigError, ModelConfig, QuantConfig
 from vlforge.data.encode import Encoder, ImageLimits, collate
+from vlforge.generate.engine import Engine, Feed, GenRequest, GenResult, Prompt
+from vlforge.generate.forward import vision_token_ids
 from vlforge.model.presets import PRESETS
-from vlforge.serve.shared_images import image_key, share_repeated_images
+from vlforge.serve.shared_images import image_key, share_identical_images, share_repeated_images
 
 # Default answer lengths when a request does not say: a class name or a short answer fits in 16 /
 # 64 tokens, and a short cap keeps a model that does not stop from running long; descriptions need more.
 MAX_NEW_TOKENS = {"classify": 16, "qa": 64, "describe": 512}
+ENGINES = ("vlforge", "hf")  # generate/'s engine (default) | transformers generate (the old path, for comparison)
+SYNC_EVERY = 4  # decode steps between sync points: how often text streams, rows leave and requests join
 
 
 @dataclass
@@ -47,6 +57,7 @@ class Request:
     top_p: float = 1.0
     stop: list[str] = field(default_factory=list)
     min_new_tokens: int = 0  # suppress end-of-turn before this many tokens (benchmarks)
+    seed: int | None = None  # sampling noise (generate/'s engine); None: a fresh one per request
     # this request's image resize bounds (the server's per-request min_pixels/max_pixels); None: the engine's
     image_limits: ImageLimits | None = None
     # set from another thread (the server, when the client disconnects): the request's row stops at the
@@ -75,7 +86,7 @@ def _partial_stop(text: str, stops: list[str]) -> int:
 
 class _BatchStreamer:
     """The per-row bookkeeping of one batched generate(): transformers calls put() with each step's
-    tokens; rows finish at an end token, their own max_new_tokens, a stop string or when cancelled,
+    tokens (generate/'s engine: push() with a row's tokens of a sync point; rows join by add()); rows finish at an end token, their own max_new_tokens, a stop string or when cancelled,
     and _RowsDone tells generate() so, which stops computing them. Text goes to on_text(row, new_text)
     as it grows, holding back a tail that may still become a stop string; `text` ends as each row's
     answer.
@@ -89,16 +100,31 @@ class _BatchStreamer:
         self.done, self.finish = [False] * n, ["length"] * n
         self.prompt_seen = False
 
+    def add(self, request: Request) -> int:
+        """A request joining (generate/'s engine, continuous batching): its row."""
+        self.requests.append(request)
+        self.tokens.append([])
+        self.text.append("")
+        self.sent.append(0)
+        self.done.append(False)
+        self.finish.append("length")
+        return len(self.tokens) - 1
+
     def put(self, value: torch.Tensor) -> None:
         if not self.prompt_seen:  # generate() first hands over the prompt
             self.prompt_seen = True
             return
         for row, tok in enumerate(value.reshape(len(self.tokens), -1)[:, -1].tolist()):
+            self.push(row, [tok])
+
+    def push(self, row: int, toks: list[int]) -> None:
+        """The row's next tokens (one per step for generate(), a sync point's for generate/'s engine)."""
+        for tok in toks:
             if self.done[row]:
-                continue  # generate() pads finished rows
+                return  # generate() pads finished rows; the engine's row may run on to the sync point
             if self.requests[row].cancelled.is_set():  # nobody waits for this row: its token is dropped
                 self.done[row], self.finish[row] = True, "cancelled"
-                continue
+                return
             if tok in self.engine.end_ids:
                 self.done[row], self.finish[row] = True, "stop"
             else:
@@ -121,11 +147,16 @@ class _BatchStreamer:
                 self.on_text(row, text[self.sent[row]:])
             self.sent[row] = len(text)
 
-    def end(self) -> None:
-        for row in range(len(self.tokens)):
+    def end(self, rows=None) -> None:
+        for row in range(len(self.tokens)) if rows is None else rows:
             if not self.done[row]:
                 self.done[row] = True
                 self._flush(row)
+
+
+@contextmanager
+def _nothing():
+    yield
 
 
 class _RowsDone(StoppingCriteria):
@@ -194,7 +225,7 @@ def max_chars_per_token(tokenizer) -> int | None:
 
 class InferenceEngine:
     def __init__(self, model, processor, device: torch.device, name: str, quant_report: dict | None = None, *,
-                 min_pixels: int | None = None, max_pixels: int | None = None):
+                 min_pixels: int | None = None, max_pixels: int | None = None, engine: str = "vlforge"):
         self.model, self.processor, self.device, self.name = model, processor, device, name
         self.tokenizer = processor.tokenizer
         self.set_image_limits(min_pixels, max_pixels)
@@ -205,7 +236,27 @@ class InferenceEngine:
         self.lock = threading.Lock()  # one generate at a time on the model
         self.share_images = True  # a batch's repeated images go through the vision tower once
         self.images_shared = 0  # images not encoded again because an identical one was in their batch
+        if engine not in ENGINES:
+            raise ConfigError(f"--engine {engine!r}: one of {', '.join(ENGINES)}")
+        self.engine_kind = engine
+        self.sync_every = SYNC_EVERY
+        self._gen: Engine | None = None
         model.eval()
+
+    @property
+    def continuous(self) -> bool:
+        """Requests can join a running generate (the server's batcher feeds them): generate/'s engine."""
+        return self.engine_kind == "vlforge"
+
+    def gen_engine(self) -> Engine:
+        """generate/'s engine for this model (its own, not GRPO's engine_for: its slots follow the server).
+        CUDA graphs stay off for quantized weights: bitsandbytes' NF4/int8 kernels and torchao's FP8
+        dynamic scaling allocate and dispatch per call in ways not verified to replay from a graph (the
+        steps run eagerly; same tokens)."""
+        if self._gen is None:
+            self._gen = Engine(self.model, sync_every=self.sync_every,
+                               use_graphs=False if self.quant_report else None)
+        return self._gen
 
     def set_image_limits(self, min_pixels: int | None = None, max_pixels: int | None = None) -> None:
         """Resize bounds of images (pixels per image): the model's own (its processor's, from the
@@ -230,10 +281,15 @@ class InferenceEngine:
     @classmethod
     def load(cls, source: str, quant: QuantConfig | None = None, device: str = "auto",
              dtype: torch.dtype = torch.bfloat16, *, min_pixels: int | None = None,
-             max_pixels: int | None = None) -> "InferenceEngine":
+             max_pixels: int | None = None, engine: str = "vlforge") -> "InferenceEngine":
         """`quant=None`: unquantized, except a LoRA checkpoint of a QLoRA run, which gets its run's quant.
-        `min_pixels`/`max_pixels`: image resize bounds; None: the model's processor's own."""
-        engine = cls._load(source, quant, device, dtype)
+        `min_pixels`/`max_pixels`: image resize bounds; None: the model's processor's own. `engine`:
+        "vlforge" (generate/'s engine) or "hf" (transformers generate, for comparison)."""
+        if engine not in ENGINES:  # before any weight loads
+            raise ConfigError(f"--engine {engine!r}: one of {', '.join(ENGINES)}")
+        loaded = cls._load(source, quant, device, dtype)
+        loaded.engine_kind = engine
+        engine = loaded
         if min_pixels is not None or max_pixels is not None:
             engine.set_image_limits(min_pixels, max_pixels)
         return engine
@@ -283,20 +339,22 @@ class InferenceEngine:
         encoder.limits = request.image_limits
         return encoder
 
+    def _item(self, r: Request) -> dict:
+        """The request's prompt ids and (at its own image limits) pixels, on the CPU."""
+        encoder = self.encoder_for(r)
+        ids = encoder.token_ids(r.messages, [im.size for im in r.images], add_generation_prompt=True)
+        item = {"input_ids": torch.tensor(ids)}
+        item["mm_token_type_ids"] = (item["input_ids"] == encoder.image_token_id).long()
+        if r.images:
+            item.update(encoder.pixels([im.convert("RGB") for im in r.images]))
+            got = int((item["image_grid_thw"].prod(-1) // encoder.merge**2).sum())
+            if got != int(item["mm_token_type_ids"].sum()):  # keeps text and pixels provably in step
+                raise RuntimeError(f"the image processor gave {got} image tokens, the prompt has "
+                                   f"{int(item['mm_token_type_ids'].sum())} (image limits {encoder.limits})")
+        return item
+
     def _inputs(self, requests: list[Request]) -> dict:
-        items = []
-        for r in requests:
-            encoder = self.encoder_for(r)
-            ids = encoder.token_ids(r.messages, [im.size for im in r.images], add_generation_prompt=True)
-            item = {"input_ids": torch.tensor(ids)}
-            item["mm_token_type_ids"] = (item["input_ids"] == encoder.image_token_id).long()
-            if r.images:
-                item.update(encoder.pixels([im.convert("RGB") for im in r.images]))
-                got = int((item["image_grid_thw"].prod(-1) // encoder.merge**2).sum())
-                if got != int(item["mm_token_type_ids"].sum()):  # keeps text and pixels provably in step
-                    raise RuntimeError(f"the image processor gave {got} image tokens, the prompt has "
-                                       f"{int(item['mm_token_type_ids'].sum())} (image limits {encoder.limits})")
-            items.append(item)
+        items = [self._item(r) for r in requests]
         return {k: v.to(self.device) for k, v in collate(items, self.encoder.pad_id, left_pad=True).items()}
 
     def prompt_tokens(self, request: Request) -> int:
@@ -312,9 +370,100 @@ class InferenceEngine:
         text = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return -(-len(text) // self.chars_per_token)
 
-    @torch.no_grad()
     def generate(self, requests: list[Request], on_text: Callable[[int, str], None] | None = None) -> list[Completion]:
-        """Complete every request; batches those with equal sampling settings together."""
+        """Complete every request (on_text(i, new_text) streams request i's answer)."""
+        if self.engine_kind == "hf":
+            return self._generate_hf(requests, on_text)
+        out: dict[int, Completion] = {}
+        index = {id(r): i for i, r in enumerate(requests)}
+        self.generate_continuous(requests, None if on_text is None else lambda r, text: on_text(index[id(r)], text),
+                                 lambda r, c: out.__setitem__(index[id(r)], c))
+        return [out[i] for i in range(len(requests))]
+
+    def generate_continuous(self, first: list[Request], on_text: Callable[[Request, str], None] | None,
+                            on_done: Callable[[Request, Completion], None],
+                            more: Callable[[], list[Request]] | None = None, slots: int | None = None) -> None:
+        """Complete `first` and whatever `more()` returns (polled at each sync point, from this
+        thread; it must not block): those join the running decode batch. `on_done(request,
+        completion)` as each finishes, `on_text(request, new_text)` as its answer grows. `slots`:
+        the most requests decoding at once (default: len(first), at least 1). Returns once every
+        request taken is done."""
+        if self.engine_kind == "hf":  # the old path: one batch after another
+            batch = list(first)
+            while batch:
+                for r, c in zip(batch, self._generate_hf(batch, None if on_text is None else
+                                                         lambda i, text, b=batch: on_text(b[i], text))):
+                    on_done(r, c)
+                batch = more() if more is not None else []
+            return
+        streamer = _BatchStreamer(self, [], None if on_text is None else
+                                  lambda row, text: on_text(streamer.requests[row], text))
+        rows: dict[int, int] = {}  # ticket -> streamer row
+        prompt_tokens: dict[int, int] = {}
+        live: dict[int, Request] = {}
+        # the model's generation_config top_k, which transformers generate applies to sampled requests too
+        top_k = getattr(getattr(self.model, "generation_config", None), "top_k", None) or 0
+
+        def put(feed: Feed, r: Request) -> None:
+            prompt = self._prompt(r)
+            seed = r.seed if r.seed is not None else secrets.randbits(63)
+            ticket = feed.put(GenRequest(prompt, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
+                                         top_p=r.top_p if r.temperature > 0 else 1.0, top_k=top_k, seed=seed,
+                                         min_new_tokens=min(r.min_new_tokens, r.max_new_tokens)))
+            rows[ticket] = streamer.add(r)
+            prompt_tokens[ticket] = len(prompt.input_ids)
+            live[ticket] = r
+
+        def refill(feed: Feed) -> None:
+            for t, r in live.items():  # a client that left: its row stops at this sync point
+                if r.cancelled.is_set():
+                    feed.finish(t)
+            for r in more() if more is not None else []:
+                put(feed, r)
+
+        def on_tokens(t: int, sample: int, ids: list[int]) -> None:
+            streamer.push(rows[t], ids)
+            if streamer.done[rows[t]]:  # a stop string or a cancel: the engine stops the row now
+                feed.finish(t)
+
+        def on_result(res: GenResult) -> None:
+            row = rows[res.request]
+            if not streamer.done[row] and live[res.request].cancelled.is_set():
+                streamer.done[row], streamer.finish[row] = True, "cancelled"
+            streamer.end([row])
+            r = live.pop(res.request)
+            on_done(r, Completion(streamer.text[row], prompt_tokens[res.request], len(streamer.tokens[row]),
+                                  streamer.finish[row]))
+
+        feed = Feed(refill)
+        for r in first:
+            put(feed, r)
+        engine = self.gen_engine()
+        banned = self.banned_ids()
+        with self.lock, torch.no_grad(), \
+                torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"), \
+                share_identical_images(self.model, self._count_shared) if self.share_images else _nothing():
+            while feed.pending() or live:
+                engine.generate([], stop_ids=self.end_ids, banned_ids=banned, image_token_id=self.encoder.image_token_id,
+                                pad_id=self.encoder.pad_id, slots=slots or max(1, len(first)), on_result=on_result,
+                                on_tokens=on_tokens, feed=feed)
+
+    def banned_ids(self) -> list[int]:
+        """Never generated: the vision special tokens, and the model's generation_config suppress_tokens
+        (which transformers generate honours too)."""
+        suppress = getattr(getattr(self.model, "generation_config", None), "suppress_tokens", None) or []
+        return list(dict.fromkeys([*vision_token_ids(self.encoder), *suppress]))
+
+    def _count_shared(self, n: int) -> None:
+        self.images_shared += n
+
+    def _prompt(self, r: Request) -> Prompt:
+        item = self._item(r)
+        return Prompt(item["input_ids"], item.get("pixel_values"), item.get("image_grid_thw"))
+
+    @torch.no_grad()
+    def _generate_hf(self, requests: list[Request], on_text: Callable[[int, str], None] | None = None) -> list[Completion]:
+        """engine=hf: transformers generate, one batch per sampling setting."""
         results: list[Completion | None] = [None] * len(requests)
         groups: dict[tuple, list[int]] = {}
         for i, r in enumerate(requests):
@@ -330,6 +479,8 @@ class InferenceEngine:
         sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p} if temperature > 0 else {"do_sample": False}
         if min_new := min(r.min_new_tokens for r in requests):
             sampling["min_new_tokens"] = min_new
+        # the tokens generate/'s engine never generates either (vision special tokens: issue 11)
+        sampling["suppress_tokens"] = self.banned_ids()
         streamer = _BatchStreamer(self, requests, on_text)
         keys = ([image_key(im, self.encoder_for(r).limits) for r in requests for im in r.images]
                 if self.share_images else [])

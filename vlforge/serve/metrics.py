@@ -11,8 +11,9 @@ Each app has its own registry (not the process-wide default), so several servers
     vlforge_prompt_tokens_total                   prompt tokens of the generations run (image tokens included)
     vlforge_completion_tokens_total               tokens they generated (cancelled ones' too: the model ran)
     vlforge_generations_total{finish_reason}      stop | length | cancelled | error
-    vlforge_queue_length / vlforge_running_requests   requests waiting for a batch / in the one running
-    vlforge_batch_size                            histogram: requests per batch (one engine.generate)
+    vlforge_queue_length / vlforge_running_requests   requests waiting / generating now
+    vlforge_batch_size                            histogram: requests handed to the engine together (a batch
+                                                  starting, or a group joining the running one)
     vlforge_request_latency_seconds               histogram: arrival to the last token (finished ones)
     vlforge_time_to_first_token_seconds           histogram: arrival to the first text of the answer
     vlforge_images_shared_total                   images not encoded again: an identical one was in their batch
@@ -49,8 +50,9 @@ class ServeMetrics:
         self.generations = Counter("vlforge_generations", "generations ended, by finish reason", ["finish_reason"],
                                    registry=r)
         self.queue = Gauge("vlforge_queue_length", "requests waiting for a batch", registry=r)
-        self.running = Gauge("vlforge_running_requests", "requests in the batch being generated", registry=r)
-        self.batch_size = Histogram("vlforge_batch_size", "requests per batch (one engine.generate call)",
+        self.running = Gauge("vlforge_running_requests", "requests being generated", registry=r)
+        self.batch_size = Histogram("vlforge_batch_size", "requests handed to the engine together (a batch starting, "
+                                                          "or a group joining the running one)",
                                     buckets=BATCH_SIZES, registry=r)
         self.latency = Histogram("vlforge_request_latency_seconds", "from a request's arrival to its last token "
                                                                     "(finished generations)", buckets=SECONDS,

@@ -83,6 +83,9 @@ class ChatRequest(_Schema):
     stream: bool | None = False
     stream_options: _StreamOptions | None = None
     n: int | None = 1
+    # OpenAI's: sampling with the same seed (and prompt and settings) gives the same answer (generate/'s
+    # engine: the noise is a function of the seed and the step; engine=hf ignores it)
+    seed: int | None = None
     # vLLM's extension: no end of turn before this many tokens (benchmarks, and tests of long generations)
     min_tokens: int | None = Field(None, ge=0)
     # vlforge's extension: this request's image resize bounds (pixels per image, width x height), within

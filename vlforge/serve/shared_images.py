@@ -16,13 +16,17 @@ second vision path: `generate` keeps computing positions, masks and the KV cache
     keys = [image_key(im, limits) for im in images]      # one per image, in pixel_values order
     with share_repeated_images(model, keys, inputs["image_grid_thw"]) as saved:
         model.generate(**inputs, ...)                     # saved: images not encoded again
+
+generate/'s engine prefills requests whenever they join a running batch, so no one call's images
+are known up front: `share_identical_images(model, count)` keys each vision call's images by
+their grid and patch rows instead (equal patches at an equal grid give equal features).
 """
 
 from __future__ import annotations
 
 import hashlib
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from PIL import Image
@@ -36,67 +40,131 @@ def image_key(image: Image.Image, limits) -> tuple:
     return image.mode, image.size, limits.min_pixels, limits.max_pixels, digest
 
 
-@contextmanager
-def share_repeated_images(model, keys: list, grid_thw: torch.Tensor | None) -> Iterator[int]:
-    """Within the block, the vision tower of `model` encodes each distinct key once. Yields how many
-    images are not encoded again (0: nothing repeats, and no hook is set)."""
-    first: dict = {}
-    source = [first.setdefault(k, len(first)) for k in keys]  # image -> its distinct image
-    if grid_thw is None or len(first) == len(keys):
-        yield 0
-        return
-    if len(keys) != len(grid_thw):
-        raise ValueError(f"{len(keys)} image keys for {len(grid_thw)} images")
-    visual = unwrap(model).model.visual
-    merge2 = visual.spatial_merge_size ** 2
-    patches = grid_thw.prod(-1).tolist()
-    starts = [sum(patches[:i]) for i in range(len(patches))]
-    distinct = [source.index(j) for j in range(len(first))]  # the first image of each distinct one
-    device = grid_thw.device
+class _Plan:
+    """Which patch rows of one vision call to keep, and how to copy the results back."""
 
-    def rows(count_of, start_of, images) -> torch.Tensor:
-        return torch.cat([torch.arange(start_of[i], start_of[i] + count_of[i]) for i in images]).to(device)
+    def __init__(self, keys: list, grid_thw: torch.Tensor, merge2: int):
+        first: dict = {}
+        source = [first.setdefault(k, len(first)) for k in keys]  # image -> its distinct image
+        self.saved = len(keys) - len(first)
+        self.grid_thw = grid_thw
+        patches = grid_thw.prod(-1).tolist()
+        starts = [sum(patches[:i]) for i in range(len(patches))]
+        self.distinct = [source.index(j) for j in range(len(first))]  # the first image of each distinct one
+        device = grid_thw.device
 
-    keep_patches = rows(patches, starts, distinct)
-    # where each distinct image's rows lie in the tower's (shorter) output, per patch and per merged token
-    out_patches = [sum(patches[i] for i in distinct[:j]) for j in range(len(distinct))]
-    back_patches = rows([patches[distinct[j]] for j in source], [out_patches[j] for j in source], range(len(keys)))
-    merged = [n // merge2 for n in patches]
-    out_merged = [o // merge2 for o in out_patches]
-    back_merged = rows([merged[distinct[j]] for j in source], [out_merged[j] for j in source], range(len(keys)))
-    total, pending = sum(patches), []
+        def rows(count_of, start_of, images) -> torch.Tensor:
+            return torch.cat([torch.arange(start_of[i], start_of[i] + count_of[i]) for i in images]).to(device)
 
-    def before(module, args, kwargs):
-        hidden = args[0] if args else kwargs.get("hidden_states")
-        grid = args[1] if len(args) > 1 else kwargs.get("grid_thw")
-        if hidden is None or grid is None or hidden.shape[0] != total or not torch.equal(grid, grid_thw):
-            return None  # another call (not this batch's images): left alone
-        pending.append(True)
+        self.keep_patches = rows(patches, starts, self.distinct)
+        # where each distinct image's rows lie in the tower's (shorter) output, per patch and per merged token
+        out_patches = [sum(patches[i] for i in self.distinct[:j]) for j in range(len(self.distinct))]
+        self.back_patches = rows([patches[self.distinct[j]] for j in source], [out_patches[j] for j in source],
+                                 range(len(keys)))
+        merged = [n // merge2 for n in patches]
+        out_merged = [o // merge2 for o in out_patches]
+        self.back_merged = rows([merged[self.distinct[j]] for j in source], [out_merged[j] for j in source],
+                                range(len(keys)))
+        self.total = sum(patches)
+
+    def inputs(self, hidden, kwargs):
         kwargs = {k: v for k, v in kwargs.items() if k not in ("hidden_states", "grid_thw")}
-        return (hidden.index_select(0, keep_patches),), {**kwargs, "grid_thw": grid_thw[distinct]}
+        return (hidden.index_select(0, self.keep_patches),), {**kwargs, "grid_thw": self.grid_thw[self.distinct]}
 
-    def after(module, args, kwargs, out):
-        if not pending:
-            return None
-        pending.pop()
+    def outputs(self, out):
         if not hasattr(out, "pooler_output"):
             raise RuntimeError(f"the vision tower returned {type(out).__name__}, not the output with pooler_output "
                                "and deepstack_features this transformers version was expected to give")
-        out.pooler_output = out.pooler_output.index_select(0, back_merged)
+        out.pooler_output = out.pooler_output.index_select(0, self.back_merged)
         if getattr(out, "deepstack_features", None) is not None:
-            out.deepstack_features = [(f if torch.is_tensor(f) else torch.cat(list(f))).index_select(0, back_merged)
+            out.deepstack_features = [(f if torch.is_tensor(f) else torch.cat(list(f))).index_select(0, self.back_merged)
                                       for f in out.deepstack_features]  # a layer's rows, or its rows per image
-        if getattr(out, "last_hidden_state", None) is not None and out.last_hidden_state.shape[0] == len(keep_patches):
-            out.last_hidden_state = out.last_hidden_state.index_select(0, back_patches)
+        if getattr(out, "last_hidden_state", None) is not None and \
+                out.last_hidden_state.shape[0] == len(self.keep_patches):
+            out.last_hidden_state = out.last_hidden_state.index_select(0, self.back_patches)
         return out
+
+
+def _call_args(args, kwargs):
+    hidden = args[0] if args else kwargs.get("hidden_states")
+    grid = args[1] if len(args) > 1 else kwargs.get("grid_thw")
+    return hidden, grid
+
+
+@contextmanager
+def _hooked(model, plan_for) -> Iterator[None]:
+    """Vision-tower hooks: `plan_for(hidden, grid)` gives a call's _Plan (None: the call is left alone)."""
+    visual = unwrap(model).model.visual
+    pending = []
+
+    def before(module, args, kwargs):
+        hidden, grid = _call_args(args, kwargs)
+        plan = None if hidden is None or grid is None else plan_for(hidden, grid)
+        if plan is None:
+            return None
+        pending.append(plan)
+        return plan.inputs(hidden, kwargs)
+
+    def after(module, args, kwargs, out):
+        return pending.pop().outputs(out) if pending else None
 
     handles = [visual.register_forward_pre_hook(before, with_kwargs=True),
                visual.register_forward_hook(after, with_kwargs=True)]
     try:
-        yield len(keys) - len(first)
+        yield
     finally:
         for h in handles:
             h.remove()
 
 
-__all__ = ["image_key", "share_repeated_images"]
+@contextmanager
+def share_repeated_images(model, keys: list, grid_thw: torch.Tensor | None) -> Iterator[int]:
+    """Within the block, the vision tower of `model` encodes each distinct key once. Yields how many
+    images are not encoded again (0: nothing repeats, and no hook is set)."""
+    if grid_thw is None or len(set(keys)) == len(keys):
+        yield 0
+        return
+    if len(keys) != len(grid_thw):
+        raise ValueError(f"{len(keys)} image keys for {len(grid_thw)} images")
+    plan = _Plan(keys, grid_thw, unwrap(model).model.visual.spatial_merge_size ** 2)
+
+    def plan_for(hidden, grid):  # another call (not this batch's images) is left alone
+        return plan if hidden.shape[0] == plan.total and torch.equal(grid, grid_thw) else None
+
+    with _hooked(model, plan_for):
+        yield plan.saved
+
+
+def patch_keys(hidden: torch.Tensor, grid_thw: torch.Tensor) -> list:
+    """One key per image of a vision call: its grid and a digest of its patch rows (what the tower
+    sees; one device-to-host copy of them)."""
+    rows = hidden.detach().cpu().contiguous()
+    keys, start = [], 0
+    for g, n in zip(grid_thw.tolist(), grid_thw.prod(-1).tolist()):
+        block = rows[start:start + n]
+        digest = hashlib.blake2b(block.view(torch.uint8).numpy().tobytes(), digest_size=32).digest()
+        keys.append((tuple(g), str(block.dtype), digest))
+        start += n
+    return keys
+
+
+@contextmanager
+def share_identical_images(model, count: Callable[[int], None] | None = None) -> Iterator[None]:
+    """Within the block, every vision-tower call of `model` encodes each distinct image of the call
+    once (keyed by patch_keys); `count(n)` hears how many images a call did not encode again."""
+    merge2 = unwrap(model).model.visual.spatial_merge_size ** 2
+
+    def plan_for(hidden, grid):
+        keys = patch_keys(hidden, grid)
+        if len(set(keys)) == len(keys):
+            return None
+        plan = _Plan(keys, grid, merge2)
+        if count is not None:
+            count(plan.saved)
+        return plan
+
+    with _hooked(model, plan_for):
+        yield
+
+
+__all__ = ["image_key", "patch_keys", "share_identical_images", "share_repeated_images"]

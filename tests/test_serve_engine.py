@@ -1,0 +1,191 @@
+"""infer/serve on generate/'s engine: the same greedy answers as the old transformers-generate path
+(engine=hf), and continuous batching over real loopback HTTP (a short request joins a long one's
+batch and answers first, with the tokens it gets alone)."""
+
+import json
+import threading
+import time
+
+import pytest
+import torch
+
+httpx = pytest.importorskip("httpx")
+pytest.importorskip("uvicorn")
+pytest.importorskip("fastapi")
+
+from PIL import Image  # noqa: E402
+from test_serve import LiveServer, body, data_url, png_bytes, user  # noqa: E402
+
+from vlforge.config import ConfigError  # noqa: E402
+from vlforge.serve.app import create_app  # noqa: E402
+from vlforge.serve.config import ServeConfig  # noqa: E402
+from vlforge.serve.engine import InferenceEngine, Request  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return InferenceEngine.load("tiny", device="cpu", dtype=torch.float32)
+
+
+def _msg(text: str, images: int = 0) -> list[dict]:
+    return [{"role": "user", "content": [{"type": "image"}] * images + [{"type": "text", "text": text}]}]
+
+
+def _requests() -> list[Request]:
+    red, noise = Image.new("RGB", (64, 48), (200, 30, 30)), Image.effect_noise((40, 56), 60).convert("RGB")
+    return [Request(_msg("hi"), max_new_tokens=10),
+            Request(_msg("What colour is the shape in the picture?", 1), [red], max_new_tokens=5),
+            Request(_msg("Describe both pictures in detail, please.", 2), [noise, red], max_new_tokens=8,
+                    min_new_tokens=8),
+            Request(_msg("and a longer question with no image at all, to pad the batch", 0), max_new_tokens=9,
+                    stop=["zz"])]
+
+
+def test_greedy_batch_equals_the_old_generate_path(engine):
+    """Requests of different prompt lengths, images and max tokens in one batch: generate/'s engine
+    and transformers generate (engine=hf) give the same text, token counts and finish reasons."""
+    ours = engine.generate(_requests())
+    engine.engine_kind = "hf"
+    try:
+        assert not engine.continuous
+        old = engine.generate(_requests())
+    finally:
+        engine.engine_kind = "vlforge"
+    assert [(c.text, c.completion_tokens, c.finish_reason, c.prompt_tokens) for c in ours] == \
+        [(c.text, c.completion_tokens, c.finish_reason, c.prompt_tokens) for c in old]
+    assert len({c.completion_tokens for c in ours}) > 1 and ours[2].completion_tokens == 8
+
+
+def test_unknown_engine_is_a_clear_error():
+    with pytest.raises(ConfigError, match="--engine 'vllm': one of vlforge, hf"):
+        InferenceEngine.load("tiny", device="cpu", engine="vllm")
+
+
+def test_sampled_and_greedy_requests_share_one_decode_batch(engine):
+    """A greedy request keeps its answer next to sampled ones (one batch, per-row sampling), and a
+    seeded sampled request reproduces."""
+    greedy = Request(_msg("hi"), max_new_tokens=10, min_new_tokens=10)
+    alone = engine.generate([greedy])[0]
+
+    def sampled():
+        return Request(_msg("tell me"), max_new_tokens=10, min_new_tokens=10, temperature=1.0, top_p=0.9, seed=7)
+
+    mixed = engine.generate([sampled(), greedy, sampled()])
+    assert mixed[1].text == alone.text
+    assert mixed[0].text == mixed[2].text == engine.generate([sampled()])[0].text
+
+
+class Gate:
+    """A hook on the model's first decoder layer: once armed, at the third call (the long request's
+    prefill and two decode steps ran) it says so (`decoding`) and holds the decode until the server
+    has another request waiting, so that request surely arrives while the long one still decodes
+    (no timing assumptions). Then, while `slow`, each step takes 10 ms longer: the short answer's
+    trip back to its client has a margin of the long one's remaining ~60 steps."""
+
+    def __init__(self, batcher):
+        self.batcher, self.armed, self.slow, self.calls, self.held = batcher, False, False, 0, False
+        self.decoding = threading.Event()
+
+    def __call__(self, module, args):
+        if self.slow:
+            time.sleep(0.01)
+        if not self.armed:
+            return
+        self.calls += 1
+        if self.calls >= 3:
+            self.decoding.set()
+            deadline = time.monotonic() + 60
+            while self.batcher.waiting == 0 and time.monotonic() < deadline:
+                time.sleep(0.005)
+            self.held, self.armed = self.batcher.waiting > 0, False
+
+
+@pytest.fixture(scope="module")
+def gated_server(engine):
+    app = create_app(engine, ServeConfig(max_batch=4, batch_window_s=0.0, max_tokens=64))
+    gate = Gate(app.state.vlforge.batcher)
+    handle = engine.model.model.language_model.layers[0].register_forward_pre_hook(gate)
+    try:
+        with LiveServer(app) as s:
+            yield s, gate
+    finally:
+        handle.remove()
+
+
+def _content(events) -> str:
+    return "".join(e["choices"][0]["delta"].get("content", "") for e in events if isinstance(e, dict) and e["choices"])
+
+
+def test_short_request_joins_a_running_batch_and_answers_first(gated_server):
+    server, gate = gated_server
+    long_body = body(user("Tell me a long story about a red square.", data_url(png_bytes())), max_tokens=64,
+                     min_tokens=64)
+    short_body = body(user("hi"), max_tokens=2)
+    with httpx.Client(base_url=server.url, timeout=120) as c:
+        alone_long = c.post("/v1/chat/completions", json=long_body).json()["choices"][0]["message"]["content"]
+        alone_short = c.post("/v1/chat/completions", json=short_body).json()["choices"][0]["message"]["content"]
+        before = c.get("/health").json()
+        order, short = [], {}
+
+        def send_short():
+            assert gate.decoding.wait(60)  # the long answer is decoding: the short one arrives now
+            with httpx.Client(base_url=server.url, timeout=120) as other:
+                short["r"] = other.post("/v1/chat/completions", json=short_body).json()
+            order.append("short")
+
+        events, thread = [], threading.Thread(target=send_short)
+        gate.armed = gate.slow = True
+        thread.start()
+        with c.stream("POST", "/v1/chat/completions", json={**long_body, "stream": True}) as r:
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                data = line[len("data: "):]
+                events.append(data if data == "[DONE]" else json.loads(data))
+        order.append("long")
+        gate.slow = False
+        thread.join(60)
+        after = c.get("/health").json()
+    assert gate.held  # the long answer was still decoding when the short request arrived
+    assert order == ["short", "long"]  # the short request did not wait for the long one's batch
+    assert short["r"]["choices"][0]["message"]["content"] == alone_short  # the same greedy tokens as alone
+    assert short["r"]["usage"]["completion_tokens"] == 2
+    assert _content(events) == alone_long  # streamed text == the final text alone
+    assert after["max_batch_seen"] >= 2 and after["batches"] - before["batches"] == 2  # joined, not queued
+    assert after["running"] == 0 and after["queue"] == 0
+
+
+def test_seed_reproduces_a_sampled_answer_over_http(engine):
+    with LiveServer(create_app(engine, ServeConfig(batch_window_s=0.0))) as s, \
+            httpx.Client(base_url=s.url, timeout=120) as c:
+        def ask(seed):
+            payload = body(user("Tell me anything."), max_tokens=12, min_tokens=12, temperature=1.0, seed=seed)
+            r = c.post("/v1/chat/completions", json=payload)
+            assert r.status_code == 200, r.text
+            return r.json()["choices"][0]["message"]["content"]
+
+        first = ask(1234)
+        assert ask(1234) == first
+        assert len({first, ask(1), ask(2), ask(3)}) > 1  # other seeds draw other answers
+
+
+def test_lora_checkpoint_and_nf4_model_answer_as_on_the_old_path(shapes_dir, tmp_path):
+    """generate/'s engine runs transformers' layers, so a LoRA checkpoint (peft's injected layers)
+    and an NF4 language model (bitsandbytes' linears; decoded without CUDA graphs) answer as
+    transformers generate does."""
+    from helpers import tiny_sft_config
+
+    from vlforge.config import QuantConfig
+    from vlforge.recipes.sft import run_sft
+
+    run_sft(tiny_sft_config(shapes_dir, tmp_path / "run", "tiers.method=lora", "tiers.language.lr=0.02",
+                            "train.max_steps=1", "data.val=null"))
+    asks = [Request(_msg("what colour?"), max_new_tokens=6), Request(_msg("hi"), max_new_tokens=4)]
+    for source, quant, dtype in ((tmp_path / "run" / "checkpoint-1", None, torch.float32),
+                                 ("tiny", QuantConfig.from_flag("nf4"), torch.bfloat16)):
+        e = InferenceEngine.load(str(source), quant=quant, device="cpu", dtype=dtype)
+        assert (e.quant_report is not None) == (quant is not None)
+        assert e.gen_engine().use_graphs is (False if quant is not None else None)
+        ours = [e.generate([a])[0].text for a in asks]
+        e.engine_kind = "hf"
+        assert ours == [e.generate([a])[0].text for a in asks], source
