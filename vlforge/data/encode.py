@@ -244,6 +244,12 @@ def collate(items: list, pad_id: int, left_pad: bool = False, multiple: int = 1)
         if has_labels:
             batch["labels"].append(padded(x["labels"], IGNORE_INDEX))
     out = {k: torch.stack(v) for k, v in batch.items()}
+    return _with_images(out, items, skipped)
+
+
+def _with_images(out: dict, items: list, skipped: int) -> dict:
+    """A batch's images, concatenated in sample order (the order of their tokens), and its count
+    of skipped rows (collate and pack alike)."""
     with_images = [x for x in items if "pixel_values" in x]
     if with_images:
         out["pixel_values"] = torch.cat([x["pixel_values"] for x in with_images])
@@ -292,10 +298,4 @@ def pack(items: list, pad_id: int, multiple: int = 1, pad_to: int | None = None)
         "labels": torch.cat(labels + [torch.full((filler,), IGNORE_INDEX)])[None],
         "seq_lens": torch.tensor(lens),
     }
-    with_images = [x for x in items if "pixel_values" in x]
-    if with_images:
-        out["pixel_values"] = torch.cat([x["pixel_values"] for x in with_images])
-        out["image_grid_thw"] = torch.cat([x["image_grid_thw"] for x in with_images])
-    if skipped:
-        out["skipped_rows"] = torch.tensor(skipped)
-    return out
+    return _with_images(out, items, skipped)
