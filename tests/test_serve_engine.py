@@ -189,3 +189,42 @@ def test_lora_checkpoint_and_nf4_model_answer_as_on_the_old_path(shapes_dir, tmp
         ours = [e.generate([a])[0].text for a in asks]
         e.engine_kind = "hf"
         assert ours == [e.generate([a])[0].text for a in asks], source
+
+
+def test_a_request_too_long_for_the_running_cache_does_not_hold_up_short_ones():
+    """A 300-token request joining a call sized for 20 waits for the next call, but the short one
+    queued behind it passes it and finishes while the first request still decodes."""
+    from vlforge.serve.engine import InferenceEngine, Request
+
+    engine = InferenceEngine.load("tiny", device="cpu")
+    msgs = lambda t: [{"role": "user", "content": t}]  # noqa: E731
+    late = [Request(msgs("second one, long"), max_new_tokens=300, min_new_tokens=300),
+            Request(msgs("third short"), max_new_tokens=3)]
+    calls, order = {"n": 0}, []
+
+    def more():
+        calls["n"] += 1
+        return late if calls["n"] == 2 else []
+
+    engine.generate_continuous([Request(msgs("hi"), max_new_tokens=40, min_new_tokens=40)], None,
+                               lambda r, c: order.append((r.messages[0]["content"], c.completion_tokens)),
+                               more=more, slots=4)
+    assert order == [("third short", 3), ("hi", 40), ("second one, long", 300)]
+
+
+def test_a_joining_request_that_cannot_be_prepared_fails_alone():
+    from vlforge.serve.engine import InferenceEngine, Request
+
+    engine = InferenceEngine.load("tiny", device="cpu")
+    msgs = lambda t: [{"role": "user", "content": t}]  # noqa: E731
+    bad = Request([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "x"}]}], max_new_tokens=3)
+    calls, done, errors = {"n": 0}, [], []
+
+    def more():
+        calls["n"] += 1
+        return [bad] if calls["n"] == 1 else []  # an image placeholder without its image
+
+    engine.generate_continuous([Request(msgs("hi"), max_new_tokens=12, min_new_tokens=12)], None,
+                               lambda r, c: done.append(c.completion_tokens), more=more, slots=4,
+                               on_error=lambda r, e: errors.append(r))
+    assert done == [12] and errors == [bad]

@@ -53,7 +53,9 @@ def generate_answers(model, encoder: Encoder, samples, *, batch_size: int, max_n
         item = encode_prompt(encoder, x)
         prompts.append(Prompt(item["input_ids"], item.get("pixel_values"), item.get("image_grid_thw")))
     requests = [GenRequest(p, max_new_tokens=max_new_tokens) for p in prompts]
-    with policy.autocast():
+    # compiled decoder layers (precision.compile) run eager here: decode shapes change every call and
+    # would recompile them (the engine compiles its own decode step where that pays: GRPO rollouts)
+    with policy.autocast(), torch.compiler.set_stance("force_eager"):
         results = engine_for(model).generate(requests, stop_ids=encoder.end_ids, banned_ids=[],
                                              image_token_id=encoder.image_token_id, pad_id=encoder.pad_id,
                                              slots=batch_size)

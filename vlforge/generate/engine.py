@@ -124,14 +124,18 @@ class Feed:
     results and callbacks: with a feed, every request comes through it).
 
     A request whose prompt + max_new_tokens does not fit the call's KV length (or whose n exceeds
-    its slots) stays queued; the call returns once nothing runs, and the next call sizes for it.
+    its slots) stays queued while later requests that fit pass it, for at most `max_passed` sync
+    points (so one long request does not hold up the short ones behind it, nor wait for ever);
+    then taking stops, the running rows drain, the call returns and the next call sizes for it.
     `refill`, if given, is called at every sync point before taking (a single-threaded caller's
     chance to put arrivals and finish requests).
     """
 
-    def __init__(self, refill: Callable[["Feed"], None] | None = None):
+    def __init__(self, refill: Callable[["Feed"], None] | None = None, max_passed: int = 16):
         self._lock = threading.Lock()
         self._new: deque[tuple[int, GenRequest]] = deque()
+        self._passed: dict[int, int] = {}  # ticket -> sync points it did not fit while later ones were taken
+        self.max_passed = max_passed
         self._finish: set[int] = set()
         self._tickets = 0
         self.refill = refill
@@ -153,11 +157,23 @@ class Feed:
             return len(self._new)
 
     def _take(self, fits: Callable[[GenRequest], bool]) -> list[tuple[int, GenRequest]]:
-        """The queued requests that fit, in order (the first that does not stops the taking: FIFO)."""
+        """The queued requests that fit, in order; one that does not is passed over (and counted),
+        until it has been passed `max_passed` times: from it on, nothing more is taken."""
         with self._lock:
-            out = []
-            while self._new and fits(self._new[0][1]):
-                out.append(self._new.popleft())
+            out, kept = [], deque()
+            while self._new:
+                ticket, request = self._new.popleft()
+                if fits(request):
+                    out.append((ticket, request))
+                    continue
+                kept.append((ticket, request))
+                self._passed[ticket] = self._passed.get(ticket, 0) + 1
+                if self._passed[ticket] > self.max_passed:  # its turn: let the running rows drain
+                    kept.extend(self._new)
+                    self._new.clear()
+            self._new = kept
+            for ticket, _ in out:
+                self._passed.pop(ticket, None)
             return out
 
     def _finished(self) -> set[int]:
@@ -638,7 +654,7 @@ class Engine:
 
     def _stream(self, occupant, sent, S: int, on_tokens) -> None:
         counts = self.state.count[:S].cpu()
-        width = int(counts.max())
+        width = max((int(counts[slot]) for slot in occupant), default=0)  # freed slots keep old counts
         lo = min((sent[slot] for slot in occupant), default=0)  # only columns not streamed yet cross to the host
         toks = self.state.out_tok[:S, lo:width].cpu()
         for slot, (i, s) in occupant.items():

@@ -242,10 +242,13 @@ def part_weights(masks: list[torch.Tensor], agg: str, world: World = World()) ->
     return [u / total if total > 0 else 0.0 for u in units]
 
 
-def no_spare(world: World) -> DataError:
-    return DataError(f"rank {world.rank} has no sequence of its own this step (every one of its prompts failed to "
-                     "decode, data.on_error=skip) to take part in the other ranks' updates: run `vlforge data check` "
-                     "and fix or drop those rows")
+def check_spare(world: World, short: bool) -> None:
+    """Every rank stops together when one (`short`: it needs a pad and has no sequence to pad with)
+    cannot take part: raising on that rank alone would leave the others waiting in a collective."""
+    if world.sum(float(short)) > 0:
+        raise DataError("a rank has no sequence of its own this step (every one of its prompts failed to decode, "
+                        "data.on_error=skip) to take part in the other ranks' updates"
+                        + (" (this rank)" if short else "") + ": run `vlforge data check` and fix or drop those rows")
 
 
 def rank_mini_batches(batches: list[Batch], mini_batch_size: int, world: World, spare: Batch | None) -> list[list]:
@@ -263,13 +266,13 @@ def rank_mini_batches(batches: list[Batch], mini_batch_size: int, world: World, 
     count = -(-int(world.sum(mine)) // mini_batch_size)  # one process's number of mini-batches
     plan = mini_batches(batches, max(1, -(-mine // count)))
     shapes = world.gather_objects([len(parts) for parts in plan])
-    out = []
+    out, short = [], False
     for m in range(count):
         parts = list(plan[m]) if m < len(plan) else []
         need = max(shape[m] if m < len(shape) else 0 for shape in shapes) if world.sharded else 1
-        if len(parts) < need and spare is None:
-            raise no_spare(world)
+        short = short or (len(parts) < need and spare is None)
         out.append(parts + [(spare, None)] * (need - len(parts)))
+    check_spare(world, short)
     return out
 
 
@@ -288,8 +291,8 @@ def update(t: Trainable, ref_model, batches: list[Batch], optimizer, scaler, hea
         pads = max(world.gather_objects(len(batches))) - len(batches) if world.sharded else 0
         for b in batches:
             b.ref_logp = reference_logprobs(t, ref_model, b, temperature)  # [len(seqs), R], fixed for the step
-        if pads and spare is None:
-            raise no_spare(world)
+        if world.sharded:
+            check_spare(world, bool(pads) and spare is None)
         for _ in range(pads):
             reference_logprobs(t, ref_model, spare, temperature)
     # ratio_mean is exactly 1 until the step's first update (a check that rollout and trainer agree);

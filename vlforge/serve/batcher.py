@@ -187,10 +187,19 @@ class Batcher:
             self.requests_done += 1
             job.emit("done", c)
 
+        def on_error(request, e: Exception) -> None:  # a joining request that could not be prepared
+            job = jobs.pop(id(request))
+            log.warning("request failed before it joined the batch: %s", e)
+            if self.metrics is not None:
+                self.metrics.generations.labels("error").inc()
+            self.running = len(jobs)
+            self.requests_done += 1
+            job.emit("error", e)
+
         self._admit(batch, jobs)
         try:
             self.engine.generate_continuous([j.request for j in batch], on_text, on_done, more=more,
-                                            slots=self.max_batch)
+                                            slots=self.max_batch, on_error=on_error)
         except Exception as e:  # noqa: BLE001 - answered to each client; the server keeps serving
             log.exception("generation failed with %d requests running", len(jobs))
             if self.metrics is not None:

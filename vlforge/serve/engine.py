@@ -118,7 +118,9 @@ class _BatchStreamer:
             self.push(row, [tok])
 
     def push(self, row: int, toks: list[int]) -> None:
-        """The row's next tokens (one per step for generate(), a sync point's for generate/'s engine)."""
+        """The row's next tokens (one per step for generate(), a sync point's for generate/'s engine).
+        Each token re-decodes the answer so far (stop strings and streaming are exact per token;
+        that is quadratic in the answer's length: incremental detokenisation is a known to-do)."""
         for tok in toks:
             if self.done[row]:
                 return  # generate() pads finished rows; the engine's row may run on to the sync point
@@ -382,12 +384,18 @@ class InferenceEngine:
 
     def generate_continuous(self, first: list[Request], on_text: Callable[[Request, str], None] | None,
                             on_done: Callable[[Request, Completion], None],
-                            more: Callable[[], list[Request]] | None = None, slots: int | None = None) -> None:
+                            more: Callable[[], list[Request]] | None = None, slots: int | None = None,
+                            on_error: Callable[[Request, Exception], None] | None = None) -> None:
         """Complete `first` and whatever `more()` returns (polled at each sync point, from this
         thread; it must not block): those join the running decode batch. `on_done(request,
         completion)` as each finishes, `on_text(request, new_text)` as its answer grows. `slots`:
         the most requests decoding at once (default: len(first), at least 1). Returns once every
-        request taken is done."""
+        request taken is done. `on_error(request, exc)`: a request from `more()` that cannot be
+        prepared (its images, its prompt) is answered alone through it (default: raise, which fails
+        the whole call)."""
+        if on_error is None:
+            def on_error(r: Request, e: Exception) -> None:
+                raise e
         if self.engine_kind == "hf":  # the old path: one batch after another
             batch = list(first)
             while batch:
@@ -419,7 +427,10 @@ class InferenceEngine:
                 if r.cancelled.is_set():
                     feed.finish(t)
             for r in more() if more is not None else []:
-                put(feed, r)
+                try:
+                    put(feed, r)
+                except Exception as e:  # a bad joining request fails alone, not the rows running beside it
+                    on_error(r, e)
 
         def on_tokens(t: int, sample: int, ids: list[int]) -> None:
             streamer.push(rows[t], ids)
@@ -437,7 +448,10 @@ class InferenceEngine:
 
         feed = Feed(refill)
         for r in first:
-            put(feed, r)
+            try:
+                put(feed, r)
+            except Exception as e:
+                on_error(r, e)
         engine = self.gen_engine()
         banned = self.banned_ids()
         with self.lock, torch.no_grad(), \
