@@ -289,10 +289,10 @@ def update(t: Trainable, ref_model, batches: list[Batch], optimizer, scaler, hea
     if rl.kl_beta > 0:
         # sharded, each of these forwards is a collective: as many on every rank (counted first)
         pads = max(world.gather_objects(len(batches))) - len(batches) if world.sharded else 0
+        if world.sharded:  # before any forward: a collective between forwards would cross the others' all-gathers
+            check_spare(world, bool(pads) and spare is None)
         for b in batches:
             b.ref_logp = reference_logprobs(t, ref_model, b, temperature)  # [len(seqs), R], fixed for the step
-        if world.sharded:
-            check_spare(world, bool(pads) and spare is None)
         for _ in range(pads):
             reference_logprobs(t, ref_model, spare, temperature)
     # ratio_mean is exactly 1 until the step's first update (a check that rollout and trainer agree);
