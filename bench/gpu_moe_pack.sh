@@ -2,13 +2,7 @@
 # One device call: Qwen3-VL-30B-A3B LoRA (attention + experts) SFT, packing with flex_attention at a
 # fixed row length (compiled) vs padded, 8B LoRA compiled, and FSDP2's reshard_after_forward on one GPU.
 # Usage (CUDA machine, repo root): OUT=/some/dir bash bench/gpu_moe_pack.sh
-set -uo pipefail
-export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-OUT=${OUT:-/tmp/vlforge-gpu}; mkdir -p "$OUT"
-if [ -d .whl/train ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/train/*.whl \
-    && export PYTHONPATH=$PYTHONPATH:/tmp/site
-fi
+source "$(dirname "$0")/gpu_env.sh"
 n=0
 run() { n=$((n+1)); echo "+ $*" >&2; timeout ${LIMIT:-240} python3 bench/sft_throughput.py "$@" 2>"$OUT/err$n.txt" | tail -1 \
         | tee -a "$OUT/runs.jsonl" || { echo "run $n failed: $*"; grep -v -i warn "$OUT/err$n.txt" | tail -4; }; }

@@ -9,9 +9,7 @@
 # First, in the same call: python3 -m pytest -q -m gpu tests/test_packing.py (varlen bf16 parity; it also
 # fails if this torch's varlen_attn is missing or unusable, in which case the "ours" runs measure the
 # per-sample SDPA fallback). Each run prints one JSON line (tokens/s, step, peak memory) to runs.jsonl.
-set -uo pipefail
-export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-OUT=${OUT:-/tmp/vlforge-gpu}; mkdir -p "$OUT"
+source "$(dirname "$0")/gpu_env.sh"
 GROUP=${GROUP:-2b}
 n=0
 run() { n=$((n+1)); echo "+ $*" >&2; timeout ${LIMIT:-150} python3 bench/sft_throughput.py "$@" 2>"$OUT/err-$GROUP-$n.txt" | tail -1 \

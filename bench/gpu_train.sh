@@ -3,13 +3,7 @@
 # peft, TRL's SFTTrainer, ours padded and packed) on the same batches, 2B full and 8B LoRA, and
 # our compiled path. TRL and liger-kernel come as wheels in .whl/train (carry .whl/train).
 # Usage (CUDA machine, repo root): OUT=/some/dir bash bench/gpu_train.sh [STEPS]
-set -uo pipefail
-export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-OUT=${OUT:-/tmp/vlforge-gpu}; mkdir -p "$OUT"
-if [ -d .whl/train ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/train/*.whl \
-    && export PYTHONPATH=$PYTHONPATH:/tmp/site
-fi
+source "$(dirname "$0")/gpu_env.sh"
 steps=${1:-30}
 cd bench
 python3 train.py --preset qwen3vl-2b --method full --steps $steps --json $OUT/train-2b-full.json 2>$OUT/err-2b.txt | grep -v '^{' 
