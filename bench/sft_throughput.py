@@ -99,6 +99,8 @@ def main() -> None:
     ap.add_argument("--max-tokens-per-batch", type=int, help="micro-batches by token budget (data.max_tokens_per_batch)")
     ap.add_argument("--mixed", action="store_true", help="answers of 8-1024 tokens, 1-4 images per sample")
     ap.add_argument("--seed", type=int, default=0, help="the synthetic samples (and the budget batches' order)")
+    ap.add_argument("--profile", help="after the timed steps, profile 2 more (torch.profiler) and write the "
+                    "top operators by GPU time and by CPU time to this text file")
     args = ap.parse_args()
 
     vision = "tiers.vision.train=false" if args.method == "lora" else "tiers.vision.train=true"
@@ -149,6 +151,16 @@ def main() -> None:
             times.append(time.perf_counter() - start)
             tokens.append(out["tokens"])
     step_s = sum(times) / len(times)
+    if args.profile:  # where a step's time goes (not part of the timed steps above)
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for step in range(2):
+                train_step(t, [batches[step % len(batches)]], optimizer, scaler, health, 1.0, cfg.loss)
+            torch.cuda.synchronize()
+        table = prof.key_averages()
+        with open(args.profile, "w") as f:
+            f.write(table.table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=60))
+            f.write(table.table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60))
     pad_fraction = 1 - sum(count_tokens(b) for b in batches) / sum(b["input_ids"].numel() for b in batches)
     result = {
         "preset": args.preset, "method": args.method, "batch": args.batch, "grad_ckpt": args.grad_ckpt,

@@ -356,3 +356,22 @@ def test_varlen_attention_in_bf16_matches_the_padded_batch(tiny, mixed, monkeypa
     for name in grads_pad:
         a, b = grads_pack[name].float(), grads_pad[name].float()
         assert (a - b).norm() <= 5e-2 * b.norm() + 1e-6, name
+
+
+@pytest.mark.gpu
+def test_varlen_attention_runs_under_autocast_with_fp32_weights(tiny, mixed, monkeypatch):
+    """fp32 master weights under bf16 autocast (the recipes' default): q/k RMSNorm hands the
+    attention fp32 queries; packed rows must still take varlen_attn (in bf16, as SDPA would under
+    autocast), not the per-sample fallback, and match the padded batch."""
+    data, items = mixed
+    model = copy.deepcopy(tiny[0]).to("cuda", torch.float32)
+    varlen = Spy(monkeypatch, packed_attention, "_varlen_call")
+    cuda = lambda b: {k: v.to("cuda") for k, v in b.items()}
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss_pad, n_pad, grads_pad = _loss_and_grads(model, cuda(collate(items, data.encoder.pad_id)))
+        loss_pack, n_pack, grads_pack = _loss_and_grads(model, cuda(pack(items, data.encoder.pad_id, multiple=16)))
+    assert varlen.calls == model.config.text_config.num_hidden_layers
+    assert n_pack == n_pad and loss_pack == pytest.approx(loss_pad, rel=2e-2)
+    for name in grads_pad:
+        a, b = grads_pack[name].float(), grads_pad[name].float()
+        assert (a - b).norm() <= 5e-2 * b.norm() + 1e-6, name

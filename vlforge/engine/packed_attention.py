@@ -107,10 +107,25 @@ def _flash_capable(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 8  # flash kernels: Ampere and newer
 
 
+def half_dtype(query: torch.Tensor) -> torch.dtype | None:
+    """The half precision this attention runs in, or None: the query's own, or under CUDA autocast
+    the autocast dtype. With fp32 master weights (precision.master_weights) Qwen3's q/k RMSNorm
+    returns fp32 (its fp32 weight promotes), so the query arrives in fp32 although SDPA, on
+    autocast's lower-precision list, would run it in bf16: varlen_attn must do the same cast, or
+    every packed layer falls back to the per-sample loop (measured on the H200: it did)."""
+    if query.dtype in (torch.bfloat16, torch.float16):
+        return query.dtype
+    if query.is_cuda and torch.is_autocast_enabled("cuda"):
+        dtype = torch.get_autocast_dtype("cuda")
+        return dtype if dtype in (torch.bfloat16, torch.float16) else None
+    return None
+
+
 def varlen_usable(query: torch.Tensor, dropout: float, scaling: float | None) -> bool:
-    """Whether torch's varlen_attn can take this call: CUDA sm80+, half precision, no dropout (its
-    dropout is fixed at 0), a head size the flash kernel takes, a scale it can be given."""
-    if not query.is_cuda or query.dtype not in (torch.bfloat16, torch.float16) or dropout > 0:
+    """Whether torch's varlen_attn can take this call: CUDA sm80+, half precision (the query's or
+    autocast's), no dropout (its dropout is fixed at 0), a head size the flash kernel takes, a
+    scale it can be given."""
+    if not query.is_cuda or half_dtype(query) is None or dropout > 0:
         return False
     if (found := _varlen()) is None or not _flash_capable(query.device.index or 0):
         return False
@@ -126,7 +141,8 @@ def _varlen_call(query_HqTD, key_HkTD, value_HkTD, rows: PackedRows, scaling):
     Hq, Hk = query_HqTD.shape[0], key_HkTD.shape[0]
     # [T, H, D]; contiguous, as flash-attention's varlen entry points are called elsewhere (one
     # copy of q, k, v per layer, small next to the projections)
-    q, k, v = (x.transpose(0, 1).contiguous() for x in (query_HqTD, key_HkTD, value_HkTD))
+    dtype = half_dtype(query_HqTD)  # autocast's cast, as SDPA gets it (the copy happens anyway)
+    q, k, v = (x.transpose(0, 1).to(dtype).contiguous() for x in (query_HqTD, key_HkTD, value_HkTD))
     kwargs = {}
     if Hk != Hq:
         if "enable_gqa" in params:
