@@ -205,7 +205,7 @@ def test_moe_packed_logprobs_router_loss_and_gradients_equal_the_padded(prompts_
         aux = routed.aux_loss()
         mask = rollout.response_mask.float()
         ((logp * mask).sum() / mask.sum() + aux).backward()
-        results[packing] = (logp.detach(), float(aux), routed.counts(),
+        results[packing] = (logp.detach(), float(aux.detach()), routed.counts(),
                             {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
     routing.remove()
     (logp0, aux0, counts0, grads0), (logp1, aux1, counts1, grads1) = results[False], results[True]
@@ -240,9 +240,10 @@ def test_auto_packing_is_on_where_attention_runs_per_sample(tiny):
         load_config(GRPOConfig, None, ["rl.packing=sometimes"])
 
 
-@pytest.mark.parametrize("method", ["lora", "full"])
-def test_one_grpo_step_with_packing_equals_without(shapes_dir, tmp_path, monkeypatch, method):
-    """Two mini-batch updates (8 sequences, mini-batches of 4), KL to the reference, through run_grpo."""
+@pytest.mark.parametrize("method,extra", [("lora", []), ("full", ["precision.gradient_checkpointing=true"])])
+def test_one_grpo_step_with_packing_equals_without(shapes_dir, tmp_path, monkeypatch, method, extra):
+    """Two mini-batch updates (8 sequences, mini-batches of 4), KL to the reference, through run_grpo;
+    under activation checkpointing the packed row's sequences reach the recomputed layers too."""
     calls = []
     real = rollout_engine._packed_hidden
     monkeypatch.setattr(rollout_engine, "_packed_hidden", lambda *a, **k: calls.append(1) or real(*a, **k))
@@ -250,7 +251,7 @@ def test_one_grpo_step_with_packing_equals_without(shapes_dir, tmp_path, monkeyp
     for packing in ("false", "true"):
         out = tmp_path / packing
         run_grpo(grpo_config(shapes_dir, out, tmp_path, f"tiers.method={method}", "rl.kl_beta=0.1",
-                             f"rl.packing={packing}", "train.save_every=1", "train.seed=3"))
+                             f"rl.packing={packing}", "train.save_every=1", "train.seed=3", *extra))
         rows[packing] = json.loads((out / "metrics.jsonl").read_text().splitlines()[0])
         name = "adapter_model.safetensors" if method == "lora" else "model.safetensors"
         weights[packing] = load_file(out / "checkpoint-1" / name)
