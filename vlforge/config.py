@@ -528,6 +528,11 @@ class RLConfig:
     dynamic_sampling: bool = False  # drop groups whose rewards are all equal, refill with new prompts
     max_sampling_tries: int = 3  # rollout rounds per step when dynamic sampling
     overlong_penalty: float = 0.0  # subtracted from the reward of responses cut at max_new_tokens
+    # The update's log-prob forwards on real tokens only: a mini-batch part's prompts (no left
+    # padding) and responses (no right padding) packed into one row, M-RoPE and attention per
+    # sequence (docs/packing.md). auto = on where attention runs per sample without a dense mask
+    # (model.attn_implementation=sdpa with packed_attention=per_sample); off for eager / flex / mask
+    packing: bool | Literal["auto"] = "auto"
 
     def __post_init__(self):
         for key in ("epochs", "mini_batch_size", "max_sampling_tries"):

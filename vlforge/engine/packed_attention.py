@@ -79,6 +79,15 @@ def keep_mask_attention(core) -> None:
     core._vlforge_packed_mask = True  # a plain module attribute: never saved with the weights
 
 
+def per_sample_attention(core) -> bool:
+    """Whether this model's packed rows would attend per sample without a [T, T] mask: sdpa (this
+    module; already switched or not) unless model.packed_attention=mask. eager, flex_attention and
+    the mask path build a dense mask over the whole row; flash_attention_2 is varlen too, but not
+    installed where this is tested."""
+    impl = core.model.language_model.config._attn_implementation
+    return impl in ("sdpa", PACKED_ATTENTION) and not getattr(core, "_vlforge_packed_mask", False)
+
+
 def use_packed_attention(core) -> bool:
     """Switch the language model's config from `sdpa` to the packed implementation (True if it now
     uses it). Only sdpa: it is the same for every call without `packed_rows`, so eval, generation

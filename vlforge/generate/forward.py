@@ -60,13 +60,14 @@ def cache_of(output):
 
 def forward_shared(core, input_ids_NT: torch.Tensor, attention_mask_NT: torch.Tensor, position_ids_3NT: torch.Tensor,
                    feats: ImageFeatures | None, prompt_of_seq: list[int], cache=None, use_cache: bool = False,
-                   keepalive: torch.Tensor | None = None):
+                   keepalive: torch.Tensor | None = None, **lm_kwargs):
     """Qwen3-VL's language model over N sequences whose image tokens reuse `feats` of their prompt.
 
     Equivalent to the HF forward with each prompt's pixels repeated per sequence (tested), without
     running the vision tower again. Returns the language model output (last_hidden_state, cache).
     `keepalive` (a zero from engine.losses.vision_keepalive) joins the embeddings where image
     features would: a sharded text-only mini-batch then reduces gradients like one with images.
+    `lm_kwargs` go to the language model as they are (a packed row's `packed_rows`).
     """
     lm = core.model.language_model
     embeds_NTH = lm.embed_tokens(input_ids_NT)
@@ -80,7 +81,7 @@ def forward_shared(core, input_ids_NT: torch.Tensor, attention_mask_NT: torch.Te
         embeds_NTH = embeds_NTH.masked_scatter(image_mask_NT[..., None], image_embeds)
         kwargs = {"visual_pos_masks": image_mask_NT, "deepstack_visual_embeds": [d[rows] for d in feats.deepstack]}
     return lm(inputs_embeds=embeds_NTH, attention_mask=attention_mask_NT, position_ids=position_ids_3NT,
-              use_cache=use_cache, **{_cache_kwarg(type(lm)): cache}, **kwargs)
+              use_cache=use_cache, **{_cache_kwarg(type(lm)): cache}, **kwargs, **lm_kwargs)
 
 
 def rope_positions(core, input_ids: torch.Tensor, attention_mask: torch.Tensor, image_token_id: int,

@@ -32,7 +32,7 @@ from vlforge.engine.moe import aux_term, capture
 from vlforge.engine.run import Run, begin_run
 from vlforge.engine.trainable import Trainable, setup_model
 from vlforge.rl import RewardSpec, agg_loss, build_rewards, exact_match, grpo_advantages, kl_penalty, policy_loss
-from vlforge.rollout.engine import Rollout, generate_groups, sequence_logprobs
+from vlforge.rollout.engine import PackedLayout, Rollout, generate_groups, packing_enabled, sequence_logprobs
 
 
 @dataclass
@@ -193,23 +193,26 @@ def pool_batch_std(batches: list[Batch], kept_rewards: list[torch.Tensor], group
         b.advantages[b.seqs] = adv[rows].to(b.advantages.device)
 
 
-def reference_logprobs(t: Trainable, ref_model, batch: Batch, temperature: float) -> torch.Tensor:
+def reference_logprobs(t: Trainable, ref_model, batch: Batch, temperature: float,
+                       packing: bool = False) -> torch.Tensor:
     with torch.no_grad(), t.policy.autocast():
         if ref_model is None:  # LoRA: the base model is the reference, no second copy
             reshard_all(t.root)  # peft toggles requires_grad: on the sharded parameters, not gathered copies
             with t.model.disable_adapter():
                 logp = t.forward(sequence_logprobs, batch.rollout, temperature, seq_index=batch.seqs,
-                                 keep_vision=t.world.sharded)[0]
+                                 keep_vision=t.world.sharded, packing=packing)[0]
                 reshard_all(t.root)
             return logp
-        return sequence_logprobs(ref_model, batch.rollout, temperature, seq_index=batch.seqs)[0]
+        return sequence_logprobs(ref_model, batch.rollout, temperature, seq_index=batch.seqs, packing=packing)[0]
 
 
-def token_rows(rollout: Rollout, seqs: list[int]) -> torch.Tensor:
+def token_rows(rollout: Rollout, seqs: list[int], packing: bool = False) -> torch.Tensor:
     """[n, P + R] mask of the token rows sequence_logprobs runs for `seqs` (prompt + response):
-    the rows an MoE router sees, padding left out of the load-balancing loss and the load metrics."""
+    the rows an MoE router sees, padding left out of the load-balancing loss and the load metrics.
+    Packed: [1, T], the row's tokens (all real)."""
     prompt = rollout.prompt_mask[[rollout.prompt_of_seq[s] for s in seqs]]
-    return torch.cat([prompt, rollout.response_mask[seqs]], dim=1)
+    rows = torch.cat([prompt, rollout.response_mask[seqs]], dim=1)
+    return PackedLayout.of(rows).pack(rows) if packing else rows
 
 
 def mini_batches(batches: list[Batch], size: int) -> list[list[tuple[Batch, list[int]]]]:
@@ -286,15 +289,16 @@ def update(t: Trainable, ref_model, batches: list[Batch], optimizer, scaler, hea
     its share of every mini-batch; `spare` pads the ranks with fewer (rank_mini_batches).
     """
     rl, temperature, world = cfg.rl, cfg.rollout.temperature, t.world
+    packing = packing_enabled(t.model, rl.packing)  # the log-prob forwards on real tokens only (one row)
     if rl.kl_beta > 0:
         # sharded, each of these forwards is a collective: as many on every rank (counted first)
         pads = max(world.gather_objects(len(batches))) - len(batches) if world.sharded else 0
         if world.sharded:  # before any forward: a collective between forwards would cross the others' all-gathers
             check_spare(world, bool(pads) and spare is None)
         for b in batches:
-            b.ref_logp = reference_logprobs(t, ref_model, b, temperature)  # [len(seqs), R], fixed for the step
+            b.ref_logp = reference_logprobs(t, ref_model, b, temperature, packing)  # [len(seqs), R], fixed this step
         for _ in range(pads):
-            reference_logprobs(t, ref_model, spare, temperature)
+            reference_logprobs(t, ref_model, spare, temperature, packing)
     # ratio_mean is exactly 1 until the step's first update (a check that rollout and trainer agree);
     # clip_frac_lower is the share of tokens where the dual clip binds
     logged = ["loss", "clip_frac", "ratio_mean", "approx_kl", "entropy"] + (["kl"] if rl.kl_beta > 0 else []) \
@@ -315,15 +319,15 @@ def update(t: Trainable, ref_model, batches: list[Batch], optimizer, scaler, hea
                     if part is None:  # padding: the collectives of a forward and backward, no gradient
                         with t.policy.autocast():
                             logp = t.forward(sequence_logprobs, b.rollout, temperature, seq_index=b.seqs,
-                                             keep_vision=world.wrapped)[0]
+                                             keep_vision=world.wrapped, packing=packing)[0]
                         scaler.scale(0.0 * logp.sum()).backward()
                         continue
                     mask, w, n_tok = masks[j], weights[j], tokens[j]  # real parts come first
                     seqs = [b.seqs[i] for i in part]
-                    with t.policy.autocast(), capture(t.routing, token_rows(b.rollout, seqs)) as routed:  # MoE
+                    with t.policy.autocast(), capture(t.routing, token_rows(b.rollout, seqs, packing)) as routed:  # MoE
                         logp, entropy = t.forward(sequence_logprobs, b.rollout, temperature, seq_index=seqs,
                                                   with_entropy=True, keep_vision=world.wrapped,
-                                                  chunk_size=cfg.loss.chunk_size)
+                                                  chunk_size=cfg.loss.chunk_size, packing=packing)
                     # norm_length: Dr. GRPO's constant divisor is the length cap, not this batch's longest
                     loss, stats = policy_loss(logp, b.rollout.logprobs[seqs], b.advantages[seqs], mask,
                                               clip_low=rl.clip_low, clip_high=rl.clip_high, dual_clip=rl.dual_clip,
@@ -414,7 +418,7 @@ def run_grpo(cfg: GRPOConfig) -> dict:
         raise ConfigError("data.train is not set: give a JSONL of prompts with reference answers")
     if cfg.data.packing or cfg.data.max_tokens_per_batch:
         raise ConfigError("data.packing / data.max_tokens_per_batch are SFT batching keys: GRPO batches prompts by "
-                          "rollout.prompts_per_step; remove them")
+                          "rollout.prompts_per_step (its update packs responses by rl.packing); remove them")
     if cfg.loss.impl == "liger":
         raise ConfigError("loss.impl=liger: GRPO's log-probs need banned vision tokens and the entropy, which "
                           "liger's fused op cannot give; GRPO always uses the chunked computation (loss.chunk_size)")

@@ -4,7 +4,8 @@ Shapes: B prompts, G responses per prompt, N = B*G sequences, P prompt length (l
 R response length (right-padded), H hidden size, V vocabulary.
 
     generate_groups     G responses per prompt on generate/'s engine (each prompt prefilled once)
-    sequence_logprobs   the trainer's log-probs of response tokens (same forward: generate.forward)
+    sequence_logprobs   the trainer's log-probs of response tokens (same forward: generate.forward),
+                        on the padded [n, P + R] batch or packed into one row (rl.packing: PackedLayout)
 
 Log-probs are of the temperature-scaled policy, log_softmax(logits / T), before top-k/top-p
 truncation (as verl's actor computes them), in fp32. Vision special tokens are never sampled.
@@ -12,17 +13,20 @@ truncation (as verl's actor computes them), in fp32. Vision special tokens are n
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
 
 from vlforge.config import RolloutConfig
 from vlforge.data.encode import Encoder
-from vlforge.engine.losses import token_logprobs_entropy, vision_keepalive
+from vlforge.engine.losses import packed_position_ids, token_logprobs_entropy, vision_keepalive
+from vlforge.engine.packed_attention import PackedRows, packed_forward, per_sample_attention, use_packed_attention
 from vlforge.generate.engine import GenRequest, engine_for, prompts_of_batch
 from vlforge.generate.forward import (VISION_TOKENS, ImageFeatures, cache_of, encode_images, filter_logits,  # noqa: F401
                                       forward_shared, rope_positions, token_logprobs, vision_token_ids)
 from vlforge.model.tiers import unwrap
+
 
 @dataclass
 class Rollout:
@@ -148,12 +152,64 @@ def _images_of(rollout: Rollout, prompts: list[int]) -> tuple[torch.Tensor | Non
     return rollout.pixel_values[rows], rollout.image_grid_thw[images]
 
 
+@dataclass(frozen=True)
+class PackedLayout:
+    """n sequences' real tokens one after another in one row: each prompt without its left
+    padding, then its response without its right padding, in sequence order (rl.packing).
+
+    `seq_lens` [n] host ints; `src_T` [T] each row token's flat index in the padded [n, P + R]
+    layout; `row_index_nT` [n, P + R] each padded position's place in the row (-1: padding).
+    `pack` turns any padded-layout tensor (ids, masks, a router's per-token data) into the row's."""
+
+    seq_lens: list[int]
+    src_T: torch.Tensor
+    row_index_nT: torch.Tensor
+
+    @classmethod
+    def of(cls, mask_nT: torch.Tensor) -> PackedLayout:
+        real_nT = mask_nT.bool()
+        src_T = real_nT.reshape(-1).nonzero()[:, 0]
+        row_index_nT = torch.full(real_nT.shape, -1, dtype=torch.long, device=real_nT.device)
+        row_index_nT[real_nT] = torch.arange(len(src_T), device=real_nT.device)  # row-major: src_T's order
+        return cls(real_nT.sum(1).tolist(), src_T, row_index_nT)
+
+    def pack(self, x_nT: torch.Tensor) -> torch.Tensor:
+        """[n, P + R, ...] in the padded layout -> [1, T, ...] in the row's."""
+        return x_nT.flatten(0, 1)[self.src_T][None]
+
+
+def packing_enabled(model, setting: bool | str) -> bool:
+    """rl.packing for this model: auto = on where a packed row attends per sample without a dense
+    [T, T] mask (sdpa, engine/packed_attention.py: varlen kernels on CUDA, per-sample SDPA elsewhere);
+    eager / flex_attention / model.packed_attention=mask would build that mask over the whole row."""
+    return per_sample_attention(unwrap(model)) if setting == "auto" else bool(setting)
+
+
+def _packed_hidden(core, ids_1T: torch.Tensor, grid: torch.Tensor | None, seq_lens: list[int],
+                   feats: ImageFeatures | None, prompt_of_seq: list[int], keepalive: torch.Tensor | None):
+    """Last hidden states [T, H] of a packed row; as engine.losses.backbone_hidden, but with the
+    image features of each prompt (encoded once) gathered into every packed copy of its image tokens
+    (forward_shared: the row's image tokens are in sequence order, as the padded batch's are)."""
+    mm_1T = (ids_1T == core.config.image_token_id).long()
+    grid = grid if grid is not None and len(grid) else None
+    pos_41T = packed_position_ids(core, ids_1T, mm_1T, grid, seq_lens)  # M-RoPE restarting per sequence
+    run = functools.partial(forward_shared, core, ids_1T, None, pos_41T, feats, prompt_of_seq, keepalive=keepalive)
+    if not use_packed_attention(core):  # eager / flash / flex / packed_attention=mask: transformers' own
+        return run().last_hidden_state[0]
+    rows = PackedRows.of(seq_lens, ids_1T.shape[1], ids_1T.device)
+    with packed_forward():
+        return run(packed_rows=rows).last_hidden_state[0]
+
+
 def sequence_logprobs(model, rollout: Rollout, temperature: float, seq_index: list[int] | None = None,
-                      with_entropy: bool = False, keep_vision: bool = False, chunk_size: int = 1024):
+                      with_entropy: bool = False, keep_vision: bool = False, chunk_size: int = 1024,
+                      packing: bool = False):
     """Log-probs [n, R] of the response tokens of sequences `seq_index` (default all), recomputed
     by teacher forcing with gradients; the images of the prompts those sequences belong to (only
     those) are encoded once for all their sequences. `keep_vision`: run the vision tower even
     when those prompts have no image (sharded runs: engine.losses.vision_keepalive).
+    `packing`: the forward runs on the sequences' real tokens only, one row (PackedLayout), with
+    per-sequence M-RoPE and attention; the same numbers as the padded batch, to rounding (tested).
     Returns (logp, entropy or None)."""
     core = unwrap(model)
     seq_index = list(range(rollout.response_ids.shape[0])) if seq_index is None else seq_index
@@ -170,14 +226,21 @@ def sequence_logprobs(model, rollout: Rollout, temperature: float, seq_index: li
     if rollout.image_grid_thw is not None:  # grids in sequence order, for the M-RoPE index
         starts = [sum(rollout.images_per_prompt[:b]) for b in range(len(rollout.images_per_prompt))]
         grid = torch.cat([rollout.image_grid_thw[starts[b]:starts[b] + rollout.images_per_prompt[b]] for b in prompt_of])
-    pos = rope_positions(core, ids, mask, core.config.image_token_id, grid)
-    hidden = forward_shared(core, ids, mask, pos, feats, [local[b] for b in prompt_of],
-                            keepalive=keepalive).last_hidden_state
     P, R = rollout.prompt_ids.shape[1], resp.shape[1]
-    hidden_nRH = hidden[:, P - 1:P - 1 + R]  # the state before each response token predicts it
-    # logits only at response tokens, a chunk at a time (engine.losses.token_logprobs_entropy); 0 elsewhere
     mask_nR = rollout.response_mask[seq_index].bool()
-    logp_N, entropy_N = token_logprobs_entropy(hidden_nRH[mask_nR], core.lm_head, resp[mask_nR], temperature,
+    # the state before each response token predicts it: padded position P - 1 + r
+    if packing:
+        layout = PackedLayout.of(mask)
+        hidden_TH = _packed_hidden(core, layout.pack(ids), grid, layout.seq_lens, feats,
+                                   [local[b] for b in prompt_of], keepalive)
+        hidden_NH = hidden_TH[layout.row_index_nT[:, P - 1:P - 1 + R][mask_nR]]
+    else:
+        pos = rope_positions(core, ids, mask, core.config.image_token_id, grid)
+        hidden = forward_shared(core, ids, mask, pos, feats, [local[b] for b in prompt_of],
+                                keepalive=keepalive).last_hidden_state
+        hidden_NH = hidden[:, P - 1:P - 1 + R][mask_nR]
+    # logits only at response tokens, a chunk at a time (engine.losses.token_logprobs_entropy); 0 elsewhere
+    logp_N, entropy_N = token_logprobs_entropy(hidden_NH, core.lm_head, resp[mask_nR], temperature,
                                                rollout.banned_ids, with_entropy, chunk_size)
     logp = logp_N.new_zeros(mask_nR.shape).masked_scatter(mask_nR, logp_N)
     entropy = entropy_N.new_zeros(mask_nR.shape).masked_scatter(mask_nR, entropy_N) if with_entropy else None
