@@ -135,7 +135,7 @@ def test_packed_images_are_encoded_once_per_prompt(tiny_rollout):
 def _grpo_loss(model, rollout, ref_logp, packing, keep_vision=False):
     logp, _ = sequence_logprobs(model, rollout, 0.7, with_entropy=True, packing=packing, keep_vision=keep_vision)
     mask = rollout.response_mask.float()
-    adv = torch.linspace(-1.0, 1.0, len(mask))
+    adv = torch.linspace(-1.0, 1.0, len(mask), device=mask.device)
     loss, _ = policy_loss(logp, rollout.logprobs - 0.05, adv, mask)  # ratio != 1: the clip binds somewhere
     return loss + 0.1 * (kl_penalty(logp, ref_logp, "k3") * mask).sum() / mask.sum()
 
