@@ -443,7 +443,9 @@ def run_grpo(cfg: GRPOConfig) -> dict:
                               f"{len(data)} prompts")
         total_steps = cfg.train.max_steps or cfg.train.epochs * (len(data) // cfg.rollout.prompts_per_step)
         # the lr schedule advances once per GRPO step, however many mini-batch updates it makes
-        run = Run.start(cfg, t, total_steps, val, resume_from, spikes=False)
+        # shared_rng: every rank draws each rollout's seed from the global RNG, which stays in lockstep
+        # (dropout off), so a resume on any number of ranks gives every rank rank 0's stream
+        run = Run.start(cfg, t, total_steps, val, resume_from, spikes=False, shared_rng=True)
         B, G = cfg.rollout.prompts_per_step, cfg.rollout.group_size
         if world.main:
             print(f"GRPO: {len(data)} prompts, {B} x {G} rollouts per step, {total_steps} steps, device {t.device}"
