@@ -31,6 +31,7 @@ from vlforge.engine.metrics import plot_metric, read_metrics
 from vlforge.engine.moe import aux_term, capture
 from vlforge.engine.run import Run, begin_run
 from vlforge.engine.trainable import Trainable, setup_model
+from vlforge.generate.engine import engine_for
 from vlforge.rl import RewardSpec, agg_loss, build_rewards, exact_match, grpo_advantages, kl_penalty, policy_loss
 from vlforge.rollout.engine import Rollout, generate_groups, sequence_logprobs
 
@@ -458,6 +459,8 @@ def run_grpo(cfg: GRPOConfig) -> dict:
             start = time.perf_counter()
             t.model.eval()  # rollouts sample from the policy without dropout
             batches, stats, spare = collect(t, data, stream, run.state, cfg, rewards)
+            if not cfg.rollout.keep_kv and cfg.rollout.engine == "vlforge":
+                engine_for(t.model).release()  # the update gets the KV slots' memory (rollout.keep_kv)
             t_rollout = time.perf_counter() - start
             t.model.train()
             lr = run.lr
