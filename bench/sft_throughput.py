@@ -127,12 +127,12 @@ def main() -> None:
             items.append(encode(encoder, s, SampleTokens(ids, encoder.assistant_labels(ids), len(ids))))
     if args.max_tokens_per_batch:  # the recipe's sampler (epoch 0's order)
         index_lists = [ix for ix, _ in budget_batches([len(x["input_ids"]) for x in items], args.max_tokens_per_batch,
-                                                      args.packing, args.seed, 0)]
+                                                      args.packing, args.seed, 0, multiple=t.token_multiple)]
     else:
         index_lists = [list(range(i, min(i + args.batch, len(items)))) for i in range(0, len(items), args.batch)]
     # flex_attention compiles per shape: packed rows of one length (the recipe does the same)
-    pad_to = (args.max_tokens_per_batch if args.packing and args.max_tokens_per_batch
-              and cfg.model.attn_implementation == "flex_attention" else None)
+    pad_to = (args.max_tokens_per_batch // t.token_multiple * t.token_multiple if args.packing
+              and args.max_tokens_per_batch and cfg.model.attn_implementation == "flex_attention" else None)
     batches = [pack([items[i] for i in ix], encoder.pad_id, multiple=t.token_multiple, pad_to=pad_to) if args.packing
                else collate([items[i] for i in ix], encoder.pad_id, multiple=t.token_multiple) for ix in index_lists]
     optimizer = build_optimizer(param_groups(t.model, t.plan, 0.0), cfg.optim, "cuda")

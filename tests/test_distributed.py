@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from safetensors.torch import load_file
 
 from vlforge.data.dataset import epoch_order
 from vlforge.model.export import export
+from vlforge.model.tiers import unwrap
 from vlforge.recipes.sft import run_sft
 
 from helpers import tiny_sft_config
@@ -403,13 +405,20 @@ PROBE_RUNS = {  # name -> (overrides, the dtype rank 0 reads the weights in)
              "torch.bfloat16"),  # the base in bf16, the adapters fp32
     # a bf16 directory under fp32 masters: rank 0 keeps it bf16 (half the host memory), exact all the same
     "dir": (["tiers.method=full", "precision.mode=bf16", "model.path={dir}"], "torch.bfloat16"),
+    # tied word embeddings (as the 2B and 4B): lm_head and embed_tokens one parameter, sharded once
+    "tied": (["tiers.method=full", "precision.mode=bf16", "model.path={tied}"], "torch.bfloat16"),
 }
+
+
+def _tied_dir(model_dir) -> str:
+    return str(Path(model_dir).parent / "tied-model")
 
 
 def _probe_config(name: str, model_dir, *extra):
     from vlforge.config import SFTConfig, load_config
 
-    return load_config(SFTConfig, None, [*COMMON, *(o.format(dir=model_dir) for o in PROBE_RUNS[name][0]), *extra])
+    return load_config(SFTConfig, None, [*COMMON, *(o.format(dir=model_dir, tied=_tied_dir(model_dir))
+                                                    for o in PROBE_RUNS[name][0]), *extra])
 
 
 def _probe_model(t) -> dict:
@@ -420,11 +429,13 @@ def _probe_model(t) -> dict:
 
     options = StateDictOptions(full_state_dict=True) if t.world.sharded else None
     params = dict(t.model.named_parameters())
+    core = unwrap(t.model)
     return {"state": get_model_state_dict(t.model, options=options) if options else t.model.state_dict(),
             "params": {n: (p.dtype, p.requires_grad) for n, p in params.items()},
             "buffers": {n: b.clone() for n, b in t.model.named_buffers()},
             "held": sum((p.to_local() if isinstance(p, DTensor) else p).numel() for p in params.values()),
-            "rng": torch.get_rng_state()}
+            "rng": torch.get_rng_state(),
+            "tied": core.lm_head.weight is core.model.language_model.embed_tokens.weight}
 
 
 def probe_sharded_setup(out_dir: str, model_dir: str) -> None:
@@ -471,6 +482,11 @@ def test_sharded_loading_gives_every_rank_the_one_process_model(tmp_path):
     model_dir = tmp_path / "bf16-model"
     for part in load_model(ModelConfig(preset="tiny"), dtype=torch.bfloat16):
         part.save_pretrained(model_dir)
+    model, processor = load_model(ModelConfig(preset="tiny"), dtype=torch.bfloat16)
+    model.config.tie_word_embeddings = model.config.text_config.tie_word_embeddings = True
+    model.tie_weights()  # lm_head takes embed_tokens' weight; the directory stores it once
+    for part in (model, processor):
+        part.save_pretrained(_tied_dir(model_dir))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
     result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                              __file__, str(tmp_path), str(model_dir)], env=env, capture_output=True, text=True,
@@ -485,7 +501,9 @@ def test_sharded_loading_gives_every_rank_the_one_process_model(tmp_path):
         assert sum(r["held"] for r in ranks) == one["held"] and ranks[1]["held"] < one["held"]
         assert {"model.language_model.rotary_emb.inv_freq", "model.visual.rotary_pos_emb.inv_freq"} <= \
             {n.removeprefix("base_model.model.") for n in one["buffers"]}
+        assert one["tied"] == (name == "tied")
         for rank in ranks:
+            assert rank["tied"] == one["tied"], "the tie survives sharded loading"
             assert rank["params"] == one["params"]
             assert rank["state"].keys() == one["state"].keys()
             for key, value in one["state"].items():
@@ -499,7 +517,8 @@ def test_sharded_loading_gives_every_rank_the_one_process_model(tmp_path):
         plan = build_plan(meta, cfg.tiers)
         load = memory_estimate(meta, plan, cfg, world_size=2)["load"]
         sent = apply_plan(load_on_host(cfg.model, getattr(torch, host_dtype.removeprefix("torch."))), plan).state_dict()
-        assert load["meta_init"] and load["host_rank0"] == sum(v.numel() * v.element_size() for v in sent.values())
+        held = {v.data_ptr(): v.numel() * v.element_size() for v in sent.values()}  # a tied weight once
+        assert load["meta_init"] and load["host_rank0"] == sum(held.values())
 
 
 def test_lora_with_cpu_offload_loaded_sharded_trains_and_resumes_like_one_process(shapes_dir, tmp_path):

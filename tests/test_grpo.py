@@ -113,6 +113,31 @@ def test_grpo_resume_equals_uninterrupted(shapes_dir, tmp_path):
         assert torch.equal(a[k], b[k]), k
 
 
+@pytest.mark.parametrize("keep", [True, False])
+def test_rollout_keep_kv_frees_the_kv_slots_before_each_update(shapes_dir, tmp_path, monkeypatch, keep):
+    """rollout.keep_kv=false: every update runs with the engine's KV slots freed (the next rollout
+    allocates them again) and the run is the same as with them kept; true: they stay allocated."""
+    from vlforge.generate.engine import engine_for
+    from vlforge.recipes import grpo as recipe
+
+    held, real = [], recipe.update
+
+    def update(t, *args, **kwargs):  # a spy: the real update, noting the engine's buffers
+        held.append(engine_for(t.model).cache is not None)
+        return real(t, *args, **kwargs)
+
+    monkeypatch.setattr(recipe, "update", update)
+    common = ["tiers.method=lora", "rl.kl_beta=0.0", "train.max_steps=2"]
+    run_grpo(grpo_config(shapes_dir, tmp_path / "run", tmp_path, *common, f"rollout.keep_kv={str(keep).lower()}"))
+    assert held == [keep, keep]
+    if not keep:  # the same steps as with the buffers kept
+        run_grpo(grpo_config(shapes_dir, tmp_path / "kept", tmp_path, *common))
+        rows = [[json.loads(r) for r in (tmp_path / d / "metrics.jsonl").read_text().splitlines()] for d in ("run", "kept")]
+        for a, b in zip(*rows):
+            assert {k: v for k, v in a.items() if not k.startswith(("time_", "tokens_per_s"))} == \
+                {k: v for k, v in b.items() if not k.startswith(("time_", "tokens_per_s"))}
+
+
 def test_reward_functions_see_exactly_the_response_text(shapes_dir, tmp_path):
     """Completions given to rewards are the decoded response only: nothing after <|im_end|>."""
     from vlforge.data.dataset import load_dataset

@@ -4,6 +4,8 @@ fp32 and bf16 (autocast, as training runs), loss/log-probs/entropy and gradients
 the chunking: lm_head never produces more than [chunk, V] logits, in forward or in backward.
 """
 
+import importlib.util
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -134,6 +136,36 @@ def test_loss_impl_choice_on_cpu():
     assert resolve_loss_impl("plain", head, torch.device("cpu")) == "plain"
     with pytest.raises(ConfigError, match="loss.impl=liger"):
         resolve_loss_impl("liger", head, torch.device("cpu"))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("liger_kernel") is not None, reason="liger-kernel installed here")
+def test_liger_without_the_library_is_refused_before_loading(shapes_dir, tmp_path):
+    """loss.impl=liger is refused when the run is set up, before any weight loads: the model
+    directory does not even exist, and the error is liger's, not the missing directory's."""
+    from vlforge.config import LossConfig
+    from vlforge.engine.losses import loss_impl_problem
+    from vlforge.recipes.sft import run_sft
+
+    from helpers import tiny_sft_config
+
+    assert "not installed" in loss_impl_problem(LossConfig(impl="liger"), torch.device("cuda"))
+    assert loss_impl_problem(LossConfig(impl="auto"), torch.device("cpu")) is None
+    cfg = tiny_sft_config(shapes_dir, tmp_path / "run", "loss.impl=liger", f"model.path={tmp_path / 'absent'}")
+    with pytest.raises(ConfigError, match="loss.impl=liger: liger-kernel is not installed"):
+        run_sft(cfg)
+
+
+def test_liger_off_cuda_is_refused_when_the_config_is_resolved(monkeypatch):
+    """With the library present (or not), a CPU device is refused from the config and the device."""
+    from vlforge.config import LossConfig, SFTConfig, load_config
+    from vlforge.engine import losses
+    from vlforge.engine.trainable import refuse_bad_combinations
+
+    monkeypatch.setattr(losses, "liger_available", lambda: True)  # only the device is in question here
+    cfg = load_config(SFTConfig, None, ["loss.impl=liger", "precision.mode=fp32"])
+    with pytest.raises(ConfigError, match="loss.impl=liger needs CUDA .* the run's device is cpu"):
+        refuse_bad_combinations(cfg, torch.device("cpu"))
+    assert losses.loss_impl_problem(LossConfig(impl="liger"), torch.device("cuda")) is None
 
 
 @pytest.mark.gpu

@@ -18,6 +18,7 @@ from safetensors.torch import load_file
 from vlforge.config import ConfigError, DataConfig, load_config, SFTConfig
 from vlforge.data.dataset import Batching, budget_batches, global_batches, load_dataset
 from vlforge.data.encode import IGNORE_INDEX, collate, pack
+from vlforge.data.jsonl import DataError
 from vlforge.engine import packed_attention
 from vlforge.engine.losses import count_tokens, packed_position_ids, sft_loss_sum
 from vlforge.engine.packed_attention import PACKED_ATTENTION, PackedRows, packed_rows_attention
@@ -228,6 +229,28 @@ def test_token_budget_batches_cover_each_sample_once_and_resume(packed):
         assert list(budget_batches(lengths, budget, packed, seed=7, epoch=epoch, start=batches[k - 1][1])) == batches[k:]
     assert list(budget_batches(lengths, budget, packed, 7, 0)) != list(budget_batches(lengths, budget, packed, 7, 1))
     assert len(list(budget_batches(lengths, budget, True, 7, 0))) < len(list(budget_batches(lengths, budget, False, 7, 0)))
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_token_budget_holds_for_rows_padded_for_fp8(packed):
+    """With FP8 every row is padded to a multiple of 16 tokens (engine.fp8.token_multiple): the
+    budget holds for the batches collate / pack actually build, the fixed packed length
+    (flex_attention) included, and a sample that fits only unrounded is refused with what to do."""
+    rng = random.Random(3)
+    lengths = [rng.randint(5, 100) for _ in range(211)]
+    budget = 300  # not a multiple of 16
+    batching = Batching(batch_size=1, max_tokens=budget, packed=packed, multiple=16)
+    items = [{"input_ids": torch.ones(n, dtype=torch.long), "mm_token_type_ids": torch.zeros(n, dtype=torch.long),
+              "labels": torch.ones(n, dtype=torch.long)} for n in lengths]
+    batches = [ix[0] for ix, _ in global_batches(lengths, batching, seed=7, epoch=0)]
+    assert sorted(i for ix in batches for i in ix) == list(range(len(lengths)))
+    for ix in batches:
+        rows = [items[i] for i in ix]
+        for pad_to in ((None, batching.packed_length) if packed else (None,)):
+            batch = pack(rows, 0, multiple=16, pad_to=pad_to) if packed else collate(rows, 0, multiple=16)
+            assert batch["input_ids"].numel() <= budget and batch["input_ids"].shape[1] % 16 == 0
+    with pytest.raises(DataError, match="295 tokens .*304 as a row padded to a multiple of 16.* at least 304"):
+        list(budget_batches([295], budget, packed, seed=0, epoch=0, multiple=16))
 
 
 def test_every_rank_gets_the_same_number_of_micro_batches():

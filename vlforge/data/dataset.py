@@ -88,10 +88,18 @@ def batches_from(n: int, batch_size: int, seed: int, epoch: int, start: int = 0)
         yield order[s:s + batch_size], s + batch_size
 
 
-def budget_batches(lengths: list[int], max_tokens: int, packed: bool, seed: int, epoch: int, start: int = 0):
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def budget_batches(lengths: list[int], max_tokens: int, packed: bool, seed: int, epoch: int, start: int = 0,
+                   multiple: int = 1):
     """Yields (index_list, next_position) for one epoch from sample `start`, each batch as many
     samples, in epoch order, as fit `max_tokens`: packed, their total length; padded, rows x the
     longest row. Every sample of the epoch is in exactly one batch (the last may be small).
+
+    `multiple`: the row length `collate` / `pack` round up to (FP8 GEMMs: 16, engine.fp8.token_multiple);
+    the budget holds for the rounded rows, the tokens the step actually computes.
 
     Greedy in the (seed, epoch) order, so a batch depends only on where it starts: resuming from
     a position continues exactly as the uninterrupted run. (A lookahead bin packer would fill
@@ -100,9 +108,12 @@ def budget_batches(lengths: list[int], max_tokens: int, packed: bool, seed: int,
     batch, total, longest = [], 0, 0
     for pos in range(start, len(order)):
         n = lengths[order[pos]]
-        if n > max_tokens:
-            raise DataError(f"a sample of {n} tokens exceeds data.max_tokens_per_batch={max_tokens}")
-        cost = total + n if packed else max(longest, n) * (len(batch) + 1)
+        if _round_up(n, multiple) > max_tokens:
+            rounded = f" ({_round_up(n, multiple)} as a row padded to a multiple of {multiple} for FP8)" \
+                if multiple > 1 else ""
+            raise DataError(f"a sample of {n} tokens{rounded} exceeds data.max_tokens_per_batch={max_tokens}: "
+                            f"raise it to at least {_round_up(n, multiple)} (or lower data.max_length)")
+        cost = _round_up(total + n, multiple) if packed else _round_up(max(longest, n), multiple) * (len(batch) + 1)
         if batch and cost > max_tokens:
             yield batch, pos
             batch, total, longest = [], 0, 0
@@ -119,10 +130,17 @@ class Batching:
     batch_size: int
     max_tokens: int | None = None
     packed: bool = False
+    multiple: int = 1  # rows are padded to a multiple of this (FP8): the budget counts the padded rows
 
     @classmethod
-    def of(cls, cfg: DataConfig, batch_size: int) -> "Batching":
-        return cls(batch_size, cfg.max_tokens_per_batch, cfg.packing)
+    def of(cls, cfg: DataConfig, batch_size: int, multiple: int = 1) -> "Batching":
+        return cls(batch_size, cfg.max_tokens_per_batch, cfg.packing, multiple)
+
+    @property
+    def packed_length(self) -> int | None:
+        """A fixed length for every packed row (flex_attention compiles per shape): the budget,
+        rounded down to the row multiple; every budgeted row, rounded up, fits it."""
+        return self.max_tokens // self.multiple * self.multiple if self.packed and self.max_tokens else None
 
 
 def global_batches(lengths: list[int], batching: Batching, seed: int, epoch: int, start: int = 0, world_size: int = 1):
@@ -140,7 +158,8 @@ def global_batches(lengths: list[int], batching: Batching, seed: int, epoch: int
             yield [ix[r * size:(r + 1) * size] for r in range(world_size)], pos
         return
     group = []
-    for ix, pos in budget_batches(lengths, batching.max_tokens, batching.packed, seed, epoch, start):
+    for ix, pos in budget_batches(lengths, batching.max_tokens, batching.packed, seed, epoch, start,
+                                   batching.multiple):
         group.append(ix)
         if len(group) == world_size:
             yield group, pos

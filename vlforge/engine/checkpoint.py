@@ -9,10 +9,19 @@
 
 A checkpoint is written under a temporary name and renamed into place only once complete, so a
 crash (even SIGKILL) leaves either the previous checkpoint set or the new one, never a torn one.
+
+RNG streams on resume (`restore_rng`): weights, optimizer, schedule and data position resume on
+any number of processes, but the RNG (dropout masks) resumes exactly only on the world size that
+saved it. Each rank takes its own saved state; a rank the saving run did not have gets a fresh
+stream seeded from (train.seed, step, rank), never a copy of another rank's (two ranks would then
+draw the same dropout masks). GRPO's RNG is one stream all ranks hold in lockstep (dropout off,
+the rollout seed drawn from it on every rank): there every rank takes rank 0's (`shared`), so a
+GRPO resume on any world size continues exactly.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -49,7 +58,33 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        # the devices this process sees (a resume on a host with fewer GPUs restores those it has)
+        for device, cuda_state in enumerate(state["cuda"][:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(cuda_state, device)
+
+
+def rank_seed(seed: int, step: int, rank: int) -> int:
+    """The seed of a rank's fresh RNG stream at a resumed step: a hash, so that nearby (seed, step,
+    rank) triples give unrelated streams (seed + rank would give rank 1 of seed 0 the stream of
+    rank 0 of seed 1)."""
+    digest = hashlib.sha256(f"vlforge-rng:{seed}:{step}:{rank}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1  # below 2**63: every RNG takes it
+
+
+def restore_rng(path: Path, rank: int, seed: int, step: int, shared: bool = False) -> bool:
+    """Set this rank's torch (CPU and CUDA) and Python RNG from checkpoint `path`: its own saved
+    state (rank 0: rng.pt, or rng-0.pt in a sharded checkpoint; rank r: rng-r.pt), rank 0's with
+    `shared`, or, for a rank the saving run did not have, a fresh stream from rank_seed(seed, step,
+    rank). Returns whether a saved state was restored (False: a fresh stream)."""
+    first = path / "rng.pt" if (path / "rng.pt").is_file() else path / "rng-0.pt"
+    saved = first if rank == 0 or shared else path / f"rng-{rank}.pt"
+    if saved.is_file():
+        set_rng_state(torch.load(saved, weights_only=False))
+        return True
+    fresh = rank_seed(seed, step, rank)
+    torch.manual_seed(fresh)  # the CPU generator and every CUDA device's
+    random.seed(fresh)
+    return False
 
 
 def list_checkpoints(output_dir: str | Path) -> list[Path]:
@@ -98,7 +133,8 @@ def save_checkpoint(output_dir: str | Path, step: int, model, processor, optimiz
         torch.save(rng_state(), tmp / "rng.pt")
         if fp8 := fp8_state(model):  # TE delayed scaling's scales + amax history: without them a resume drifts
             torch.save(fp8, tmp / "fp8_state.pt")
-        (tmp / "trainer_state.json").write_text(json.dumps({**state, "step": step}, indent=2))
+        (tmp / "trainer_state.json").write_text(json.dumps({**state, "step": step,
+                                                            "world_size": world.size if world else 1}, indent=2))
     if several:
         world.barrier()  # every rank's RNG state is on disk
     if main:
@@ -117,10 +153,11 @@ def save_checkpoint(output_dir: str | Path, step: int, model, processor, optimiz
     return final
 
 
-def load_checkpoint(path: str | Path, model, optimizer, scheduler, scaler, rank: int = 0) -> dict:
+def load_checkpoint(path: str | Path, model, optimizer, scheduler, scaler, rank: int = 0, seed: int = 0,
+                    shared_rng: bool = False) -> dict:
     """Restore weights, optimizer, scheduler, loss scaler and RNG in place; returns trainer_state.
-    `rank` (DDP): every rank loads the same files, and its own RNG state where the saving run had
-    that rank (rank 0's otherwise)."""
+    `rank` (DDP): every rank loads the same files, and its RNG as restore_rng says (`seed`:
+    train.seed, for a rank the saving run did not have; `shared_rng`: every rank takes rank 0's)."""
     from peft import PeftModel, set_peft_model_state_dict
 
     path = Path(path)
@@ -153,11 +190,11 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler, scaler, rank:
     optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
     scaler.load_state_dict(torch.load(path / "scaler.pt", weights_only=True))
-    rng = path / f"rng-{rank}.pt"
-    set_rng_state(torch.load(rng if rank and rng.is_file() else path / "rng.pt", weights_only=False))
+    state = json.loads((path / "trainer_state.json").read_text())
+    restore_rng(path, rank, seed, state["step"], shared_rng)
     if (path / "fp8_state.pt").is_file():
         load_fp8_state(model, torch.load(path / "fp8_state.pt", weights_only=True))
-    return json.loads((path / "trainer_state.json").read_text())
+    return state
 
 
 # ----------------------------------------------------------------------------- sharded (FSDP2)
@@ -223,8 +260,10 @@ def save_sharded_checkpoint(output_dir: str | Path, step: int, model, processor,
     return final
 
 
-def load_sharded_checkpoint(path: str | Path, model, optimizer, scheduler, scaler, world) -> dict:
-    """Restore a sharded checkpoint on this world (of any size); returns trainer_state."""
+def load_sharded_checkpoint(path: str | Path, model, optimizer, scheduler, scaler, world, seed: int = 0,
+                            shared_rng: bool = False) -> dict:
+    """Restore a sharded checkpoint on this world (of any size); returns trainer_state. The RNG as
+    restore_rng says (`seed`: train.seed; `shared_rng`: every rank takes rank 0's)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict, set_model_state_dict,
@@ -242,7 +281,6 @@ def load_sharded_checkpoint(path: str | Path, model, optimizer, scheduler, scale
     set_optimizer_state_dict(model, optimizer, loaded["optim"])
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
     scaler.load_state_dict(torch.load(path / "scaler.pt", weights_only=True))
-    # this rank's RNG if the run had this rank; on a larger world the new ranks take rank 0's
-    rng = path / f"rng-{world.rank}.pt"
-    set_rng_state(torch.load(rng if rng.is_file() else path / "rng-0.pt", weights_only=False))
-    return json.loads((path / "trainer_state.json").read_text())
+    state = json.loads((path / "trainer_state.json").read_text())
+    restore_rng(path, world.rank, seed, state["step"], shared_rng)
+    return state

@@ -82,6 +82,22 @@ def liger_available() -> bool:
     return importlib.util.find_spec("liger_kernel") is not None
 
 
+def loss_impl_problem(cfg: LossConfig, device: torch.device) -> str | None:
+    """Why `loss.impl` cannot run on `device` (None when it can), from the config and the device
+    alone: setup_model asks before any weight loads, so a bad choice fails in seconds, not at the
+    first step after minutes of loading. (The head needs no check there: no plan wraps lm_head,
+    LoRA and FP8 leave it a plain bias-free nn.Linear; resolve_loss_impl still checks it.)"""
+    if cfg.impl != "liger":
+        return None
+    if not liger_available():
+        return ("loss.impl=liger: liger-kernel is not installed; pip install 'vlforge[liger]' or set loss.impl=auto "
+                "(liger where it runs, else chunked) or chunked")
+    if device.type != "cuda":
+        return (f"loss.impl=liger needs CUDA (liger-kernel's fused op is Triton kernels), but the run's device is "
+                f"{device}; set loss.impl=auto or chunked")
+    return None
+
+
 def resolve_loss_impl(impl: str, lm_head: torch.nn.Module, device: torch.device) -> str:
     """"plain", "chunked" or "liger" for loss.impl on this device and head.
 
@@ -89,12 +105,11 @@ def resolve_loss_impl(impl: str, lm_head: torch.nn.Module, device: torch.device)
     (not an FP8 or LoRA-wrapped one) and only on CUDA (Triton kernels)."""
     fits = device.type == "cuda" and type(lm_head) is torch.nn.Linear and lm_head.bias is None
     if impl == "liger":
-        if not liger_available():
-            raise ConfigError("loss.impl=liger: liger-kernel is not installed; pip install 'vlforge[liger]' "
-                              "or set loss.impl=chunked")
+        if problem := loss_impl_problem(LossConfig(impl="liger"), device):
+            raise ConfigError(problem)
         if not fits:
-            raise ConfigError(f"loss.impl=liger needs CUDA and a plain bias-free lm_head (got {type(lm_head).__name__} "
-                              f"on {device.type}); use loss.impl=auto or chunked")
+            raise ConfigError(f"loss.impl=liger needs a plain bias-free lm_head (got {type(lm_head).__name__}); "
+                              "use loss.impl=auto or chunked")
         return "liger"
     if impl == "auto":
         return "liger" if fits and liger_available() else "chunked"

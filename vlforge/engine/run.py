@@ -87,8 +87,10 @@ class Run:
 
     @classmethod
     def start(cls, cfg: RunConfig, t: Trainable, total_steps: int, val_data: ChatDataset | None,
-              resume_from: Path | None, *, spikes: bool, state: dict | None = None) -> "Run":
-        """Write config.yaml (only now, when the run can start), build the optimizer set, resume."""
+              resume_from: Path | None, *, spikes: bool, state: dict | None = None, shared_rng: bool = False) -> "Run":
+        """Write config.yaml (only now, when the run can start), build the optimizer set, resume.
+        `shared_rng`: the recipe keeps one RNG stream in lockstep on every rank (GRPO), so a resume
+        gives every rank rank 0's; otherwise each rank its own (engine.checkpoint.restore_rng)."""
         out, world = Path(cfg.train.output_dir), t.world
         if world.main:  # paths stored absolute: the run's checkpoints then export, infer and serve anywhere
             (out / "config.yaml").write_text(dump_config(resolve_paths(cfg)))
@@ -98,12 +100,19 @@ class Run:
         health = GradHealth(t.model, t.plan, cfg.health, cfg.precision.mode, spikes=spikes)
         state = {"epoch": 0, "position": 0, **(state or {})}
         if resume_from is not None:
+            rng = {"seed": cfg.train.seed, "shared_rng": shared_rng}
             if world.sharded:
-                state = load_sharded_checkpoint(resume_from, t.model, optimizer, scheduler, scaler, world)
+                state = load_sharded_checkpoint(resume_from, t.model, optimizer, scheduler, scaler, world, **rng)
             else:  # one process, or DDP: every rank loads the same one-process checkpoint (its own RNG)
-                state = load_checkpoint(resume_from, t.model, optimizer, scheduler, scaler, rank=world.rank)
+                state = load_checkpoint(resume_from, t.model, optimizer, scheduler, scaler, rank=world.rank, **rng)
             if world.main:
                 print(f"resumed from {resume_from} at step {state['step']}")
+                saved = state.get("world_size", 1)
+                if saved != world.size and not shared_rng:
+                    print(f"note: the checkpoint was saved by {saved} process(es), this run has {world.size}: "
+                          "weights, optimizer and data order continue exactly, the RNG streams (dropout) do not "
+                          "(ranks the saving run lacked start fresh ones from train.seed, step and rank); "
+                          f"exact resume needs {saved} process(es)")
         step = state.get("step", 0)
         # every rank evaluates (a sharded forward needs them all; DDP's ranks would wait for rank 0 anyway); rank 0 writes
         metrics = MetricsLog(out, cfg.log.tensorboard, resume_step=step if resume_from else 0) if world.main \

@@ -18,6 +18,7 @@ from vlforge.config import ConfigError, PrecisionConfig, RunConfig
 from vlforge.engine.distributed import World, meta_init, outside_state_dict, refuse_unsupported, wrap
 from vlforge.engine.fp8 import fp8_backend, fp8_layer_plan, token_multiple
 from vlforge.engine.hardware import bf16_problem, quant_problem
+from vlforge.engine.losses import loss_impl_problem
 from vlforge.engine.moe import Routing
 from vlforge.engine.optim import optimizer_problem
 from vlforge.engine.packed_attention import keep_mask_attention
@@ -82,6 +83,8 @@ def refuse_bad_combinations(cfg: RunConfig, device: torch.device, sharded: bool 
     if cfg.precision.mode == "bf16" and (problem := bf16_problem(device)):
         raise ConfigError(problem)
     if problem := optimizer_problem(cfg.optim, device.type, sharded=sharded):
+        raise ConfigError(problem)
+    if problem := loss_impl_problem(cfg.loss, device):  # else it would fail at the first step, after loading
         raise ConfigError(problem)
     if cfg.quant.enabled and cfg.tiers.method != "lora":
         raise ConfigError("quant (QLoRA) needs tiers.method=lora: quantized base weights cannot be trained directly")

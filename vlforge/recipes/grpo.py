@@ -31,6 +31,7 @@ from vlforge.engine.metrics import plot_metric, read_metrics
 from vlforge.engine.moe import aux_term, capture
 from vlforge.engine.run import Run, begin_run
 from vlforge.engine.trainable import Trainable, setup_model
+from vlforge.generate.engine import engine_for
 from vlforge.rl import RewardSpec, agg_loss, build_rewards, exact_match, grpo_advantages, kl_penalty, policy_loss
 from vlforge.rollout.engine import PackedLayout, Rollout, generate_groups, packing_enabled, sequence_logprobs
 
@@ -447,7 +448,9 @@ def run_grpo(cfg: GRPOConfig) -> dict:
                               f"{len(data)} prompts")
         total_steps = cfg.train.max_steps or cfg.train.epochs * (len(data) // cfg.rollout.prompts_per_step)
         # the lr schedule advances once per GRPO step, however many mini-batch updates it makes
-        run = Run.start(cfg, t, total_steps, val, resume_from, spikes=False)
+        # shared_rng: every rank draws each rollout's seed from the global RNG, which stays in lockstep
+        # (dropout off), so a resume on any number of ranks gives every rank rank 0's stream
+        run = Run.start(cfg, t, total_steps, val, resume_from, spikes=False, shared_rng=True)
         B, G = cfg.rollout.prompts_per_step, cfg.rollout.group_size
         if world.main:
             print(f"GRPO: {len(data)} prompts, {B} x {G} rollouts per step, {total_steps} steps, device {t.device}"
@@ -460,6 +463,8 @@ def run_grpo(cfg: GRPOConfig) -> dict:
             start = time.perf_counter()
             t.model.eval()  # rollouts sample from the policy without dropout
             batches, stats, spare = collect(t, data, stream, run.state, cfg, rewards)
+            if not cfg.rollout.keep_kv and cfg.rollout.engine == "vlforge":
+                engine_for(t.model).release()  # the update gets the KV slots' memory (rollout.keep_kv)
             t_rollout = time.perf_counter() - start
             t.model.train()
             lr = run.lr

@@ -125,7 +125,8 @@ def run_sft(cfg: SFTConfig) -> dict:
         train_data = load_dataset(cfg.data.train, t.processor, cfg.data)
         val_data = load_dataset(cfg.data.val, t.processor, cfg.data) if cfg.data.val else None
         tc = cfg.train
-        batching = Batching.of(cfg.data, tc.batch_size)
+        # rows padded for FP8 count against the token budget as padded (the tokens the step computes)
+        batching = Batching.of(cfg.data, tc.batch_size, t.token_multiple)
         per_epoch = [micro_batches_per_epoch(train_data.lengths, batching, tc.seed, e, world.size)
                      for e in range(1 if tc.max_steps else tc.epochs)]  # global micro-batches
         if per_epoch[0] < tc.grad_accum:
@@ -147,10 +148,9 @@ def run_sft(cfg: SFTConfig) -> dict:
             run.evaluate()
 
         # flex_attention compiles for each new shape: packed rows of one fixed length (the budget) then
-        pad_to = (batching.max_tokens if batching.packed and batching.max_tokens
-                  and cfg.model.attn_implementation == "flex_attention" else None)
+        pad_to = batching.packed_length if cfg.model.attn_implementation == "flex_attention" else None
         stream = micro_batches(train_data, batching, tc.seed, run.state["epoch"], run.state["position"],
-                               resolve_num_workers(cfg.data.num_workers, t.device), t.token_multiple,
+                               resolve_num_workers(cfg.data.num_workers, t.device), batching.multiple,
                                world.rank, world.size, pad_to)
         bar = tqdm(total=total_steps, initial=run.step, disable=not (cfg.log.progress and world.main), desc="sft",
                    dynamic_ncols=True)
