@@ -507,7 +507,8 @@ class InferenceEngine:
             row = rows.pop(res.request)
             streamer.end([row], "cancelled" if live[res.request].cancelled.is_set() else None)
             r = live.pop(res.request)
-            c = Completion(streamer.text[row], prompt_tokens.pop(res.request), streamer.count[row], streamer.finish[row])
+            c = Completion(streamer.text[row], prompt_tokens.pop(res.request), streamer.count[row],
+                           streamer.finish[row])
             streamer.release(row)  # a continuous call runs as long as requests come: keep nothing of the done
             on_done(r, c)
 
