@@ -27,14 +27,15 @@ LIMITS = dict(max_body_bytes=1_000_000, max_image_pixels=1_000_000, max_images=8
 
 
 class LiveServer:
-    """uvicorn in a background thread on a free loopback port."""
+    """uvicorn in a background thread on a free loopback port (`server`: uvicorn's Server class, or
+    the DrainingServer `vlforge serve` runs)."""
 
-    def __init__(self, app):
+    def __init__(self, app, server=uvicorn.Server):
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.bind(("127.0.0.1", 0))
         port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        self.server = server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def __enter__(self):
@@ -166,7 +167,10 @@ def test_text_completion(client, engine):
     # no model field, max_completion_tokens instead of max_tokens, stop as a string: all accepted
     r = client.post("/v1/chat/completions", json={"messages": [{"role": "system", "content": "Be brief."},
                                                                {"role": "user", "content": "Hi"}],
-                                                  "max_completion_tokens": 3, "temperature": 0, "stop": "zzz"})
+                                                  "max_completion_tokens": 3, "temperature": 0, "stop": "zzz",
+                                                  # the defaults of what this server lacks: accepted
+                                                  "response_format": {"type": "text"}, "presence_penalty": 0,
+                                                  "frequency_penalty": 0, "logit_bias": {}, "logprobs": False})
     assert r.status_code == 200, r.text
     assert r.json()["usage"]["completion_tokens"] <= 3
 
@@ -317,6 +321,10 @@ def _bad_cases(files):
         "path too long": (post, {"json": body(user("x", "d/" * 2100 + "x.png"))}, 400),  # > PATH_MAX
         "a directory": (post, {"json": body(user("x", "."))}, 400),
         "min_tokens above max_tokens": (post, {"json": body(max_tokens=4, min_tokens=5)}, 400),
+        # not silently ignored: each changes what the client gets back
+        "json mode": (post, {"json": body(response_format={"type": "json_object"})}, 400),
+        "logit_bias": (post, {"json": body(logit_bias={"42": 100})}, 400),
+        "presence_penalty": (post, {"json": body(presence_penalty=1.0)}, 400),
         "unknown route": ("/v1/completions", {"json": body()}, 404),
     }
 
@@ -337,6 +345,9 @@ def test_bad_requests_get_openai_errors_and_server_keeps_serving(client, files):
                 assert err["code"] == "path_not_allowed" and err["type"] == "permission_error"
             if name == "bad part type":
                 assert err["param"] == "messages.0.content.0" and "image_url" in err["message"]
+            if name in ("json mode", "logit_bias", "presence_penalty"):
+                assert err["code"] == "unsupported" and err["param"] in ("response_format", "logit_bias",
+                                                                         "presence_penalty"), err
             if name == "file name too long":
                 assert "too long" in err["message"] and "(5004 characters)" in err["message"]
                 assert len(err["message"]) < 400  # the name is cut, not echoed in full
@@ -470,13 +481,13 @@ def test_cli_serve_builds_the_app(monkeypatch, files):
     from vlforge.cli import main
 
     seen = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(app=app, **kw))
+    monkeypatch.setattr("vlforge.serve.app.serve", lambda app, **kw: seen.update(app=app, **kw))
     assert main(["serve", "tiny", "--device", "cpu", "--port", "8123", "--max-batch", "3", "--model-name", "shapes",
-                 "--allow-files", str(files["allowed"]), "--max-images", "2"]) == 0
+                 "--allow-files", str(files["allowed"]), "--max-images", "2", "--drain-timeout", "2.5"]) == 0
     state = seen["app"].state.vlforge
     assert (seen["host"], seen["port"]) == ("127.0.0.1", 8123)
     assert state.model_name == "shapes" and state.batcher.max_batch == 3 and state.cfg.max_images == 2
-    assert state.images.root == files["allowed"].resolve()
+    assert state.images.root == files["allowed"].resolve() and state.cfg.drain_timeout_s == 2.5
     assert main(["serve", "tiny", "--allow-files", str(files["allowed"] / "missing")]) == 2
 
 
@@ -489,8 +500,10 @@ def test_cli_serve_defaults_are_the_configs(monkeypatch, capsys):
     monkeypatch.setattr("vlforge.cli._engine", lambda args: loaded.append(args))
     assert main(["serve", "tiny", "--max-batch", "0"]) == 2
     assert main(["serve", "tiny", "--max-body-mb", "-1"]) == 2
+    assert main(["serve", "tiny", "--drain-timeout", "-1"]) == 2
     err = capsys.readouterr().err
     assert "error: --max-batch 0: must be" in err and "error: --max-body-mb -1.0: must be positive" in err
+    assert "error: --drain-timeout -1.0: must be a number >= 0" in err
     assert loaded == []  # refused before the model loads
 
 
@@ -513,6 +526,49 @@ def test_streamer_flushes_held_back_text_and_stops_at_end_tokens(engine):
     assert got == ["hello wor", "hello wor", "hello "]
     assert streamer.done == [True, True, True]
     assert engine.encoder.pad_id in engine.end_ids and engine.encoder.im_end_id in engine.end_ids
+
+
+def test_streamer_detokenizes_incrementally_and_exactly(engine, monkeypatch):
+    """Streamed pieces join to exactly the full decode, CJK characters and emoji split over
+    byte-level tokens (and a special token between a character's bytes) included; a stop string
+    made of a split emoji cuts there; a character left unfinished at the end comes out as a full
+    decode gives it (U+FFFD). And no token re-decodes the answer so far (that was quadratic)."""
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    tok = engine.tokenizer
+    byte_token = {b: tok.convert_tokens_to_ids(c) for b, c in bytes_to_unicode().items()}
+
+    def split(text: str) -> list[int]:  # one token per UTF-8 byte: every multi-byte character is split
+        return [byte_token[b] for b in text.encode()]
+
+    special = tok.convert_tokens_to_ids("<|im_start|>")
+    assert special not in engine.end_ids and tok.decode([special], skip_special_tokens=True) == ""
+    words = tok("hello there, ", add_special_tokens=False)["input_ids"]  # ordinary merged tokens too
+    answers = [words + split("你好, 世界 😀 ok é ") + words + split("末"),
+               split("日本") + [special] + split("語 🎉🎉 done"),
+               split("ab 😀 cd"),
+               words + split("x \u00e9")[:-1]]  # ends inside a character (its first byte only)
+    reqs = [Request([], max_new_tokens=100), Request([], max_new_tokens=100), Request([], max_new_tokens=100,
+                                                                                      stop=["😀"]),
+            Request([], max_new_tokens=100)]
+    decoded = []
+    real = tok.decode
+    monkeypatch.setattr(tok, "decode", lambda ids, *a, **kw: decoded.append(len(ids)) or real(ids, *a, **kw))
+    got = [[] for _ in reqs]
+    streamer = _BatchStreamer(engine, reqs, lambda row, text: got[row].append(text))
+    for row, ids in enumerate(answers):
+        for t in ids:
+            streamer.push(row, [t])
+    assert sum(decoded) <= sum(map(len, answers))  # linear: nothing decoded again per token
+    streamer.end()
+    monkeypatch.undo()
+    full = [tok.decode(ids, skip_special_tokens=True) for ids in answers]
+    assert full[0].endswith("末") and "\ufffd" not in full[0] + full[1] and full[3].endswith("\ufffd")
+    want = [full[0], full[1], "ab ", full[3]]
+    assert ["".join(g) for g in got] == want == streamer.text
+    assert all("\ufffd" not in piece for g in got[:3] for piece in g)  # never half a character
+    assert len(got[0]) > 10  # streamed piece by piece
+    assert streamer.finish == ["length", "length", "stop", "length"] and streamer.count[2] == 7  # "ab " + 4 bytes
 
 
 def test_decoded_images_are_shrunk_to_what_the_processor_keeps():
@@ -562,6 +618,106 @@ def test_stream_cancelled_on_disconnect_frees_the_model(long_server):
     generated = health["cancelled_tokens"] - before["cancelled_tokens"]
     assert 1 <= generated < n // 10, generated
     assert health["requests"] == before["requests"] + 2 and health["running"] == 0
+
+
+# ---------------------------------------------------------------------------------- shutdown
+
+
+class Hold:
+    """A forward pre-hook on the model's first decoder layer: the generation thread waits in it
+    (at most 60 s) until `until()` is true, so a request is surely still generating meanwhile."""
+
+    def __init__(self, engine, until):
+        self.until, self.entered = until, threading.Event()
+        self.handle = engine.model.model.language_model.layers[0].register_forward_pre_hook(self)
+
+    def __call__(self, module, args):
+        self.entered.set()
+        deadline = time.monotonic() + 60
+        while not self.until() and time.monotonic() < deadline:
+            time.sleep(0.005)
+
+
+def _post_in_thread(url: str, payload: dict, out: dict, key: str):
+    def send():
+        with httpx.Client(base_url=url, timeout=120) as c:
+            if payload.get("stream"):
+                with c.stream("POST", "/v1/chat/completions", json=payload) as r:
+                    out[key] = (r.status_code, sse_events(r))
+            else:
+                out[key] = c.post("/v1/chat/completions", json=payload)
+
+    thread = threading.Thread(target=send)
+    thread.start()
+    return thread
+
+
+def _wait_for(condition, what: str):
+    deadline = time.monotonic() + 60
+    while not condition():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def test_shutdown_lets_accepted_requests_finish_and_refuses_new_ones(engine):
+    """SIGTERM (uvicorn's should_exit) with `vlforge serve`'s DrainingServer: while the running
+    request finishes, the server still listens, /health says draining (503) and a new request gets
+    503; the running one then completes in full."""
+    from vlforge.serve.app import DrainingServer
+
+    release = threading.Event()
+    hold = Hold(engine, release.is_set)
+    out = {}
+    try:
+        app = create_app(engine, ServeConfig(max_tokens=64, batch_window_s=0.0, drain_timeout_s=120))
+        with LiveServer(app, DrainingServer) as s, httpx.Client(base_url=s.url, timeout=60) as c:
+            running = _post_in_thread(s.url, body(max_tokens=6, min_tokens=6), out, "running")
+            assert hold.entered.wait(60)  # it is generating (held in the model)
+            s.server.should_exit = True  # what SIGTERM does
+            _wait_for(lambda: c.get("/health").status_code == 503, "the server never started draining")
+            assert c.get("/health").json()["status"] == "draining"
+            err = assert_error(c.post("/v1/chat/completions", json=body(max_tokens=2)), 503)
+            assert err["code"] == "shutting_down" and err["type"] == "server_error"
+            release.set()
+            running.join(60)
+            s.thread.join(60)
+            assert not s.thread.is_alive()  # drained, then shut down on its own
+    finally:
+        release.set()
+        hold.handle.remove()
+    assert out["running"].status_code == 200, out["running"].text
+    assert out["running"].json()["usage"]["completion_tokens"] == 6
+
+
+def test_shutdown_cancels_what_outlasts_the_drain_timeout(engine):
+    """Requests still unfinished at the drain timeout are cancelled and told so (503
+    `shutting_down`: an SSE error event for the streaming one that was generating, a 503 for the one
+    still queued), and the server exits instead of waiting for them."""
+    from vlforge.serve.app import DrainingServer
+
+    app = create_app(engine, ServeConfig(max_tokens=2000, batch_window_s=0.0, max_batch=1, drain_timeout_s=0.2))
+    batcher = app.state.vlforge.batcher
+    hold = Hold(engine, lambda: batcher.aborted)  # generating until the drain gives up on it
+    out = {}
+    try:
+        with LiveServer(app, DrainingServer) as s, httpx.Client(base_url=s.url, timeout=60) as c:
+            threads = [_post_in_thread(s.url, body(max_tokens=2000, min_tokens=2000, stream=True), out, "running")]
+            assert hold.entered.wait(60)
+            threads.append(_post_in_thread(s.url, body(max_tokens=3), out, "queued"))
+            _wait_for(lambda: c.get("/health").json()["queue"] == 1, "the second request never queued")
+            s.server.should_exit = True
+            for t in threads:
+                t.join(60)
+            s.thread.join(60)
+            assert not s.thread.is_alive()
+    finally:
+        hold.handle.remove()
+    status, events = out["running"]
+    assert status == 200 and events[-1] == "[DONE]" and events[-2]["error"]["code"] == "shutting_down"
+    assert not any(e["choices"][0]["finish_reason"] for e in events[:-2])  # never a finished-looking answer
+    err = assert_error(out["queued"], 503)
+    assert err["code"] == "shutting_down" and "before this request started" in err["message"]
+    assert batcher.aborted and batcher.unfinished == 0
 
 
 # ---------------------------------------------------------------------------------- prompt length before tokenizing

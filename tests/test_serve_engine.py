@@ -228,3 +228,81 @@ def test_a_joining_request_that_cannot_be_prepared_fails_alone():
                                lambda r, c: done.append(c.completion_tokens), more=more, slots=4,
                                on_error=lambda r, e: errors.append(r))
     assert done == [12] and errors == [bad]
+
+
+def _prefilled(monkeypatch, engine) -> list:
+    """Records the max_new_tokens of every request generate/'s engine prefills (a spy on the real _prefill)."""
+    gen, seen = engine.gen_engine(), []
+    real = gen._prefill
+    monkeypatch.setattr(gen, "_prefill", lambda admitted, *a: seen.extend(r.max_new_tokens for _, r, _ in admitted)
+                        or real(admitted, *a))
+    return seen
+
+
+def test_a_request_cancelled_while_queued_in_a_feed_is_never_prefilled(monkeypatch):
+    """A request finished before a call takes it, and one finished while it waits in the feed
+    (passed over: too long for the running cache), leave with empty results, never prefilled."""
+    from vlforge.generate.engine import Feed, GenRequest
+
+    engine = InferenceEngine.load("tiny", device="cpu")
+    prefilled = _prefilled(monkeypatch, engine)
+    prompt = engine._prompt(Request(_msg("hi")))
+    feed = Feed()
+    gone = feed.put(GenRequest(prompt, max_new_tokens=7))
+    kept = feed.put(GenRequest(prompt, max_new_tokens=5, min_new_tokens=5))
+    feed.finish(gone)  # the client left before the call began
+    out = engine.gen_engine().generate([], stop_ids=engine.end_ids, banned_ids=engine.banned_ids(),
+                                       image_token_id=engine.encoder.image_token_id, pad_id=engine.encoder.pad_id,
+                                       feed=feed)
+    assert {r.request: len(r.tokens) for r in out} == {gone: 0, kept: 5}
+    assert prefilled == [5]
+
+    prefilled.clear()
+    msgs = lambda t: [{"role": "user", "content": t}]  # noqa: E731
+    late = Request(msgs("second one, long"), max_new_tokens=300, min_new_tokens=300)  # waits: the cache is for 40
+    calls, done = {"n": 0}, []
+
+    def more():
+        calls["n"] += 1
+        if calls["n"] == 3:  # it has waited in the feed for a sync point: now its client leaves
+            late.cancelled.set()
+        return [late] if calls["n"] == 2 else []
+
+    engine.generate_continuous([Request(msgs("hi"), max_new_tokens=40, min_new_tokens=40)], None,
+                               lambda r, c: done.append((r.messages[0]["content"], c.completion_tokens,
+                                                         c.finish_reason)), more=more, slots=4)
+    assert done == [("second one, long", 0, "cancelled"), ("hi", 40, "length")]
+    assert prefilled == [40]  # the long one was never prefilled
+
+
+def test_an_answered_request_is_not_kept_while_the_call_goes_on(monkeypatch):
+    """A continuous call runs as long as requests keep coming (a busy server): once a request is
+    answered, neither its Request (images) nor the engine's GenRequest (pixel values) stays alive."""
+    import gc
+    import weakref
+
+    import vlforge.serve.engine as serve_engine
+
+    engine = InferenceEngine.load("tiny", device="cpu")
+    fed = []
+
+    class RecordingFeed(serve_engine.Feed):
+        def put(self, request):
+            fed.append(weakref.ref(request))
+            return super().put(request)
+
+    monkeypatch.setattr(serve_engine, "Feed", RecordingFeed)
+    red = Image.new("RGB", (64, 48), (200, 30, 30))
+    short = [Request(_msg("What colour?", 1), [red], max_new_tokens=2)]
+    asked = weakref.ref(short[0])
+    alive, done = [], []
+
+    def more():  # at each sync point, after the short one is answered: is anything of it still held?
+        if done == ["short"]:
+            gc.collect()
+            alive.append((asked() is not None, fed[1]() is not None))
+        return [short.pop()] if short else []
+
+    engine.generate_continuous([Request(_msg("hi"), max_new_tokens=24, min_new_tokens=24)], None,
+                               lambda r, c: done.append("short" if r.images else "long"), more=more, slots=4)
+    assert done == ["short", "long"] and alive and not any(a or b for a, b in alive), alive

@@ -218,13 +218,61 @@ def test_api_key_required_on_every_route_but_health(keyed_server, monkeypatch, c
     assert KEY not in logged and KEY not in repr(ServeConfig(api_key=KEY))
 
 
-def test_api_key_from_flag_or_environment(monkeypatch, capsys):
-    import uvicorn
+def test_api_key_guards_websockets_and_lets_lifespan_pass():
+    """A websocket needs the key as HTTP does (refused before its handshake: the 401 itself where
+    the server supports ASGI's denial response, else a close, which the server answers 403); the
+    lifespan (startup/shutdown) still reaches the app; an unknown scope type is refused. The
+    server has no websocket route: one is added here, as an embedding program might."""
+    import asyncio
 
+    from fastapi import WebSocket
+    from starlette.testclient import TestClient, WebSocketDenialResponse
+
+    from vlforge.serve.app import RequireKey
+
+    app = create_app(ScriptedEngine(), ServeConfig(api_key=KEY))
+
+    @app.websocket("/v1/realtime")
+    async def realtime(ws: WebSocket):
+        await ws.accept()
+        await ws.send_text("in")
+        await ws.close()
+
+    auth = {"Authorization": f"Bearer {KEY}"}
+    with TestClient(app) as client:  # Starlette's in-process ASGI client: real app, real middleware
+        assert app.state.vlforge.batcher._thread.is_alive()  # started by the lifespan, through RequireKey
+        for headers in ({}, {"Authorization": "Bearer wrong"}):
+            with pytest.raises(WebSocketDenialResponse) as denied, \
+                    client.websocket_connect("/v1/realtime", headers=headers):
+                pass
+            assert denied.value.status_code == 401 and denied.value.json()["error"]["code"] == "invalid_api_key"
+        with client.websocket_connect("/v1/realtime", headers=auth) as ws:
+            assert ws.receive_text() == "in"
+    assert not app.state.vlforge.batcher._thread.is_alive()  # the lifespan's shutdown stopped it
+
+    sent = []
+
+    async def connect_without_denial_responses(scope):
+        async def receive():
+            return {"type": "websocket.connect"}
+
+        async def send(message):
+            sent.append(message)
+
+        await RequireKey(app, KEY)(scope, receive, send)
+
+    scope = {"type": "websocket", "path": "/v1/realtime", "headers": [], "query_string": b"", "extensions": {}}
+    asyncio.run(connect_without_denial_responses(scope))
+    assert sent == [{"type": "websocket.close", "code": 1008}]  # closed before accept: never reached the route
+    with pytest.raises(RuntimeError, match="'webtransport'"):
+        asyncio.run(connect_without_denial_responses({"type": "webtransport", "path": "/", "headers": []}))
+
+
+def test_api_key_from_flag_or_environment(monkeypatch, capsys):
     from vlforge.cli import main
 
     seen = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.update(app=app))
+    monkeypatch.setattr("vlforge.serve.app.serve", lambda app, **kw: seen.update(app=app))
     monkeypatch.setenv(API_KEY_ENV, "from-env")
     assert main(["serve", "tiny", "--device", "cpu"]) == 0
     assert seen["app"].state.vlforge.cfg.api_key == "from-env"

@@ -212,9 +212,7 @@ def cmd_eval(args) -> int:
 
 def cmd_serve(args) -> int:
     try:
-        import uvicorn
-
-        from vlforge.serve.app import create_app
+        from vlforge.serve.app import create_app, serve  # fastapi, uvicorn
         from vlforge.serve.config import ServeConfig
     except ImportError as e:
         raise ConfigError(f"vlforge serve needs fastapi, uvicorn and prometheus_client ({e.name} is missing): "
@@ -230,7 +228,7 @@ def cmd_serve(args) -> int:
     print(f"serving {name!r} on http://{args.host}:{args.port}/v1 (POST /v1/chat/completions, GET /v1/models, "
           f"GET /health, GET /metrics); local image files: {cfg.allow_files or 'not allowed'}; API key: "
           f"{'required' if cfg.api_key else 'none'}", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info")
+    serve(app, host=args.host, port=args.port)  # uvicorn, draining on shutdown
     return 0
 
 
@@ -367,7 +365,8 @@ def build_parser() -> argparse.ArgumentParser:
             serve.add_argument(meta["flag"], dest=f.name, metavar=meta.get("metavar"), help=meta["help"])
         else:
             default = f.default / unit if unit != 1 else f.default
-            serve.add_argument(meta["flag"], dest=f.name, type=float if unit != 1 else int, default=default,
+            serve.add_argument(meta["flag"], dest=f.name, type=float if unit != 1 or f.type == "float" else int,
+                               default=default,
                                metavar=meta["flag"].lstrip("-").upper().replace("-", "_"),
                                help=f"{meta['help']} (default {default:g})" if unit != 1 else
                                f"{meta['help']} (default {default})")

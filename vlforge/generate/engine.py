@@ -127,8 +127,9 @@ class Feed:
     its slots) stays queued while later requests that fit pass it, for at most `max_passed` sync
     points (so one long request does not hold up the short ones behind it, nor wait for ever);
     then taking stops, the running rows drain, the call returns and the next call sizes for it.
-    `refill`, if given, is called at every sync point before taking (a single-threaded caller's
-    chance to put arrivals and finish requests).
+    A request `finish`ed while still queued is taken at once, fitting or not, and leaves with an
+    empty result before any prefill. `refill`, if given, is called at every sync point before
+    taking (a single-threaded caller's chance to put arrivals and finish requests).
     """
 
     def __init__(self, refill: Callable[["Feed"], None] | None = None, max_passed: int = 16):
@@ -163,7 +164,7 @@ class Feed:
             out, kept = [], deque()
             while self._new:
                 ticket, request = self._new.popleft()
-                if fits(request):
+                if ticket in self._finish or fits(request):  # a finished one is never prefilled: it costs nothing
                     out.append((ticket, request))
                     continue
                 kept.append((ticket, request))
@@ -177,8 +178,10 @@ class Feed:
             return out
 
     def _finished(self) -> set[int]:
+        """The finished tickets the call has taken (those still queued stay marked until taken)."""
         with self._lock:
-            done, self._finish = self._finish, set()
+            queued = {t for t, _ in self._new}
+            done, self._finish = self._finish - queued, self._finish & queued
             return done
 
 
@@ -576,6 +579,8 @@ class Engine:
         occupant: dict[int, tuple[int, int]] = {}  # slot -> (request, sample)
         sent: dict[int, int] = {}  # slot -> tokens already streamed
         bound: dict[int, int] = {}  # slot -> an upper bound of its KV length (host-side, no sync)
+        if feed is not None and (ended := feed._finished()):  # finished while queued: no prefill
+            self._finish_early(ended, tickets, occupant, [], queue, requests, results, on_result)
 
         def fits(r: GenRequest) -> bool:  # joins this call: within its KV length and slots
             return len(r.prompt.input_ids) + r.max_new_tokens <= self.cache.length and r.n <= n_slots
@@ -599,6 +604,10 @@ class Engine:
                 mode = _mode([r for _, r, _ in admitted], mode)  # a joining request may need more than greedy
                 start = time.perf_counter()
                 self._prefill(admitted, image_token_id, pad_id, mode)
+                if feed is not None:  # a fed call may run as long as requests come: hold no prefilled prompt (images)
+                    for i, _, _ in admitted:
+                        requests[i] = None
+                    admitted = r = taken = None  # nor any other name here
                 self.stats.prefills += 1
                 self.stats.prefill_s += _elapsed(start, device)
             if occupant:
@@ -620,14 +629,14 @@ class Engine:
             if feed is not None:
                 if feed.refill is not None:
                     feed.refill(feed)
-                if ended := feed._finished():
-                    done = self._finish_early(ended, tickets, occupant, done, queue, requests, results, on_result)
-                for t, r in feed._take(fits):
+                for t, r in feed._take(fits):  # before the finishes: one finished while queued leaves unprefilled
                     _check(t, r)
                     tickets.append(t)
                     requests.append(r)
                     results.append([None] * r.n)
                     queue.append(len(requests) - 1)
+                if ended := feed._finished():
+                    done = self._finish_early(ended, tickets, occupant, done, queue, requests, results, on_result)
             if done:
                 self._harvest(done, occupant, requests, results,
                               None if on_result is None else lambda res: on_result(_ticketed(res, tickets)))

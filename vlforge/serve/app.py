@@ -4,7 +4,7 @@ in images.py, the settings in config.py.
 
     engine = InferenceEngine.load("merged/", quant=QuantConfig.from_flag("nf4"))
     app = create_app(engine, ServeConfig(allow_files="/data/images", max_batch=8))
-    uvicorn.run(app, host="127.0.0.1", port=8000)         # what `vlforge serve` does
+    serve(app, host="127.0.0.1", port=8000)               # what `vlforge serve` does (uvicorn)
 
 Endpoints: `POST /v1/chat/completions` (OpenAI's chat completions shape, `stream: true` for
 server-sent events), `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus text format,
@@ -16,6 +16,12 @@ A handler validates a request in a worker thread, off the event loop (JSON parse
 bounded, images decoded, tokens counted), puts it on the batcher's queue and awaits its events.
 A client that disconnects cancels its request: it is skipped if its batch has not started, or its
 row stops at the next token.
+
+Shutdown drains (`serve` runs uvicorn's server with `DrainingServer`): while it still listens, new
+requests get 503 (`shutting_down`) and /health 503 `{"status": "draining"}`, the accepted requests
+finish for up to `cfg.drain_timeout_s`, then the rest are cancelled and answered 503; only then
+does uvicorn close its connections. Under another ASGI server the lifespan shutdown does the same
+for whatever that server left running.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import uuid
 from contextlib import asynccontextmanager
 from dataclasses import replace
 
+import uvicorn
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -36,7 +43,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HTTPRequest
 
-from vlforge.serve.batcher import Batcher, Job
+from vlforge.serve.batcher import Batcher, Job, ShuttingDown
 from vlforge.serve.config import ServeConfig
 from vlforge.serve.engine import Completion, Request
 from vlforge.serve.images import ImageLoader
@@ -45,6 +52,7 @@ from vlforge.serve.schema import (APIError, ChatRequest, error_body, image_limit
                                   validation_message)
 
 log = logging.getLogger("vlforge.serve")
+ABORT_GRACE_S = 30.0  # after the drain timeout: how long the cancelled requests get to stop and be answered
 
 
 class _Server:
@@ -79,6 +87,18 @@ class _Server:
             raise APIError(413, f"request body is larger than the limit of {limit} bytes; send smaller or fewer "
                                 "images", code="request_too_large")
         return body  # not copied into bytes: json.loads reads a bytearray
+
+    async def drain(self, give_up=lambda: False) -> None:
+        """Refuse new requests (503) and wait up to cfg.drain_timeout_s for the accepted ones to be
+        answered; then cancel the rest (their clients get 503) and wait, briefly, for them to stop.
+        `give_up()` true (a second Ctrl+C) ends either wait at once."""
+        batcher = self.batcher
+        batcher.draining = True
+        if not await _until(lambda: not batcher.unfinished or give_up(), self.cfg.drain_timeout_s):
+            log.warning("shutdown: %d requests still unfinished after the drain timeout of %g s; cancelling them",
+                        batcher.unfinished, self.cfg.drain_timeout_s)
+            batcher.abort()
+            await _until(lambda: not batcher.unfinished or give_up(), ABORT_GRACE_S)
 
     def prepare(self, body: bytearray) -> tuple[Request, bool, bool]:
         """(the engine's request, stream?, include usage?). Nothing of the body or of the parsed JSON
@@ -159,7 +179,8 @@ def create_app(engine, cfg: ServeConfig | None = None) -> FastAPI:
     async def lifespan(app: FastAPI):
         batcher.start()
         yield
-        await asyncio.to_thread(batcher.close)
+        await state.drain()  # DrainingServer drained already, before closing the connections: then nothing is left
+        await asyncio.to_thread(batcher.close, ABORT_GRACE_S)
 
     app = FastAPI(title="vlforge", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
     app.state.vlforge = state
@@ -190,6 +211,8 @@ def create_app(engine, cfg: ServeConfig | None = None) -> FastAPI:
 
     @app.get("/health")
     async def health():
+        if batcher.draining:  # a load balancer's probe: send no more requests here
+            return JSONResponse({"status": "draining", "model": state.model_name, **batcher.stats()}, status_code=503)
         return {"status": "ok", "model": state.model_name, **batcher.stats()}
 
     @app.get("/metrics")
@@ -209,8 +232,9 @@ def create_app(engine, cfg: ServeConfig | None = None) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat_completions(http_request: HTTPRequest):
         arrived = time.monotonic()
+        batcher.check_room()  # shutting down, or the queue full: refuse before reading the body
         body = await state.read_body(http_request)
-        batcher.check_room()  # refuse before decoding anything when the queue is full
+        batcher.check_room()  # again (a large body takes a while): refuse before decoding anything
         # JSON parsing, image decoding and token counting run in a worker thread, off the event loop
         async with preparing:
             request, stream, include_usage = await asyncio.to_thread(state.prepare, body)
@@ -233,9 +257,12 @@ def create_app(engine, cfg: ServeConfig | None = None) -> FastAPI:
 
 
 class RequireKey:
-    """ASGI middleware: every route but /health needs `Authorization: Bearer KEY` (401 in OpenAI's
-    shape otherwise). The key is compared in constant time and never logged nor echoed. Plain ASGI
-    (not BaseHTTPMiddleware): streamed answers and disconnect detection pass through untouched."""
+    """ASGI middleware: every HTTP route but /health, and every websocket, needs `Authorization:
+    Bearer KEY` (401 in OpenAI's shape otherwise). The key is compared in constant time and never
+    logged nor echoed. Plain ASGI (not BaseHTTPMiddleware): streamed answers and disconnect
+    detection pass through untouched. `lifespan` (the server's startup and shutdown; no client)
+    passes; any other scope type is refused, as the ASGI spec asks of an app that does not know it
+    (a new kind of connection must not get in unauthenticated)."""
 
     OPEN = ("/health",)  # load balancers and orchestrators probe it without credentials
 
@@ -243,8 +270,11 @@ class RequireKey:
         self.app, self.key = app, key.encode()
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope["path"] in self.OPEN:
+        kind = scope["type"]
+        if kind == "lifespan" or (kind == "http" and scope["path"] in self.OPEN):
             return await self.app(scope, receive, send)
+        if kind not in ("http", "websocket"):
+            raise RuntimeError(f"vlforge serve does not handle ASGI {kind!r} connections")
         given = next((v for k, v in scope["headers"] if k == b"authorization"), None)
         scheme, _, token = (given or b"").partition(b" ")
         # compare_digest on bytes: its time does not depend on where the first wrong byte is
@@ -254,7 +284,11 @@ class RequireKey:
                    else "invalid API key (the header must be `Authorization: Bearer KEY`)")
         response = JSONResponse(error_body(message, "invalid_request_error", None, "invalid_api_key"),
                                 status_code=401, headers={"WWW-Authenticate": "Bearer"})
-        await response(scope, receive, send)
+        if kind == "websocket" and "websocket.http.response" not in scope.get("extensions", {}):
+            # refused before the handshake completes: the server answers it with 403 (ASGI's close
+            # before accept); with the denial-response extension the client gets the 401 itself
+            return await send({"type": "websocket.close", "code": 1008})
+        await response(scope, receive, send)  # Starlette sends a websocket scope's as websocket.http.response.*
 
 
 async def _wait(job: Job, http_request: HTTPRequest) -> Completion | None:
@@ -275,6 +309,8 @@ async def _wait(job: Job, http_request: HTTPRequest) -> Completion | None:
                 return None
             kind, payload = get.result()
             if kind == "done":
+                if _aborted(job, payload):
+                    raise _shutdown_error()
                 return payload
             if kind == "error":
                 raise _generation_error(payload)
@@ -295,7 +331,28 @@ def _usage(c: Completion) -> dict:
 
 
 def _generation_error(exc: BaseException) -> APIError:
+    if isinstance(exc, ShuttingDown):
+        return _shutdown_error(str(exc))
     return APIError(500, f"generation failed: {type(exc).__name__}: {exc}", code="generation_failed")
+
+
+def _aborted(job: Job, c: Completion) -> bool:
+    """The answer was cut off by the server's shutdown (not by its client, nor finished anyway)."""
+    return job.aborted and c.finish_reason == "cancelled"
+
+
+def _shutdown_error(message: str = "the server shut down before this answer was finished") -> APIError:
+    return APIError(503, f"{message}; retry later", code="shutting_down")
+
+
+async def _until(condition, timeout: float) -> bool:
+    """Poll `condition` (every 50 ms, on the event loop) until true or `timeout` s; its last value."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(0.05)
+    return True
 
 
 async def _sse(job: Job, rid: str, created: int, model: str, include_usage: bool):
@@ -311,7 +368,7 @@ async def _sse(job: Job, rid: str, created: int, model: str, include_usage: bool
             kind, payload = await job.events.get()
             if kind == "text":
                 yield chunk({"content": payload}, None)
-            elif kind == "done":
+            elif kind == "done" and not _aborted(job, payload):
                 yield chunk({}, payload.finish_reason)
                 if include_usage:
                     body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
@@ -319,7 +376,7 @@ async def _sse(job: Job, rid: str, created: int, model: str, include_usage: bool
                     yield f"data: {json.dumps(body)}\n\n"
                 break
             else:  # the status line went out already: report the error as an event
-                err = _generation_error(payload)
+                err = _shutdown_error() if kind == "done" else _generation_error(payload)
                 yield f"data: {json.dumps(error_body(err.message, err.type, err.param, err.code))}\n\n"
                 break
         finished = True
@@ -330,4 +387,22 @@ async def _sse(job: Job, rid: str, created: int, model: str, include_usage: bool
             job.cancel()
 
 
-__all__ = ["create_app"]
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, draining before its own shutdown (which closes the listening socket and
+    then waits, without limit, for the open connections): new requests meanwhile get 503, and a
+    drain longer than the app's drain timeout is cut short (see `_Server.drain`). A second Ctrl+C
+    (uvicorn's force exit) ends the drain at once."""
+
+    async def shutdown(self, sockets=None):
+        state = getattr(getattr(self.config.app, "state", None), "vlforge", None)
+        if state is not None:
+            await state.drain(give_up=lambda: self.force_exit)
+        await super().shutdown(sockets)
+
+
+def serve(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
+    """Serve `app` (create_app's) with uvicorn until SIGINT/SIGTERM, then drain (DrainingServer)."""
+    DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level)).run()
+
+
+__all__ = ["DrainingServer", "create_app", "serve"]

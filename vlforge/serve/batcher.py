@@ -8,6 +8,9 @@ no longer waits for the longest of its batch). Other engines (engine=hf, test do
 
 A job whose client goes away is cancelled (`Job.cancel`): skipped if it has not started, else its
 row stops at the next sync point (the engine checks `Request.cancelled`) while the others go on.
+
+Shutting down (`draining`): new jobs are refused (503) while the accepted ones finish (`unfinished`
+counts them); `abort()` then cancels what is left, and those clients get `ShuttingDown` (503).
 """
 
 from __future__ import annotations
@@ -26,6 +29,10 @@ from vlforge.serve.schema import APIError
 log = logging.getLogger("vlforge.serve")
 
 
+class ShuttingDown(RuntimeError):
+    """A job the server did not finish because it is shutting down (answered 503)."""
+
+
 @dataclass(eq=False)
 class Job:
     request: Request
@@ -34,6 +41,7 @@ class Job:
     events: asyncio.Queue
     arrived: float = field(default_factory=time.monotonic)  # when the request reached the server
     first_text_at: float | None = None  # when its first text was generated (streamed or not)
+    aborted: bool = False  # cancelled by the server's shutdown, not by its client
 
     @property
     def cancelled(self) -> bool:
@@ -41,6 +49,11 @@ class Job:
 
     def cancel(self) -> None:
         """The client went away: skip the job, or stop its row of the running batch."""
+        self.request.cancelled.set()
+
+    def abort(self) -> None:
+        """The server shuts down: the job stops as a cancelled one, and its client is told why."""
+        self.aborted = True
         self.request.cancelled.set()
 
     def emit(self, kind: str, payload: Any) -> None:
@@ -66,10 +79,19 @@ class Batcher:
         self.running = 0  # requests being generated now
         self.cancelled = 0  # requests whose client left while their batch ran (their row stopped early)
         self.cancelled_tokens = 0  # tokens generated for those before they stopped
+        self.draining = False  # shutting down: new jobs are refused
+        self.aborted = False  # the drain timed out: the unfinished jobs were cancelled
+        self._open: set[Job] = set()  # jobs submitted and not answered yet
+        self._open_lock = threading.Lock()
 
     @property
     def waiting(self) -> int:
         return self._queue.qsize()
+
+    @property
+    def unfinished(self) -> int:
+        """Jobs accepted and not answered yet (queued, gathering or generating)."""
+        return len(self._open)
 
     def stats(self) -> dict:
         return {"queue": self.waiting, "running": self.running, "batches": self.batches,
@@ -83,19 +105,56 @@ class Batcher:
                 self._thread.start()
 
     def check_room(self) -> None:
+        if self.draining:
+            raise APIError(503, "the server is shutting down; retry later", code="shutting_down")
         if self.waiting >= self.max_queue:
             raise APIError(503, f"the server is busy ({self.waiting} requests waiting); retry later",
                            code="queue_full")
 
     def submit(self, job: Job) -> None:
-        self.check_room()
-        self.start()
-        self._queue.put(job)
+        with self._open_lock:  # atomic with close(): no job lands behind its stop sentinel
+            self.check_room()
+            self.start()
+            self._open.add(job)
+            self._queue.put(job)
 
-    def close(self, timeout: float = 5.0) -> None:
-        if self._thread is not None and self._thread.is_alive():
-            self._queue.put(None)
+    def abort(self) -> None:
+        """Cancel every unfinished job (shutdown): running rows stop at the next sync point, queued
+        jobs are answered without running; their clients get ShuttingDown."""
+        self.draining = self.aborted = True
+        with self._open_lock:
+            jobs = list(self._open)
+        for job in jobs:
+            job.abort()
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the thread once the jobs it runs are done (waiting at most `timeout` s); jobs still
+        queued are answered ShuttingDown."""
+        with self._open_lock:
+            self.draining = True
+            running = self._thread is not None and self._thread.is_alive()
+            if running:
+                self._queue.put(None)
+        if running:
             self._thread.join(timeout)
+            if self._thread.is_alive():
+                log.warning("the generation thread did not stop within %g s; exiting without it", timeout)
+
+    def _answer(self, job: Job, kind: str, payload: Any) -> None:
+        """The job's last event ("done" or "error"): it is no longer unfinished."""
+        job.emit(kind, payload)
+        with self._open_lock:
+            self._open.discard(job)
+
+    def _skip(self, job: Job) -> None:
+        """A cancelled job leaves before it runs: its client left (nobody to answer), or the server
+        aborted it (answered ShuttingDown)."""
+        if job.aborted:
+            self._answer(job, "error", ShuttingDown("the server shut down before this request started"))
+        else:
+            self.skipped += 1
+            with self._open_lock:
+                self._open.discard(job)
 
     def _gather(self, first: Job) -> tuple[list[Job], bool]:
         batch, stop = [first], False
@@ -119,9 +178,10 @@ class Batcher:
             if first is None:
                 break
             batch, stop = self._gather(first)
-            live = [j for j in batch if not j.cancelled]
-            self.skipped += len(batch) - len(live)
-            batch = live
+            for j in batch:
+                if j.cancelled:
+                    self._skip(j)
+            batch = [j for j in batch if not j.cancelled]
             if not batch:
                 continue
             if getattr(self.engine, "continuous", False):
@@ -134,7 +194,7 @@ class Batcher:
             except queue.Empty:
                 break
             if job is not None:
-                job.emit("error", RuntimeError("the server is shutting down"))
+                self._answer(job, "error", ShuttingDown("the server shut down before this request started"))
 
     def _admit(self, group: list[Job], jobs: dict) -> None:
         self.batches += 1
@@ -161,7 +221,7 @@ class Batcher:
                 if job is None:
                     stopping = True  # the running requests finish; the waiting ones are answered
                 elif job.cancelled:
-                    self.skipped += 1
+                    self._skip(job)
                 else:
                     group.append(job)
             if group:
@@ -185,7 +245,7 @@ class Batcher:
             # stats first: a client that has its answer sees them counted
             self.running = len(jobs)
             self.requests_done += 1
-            job.emit("done", c)
+            self._answer(job, "done", c)
 
         def on_error(request, e: Exception) -> None:  # a joining request that could not be prepared
             job = jobs.pop(id(request))
@@ -194,7 +254,7 @@ class Batcher:
                 self.metrics.generations.labels("error").inc()
             self.running = len(jobs)
             self.requests_done += 1
-            job.emit("error", e)
+            self._answer(job, "error", e)
 
         self._admit(batch, jobs)
         try:
@@ -209,7 +269,7 @@ class Batcher:
             self.running = 0
             self.requests_done += len(failed)
             for j in failed:
-                j.emit("error", e)
+                self._answer(j, "error", e)
         self.running = 0
         return stopping
 
@@ -248,8 +308,7 @@ class Batcher:
         self.running = 0
         self.requests_done += len(batch)
         for j, (kind, payload) in zip(batch, outcomes):
-            j.emit(kind, payload)
+            self._answer(j, kind, payload)
 
 
-
-__all__ = ["Batcher", "Job"]
+__all__ = ["Batcher", "Job", "ShuttingDown"]

@@ -50,6 +50,13 @@ class ServeConfig:
     max_images: int = _flag(8, "--max-images", "images per request")
     max_prompt_tokens: int = _flag(8192, "--max-prompt-tokens", "prompt tokens per request, images included")
     max_tokens: int = _flag(4096, "--max-tokens-limit", "largest max_tokens a request may ask for")
+    # Shutdown (SIGTERM, Ctrl+C): how long the accepted requests may still run while new ones get 503.
+    # Long enough for a --max-tokens-limit answer (4096 tokens) at ~7 tokens/s per request, a slow
+    # quantized or CPU decode; an orchestrator's kill grace (Kubernetes: terminationGracePeriodSeconds,
+    # 30 s by default) must be longer, or it cuts the drain short.
+    drain_timeout_s: float = _flag(600.0, "--drain-timeout", "seconds a shutdown lets the accepted requests finish "
+                                                             "(new ones get 503 meanwhile); the rest are then "
+                                                             "cancelled", minimum=0)
     default_max_tokens: int = _setting(512, 1)  # a request's max_tokens when it does not say (capped by max_tokens)
     batch_window_s: float = _setting(0.005, 0)  # how long the batcher waits for more requests to join a batch
     max_queue: int = _setting(64, 1)  # requests waiting for a batch; more are refused with 503

@@ -31,6 +31,7 @@ from typing import Callable
 
 import torch
 from PIL import Image
+from tokenizers.decoders import DecodeStream
 from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.image_utils import SizeDict
 
@@ -73,87 +74,152 @@ class Completion:
     finish_reason: str  # "stop" | "length" | "cancelled"
 
 
-def _cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
-    hits = [text.index(s) for s in stops if s and s in text]
-    return (text[:min(hits)], True) if hits else (text, False)
-
-
 def _partial_stop(text: str, stops: list[str]) -> int:
     """Length of the longest tail of `text` that is the start of a stop string (held back while
     streaming: it may yet become a stop string, which the final text leaves out)."""
     return max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
 
 
+class _RowText:
+    """One answer's text, detokenized incrementally: each token's text comes from tokenizers'
+    `DecodeStream`, which decodes only a short window of ids past the last complete character and
+    yields nothing while the bytes so far end inside a UTF-8 character (a CJK character or an emoji
+    split over byte-level tokens), so a token costs the same at the 4,000th as at the first.
+    (transformers' TextIteratorStreamer re-decodes its whole token cache at every token until a
+    newline resets it: quadratic in a long line. DecodeStream is the tokenizers library's own
+    streaming decode, over the same Rust tokenizer that `decode` runs.)
+    Stop strings are searched in the new text plus the tail before it that a stop string could
+    start in, so that too is linear in the answer's length."""
+
+    __slots__ = ("stream", "stops", "keep", "parts", "tail", "unsent", "pending")
+
+    def __init__(self, stops: list[str]):
+        self.stream = DecodeStream(skip_special_tokens=True)
+        self.stops = [s for s in stops if s]
+        self.keep = max((len(s) for s in self.stops), default=1) - 1  # a stop string starts in these
+        self.parts: list[str] = []  # the text so far but its tail
+        self.tail = ""  # the text's last `keep` characters (every character not streamed yet among them)
+        self.unsent = 0  # characters at the end of the text not streamed yet (a possible stop string's start)
+        self.pending: list[int] = []  # ids whose text the stream holds back (an unfinished character)
+
+    def step(self, backend, tok: int) -> str:
+        piece = self.stream.step(backend, tok)
+        if piece is None:
+            self.pending.append(tok)
+            return ""
+        self.pending.clear()
+        return piece
+
+    def flush(self, backend) -> str:
+        """At the end: the text of the ids the stream still holds (an unfinished character's bytes
+        decode as U+FFFD, as in a full decode). The stream yielded at a complete character, after
+        which UTF-8 decoding starts afresh, so these ids decode alone to the full decode's rest."""
+        rest = backend.decode(self.pending, skip_special_tokens=True) if self.pending else ""
+        self.pending = []
+        return rest
+
+    def add(self, piece: str, final: bool) -> tuple[str, bool]:
+        """Append `piece`: (the text to stream now, whether a stop string ended the answer). Unless
+        `final`, a tail that may still become a stop string is held back; a stop string found starts
+        in held-back text, never in streamed text."""
+        window, unsent = self.tail + piece, self.unsent + len(piece)
+        hits = [i for s in self.stops if (i := window.find(s)) >= 0]
+        if hits:
+            cut = min(hits)
+            window, unsent, final = window[:cut], unsent - (len(window) - cut), True
+        hold = 0 if final else _partial_stop(window, self.stops)
+        out = window[len(window) - unsent:len(window) - hold]
+        self.unsent = hold
+        split = max(0, len(window) - self.keep)
+        if split:
+            self.parts.append(window[:split])
+        self.tail = window[split:]
+        return out, bool(hits)
+
+    def text(self) -> str:
+        return "".join(self.parts) + self.tail
+
+
 class _BatchStreamer:
     """The per-row bookkeeping of one batched generate(): transformers calls put() with each step's
-    tokens (generate/'s engine: push() with a row's tokens of a sync point; rows join by add()); rows finish at an end token, their own max_new_tokens, a stop string or when cancelled,
-    and _RowsDone tells generate() so, which stops computing them. Text goes to on_text(row, new_text)
-    as it grows, holding back a tail that may still become a stop string; `text` ends as each row's
-    answer.
+    tokens (generate/'s engine: push() with a row's tokens of a sync point; rows join by add());
+    rows finish at an end token, their own max_new_tokens, a stop string or when cancelled, and
+    _RowsDone tells generate() so, which stops computing them. Text goes to on_text(row, new_text)
+    as it grows (_RowText: incremental), holding back a tail that may still become a stop string;
+    `text[row]` is the row's answer once `done[row]`, `count[row]` its tokens.
     """
 
     def __init__(self, engine: "InferenceEngine", requests: list[Request], on_text: Callable[[int, str], None] | None):
-        self.engine, self.requests, self.on_text = engine, requests, on_text
-        n = len(requests)
-        self.tokens: list[list[int]] = [[] for _ in range(n)]
-        self.text, self.sent = [""] * n, [0] * n
-        self.done, self.finish = [False] * n, ["length"] * n
+        self.engine, self.on_text = engine, on_text
+        self.backend = engine.tokenizer.backend_tokenizer  # the Rust tokenizer DecodeStream steps on
+        self.requests: list[Request | None] = []
+        self.rows: list[_RowText | None] = []
+        self.text: list[str] = []
+        self.count: list[int] = []
+        self.done: list[bool] = []
+        self.finish: list[str] = []
         self.prompt_seen = False
+        for r in requests:
+            self.add(r)
 
     def add(self, request: Request) -> int:
         """A request joining (generate/'s engine, continuous batching): its row."""
         self.requests.append(request)
-        self.tokens.append([])
+        self.rows.append(_RowText(request.stop))
         self.text.append("")
-        self.sent.append(0)
+        self.count.append(0)
         self.done.append(False)
         self.finish.append("length")
-        return len(self.tokens) - 1
+        return len(self.rows) - 1
+
+    def release(self, row: int) -> None:
+        """The row's answer was delivered: drop its request (images) and text (a server's continuous
+        generate runs as long as requests keep coming)."""
+        self.requests[row] = self.rows[row] = None
+        self.text[row] = ""
 
     def put(self, value: torch.Tensor) -> None:
         if not self.prompt_seen:  # generate() first hands over the prompt
             self.prompt_seen = True
             return
-        for row, tok in enumerate(value.reshape(len(self.tokens), -1)[:, -1].tolist()):
+        for row, tok in enumerate(value.reshape(len(self.rows), -1)[:, -1].tolist()):
             self.push(row, [tok])
 
     def push(self, row: int, toks: list[int]) -> None:
-        """The row's next tokens (one per step for generate(), a sync point's for generate/'s engine).
-        Each token re-decodes the answer so far (stop strings and streaming are exact per token;
-        that is quadratic in the answer's length: incremental detokenisation is a known to-do)."""
+        """The row's next tokens (one per step for generate(), a sync point's for generate/'s engine)."""
         for tok in toks:
             if self.done[row]:
                 return  # generate() pads finished rows; the engine's row may run on to the sync point
             if self.requests[row].cancelled.is_set():  # nobody waits for this row: its token is dropped
-                self.done[row], self.finish[row] = True, "cancelled"
-                return
+                return self._close(row, "cancelled")
             if tok in self.engine.end_ids:
-                self.done[row], self.finish[row] = True, "stop"
-            else:
-                self.tokens[row].append(tok)
-                self.done[row] = len(self.tokens[row]) >= self.requests[row].max_new_tokens
-            self._flush(row)
+                return self._close(row, "stop")
+            self.count[row] += 1
+            piece = self.rows[row].step(self.backend, tok)
+            if piece and self._send(row, piece, final=False):
+                return self._close(row, "stop")
+            if self.count[row] >= self.requests[row].max_new_tokens:
+                return self._close(row, "length")
 
-    def _flush(self, row: int) -> None:
-        text = self.engine.tokenizer.decode(self.tokens[row], skip_special_tokens=True)
-        text, stopped = _cut_at_stop(text, self.requests[row].stop)
-        if stopped:
-            self.done[row], self.finish[row] = True, "stop"
-        self.text[row] = text
-        if not self.done[row]:
-            if text.endswith("\ufffd"):
-                return  # wait for the rest of a multi-byte character
-            text = text[:len(text) - _partial_stop(text, self.requests[row].stop)]
-        if len(text) > self.sent[row]:
-            if self.on_text is not None:
-                self.on_text(row, text[self.sent[row]:])
-            self.sent[row] = len(text)
+    def _send(self, row: int, piece: str, final: bool) -> bool:
+        """Stream what `piece` releases; True if a stop string ended the answer in it."""
+        out, stopped = self.rows[row].add(piece, final)
+        if out and self.on_text is not None:
+            self.on_text(row, out)
+        return stopped
 
-    def end(self, rows=None) -> None:
-        for row in range(len(self.tokens)) if rows is None else rows:
+    def _close(self, row: int, finish: str) -> None:
+        """The row is done: what the stream still holds and the held-back tail go out."""
+        text = self.rows[row]
+        if self._send(row, text.flush(self.backend), final=True):
+            finish = "stop"
+        self.text[row], self.done[row], self.finish[row] = text.text(), True, finish
+
+    def end(self, rows=None, finish: str | None = None) -> None:
+        """Rows the generation ended (all by default): done, as `finish` (default: "length")."""
+        for row in range(len(self.rows)) if rows is None else rows:
             if not self.done[row]:
-                self.done[row] = True
-                self._flush(row)
+                self._close(row, finish or self.finish[row])
 
 
 @contextmanager
@@ -438,13 +504,13 @@ class InferenceEngine:
                 feed.finish(t)
 
         def on_result(res: GenResult) -> None:
-            row = rows[res.request]
-            if not streamer.done[row] and live[res.request].cancelled.is_set():
-                streamer.done[row], streamer.finish[row] = True, "cancelled"
-            streamer.end([row])
+            row = rows.pop(res.request)
+            streamer.end([row], "cancelled" if live[res.request].cancelled.is_set() else None)
             r = live.pop(res.request)
-            on_done(r, Completion(streamer.text[row], prompt_tokens[res.request], len(streamer.tokens[row]),
-                                  streamer.finish[row]))
+            c = Completion(streamer.text[row], prompt_tokens.pop(res.request), streamer.count[row],
+                           streamer.finish[row])
+            streamer.release(row)  # a continuous call runs as long as requests come: keep nothing of the done
+            on_done(r, c)
 
         feed = Feed(refill)
         for r in first:
@@ -504,5 +570,5 @@ class InferenceEngine:
             self.model.generate(**inputs, max_new_tokens=max(r.max_new_tokens for r in requests),
                                 pad_token_id=self.encoder.pad_id, eos_token_id=self.end_ids, streamer=streamer,
                                 stopping_criteria=StoppingCriteriaList([_RowsDone(streamer)]), **sampling)
-        return [Completion(text, int(n_prompt), len(tokens), finish) for text, n_prompt, tokens, finish
-                in zip(streamer.text, inputs["attention_mask"].sum(1).tolist(), streamer.tokens, streamer.finish)]
+        return [Completion(text, int(n_prompt), count, finish) for text, n_prompt, count, finish
+                in zip(streamer.text, inputs["attention_mask"].sum(1).tolist(), streamer.count, streamer.finish)]

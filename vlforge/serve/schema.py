@@ -92,10 +92,16 @@ class ChatRequest(_Schema):
     # the server's own (--min-pixels/--max-pixels); an image is resized as the processor would at these
     min_pixels: int | None = Field(None, ge=1)
     max_pixels: int | None = Field(None, ge=1)
-    # accepted only when empty/off: features this server does not have
+    # accepted only when empty/off: features this server does not have (refused, not ignored: each
+    # changes what a client gets back, e.g. json_object mode promises parseable JSON)
     tools: list | None = None
     functions: list | None = None
     logprobs: bool | None = None
+    top_logprobs: int | None = None
+    response_format: dict | None = None
+    logit_bias: dict | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
 
     @property
     def stops(self) -> list[str]:
@@ -177,8 +183,12 @@ def parse_chat_request(body: bytes | bytearray, cfg: ServeConfig) -> ChatRequest
     for name in ("tools", "functions"):
         if getattr(req, name):
             raise APIError(400, f"{name} are not supported by this server", param=name, code="unsupported")
-    if req.logprobs:
-        raise APIError(400, "logprobs are not supported by this server", param="logprobs", code="unsupported")
+    off = {"logprobs": not req.logprobs, "top_logprobs": not req.top_logprobs, "logit_bias": not req.logit_bias,
+           "response_format": (req.response_format or {}).get("type", "text") == "text",
+           "presence_penalty": not req.presence_penalty, "frequency_penalty": not req.frequency_penalty}
+    for name, ok in off.items():
+        if not ok:
+            raise APIError(400, f"{name} is not supported by this server", param=name, code="unsupported")
     if len(req.stops) > 4 or any(not s for s in req.stops):
         raise APIError(400, "stop: up to 4 non-empty strings", param="stop", code="invalid_value")
     asked = req.asked_tokens
