@@ -503,8 +503,17 @@ class RolloutConfig:
     # graphs, so there freeing costs only the allocation. Kept by default: the buffers serve every
     # step; free them when the update runs out of memory.
     keep_kv: bool = True
+    # MoE models (docs/moe.md): the rollout records every token's top-k experts per layer and the
+    # trainer logs moe/route_flip (how often its own choice differs); true: the trainer's forwards
+    # (and the KL reference's) also use the recorded experts ("router replay", R3); record: measure only.
+    # Off by default: replay makes the trainer run experts its router would not pick (and routes its
+    # gradient through them); turn it on when moe/route_flip and the ratio's spread say the mismatch matters
+    router_replay: bool | Literal["record"] = False
 
     def __post_init__(self):
+        if self.router_replay is not False and self.engine == "hf":
+            raise ConfigError(f"rollout.router_replay={self.router_replay} needs rollout.engine=vlforge "
+                              "(the plain hf decode loop records no routes)")
         _range(self, "group_size", ge=2, why="advantages compare responses within a group")
         _range(self, "prompts_per_step", ge=1)
         _range(self, "temperature", ge=0, why="0 = greedy")

@@ -1,4 +1,5 @@
-"""Mixture-of-experts training signals: the router load-balancing loss and per-step expert load.
+"""Mixture-of-experts training signals: the router load-balancing loss, per-step expert load, and
+the rollout's routes followed (router replay).
 
     routing = Routing.of(model, coef)             # None for a dense model
     with capture(routing, batch["attention_mask"]) as routed:
@@ -6,12 +7,29 @@
     loss = loss + aux_term(routing, routed, parts=1)  # coef x aux, fp32
     row.update(routing.step_metrics())            # expert load since the last call
 
+    with follow(routing, route_rows(rollout, seqs), replay=True):   # GRPO: forward and backward
+        with capture(routing, mask) as routed:
+            logp = sequence_logprobs(...)         # the rollout's experts; moe/route_flip counted
+        loss.backward()                           # checkpointing's recomputation replays them too
+
 The router logits come from forward hooks on every `mlp.gate` (transformers'
 `Qwen3VLMoeTextTopKRouter`, whose output[0] is the logits [tokens, E]), active only inside
 `capture`: the recipes call the backbone themselves (logits only where labels are, shared image
 features in GRPO), so the HF forward's `output_router_logits` path, which computes the loss in
 the top-level forward from recorded outputs, is never entered. Hooks also leave gradient
 checkpointing's recomputation (in backward, after `capture` has closed) out of the count.
+
+Router replay ("rollout routing replay", R3): the rollout's decode (its own kernels, one token
+at a time, bf16) and the trainer's full-sequence forward can pick different top-k experts for
+the same token where two router probabilities nearly tie, so the trainer's log-probs are of
+another computation than the ones the tokens were sampled from. `follow` installs the rollout's
+recorded expert ids (generate/routes.py): the hooks count how often the router's own top-k set
+differs (moe/route_flip, every policy forward of the update, so later mini-batches include the
+step's own updates as ratio_mean does) and, with replay, hand the experts the recorded ids with
+the router's own probabilities of those experts, renormalised over the k as the router
+renormalises its top-k: the router keeps its gradient (through those probabilities) when
+trained, and a token whose route was not recorded (its response's last, never run in the
+rollout) keeps its own.
 
 Shapes: L MoE layers, N = B*T token rows (padding included, masked out), E experts, k = top-k.
 """
@@ -25,6 +43,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from vlforge.generate.routes import NO_ROUTE, recorder_of, router_modules  # noqa: F401 (router_modules: used here)
+from vlforge.model.tiers import unwrap
 
 
 def load_balancing_loss(logits_L_NE: list[torch.Tensor], top_k: int, mask_N: torch.Tensor | None = None) -> torch.Tensor:
@@ -79,19 +100,6 @@ def load_metrics(counts_LE: torch.Tensor) -> dict:
             "moe/worst_layer": worst}
 
 
-def router_modules(model: nn.Module) -> list[tuple[int, nn.Module]]:
-    """(layer index, router) of every MoE layer; a router trained beside LoRA appears twice (peft's
-    frozen original and its trained copy): only the one peft runs fires its hook."""
-    from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import Qwen3VLMoeTextTopKRouter
-
-    out = []
-    for name, module in model.named_modules():
-        if isinstance(module, Qwen3VLMoeTextTopKRouter):
-            layer = int(name.split(".layers.")[1].split(".")[0])
-            out.append((layer, module))
-    return out
-
-
 @dataclass
 class Routed:
     """One forward's router logits, layer by layer, and its token mask."""
@@ -99,6 +107,7 @@ class Routed:
     logits: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [N, E]
     mask_N: torch.Tensor | None = None
     top_k: int = 1
+    flips: torch.Tensor | None = None  # [2]: (token, layer) pairs whose top-k set differs from the rollout's, pairs
 
     def aux_loss(self) -> torch.Tensor:
         layers = [self.logits[i] for i in sorted(self.logits)]
@@ -126,20 +135,41 @@ class Routing:
     def __init__(self, routers: list[tuple[int, nn.Module]], top_k: int, coef: float = 0.0):
         self.routers, self.top_k = routers, top_k
         self.coef = coef  # train.router_aux_loss_coef
-        self.n_layers = len({i for i, _ in routers})
+        layers = sorted({i for i, _ in routers})
+        self.n_layers = len(layers)
         self._routed: Routed | None = None
+        self._follow: tuple[torch.Tensor, bool] | None = None  # (recorded expert ids [L, N, k], replay)
         self._counts: torch.Tensor | None = None  # [L, E] on the model's device: no host sync per micro-batch
+        self._flips: torch.Tensor | None = None  # [2] like Routed.flips, since the last step_metrics
         self._aux: list[torch.Tensor] = []
-        self._handles = [m.register_forward_hook(self._hook(i)) for i, m in routers]
+        position = {layer: p for p, layer in enumerate(layers)}  # the row of the layer in recorded routes
+        self._handles = [m.register_forward_hook(self._hook(i, position[i])) for i, m in routers]
 
-    def _hook(self, layer: int):
+    def _hook(self, layer: int, p: int):
         # torch.compile must not trace the hook: the layer index it closes over would be a guard, and
         # the one compiled MoE block would recompile for every layer (past the recompile limit, the
         # later layers would run uncompiled)
         @torch.compiler.disable
         def keep(module, args, output):
-            if self._routed is not None:
-                self._routed.logits[layer] = output[0]
+            routed, follow = self._routed, self._follow
+            if routed is not None:
+                routed.logits[layer] = output[0]
+            if follow is None:
+                return None
+            logits_NE, _, own_Nk = output
+            recorded_Nk = follow[0][p]
+            if recorded_Nk.shape != own_Nk.shape:
+                raise RuntimeError(f"router replay: layer {layer} routes {tuple(own_Nk.shape)} token rows x "
+                                   f"experts, the rollout recorded {tuple(recorded_Nk.shape)}")
+            valid_N = recorded_Nk[:, 0] != NO_ROUTE
+            recorded_Nk = recorded_Nk.to(own_Nk.device, torch.long)
+            if routed is not None:  # the step's own forward (not checkpointing's recomputation): count
+                differ_N = (own_Nk.sort(-1).values != recorded_Nk.sort(-1).values).any(-1) & valid_N
+                pair = torch.stack([differ_N.sum(), valid_N.sum()]).double()
+                routed.flips = pair if routed.flips is None else routed.flips + pair
+            if not follow[1]:
+                return None
+            return (logits_NE, *replayed(logits_NE, own_Nk, recorded_Nk, valid_N))
         return keep
 
     @classmethod
@@ -147,11 +177,26 @@ class Routing:
         routers = router_modules(model)
         if not routers:
             return None
+        recorder_of(unwrap(model))  # the rollout's recording hooks, before anything compiles the model
         return cls(routers, routers[0][1].top_k, coef)
 
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
+
+    @contextlib.contextmanager
+    def follow(self, routes_LNk: torch.Tensor, replay: bool):
+        """The forwards inside, and their backwards (gradient checkpointing recomputes them there, and
+        must take the same experts), run beside the rollout's expert ids [L, N, k] of their N token
+        rows (NO_ROUTE where none): counted against the routers' own inside `capture` and, with
+        `replay`, used in their place."""
+        if routes_LNk.shape[0] != self.n_layers:
+            raise RuntimeError(f"router replay: routes of {routes_LNk.shape[0]} layers for {self.n_layers} MoE layers")
+        self._follow = (routes_LNk, replay)
+        try:
+            yield
+        finally:
+            self._follow = None
 
     @contextlib.contextmanager
     def capture(self, mask: torch.Tensor | None):
@@ -165,30 +210,58 @@ class Routing:
         if routed.logits:
             counts = routed.counts()
             self._counts = counts if self._counts is None else self._counts + counts
+        if routed.flips is not None:
+            self._flips = routed.flips if self._flips is None else self._flips + routed.flips
 
     def record_aux(self, value: torch.Tensor) -> None:
         self._aux.append(value.detach())
 
     def step_metrics(self, world=None) -> dict:
-        """The expert-load summaries (and mean aux loss) since the last call, every rank's tokens."""
+        """The expert-load summaries (and mean aux loss, and the route-flip rate when the rollout's
+        routes were followed) since the last call, every rank's tokens; one device-to-host copy."""
         if self._counts is None:
             return {}
-        counts = self._counts.cpu()
+        shape = self._counts.shape
+        flips = self._flips if self._flips is not None else self._counts.new_zeros(2)  # no routes followed
+        host = torch.cat([self._counts.flatten().double(), flips.double().to(self._counts.device)]).cpu()
         if world is not None and world.size > 1:
-            counts = torch.tensor(world.sums(*counts.flatten().tolist())).reshape(counts.shape)
+            host = torch.tensor(world.sums(*host.tolist()), dtype=torch.float64)
+        counts, flips = host[:-2].reshape(shape), host[-2:]
         row = load_metrics(counts)
+        if flips[1] > 0:  # (token, layer) pairs of the step's policy forwards whose top-k set flipped
+            row["moe/route_flip"] = float(flips[0] / flips[1])
         if self._aux:  # the mean over every rank's forwards, as one process accumulating them would log
             total, n = float(torch.stack(self._aux).float().sum()), len(self._aux)
             if world is not None and world.size > 1:
                 total, n = world.sums(total, n)
             row["moe/aux_loss"] = total / n
-        self._counts, self._aux = None, []
+        self._counts, self._flips, self._aux = None, None, []
         return row
 
 
 def capture(routing: Routing | None, mask: torch.Tensor | None):
     """`routing.capture(mask)`, or a context yielding None for a dense model (the recipes' one line)."""
     return contextlib.nullcontext(None) if routing is None else routing.capture(mask)
+
+
+def follow(routing: Routing | None, routes_LNk: torch.Tensor | None, replay: bool):
+    """`routing.follow(routes, replay)`, or a null context for a dense model or a rollout without routes."""
+    if routing is None or routes_LNk is None:
+        return contextlib.nullcontext()
+    return routing.follow(routes_LNk, replay)
+
+
+def replayed(logits_NE: torch.Tensor, own_Nk: torch.Tensor, recorded_Nk: torch.Tensor, valid_N: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(routing weights [N, k], expert ids [N, k]) for the experts: the recorded ids where valid_N
+    (the router's own elsewhere), weighted as transformers' Qwen3VLMoeTextTopKRouter weights its
+    own top-k: fp32 softmax over all E, the k taken, renormalised to sum 1 (Qwen3-VL-MoE's
+    norm_topk_prob), cast to the logits' dtype. Where the ids are the router's own this is its
+    output exactly; the weights' gradient reaches the router's logits."""
+    experts_Nk = torch.where(valid_N[:, None], recorded_Nk, own_Nk)
+    weights_Nk = F.softmax(logits_NE, dim=-1, dtype=torch.float).gather(-1, experts_Nk)
+    weights_Nk = weights_Nk / weights_Nk.sum(dim=-1, keepdim=True)
+    return weights_Nk.to(logits_NE.dtype), experts_Nk
 
 
 def aux_term(routing: Routing | None, routed: Routed | None, parts: int) -> torch.Tensor | float:

@@ -38,7 +38,7 @@ import threading
 import time
 import weakref
 from collections import deque
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from vlforge.generate.forward import cache_of, encode_images, forward_shared, rope_positions
+from vlforge.generate.routes import NO_ROUTE, ROUTE_DTYPE, recorder_of
 from vlforge.generate.sampling import row_key, sample
 from vlforge.model.tiers import unwrap
 
@@ -104,6 +105,9 @@ class GenResult:
     tokens: torch.Tensor  # [R] generated ids (the stop token included when one ended it), CPU
     logprobs: torch.Tensor  # [R] fp32 log-probs of the temperature-scaled policy, CPU
     stopped: bool  # ended at a stop id (False: max_new_tokens)
+    # generate(record_routes=True), MoE: [L, P + R - 1, k] int16 top-k expert ids of each MoE layer for the
+    # prompt's tokens and every generated one the model read (all but the last), CPU (generate/routes.py)
+    routes: torch.Tensor | None = None
 
 
 @dataclass
@@ -328,6 +332,10 @@ class Engine:
         self.pool = None
         self.capture_s_total = 0.0
         self.stats = GenStats()
+        # MoE: the routers' hooks, registered now, before the decode step is first compiled (routes.py: why)
+        self.recorder = recorder_of(self.core)
+        self.routes: torch.Tensor | None = None  # [L, slots, length, k] expert ids, when recording
+        self._recording = False  # this call records routes (part of the graph key)
 
     @property
     def core(self):
@@ -336,7 +344,7 @@ class Engine:
     def release(self) -> None:
         """Free the KV slots and graphs (e.g. before a memory-hungry phase); the next call
         allocates and captures again (the compiled step is kept)."""
-        self.cache = self.state = None
+        self.cache = self.state = self.routes = None
         self.graphs.clear()
         self.pool = None
 
@@ -357,7 +365,7 @@ class Engine:
         cfg = self.text_config
         slots = max(slots, c.slots if c is not None else 0)
         length = max(length, c.length if c is not None else 0)
-        self.cache = self.state = None
+        self.cache = self.state = self.routes = None
         self.graphs.clear()  # they point at the old buffers
         self.pool = None  # a pool whose graphs are gone cannot take new captures
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
@@ -398,7 +406,10 @@ class Engine:
         length_S, alive_S = st.length[:S], st.alive[:S]
         span_L = self.arange_L[:Lb]
         self.cache.bind(length_S, span_L)
-        with _attention(self.text_config, DECODE_ATTENTION):
+        # recording: each row's experts go where its input token's KV goes (length_S, updated by the step)
+        routes = self.recorder.write_to(self.routes, self.cache.rows[:S], length_S) if self._recording \
+            else nullcontext()
+        with _attention(self.text_config, DECODE_ATTENTION), routes:
             hidden_SH = self._decode_hidden(self.core, self.cache, st.tok[:S, None], length_S, span_L, st.pos[:S])
         logits_SV = self._logits(hidden_SH, st.count[:S] < st.min_new[:S])
         tok_S, logp_S = sample(logits_SV, st.temperature[:S], st.top_k[:S], st.top_p[:S], st.key[:S], st.count[:S],
@@ -419,7 +430,7 @@ class Engine:
     def _graph_key(self, S, Lb, mode):
         autocast = torch.is_autocast_enabled("cuda")
         return (S, Lb, mode, self.core.training, autocast, torch.get_autocast_dtype("cuda") if autocast else None,
-                self._decode_hidden is not _decode_hidden)
+                self._decode_hidden is not _decode_hidden, self._recording)
 
     def _run_steps(self, S: int, Lb: int, mode: str, steps: int, use_graphs: bool) -> None:
         if not use_graphs:
@@ -479,7 +490,8 @@ class Engine:
         grid = torch.cat([p.image_grid_thw for p in with_images]).to(device) if with_images else None
         feats = encode_images(self.core, pixels, grid, [p.images for p in prompts])
         pos_3BP = rope_positions(self.core, ids_BP, mask_BP, image_token_id, grid)
-        out = forward_shared(self.core, ids_BP, mask_BP, pos_3BP, feats, list(range(len(prompts))), use_cache=True)
+        with self.recorder.keep() if self._recording else nullcontext({}) as kept:
+            out = forward_shared(self.core, ids_BP, mask_BP, pos_3BP, feats, list(range(len(prompts))), use_cache=True)
         slots, rows, keys, reqs = [], [], [], []
         for b, (_, r, sl) in enumerate(admitted):
             slots += sl
@@ -490,6 +502,8 @@ class Engine:
         rows_M = torch.tensor(rows, device=device)
         lengths_B = torch.tensor([len(p.input_ids) for p in prompts], device=device)
         self.cache.fill(slots_M, cache_of(out), rows_M, lengths_B[rows_M], P)
+        if self._recording:
+            self._fill_routes(slots_M, kept, rows_M, lengths_B[rows_M], P)
 
         st = self.state
         st.temperature[slots_M] = torch.tensor([float(r.temperature) for r in reqs], device=device)
@@ -514,6 +528,22 @@ class Engine:
         st.stopped[slots_M] = stop_M
         st.alive[slots_M] = ~stop_M & (st.max_new[slots_M] > 1)
 
+    def _fill_routes(self, slots_M: torch.Tensor, kept: dict, rows_M: torch.Tensor, lengths_M: torch.Tensor,
+                     P: int) -> None:
+        """The prefill's expert ids (per layer [B*P, k] over the left-padded prompts) into the slots'
+        positions 0.., padding stripped, as SlotCache.fill copies the KV; every other position of
+        those slots is NO_ROUTE until a decode step writes it (so _harvest sees one it did not)."""
+        L, k = self.routes.shape[0], self.routes.shape[-1]
+        if len(kept) != L:
+            raise RuntimeError(f"route recording: the prefill ran {len(kept)} of the {L} MoE routers")
+        kept_LBPk = torch.stack([kept[p].view(-1, P, k) for p in range(L)])
+        j = torch.arange(P, device=slots_M.device)
+        src_MP = (P - lengths_M[:, None] + j[None]).clamp(max=P - 1)
+        got_LMPk = kept_LBPk[:, rows_M].gather(2, src_MP[None, :, :, None].expand(L, -1, -1, k))
+        got_LMPk = got_LMPk.masked_fill((j[None] >= lengths_M[:, None])[None, :, :, None], NO_ROUTE)
+        self.routes[:, slots_M] = NO_ROUTE
+        self.routes[:, slots_M, :P] = got_LMPk.to(self.routes.dtype)
+
     # -- the scheduler ------------------------------------------------------------------------
 
     @torch.no_grad()
@@ -521,13 +551,15 @@ class Engine:
                  image_token_id: int, pad_id: int, slots: int | None = None,
                  on_result: Callable[[GenResult], None] | None = None,
                  on_tokens: Callable[[int, int, list[int]], None] | None = None,
-                 compile: bool | None = None, feed: Feed | None = None) -> list[GenResult]:
+                 compile: bool | None = None, feed: Feed | None = None,
+                 record_routes: bool = False) -> list[GenResult]:
         """Results in request order (each request's n samples in turn). `slots` caps the decode
         batch (default: every sample at once, up to max_slots); `on_result` gets each result as
         soon as its row finishes (at a sync point); `on_tokens(request, sample, new_ids)` streams
         each row's new tokens at every sync point (one extra device-to-host copy per sync point,
         only when given; a result's streamed ids joined are its tokens); `compile`: this call's decode step compiled
-        (default: the engine's `compile`; CUDA graphs only).
+        (default: the engine's `compile`; CUDA graphs only). `record_routes` (MoE): each result
+        carries its tokens' top-k experts per layer (GenResult.routes, generate/routes.py).
 
         `feed`: requests come through it instead (`requests` must be empty; indices are the feed's
         tickets): those queued now are sized for, later ones join at sync points while they fit
@@ -555,6 +587,12 @@ class Engine:
         length = LENGTH_BUCKET * math.ceil(need / LENGTH_BUCKET)
         kv_dtype = self._kv_dtype(device)
         self._ensure_buffers(n_slots, length, kv_dtype, device)
+        if record_routes and self.recorder is None:
+            raise ValueError("record_routes: the model has no mixture-of-experts router to record")
+        self._recording = bool(record_routes)
+        if self._recording and self.routes is None:  # with the slots: a new cache drops it (and the graphs)
+            self.routes = torch.full((len(self.recorder.layers), self.cache.slots, self.cache.length,
+                                      self.recorder.top_k), NO_ROUTE, dtype=ROUTE_DTYPE, device=device)
         self.stop_ids.fill_(-1)
         self.stop_ids[:len(stop_ids)] = torch.tensor(stop_ids, dtype=torch.long, device=device)
         self.is_stop.zero_()
@@ -680,13 +718,28 @@ class Engine:
         width = max(counts)
         toks = st.out_tok[idx, :width].cpu()
         logps = st.out_logp[idx, :width].cpu()
+        routes, read = self._harvest_routes(idx) if self._recording else (None, None)
         for j, slot in enumerate(done):
             i, s = occupant[slot]
-            res = GenResult(i, s, toks[j, :counts[j]].clone(), logps[j, :counts[j]].clone(), bool(stopped[j]))
+            res = GenResult(i, s, toks[j, :counts[j]].clone(), logps[j, :counts[j]].clone(), bool(stopped[j]),
+                            None if routes is None else routes[:, j, :read[j]].clone())
             results[i][s] = res
             self.stats.tokens += counts[j]
             if on_result is not None:
                 on_result(res)
+
+    def _harvest_routes(self, idx: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
+        """The finished rows' routes [L, rows, T, k] (CPU) and how many positions each has: its KV
+        length, i.e. the prompt and every generated token but the last, which no step read while
+        the row was alive (later steps of a finished row write over that position)."""
+        read = self.state.length[idx].cpu().tolist()
+        routes = self.routes[:, idx, :max(read)].cpu()
+        for j, n in enumerate(read):
+            if bool((routes[:, j, :n] == NO_ROUTE).any()):
+                raise RuntimeError("route recording: a decode step did not record its routes (the router hooks "
+                                   "were not in the compiled step); generate with compile=False "
+                                   "(rollout.compile=false)")
+        return routes, read
 
     def _kv_dtype(self, device) -> torch.dtype:
         """The dtype the layers' keys come out in (the compute dtype under autocast)."""
@@ -725,7 +778,7 @@ def _ticketed(res: GenResult | None, tickets: list[int]) -> GenResult | None:
     """A result known by its caller's index (the request's ticket with a feed, else its position)."""
     if res is None or tickets[res.request] == res.request:
         return res
-    return GenResult(tickets[res.request], res.sample, res.tokens, res.logprobs, res.stopped)
+    return GenResult(tickets[res.request], res.sample, res.tokens, res.logprobs, res.stopped, res.routes)
 
 
 def _elapsed(start: float, device) -> float:

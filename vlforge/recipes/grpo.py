@@ -28,12 +28,15 @@ from vlforge.engine.evaluate import to_device
 from vlforge.engine.health import GradHealth
 from vlforge.engine.losses import drop_keepalive_grads
 from vlforge.engine.metrics import plot_metric, read_metrics
-from vlforge.engine.moe import aux_term, capture
+from vlforge.engine.moe import aux_term, capture, follow
 from vlforge.engine.run import Run, begin_run
 from vlforge.engine.trainable import Trainable, setup_model
 from vlforge.generate.engine import engine_for
 from vlforge.rl import RewardSpec, agg_loss, build_rewards, exact_match, grpo_advantages, kl_penalty, policy_loss
-from vlforge.rollout.engine import PackedLayout, Rollout, generate_groups, packing_enabled, sequence_logprobs
+from vlforge.model.load import dir_config
+from vlforge.model.presets import MOE_PRESETS, is_moe
+from vlforge.rollout.engine import (PackedLayout, Rollout, generate_groups, packing_enabled, route_rows,
+                                    sequence_logprobs)
 
 
 @dataclass
@@ -194,9 +197,13 @@ def pool_batch_std(batches: list[Batch], kept_rewards: list[torch.Tensor], group
         b.advantages[b.seqs] = adv[rows].to(b.advantages.device)
 
 
-def reference_logprobs(t: Trainable, ref_model, batch: Batch, temperature: float,
-                       packing: bool = False) -> torch.Tensor:
-    with torch.no_grad(), t.policy.autocast():
+def reference_logprobs(t: Trainable, ref_model, batch: Batch, temperature: float, packing: bool = False,
+                       replay: bool = False) -> torch.Tensor:
+    """`replay` (rollout.router_replay: true, MoE): the reference runs the rollout's experts too, as
+    the policy does, so the KL compares the weights and not two routings (0 before the first update).
+    The full fine-tuning copy is a deepcopy of the policy: its routers carry the same hooks."""
+    routes = route_rows(batch.rollout, batch.seqs, packing) if replay else None
+    with torch.no_grad(), t.policy.autocast(), follow(t.routing, routes, replay=True):
         if ref_model is None:  # LoRA: the base model is the reference, no second copy
             reshard_all(t.root)  # peft toggles requires_grad: on the sharded parameters, not gathered copies
             with t.model.disable_adapter():
@@ -291,15 +298,16 @@ def update(t: Trainable, ref_model, batches: list[Batch], optimizer, scaler, hea
     """
     rl, temperature, world = cfg.rl, cfg.rollout.temperature, t.world
     packing = packing_enabled(t.model, rl.packing)  # the log-prob forwards on real tokens only (one row)
+    replay = cfg.rollout.router_replay is True  # MoE: the rollout's experts in every forward (engine/moe.py)
     if rl.kl_beta > 0:
         # sharded, each of these forwards is a collective: as many on every rank (counted first)
         pads = max(world.gather_objects(len(batches))) - len(batches) if world.sharded else 0
         if world.sharded:  # before any forward: a collective between forwards would cross the others' all-gathers
             check_spare(world, bool(pads) and spare is None)
         for b in batches:
-            b.ref_logp = reference_logprobs(t, ref_model, b, temperature, packing)  # [len(seqs), R], fixed this step
+            b.ref_logp = reference_logprobs(t, ref_model, b, temperature, packing, replay)  # [len(seqs), R]
         for _ in range(pads):
-            reference_logprobs(t, ref_model, spare, temperature, packing)
+            reference_logprobs(t, ref_model, spare, temperature, packing, replay)
     # ratio_mean is exactly 1 until the step's first update (a check that rollout and trainer agree);
     # clip_frac_lower is the share of tokens where the dual clip binds
     logged = ["loss", "clip_frac", "ratio_mean", "approx_kl", "entropy"] + (["kl"] if rl.kl_beta > 0 else []) \
@@ -316,7 +324,11 @@ def update(t: Trainable, ref_model, batches: list[Batch], optimizer, scaler, hea
             all_seqs = world.sum(sum(len(part) for _, part in real)) if t.routing is not None else 1.0
             step = dict.fromkeys(logged, 0.0)
             for j, (b, part) in enumerate(parts):
-                with no_sync(t.root, last=j == len(parts) - 1):  # DDP: one gradient all-reduce per mini-batch
+                seqs = b.seqs if part is None else [b.seqs[i] for i in part]
+                # MoE with recorded routes: the flips counted and (replay) the rollout's experts taken, in the
+                # forward and in checkpointing's recomputation during backward
+                routes = route_rows(b.rollout, seqs, packing)
+                with no_sync(t.root, last=j == len(parts) - 1), follow(t.routing, routes, replay):
                     if part is None:  # padding: the collectives of a forward and backward, no gradient
                         with t.policy.autocast():
                             logp = t.forward(sequence_logprobs, b.rollout, temperature, seq_index=b.seqs,
@@ -324,7 +336,6 @@ def update(t: Trainable, ref_model, batches: list[Batch], optimizer, scaler, hea
                         scaler.scale(0.0 * logp.sum()).backward()
                         continue
                     mask, w, n_tok = masks[j], weights[j], tokens[j]  # real parts come first
-                    seqs = [b.seqs[i] for i in part]
                     with t.policy.autocast(), capture(t.routing, token_rows(b.rollout, seqs, packing)) as routed:  # MoE
                         logp, entropy = t.forward(sequence_logprobs, b.rollout, temperature, seq_index=seqs,
                                                   with_entropy=True, keep_vision=world.wrapped,
@@ -429,6 +440,11 @@ def run_grpo(cfg: GRPOConfig) -> dict:
         raise ConfigError(f"rl.rewards: {e}") from e
     for path in filter(None, (cfg.data.train, cfg.data.val)):  # a bad file fails now, not after the model loads
         check_readable(path, cfg.data.on_error, cfg.data.max_image_pixels)
+    if cfg.rollout.router_replay is not False and not (
+            is_moe(dir_config(cfg.model.path)) if cfg.model.path else cfg.model.preset in MOE_PRESETS):
+        raise ConfigError(f"rollout.router_replay={cfg.rollout.router_replay}: the model "
+                          f"({cfg.model.path or cfg.model.preset}) is dense: it has no experts to route; remove the "
+                          "key")
     world_size = (torchrun_env() or (0, 1, 0))[1]
     strategy, _ = planned_strategy(cfg.distributed.strategy, world_size, cfg.train.device)
     if strategy != "none":

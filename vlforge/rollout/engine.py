@@ -6,6 +6,7 @@ R response length (right-padded), H hidden size, V vocabulary.
     generate_groups     G responses per prompt on generate/'s engine (each prompt prefilled once)
     sequence_logprobs   the trainer's log-probs of response tokens (same forward: generate.forward),
                         on the padded [n, P + R] batch or packed into one row (rl.packing: PackedLayout)
+    route_rows          MoE: the rollout's recorded experts for the token rows sequence_logprobs runs
 
 Log-probs are of the temperature-scaled policy, log_softmax(logits / T), before top-k/top-p
 truncation (as verl's actor computes them), in fp32. Vision special tokens are never sampled.
@@ -25,6 +26,7 @@ from vlforge.engine.packed_attention import PackedRows, packed_forward, per_samp
 from vlforge.generate.engine import GenRequest, engine_for, prompts_of_batch
 from vlforge.generate.forward import (VISION_TOKENS, ImageFeatures, cache_of, encode_images, filter_logits,  # noqa: F401
                                       forward_shared, rope_positions, token_logprobs, vision_token_ids)
+from vlforge.generate.routes import NO_ROUTE
 from vlforge.model.tiers import unwrap
 
 
@@ -41,6 +43,10 @@ class Rollout:
     finished: torch.Tensor  # [N] ended with EOS (False: hit max_new_tokens)
     group_size: int
     banned_ids: list[int]  # never sampled; masked identically when the trainer recomputes log-probs
+    # rollout.router_replay (MoE): [L, N, P + R, k] int16 top-k expert ids per MoE layer of every prompt and
+    # response token, in the columns of cat(prompt_ids, response_ids); NO_ROUTE (-1) where none was recorded
+    # (padding, each response's last token: the rollout never ran it)
+    routes: torch.Tensor | None = None
 
     @property
     def prompt_of_seq(self) -> list[int]:
@@ -64,9 +70,10 @@ def generate_groups(model, encoder: Encoder, prompts: dict, images_per_prompt: l
                            top_k=cfg.top_k, seed=seed, first_row=first_row + b * G)
                 for b, p in enumerate(prompts_of_batch(prompts, images_per_prompt))]
     banned = vision_token_ids(encoder)
+    record = cfg.router_replay is not False  # "record" or true
     results = engine_for(model).generate(requests, stop_ids=encoder.end_ids, banned_ids=banned,
                                          image_token_id=encoder.image_token_id, pad_id=encoder.pad_id,
-                                         compile=cfg.compile)
+                                         compile=cfg.compile, record_routes=record)
     R = max(len(r.tokens) for r in results)
     ids_NR = torch.full((len(results), R), encoder.pad_id, dtype=torch.long)
     logp_NR = torch.zeros(len(results), R)
@@ -74,9 +81,38 @@ def generate_groups(model, encoder: Encoder, prompts: dict, images_per_prompt: l
     for n, r in enumerate(results):
         ids_NR[n, :len(r.tokens)], logp_NR[n, :len(r.tokens)], mask_NR[n, :len(r.tokens)] = r.tokens, r.logprobs, 1
     finished = torch.tensor([r.stopped for r in results])
+    routes = _rollout_routes(results, prompts["attention_mask"].sum(1).tolist(), prompts["input_ids"].shape[1], R, G) \
+        if record else None
     return Rollout(prompts["input_ids"], prompts["attention_mask"], prompts.get("pixel_values"),
                    prompts.get("image_grid_thw"), images_per_prompt, ids_NR.to(device), mask_NR.to(device),
-                   logp_NR.to(device), finished.to(device), G, banned)
+                   logp_NR.to(device), finished.to(device), G, banned,
+                   None if routes is None else routes.to(device))
+
+
+def _rollout_routes(results, prompt_lengths: list[int], P: int, R: int, G: int) -> torch.Tensor:
+    """The results' routes ([L, plen + R_n - 1, k] each) in the Rollout's columns: prompt b's tokens
+    end at column P (left padding), response n starts there."""
+    L, _, k = results[0].routes.shape
+    routes = torch.full((L, len(results), P + R, k), NO_ROUTE, dtype=results[0].routes.dtype)
+    for n, r in enumerate(results):
+        start = P - prompt_lengths[n // G]
+        routes[:, n, start:start + r.routes.shape[1]] = r.routes
+    return routes
+
+
+def route_rows(rollout: Rollout, seq_index: list[int], packing: bool = False) -> torch.Tensor | None:
+    """The recorded expert ids [L, N, k] of sequences `seq_index`, row for row as the routers see
+    sequence_logprobs' forward: its [n, P + R] tokens flattened (N = n * (P + R)), or, `packing`,
+    the packed row's real tokens (PackedLayout, the same mask sequence_logprobs packs by); None
+    when the rollout recorded none."""
+    if rollout.routes is None:
+        return None
+    routes_LNk = rollout.routes[:, seq_index].flatten(1, 2)
+    if not packing:
+        return routes_LNk
+    prompts = [rollout.prompt_of_seq[s] for s in seq_index]
+    rows_nT = torch.cat([rollout.prompt_mask[prompts], rollout.response_mask[seq_index]], dim=1)
+    return routes_LNk[:, PackedLayout.of(rows_nT).src_T.to(routes_LNk.device)]
 
 
 @torch.no_grad()
