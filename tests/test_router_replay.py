@@ -203,7 +203,7 @@ def test_the_full_fine_tuning_reference_copy_replays_the_rollouts_experts(tiny_m
     valid = rows[0, :, 0] != NO_ROUTE
     for replay in (False, True):
         spy = _ExpertSpy(ref)
-        reference_logprobs(t, ref, batch, 1.0, replay)
+        reference_logprobs(t, ref, batch, 1.0, replay=replay)
         spy.remove()
         same = [torch.equal(spy.seen[i][valid], rows[i][valid].long()) for i in range(2)]
         assert all(same) == replay
@@ -253,10 +253,12 @@ def test_replay_on_a_dense_model_or_the_hf_loop_is_a_config_error(tiny, shapes_d
                                  image_token_id=0, pad_id=0, record_routes=True)
 
 
-@pytest.mark.parametrize("replay", ["record", "true"])
-def test_grpo_step_with_router_replay_logs_the_flip_rate(shapes_dir, tmp_path, replay):
+@pytest.mark.parametrize("replay,packing", [("record", "true"), ("true", "true"), ("true", "false")])
+def test_grpo_step_with_router_replay_logs_the_flip_rate(shapes_dir, tmp_path, replay, packing):
     """The recipe end to end: routes recorded, followed in the update (and, replayed, in the LoRA
-    reference's forward), moe/route_flip in metrics.jsonl; before the first update the ratio is 1."""
+    reference's forward), moe/route_flip in metrics.jsonl; before the first update the ratio is 1.
+    Padded and packed update rows (rl.packing): the routes follow the row's token order (a
+    misaligned route would flip and move the ratio)."""
     import json
 
     from test_grpo import grpo_config
@@ -264,7 +266,7 @@ def test_grpo_step_with_router_replay_logs_the_flip_rate(shapes_dir, tmp_path, r
 
     cfg = grpo_config(shapes_dir, tmp_path / "run", tmp_path, "model.preset=tiny-moe", "tiers.method=lora",
                       "tiers.language.experts=true", "rl.kl_beta=0.1", f"rollout.router_replay={replay}",
-                      "rl.mini_batch_size=8")
+                      "rl.mini_batch_size=8", f"rl.packing={packing}")
     run_grpo(cfg)
     row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert row["groups_trained"] > 0
