@@ -452,3 +452,37 @@ def test_flex_attention_is_refused_for_the_dense_model_with_the_reason():
         load_model(ModelConfig(preset="tiny", attn_implementation="flex_attention"))
     model, _ = load_model(ModelConfig(preset="tiny-moe", attn_implementation="flex_attention"))
     assert model.config._attn_implementation == "flex_attention"
+
+
+def _step_metrics_on_rank(rank: int, init_file: str, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from vlforge.engine.distributed import World
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        world = World(rank=rank, size=2, strategy="ddp")
+        model = load_model(ModelConfig(preset="tiny-moe"))[0]
+        routing = Routing.of(model, coef=0.01)
+        if rank == 0:  # rank 1 counts nothing this step (GRPO: only padding forwards, never captured)
+            with torch.no_grad(), routing.capture(None) as routed:
+                model(input_ids=torch.arange(1, 9)[None])
+            routing.record_aux(routed.aux_loss())
+        row = routing.step_metrics(world)
+        after = world.sums(float(rank + 1))  # the next collective must pair with its own kind
+        torch.save((row, after), f"{out_dir}/{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_step_metrics_are_one_collective_on_every_rank_even_one_that_counted_nothing(tmp_path):
+    """Several ranks: expert-load metrics are summed across ranks; a rank that counted no token must
+    still join those sums, or its next collective pairs with the others' sums (gloo aborts on the
+    size mismatch; NCCL hangs). Both ranks log the same row: rank 0's tokens."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_step_metrics_on_rank, args=(str(tmp_path / "init"), str(tmp_path)), nprocs=2,
+                       start_method="spawn", join=True)
+    (row0, after0), (row1, after1) = (torch.load(tmp_path / f"{r}.pt") for r in (0, 1))
+    assert row0 and row0 == row1 and "moe/aux_loss" in row0
+    assert after0 == after1 == [3.0]

@@ -219,23 +219,32 @@ class Routing:
     def step_metrics(self, world=None) -> dict:
         """The expert-load summaries (and mean aux loss, and the route-flip rate when the rollout's
         routes were followed) since the last call, every rank's tokens; one device-to-host copy."""
-        if self._counts is None:
+        several = world is not None and world.size > 1
+        if self._counts is None and not several:
             return {}
-        shape = self._counts.shape
-        flips = self._flips if self._flips is not None else self._counts.new_zeros(2)  # no routes followed
-        host = torch.cat([self._counts.flatten().double(), flips.double().to(self._counts.device)]).cpu()
-        if world is not None and world.size > 1:
+        # Several ranks: the sums below are collectives, so a rank that counted nothing this step (GRPO
+        # with dynamic sampling can leave it only padding forwards, which are not captured) still takes
+        # part, with zeros; otherwise its next collective would pair with the others' sums.
+        weight = self.routers[0][1].weight  # [E, H] (a DTensor's shape and device are the global / local ones)
+        counts = self._counts if self._counts is not None else torch.zeros(
+            (self.n_layers, weight.shape[0]), dtype=torch.float32, device=weight.device)
+        shape = counts.shape
+        flips = self._flips if self._flips is not None else counts.new_zeros(2)  # no routes followed
+        host = torch.cat([counts.flatten().double(), flips.double().to(counts.device)]).cpu()
+        if several:
             host = torch.tensor(world.sums(*host.tolist()), dtype=torch.float64)
         counts, flips = host[:-2].reshape(shape), host[-2:]
+        aux_total, aux_n = (float(torch.stack(self._aux).float().sum()), len(self._aux)) if self._aux else (0.0, 0)
+        if several:
+            aux_total, aux_n = world.sums(aux_total, aux_n)
+        self._counts, self._flips, self._aux = None, None, []
+        if counts.sum() == 0:  # no rank counted a token
+            return {}
         row = load_metrics(counts)
         if flips[1] > 0:  # (token, layer) pairs of the step's policy forwards whose top-k set flipped
             row["moe/route_flip"] = float(flips[0] / flips[1])
-        if self._aux:  # the mean over every rank's forwards, as one process accumulating them would log
-            total, n = float(torch.stack(self._aux).float().sum()), len(self._aux)
-            if world is not None and world.size > 1:
-                total, n = world.sums(total, n)
-            row["moe/aux_loss"] = total / n
-        self._counts, self._flips, self._aux = None, None, []
+        if aux_n:  # the mean over every rank's forwards, as one process accumulating them would log
+            row["moe/aux_loss"] = aux_total / aux_n
         return row
 
 
