@@ -233,3 +233,27 @@ def test_batch_std_is_pooled_over_rollout_rounds():
     round2_std = statistics.stdev(r2)
     torch.testing.assert_close(b2.advantages[2:], torch.tensor([(2.0 - 3.0) / (round2_std + eps),
                                                                 (4.0 - 3.0) / (round2_std + eps)]))
+
+
+def test_a_round_with_no_prompt_left_still_draws_its_rollout_seed(shapes_dir, tmp_path):
+    """Every rank draws the round's rollout seed from the global RNG, also a rank whose prompts were
+    all skipped (data.on_error=skip): otherwise its RNG falls one draw behind the others' and the
+    next rounds' seeds (the same on every rank by construction) differ between ranks."""
+    from vlforge.data.dataset import load_dataset
+    from vlforge.engine.trainable import setup_model
+    from vlforge.recipes.grpo import rollout_round
+    from vlforge.rollout.engine import rollout_seed
+
+    row = json.loads((shapes_dir / "train.jsonl").read_text().splitlines()[0])
+    broken = tmp_path / "broken.png"  # its header reads (the row loads), its pixels do not (the round skips it)
+    broken.write_bytes((shapes_dir / row["image"]).read_bytes()[:60])  # image paths are relative to the JSONL
+    (tmp_path / "broken.jsonl").write_text(json.dumps({**row, "image": str(broken)}) + "\n")
+    cfg = grpo_config(shapes_dir, tmp_path / "run", tmp_path, "data.on_error=skip")
+    t = setup_model(cfg)
+    data = load_dataset(str(tmp_path / "broken.jsonl"), t.processor, cfg.data)
+    torch.manual_seed(0)
+    assert rollout_round(t, data, [0], cfg, rewards=None) == (None, {})
+    after_round = torch.randint(2**62, (1,))
+    torch.manual_seed(0)
+    rollout_seed()
+    assert torch.equal(after_round, torch.randint(2**62, (1,)))

@@ -107,8 +107,8 @@ class Run:
                 state = load_checkpoint(resume_from, t.model, optimizer, scheduler, scaler, rank=world.rank, **rng)
             if world.main:
                 print(f"resumed from {resume_from} at step {state['step']}")
-                saved = state.get("world_size", 1)
-                if saved != world.size and not shared_rng:
+                saved = state.get("world_size")  # None: a checkpoint from before it was recorded
+                if saved is not None and saved != world.size and not shared_rng:
                     print(f"note: the checkpoint was saved by {saved} process(es), this run has {world.size}: "
                           "weights, optimizer and data order continue exactly, the RNG streams (dropout) do not "
                           "(ranks the saving run lacked start fresh ones from train.seed, step and rank); "

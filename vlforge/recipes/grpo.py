@@ -35,8 +35,8 @@ from vlforge.generate.engine import engine_for
 from vlforge.rl import RewardSpec, agg_loss, build_rewards, exact_match, grpo_advantages, kl_penalty, policy_loss
 from vlforge.model.load import dir_config
 from vlforge.model.presets import MOE_PRESETS, is_moe
-from vlforge.rollout.engine import (PackedLayout, Rollout, generate_groups, packing_enabled, route_rows,
-                                    sequence_logprobs)
+from vlforge.rollout.engine import (PackedLayout, Rollout, generate_groups, packing_enabled, rollout_seed,
+                                    route_rows, sequence_logprobs)
 
 
 @dataclass
@@ -92,6 +92,7 @@ def rollout_round(t: Trainable, data: ChatDataset, idx: list[int], cfg: GRPOConf
     # the ones one process would give these prompts (its rollout noise, tested)
     counts = t.world.gather_objects(len(samples))
     first_row, all_rows = sum(counts[:t.world.rank]) * G, sum(counts) * G
+    seed = rollout_seed()  # drawn on every rank, also one with no prompt left: the RNG streams stay in step
     if not samples:
         with fully_gathered(t.root):  # sharded: gathered with the ranks that do roll out
             pass
@@ -101,7 +102,7 @@ def rollout_round(t: Trainable, data: ChatDataset, idx: list[int], cfg: GRPOConf
     # numbers of steps issue no collectives
     with t.policy.autocast(), fully_gathered(t.root):
         rollout = generate_groups(t.model, data.encoder, prompts, [len(s.images) for s in samples], cfg.rollout,
-                                  first_row=first_row, all_rows=all_rows)
+                                  first_row=first_row, all_rows=all_rows, seed=seed)
     tok = data.encoder.tokenizer  # decode only each response's own tokens (not the padding after EOS)
     texts = [tok.decode(ids[m.bool()], skip_special_tokens=True)
              for ids, m in zip(rollout.response_ids.cpu(), rollout.response_mask.cpu())]

@@ -54,18 +54,26 @@ class Rollout:
 
 
 @torch.no_grad()
+def rollout_seed() -> int:
+    """The seed of one rollout round, from the global RNG: the same on every rank as long as every
+    rank draws it once per round (GRPO's rollout_round draws it before a rank with no prompt left
+    returns, so the ranks' RNG streams stay in step)."""
+    return int(torch.randint(2**62, (1,)))
+
+
 def generate_groups(model, encoder: Encoder, prompts: dict, images_per_prompt: list[int],
-                    cfg: RolloutConfig, first_row: int = 0, all_rows: int | None = None) -> Rollout:
+                    cfg: RolloutConfig, first_row: int = 0, all_rows: int | None = None,
+                    seed: int | None = None) -> Rollout:
     """Sample `cfg.group_size` responses for each of the B prompts of a left-padded prompt batch.
 
     On generate/'s engine: each prompt prefilled once into its G slots. The noise of a response's
-    token is a function of (one seed taken from the global RNG, its global row first_row + n,
-    step), so N ranks sample what one process samples, whatever the split (`all_rows` is only
+    token is a function of (`seed`, default one drawn by rollout_seed(); its global row first_row +
+    n; step), so N ranks sample what one process samples, whatever the split (`all_rows` is only
     used by rollout.engine=hf)."""
+    seed = rollout_seed() if seed is None else seed
     if cfg.engine == "hf":
-        return _generate_groups_hf(model, encoder, prompts, images_per_prompt, cfg, first_row, all_rows)
+        return _generate_groups_hf(model, encoder, prompts, images_per_prompt, cfg, first_row, all_rows, seed)
     G, device = cfg.group_size, prompts["input_ids"].device
-    seed = int(torch.randint(2**62, (1,)))  # same on every rank
     requests = [GenRequest(p, n=G, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                            top_k=cfg.top_k, seed=seed, first_row=first_row + b * G)
                 for b, p in enumerate(prompts_of_batch(prompts, images_per_prompt))]
@@ -117,7 +125,8 @@ def route_rows(rollout: Rollout, seq_index: list[int], packing: bool = False) ->
 
 @torch.no_grad()
 def _generate_groups_hf(model, encoder: Encoder, prompts: dict, images_per_prompt: list[int],
-                    cfg: RolloutConfig, first_row: int = 0, all_rows: int | None = None) -> Rollout:
+                    cfg: RolloutConfig, first_row: int = 0, all_rows: int | None = None,
+                    seed: int = 0) -> Rollout:
     """rollout.engine=hf: the plain decode loop on transformers' DynamicCache (for comparison).
 
     Sampling is Gumbel-max with noise drawn for the rollout's `all_rows` sequences of every rank
@@ -143,7 +152,7 @@ def _generate_groups_hf(model, encoder: Encoder, prompts: dict, images_per_promp
 
     N = hidden_NH.shape[0]
     all_rows = N if all_rows is None else all_rows
-    noise = torch.Generator(device=device).manual_seed(int(torch.randint(2**62, (1,))))  # same on every rank
+    noise = torch.Generator(device=device).manual_seed(seed)  # the same on every rank
     tokens, logps = [], []
     alive_N = torch.ones(N, dtype=torch.bool, device=device)
     alive_steps = []
