@@ -243,3 +243,16 @@ def test_other_kernels_are_refused_with_the_way_out(tiny_moe, batch):
     unwrap(fused).config.text_config._experts_implementation = "sonicmoe"
     with pytest.raises(ValueError, match="tiers.expert_lora=peft"):
         fused(**batch)
+
+
+def test_grouped_fused_experts_trace_as_one_graph(tiny_moe):
+    """The rollout engine compiles its decode step (rollout.compile): the fused experts forward
+    must not break the graph (peft's parametrisation is registered and removed inside it)."""
+    fused = _trained(tiny_moe[0]).eval()
+    unwrap(fused).set_experts_implementation("grouped_mm")
+    wrapper = _experts(fused)
+    torch.manual_seed(0)
+    h, idx, w = torch.randn(5, 64), torch.stack([torch.randperm(8)[:2] for _ in range(5)]), torch.rand(5, 2)
+    compiled = torch.compile(wrapper, backend="eager", fullgraph=True)  # dynamo only: fails on a graph break
+    with torch.no_grad():
+        torch.testing.assert_close(compiled(h, idx, w), wrapper(h, idx, w), rtol=0, atol=0)
