@@ -3,8 +3,10 @@
 peft puts LoRA on a 3-D expert parameter with a `ParamWrapper` that, on every forward, registers a
 parametrisation folding the update into the weight (`W + s * B @ A` for all E experts, one baddbmm)
 and runs the experts on that folded copy. For Qwen3-VL-30B-A3B that is a new [128, 1536, 2048] +
-[128, 2048, 768] tensor (1.2 GB in bf16) per MoE layer per forward, every decode step of a rollout
-included, and the expert GEMM keeps it for backward. Here the experts compute, for each routed
+[128, 2048, 768] tensor (1.2 GB in bf16) per MoE layer per forward, built twice (torch evaluates a
+parametrisation once more when it is registered, to check it): 2.4 GB allocated per layer and
+forward, every decode step of a rollout included; the expert GEMM keeps the copy for backward,
+which also computes its [E, out, in] gradient (1.2 GB more). Here the experts compute, for each routed
 (token, expert) pair,
 
     y = x W_e^T + s * (dropout(x) A_e^T) B_e^T
