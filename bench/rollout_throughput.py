@@ -1,11 +1,16 @@
 """Rollout (generation) throughput of the GRPO engine on BASELINES.md's workload.
 
     python bench/rollout_throughput.py --preset qwen3vl-2b
+    python bench/rollout_throughput.py --preset qwen3vl-30b-a3b --lora fused   # GRPO's policy: LoRA r=16 on
+    python bench/rollout_throughput.py --preset qwen3vl-30b-a3b --lora peft    # attention + every expert
 
 8 prompts (one 448x448 image + ~64 prompt tokens each) x 8 samples = 64 sequences, 256 new
 tokens sampled at temperature 1 (EOS disabled so every sequence runs the full length), bf16,
 random weights. Warm: one full-length rollout first (CUDA graphs captured, the decode step
 compiled: `first_run_s`), then the timed one. `--engine hf` times the plain loop (rollout.engine=hf).
+`--lora fused|peft`: the model carries a LoRA adapter as a GRPO policy does (r=16 on the language
+attention, and on every expert of a MoE preset, router frozen; lora_B drawn so the update is not
+zero), with expert LoRA fused (model/moe_lora.py) or through peft's folding ParamWrapper.
 Prints one JSON line with generated tokens/s.
 """
 
@@ -19,9 +24,11 @@ import time
 
 import torch
 
-from vlforge.config import ModelConfig, RolloutConfig
+from vlforge.config import ModelConfig, RolloutConfig, SFTConfig, load_config
 from vlforge.data.encode import Encoder, ImageLimits, collate, encode_prompt
 from vlforge.model.load import load_model
+from vlforge.model.presets import MOE_PRESETS
+from vlforge.model.tiers import apply_plan, build_plan
 from vlforge.rollout.engine import generate_groups
 
 from sft_throughput import synthetic_samples
@@ -34,8 +41,19 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--engine", default="vlforge", choices=["vlforge", "hf"])
+    ap.add_argument("--lora", default="none", choices=["none", "fused", "peft"])
     args = ap.parse_args()
     model, processor = load_model(ModelConfig(preset=args.preset), dtype=torch.bfloat16, device="cuda")
+    if args.lora != "none":
+        moe = args.preset in MOE_PRESETS
+        tiers = load_config(SFTConfig, None, [
+            "tiers.language.r=16", "tiers.language.alpha=32", "tiers.projector.train=false", "tiers.vision.train=false",
+            f"tiers.language.experts={str(moe).lower()}", f"tiers.expert_lora={args.lora}"]).tiers
+        model = apply_plan(model, build_plan(model, tiers)).to(torch.bfloat16)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if "lora_B" in n:
+                    p.normal_(std=1e-3)
     model.eval()
     encoder = Encoder(processor, ImageLimits(3136, 448 * 448))
     encoder.im_end_id, encoder.end_ids = -1, []  # never stop early: measure full-length decoding
@@ -56,7 +74,7 @@ def main() -> None:
     print(json.dumps({"preset": args.preset, "sequences": args.prompts * args.group, "new_tokens": args.new_tokens,
                       "generated_tokens": generated, "seconds": seconds, "tokens_per_s": generated / seconds,
                       "ms_per_decode_step": 1000 * seconds / args.new_tokens, "first_run_s": first_run_s,
-                      "engine": args.engine, "gpu": torch.cuda.get_device_name(),
+                      "engine": args.engine, "lora": args.lora, "gpu": torch.cuda.get_device_name(),
                       "peak_gb": torch.cuda.max_memory_allocated() / 1e9}))
 
 

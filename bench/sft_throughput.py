@@ -11,11 +11,14 @@
     python bench/sft_throughput.py ... --packing --override model.attn_implementation=flex_attention loss.impl=plain
     python bench/sft_throughput.py --preset qwen3vl-30b-a3b --method lora --grad-ckpt     # MoE: LoRA attention + experts
     python bench/sft_throughput.py --preset qwen3vl-30b-a3b --method lora --grad-ckpt --override model.experts_implementation=eager
+    python bench/sft_throughput.py --preset qwen3vl-30b-a3b --method lora --grad-ckpt --expert-lora peft   # peft's folding path
 
 MoE presets (qwen3vl-30b-a3b, qwen3vl-235b-a22b) with --method lora train LoRA on attention and on
 the fused experts (tiers.language.experts=true), router frozen; the experts run with
-model.experts_implementation (auto: grouped_mm on CUDA). Gradient checkpointing is advised there:
-without it peft's folded expert copies of every layer stay alive until backward (--plan shows it).
+model.experts_implementation (auto: grouped_mm on CUDA). Expert LoRA runs fused (as activations in
+the experts' GEMMs, model/moe_lora.py) unless --expert-lora peft (peft's ParamWrapper, which folds
+the update into a copy of each layer's experts; without gradient checkpointing every layer's copy
+stays alive until backward: --plan shows it).
 
 Each sample: one 448x448 image (196 image tokens), ~64 prompt tokens, an answer of 128-384
 tokens; batch 8, random weights of the published architecture. `--mixed`: answers of 8-1024
@@ -101,6 +104,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help="the synthetic samples (and the budget batches' order)")
     ap.add_argument("--profile", help="after the timed steps, profile 2 more (torch.profiler) and write the "
                     "top operators by GPU time and by CPU time to this text file")
+    ap.add_argument("--expert-lora", choices=["fused", "peft"], default="fused", help="MoE: tiers.expert_lora")
     args = ap.parse_args()
 
     vision = "tiers.vision.train=false" if args.method == "lora" else "tiers.vision.train=true"
@@ -110,7 +114,7 @@ def main() -> None:
         # the peer baseline trains LoRA on LM attention only
         *(["tiers.projector.train=false", "tiers.language.r=16", "tiers.language.alpha=32"] if args.method == "lora" else []),
         *(["tiers.language.experts=true"] if args.method == "lora" and args.preset in MOE_PRESETS else []),
-        *args.override])
+        f"tiers.expert_lora={args.expert_lora}", *args.override])
     torch.backends.cuda.matmul.allow_tf32 = True
     if args.fsdp:
         cfg.distributed.strategy = "fsdp2"
@@ -178,6 +182,7 @@ def main() -> None:
         "fp8": summarize(t.fp8_plan) if t.fp8_plan else None,
         # MoE: the expert kernels and the last step's expert load (engine/moe.py)
         "experts_implementation": getattr(getattr(t.model.config, "text_config", None), "_experts_implementation", None),
+        "expert_lora": cfg.tiers.expert_lora if cfg.tiers.language.experts else None,
         **{k: v for k, v in out.items() if k.startswith("moe/")},
     }
     if args.curve:

@@ -98,6 +98,7 @@ def test_merged_equals_unmerged_for_attention_expert_lora_and_a_trained_router(t
     model = copy.deepcopy(tiny_moe[0])
     plan = build_plan(model, _tiers("tiers.language.experts=true", "tiers.language.router=true"))
     peft_model = apply_plan(model, plan).eval()
+    assert type(model.model.language_model.layers[0].mlp.experts).__qualname__ == "FusedExpertsLoRA"  # the default
     with torch.no_grad():
         for n, p in peft_model.named_parameters():
             if "lora_B" in n or "modules_to_save" in n:
@@ -115,7 +116,8 @@ def test_plan_entries_and_counts_for_experts_and_router(tiny_moe):
     plan = build_plan(model, _tiers("tiers.language.experts=true", "tiers.language.router=true"))
     experts = [e for e in plan if e.target == "parameter"]
     routers = [e for e in plan if e.module.endswith("mlp.gate")]
-    assert len(experts) == 4 and all(e.dropout == 0.0 for e in experts)  # peft refuses dropout there
+    # fused expert LoRA (the default) takes the tier's dropout; peft's own forward has none there
+    assert len(experts) == 4 and all(e.dropout == 0.1 and e.expert_lora == "fused" for e in experts)
     # peft's A [r*E, in] + B [out, r*E]: gate_up in=H=64, out=2I=64; down in=I=32, out=H=64
     assert {e.module.rsplit(".", 1)[1]: e.params for e in experts} == {"gate_up_proj": 8 * 8 * 128,
                                                                        "down_proj": 8 * 8 * 96}
@@ -343,6 +345,13 @@ def test_moe_merged_and_adapter_exports_load_with_the_unmerged_logits(moe_lora_r
     plain = Qwen3VLMoeForConditionalGeneration.from_pretrained(tmp_path / "merged", local_files_only=True).eval()
     torch.testing.assert_close(_logits(plain, batch), expected, rtol=1e-4, atol=1e-4)
 
+    from vlforge.model.export import load_lora_checkpoint
+    from vlforge.model.moe_lora import FusedExpertsLoRA
+
+    served, _, _ = load_lora_checkpoint(ckpt, torch.float32, quant=QuantConfig())  # serve's unmerged load
+    assert type(unwrap(served).model.language_model.layers[0].mlp.experts) is FusedExpertsLoRA
+    torch.testing.assert_close(_logits(served.eval(), batch), expected, rtol=1e-5, atol=1e-5)
+
     result = export(ckpt, tmp_path / "adapter")
     assert result["kind"] == "adapter"
     base2, _ = load_model(cfg.model, dtype=torch.float32)
@@ -381,7 +390,9 @@ def test_plan_json_on_30b_a3b_meta_shows_experts_and_router(capsys):
     gate_up = next(e for e in experts if e["module"].endswith("layers.0.mlp.experts.gate_up_proj"))
     assert gate_up["params"] == 8 * 128 * (2048 + 2 * 768) and routers[0]["params"] == 128 * 2048
     assert 31.0e9 < plan["total_params"] < 31.5e9  # 31.07B base + adapters
-    assert plan["memory"]["expert_lora_copies"] == pytest.approx(128 * 3 * 768 * 2048 * 2)  # one layer, bf16
+    assert plan["memory"]["expert_lora_copies"] == 0  # fused expert LoRA folds nothing
+    assert main([*args, "tiers.expert_lora=peft"]) == 0  # peft's path keeps one layer's folded experts, bf16
+    assert json.loads(capsys.readouterr().out)["memory"]["expert_lora_copies"] == pytest.approx(128 * 3 * 768 * 2048 * 2)
 
 
 def test_packed_rows_give_the_padded_batchs_aux_loss_and_expert_load(tiny_moe, shapes_dir):

@@ -173,6 +173,10 @@ def _vision() -> TierConfig:
 @dataclass
 class TiersConfig:
     method: Literal["lora", "full"] = "lora"
+    # MoE expert LoRA (tiers.language.experts): fused = applied as activations in the experts'
+    # own grouped GEMM, no folded weight copy (model/moe_lora.py); peft = peft's ParamWrapper,
+    # which folds the update into a copy of every layer's experts each forward (and has no dropout)
+    expert_lora: Literal["fused", "peft"] = "fused"
     language: TierConfig = field(default_factory=_language)
     projector: TierConfig = field(default_factory=_projector)
     vision: TierConfig = field(default_factory=_vision)

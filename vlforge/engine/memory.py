@@ -208,10 +208,10 @@ def expert_lora_copies(model: nn.Module, plan: list, cfg, compute_bytes: int) ->
     """GPU bytes of the expert weights peft folds LoRA into: each forward adds the update to a
     full copy of a layer's fused experts (ParamWrapper's baddbmm), which the expert GEMM keeps for
     backward: every MoE layer's copy at once, or one layer's under gradient checkpointing (the
-    recomputation folds again). 0 without expert LoRA."""
+    recomputation folds again). 0 without expert LoRA, or with it fused (model/moe_lora.py: no copy)."""
     per_layer: dict[str, int] = {}
     for e in plan:
-        if e.kind == "lora" and e.target == "parameter":
+        if e.kind == "lora" and e.target == "parameter" and e.expert_lora != "fused":
             per_layer[_unit(e.module)] = per_layer.get(_unit(e.module), 0) + model.get_parameter(e.module).numel()
     if not per_layer:
         return 0.0

@@ -122,7 +122,12 @@ def load_lora_checkpoint(checkpoint: Path, dtype: torch.dtype = torch.bfloat16, 
     base, processor = load_model(run.model, dtype=base_dtype, device=device, quant=quant)
     if not quant.enabled:
         base = base.to(dtype)
-    return PeftModel.from_pretrained(base, str(checkpoint), is_trainable=False), processor, quant
+    model = PeftModel.from_pretrained(base, str(checkpoint), is_trainable=False)
+    if run.tiers.expert_lora == "fused":  # expert LoRA served as the run trained it: no folded expert copies
+        from vlforge.model.moe_lora import fuse_expert_lora
+
+        fuse_expert_lora(model)
+    return model, processor, quant
 
 
 def load_merged(checkpoint: Path, dtype: torch.dtype = torch.bfloat16):

@@ -15,8 +15,10 @@ The plan is computed from module names and shapes only, so it works on a meta-de
 Mixture-of-experts models (Qwen3-VL-30B-A3B, 235B-A22B) store each layer's experts as two fused
 3-D parameters, not as nn.Linear per expert. `tiers.language.experts: true` gives each of them a
 LoRA through peft's parameter targeting (`LoraConfig(target_parameters=...)`: one rank-r pair per
-expert, folded into the weight for the forward); peft cannot apply dropout there (x cannot be
-factored out of the folded weight), so expert entries have dropout 0. The router (`mlp.gate`, [E, H])
+expert). With `tiers.expert_lora: fused` (the default) the experts apply it as activations in their
+own grouped GEMM (model/moe_lora.py), with the tier's dropout; with `peft`, peft's forward folds it
+into a copy of the weight, where dropout cannot apply (x cannot be factored out of the folded
+weight), so those entries have dropout 0. The router (`mlp.gate`, [E, H])
 is frozen unless `tiers.language.router: true`, and then trained fully, not through LoRA: it is tiny
 (E x H, 0.26M values per 30B-A3B layer, less than an r=8 LoRA pair on an attention projection
 saves), and a low-rank change of it shifts every token's expert choice at once, which is how
@@ -48,6 +50,7 @@ class PlanEntry:
     lr: float
     params: int  # trainable parameters this entry adds (LoRA) or unfreezes (full)
     target: str = "module"  # "module" (an nn.Linear / sub-tree) | "parameter" (a fused 3-D expert weight)
+    expert_lora: str | None = None  # target "parameter": "fused" (moe_lora.py) | "peft" (ParamWrapper's fold)
 
     @property
     def owner(self) -> str:
@@ -143,11 +146,13 @@ def build_plan(model: nn.Module, tiers: TiersConfig) -> list[PlanEntry]:
                 params = tcfg.r * (lin.in_features + lin.out_features)
                 entries.append(PlanEntry(name, tier, "lora", tcfg.r, tcfg.alpha, tcfg.dropout, tcfg.lr, params))
             if tier == "language" and tcfg.experts:
+                fused = tiers.expert_lora == "fused"
                 for name in _expert_params(model):
                     experts, fan_in, fan_out = expert_shape(model.get_parameter(name))
-                    # no dropout: peft's ParamWrapper refuses it (see the module docstring)
-                    entries.append(PlanEntry(name, tier, "lora", tcfg.r, tcfg.alpha, 0.0, tcfg.lr,
-                                             tcfg.r * experts * (fan_in + fan_out), target="parameter"))
+                    # peft's own forward has no dropout there (see the module docstring)
+                    entries.append(PlanEntry(name, tier, "lora", tcfg.r, tcfg.alpha, tcfg.dropout if fused else 0.0,
+                                             tcfg.lr, tcfg.r * experts * (fan_in + fan_out), target="parameter",
+                                             expert_lora=tiers.expert_lora))
             if tier == "language" and tcfg.router:
                 for name in _routers(model):
                     params = model.get_submodule(name).weight.numel()
@@ -198,7 +203,7 @@ def plan_summary(model: nn.Module, plan: list[PlanEntry]) -> dict:
 def format_plan(summary: dict) -> str:
     rows = [("module", "tier", "kind", "r", "alpha", "dropout", "lr", "params")]
     for e in summary["modules"]:
-        kind = e["kind"] + (" (3-D experts)" if e.get("target") == "parameter" else "")
+        kind = e["kind"] + (f" (3-D experts, {e.get('expert_lora')})" if e.get("target") == "parameter" else "")
         rows.append((e["module"], e["tier"], kind, str(e["r"] or "-"), str(e["alpha"] or "-"),
                      "-" if e["dropout"] is None else str(e["dropout"]), f"{e['lr']:g}", f"{e['params']:,}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -243,6 +248,14 @@ def apply_plan(model: nn.Module, plan: list[PlanEntry]) -> nn.Module:
     for e in modules:
         layer = model.get_submodule(e.module)
         layer.lora_dropout[LORA_ADAPTER] = nn.Dropout(e.dropout) if e.dropout else nn.Identity()
+    fused = [e for e in params if e.expert_lora == "fused"]
+    if fused:
+        from vlforge.model.moe_lora import expert_wrapper, fuse_expert_lora
+
+        for e in fused:  # peft's ParamWrapper refuses a config dropout; the fused forward applies this one
+            layer = expert_wrapper(model.get_submodule(e.owner), e.module.rpartition(".")[2])
+            layer.lora_dropout[LORA_ADAPTER] = nn.Dropout(e.dropout) if e.dropout else nn.Identity()
+        fuse_expert_lora(model)
     return peft_model
 
 
