@@ -11,7 +11,8 @@ OUT=${OUT:-/tmp/vlforge-gpu}; mkdir -p "$OUT"
 [ -f /tmp/sh448/train.jsonl ] || python3 -m vlforge data synth shapes --n 72 --out /tmp/sh448 --size 448 --val-fraction 0.12
 recipes=${1:-qwen3vl-8b-grpo qwen3vl-2b-grpo}; shift $(( $# > 0 ? 1 : 0 ))
 for recipe in $recipes; do
-  name=$recipe${1:+-$(echo "$*" | tr ' =/' '_-_')}
+  name=$recipe${1:+-$(echo "$*" | md5sum | cut -c1-8)}  # overrides hashed: a name, not a path too long to copy
+  echo "$name: $*" >> "$OUT/names.txt"
   python3 -m vlforge grpo configs/$recipe.yaml data.train=/tmp/sh448/train.jsonl data.val=/tmp/sh448/val.jsonl \
     train.output_dir=/tmp/$name train.max_steps=2 rollout.prompts_per_step=4 rollout.group_size=4 \
     rollout.max_new_tokens=32 rl.mini_batch_size=8 eval.max_samples=8 eval.max_new_tokens=8 log.progress=false \
