@@ -323,7 +323,7 @@ def test_compiled_decode_step_traces_the_recording_hooks(tiny_moe, prompts, monk
 def test_cuda_graph_decode_records_the_eager_routes(tiny_moe, prompts, compiled):
     """The decode step captured as a CUDA graph (and compiled) writes each step's experts at the
     rows' own positions: the routes equal the eager step's (fp32), across sync points and joins."""
-    model = copy.deepcopy(tiny_moe[0]).eval().cuda()
+    model = load_model(ModelConfig(preset="tiny-moe"), device="cuda")[0].eval()  # grouped_mm experts: capturable
     encoder, batch = prompts
     on_gpu = (encoder, {k: v.cuda() if torch.is_tensor(v) else v for k, v in batch.items()})
     graphs, with_graphs = _engine_routes(model, on_gpu, use_graphs=True, compile=compiled)
@@ -331,3 +331,14 @@ def test_cuda_graph_decode_records_the_eager_routes(tiny_moe, prompts, compiled)
     _, eager = _engine_routes(model, on_gpu, use_graphs=False)
     for a, b in zip(with_graphs, eager):
         assert torch.equal(a.tokens, b.tokens) and torch.equal(a.routes, b.routes)
+
+
+@pytest.mark.gpu
+def test_moe_with_the_eager_expert_loop_decodes_without_cuda_graphs(tiny_moe, prompts):
+    """transformers' reference loop over experts syncs with the host every layer, which a CUDA graph
+    cannot capture: the engine runs such a model's decode steps eagerly instead of failing."""
+    model = copy.deepcopy(tiny_moe[0]).eval().cuda()  # loaded on the CPU: experts_implementation eager
+    encoder, batch = prompts
+    on_gpu = (encoder, {k: v.cuda() if torch.is_tensor(v) else v for k, v in batch.items()})
+    engine, results = _engine_routes(model, on_gpu)
+    assert not engine.graphs and len(results) == 6

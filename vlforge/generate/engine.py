@@ -47,7 +47,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from vlforge.generate.forward import cache_of, encode_images, forward_shared, rope_positions
-from vlforge.generate.routes import NO_ROUTE, ROUTE_DTYPE, recorder_of
+from vlforge.generate.routes import NO_ROUTE, ROUTE_DTYPE, recorder_of, router_modules
 from vlforge.generate.sampling import row_key, sample
 from vlforge.model.tiers import unwrap
 
@@ -382,6 +382,11 @@ class Engine:
             return False
         if self.use_graphs is not None:
             return self.use_graphs
+        text_config = getattr(self.core.config, "text_config", self.core.config)
+        if router_modules(self.core) and getattr(text_config, "_experts_implementation", None) in (None, "eager"):
+            # transformers' reference loop over experts asks the host which experts got tokens (a sync
+            # per layer): a CUDA graph cannot capture it (grouped_mm / batched_mm can)
+            return False
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
