@@ -181,10 +181,11 @@ def test_what_is_not_built_sharded_is_refused_before_loading(shapes_dir, tmp_pat
     from vlforge.recipes.grpo import run_grpo
 
     cfg = load_config(GRPOConfig, "configs/demo-grpo.yaml", [f"data.train={shapes_dir / 'train.jsonl'}",
-                                                             "distributed.strategy=fsdp2", "model.path=/nonexistent",
-                                                             "tiers.method=full", "rl.kl_beta=0.1"])
-    with pytest.raises(ConfigError, match=r"GRPO \(fsdp2\) does not support rl.kl_beta > 0 with full fine-tuning"):
-        run_grpo(cfg)  # before anything loads: model.path does not exist
+                                                             "distributed.strategy=fsdp2", "model.preset=tiny-moe",
+                                                             "tiers.method=full", "rl.kl_beta=0.1",
+                                                             "rollout.router_replay=true"])
+    with pytest.raises(ConfigError, match=r"GRPO \(fsdp2\) does not support rollout.router_replay=true with full"):
+        run_grpo(cfg)  # before anything loads
     with pytest.raises(ConfigError, match="cpu_offload needs strategy fsdp2"):
         load_config(GRPOConfig, None, ["distributed.strategy=none", "distributed.cpu_offload=true"])
 
@@ -385,16 +386,18 @@ def test_grpo_dynamic_sampling_and_skipped_prompts_on_two_ranks_equal_one_proces
     _assert_same_grpo(runs, tmp_path, merge=True)
 
 
-def test_grpo_full_fine_tuning_with_kl_under_ddp_equals_one_process(shapes_dir, tmp_path):
-    """Full fine-tuning GRPO with KL to a frozen copy (each DDP rank holds its own): 2 ranks == 1 process."""
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_grpo_full_fine_tuning_with_kl_equals_one_process(shapes_dir, tmp_path, strategy):
+    """Full fine-tuning GRPO with KL to a frozen copy of the starting policy (DDP: each rank holds its
+    own; FSDP2: a copy sharded as the policy, each rank copying its own shards): 2 ranks == 1 process."""
     data, _ = _mixed_modality_data(shapes_dir, tmp_path)
     (tmp_path / "reward.py").write_text("def varied(completion, answer, **row):\n"
                                         "    return float(len(completion) % 3)\n")
     runs = _grpo_one_and_two(tmp_path, f"data: {{train: {data}}}\n"
                              f"rl: {{kl_beta: 0.1, mini_batch_size: 8, rewards: [{{name: '{tmp_path / 'reward.py'}:varied'}}]}}\n"
                              "rollout: {group_size: 4, prompts_per_step: 2, max_new_tokens: 5}\n",
-                             ["tiers.method=full", "train.max_steps=2", "optim.max_grad_norm=null"], "ddp")
-    _assert_same_grpo(runs, tmp_path, merge=False)
+                             ["tiers.method=full", "train.max_steps=2", "optim.max_grad_norm=null"], strategy)
+    _assert_same_grpo(runs, tmp_path, merge=strategy == "fsdp2")  # a sharded checkpoint: exported to compare
 
 
 # ----------------------------------------------------------------------------- sharded loading (meta init)

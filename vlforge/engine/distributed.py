@@ -223,10 +223,15 @@ def materialize(root: torch.nn.Module, model: torch.nn.Module, world: World, off
     root.to_empty(device=torch.device("cpu") if offload else world.device)
     state, extras = source if source is not None else ({}, {})
     set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
-    for name, value in world.broadcast(extras).items():
+    _set_outside_state(model, world.broadcast(extras), world.device)
+
+
+def _set_outside_state(model: torch.nn.Module, extras: dict[str, torch.Tensor], device: torch.device) -> None:
+    """Put outside_state_dict's tensors (buffers, tensor attributes) into `model`, on `device`."""
+    for name, value in extras.items():
         owner, _, key = name.rpartition(".")
         module = model.get_submodule(owner)
-        value = value.to(world.device)
+        value = value.to(device)
         if key in module._buffers:  # keeps the buffer's persistence
             module._buffers[key] = value
         else:
@@ -249,11 +254,8 @@ def wrap(model: torch.nn.Module, world: World, cfg: DistributedConfig, compute_d
         return None
     if world.replicated:
         return _wrap_ddp(model, world)
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
-    from vlforge.engine.losses import Root
-
-    core = unwrap(model)
     # bf16 compute with fp32 masters: gather parameters in bf16, reduce gradients in fp32
     mp = MixedPrecisionPolicy(param_dtype=compute_dtype if master_dtype != compute_dtype else None,
                               reduce_dtype=torch.float32)
@@ -265,25 +267,71 @@ def wrap(model: torch.nn.Module, world: World, cfg: DistributedConfig, compute_d
     # language model at several layers (deepstack), so a rank with images reaches its backward in
     # the middle of the layers' backward, a text-only rank (vision_keepalive) at the end; gathering
     # again in backward would then put the ranks' collectives out of order. It is small (~0.6B at 32B).
-    vision = {**kwargs, "reshard_after_forward": False}
+    root = _shard_units(model, kwargs, {**kwargs, "reshard_after_forward": False})
+    if any(p.is_meta for p in model.parameters()):
+        materialize(root, model, world, cfg.cpu_offload, source)
+    _enter_root(root)
+    # With reshard_after_forward=false that no-grad forward leaves the root gathered, and a unit
+    # gathered outside a backward-tracked forward gets no gradient reduced into its shards: the
+    # first step would then leave the embeddings, final norm and lm_head untouched (tested).
+    reshard_all(root)
+    return root
+
+
+def _shard_units(model: torch.nn.Module, kwargs: dict, vision: dict) -> torch.nn.Module:
+    """fully_shard every vision block, language decoder layer and the vision tower, then the root
+    (losses.Root(model)); `vision`: the vision units' settings. Returns the root, which keeps each
+    unit's reshard_after_forward in `reshard_settings` (fully_gathered restores them)."""
+    from torch.distributed.fsdp import fully_shard
+
+    from vlforge.engine.losses import Root
+
+    core = unwrap(model)
     units = [(block, vision) for block in core.model.visual.blocks]
     units += [(layer, kwargs) for layer in core.model.language_model.layers]
     units += [(core.model.visual, vision)]
     for unit, how in units:
         fully_shard(unit, **how)
     root = fully_shard(Root(model), **kwargs)
-    if any(p.is_meta for p in model.parameters()):
-        materialize(root, model, world, cfg.cpu_offload, source)
+    root.reshard_settings = [(u, how["reshard_after_forward"]) for u, how in units] + \
+        [(root, kwargs["reshard_after_forward"])]  # the root last
+    return root
+
+
+def _enter_root(root: torch.nn.Module) -> None:
     # Enter the root once now: FSDP2 initialises its state on the first forward of any unit, and
     # that unit becomes the root; rollouts and keep-alives call inner units first.
     with torch.no_grad():
         root(lambda model: None)
-    # each unit's own setting, for fully_gathered to restore
-    root.reshard_settings = [(u, how["reshard_after_forward"]) for u, how in units] + \
-        [(root, kwargs["reshard_after_forward"])]  # the root last
-    # With reshard_after_forward=false that no-grad forward leaves the root gathered, and a unit
-    # gathered outside a backward-tracked forward gets no gradient reduced into its shards: the
-    # first step would then leave the embeddings, final norm and lm_head untouched (tested).
+
+
+def frozen_sharded_copy(model: torch.nn.Module, empty: torch.nn.Module, world: World, cfg: DistributedConfig,
+                        dtype: torch.dtype) -> torch.nn.Module:
+    """A frozen copy of the FSDP2-sharded `model`, sharded the same way, stored in `dtype`: GRPO's KL
+    reference for full fine-tuning. `empty`: the same architecture built on the meta device
+    (model.load.build_meta_model). Returns its root (losses.Root: `root(fn, *args)` runs
+    `fn(copy, *args)`, gathering each unit as its forward starts and freeing it after).
+
+    Each rank copies its own shards of the policy into the copy's (the same units over the same
+    mesh give the same local shards): no rank gathers the full weights, which a deepcopy of the
+    sharded model could not give either (FSDP2's hooks and state belong to the original modules)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    kwargs = {"reshard_after_forward": True}  # no backward: each unit is freed after its forward
+    if cfg.cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=world.device.type == "cuda")
+    empty.requires_grad_(False).eval()
+    root = _shard_units(empty, kwargs, kwargs)
+    root.to_empty(device=torch.device("cpu") if cfg.cpu_offload else world.device)
+    own = dict(model.named_parameters())
+    with torch.no_grad():
+        for name, p in empty.named_parameters():
+            p.to_local().copy_(own[name].to_local())  # a DTensor shard each; cast to `dtype` by copy_
+    for p in empty.parameters():
+        if p.dtype != dtype:
+            raise RuntimeError(f"frozen copy: a parameter in {p.dtype}, expected {dtype}")
+    _set_outside_state(empty, outside_state_dict(model), world.device)
+    _enter_root(root)
     reshard_all(root)
     return root
 

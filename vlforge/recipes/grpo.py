@@ -23,17 +23,18 @@ from vlforge.config import ConfigError, GRPOConfig
 from vlforge.data.dataset import ChatDataset, batches_from, load_dataset
 from vlforge.data.encode import collate, encode_prompt
 from vlforge.data.jsonl import DataError, check_readable
-from vlforge.engine.distributed import World, fully_gathered, no_sync, planned_strategy, reshard_all, torchrun_env
+from vlforge.engine.distributed import (World, frozen_sharded_copy, fully_gathered, no_sync, planned_strategy,
+                                       reshard_all, torchrun_env)
 from vlforge.engine.evaluate import to_device
 from vlforge.engine.health import GradHealth
-from vlforge.engine.losses import drop_keepalive_grads
+from vlforge.engine.losses import Root, drop_keepalive_grads
 from vlforge.engine.metrics import plot_metric, read_metrics
 from vlforge.engine.moe import aux_term, capture, follow
 from vlforge.engine.run import Run, begin_run
 from vlforge.engine.trainable import Trainable, setup_model
 from vlforge.generate.engine import engine_for
 from vlforge.rl import RewardSpec, agg_loss, build_rewards, exact_match, grpo_advantages, kl_penalty, policy_loss
-from vlforge.model.load import dir_config
+from vlforge.model.load import build_meta_model, dir_config
 from vlforge.model.presets import MOE_PRESETS, is_moe
 from vlforge.rollout.engine import (PackedLayout, Rollout, generate_groups, packing_enabled, rollout_seed,
                                     route_rows, sequence_logprobs)
@@ -212,6 +213,9 @@ def reference_logprobs(t: Trainable, ref_model, batch: Batch, temperature: float
                                  keep_vision=t.world.sharded, packing=packing)[0]
                 reshard_all(t.root)
             return logp
+        if isinstance(ref_model, Root):  # FSDP2's sharded copy (its root): every rank runs the vision units
+            return ref_model(sequence_logprobs, batch.rollout, temperature, seq_index=batch.seqs, packing=packing,
+                             keep_vision=True)[0]
         return sequence_logprobs(ref_model, batch.rollout, temperature, seq_index=batch.seqs, packing=packing)[0]
 
 
@@ -409,9 +413,9 @@ def refuse_unsupported_sharded(cfg: GRPOConfig, world_size: int, strategy: str =
     takes equal shares of every mini-batch) or under FSDP2, refused before anything starts."""
     rl, rollout = cfg.rl, cfg.rollout
     problems = [
-        (strategy == "fsdp2" and rl.kl_beta > 0 and cfg.tiers.method == "full",
-         "rl.kl_beta > 0 with full fine-tuning (a sharded frozen reference is not built; LoRA's adapter-disabled "
-         "one works, and distributed.strategy=ddp keeps a frozen copy on every rank)"),
+        (strategy == "fsdp2" and rl.kl_beta > 0 and cfg.tiers.method == "full" and rollout.router_replay is True,
+         "rollout.router_replay=true with full fine-tuning and a KL reference (the sharded frozen copy's routers "
+         "carry no replay hooks; LoRA's adapter-disabled reference replays, and so does distributed.strategy=ddp)"),
         (rollout.prompts_per_step % world_size != 0, f"rollout.prompts_per_step={rollout.prompts_per_step} not a "
                                                      f"multiple of the {world_size} processes"),
         (rl.mini_batch_size % world_size != 0, f"rl.mini_batch_size={rl.mini_batch_size} not a multiple of the "
@@ -455,7 +459,11 @@ def run_grpo(cfg: GRPOConfig) -> dict:
         t = setup_model(cfg, compile_blocks=cfg.precision.compile is True, world=world)
         disable_dropout(t.model)
         ref_model = None
-        if cfg.rl.kl_beta > 0 and cfg.tiers.method == "full":  # a frozen copy of the starting policy (DDP: each rank's)
+        if cfg.rl.kl_beta > 0 and cfg.tiers.method == "full" and world.sharded:
+            # a frozen copy of the starting policy, sharded as it is (each rank copies its own shards)
+            empty, _ = build_meta_model(cfg.model, dtype=t.policy.compute_dtype, device=world.device)
+            ref_model = frozen_sharded_copy(t.model, empty, world, cfg.distributed, t.policy.compute_dtype)
+        elif cfg.rl.kl_beta > 0 and cfg.tiers.method == "full":  # a frozen copy of the starting policy (DDP: each rank's)
             ref_model = copy.deepcopy(t.model).requires_grad_(False).eval()
             t.policy.apply(ref_model)  # frozen: stored in the compute dtype, not as fp32 master weights
         data = load_dataset(cfg.data.train, t.processor, cfg.data)
