@@ -38,7 +38,14 @@ def main() -> None:
     ap.add_argument("--preset", default="qwen3vl-8b")
     ap.add_argument("--quant", nargs="+", default=["none", "nf4", "int8", "fp8"])
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--tmp", help="where a preset's random weights are written for the quantized reload "
+                    "(model/load.py: quantizers act at from_pretrained); 30B-A3B needs ~62 GB: e.g. /dev/shm "
+                    "on a machine with more RAM than free disk")
     args = ap.parse_args()
+    if args.tmp:
+        import tempfile
+
+        tempfile.tempdir = args.tmp
 
     image = Image.frombytes("RGB", (448, 448), bytes(range(256)) * (448 * 448 * 3 // 256))
     question = " ".join(["describe the shapes and colours in this picture"] * 8)
