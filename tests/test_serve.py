@@ -307,6 +307,8 @@ def _bad_cases(files):
         "too many images": (post, {"json": body(user("x", *[tiny_png] * 9))}, 400),
         "max_tokens too large": (post, {"json": body(max_tokens=65)}, 400),
         "max_tokens zero": (post, {"json": body(max_tokens=0)}, 400),
+        "max_tokens a boolean": (post, {"json": body(max_tokens=True)}, 400),  # not coerced to 1
+        "stream a string": (post, {"json": body(stream="yes")}, 400),  # not coerced to true
         "prompt too long": (post, {"json": body(user("word " * 400))}, 400),
         "http url": (post, {"json": body(user("x", "https://example.com/cat.png"))}, 400),
         "other scheme": (post, {"json": body(user("x", "ftp://example.com/cat.png"))}, 400),

@@ -38,7 +38,9 @@ def error_body(message: str, type: str, param: str | None = None, code: str | No
 
 
 class _Schema(BaseModel):
-    model_config = ConfigDict(extra="ignore")  # clients send many optional fields; unknown ones are ignored
+    # unknown fields ignored (clients send many optional ones); strict types: `"max_tokens": true` or
+    # `"stream": "yes"` are errors, not 1 and True (JSON numbers still fill float fields)
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class _ImageURL(_Schema):
