@@ -118,6 +118,61 @@ def test_gradient_checkpointing_gives_the_same_gradients(shapes_dir, tmp_path):
         torch.testing.assert_close(grads[0][n], grads[1][n], atol=1e-6, rtol=1e-5, msg=n)
 
 
+def test_selective_checkpointing_recomputes_one_block_in_n_with_the_same_gradients(shapes_dir, tmp_path):
+    """precision.checkpoint_every=2: every other decoder layer and vision block runs its forward
+    again in backward (counted), the others once; the gradients are those of no checkpointing."""
+    from vlforge.data.dataset import load_dataset
+    from vlforge.data.encode import collate
+    from vlforge.engine.losses import sft_loss_sum
+    from vlforge.engine.trainable import setup_model
+
+    runs = {}
+    for name, extra in (("plain", []), ("every2", ["precision.gradient_checkpointing=true",
+                                                    "precision.checkpoint_every=2"])):
+        cfg = tiny_sft_config(shapes_dir, tmp_path / name, "tiers.method=full", *extra)
+        t = setup_model(cfg)
+        core = t.model
+        blocks = [*core.model.language_model.layers, *core.model.visual.blocks]
+        calls = [0] * len(blocks)
+        for i, block in enumerate(blocks):  # on the block's MLP: transformers recomputes `forward`, inside the hooks
+            block.mlp.register_forward_pre_hook(lambda *_, i=i: calls.__setitem__(i, calls[i] + 1))
+        data = load_dataset(cfg.data.train, t.processor, cfg.data)
+        loss, _ = sft_loss_sum(t.model, collate([data[i] for i in range(4)], data.encoder.pad_id))
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in t.model.named_parameters() if p.grad is not None}
+        runs[name] = (grads, calls, len(core.model.language_model.layers))
+    (plain, plain_calls, _), (every2, calls, n_text) = runs["plain"], runs["every2"]
+    assert set(plain_calls) == {1}
+    for stack in (calls[:n_text], calls[n_text:]):  # per stack: blocks 0, 2, 4, ... recomputed
+        assert stack == [2 if i % 2 == 0 else 1 for i in range(len(stack))] and len(stack) >= 2
+    for n in plain:
+        torch.testing.assert_close(every2[n], plain[n], atol=1e-6, rtol=1e-5, msg=n)
+
+
+def test_activation_memory_budget_is_applied_to_the_training_forward_only(shapes_dir, tmp_path):
+    """precision.activation_memory_budget: torch's partitioner budget inside the step's forward (where
+    compiled layers are compiled), not process-wide; refused where no layer is compiled."""
+    import torch._functorch.config as functorch_config
+
+    from vlforge.config import SFTConfig, load_config
+    from vlforge.engine.trainable import setup_model
+
+    default = functorch_config.activation_memory_budget
+    cfg = tiny_sft_config(shapes_dir, tmp_path / "run", "precision.compile=true",
+                          "precision.activation_memory_budget=0.4")
+    t = setup_model(cfg)  # layers wrapped for compile (compiled at their first call, which this test never makes)
+    assert t.forward(lambda model: functorch_config.activation_memory_budget) == 0.4
+    assert functorch_config.activation_memory_budget == default
+    with pytest.raises(ConfigError, match="compiles none on cpu"):
+        setup_model(tiny_sft_config(shapes_dir, tmp_path / "auto", "precision.activation_memory_budget=0.4"))
+    for bad, match in (("precision.activation_memory_budget=0", "activation_memory_budget"),
+                       ("precision.activation_memory_budget=0.5 precision.compile=false", "acts on compiled layers"),
+                       ("precision.checkpoint_every=2", "gradient_checkpointing=true too"),
+                       ("precision.checkpoint_every=0", "checkpoint_every")):
+        with pytest.raises(ConfigError, match=match):
+            load_config(SFTConfig, None, bad.split())
+
+
 def test_tensorboard_events_are_written(shapes_dir, tmp_path):
     pytest.importorskip("tensorboard")
     run_sft(tiny_sft_config(shapes_dir, tmp_path, "log.tensorboard=true", "data.val=null"))

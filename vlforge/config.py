@@ -277,6 +277,15 @@ class PrecisionConfig:
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     fp8: FP8Config = field(default_factory=FP8Config)
     gradient_checkpointing: bool = False
+    # Selective checkpointing per block: with gradient_checkpointing, recompute 1 of every N decoder
+    # layers and vision blocks in backward (1: all of them; 2: every other one, keeping the other half's
+    # activations for half the recomputation).
+    checkpoint_every: int = 1
+    # Compiled layers only (precision.compile): the fraction (0, 1] of the activations torch's
+    # min-cut partitioner may keep for backward; it recomputes the cheapest of the rest (torch's
+    # activation memory budget; null = its default, 1: keep what it would). A memory knob finer than
+    # whole-layer checkpointing, chosen op by op.
+    activation_memory_budget: float | None = None
     # torch.compile each decoder/vision block; auto = on when FP8 (torchao) runs on a GPU, where
     # its casts must be fused to pay off.
     compile: bool | Literal["auto"] = "auto"
@@ -288,6 +297,14 @@ class PrecisionConfig:
         _require(not (self.mode == "fp16" and self.master_weights == "compute"),
                  "precision.mode=fp16 needs precision.master_weights=fp32: loss scaling unscales fp32 master "
                  "gradients (fp16 weights would also lose most updates); or use precision.mode=bf16")
+        _range(self, "checkpoint_every", ge=1, why="1 of every N blocks is recomputed")
+        _require(self.checkpoint_every == 1 or self.gradient_checkpointing,
+                 f"precision.checkpoint_every={self.checkpoint_every} selects the blocks gradient checkpointing "
+                 "recomputes: set precision.gradient_checkpointing=true too")
+        _range(self, "activation_memory_budget", gt=0, le=1, why="a fraction of the activations kept for backward")
+        _require(self.activation_memory_budget is None or self.compile is not False,
+                 "precision.activation_memory_budget acts on compiled layers (torch's partitioner): set "
+                 "precision.compile=true (or auto), or use gradient_checkpointing / checkpoint_every")
         for o in self.overrides:
             _require(o.compute != "fp16" or self.mode == "fp16",
                      f"precision.overrides: {o.pattern!r} computes in fp16 but precision.mode={self.mode} has no "

@@ -10,6 +10,8 @@ refusals before any weight is loaded live in one place.
 
 from __future__ import annotations
 
+import contextlib
+
 from dataclasses import dataclass, field
 
 import torch
@@ -43,15 +45,45 @@ class Trainable:
     world: World = field(default_factory=World)  # this process's rank in the run (one process: rank 0 of 1)
     root: torch.nn.Module | None = None  # sharded: the FSDP2 root unit (a losses.Root) the step calls
     routing: Routing | None = None  # MoE: router hooks for the aux loss and expert-load metrics (engine/moe.py)
+    activation_memory_budget: float | None = None  # precision.activation_memory_budget (compiled layers)
 
     def forward(self, fn, *args, **kwargs):
-        """`fn(model, *args)`, entered through the FSDP2 root unit when the run is sharded (losses.Root)."""
-        return self.root(fn, *args, **kwargs) if self.root is not None else fn(self.model, *args, **kwargs)
+        """`fn(model, *args)`, entered through the FSDP2 root unit when the run is sharded (losses.Root).
+        With an activation memory budget the forward runs under it: compiled layers are compiled
+        (forward and backward graphs partitioned) at their first forward, which reads it then."""
+        with memory_budget(self.activation_memory_budget):
+            return self.root(fn, *args, **kwargs) if self.root is not None else fn(self.model, *args, **kwargs)
 
     @property
     def token_multiple(self) -> int:
         """Pad batches to this many tokens per row: FP8 GEMMs want aligned row counts."""
         return token_multiple(self.fp8_plan)
+
+
+def memory_budget(budget: float | None):
+    """torch's activation memory budget for what compiles inside (AOTAutograd's min-cut partitioner
+    keeps at most this fraction of the activations for backward and recomputes the cheapest of
+    the rest). A private torch config (torch._functorch.config), but the knob torch itself
+    documents for this; patched per forward, not set process-wide."""
+    if budget is None:
+        return contextlib.nullcontext()
+    import torch._functorch.config as functorch_config
+
+    return functorch_config.patch(activation_memory_budget=budget)
+
+
+def checkpoint_selected_blocks(model: torch.nn.Module, every: int) -> int:
+    """Selective checkpointing: of the blocks transformers checkpoints (each language decoder layer
+    and vision block is a GradientCheckpointingLayer, which recomputes while its own
+    `gradient_checkpointing` flag is set), keep the flag on 1 of every `every`, the first of each
+    group, counted per stack. Returns how many blocks are checkpointed."""
+    core = unwrap(model)
+    count = 0
+    for blocks in (core.model.language_model.layers, core.model.visual.blocks):
+        for i, block in enumerate(blocks):
+            block.gradient_checkpointing = i % every == 0
+            count += block.gradient_checkpointing
+    return count
 
 
 def compile_decoder_layers(model: torch.nn.Module) -> int:
@@ -86,6 +118,9 @@ def refuse_bad_combinations(cfg: RunConfig, device: torch.device, sharded: bool 
         raise ConfigError(problem)
     if problem := loss_impl_problem(cfg.loss, device):  # else it would fail at the first step, after loading
         raise ConfigError(problem)
+    if cfg.precision.activation_memory_budget is not None and cfg.precision.compile == "auto" and device.type != "cuda":
+        raise ConfigError("precision.activation_memory_budget acts on compiled layers, and precision.compile=auto "
+                          f"compiles none on {device.type}: set precision.compile=true or remove the budget")
     if cfg.quant.enabled and cfg.tiers.method != "lora":
         raise ConfigError("quant (QLoRA) needs tiers.method=lora: quantized base weights cannot be trained directly")
     if cfg.quant.enabled and (problem := quant_problem(cfg.quant, device)):
@@ -138,17 +173,25 @@ def setup_model(cfg: RunConfig, compile_blocks: bool | None = None, world: World
             core.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
             core.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if cfg.precision.checkpoint_every > 1:
+            checkpoint_selected_blocks(model, cfg.precision.checkpoint_every)
     measured = not (cfg.quant.enabled or cfg.precision.gradient_checkpointing or world.strategy != "none"
                     or is_moe(unwrap(model).config))
-    if default_compile(cfg.precision, device, measured) if compile_blocks is None else compile_blocks:
+    compiled = default_compile(cfg.precision, device, measured) if compile_blocks is None else compile_blocks
+    if compiled:
         compile_decoder_layers(model)
+    elif cfg.precision.activation_memory_budget is not None:
+        raise ConfigError("precision.activation_memory_budget acts on compiled layers, and precision.compile="
+                          f"{cfg.precision.compile} compiles none here (auto: CUDA, one process, a dense model "
+                          "without quant or checkpointing; GRPO: only true): set precision.compile=true")
     # sharded last: FSDP2 takes the parameters in their storage dtypes (fp32 masters) and gathers
     # them in the compute dtype; `t.model` stays the (peft / HF) model, its parameters now sharded
     root = wrap(model, world, cfg.distributed, policy.compute_dtype, policy.master_dtype, source)
     del source  # rank 0's host copy of the whole model
     model.train()
     routing = Routing.of(model, cfg.train.router_aux_loss_coef)
-    return Trainable(model, processor, plan, policy, device, fp8_plan, world, root, routing)
+    return Trainable(model, processor, plan, policy, device, fp8_plan, world, root, routing,
+                     cfg.precision.activation_memory_budget)
 
 
 def _meta_model(cfg: RunConfig, load_dtype: torch.dtype, world: World):
