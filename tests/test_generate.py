@@ -197,3 +197,19 @@ def test_feed_joins_a_running_generate_and_finish_frees_the_slot(setup):
     assert 0 < len(by_ticket[3].tokens) < 24  # cancelled mid-answer: its slot was freed early
     assert order.index(1) < order.index(0)  # the short request, joined late, finished first
     assert feed.pending() == 0 and run(engine, encoder, [], feed=feed) == []
+
+
+def test_a_feed_lets_finished_requests_leave_even_behind_a_blocker_that_has_waited_its_turn():
+    """Once a too-long request has been passed max_passed times, nothing more is taken (the running
+    rows drain for it), except requests already finished (their clients left): they leave at once."""
+    from vlforge.generate.engine import Feed
+
+    feed = Feed(max_passed=1)
+    long, short, gone, later = (feed.put(GenRequest(None, max_new_tokens=n)) for n in (500, 5, 6, 7))
+    fits = lambda r: r.max_new_tokens < 100  # noqa: E731
+    assert [t for t, _ in feed._take(fits)] == [short, gone, later]  # the long one passed once
+    again = feed.put(GenRequest(None, max_new_tokens=8))
+    gone2 = feed.put(GenRequest(None, max_new_tokens=9))
+    feed.finish(gone2)
+    assert [t for t, _ in feed._take(fits)] == [gone2]  # the blocker's turn: only the finished one leaves
+    assert [t for t, _ in feed._new] == [long, again]

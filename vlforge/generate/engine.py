@@ -174,7 +174,9 @@ class Feed:
                 kept.append((ticket, request))
                 self._passed[ticket] = self._passed.get(ticket, 0) + 1
                 if self._passed[ticket] > self.max_passed:  # its turn: let the running rows drain
-                    kept.extend(self._new)
+                    # (a finished one behind it still leaves now: it costs nothing and its client is gone)
+                    out.extend((t, r) for t, r in self._new if t in self._finish)
+                    kept.extend((t, r) for t, r in self._new if t not in self._finish)
                     self._new.clear()
             self._new = kept
             for ticket, _ in out:
