@@ -202,8 +202,6 @@ def test_feed_joins_a_running_generate_and_finish_frees_the_slot(setup):
 def test_a_feed_lets_finished_requests_leave_even_behind_a_blocker_that_has_waited_its_turn():
     """Once a too-long request has been passed max_passed times, nothing more is taken (the running
     rows drain for it), except requests already finished (their clients left): they leave at once."""
-    from vlforge.generate.engine import Feed
-
     feed = Feed(max_passed=1)
     long, short, gone, later = (feed.put(GenRequest(None, max_new_tokens=n)) for n in (500, 5, 6, 7))
     fits = lambda r: r.max_new_tokens < 100  # noqa: E731
