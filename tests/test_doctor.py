@@ -138,6 +138,13 @@ def _recipe(**kw) -> Recipe:
     return Recipe(**{**fields, **kw})
 
 
+def test_liger_loss_recipe_is_checked_as_setup_model_checks_it():
+    """loss.impl=liger: refused on a CPU device (liger's fused op is Triton kernels), with the way out."""
+    (failed,) = [c for c in recipe_checks(_recipe(loss_impl="liger"), _libs()) if c.name == "recipe loss"]
+    assert failed.status == "fail" and "liger" in failed.detail and "loss.impl=auto" in failed.advice
+    assert not [c for c in recipe_checks(_recipe(), _libs()) if c.name == "recipe loss"]  # auto: nothing to check
+
+
 def test_flash_attention_recipe_needs_flash_attn():
     recipe = _recipe(flash_attn=True)
     (ok,) = [c for c in recipe_checks(recipe, _libs("flash_attn")) if c.name == "recipe flash_attn"]

@@ -284,6 +284,7 @@ class Recipe:
     flash_attn: bool
     model_path: str | None
     quant: frozenset[str] = frozenset()  # quant methods in use: nf4 / int8 (bitsandbytes), fp8 (torchao)
+    loss_impl: str = "auto"  # loss.impl: liger needs liger-kernel and CUDA
 
     @property
     def needs(self) -> list[str]:
@@ -316,6 +317,7 @@ def recipe_from_config(cfg: SFTConfig | GRPOConfig, config: str | None, cuda_ava
         flash_attn=cfg.model.attn_implementation == "flash_attention_2",
         model_path=cfg.model.path,
         quant=frozenset({cfg.quant.language, cfg.quant.vision, cfg.quant.projector} - {"none"}),
+        loss_impl=cfg.loss.impl,
     )
 
 
@@ -814,6 +816,15 @@ def recipe_checks(recipe: Recipe, libs: dict[str, dict[str, Any]]) -> list[Check
         checks.append(_library_feature_check(
             "flash_attn", "model.attn_implementation=flash_attention_2", info["error"],
             "use model.attn_implementation=sdpa", version=info["version"]))
+
+    if recipe.loss_impl == "liger" and device is not None:  # the check setup_model makes before loading
+        from vlforge.config import LossConfig
+        from vlforge.engine.losses import loss_impl_problem
+
+        problem = loss_impl_problem(LossConfig(impl="liger"), device)
+        checks.append(Check("recipe loss", "fail", problem, "set loss.impl=auto (liger where it runs, else chunked)")
+                      if problem else
+                      Check("recipe loss", "ok", f"loss.impl=liger: liger-kernel's fused cross-entropy on {device}"))
 
     if recipe.model_path:
         checks.append(_model_path_check(recipe.model_path))
