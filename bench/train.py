@@ -4,6 +4,7 @@
     python bench/train.py --preset qwen3vl-2b --method full --steps 50
     python bench/train.py --preset qwen3vl-8b --method lora --steps 50 --ours precision.compile=true
     python bench/train.py --preset qwen3vl-2b --method full --paths peer,ours,packed --json out.json
+    python bench/train.py --preset qwen3vl-30b-a3b --method lora --paths peer,ours --grad-ckpt --steps 8
 
 Workload: shared/BASELINES.md's (sft_throughput.synthetic_samples: one 448x448 image, ~64 prompt
 tokens, a 128-384-token answer; batch 8), random weights of the published architecture, the same
@@ -40,6 +41,7 @@ from vlforge.engine.health import GradHealth
 from vlforge.engine.optim import build_optimizer
 from vlforge.engine.trainable import setup_model
 from vlforge.model.load import load_model, load_processor
+from vlforge.model.presets import MOE_PRESETS
 from vlforge.model.tiers import param_groups
 from vlforge.recipes.sft import train_step
 
@@ -55,6 +57,9 @@ def model_flops(core, batches: list[dict], lora: bool) -> list[float]:
     text = core.config.text_config
     k = 4 if lora else 6
     decoder = sum(p.numel() for p in core.model.language_model.layers.parameters())
+    if (experts := getattr(text, "num_experts", None)) is not None:  # MoE: each token runs top-k of E experts
+        routed = sum(p.numel() for layer in core.model.language_model.layers for p in layer.mlp.experts.parameters())
+        decoder -= routed * (1 - text.num_experts_per_tok / experts)
     vision = sum(p.numel() for p in core.model.visual.parameters())
     head = core.lm_head.weight.numel()
     out = []
@@ -95,7 +100,12 @@ def run_peer(args, batches) -> dict:
     if lora:
         from peft import LoraConfig, get_peft_model
 
-        model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=LORA_TARGETS))
+        # MoE: the fused 3-D experts through peft's parameter targeting, as its docs show for MoE models
+        experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] if args.preset in MOE_PRESETS else None
+        model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=LORA_TARGETS,
+                                                 target_parameters=experts))
+    if args.grad_ckpt:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, fused=DEVICE == "cuda")
     model.train()
@@ -116,7 +126,10 @@ def run_peer(args, batches) -> dict:
 def run_ours(args, batches, packed: bool = False) -> dict:
     lora = args.method == "lora"
     tiers = ([f"tiers.language.r=16", "tiers.language.alpha=32", "tiers.language.dropout=0.0",
-              "tiers.projector.train=false", "tiers.vision.train=false"] if lora else ["tiers.vision.train=true"])
+              "tiers.projector.train=false", "tiers.vision.train=false",
+              *(["tiers.language.experts=true"] if args.preset in MOE_PRESETS else [])]
+             if lora else ["tiers.vision.train=true"])
+    tiers += ["precision.gradient_checkpointing=true"] if args.grad_ckpt else []
     cfg = load_config(SFTConfig, None, [
         f"model.preset={args.preset}", f"model.seed={args.seed}", f"tiers.method={args.method}", "precision.mode=bf16",
         f"train.device={DEVICE}", *tiers, *(f"tiers.{t}.lr={args.lr}" for t in ("language", "projector", "vision")),
@@ -204,6 +217,7 @@ def main() -> None:
     ap.add_argument("--image", type=int, default=448, help="image side in pixels")
     ap.add_argument("--ours", nargs="*", default=[], help="vlforge config overrides for our path")
     ap.add_argument("--json", help="write all results (with per-step losses) here")
+    ap.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing on the peer and our paths")
     args = ap.parse_args()
     args.lr = args.lr or (1e-4 if args.method == "lora" else 1e-5)
     torch.backends.cuda.matmul.allow_tf32 = True

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# The measurements the third session built for but could not run (device time spent), one group per
+# device call (each fits 10 min). Results: $OUT/*.jsonl, $OUT/*.txt; record them in docs/benchmarks.md.
+#   OUT=/some/dir GROUP=tests bash bench/gpu_pending.sh  # gpu tests never run on a GPU, then packing with varlen
+#   OUT=/some/dir GROUP=moe   bash bench/gpu_pending.sh  # 30B-A3B: peft peer vs ours same process; NF4 memory/decode
+#   OUT=/some/dir GROUP=mem   bash bench/gpu_pending.sh  # selective checkpointing and the activation memory budget
+# (carry .whl/train; GROUP=tests also needs .whl/ao for torchao)
+source "$(dirname "$0")/gpu_env.sh"
+for w in .whl/ao/*.whl; do [ -f "$w" ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$w"; done
+GROUP=${GROUP:-tests}
+r() { n=$1; shift; echo "+ $*" >&2; timeout ${LIMIT:-110} python3 bench/sft_throughput.py "$@" 2>"$OUT/err-$GROUP-$n.txt" | tail -1 \
+      | sed "s/^{/{\"group\": \"$GROUP\", \"run\": $n, /" >> "$OUT/runs.jsonl" || echo "run $n failed" >> "$OUT/fail.txt"; }
+case $GROUP in
+  tests) timeout 150 python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_packing.py tests/test_router_replay.py \
+           tests/test_grpo_packing.py tests/test_generate.py tests/test_moe_lora.py 2>&1 | tail -15 > "$OUT/pytest.txt"
+         b="--preset qwen3vl-2b --method full --steps 8 --warmup 5"
+         r 1 $b --override precision.compile=false
+         r 2 $b --packing --override precision.compile=false
+         r 3 $b --packing --override precision.compile=true
+         m="--preset qwen3vl-2b --method full --mixed --max-tokens-per-batch 16384 --steps 8 --warmup 5 --override precision.compile=true"
+         r 4 $m
+         r 5 $m --packing ;;
+  moe) timeout 300 python3 bench/train.py --preset qwen3vl-30b-a3b --method lora --paths peer,ours --grad-ckpt --steps 6 \
+         --samples 32 2>"$OUT/err-train.txt" | tail -8 > "$OUT/train30.txt"
+       timeout 250 python3 bench/quant_inference.py --preset qwen3vl-30b-a3b --quant none nf4 --tmp /dev/shm \
+         > "$OUT/quant30.jsonl" 2>"$OUT/err-quant.txt" ;;
+  mem) b="--preset qwen3vl-8b --method full --steps 6 --warmup 3 --override optim.name=adamw8bit"
+       r 1 $b precision.gradient_checkpointing=true
+       r 2 $b precision.gradient_checkpointing=true precision.checkpoint_every=2
+       r 3 $b precision.compile=true precision.activation_memory_budget=0.5
+       r 4 $b precision.compile=true ;;
+  *) echo "GROUP must be tests, moe or mem"; exit 2 ;;
+esac
