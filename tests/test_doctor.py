@@ -138,11 +138,20 @@ def _recipe(**kw) -> Recipe:
     return Recipe(**{**fields, **kw})
 
 
-def test_liger_loss_recipe_is_checked_as_setup_model_checks_it():
-    """loss.impl=liger: refused on a CPU device (liger's fused op is Triton kernels), with the way out."""
-    (failed,) = [c for c in recipe_checks(_recipe(loss_impl="liger"), _libs()) if c.name == "recipe loss"]
-    assert failed.status == "fail" and "liger" in failed.detail and "loss.impl=auto" in failed.advice
-    assert not [c for c in recipe_checks(_recipe(), _libs()) if c.name == "recipe loss"]  # auto: nothing to check
+def test_liger_loss_recipe_is_checked_as_the_run_checks_it(monkeypatch):
+    """loss.impl=liger: refused on a CPU device (liger's fused op is Triton kernels) even with
+    liger-kernel installed, and in GRPO anywhere; the way out named."""
+    import vlforge.engine.losses as losses
+
+    monkeypatch.setattr(losses, "liger_available", lambda: True)
+    loss = lambda recipe: [c for c in recipe_checks(recipe, _libs()) if c.name == "recipe loss"]  # noqa: E731
+    (failed,) = loss(_recipe(loss_impl="liger"))
+    assert failed.status == "fail" and "needs CUDA" in failed.detail and "loss.impl=auto" in failed.advice
+    (ok,) = loss(_recipe(loss_impl="liger", device_spec="cuda", device=torch.device("cuda")))
+    assert ok.status == "ok"
+    (grpo,) = loss(_recipe(loss_impl="liger", device_spec="cuda", device=torch.device("cuda"), grpo=True))
+    assert grpo.status == "fail" and "GRPO" in grpo.detail
+    assert not loss(_recipe())  # auto: nothing to check
 
 
 def test_flash_attention_recipe_needs_flash_attn():

@@ -235,6 +235,8 @@ def test_plan_dropout_memory_and_the_peft_escape_hatch(tiny_moe):
     plan = build_plan(model, cfg.tiers)
     assert {(e.expert_lora, e.dropout) for e in plan if e.target == "parameter"} == {("peft", 0.0)}
     assert expert_lora_copies(model, plan, cfg, 2) == 8 * 3 * 32 * 64 * 2  # one layer's experts, bf16
+    cfg.precision.checkpoint_every = 2  # tiny-moe's 2 layers: layer 1 is not recomputed, so keeps its copy
+    assert expert_lora_copies(model, plan, cfg, 2) == 2 * 8 * 3 * 32 * 64 * 2
     peft_model = apply_plan(copy.deepcopy(model), plan)
     assert type(_experts(peft_model)) is ParamWrapper  # peft's own forward
 

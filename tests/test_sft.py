@@ -151,7 +151,7 @@ def test_selective_checkpointing_recomputes_one_block_in_n_with_the_same_gradien
 
 def test_activation_memory_budget_is_applied_to_the_training_forward_only(shapes_dir, tmp_path):
     """precision.activation_memory_budget: torch's partitioner budget inside the step's forward (where
-    compiled layers are compiled), not process-wide; refused where no layer is compiled."""
+    compiled layers are compiled), not process-wide; refused from the config unless compile=true."""
     import torch._functorch.config as functorch_config
 
     from vlforge.config import SFTConfig, load_config
@@ -163,10 +163,9 @@ def test_activation_memory_budget_is_applied_to_the_training_forward_only(shapes
     t = setup_model(cfg)  # layers wrapped for compile (compiled at their first call, which this test never makes)
     assert t.forward(lambda model: functorch_config.activation_memory_budget) == 0.4
     assert functorch_config.activation_memory_budget == default
-    with pytest.raises(ConfigError, match="compiles none on cpu"):
-        setup_model(tiny_sft_config(shapes_dir, tmp_path / "auto", "precision.activation_memory_budget=0.4"))
     for bad, match in (("precision.activation_memory_budget=0", "activation_memory_budget"),
                        ("precision.activation_memory_budget=0.5 precision.compile=false", "acts on compiled layers"),
+                       ("precision.activation_memory_budget=0.5", "set precision.compile=true"),  # auto: refused
                        ("precision.checkpoint_every=2", "gradient_checkpointing=true too"),
                        ("precision.checkpoint_every=0", "checkpoint_every")):
         with pytest.raises(ConfigError, match=match):

@@ -302,9 +302,11 @@ class PrecisionConfig:
                  f"precision.checkpoint_every={self.checkpoint_every} selects the blocks gradient checkpointing "
                  "recomputes: set precision.gradient_checkpointing=true too")
         _range(self, "activation_memory_budget", gt=0, le=1, why="a fraction of the activations kept for backward")
-        _require(self.activation_memory_budget is None or self.compile is not False,
+        # compile=true, not auto: auto compiles only measured setups (and GRPO never), which is known only
+        # once the model is loaded; a budget must be refused before that, not after minutes of loading
+        _require(self.activation_memory_budget is None or self.compile is True,
                  "precision.activation_memory_budget acts on compiled layers (torch's partitioner): set "
-                 "precision.compile=true (or auto), or use gradient_checkpointing / checkpoint_every")
+                 "precision.compile=true, or use gradient_checkpointing / checkpoint_every")
         for o in self.overrides:
             _require(o.compute != "fp16" or self.mode == "fp16",
                      f"precision.overrides: {o.pattern!r} computes in fp16 but precision.mode={self.mode} has no "

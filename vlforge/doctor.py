@@ -284,7 +284,8 @@ class Recipe:
     flash_attn: bool
     model_path: str | None
     quant: frozenset[str] = frozenset()  # quant methods in use: nf4 / int8 (bitsandbytes), fp8 (torchao)
-    loss_impl: str = "auto"  # loss.impl: liger needs liger-kernel and CUDA
+    loss_impl: str = "auto"  # loss.impl: liger needs liger-kernel and CUDA (and SFT: GRPO refuses it)
+    grpo: bool = False
 
     @property
     def needs(self) -> list[str]:
@@ -318,6 +319,7 @@ def recipe_from_config(cfg: SFTConfig | GRPOConfig, config: str | None, cuda_ava
         model_path=cfg.model.path,
         quant=frozenset({cfg.quant.language, cfg.quant.vision, cfg.quant.projector} - {"none"}),
         loss_impl=cfg.loss.impl,
+        grpo=isinstance(cfg, GRPOConfig),
     )
 
 
@@ -821,7 +823,8 @@ def recipe_checks(recipe: Recipe, libs: dict[str, dict[str, Any]]) -> list[Check
         from vlforge.config import LossConfig
         from vlforge.engine.losses import loss_impl_problem
 
-        problem = loss_impl_problem(LossConfig(impl="liger"), device)
+        problem = ("loss.impl=liger: GRPO's log-probs need banned vision tokens and the entropy, which liger's "
+                   "fused op cannot give" if recipe.grpo else loss_impl_problem(LossConfig(impl="liger"), device))
         checks.append(Check("recipe loss", "fail", problem, "set loss.impl=auto (liger where it runs, else chunked)")
                       if problem else
                       Check("recipe loss", "ok", f"loss.impl=liger: liger-kernel's fused cross-entropy on {device}"))

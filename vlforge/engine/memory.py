@@ -215,8 +215,14 @@ def expert_lora_copies(model: nn.Module, plan: list, cfg, compute_bytes: int) ->
             per_layer[_unit(e.module)] = per_layer.get(_unit(e.module), 0) + model.get_parameter(e.module).numel()
     if not per_layer:
         return 0.0
-    held = max(per_layer.values()) if cfg.precision.gradient_checkpointing else sum(per_layer.values())
-    return float(held * compute_bytes)
+    if not cfg.precision.gradient_checkpointing:
+        return float(sum(per_layer.values()) * compute_bytes)
+    # recomputed layers (1 of every checkpoint_every: engine/trainable.checkpoint_selected_blocks) hold
+    # one copy at a time, in backward; the others keep theirs from forward to backward
+    every = cfg.precision.checkpoint_every
+    recomputed = [n for unit, n in per_layer.items() if int(unit.split()[-1]) % every == 0]
+    kept = [n for unit, n in per_layer.items() if int(unit.split()[-1]) % every != 0]
+    return float((sum(kept) + max(recomputed, default=0)) * compute_bytes)
 
 
 def fsdp2_problem(cfg, world_size: int) -> str | None:

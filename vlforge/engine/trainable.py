@@ -118,9 +118,6 @@ def refuse_bad_combinations(cfg: RunConfig, device: torch.device, sharded: bool 
         raise ConfigError(problem)
     if problem := loss_impl_problem(cfg.loss, device):  # else it would fail at the first step, after loading
         raise ConfigError(problem)
-    if cfg.precision.activation_memory_budget is not None and cfg.precision.compile == "auto" and device.type != "cuda":
-        raise ConfigError("precision.activation_memory_budget acts on compiled layers, and precision.compile=auto "
-                          f"compiles none on {device.type}: set precision.compile=true or remove the budget")
     if cfg.quant.enabled and cfg.tiers.method != "lora":
         raise ConfigError("quant (QLoRA) needs tiers.method=lora: quantized base weights cannot be trained directly")
     if cfg.quant.enabled and (problem := quant_problem(cfg.quant, device)):
@@ -180,10 +177,8 @@ def setup_model(cfg: RunConfig, compile_blocks: bool | None = None, world: World
     compiled = default_compile(cfg.precision, device, measured) if compile_blocks is None else compile_blocks
     if compiled:
         compile_decoder_layers(model)
-    elif cfg.precision.activation_memory_budget is not None:
-        raise ConfigError("precision.activation_memory_budget acts on compiled layers, and precision.compile="
-                          f"{cfg.precision.compile} compiles none here (auto: CUDA, one process, a dense model "
-                          "without quant or checkpointing; GRPO: only true): set precision.compile=true")
+    elif cfg.precision.activation_memory_budget is not None:  # config requires compile=true: a caller said no
+        raise ConfigError("precision.activation_memory_budget acts on compiled layers, and this run compiles none")
     # sharded last: FSDP2 takes the parameters in their storage dtypes (fp32 masters) and gathers
     # them in the compute dtype; `t.model` stays the (peft / HF) model, its parameters now sharded
     root = wrap(model, world, cfg.distributed, policy.compute_dtype, policy.master_dtype, source)

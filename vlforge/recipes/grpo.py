@@ -28,6 +28,7 @@ from vlforge.engine.distributed import (World, frozen_sharded_copy, fully_gather
 from vlforge.engine.evaluate import to_device
 from vlforge.engine.health import GradHealth
 from vlforge.engine.losses import Root, drop_keepalive_grads
+from vlforge.engine.packed_attention import keep_mask_attention
 from vlforge.engine.metrics import plot_metric, read_metrics
 from vlforge.engine.moe import aux_term, capture, follow
 from vlforge.engine.run import Run, begin_run
@@ -203,7 +204,8 @@ def reference_logprobs(t: Trainable, ref_model, batch: Batch, temperature: float
                        replay: bool = False) -> torch.Tensor:
     """`replay` (rollout.router_replay: true, MoE): the reference runs the rollout's experts too, as
     the policy does, so the KL compares the weights and not two routings (0 before the first update).
-    The full fine-tuning copy is a deepcopy of the policy: its routers carry the same hooks."""
+    The full fine-tuning copy (one process, DDP) is a deepcopy of the policy: its routers carry the
+    same hooks; FSDP2's sharded copy has none (replay with it is refused before loading)."""
     routes = route_rows(batch.rollout, batch.seqs, packing) if replay else None
     with torch.no_grad(), t.policy.autocast(), follow(t.routing, routes, replay=True):
         if ref_model is None:  # LoRA: the base model is the reference, no second copy
@@ -462,6 +464,8 @@ def run_grpo(cfg: GRPOConfig) -> dict:
         if cfg.rl.kl_beta > 0 and cfg.tiers.method == "full" and world.sharded:
             # a frozen copy of the starting policy, sharded as it is (each rank copies its own shards)
             empty, _ = build_meta_model(cfg.model, dtype=t.policy.compute_dtype, device=world.device)
+            if cfg.model.packed_attention == "mask":  # as setup_model sets the policy's
+                keep_mask_attention(empty)
             ref_model = frozen_sharded_copy(t.model, empty, world, cfg.distributed, t.policy.compute_dtype)
         elif cfg.rl.kl_beta > 0 and cfg.tiers.method == "full":  # a frozen copy of the starting policy (DDP: each rank's)
             ref_model = copy.deepcopy(t.model).requires_grad_(False).eval()
