@@ -11,7 +11,6 @@ refusals before any weight is loaded live in one place.
 from __future__ import annotations
 
 import contextlib
-
 from dataclasses import dataclass, field
 
 import torch
