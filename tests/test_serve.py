@@ -824,3 +824,18 @@ def test_serve_config_checks_ranges_and_names_the_flag(files):
         ServeConfig.from_flags({**{f.name: f.default for f in ServeConfig.flags()}, "max_body_bytes": float("nan")})
     assert ServeConfig.from_flags({**{f.name: f.default for f in ServeConfig.flags()}, "max_body_bytes": 1.5}
                                   ).max_body_bytes == 1.5 * 1024 * 1024
+
+
+def test_integer_fields_take_integral_floats_but_not_booleans_or_fractions():
+    """Strict request types: `"max_tokens": 256.0` (clients that write every number as a float) is
+    256, while true, "5" and 256.5 are refused rather than coerced."""
+    from pydantic import ValidationError
+
+    from vlforge.serve.schema import ChatRequest
+
+    msgs = [{"role": "user", "content": "hi"}]
+    req = ChatRequest.model_validate({"messages": msgs, "max_tokens": 256.0, "seed": 3.0, "n": 1.0})
+    assert (req.max_tokens, req.seed, req.n) == (256, 3, 1) and isinstance(req.max_tokens, int)
+    for bad in ({"max_tokens": True}, {"max_tokens": "5"}, {"max_tokens": 256.5}, {"stream": "yes"}):
+        with pytest.raises(ValidationError):
+            ChatRequest.model_validate({"messages": msgs, **bad})

@@ -12,7 +12,7 @@ from typing import Annotated, Literal, Union
 
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from vlforge.serve.config import ServeConfig
 
@@ -41,6 +41,15 @@ class _Schema(BaseModel):
     # unknown fields ignored (clients send many optional ones); strict types: `"max_tokens": true` or
     # `"stream": "yes"` are errors, not 1 and True (JSON numbers still fill float fields)
     model_config = ConfigDict(extra="ignore", strict=True)
+
+
+def _whole_number(value):
+    """An integral float (256.0: some clients serialise every number as a float) as the int it is;
+    anything else goes on to the strict int check (a boolean, a string or 256.5 is refused there)."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
+_Int = Annotated[int, BeforeValidator(_whole_number)]
 
 
 class _ImageURL(_Schema):
@@ -77,29 +86,29 @@ class _StreamOptions(_Schema):
 class ChatRequest(_Schema):
     model: str | None = None
     messages: list[_Message] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: _Int | None = Field(None, ge=1)
+    max_completion_tokens: _Int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)  # OpenAI's default, 1, when absent
     top_p: float | None = Field(None, gt=0, le=1)
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: _StreamOptions | None = None
-    n: int | None = 1
+    n: _Int | None = 1
     # OpenAI's: sampling with the same seed (and prompt and settings) gives the same answer (generate/'s
     # engine: the noise is a function of the seed and the step; engine=hf ignores it)
-    seed: int | None = None
+    seed: _Int | None = None
     # vLLM's extension: no end of turn before this many tokens (benchmarks, and tests of long generations)
-    min_tokens: int | None = Field(None, ge=0)
+    min_tokens: _Int | None = Field(None, ge=0)
     # vlforge's extension: this request's image resize bounds (pixels per image, width x height), within
     # the server's own (--min-pixels/--max-pixels); an image is resized as the processor would at these
-    min_pixels: int | None = Field(None, ge=1)
-    max_pixels: int | None = Field(None, ge=1)
+    min_pixels: _Int | None = Field(None, ge=1)
+    max_pixels: _Int | None = Field(None, ge=1)
     # accepted only when empty/off: features this server does not have (refused, not ignored: each
     # changes what a client gets back, e.g. json_object mode promises parseable JSON)
     tools: list | None = None
     functions: list | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: _Int | None = None
     response_format: dict | None = None
     logit_bias: dict | None = None
     presence_penalty: float | None = None
