@@ -24,3 +24,13 @@ def tiny():
     from vlforge.model.load import load_model
 
     return load_model(ModelConfig(preset="tiny"))
+
+
+@pytest.fixture(scope="module")
+def tiny_moe():
+    """(model, processor) of the tiny-moe preset, fp32, seed 0, one per test module (the MoE tests
+    register router hooks and switch attention implementations on it). Do not train it: copy it first."""
+    from vlforge.config import ModelConfig
+    from vlforge.model.load import load_model
+
+    return load_model(ModelConfig(preset="tiny-moe"))

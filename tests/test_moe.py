@@ -20,12 +20,6 @@ from helpers import tiny_sft_config
 
 
 @pytest.fixture(scope="module")
-def tiny_moe():
-    """(model, processor) of tiny-moe, fp32, seed 0. Do not train it: copy it first."""
-    return load_model(ModelConfig(preset="tiny-moe"))
-
-
-@pytest.fixture(scope="module")
 def batch(tiny_moe, shapes_dir):
     data = load_dataset(str(shapes_dir / "val.jsonl"), tiny_moe[1], DataConfig())
     return collate([data[i] for i in range(3)], data.encoder.pad_id)

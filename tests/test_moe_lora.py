@@ -19,11 +19,6 @@ from vlforge.model.tiers import apply_plan, build_plan, unwrap
 
 
 @pytest.fixture(scope="module")
-def tiny_moe():
-    return load_model(ModelConfig(preset="tiny-moe"))
-
-
-@pytest.fixture(scope="module")
 def batch(tiny_moe, shapes_dir):
     data = load_dataset(str(shapes_dir / "val.jsonl"), tiny_moe[1], DataConfig())
     b = collate([data[i] for i in range(3)], data.encoder.pad_id)

@@ -16,12 +16,6 @@ from vlforge.rollout.engine import generate_groups, route_rows, sequence_logprob
 
 
 @pytest.fixture(scope="module")
-def tiny_moe():
-    """(model, processor) of tiny-moe, fp32, seed 0. Do not train it: copy it first."""
-    return load_model(ModelConfig(preset="tiny-moe"))
-
-
-@pytest.fixture(scope="module")
 def prompts(tiny_moe, shapes_dir):
     data = load_dataset(str(shapes_dir / "train.jsonl"), tiny_moe[1], DataConfig())
     batch = collate([encode_prompt(data.encoder, data.samples[i]) for i in range(3)], data.encoder.pad_id,
