@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The measurements the third session built for but could not run (device time spent), one group per
 # device call (each fits 10 min). Results: $OUT/*.jsonl, $OUT/*.txt; record them in docs/benchmarks.md.
-#   OUT=/some/dir GROUP=tests bash bench/gpu_pending.sh  # gpu tests never run on a GPU, then packing with varlen
+#   OUT=/some/dir GROUP=tests bash bench/gpu_pending.sh  # gpu tests never run on a GPU, then 2B packed vs padded
+#   OUT=/some/dir GROUP=pack  bash bench/gpu_pending.sh  # the mixed set (36% padding) by a token budget
 #   OUT=/some/dir GROUP=moe   bash bench/gpu_pending.sh  # 30B-A3B: peft peer vs ours same process; NF4 memory/decode
 #   OUT=/some/dir GROUP=mem   bash bench/gpu_pending.sh  # selective checkpointing and the activation memory budget
 # (carry .whl/train, and .whl/ao (torchao) for GROUP=tests, .whl/bnb (bitsandbytes) for moe and mem)
@@ -17,9 +18,10 @@ case $GROUP in
          r 1 $b --override precision.compile=false
          r 2 $b --packing --override precision.compile=false
          r 3 $b --packing --override precision.compile=true
-         m="--preset qwen3vl-2b --method full --mixed --max-tokens-per-batch 16384 --steps 8 --warmup 5 --override precision.compile=true"
-         r 4 $m
-         r 5 $m --packing ;;
+         r 4 $b --override precision.compile=true ;;
+  pack)  m="--preset qwen3vl-2b --method full --mixed --max-tokens-per-batch 16384 --steps 8 --warmup 5 --override precision.compile=true"
+         r 5 $m
+         r 6 $m --packing ;;
   moe) timeout 300 python3 bench/train.py --preset qwen3vl-30b-a3b --method lora --paths peer,ours --grad-ckpt --steps 6 \
          --samples 32 2>"$OUT/err-train.txt" | tail -8 > "$OUT/train30.txt"
        timeout 250 python3 bench/quant_inference.py --preset qwen3vl-30b-a3b --quant none nf4 --tmp /dev/shm \
@@ -29,5 +31,5 @@ case $GROUP in
        r 2 $b precision.gradient_checkpointing=true precision.checkpoint_every=2
        r 3 $b precision.compile=true precision.activation_memory_budget=0.5
        r 4 $b precision.compile=true ;;
-  *) echo "GROUP must be tests, moe or mem"; exit 2 ;;
+  *) echo "GROUP must be tests, pack, moe or mem"; exit 2 ;;
 esac

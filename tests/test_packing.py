@@ -398,3 +398,32 @@ def test_varlen_attention_runs_under_autocast_with_fp32_weights(tiny, mixed, mon
     for name in grads_pad:
         a, b = grads_pack[name].float(), grads_pad[name].float()
         assert (a - b).norm() <= 5e-2 * b.norm() + 1e-6, name
+
+
+@pytest.mark.gpu
+def test_compiled_layers_trace_varlen_without_a_graph_break(tiny, mixed):
+    """On CUDA the varlen call is inside the compiled decoder layers' graphs (torch's custom op):
+    no graph break, no recompile for a new row composition or a new longest sample once the
+    number of sequences has gone dynamic, and the eager loss (rows.max_len) within bf16 tolerance
+    of the compiled one (the row length as the kernel's bound)."""
+    from torch._dynamo.utils import counters
+
+    data, items = mixed
+    model = copy.deepcopy(tiny[0]).to("cuda", torch.bfloat16)
+    cuda = lambda b: {k: v.to("cuda") for k, v in b.items()}
+    rows = [cuda(pack(items[i:j], data.encoder.pad_id, pad_to=640)) for i, j in ((0, 3), (3, 6), (1, 2), (0, 2), (2, 4))]
+    with torch.no_grad():
+        eager = [float(sft_loss_sum(model, r)[0]) for r in rows]
+    for layer in model.model.language_model.layers:
+        layer.compile()
+    torch._dynamo.reset()
+    counters.clear()
+    with torch.no_grad():
+        compiled = [float(sft_loss_sum(model, r)[0]) for r in rows[:3]]  # 3 rows: the sequence count changes once
+        graphs = counters["stats"]["unique_graphs"]
+        compiled += [float(sft_loss_sum(model, r)[0]) for r in rows[3:]]
+    assert model.model.language_model.config._attn_implementation == PACKED_ATTENTION
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert graphs > 0 and counters["stats"]["unique_graphs"] == graphs
+    assert compiled == pytest.approx(eager, rel=2e-2)
+    torch._dynamo.reset()

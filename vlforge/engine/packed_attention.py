@@ -17,9 +17,12 @@ Per sample, on CUDA (bf16/fp16, sm80+): torch's own `torch.nn.attention.varlen.v
 kernels over cu_seqlens, one call a layer); elsewhere (CPU, fp32, dropout, a torch without it):
 SDPA per sample with is_causal=True over slices of the row (no mask; exact). Why kwargs and not a
 context for the lengths: activation checkpointing recomputes a layer in backward, after the
-forward's context is gone, but with the layer's own kwargs; and the kwarg is one opaque object
-handled by a compiler-disabled function, so compiled decoder layers neither guard on nor recompile
-for a row's composition (tests/test_packing.py counts the graphs).
+forward's context is gone, but with the layer's own kwargs. Compiled decoder layers trace the
+varlen call into their graph (it is a torch custom op with a fake kernel): it reads only the
+`cu_seqlens` tensor and the row length, never the host lengths, so a compiled layer neither
+guards on nor recompiles for a row's composition and has no graph break in the middle (the
+per-sample fallback, which loops over host lengths, is compiler-disabled instead; both counted in
+tests/test_packing.py).
 """
 
 from __future__ import annotations
@@ -44,11 +47,14 @@ _IN_PACKED_FORWARD = contextvars.ContextVar("vlforge_packed_forward", default=Fa
 class PackedRows:
     """A packed row's sequences, computed once per forward: `lengths` (host ints: every sample,
     then the filler tail as one more sequence, summing to the row length), `cu_seqlens` [n+1]
-    int32 on the row's device (the varlen kernel's offsets) and `max_len`."""
+    int32 on the row's device (the varlen kernel's offsets), `max_len`, and `varlen`: torch's
+    varlen_attn and its parameter names where the row's device runs it (CUDA sm80+), else None;
+    looked up here, outside compiled code (inspect and the capability query are not traceable)."""
 
     lengths: tuple[int, ...]
     cu_seqlens: torch.Tensor
     max_len: int
+    varlen: tuple | None = None
 
     @classmethod
     def of(cls, seq_lens: list[int], row_length: int, device: torch.device) -> PackedRows:
@@ -60,7 +66,8 @@ class PackedRows:
         cu = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
         # one small host-to-device copy per forward (not per layer); pinned so it does not sync
         cu = cu.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else cu.to(device)
-        return cls(tuple(lengths), cu, max(lengths))
+        varlen = _varlen() if device.type == "cuda" and _flash_capable(device.index or 0) else None
+        return cls(tuple(lengths), cu, max(lengths), varlen)
 
 
 @contextlib.contextmanager
@@ -130,24 +137,23 @@ def half_dtype(query: torch.Tensor) -> torch.dtype | None:
     return None
 
 
-def varlen_usable(query: torch.Tensor, dropout: float, scaling: float | None) -> bool:
-    """Whether torch's varlen_attn can take this call: CUDA sm80+, half precision (the query's or
-    autocast's), no dropout (its dropout is fixed at 0), a head size the flash kernel takes, a
-    scale it can be given."""
-    if not query.is_cuda or half_dtype(query) is None or dropout > 0:
-        return False
-    if (found := _varlen()) is None or not _flash_capable(query.device.index or 0):
+def varlen_usable(query: torch.Tensor, rows: PackedRows, dropout: float, scaling: float | None) -> bool:
+    """Whether torch's varlen_attn can take this call: the row's device runs it (CUDA sm80+), half
+    precision (the query's or autocast's), no dropout (its dropout is fixed at 0), a head size the
+    flash kernel takes, a scale it can be given. Static facts only: a compiled layer guards on
+    them once."""
+    if rows.varlen is None or not query.is_cuda or half_dtype(query) is None or dropout > 0:
         return False
     D = query.shape[-1]
     if D % 8 or D > 256:
         return False
-    _, params = found
+    _, params = rows.varlen
     return "scale" in params or scaling is None or abs(scaling - D ** -0.5) < 1e-12 * D ** -0.5
 
 
 def _varlen_call(query_HqTD, key_HkTD, value_HkTD, rows: PackedRows, scaling):
-    varlen_attn, params = _varlen()
-    Hq, Hk = query_HqTD.shape[0], key_HkTD.shape[0]
+    varlen_attn, params = rows.varlen
+    Hq, Hk, T = query_HqTD.shape[0], key_HkTD.shape[0], query_HqTD.shape[1]
     # [T, H, D]; contiguous, as flash-attention's varlen entry points are called elsewhere (one
     # copy of q, k, v per layer, small next to the projections)
     dtype = half_dtype(query_HqTD)  # autocast's cast, as SDPA gets it (the copy happens anyway)
@@ -164,12 +170,20 @@ def _varlen_call(query_HqTD, key_HkTD, value_HkTD, rows: PackedRows, scaling):
         kwargs["is_causal"] = True
     if "scale" in params:
         kwargs["scale"] = scaling
-    out_THD = varlen_attn(q, k, v, rows.cu_seqlens, rows.cu_seqlens, rows.max_len, rows.max_len, **kwargs)
+    # compiled, max_q = max_k = the row length, an upper bound of every sequence's (the kernel sizes
+    # its grid by it; blocks past a sequence's end exit at once), not rows.max_len: the graph would
+    # guard on that host int and recompile for every new longest sample
+    max_len = T if torch.compiler.is_compiling() else rows.max_len
+    out_THD = varlen_attn(q, k, v, rows.cu_seqlens, rows.cu_seqlens, max_len, max_len, **kwargs)
     return out_THD[None]
 
 
+@torch.compiler.disable  # loops over the row's host lengths: out of compiled graphs (no guard, no recompile per row)
 def _per_sample_call(query, key, value, rows: PackedRows, dropout, scaling):
     """SDPA over each sample's slice of the row, causal without a mask (flash on CUDA, exact on CPU)."""
+    if query.shape[2] != sum(rows.lengths):
+        raise ValueError(f"packed attention takes one row of {sum(rows.lengths)} tokens and no cache; "
+                         f"got query {tuple(query.shape)}, key {tuple(key.shape)}")
     gqa = key.shape[1] != query.shape[1]
     outs, start = [], 0
     for n in rows.lengths:
@@ -180,15 +194,15 @@ def _per_sample_call(query, key, value, rows: PackedRows, dropout, scaling):
     return torch.cat(outs, dim=2).transpose(1, 2)  # [1, T, Hq, D], as transformers' attention functions return
 
 
-@torch.compiler.disable  # the row's composition stays out of compiled graphs: no guard, no recompile per row
 def packed_rows_attention(query, key, value, rows: PackedRows, dropout: float = 0.0,
                           scaling: float | None = None) -> torch.Tensor:
     """Causal attention within each sequence of a packed row. query [1, Hq, T, D], key/value
-    [1, Hkv, T, D] (Hq a multiple of Hkv) -> [1, T, Hq, D]."""
-    if query.shape[0] != 1 or query.shape[2] != sum(rows.lengths) or key.shape[2] != query.shape[2]:
+    [1, Hkv, T, D] (Hq a multiple of Hkv) -> [1, T, Hq, D]. (The row length is checked against
+    the lengths where they are host ints: in PackedRows.of, and in the per-sample path.)"""
+    if query.shape[0] != 1 or key.shape[2] != query.shape[2]:
         raise ValueError(f"packed attention takes one row of {sum(rows.lengths)} tokens and no cache; "
                          f"got query {tuple(query.shape)}, key {tuple(key.shape)}")
-    if varlen_usable(query, dropout, scaling):
+    if varlen_usable(query, rows, dropout, scaling):
         return _varlen_call(query[0], key[0], value[0], rows, scaling)
     return _per_sample_call(query, key, value, rows, dropout, scaling)
 
