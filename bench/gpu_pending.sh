@@ -3,6 +3,7 @@
 # device call (each fits 10 min). Results: $OUT/*.jsonl, $OUT/*.txt; record them in docs/benchmarks.md.
 #   OUT=/some/dir GROUP=tests bash bench/gpu_pending.sh  # gpu tests never run on a GPU, then 2B packed vs padded
 #   OUT=/some/dir GROUP=pack  bash bench/gpu_pending.sh  # the mixed set (36% padding) by a token budget
+#   OUT=/some/dir GROUP=liger bash bench/gpu_pending.sh  # liger's chunks at loss.chunk_size: 2B full, 8B LoRA, chunked
 #   OUT=/some/dir GROUP=moe   bash bench/gpu_pending.sh  # 30B-A3B: peft peer vs ours same process; NF4 memory/decode
 #   OUT=/some/dir GROUP=mem   bash bench/gpu_pending.sh  # selective checkpointing and the activation memory budget
 # (carry .whl/train, and .whl/ao (torchao) for GROUP=tests, .whl/bnb (bitsandbytes) for moe and mem)
@@ -13,15 +14,27 @@ r() { n=$1; shift; echo "+ $*" >&2; timeout ${LIMIT:-110} python3 bench/sft_thro
       | sed "s/^{/{\"group\": \"$GROUP\", \"run\": $n, /" >> "$OUT/runs.jsonl" || echo "run $n failed" >> "$OUT/fail.txt"; }
 case $GROUP in
   tests) timeout 150 python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_packing.py tests/test_router_replay.py \
-           tests/test_grpo_packing.py tests/test_generate.py tests/test_moe_lora.py 2>&1 | tail -15 > "$OUT/pytest.txt"
+           tests/test_grpo_packing.py tests/test_generate.py --tb=short > "$OUT/pytest.txt" 2>&1
          b="--preset qwen3vl-2b --method full --steps 8 --warmup 5"
          r 1 $b --override precision.compile=false
          r 2 $b --packing --override precision.compile=false
          r 3 $b --packing --override precision.compile=true
          r 4 $b --override precision.compile=true ;;
-  pack)  m="--preset qwen3vl-2b --method full --mixed --max-tokens-per-batch 16384 --steps 8 --warmup 5 --override precision.compile=true"
+  pack)  timeout 150 python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_packing.py tests/test_router_replay.py \
+           tests/test_grpo_packing.py tests/test_generate.py --tb=short > "$OUT/pytest.txt" 2>&1
+         b="--preset qwen3vl-2b --method full --steps 8 --warmup 5 --override precision.compile=true"
+         r 7 $b --profile "$OUT/profile-padded.txt"
+         TORCH_LOGS=graph_breaks,recompiles r 8 $b --packing --profile "$OUT/profile-packed.txt"
+         m="--preset qwen3vl-2b --method full --mixed --max-tokens-per-batch 16384 --steps 8 --warmup 5 --override precision.compile=true"
          r 5 $m
          r 6 $m --packing ;;
+  liger) timeout 100 python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_router_replay.py tests/test_losses.py \
+           --tb=short > "$OUT/pytest.txt" 2>&1
+         b="--preset qwen3vl-2b --method full --steps 8 --warmup 5 --override precision.compile=true"
+         r 9 $b
+         r 10 $b --packing
+         r 11 $b loss.impl=chunked
+         r 12 --preset qwen3vl-8b --method lora --steps 8 --warmup 5 --override precision.compile=true ;;
   moe) timeout 300 python3 bench/train.py --preset qwen3vl-30b-a3b --method lora --paths peer,ours --grad-ckpt --steps 6 \
          --samples 32 2>"$OUT/err-train.txt" | tail -8 > "$OUT/train30.txt"
        timeout 250 python3 bench/quant_inference.py --preset qwen3vl-30b-a3b --quant none nf4 --tmp /dev/shm \
@@ -31,5 +44,5 @@ case $GROUP in
        r 2 $b precision.gradient_checkpointing=true precision.checkpoint_every=2
        r 3 $b precision.compile=true precision.activation_memory_budget=0.5
        r 4 $b precision.compile=true ;;
-  *) echo "GROUP must be tests, pack, moe or mem"; exit 2 ;;
+  *) echo "GROUP must be tests, pack, liger, moe or mem"; exit 2 ;;
 esac

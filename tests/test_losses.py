@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 
 from vlforge.config import ConfigError
-from vlforge.engine.losses import linear_cross_entropy_sum, resolve_loss_impl, token_logprobs_entropy
+from vlforge.engine.losses import (liger_chunk_mem_const, linear_cross_entropy_sum, resolve_loss_impl,
+                                   token_logprobs_entropy)
 
 N, H, V = 53, 24, 97
 
@@ -182,3 +183,42 @@ def test_liger_fused_cross_entropy_matches_plain_on_cuda():
         tol = dict(rtol=1e-4, atol=1e-4) if dtype is None else dict(rtol=2e-2, atol=2e-2)
         for a, b in zip(fused, plain):
             torch.testing.assert_close(a.float(), b.float(), **tol)
+
+
+def _liger_chunk(positions: int, hidden: int, vocab: int, chunk_mem_const: int) -> int:
+    """liger-kernel 0.8's chunk rule (ops/fused_linear_cross_entropy.py), restated as the reference."""
+    inc_factor = -(-vocab // (chunk_mem_const * hidden))
+    return min(1 << (-(-positions // inc_factor) - 1).bit_length(), positions)
+
+
+@pytest.mark.parametrize("positions,hidden,vocab", [(4400, 2048, 151936), (4400, 4096, 151936), (700, 2048, 151936),
+                                                    (30000, 5120, 151936), (3000, 64, 500)])
+def test_liger_chunks_are_about_the_configured_size(positions, hidden, vocab):
+    """Its default (C=1) takes ~64 positions a chunk at the 2B shapes, each adding a [V, H] fp32
+    weight gradient; ours makes them ~chunk_size (never more than twice), one chunk when it all fits."""
+    assert _liger_chunk(4400, 2048, 151936, 1) == 64  # the default measured slow (docs/benchmarks.md)
+    chunk = _liger_chunk(positions, hidden, vocab, liger_chunk_mem_const(positions, hidden, vocab, 1024))
+    assert chunk == positions if positions <= 1024 else 512 <= chunk <= 2048
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(importlib.util.find_spec("liger_kernel") is None, reason="liger-kernel not installed")
+def test_liger_with_large_chunks_equals_the_plain_loss_under_autocast():
+    """fp32 master weights under bf16 autocast (the recipes' default): liger with our chunk size,
+    several chunks, gives the plain loss and the hidden/weight gradients within bf16 tolerance."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(256, 6000, bias=False, device="cuda")
+    hidden = torch.randn(3000, 256, device="cuda", requires_grad=True)
+    targets = torch.randint(0, 6000, (3000,), device="cuda")
+    out = {}
+    for impl in ("plain", "liger"):
+        head.zero_grad(set_to_none=True)
+        hidden.grad = None
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = linear_cross_entropy_sum(hidden, head, targets, impl=impl, chunk_size=512)
+        loss.backward()
+        out[impl] = (float(loss), hidden.grad.clone(), head.weight.grad.clone())
+    assert _liger_chunk(3000, 256, 6000, liger_chunk_mem_const(3000, 256, 6000, 512)) < 3000  # several chunks
+    assert out["liger"][0] == pytest.approx(out["plain"][0], rel=1e-2)
+    for ours, plain in zip(out["liger"][1:], out["plain"][1:]):
+        assert (ours - plain).norm() <= 2e-2 * plain.norm()

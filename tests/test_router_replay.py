@@ -316,8 +316,9 @@ def test_compiled_decode_step_traces_the_recording_hooks(tiny_moe, prompts, monk
 @pytest.mark.parametrize("compiled", [False, True])
 def test_cuda_graph_decode_records_the_eager_routes(tiny_moe, prompts, compiled):
     """The decode step captured as a CUDA graph (and compiled) writes each step's experts at the
-    rows' own positions: the routes equal the eager step's (fp32), across sync points and joins."""
-    model = load_model(ModelConfig(preset="tiny-moe"), device="cuda")[0].eval()  # grouped_mm experts: capturable
+    rows' own positions: the routes equal the eager step's (fp32: batched_mm experts, capturable in
+    any dtype; grouped_mm is in bf16 only, below), across sync points and joins."""
+    model = load_model(ModelConfig(preset="tiny-moe", experts_implementation="batched_mm"), device="cuda")[0].eval()
     encoder, batch = prompts
     on_gpu = (encoder, {k: v.cuda() if torch.is_tensor(v) else v for k, v in batch.items()})
     graphs, with_graphs = _engine_routes(model, on_gpu, use_graphs=True, compile=compiled)
@@ -325,6 +326,19 @@ def test_cuda_graph_decode_records_the_eager_routes(tiny_moe, prompts, compiled)
     _, eager = _engine_routes(model, on_gpu, use_graphs=False)
     for a, b in zip(with_graphs, eager):
         assert torch.equal(a.tokens, b.tokens) and torch.equal(a.routes, b.routes)
+
+
+@pytest.mark.gpu
+def test_grouped_mm_experts_capture_in_bf16_and_decode_eagerly_in_fp32(prompts):
+    """grouped_mm experts: captured as CUDA graphs in bf16 (its kernel's dtype); in fp32 torch's
+    fallback reads the group offsets on the host, so the engine decodes eagerly instead of failing."""
+    model = load_model(ModelConfig(preset="tiny-moe"), device="cuda")[0].eval()  # auto: grouped_mm on CUDA
+    encoder, batch = prompts
+    on_gpu = (encoder, {k: v.cuda() if torch.is_tensor(v) else v for k, v in batch.items()})
+    fp32, results = _engine_routes(model, on_gpu)
+    assert not fp32.graphs and len(results) == 6
+    bf16, results = _engine_routes(model.to(torch.bfloat16), on_gpu)
+    assert bf16.graphs and bf16.stats.capture_s > 0 and len(results) == 6
 
 
 @pytest.mark.gpu

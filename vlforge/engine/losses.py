@@ -120,6 +120,15 @@ def _ce_sum(lm_head, hidden_NH: torch.Tensor, targets_N: torch.Tensor) -> torch.
     return F.cross_entropy(lm_head(hidden_NH).float(), targets_N, reduction="sum")
 
 
+def liger_chunk_mem_const(positions: int, hidden: int, vocab: int, chunk_size: int) -> int:
+    """liger's `chunk_mem_const` C that makes its chunks about `chunk_size` positions (it takes
+    next_pow2(ceil(N / ceil(V / (C H)))) positions a chunk). Its default C=1 bounds the logits
+    to the size of the hidden states: 64 positions a chunk at the 2B shapes, and each chunk then
+    adds its [V, H] weight gradient into the fp32 accumulator (2.5 GB of traffic a chunk: 62 ms of
+    a 310 ms step in the H200 profile, docs/benchmarks.md); ~1024 positions a chunk cut that 16x."""
+    return max(1, -(-vocab // (hidden * -(-positions // chunk_size))))  # ceil: at most that many chunks
+
+
 def linear_cross_entropy_sum(hidden_NH: torch.Tensor, lm_head: torch.nn.Module, targets_N: torch.Tensor,
                              impl: str = "auto", chunk_size: int = 1024) -> torch.Tensor:
     """sum_n CE(lm_head(hidden_NH[n]), targets_N[n]), fp32 scalar; every target is a real label.
@@ -128,7 +137,8 @@ def linear_cross_entropy_sum(hidden_NH: torch.Tensor, lm_head: torch.nn.Module, 
     chunk under activation checkpointing, so neither forward nor backward holds more than
     [chunk_size, V] logits (backward recomputes a chunk's logits: one more lm_head matmul, a few
     ms per step; torch has no fused linear+CE of its own). liger: liger-kernel's fused op, which
-    computes the gradients chunk by chunk in its forward (fp32 accumulation)."""
+    computes the gradients chunk by chunk in its forward (fp32 accumulation), here chunk_size
+    positions at a time too (`liger_chunk_mem_const`)."""
     impl = resolve_loss_impl(impl, lm_head, hidden_NH.device)
     if impl == "plain" or len(targets_N) == 0:  # an empty chunk list would leave no graph to backward through
         return _ce_sum(lm_head, hidden_NH, targets_N)
@@ -136,7 +146,10 @@ def linear_cross_entropy_sum(hidden_NH: torch.Tensor, lm_head: torch.nn.Module, 
         from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
 
         return liger_fused_linear_cross_entropy(hidden_NH, lm_head.weight, targets_N, ignore_index=IGNORE_INDEX,
-                                                reduction="sum", accum_dtype=torch.float32).float()
+                                                reduction="sum", accum_dtype=torch.float32,
+                                                chunk_mem_const=liger_chunk_mem_const(*hidden_NH.shape,
+                                                                                      len(lm_head.weight),
+                                                                                      chunk_size)).float()
     grad = torch.is_grad_enabled()
     total = hidden_NH.new_zeros((), dtype=torch.float32)
     for s in range(0, len(targets_N), chunk_size):

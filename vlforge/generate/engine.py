@@ -306,6 +306,11 @@ def _decode_hidden(core, cache, tok_S1, length_S, span_L, pos_S):
     return out.last_hidden_state[:, -1]
 
 
+def _expert_dtype(core) -> torch.dtype | None:
+    """The dtype of the fused expert weights (gate_up_proj [E, 2I, H]), None if there are none."""
+    return next((p.dtype for name, p in core.named_parameters() if name.endswith("gate_up_proj")), None)
+
+
 class Engine:
     """Generation for one model: its KV slots, decode state and CUDA graphs live across calls.
 
@@ -385,10 +390,16 @@ class Engine:
         if self.use_graphs is not None:
             return self.use_graphs
         text_config = getattr(self.core.config, "text_config", self.core.config)
-        if router_modules(self.core) and getattr(text_config, "_experts_implementation", None) in (None, "eager"):
-            # transformers' reference loop over experts asks the host which experts got tokens (a sync
-            # per layer): a CUDA graph cannot capture it (grouped_mm / batched_mm can)
-            return False
+        if router_modules(self.core):
+            impl = getattr(text_config, "_experts_implementation", None)
+            if impl in (None, "eager"):
+                # transformers' reference loop over experts asks the host which experts got tokens (a
+                # sync per layer): a CUDA graph cannot capture it (grouped_mm / batched_mm can)
+                return False
+            if impl == "grouped_mm" and _expert_dtype(self.core) not in (None, torch.bfloat16):
+                # torch's grouped GEMM kernel is bf16; other dtypes take its fallback, which copies the
+                # group offsets to the host (capture fails: measured on the H200 with fp32 weights)
+                return False
         import torch.distributed as dist
 
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
