@@ -52,3 +52,43 @@ def test_eval_and_inference_stop_alike_and_answer_alike(tiny, shapes_dir):
     tokens = _greedy_tokens(model, encoder, samples, eos_token_id=encoder.im_end_id)
     read_on = [t.strip() for t in encoder.tokenizer.batch_decode(tokens, skip_special_tokens=True)]
     assert read_on != answers
+
+
+def test_eval_serve_and_rollouts_never_generate_the_same_tokens(tiny, shapes_dir):
+    """The vision placeholder made by far the likeliest token, and the next likeliest put in the
+    model's generation_config.suppress_tokens: eval, serve and GRPO rollouts ban both (one list,
+    generate.forward.never_generated) and still answer alike."""
+    from vlforge.config import RolloutConfig
+    from vlforge.generate.forward import never_generated
+    from vlforge.rollout.engine import generate_groups
+
+    model, processor = copy.deepcopy(tiny[0]).eval(), tiny[1]
+    val = load_dataset(str(shapes_dir / "val.jsonl"), processor, DataConfig())
+    encoder, samples = val.encoder, val.samples
+    with torch.no_grad():
+        w = model.lm_head.weight
+        w[encoder.image_token_id] = w[encoder.image_token_id] * 0 + 5.0
+    unbanned = _greedy_tokens(model, encoder, samples, eos_token_id=None)
+    assert (unbanned == encoder.image_token_id).any(dim=1).all()  # not vacuous: every answer would say it
+    counts = Counter(_greedy_tokens(model, encoder, samples, eos_token_id=None,
+                                    suppress_tokens=[encoder.image_token_id]).flatten().tolist())
+    runner_up = next(t for t, _ in counts.most_common() if t not in encoder.end_ids)
+    model.generation_config.suppress_tokens = [runner_up]
+    banned = {encoder.image_token_id, runner_up}
+    assert banned <= set(never_generated(encoder, model))
+
+    policy = PrecisionPolicy(PrecisionConfig(mode="fp32"), "cpu")
+    answers = generate_answers(model, encoder, samples, batch_size=4, max_new_tokens=8, policy=policy,
+                               device=torch.device("cpu"))
+    engine = InferenceEngine(model, processor, torch.device("cpu"), "tiny")
+    served = [row["answer"] for row in evaluate_jsonl(engine, shapes_dir / "val.jsonl", batch_size=3,
+                                                      max_new_tokens=8)["answers"]]
+    assert served == answers
+    tok = encoder.tokenizer
+    for answer in answers:
+        assert not banned & set(tok(answer, add_special_tokens=False)["input_ids"])
+    prompts = collate([encode_prompt(encoder, s) for s in samples], encoder.pad_id, left_pad=True)
+    rollout = generate_groups(model, encoder, prompts, [1] * len(samples),
+                              RolloutConfig(group_size=2, temperature=0.0, max_new_tokens=8))
+    assert banned <= set(rollout.banned_ids)
+    assert not banned & set(rollout.response_ids[rollout.response_mask.bool()].tolist())

@@ -20,6 +20,7 @@ from vlforge.engine.losses import sft_loss_sum
 from vlforge.engine.metrics import MetricsLog, write_json_atomic
 from vlforge.engine.precision import PrecisionPolicy
 from vlforge.generate.engine import GenRequest, Prompt, engine_for
+from vlforge.generate.forward import never_generated
 from vlforge.model.tiers import unwrap
 from vlforge.rl.rewards import exact_match
 
@@ -56,7 +57,7 @@ def generate_answers(model, encoder: Encoder, samples, *, batch_size: int, max_n
     # compiled decoder layers (precision.compile) run eager here: decode shapes change every call and
     # would recompile them (the engine compiles its own decode step where that pays: GRPO rollouts)
     with policy.autocast(), torch.compiler.set_stance("force_eager"):
-        results = engine_for(model).generate(requests, stop_ids=encoder.end_ids, banned_ids=[],
+        results = engine_for(model).generate(requests, stop_ids=encoder.end_ids, banned_ids=never_generated(encoder, model),
                                              image_token_id=encoder.image_token_id, pad_id=encoder.pad_id,
                                              slots=batch_size)
     tok = encoder.tokenizer

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from vlforge.data.encode import Encoder
+from vlforge.model.tiers import unwrap
 
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
 
@@ -117,3 +118,11 @@ def vision_token_ids(encoder: Encoder) -> list[int]:
     tok = encoder.tokenizer
     ids = [tok.convert_tokens_to_ids(t) for t in VISION_TOKENS]
     return [i for i in ids if i is not None and i != tok.unk_token_id]
+
+
+def never_generated(encoder: Encoder, model) -> list[int]:
+    """The token ids no answer may contain, the same for rollouts, eval, infer and serve: the vision
+    special tokens, and the model's generation_config suppress_tokens (which transformers'
+    generate honours too)."""
+    suppress = getattr(getattr(unwrap(model), "generation_config", None), "suppress_tokens", None) or []
+    return list(dict.fromkeys([*vision_token_ids(encoder), *suppress]))

@@ -24,8 +24,8 @@ from vlforge.data.encode import Encoder
 from vlforge.engine.losses import packed_position_ids, token_logprobs_entropy, vision_keepalive
 from vlforge.engine.packed_attention import PackedRows, packed_forward, per_sample_attention, use_packed_attention
 from vlforge.generate.engine import GenRequest, engine_for, prompts_of_batch
-from vlforge.generate.forward import (VISION_TOKENS, ImageFeatures, cache_of, encode_images, filter_logits,  # noqa: F401
-                                      forward_shared, rope_positions, token_logprobs, vision_token_ids)
+from vlforge.generate.forward import (ImageFeatures, cache_of, encode_images, filter_logits, forward_shared,  # noqa: F401
+                                      never_generated, rope_positions, token_logprobs)
 from vlforge.generate.routes import NO_ROUTE
 from vlforge.model.tiers import unwrap
 
@@ -77,7 +77,7 @@ def generate_groups(model, encoder: Encoder, prompts: dict, images_per_prompt: l
     requests = [GenRequest(p, n=G, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                            top_k=cfg.top_k, seed=seed, first_row=first_row + b * G)
                 for b, p in enumerate(prompts_of_batch(prompts, images_per_prompt))]
-    banned = vision_token_ids(encoder)
+    banned = never_generated(encoder, model)
     record = cfg.router_replay is not False  # "record" or true
     results = engine_for(model).generate(requests, stop_ids=encoder.end_ids, banned_ids=banned,
                                          image_token_id=encoder.image_token_id, pad_id=encoder.pad_id,
@@ -147,7 +147,7 @@ def _generate_groups_hf(model, encoder: Encoder, prompts: dict, images_per_promp
     hidden_NH = out.last_hidden_state[:, -1].repeat_interleave(G, 0)
     mask_NT = mask_BP.repeat_interleave(G, 0)
     next_pos_N = pos_3BP.amax(dim=(0, 2)).repeat_interleave(G, 0) + 1
-    banned = torch.tensor(vision_token_ids(encoder), device=device)
+    banned = torch.tensor(never_generated(encoder, model), device=device)
     end_ids = torch.tensor(encoder.end_ids, device=device)
 
     N = hidden_NH.shape[0]

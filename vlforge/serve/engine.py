@@ -38,7 +38,7 @@ from transformers.image_utils import SizeDict
 from vlforge.config import ConfigError, ModelConfig, QuantConfig
 from vlforge.data.encode import Encoder, ImageLimits, collate
 from vlforge.generate.engine import Engine, Feed, GenRequest, GenResult, Prompt
-from vlforge.generate.forward import vision_token_ids
+from vlforge.generate.forward import never_generated
 from vlforge.model.presets import PRESETS
 from vlforge.serve.shared_images import image_key, share_identical_images, share_repeated_images
 
@@ -529,10 +529,8 @@ class InferenceEngine:
                                 on_tokens=on_tokens, feed=feed)
 
     def banned_ids(self) -> list[int]:
-        """Never generated: the vision special tokens, and the model's generation_config suppress_tokens
-        (which transformers generate honours too)."""
-        suppress = getattr(getattr(self.model, "generation_config", None), "suppress_tokens", None) or []
-        return list(dict.fromkeys([*vision_token_ids(self.encoder), *suppress]))
+        """Never generated (generate.forward.never_generated: as in eval and rollouts)."""
+        return never_generated(self.encoder, self.model)
 
     def _count_shared(self, n: int) -> None:
         self.images_shared += n
