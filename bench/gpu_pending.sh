@@ -4,6 +4,7 @@
 #   OUT=/some/dir GROUP=tests bash bench/gpu_pending.sh  # gpu tests never run on a GPU, then 2B packed vs padded
 #   OUT=/some/dir GROUP=pack  bash bench/gpu_pending.sh  # the mixed set (36% padding) by a token budget
 #   OUT=/some/dir GROUP=liger bash bench/gpu_pending.sh  # liger's chunks at loss.chunk_size: 2B full, 8B LoRA, chunked
+#   OUT=/some/dir GROUP=final bash bench/gpu_pending.sh  # 2B full peer vs ours same process; 8B LoRA chunked; mixed set again
 #   OUT=/some/dir GROUP=moe   bash bench/gpu_pending.sh  # 30B-A3B: peft peer vs ours same process; NF4 memory/decode
 #   OUT=/some/dir GROUP=mem   bash bench/gpu_pending.sh  # selective checkpointing and the activation memory budget
 # (carry .whl/train, and .whl/ao (torchao) for GROUP=tests, .whl/bnb (bitsandbytes) for moe and mem)
@@ -35,6 +36,12 @@ case $GROUP in
          r 10 $b --packing
          r 11 $b loss.impl=chunked
          r 12 --preset qwen3vl-8b --method lora --steps 8 --warmup 5 --override precision.compile=true ;;
+  final) (cd bench && timeout 230 python3 train.py --preset qwen3vl-2b --method full --paths peer,ours,packed --steps 12 \
+           --samples 32 --ours precision.compile=true 2>"$OUT/err-train2b.txt" | tail -6 > "$OUT/train2b.txt")
+         r 13 --preset qwen3vl-8b --method lora --steps 8 --warmup 5 --override precision.compile=true loss.impl=chunked
+         m="--preset qwen3vl-2b --method full --mixed --max-tokens-per-batch 16384 --steps 8 --warmup 5 --override precision.compile=true"
+         r 14 $m
+         r 15 $m --packing ;;
   moe) timeout 300 python3 bench/train.py --preset qwen3vl-30b-a3b --method lora --paths peer,ours --grad-ckpt --steps 6 \
          --samples 32 2>"$OUT/err-train.txt" | tail -8 > "$OUT/train30.txt"
        timeout 250 python3 bench/quant_inference.py --preset qwen3vl-30b-a3b --quant none nf4 --tmp /dev/shm \
@@ -44,5 +51,5 @@ case $GROUP in
        r 2 $b precision.gradient_checkpointing=true precision.checkpoint_every=2
        r 3 $b precision.compile=true precision.activation_memory_budget=0.5
        r 4 $b precision.compile=true ;;
-  *) echo "GROUP must be tests, pack, liger, moe or mem"; exit 2 ;;
+  *) echo "GROUP must be tests, pack, liger, final, moe or mem"; exit 2 ;;
 esac
