@@ -65,6 +65,47 @@ def test_vlforge_syncs_per_step(shapes_dir, tmp_path, packing):
     assert _ours(syncs) == OURS, syncs.table()
 
 
+def test_host_inputs_are_what_the_model_computes(tiny, shapes_dir):
+    """step_inputs' host-computed position ids, vision grid inputs and label positions give the
+    loss and every gradient of transformers' own forward (which computes them itself) bit for bit."""
+    import copy
+
+    import torch
+    import torch.nn.functional as F
+
+    from vlforge.config import DataConfig, LossConfig
+    from vlforge.data.dataset import load_dataset
+    from vlforge.data.encode import IGNORE_INDEX, collate
+    from vlforge.engine.losses import sft_loss_sum, step_inputs
+
+    model, processor = copy.deepcopy(tiny[0]), tiny[1]
+    data = load_dataset(str(shapes_dir / "train.jsonl"), processor, DataConfig())
+    batch = collate([data[i] for i in range(3)], data.encoder.pad_id)
+    assert "pixel_values" in batch
+
+    def grads():
+        out = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        return out
+
+    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "mm_token_type_ids", "pixel_values",
+                                    "image_grid_thw")}
+    hidden = model.model(**inputs, use_cache=False).last_hidden_state
+    supervised = batch["labels"][:, 1:] != IGNORE_INDEX
+    ref = F.cross_entropy(model.lm_head(hidden[:, :-1][supervised]).float(), batch["labels"][:, 1:][supervised],
+                          reduction="sum")
+    ref.backward()
+    ref_grads = grads()
+    prepared = step_inputs(model, batch, torch.device("cpu"))
+    assert "position_ids" in prepared and prepared["host"].vision  # the host path is the one taken
+    ours, n = sft_loss_sum(model, prepared, loss=LossConfig(impl="plain"))
+    ours.backward()
+    assert n == int(supervised.sum()) and torch.equal(ours, ref)
+    our_grads = grads()
+    assert our_grads.keys() == ref_grads.keys()
+    assert all(torch.equal(our_grads[k], ref_grads[k]) for k in ref_grads)
+
+
 if __name__ == "__main__":
     import tempfile
 

@@ -125,7 +125,7 @@ def step_inputs(model, batch: dict, device: torch.device) -> dict:
     elif grid is not None:  # what the model's forward would compute (compute_3d_position_ids), here on the host
         out["position_ids"], _ = core.model.get_rope_index(batch["input_ids"], batch["mm_token_type_ids"],
                                                            image_grid_thw=grid_host,
-                                                           attention_mask=batch["attention_mask"])
+                                                           attention_mask=batch.get("attention_mask"))
     vision = _vision_inputs(core.model.visual, grid_host, device) if grid is not None else {}
     out = {k: host_to_device(v, device) if isinstance(v, torch.Tensor) else v for k, v in out.items()}
     out["host"] = HostFacts(len(rows_N), grid_host, vision, packed_rows)
