@@ -2,6 +2,7 @@
 
 import copy
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -182,6 +183,14 @@ def test_load_metrics_see_a_collapse():
     m = load_metrics(collapsed)
     assert m["moe/worst_layer"] == 1 and m["moe/max_load_worst"] == 0.5 and m["moe/unused_worst"] == 6
     assert m["moe/entropy_worst"] == pytest.approx(1 / 3)  # log 2 / log 8
+    assert m["moe/entropy_worst_layer"] == m["moe/unused_worst_layer"] == 1
+    # each worst is its own over layers: the busiest expert and lowest entropy (layer 5) and the most
+    # unused experts (layer 9) need not be one layer; the model's layer index is reported
+    split = torch.stack([torch.tensor([70.0, 2, 2, 2, 2, 2, 0, 0]), torch.tensor([20.0, 20, 20, 20, 0, 0, 0, 0])])
+    m = load_metrics(split, layers=[5, 9])
+    assert m["moe/worst_layer"] == 5 and m["moe/max_load_worst"] == pytest.approx(70 / 80)
+    assert m["moe/unused_worst_layer"] == 9 and m["moe/unused_worst"] == 4
+    assert m["moe/entropy_worst_layer"] == 5 and m["moe/entropy_worst"] < math.log(4) / math.log(8)  # layer 9's
 
 
 def _spy_setup(monkeypatch, recipe):
@@ -220,7 +229,8 @@ def test_sft_step_changes_exactly_the_trainable_params_and_logs_expert_load(shap
         assert changed == p.requires_grad, f"{n}: trainable={p.requires_grad} changed={changed}"
     row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
     for key in ["moe/aux_loss", "moe/max_load_mean", "moe/max_load_worst", "moe/entropy_mean", "moe/entropy_worst",
-                "moe/unused_mean", "moe/unused_worst", "moe/worst_layer"]:
+                "moe/unused_mean", "moe/unused_worst", "moe/worst_layer", "moe/entropy_worst_layer",
+                "moe/unused_worst_layer"]:
         assert key in row, key
     assert 1.0 <= row["moe/aux_loss"] < 8.0 and 1 / 8 <= row["moe/max_load_worst"] <= 0.5
 

@@ -354,7 +354,9 @@ class TrainConfig:
     overwrite: bool = False
     # MoE models: x the router load-balancing loss (engine/moe.py), added to the training loss.
     # SFT default 0.001: the coefficient Qwen3-VL-30B-A3B / 235B-A22B ship in config.json, i.e. what
-    # their training balanced with; GRPO defaults to 0 (the policy loss alone; the load is logged).
+    # their training balanced with. GRPO defaults to 0: the aux gradient sits outside the clipped policy
+    # objective, tied to no reward, and moves routing (rollout/trainer agreement) from the start's
+    # balance; the load is logged, so a drift shows and the key can be set then.
     router_aux_loss_coef: float = 0.001
 
     def __post_init__(self):
