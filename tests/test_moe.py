@@ -137,6 +137,9 @@ def test_moe_keys_refused_where_they_mean_nothing(tiny, tiny_moe):
         build_plan(tiny_moe[0], _tiers("tiers.method=full", "tiers.language.experts=true"))
     with pytest.raises(ConfigError, match="quant.experts"):
         QuantConfig(language="nf4", experts="nf4")
+    # the config's choices are only what works (--print-config, the Literal); a refused value says why
+    with pytest.raises(ConfigError, match=r"quant.experts: 'fp8' is not one of \['none'\]: .*nn.Linear layers only"):
+        load_config(SFTConfig, None, ["quant.experts=fp8"])
 
 
 def test_aux_loss_equals_transformers_and_the_switch_formula():
