@@ -2,6 +2,8 @@
 
 import copy
 import json
+import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -135,6 +137,9 @@ def test_moe_keys_refused_where_they_mean_nothing(tiny, tiny_moe):
         build_plan(tiny_moe[0], _tiers("tiers.method=full", "tiers.language.experts=true"))
     with pytest.raises(ConfigError, match="quant.experts"):
         QuantConfig(language="nf4", experts="nf4")
+    # the config's choices are only what works (--print-config, the Literal); a refused value says why
+    with pytest.raises(ConfigError, match=r"quant.experts: 'fp8' is not one of \['none'\]: .*nn.Linear layers only"):
+        load_config(SFTConfig, None, ["quant.experts=fp8"])
 
 
 def test_aux_loss_equals_transformers_and_the_switch_formula():
@@ -181,6 +186,14 @@ def test_load_metrics_see_a_collapse():
     m = load_metrics(collapsed)
     assert m["moe/worst_layer"] == 1 and m["moe/max_load_worst"] == 0.5 and m["moe/unused_worst"] == 6
     assert m["moe/entropy_worst"] == pytest.approx(1 / 3)  # log 2 / log 8
+    assert m["moe/entropy_worst_layer"] == m["moe/unused_worst_layer"] == 1
+    # each worst is its own over layers: the busiest expert and lowest entropy (layer 5) and the most
+    # unused experts (layer 9) need not be one layer; the model's layer index is reported
+    split = torch.stack([torch.tensor([70.0, 2, 2, 2, 2, 2, 0, 0]), torch.tensor([20.0, 20, 20, 20, 0, 0, 0, 0])])
+    m = load_metrics(split, layers=[5, 9])
+    assert m["moe/worst_layer"] == 5 and m["moe/max_load_worst"] == pytest.approx(70 / 80)
+    assert m["moe/unused_worst_layer"] == 9 and m["moe/unused_worst"] == 4
+    assert m["moe/entropy_worst_layer"] == 5 and m["moe/entropy_worst"] < math.log(4) / math.log(8)  # layer 9's
 
 
 def _spy_setup(monkeypatch, recipe):
@@ -219,7 +232,8 @@ def test_sft_step_changes_exactly_the_trainable_params_and_logs_expert_load(shap
         assert changed == p.requires_grad, f"{n}: trainable={p.requires_grad} changed={changed}"
     row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[-1])
     for key in ["moe/aux_loss", "moe/max_load_mean", "moe/max_load_worst", "moe/entropy_mean", "moe/entropy_worst",
-                "moe/unused_mean", "moe/unused_worst", "moe/worst_layer"]:
+                "moe/unused_mean", "moe/unused_worst", "moe/worst_layer", "moe/entropy_worst_layer",
+                "moe/unused_worst_layer"]:
         assert key in row, key
     assert 1.0 <= row["moe/aux_loss"] < 8.0 and 1 / 8 <= row["moe/max_load_worst"] <= 0.5
 
@@ -237,6 +251,66 @@ def test_aux_loss_gradient_reaches_the_router(shapes_dir, tmp_path, tiny_moe):
     aux_term(routing, routed, 1).backward()
     assert model.model.language_model.layers[1].mlp.gate.weight.grad.abs().sum() > 0
     assert "moe/aux_loss" in routing.step_metrics()
+
+
+def _router_grads(monkeypatch, recipe, run, cfg) -> tuple[list[dict], list[dict]]:
+    """Run `run(cfg)` and return (every backward's router gradients, metrics rows): hooks fire after
+    each backward's accumulation, before clipping and the optimizer see the gradient."""
+    grads: list[dict] = []
+    original = recipe.setup_model
+
+    def spy(c, **kwargs):
+        t = original(c, **kwargs)
+        for n, p in t.model.named_parameters():
+            if "mlp.gate" in n and p.requires_grad:
+                def keep(p, n=n):
+                    if not grads or n in grads[-1]:  # a new backward
+                        grads.append({})
+                    grads[-1][n] = p.grad.detach().clone()
+                p.register_post_accumulate_grad_hook(keep)
+        return t
+
+    monkeypatch.setattr(recipe, "setup_model", spy)
+    run(cfg)
+    rows = [json.loads(line) for line in (Path(cfg.train.output_dir) / "metrics.jsonl").read_text().splitlines()]
+    return grads, rows
+
+
+@pytest.mark.parametrize("recipe_name", ["sft", "grpo"])
+def test_recipes_add_the_router_aux_loss_to_the_backward(shapes_dir, tmp_path, monkeypatch, recipe_name):
+    """Through the recipe, not aux_term alone: from the same seed, coef > 0 changes the trained
+    router's gradient of the step's first backward by coef x the aux loss's gradient (linear in coef,
+    so 2 x coef doubles the change), while the logged task loss is the same and moe/aux_loss the
+    aux term's value. Fails if the recipe stops adding the term (or adds it unscaled)."""
+    import importlib
+
+    recipe = importlib.import_module(f"vlforge.recipes.{recipe_name}")
+    results = []
+    for coef in (0.0, 0.5, 1.0):
+        out = tmp_path / f"coef{coef}"
+        common = ["model.preset=tiny-moe", "tiers.method=lora", "tiers.language.router=true",
+                  f"train.router_aux_loss_coef={coef}", "train.max_steps=1", "train.seed=0"]
+        if recipe_name == "sft":
+            cfg = tiny_sft_config(shapes_dir, out, *common, "data.val=null", "tiers.language.dropout=0.0")
+            run = recipe.run_sft
+        else:
+            from test_grpo import grpo_config
+
+            # one optimizer step over all 8 sequences: the logged loss is of the weights both runs start from
+            cfg = grpo_config(shapes_dir, out, tmp_path, *common, "rl.mini_batch_size=8")
+            run = recipe.run_grpo
+        results.append(_router_grads(monkeypatch, recipe, run, cfg))
+    (g0, rows0), (g1, rows1), (g2, rows2) = results
+    first = [g[0] for g in (g0, g1, g2)]  # the first backward: same weights, same batch in every run
+    assert first[0] and set(first[0]) == set(first[1]) == set(first[2])
+    assert len(first[0]) == 2  # both MoE layers' routers are trained
+    for n in first[0]:
+        change = first[1][n] - first[0][n]
+        assert change.abs().max() > 1e-6, f"{n}: the aux loss did not reach the router's gradient"
+        torch.testing.assert_close(first[2][n] - first[0][n], 2 * change, rtol=1e-3, atol=1e-7)
+    assert rows1[0]["loss"] == pytest.approx(rows0[0]["loss"], rel=1e-6)  # the task loss, logged apart
+    assert rows1[0]["moe/aux_loss"] == pytest.approx(rows0[0]["moe/aux_loss"], rel=1e-6)
+    assert 1.0 <= rows1[0]["moe/aux_loss"] < 8.0  # balanced routing gives top_k = 2
 
 
 def test_grpo_rollout_logprobs_and_routing_agree_with_the_trainer(tiny_moe, shapes_dir):

@@ -354,7 +354,9 @@ class TrainConfig:
     overwrite: bool = False
     # MoE models: x the router load-balancing loss (engine/moe.py), added to the training loss.
     # SFT default 0.001: the coefficient Qwen3-VL-30B-A3B / 235B-A22B ship in config.json, i.e. what
-    # their training balanced with; GRPO defaults to 0 (the policy loss alone; the load is logged).
+    # their training balanced with. GRPO defaults to 0: the aux gradient sits outside the clipped policy
+    # objective, tied to no reward, and moves routing (rollout/trainer agreement) from the start's
+    # balance; the load is logged, so a drift shows and the key can be set then.
     router_aux_loss_coef: float = 0.001
 
     def __post_init__(self):
@@ -418,6 +420,12 @@ class LogConfig:
         _range(self, "every", ge=1)
 
 
+EXPERTS_NOT_QUANTIZED = (
+    "the fused 3-D MoE expert weights cannot be quantized with the pinned libraries: bitsandbytes quantizes "
+    "nn.Linear layers only, and transformers' torchao path converts nn.Linear weights unless given per-parameter "
+    "configs vlforge does not build; keep quant.experts=none (attention is quantized, experts stay bf16)")
+
+
 @dataclass
 class QuantConfig:
     """Per-module weight quantization (model/quant.py): QLoRA training and quantized deployment."""
@@ -426,15 +434,14 @@ class QuantConfig:
     vision: Literal["none", "nf4", "int8", "fp8"] = "none"
     projector: Literal["none", "nf4", "int8", "fp8"] = "none"
     allow_4bit_vision: bool = False  # nf4 on the vision tower / projector only when forced
-    # MoE models' fused 3-D expert weights: stay in the load dtype (model/quant.py: why)
-    experts: Literal["none", "nf4", "int8", "fp8"] = "none"
+    # MoE models' fused 3-D expert weights stay in the load dtype: "none" is the only value that works
+    # with the pinned libraries (EXPERTS_NOT_QUANTIZED says why); the key is there so a quantization
+    # report and verify() name the experts' method, and a later backend can add its value here
+    experts: Literal["none"] = field(default="none", metadata={"why": EXPERTS_NOT_QUANTIZED})
 
     def __post_init__(self):
-        if self.experts != "none":
-            raise ConfigError(f"quant.experts={self.experts}: the fused 3-D MoE expert weights cannot be quantized "
-                              "here: bitsandbytes quantizes nn.Linear layers only, and transformers' torchao path "
-                              "converts nn.Linear weights unless given per-parameter configs vlforge does not build; "
-                              "keep quant.experts=none (attention is quantized, experts stay bf16)")
+        if self.experts != "none":  # a QuantConfig built in Python, past load_config's Literal check
+            raise ConfigError(f"quant.experts={self.experts}: {EXPERTS_NOT_QUANTIZED}")
         for group in ("vision", "projector"):
             if getattr(self, group) == "nf4" and not self.allow_4bit_vision:
                 raise ConfigError(f"quant.{group}=nf4: 4-bit vision weights lose fine visual detail for little "
@@ -685,7 +692,10 @@ def _build(cls: type, data: dict, where: str) -> Any:
                 unknown = [k for k in value if k not in {f.name for f in dataclasses.fields(default)}]
                 if not unknown:
                     value = _merge(to_dict(default), value)
-        kwargs[key] = _coerce(value, hints[key], path)
+        try:
+            kwargs[key] = _coerce(value, hints[key], path)
+        except ConfigError as e:  # a key whose only valid values are few says why (quant.experts)
+            raise ConfigError(f"{e}: {fld.metadata['why']}" if "why" in fld.metadata else str(e)) from None
     try:
         return cls(**kwargs)  # __post_init__ range checks raise ConfigError naming their key
     except _OutOfRange as e:

@@ -77,27 +77,34 @@ def load_balancing_loss(logits_L_NE: list[torch.Tensor], top_k: int, mask_N: tor
     return E * torch.sum((counts_E / rows) * (probs_E / rows))
 
 
-def load_metrics(counts_LE: torch.Tensor) -> dict:
-    """Expert-load summaries from assignment counts [L, E] (top-k choices of unmasked tokens).
+def load_metrics(counts_LE: torch.Tensor, layers: list[int] | None = None) -> dict:
+    """Expert-load summaries from assignment counts [L, E] (top-k choices of unmasked tokens) of
+    the MoE layers `layers` (the model's layer index of each row; default 0..L-1).
 
     Per layer: max_load = the busiest expert's share of assignments (1/E when balanced, 1/k
     when every token goes to the same k experts), entropy = load entropy / log E (1 balanced,
-    0 collapsed), unused = experts that got no token. Logged as the mean over layers and the
-    worst layer's value (and which layer that is): a collapse in one layer shows, and the row
-    stays 7 numbers whatever the depth.
+    0 collapsed), unused = experts that got no token (Qwen3-VL-MoE has no expert capacity, so no
+    token is ever dropped: unused experts are how its collapse shows). Each is logged as the mean
+    over layers and as its own worst over layers (highest max_load, lowest entropy, most unused),
+    each with the layer it comes from (the first such layer on a tie; moe/worst_layer is
+    max_load's): the worst three can be three layers. A collapse in one layer shows, and the row
+    stays 9 numbers whatever the depth.
     """
     counts_LE = counts_LE.double()
+    layers = list(range(counts_LE.shape[0])) if layers is None else layers
     total_L1 = counts_LE.sum(-1, keepdim=True).clamp(min=1)
     share_LE = counts_LE / total_L1
     E = counts_LE.shape[-1]
     max_load_L = share_LE.max(-1).values
     entropy_L = -(share_LE * share_LE.clamp(min=1e-30).log()).sum(-1) / math.log(E)
     unused_L = (counts_LE == 0).sum(-1).double()
-    worst = int(max_load_L.argmax())
-    return {"moe/max_load_mean": float(max_load_L.mean()), "moe/max_load_worst": float(max_load_L[worst]),
-            "moe/entropy_mean": float(entropy_L.mean()), "moe/entropy_worst": float(entropy_L.min()),
-            "moe/unused_mean": float(unused_L.mean()), "moe/unused_worst": int(unused_L.max()),
-            "moe/worst_layer": worst}
+    busiest, flattest, emptiest = int(max_load_L.argmax()), int(entropy_L.argmin()), int(unused_L.argmax())
+    return {"moe/max_load_mean": float(max_load_L.mean()), "moe/max_load_worst": float(max_load_L[busiest]),
+            "moe/worst_layer": layers[busiest],
+            "moe/entropy_mean": float(entropy_L.mean()), "moe/entropy_worst": float(entropy_L[flattest]),
+            "moe/entropy_worst_layer": layers[flattest],
+            "moe/unused_mean": float(unused_L.mean()), "moe/unused_worst": int(unused_L[emptiest]),
+            "moe/unused_worst_layer": layers[emptiest]}
 
 
 @dataclass
@@ -136,7 +143,7 @@ class Routing:
         self.routers, self.top_k = routers, top_k
         self.coef = coef  # train.router_aux_loss_coef
         layers = sorted({i for i, _ in routers})
-        self.n_layers = len(layers)
+        self.layers, self.n_layers = layers, len(layers)  # the model's index of each MoE layer, in counts' row order
         self._routed: Routed | None = None
         self._follow: tuple[torch.Tensor, bool] | None = None  # (recorded expert ids [L, N, k], replay)
         self._counts: torch.Tensor | None = None  # [L, E] on the model's device: no host sync per micro-batch
@@ -240,7 +247,7 @@ class Routing:
         self._counts, self._flips, self._aux = None, None, []
         if counts.sum() == 0:  # no rank counted a token
             return {}
-        row = load_metrics(counts)
+        row = load_metrics(counts, self.layers)
         if flips[1] > 0:  # (token, layer) pairs of the step's policy forwards whose top-k set flipped
             row["moe/route_flip"] = float(flips[0] / flips[1])
         if aux_n:  # the mean over every rank's forwards, as one process accumulating them would log

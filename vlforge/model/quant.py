@@ -23,7 +23,7 @@ through transformers: bitsandbytes swaps Linear for Linear4bit / Linear8bitLt (n
 3-D weight), and transformers' torchao path converts Linear weights unless an FqnToConfig names
 other parameters, which vlforge neither builds nor verifies. So with `quant.language` the
 attention (and any dense MLP) is quantized and the experts and routers stay in the load dtype
-(bf16): `quant.experts` other than none is refused, and `verify()` checks every expert weight
+(bf16): `quant.experts` takes only none (config.EXPERTS_NOT_QUANTIZED), and `verify()` checks every expert weight
 is still a plain tensor. For 30B-A3B that is ~1B quantized attention weights beside ~29B bf16
 expert weights: weight memory stays close to bf16's.
 
