@@ -175,7 +175,7 @@ def test_liger_fused_cross_entropy_matches_plain_on_cuda():
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     head, hidden, targets = _inputs(2, "cuda")
-    assert resolve_loss_impl("auto", head, hidden.device) == "liger"
+    assert resolve_loss_impl("auto", head, hidden.device) == "chunked"  # ours measured faster
     for dtype in (None, torch.bfloat16):
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=dtype is not None):
             plain = _grads(lambda: F.cross_entropy(head(hidden).float(), targets, reduction="sum"), head, hidden)

@@ -124,9 +124,10 @@ class DataConfig:
 class LossConfig:
     """How the lm_head + cross-entropy (SFT loss) is computed; engine/losses.py. All keep fp32 math."""
 
-    # auto: liger-kernel's fused linear cross-entropy on CUDA when installed (`vlforge[liger]`),
-    # else chunked; chunked: ours, [chunk_size, V] logits at a time in forward and backward;
-    # plain: every supervised position's logits at once (the reference the others are tested against)
+    # auto = chunked: ours, [chunk_size, V] logits at a time in forward and backward (measured faster
+    # than liger on the H200: 2B full 1.03x, 8B LoRA 1.13x, docs/benchmarks.md); liger: liger-kernel's
+    # fused linear cross-entropy (`vlforge[liger]`, CUDA); plain: every supervised position's logits
+    # at once (the reference the others are tested against)
     impl: Literal["auto", "liger", "chunked", "plain"] = "auto"
     chunk_size: int = 1024  # label positions per chunk (chunked): 1024 x 151,936 fp32 logits = 0.6 GB
 

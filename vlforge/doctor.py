@@ -825,7 +825,7 @@ def recipe_checks(recipe: Recipe, libs: dict[str, dict[str, Any]]) -> list[Check
 
         problem = ("loss.impl=liger: GRPO's log-probs need banned vision tokens and the entropy, which liger's "
                    "fused op cannot give" if recipe.grpo else loss_impl_problem(LossConfig(impl="liger"), device))
-        checks.append(Check("recipe loss", "fail", problem, "set loss.impl=auto (liger where it runs, else chunked)")
+        checks.append(Check("recipe loss", "fail", problem, "set loss.impl=auto (ours, chunked)")
                       if problem else
                       Check("recipe loss", "ok", f"loss.impl=liger: liger-kernel's fused cross-entropy on {device}"))
 
