@@ -13,7 +13,7 @@ import torch
 from vlforge.config import DataConfig, PrecisionConfig
 from vlforge.data.dataset import load_dataset
 from vlforge.data.encode import collate, encode_prompt
-from vlforge.engine.evaluate import generate_answers
+from vlforge.engine.evaluate import _generate_answers_synced, generate_answers
 from vlforge.engine.precision import PrecisionPolicy
 from vlforge.recipes.infer import evaluate_jsonl
 from vlforge.serve.engine import InferenceEngine
@@ -54,7 +54,7 @@ def test_eval_and_inference_stop_alike_and_answer_alike(tiny, shapes_dir):
     assert read_on != answers
 
 
-def test_eval_serve_and_rollouts_never_generate_the_same_tokens(tiny, shapes_dir):
+def test_eval_serve_and_rollouts_never_generate_the_same_tokens(tiny, shapes_dir, tmp_path):
     """The vision placeholder made by far the likeliest token, and the next likeliest put in the
     model's generation_config.suppress_tokens: eval, serve and GRPO rollouts ban both (one list,
     generate.forward.never_generated) and still answer alike."""
@@ -84,6 +84,16 @@ def test_eval_serve_and_rollouts_never_generate_the_same_tokens(tiny, shapes_dir
     served = [row["answer"] for row in evaluate_jsonl(engine, shapes_dir / "val.jsonl", batch_size=3,
                                                       max_new_tokens=8)["answers"]]
     assert served == answers
+    # the sharded eval's path (transformers' generate, synced across ranks: one gloo process here) bans alike
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        synced = _generate_answers_synced(model, encoder, samples, batch_size=4, max_new_tokens=8, policy=policy,
+                                          device=torch.device("cpu"))
+    finally:
+        dist.destroy_process_group()
+    assert synced == answers
     tok = encoder.tokenizer
     for answer in answers:
         assert not banned & set(tok(answer, add_special_tokens=False)["input_ids"])

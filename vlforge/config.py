@@ -124,8 +124,9 @@ class DataConfig:
 class LossConfig:
     """How the lm_head + cross-entropy (SFT loss) is computed; engine/losses.py. All keep fp32 math."""
 
-    # auto = chunked: ours, [chunk_size, V] logits at a time in forward and backward (measured faster
-    # than liger on the H200: 2B full 1.03x, 8B LoRA 1.13x, docs/benchmarks.md); liger: liger-kernel's
+    # auto = chunked: ours, [chunk_size, V] logits at a time in forward and backward (on the H200 at
+    # least as fast as liger: 2B full 1.03x in one call, inside the ~7% spread between calls; 8B LoRA
+    # 1.13x across two calls; docs/benchmarks.md; and no extra dependency); liger: liger-kernel's
     # fused linear cross-entropy (`vlforge[liger]`, CUDA); plain: every supervised position's logits
     # at once (the reference the others are tested against)
     impl: Literal["auto", "liger", "chunked", "plain"] = "auto"

@@ -57,7 +57,8 @@ def generate_answers(model, encoder: Encoder, samples, *, batch_size: int, max_n
     # compiled decoder layers (precision.compile) run eager here: decode shapes change every call and
     # would recompile them (the engine compiles its own decode step where that pays: GRPO rollouts)
     with policy.autocast(), torch.compiler.set_stance("force_eager"):
-        results = engine_for(model).generate(requests, stop_ids=encoder.end_ids, banned_ids=never_generated(encoder, model),
+        results = engine_for(model).generate(requests, stop_ids=encoder.end_ids,
+                                             banned_ids=never_generated(encoder, model),
                                              image_token_id=encoder.image_token_id, pad_id=encoder.pad_id,
                                              slots=batch_size)
     tok = encoder.tokenizer
@@ -74,7 +75,8 @@ def _generate_answers_synced(model, encoder: Encoder, samples, *, batch_size: in
         batch = to_device(collate([encode_prompt(encoder, x) for x in chunk], encoder.pad_id, left_pad=True), device)
         with policy.autocast():
             out = core.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
-                                pad_token_id=encoder.pad_id, eos_token_id=encoder.end_ids, synced_gpus=True)
+                                pad_token_id=encoder.pad_id, eos_token_id=encoder.end_ids, synced_gpus=True,
+                                suppress_tokens=never_generated(encoder, model))  # as the engine path bans
         new = out[:, batch["input_ids"].shape[1]:]
         answers += [t.strip() for t in encoder.tokenizer.batch_decode(new, skip_special_tokens=True)]
     return answers

@@ -19,8 +19,9 @@ SDPA per sample with is_causal=True over slices of the row (no mask; exact). Why
 context for the lengths: activation checkpointing recomputes a layer in backward, after the
 forward's context is gone, but with the layer's own kwargs. Compiled decoder layers trace the
 varlen call into their graph (it is a torch custom op with a fake kernel): it reads only the
-`cu_seqlens` tensor and the row length, never the host lengths, so a compiled layer neither
-guards on nor recompiles for a row's composition and has no graph break in the middle (the
+`cu_seqlens` tensor and the row length, never the host lengths, so a compiled layer has no graph
+break in the middle and, once the row length and the sequence count have gone dynamic (one
+recompile each), does not recompile for a row's composition (the
 per-sample fallback, which loops over host lengths, is compiler-disabled instead; both counted in
 tests/test_packing.py).
 """
@@ -181,7 +182,7 @@ def _varlen_call(query_HqTD, key_HkTD, value_HkTD, rows: PackedRows, scaling):
 @torch.compiler.disable  # loops over the row's host lengths: out of compiled graphs (no guard, no recompile per row)
 def _per_sample_call(query, key, value, rows: PackedRows, dropout, scaling):
     """SDPA over each sample's slice of the row, causal without a mask (flash on CUDA, exact on CPU)."""
-    if query.shape[2] != sum(rows.lengths):
+    if query.shape[2] != sum(rows.lengths):  # (compiled callers skip the check in packed_rows_attention)
         raise ValueError(f"packed attention takes one row of {sum(rows.lengths)} tokens and no cache; "
                          f"got query {tuple(query.shape)}, key {tuple(key.shape)}")
     gqa = key.shape[1] != query.shape[1]
@@ -197,9 +198,11 @@ def _per_sample_call(query, key, value, rows: PackedRows, dropout, scaling):
 def packed_rows_attention(query, key, value, rows: PackedRows, dropout: float = 0.0,
                           scaling: float | None = None) -> torch.Tensor:
     """Causal attention within each sequence of a packed row. query [1, Hq, T, D], key/value
-    [1, Hkv, T, D] (Hq a multiple of Hkv) -> [1, T, Hq, D]. (The row length is checked against
-    the lengths where they are host ints: in PackedRows.of, and in the per-sample path.)"""
-    if query.shape[0] != 1 or key.shape[2] != query.shape[2]:
+    [1, Hkv, T, D] (Hq a multiple of Hkv) -> [1, T, Hq, D]. The row length is checked against the
+    host lengths outside compiled code (a compiled layer would guard on them; PackedRows.of checks
+    the row it is built for)."""
+    mismatch = not torch.compiler.is_compiling() and query.shape[2] != sum(rows.lengths)
+    if query.shape[0] != 1 or key.shape[2] != query.shape[2] or mismatch:
         raise ValueError(f"packed attention takes one row of {sum(rows.lengths)} tokens and no cache; "
                          f"got query {tuple(query.shape)}, key {tuple(key.shape)}")
     if varlen_usable(query, rows, dropout, scaling):
