@@ -5,6 +5,10 @@
 #   OUT=/some/dir GROUP=pack  bash bench/gpu_pending.sh  # the mixed set (36% padding) by a token budget
 #   OUT=/some/dir GROUP=liger bash bench/gpu_pending.sh  # liger's chunks at loss.chunk_size: 2B full, 8B LoRA, chunked
 #   OUT=/some/dir GROUP=final bash bench/gpu_pending.sh  # 2B full peer vs ours same process; 8B LoRA chunked; mixed set again
+#   Next session (each one device call, in this order): tests2 (gpu tests added in the fourth session),
+#   lora8b (8B LoRA peer vs ours, loss.impl chunked and liger, same process), gen2b, gen8b (issue 11:
+#   vlforge vs transformers' dynamic and static-cache generate, same process), serve (serve_load: engine vs hf),
+#   grpo (2B and 8B GRPO recipes at 8x8x256, 3 steps: read steps 2-3 of metrics.jsonl)
 #   OUT=/some/dir GROUP=moe   bash bench/gpu_pending.sh  # 30B-A3B: peft peer vs ours same process; NF4 memory/decode
 #   OUT=/some/dir GROUP=mem   bash bench/gpu_pending.sh  # selective checkpointing and the activation memory budget
 # (carry .whl/train, and .whl/ao (torchao) for GROUP=tests, .whl/bnb (bitsandbytes) for moe and mem)
@@ -42,6 +46,18 @@ case $GROUP in
          m="--preset qwen3vl-2b --method full --mixed --max-tokens-per-batch 16384 --steps 8 --warmup 5 --override precision.compile=true"
          r 14 $m
          r 15 $m --packing ;;
+  tests2) timeout 200 python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_packing.py tests/test_losses.py \
+           tests/test_router_replay.py tests/test_generate.py --tb=short > "$OUT/pytest.txt" 2>&1 ;;
+  lora8b) for impl in chunked liger; do (cd bench && timeout 270 python3 train.py --preset qwen3vl-8b --method lora \
+           --paths peer,ours --steps 10 --samples 32 --ours precision.compile=true loss.impl=$impl \
+           2>"$OUT/err-8b-$impl.txt" | tail -5 > "$OUT/train8b-$impl.txt"); done ;;
+  gen2b) (cd bench && timeout 560 python3 generate.py --preset qwen3vl-2b --out "$OUT/gen-2b.jsonl" 2>"$OUT/err-gen.txt") ;;
+  gen8b) (cd bench && timeout 560 python3 generate.py --preset qwen3vl-8b --out "$OUT/gen-8b.jsonl" 2>"$OUT/err-gen.txt") ;;
+  serve) timeout 200 python3 bench/serve_load.py --preset qwen3vl-2b --out "$OUT/serve-new.json" > /dev/null 2>"$OUT/err-s1.txt"
+         timeout 300 python3 bench/serve_load.py --preset qwen3vl-2b --serve-arg "--engine hf" --out "$OUT/serve-old.json" \
+           > /dev/null 2>"$OUT/err-s2.txt" ;;
+  grpo)  OUT=$OUT timeout 560 bash bench/gpu_grpo_smoke.sh "qwen3vl-2b-grpo qwen3vl-8b-grpo" rollout.prompts_per_step=8 \
+           rollout.group_size=8 rollout.max_new_tokens=256 rl.mini_batch_size=16 train.max_steps=3 ;;
   moe) timeout 300 python3 bench/train.py --preset qwen3vl-30b-a3b --method lora --paths peer,ours --grad-ckpt --steps 6 \
          --samples 32 2>"$OUT/err-train.txt" | tail -8 > "$OUT/train30.txt"
        timeout 250 python3 bench/quant_inference.py --preset qwen3vl-30b-a3b --quant none nf4 --tmp /dev/shm \
@@ -51,5 +67,5 @@ case $GROUP in
        r 2 $b precision.gradient_checkpointing=true precision.checkpoint_every=2
        r 3 $b precision.compile=true precision.activation_memory_budget=0.5
        r 4 $b precision.compile=true ;;
-  *) echo "GROUP must be tests, pack, liger, final, moe or mem"; exit 2 ;;
+  *) echo "GROUP must be one of the groups above"; exit 2 ;;
 esac
