@@ -71,18 +71,27 @@ class _Server:
         except ValueError:
             raise APIError(400, "invalid Content-Length header") from None
         body, total = bytearray(), 0
+        timeout = self.cfg.body_timeout_s
         try:
-            async for chunk in request.stream():
-                total += len(chunk)
-                if not too_big:
-                    body += chunk
-                    too_big = len(body) > limit
-                if too_big:
-                    body = bytearray()
-                    if total > 2 * limit:  # read (and drop) a moderate excess so the client sees the 413
-                        break
+            # one deadline for the whole body, not per chunk: a client trickling a byte at a time must
+            # not hold its connection and this task for ever (uvicorn bounds neither)
+            async with asyncio.timeout(timeout):
+                async for chunk in request.stream():
+                    total += len(chunk)
+                    if not too_big:
+                        body += chunk
+                        too_big = len(body) > limit
+                    if too_big:
+                        body = bytearray()
+                        if total > 2 * limit:  # read (and drop) a moderate excess so the client sees the 413
+                            break
         except ClientDisconnect:
             raise APIError(400, "the client disconnected while sending the request") from None
+        except TimeoutError:
+            # Connection: close: the rest of the body may still come, and it must not be read as a next request
+            raise APIError(408, f"the request body did not arrive within {timeout:g} s (--body-timeout); send "
+                                "it at once, or ask the server's operator for a longer timeout", code="request_timeout",
+                           headers={"Connection": "close"}) from None
         if too_big:
             raise APIError(413, f"request body is larger than the limit of {limit} bytes; send smaller or fewer "
                                 "images", code="request_too_large")
