@@ -8,6 +8,7 @@ import select
 import socket
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -878,3 +879,41 @@ def test_integer_fields_take_integral_floats_but_not_booleans_or_fractions():
     for bad in ({"max_tokens": True}, {"max_tokens": "5"}, {"max_tokens": 256.5}, {"stream": "yes"}):
         with pytest.raises(ValidationError):
             ChatRequest.model_validate({"messages": msgs, **bad})
+
+
+# ---------------------------------------------------------------------------------- without the serve extra
+
+_HIDE_UVICORN = '''
+import importlib.abc, sys
+
+class Hide(importlib.abc.MetaPathFinder):  # as if uvicorn were not installed
+    def find_spec(self, name, path, target=None):
+        if name.partition(".")[0] == "uvicorn":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+sys.meta_path.insert(0, Hide())
+import vlforge.recipes.infer, vlforge.serve.engine  # infer, chat and eval load models through these
+assert not {"uvicorn", "fastapi", "prometheus_client"} & set(sys.modules), "engine/infer pulled in the serve extra"
+from vlforge.serve.app import create_app  # the app itself (e.g. for another ASGI server) needs no uvicorn
+
+import vlforge.cli
+vlforge.cli._engine = lambda args: sys.exit("the model loaded before uvicorn was checked")
+sys.exit(vlforge.cli.main(["serve", "tiny", "--device", "cpu"]))
+'''
+
+
+def test_serve_engine_imports_without_uvicorn_and_the_cli_names_the_extra():
+    """InferenceEngine (infer, chat, eval) needs none of the serve extra; `vlforge serve` without
+    uvicorn says what to install, before loading a model, instead of a traceback."""
+    import os
+    import subprocess
+    import sys
+
+    import vlforge
+
+    tree = str(Path(vlforge.__file__).parents[1])  # this checkout's vlforge, wherever pytest runs from
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tree, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", _HIDE_UVICORN], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert "error: vlforge serve needs uvicorn" in done.stderr and "pip install 'vlforge[serve]'" in done.stderr
+    assert "Traceback" not in done.stderr, done.stderr
