@@ -178,7 +178,7 @@ def test_feed_joins_a_running_generate_and_finish_frees_the_slot(setup):
             GenRequest(prompt_of(encoder, samples[3]), max_new_tokens=24, min_new_tokens=24)]
     alone = [run(engine, encoder, [r])[0].tokens for r in reqs]
     assert len(alone[0]) == 24  # min_new_tokens: no stop before 24
-    fed, order, syncs = [], [], []
+    fed, syncs = [], []
 
     def refill(feed):  # at sync points: the others arrive while request 0 decodes; 3 is cancelled
         syncs.append(1)
@@ -189,8 +189,11 @@ def test_feed_joins_a_running_generate_and_finish_frees_the_slot(setup):
 
     feed = Feed(refill)
     feed.put(reqs[0])
-    out = run(engine, encoder, [], feed=feed, slots=4, on_result=lambda res: order.append(res.request))
-    by_ticket = {r.request: r for r in out}
+    got = []
+    # with a feed, results go to on_result only (a fed call keeps none of them)
+    assert run(engine, encoder, [], feed=feed, slots=4, on_result=got.append) == []
+    order = [r.request for r in got]
+    by_ticket = {r.request: r for r in got}
     assert fed == [1, 2, 3]
     for t in (0, 1, 2):
         assert torch.equal(by_ticket[t].tokens, alone[t]), t

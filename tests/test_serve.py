@@ -4,9 +4,11 @@ tiny random-weight model, talked to over HTTP with httpx."""
 import base64
 import io
 import json
+import select
 import socket
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -476,6 +478,43 @@ def test_local_files_refused_without_allow_files(scripted, files):
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 13
 
 
+def _stalled_answer(sock: socket.socket, trickle: bool) -> tuple[int, dict, bytes]:
+    """(status, headers, body) of the HTTP answer on `sock`, read until the server closes it; until
+    the answer starts, a byte every 0.1 s if `trickle` (stopping then: bytes the server has not read
+    when it closes make its kernel reset the connection)."""
+    deadline = time.monotonic() + 30  # without a body timeout the server never answers: the test fails
+    while not select.select([sock], [], [], 0.1)[0]:
+        assert time.monotonic() < deadline, "no answer: the server is still waiting for the body"
+        if trickle:
+            sock.sendall(b" ")
+    sock.settimeout(30)
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    head, _, rest = data.partition(b"\r\n\r\n")
+    status_line, *lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines)}
+    return int(status_line.split()[1]), headers, rest
+
+
+@pytest.mark.parametrize("trickle", [False, True])
+def test_a_body_that_does_not_arrive_in_time_gets_408_and_frees_the_connection(trickle):
+    """A client that sends its headers and then stalls (or trickles a byte every 0.1 s, which a
+    per-chunk timeout would let through) gets 408 in OpenAI's shape once --body-timeout has passed,
+    and the server closes the connection; it keeps serving."""
+    app = create_app(ScriptedEngine(), ServeConfig(body_timeout_s=0.5))
+    with LiveServer(app) as s, socket.create_connection(("127.0.0.1", int(s.url.rsplit(":", 1)[1]))) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 1000\r\n\r\n{\"messages\": ")  # 1000 bytes: 100 s at the trickle's pace
+        status, headers, raw = _stalled_answer(sock, trickle)
+        assert status == 408 and headers.get("connection") == "close", (status, headers)
+        err = json.loads(raw)["error"]
+        assert err["code"] == "request_timeout" and "--body-timeout" in err["message"], err
+        with httpx.Client(base_url=s.url, timeout=30) as c:
+            assert c.post("/v1/chat/completions", json={"messages": user("hi")}).status_code == 200
+            assert 'vlforge_http_requests_total{route="/v1/chat/completions",status="408"} 1.0' in c.get("/metrics").text
+
+
 # ---------------------------------------------------------------------------------- the CLI
 
 
@@ -485,11 +524,12 @@ def test_cli_serve_builds_the_app(monkeypatch, files):
     seen = {}
     monkeypatch.setattr("vlforge.serve.app.serve", lambda app, **kw: seen.update(app=app, **kw))
     assert main(["serve", "tiny", "--device", "cpu", "--port", "8123", "--max-batch", "3", "--model-name", "shapes",
-                 "--allow-files", str(files["allowed"]), "--max-images", "2", "--drain-timeout", "2.5"]) == 0
+                 "--allow-files", str(files["allowed"]), "--max-images", "2", "--drain-timeout", "2.5", "--body-timeout", "7"]) == 0
     state = seen["app"].state.vlforge
     assert (seen["host"], seen["port"]) == ("127.0.0.1", 8123)
     assert state.model_name == "shapes" and state.batcher.max_batch == 3 and state.cfg.max_images == 2
     assert state.images.root == files["allowed"].resolve() and state.cfg.drain_timeout_s == 2.5
+    assert state.cfg.body_timeout_s == 7.0
     assert main(["serve", "tiny", "--allow-files", str(files["allowed"] / "missing")]) == 2
 
 
@@ -526,7 +566,7 @@ def test_streamer_flushes_held_back_text_and_stops_at_end_tokens(engine):
     streamer.put(torch.tensor([engine.encoder.im_end_id, engine.encoder.pad_id, ids[0]]))
     streamer.put(torch.tensor([ids[0]] * 3))
     assert got == ["hello wor", "hello wor", "hello "]
-    assert streamer.done == [True, True, True]
+    assert list(streamer.done.values()) == [True, True, True]
     assert engine.encoder.pad_id in engine.end_ids and engine.encoder.im_end_id in engine.end_ids
 
 
@@ -567,10 +607,10 @@ def test_streamer_detokenizes_incrementally_and_exactly(engine, monkeypatch):
     full = [tok.decode(ids, skip_special_tokens=True) for ids in answers]
     assert full[0].endswith("末") and "\ufffd" not in full[0] + full[1] and full[3].endswith("\ufffd")
     want = [full[0], full[1], "ab ", full[3]]
-    assert ["".join(g) for g in got] == want == streamer.text
+    assert ["".join(g) for g in got] == want == list(streamer.text.values())
     assert all("\ufffd" not in piece for g in got[:3] for piece in g)  # never half a character
     assert len(got[0]) > 10  # streamed piece by piece
-    assert streamer.finish == ["length", "length", "stop", "length"] and streamer.count[2] == 7  # "ab " + 4 bytes
+    assert list(streamer.finish.values()) == ["length", "length", "stop", "length"] and streamer.count[2] == 7  # "ab " + 4 bytes
 
 
 def test_decoded_images_are_shrunk_to_what_the_processor_keeps():
@@ -815,7 +855,7 @@ def test_serve_config_checks_ranges_and_names_the_flag(files):
     for kwargs, flag in [({"max_batch": 0}, "--max-batch"), ({"max_images": -1}, "--max-images"),
                          ({"max_prompt_tokens": 0}, "--max-prompt-tokens"), ({"max_tokens": 0}, "--max-tokens-limit"),
                          ({"max_image_pixels": 0}, "--max-image-pixels"), ({"max_body_bytes": 0}, "--max-body-mb"),
-                         ({"max_batch": 2.5}, "--max-batch"), ({"max_queue": 0}, "ServeConfig.max_queue"),
+                         ({"max_batch": 2.5}, "--max-batch"), ({"max_queue": 0}, "ServeConfig.max_queue"), ({"body_timeout_s": 0}, "--body-timeout"),
                          ({"allow_files": str(files["allowed"] / "missing")}, "--allow-files"),
                          ({"model_name": " "}, "--model-name")]:
         with pytest.raises(ConfigError, match=flag):
@@ -839,3 +879,41 @@ def test_integer_fields_take_integral_floats_but_not_booleans_or_fractions():
     for bad in ({"max_tokens": True}, {"max_tokens": "5"}, {"max_tokens": 256.5}, {"stream": "yes"}):
         with pytest.raises(ValidationError):
             ChatRequest.model_validate({"messages": msgs, **bad})
+
+
+# ---------------------------------------------------------------------------------- without the serve extra
+
+_HIDE_UVICORN = '''
+import importlib.abc, sys
+
+class Hide(importlib.abc.MetaPathFinder):  # as if uvicorn were not installed
+    def find_spec(self, name, path, target=None):
+        if name.partition(".")[0] == "uvicorn":
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+sys.meta_path.insert(0, Hide())
+import vlforge.recipes.infer, vlforge.serve.engine  # infer, chat and eval load models through these
+assert not {"uvicorn", "fastapi", "prometheus_client"} & set(sys.modules), "engine/infer pulled in the serve extra"
+from vlforge.serve.app import create_app  # the app itself (e.g. for another ASGI server) needs no uvicorn
+
+import vlforge.cli
+vlforge.cli._engine = lambda args: sys.exit("the model loaded before uvicorn was checked")
+sys.exit(vlforge.cli.main(["serve", "tiny", "--device", "cpu"]))
+'''
+
+
+def test_serve_engine_imports_without_uvicorn_and_the_cli_names_the_extra():
+    """InferenceEngine (infer, chat, eval) needs none of the serve extra; `vlforge serve` without
+    uvicorn says what to install, before loading a model, instead of a traceback."""
+    import os
+    import subprocess
+    import sys
+
+    import vlforge
+
+    tree = str(Path(vlforge.__file__).parents[1])  # this checkout's vlforge, wherever pytest runs from
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([tree, os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", _HIDE_UVICORN], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 2, (done.returncode, done.stderr)
+    assert "error: vlforge serve needs uvicorn" in done.stderr and "pip install 'vlforge[serve]'" in done.stderr
+    assert "Traceback" not in done.stderr, done.stderr

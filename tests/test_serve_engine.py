@@ -306,3 +306,47 @@ def test_an_answered_request_is_not_kept_while_the_call_goes_on(monkeypatch):
     engine.generate_continuous([Request(_msg("hi"), max_new_tokens=24, min_new_tokens=24)], None,
                                lambda r, c: done.append("short" if r.images else "long"), more=more, slots=4)
     assert done == ["short", "long"] and alive and not any(a or b for a, b in alive), alive
+
+
+def test_a_long_feed_keeps_nothing_of_the_answered_requests(engine, monkeypatch):
+    """A busy server's continuous call never ends while requests keep coming: after N answered
+    requests, neither generate/'s engine (its GenResults: tokens, log-probs) nor the serve engine's
+    per-row bookkeeping holds more than the rows still running."""
+    import gc
+    import weakref
+
+    import vlforge.generate.engine as gen_engine
+    import vlforge.serve.engine as serve_engine
+
+    results, streamers = [], []
+
+    class TrackedResult(gen_engine.GenResult):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            results.append(weakref.ref(self))
+
+    class TrackedStreamer(serve_engine._BatchStreamer):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            streamers.append(self)
+
+    monkeypatch.setattr(gen_engine, "GenResult", TrackedResult)
+    monkeypatch.setattr(serve_engine, "_BatchStreamer", TrackedStreamer)
+    total, slots = 24, 4
+    sent, done, held = [0], [], []
+
+    def more():  # one arrival per sync point, up to `total`; meanwhile: what is still held?
+        if done and len(done) % 6 == 0:
+            gc.collect()
+            held.append((len(done), sum(r() is not None for r in results),
+                         max(len(getattr(s, name)) for s in streamers for name in ("rows", "text", "count", "done"))))
+        if sent[0] == total:
+            return []
+        sent[0] += 1
+        return [Request(_msg(f"question {sent[0]}"), max_new_tokens=3, min_new_tokens=3)]
+
+    engine.generate_continuous([Request(_msg("first"), max_new_tokens=3, min_new_tokens=3)], None,
+                               lambda r, c: done.append(c.completion_tokens), more=more, slots=slots)
+    assert done == [3] * (total + 1)
+    assert held and max(n for n, _, _ in held) >= total // 2, held
+    assert all(alive <= slots and rows <= slots for _, alive, rows in held), held  # not growing with the answers

@@ -212,11 +212,12 @@ def cmd_eval(args) -> int:
 
 def cmd_serve(args) -> int:
     try:
-        from vlforge.serve.app import create_app, serve  # fastapi, uvicorn
+        from vlforge.serve.app import create_app, require_uvicorn, serve  # fastapi, prometheus_client
         from vlforge.serve.config import ServeConfig
     except ImportError as e:
         raise ConfigError(f"vlforge serve needs fastapi, uvicorn and prometheus_client ({e.name} is missing): "
                           "pip install 'vlforge[serve]'") from None
+    require_uvicorn()  # app.py imports it only where the server runs: say it is missing before the model loads
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port {args.port}: must be 0..65535")
     cfg = ServeConfig.from_flags(vars(args), environ=os.environ)  # checked before the model loads

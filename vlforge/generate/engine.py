@@ -100,7 +100,7 @@ class GenRequest:
 
 @dataclass
 class GenResult:
-    request: int  # index into the generate() list
+    request: int  # index into the generate() list (with a feed: the request's ticket)
     sample: int  # 0..n-1
     tokens: torch.Tensor  # [R] generated ids (the stop token included when one ended it), CPU
     logprobs: torch.Tensor  # [R] fp32 log-probs of the temperature-scaled policy, CPU
@@ -581,7 +581,9 @@ class Engine:
 
         `feed`: requests come through it instead (`requests` must be empty; indices are the feed's
         tickets): those queued now are sized for, later ones join at sync points while they fit
-        (see Feed); `slots` then defaults to max_slots. Returns when nothing runs or waits that fits."""
+        (see Feed); `slots` then defaults to max_slots. Returns when nothing runs or waits that fits.
+        With a feed and an `on_result`, results go only to `on_result` and the call returns []: a fed
+        call runs as long as requests come (a server), so it keeps nothing of an answered request."""
         if feed is not None and requests:
             raise ValueError("with a feed, every request comes through it (pass requests=[])")
         if len(stop_ids) > MAX_STOP_IDS:
@@ -591,17 +593,19 @@ class Engine:
         taken = feed._take(lambda r: True) if feed is not None else list(enumerate(requests))
         if not taken:
             return []
-        tickets = [t for t, _ in taken]
-        requests = [r for _, r in taken]
         for t, r in taken:
             _check(t, r)
+        # by ticket (without a feed: the position in `requests`). A fed call may run as long as requests
+        # come: a request leaves `requests` once prefilled, and `results` holds nothing unless returned
+        requests: dict[int, GenRequest] = dict(taken)
+        keep = feed is None or on_result is None  # the results are returned
         device = self.core.lm_head.weight.device
-        total = sum(r.n for r in requests)
+        total = sum(r.n for r in requests.values())
         n_slots = _bucket(min(slots or self.max_slots, self.max_slots, total if feed is None else self.max_slots))
-        if max(r.n for r in requests) > n_slots:
-            raise ValueError(f"a request asks for {max(r.n for r in requests)} samples; the engine has "
+        if max(r.n for r in requests.values()) > n_slots:
+            raise ValueError(f"a request asks for {max(r.n for r in requests.values())} samples; the engine has "
                              f"{n_slots} slots (raise slots / max_slots)")
-        need = max(len(r.prompt.input_ids) + r.max_new_tokens for r in requests)
+        need = max(len(r.prompt.input_ids) + r.max_new_tokens for r in requests.values())
         length = LENGTH_BUCKET * math.ceil(need / LENGTH_BUCKET)
         kv_dtype = self._kv_dtype(device)
         self._ensure_buffers(n_slots, length, kv_dtype, device)
@@ -626,17 +630,24 @@ class Engine:
         if compiled and self._compiled is None:
             self._compiled = torch.compile(_decode_hidden, dynamic=True)
         self._decode_hidden = self._compiled if compiled else _decode_hidden
-        mode = _mode(requests, "greedy")
+        mode = _mode(list(requests.values()), "greedy")
 
         self.stats = GenStats()
-        results: list[list[GenResult | None]] = [[None] * r.n for r in requests]
-        queue = deque(range(len(requests)))
+        results: dict[int, list[GenResult | None]] = {t: [None] * r.n for t, r in requests.items()} if keep else {}
+        queue = deque(requests)
         free = list(range(n_slots))
         occupant: dict[int, tuple[int, int]] = {}  # slot -> (request, sample)
         sent: dict[int, int] = {}  # slot -> tokens already streamed
         bound: dict[int, int] = {}  # slot -> an upper bound of its KV length (host-side, no sync)
+
+        def answered(res: GenResult) -> None:
+            if keep:
+                results[res.request][res.sample] = res
+            if on_result is not None:
+                on_result(res)
+
         if feed is not None and (ended := feed._finished()):  # finished while queued: no prefill
-            self._finish_early(ended, tickets, occupant, [], queue, requests, results, on_result)
+            self._finish_early(ended, occupant, [], queue, requests, answered)
 
         def fits(r: GenRequest) -> bool:  # joins this call: within its KV length and slots
             return len(r.prompt.input_ids) + r.max_new_tokens <= self.cache.length and r.n <= n_slots
@@ -662,7 +673,7 @@ class Engine:
                 self._prefill(admitted, image_token_id, pad_id, mode)
                 if feed is not None:  # a fed call may run as long as requests come: hold no prefilled prompt (images)
                     for i, _, _ in admitted:
-                        requests[i] = None
+                        del requests[i]
                     admitted = r = taken = None  # nor any other name here
                 self.stats.prefills += 1
                 self.stats.prefill_s += _elapsed(start, device)
@@ -678,7 +689,7 @@ class Engine:
                 self.stats.decode_s += time.perf_counter() - start
                 self.stats.steps += steps
                 if on_tokens is not None:
-                    self._stream(occupant, sent, S, lambda i, s, ids: on_tokens(tickets[i], s, ids))
+                    self._stream(occupant, sent, S, on_tokens)
                 done = [slot for slot in occupant if not alive[slot]]
             else:
                 done = []
@@ -687,34 +698,29 @@ class Engine:
                     feed.refill(feed)
                 for t, r in feed._take(fits):  # before the finishes: one finished while queued leaves unprefilled
                     _check(t, r)
-                    tickets.append(t)
-                    requests.append(r)
-                    results.append([None] * r.n)
-                    queue.append(len(requests) - 1)
+                    requests[t] = r
+                    if keep:
+                        results[t] = [None] * r.n
+                    queue.append(t)
                 if ended := feed._finished():
-                    done = self._finish_early(ended, tickets, occupant, done, queue, requests, results, on_result)
+                    done = self._finish_early(ended, occupant, done, queue, requests, answered)
             if done:
-                self._harvest(done, occupant, requests, results,
-                              None if on_result is None else lambda res: on_result(_ticketed(res, tickets)))
+                self._harvest(done, occupant, answered)
                 for slot in done:
                     del occupant[slot], bound[slot]
                 free += done
-        return [_ticketed(res, tickets) for per in results for res in per]
+        return [res for per in results.values() for res in per]
 
-    def _finish_early(self, ended: set[int], tickets, occupant, done, queue, requests, results, on_result) -> list[int]:
+    def _finish_early(self, ended: set[int], occupant, done, queue, requests, answered) -> list[int]:
         """Requests a feed finished: their rows stop (slots freed at this sync point); those not
         started yet leave the queue with empty results."""
-        index = {t: i for i, t in enumerate(tickets)}
-        ended_i = {index[t] for t in ended if t in index}
-        rows = [slot for slot, (i, _) in occupant.items() if i in ended_i and slot not in done]
+        rows = [slot for slot, (t, _) in occupant.items() if t in ended and slot not in done]
         if rows:
             self.state.alive[torch.tensor(rows, device=self.state.alive.device)] = False
-        for i in [i for i in queue if i in ended_i]:
-            queue.remove(i)
-            for s in range(requests[i].n):
-                res = results[i][s] = GenResult(i, s, torch.zeros(0, dtype=torch.long), torch.zeros(0), False)
-                if on_result is not None:
-                    on_result(_ticketed(res, tickets))
+        for t in [t for t in queue if t in ended]:
+            queue.remove(t)
+            for s in range(requests.pop(t).n):
+                answered(GenResult(t, s, torch.zeros(0, dtype=torch.long), torch.zeros(0), False))
         return done + rows
 
     def _stream(self, occupant, sent, S: int, on_tokens) -> None:
@@ -728,7 +734,7 @@ class Engine:
                 on_tokens(i, s, toks[slot, sent[slot] - lo:n - lo].tolist())
                 sent[slot] = n
 
-    def _harvest(self, done, occupant, requests, results, on_result) -> None:
+    def _harvest(self, done, occupant, answered) -> None:
         st = self.state
         idx = torch.tensor(done, device=st.count.device)
         counts = st.count[idx].cpu().tolist()
@@ -741,10 +747,8 @@ class Engine:
             i, s = occupant[slot]
             res = GenResult(i, s, toks[j, :counts[j]].clone(), logps[j, :counts[j]].clone(), bool(stopped[j]),
                             None if routes is None else routes[:, j, :read[j]].clone())
-            results[i][s] = res
             self.stats.tokens += counts[j]
-            if on_result is not None:
-                on_result(res)
+            answered(res)
 
     def _harvest_routes(self, idx: torch.Tensor) -> tuple[torch.Tensor, list[int]]:
         """The finished rows' routes [L, rows, T, k] (CPU) and how many positions each has: its KV
@@ -790,13 +794,6 @@ def _mode(requests: list[GenRequest], at_least: str) -> str:
     else:
         need = "greedy"
     return max(need, at_least, key=_MODES.index)
-
-
-def _ticketed(res: GenResult | None, tickets: list[int]) -> GenResult | None:
-    """A result known by its caller's index (the request's ticket with a feed, else its position)."""
-    if res is None or tickets[res.request] == res.request:
-        return res
-    return GenResult(tickets[res.request], res.sample, res.tokens, res.logprobs, res.stopped, res.routes)
 
 
 def _elapsed(start: float, device) -> float:

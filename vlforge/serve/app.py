@@ -27,6 +27,7 @@ for whatever that server left running.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
@@ -35,7 +36,6 @@ import uuid
 from contextlib import asynccontextmanager
 from dataclasses import replace
 
-import uvicorn
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -43,6 +43,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HTTPRequest
 
+from vlforge.config import ConfigError
 from vlforge.serve.batcher import Batcher, Job, ShuttingDown
 from vlforge.serve.config import ServeConfig
 from vlforge.serve.engine import Completion, Request
@@ -71,18 +72,27 @@ class _Server:
         except ValueError:
             raise APIError(400, "invalid Content-Length header") from None
         body, total = bytearray(), 0
+        timeout = self.cfg.body_timeout_s
         try:
-            async for chunk in request.stream():
-                total += len(chunk)
-                if not too_big:
-                    body += chunk
-                    too_big = len(body) > limit
-                if too_big:
-                    body = bytearray()
-                    if total > 2 * limit:  # read (and drop) a moderate excess so the client sees the 413
-                        break
+            # one deadline for the whole body, not per chunk: a client trickling a byte at a time must
+            # not hold its connection and this task for ever (uvicorn bounds neither)
+            async with asyncio.timeout(timeout):
+                async for chunk in request.stream():
+                    total += len(chunk)
+                    if not too_big:
+                        body += chunk
+                        too_big = len(body) > limit
+                    if too_big:
+                        body = bytearray()
+                        if total > 2 * limit:  # read (and drop) a moderate excess so the client sees the 413
+                            break
         except ClientDisconnect:
             raise APIError(400, "the client disconnected while sending the request") from None
+        except TimeoutError:
+            # Connection: close: the rest of the body may still come, and it must not be read as a next request
+            raise APIError(408, f"the request body did not arrive within {timeout:g} s (--body-timeout); send "
+                                "it at once, or ask the server's operator for a longer timeout", code="request_timeout",
+                           headers={"Connection": "close"}) from None
         if too_big:
             raise APIError(413, f"request body is larger than the limit of {limit} bytes; send smaller or fewer "
                                 "images", code="request_too_large")
@@ -387,22 +397,49 @@ async def _sse(job: Job, rid: str, created: int, model: str, include_usage: bool
             job.cancel()
 
 
-class DrainingServer(uvicorn.Server):
-    """uvicorn's server, draining before its own shutdown (which closes the listening socket and
-    then waits, without limit, for the open connections): new requests meanwhile get 503, and a
-    drain longer than the app's drain timeout is cut short (see `_Server.drain`). A second Ctrl+C
-    (uvicorn's force exit) ends the drain at once."""
+def require_uvicorn():
+    """uvicorn, imported only where a server runs (`serve`, DrainingServer): importing this module,
+    e.g. to run `create_app`'s app under another ASGI server, needs fastapi but not uvicorn. The CLI
+    calls it before loading a model, so a missing uvicorn is said at once."""
+    try:
+        import uvicorn
+    except ImportError as e:
+        raise ConfigError(f"vlforge serve needs uvicorn ({e.name} is missing): pip install 'vlforge[serve]'") from None
+    return uvicorn
 
-    async def shutdown(self, sockets=None):
-        state = getattr(getattr(self.config.app, "state", None), "vlforge", None)
-        if state is not None:
-            await state.drain(give_up=lambda: self.force_exit)
-        await super().shutdown(sockets)
+
+@functools.cache
+def _draining_server() -> type:
+    uvicorn = require_uvicorn()
+
+    class DrainingServer(uvicorn.Server):
+        """uvicorn's server, draining before its own shutdown (which closes the listening socket and
+        then waits, without limit, for the open connections): new requests meanwhile get 503, and a
+        drain longer than the app's drain timeout is cut short (see `_Server.drain`). A second Ctrl+C
+        (uvicorn's force exit) ends the drain at once."""
+
+        async def shutdown(self, sockets=None):
+            state = getattr(getattr(self.config.app, "state", None), "vlforge", None)
+            if state is not None:
+                await state.drain(give_up=lambda: self.force_exit)
+            await super().shutdown(sockets)
+
+    DrainingServer.__module__ = __name__
+    return DrainingServer
+
+
+def __getattr__(name: str):
+    # `from vlforge.serve.app import DrainingServer` still works; the class is made on first use,
+    # since its base class is uvicorn's
+    if name == "DrainingServer":
+        return _draining_server()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def serve(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
     """Serve `app` (create_app's) with uvicorn until SIGINT/SIGTERM, then drain (DrainingServer)."""
-    DrainingServer(uvicorn.Config(app, host=host, port=port, log_level=log_level)).run()
+    uvicorn = require_uvicorn()
+    _draining_server()(uvicorn.Config(app, host=host, port=port, log_level=log_level)).run()
 
 
-__all__ = ["DrainingServer", "create_app", "serve"]
+__all__ = ["DrainingServer", "create_app", "require_uvicorn", "serve"]

@@ -45,6 +45,10 @@ class ServeConfig:
     max_batch: int = _flag(8, "--max-batch", "requests generated together in one batch")
     max_body_bytes: int = _flag(20 * MB, "--max-body-mb", "largest request body in MB, base64 images included",
                                 unit=MB)
+    # A client that sends its headers and then trickles (or never sends) the body would otherwise hold
+    # its connection and a task for ever. 30 s: a 20 MB body (--max-body-mb) at ~0.7 MB/s.
+    body_timeout_s: float = _flag(30.0, "--body-timeout", "seconds a client has to send its whole request body "
+                                                          "once its headers arrived (slower: 408)", minimum=0.1)
     max_image_pixels: int = _flag(4096 * 4096, "--max-image-pixels",
                                   "largest image (width x height), checked on its header before decoding")
     max_images: int = _flag(8, "--max-images", "images per request")

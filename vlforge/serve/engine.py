@@ -146,37 +146,36 @@ class _BatchStreamer:
     rows finish at an end token, their own max_new_tokens, a stop string or when cancelled, and
     _RowsDone tells generate() so, which stops computing them. Text goes to on_text(row, new_text)
     as it grows (_RowText: incremental), holding back a tail that may still become a stop string;
-    `text[row]` is the row's answer once `done[row]`, `count[row]` its tokens.
+    `text[row]` is the row's answer once `done[row]`, `count[row]` its tokens. Rows are numbered
+    0, 1, ... as they join; each is a key of the dicts below until `release`d (dicts, not lists: a
+    server's continuous generate runs as long as requests keep coming, and keeps none of the done).
     """
 
     def __init__(self, engine: "InferenceEngine", requests: list[Request], on_text: Callable[[int, str], None] | None):
         self.engine, self.on_text = engine, on_text
         self.backend = engine.tokenizer.backend_tokenizer  # the Rust tokenizer DecodeStream steps on
-        self.requests: list[Request | None] = []
-        self.rows: list[_RowText | None] = []
-        self.text: list[str] = []
-        self.count: list[int] = []
-        self.done: list[bool] = []
-        self.finish: list[str] = []
+        self.requests: dict[int, Request] = {}
+        self.rows: dict[int, _RowText] = {}
+        self.text: dict[int, str] = {}
+        self.count: dict[int, int] = {}
+        self.done: dict[int, bool] = {}
+        self.finish: dict[int, str] = {}
+        self.joined = 0  # rows added so far: the next row's number
         self.prompt_seen = False
         for r in requests:
             self.add(r)
 
     def add(self, request: Request) -> int:
         """A request joining (generate/'s engine, continuous batching): its row."""
-        self.requests.append(request)
-        self.rows.append(_RowText(request.stop))
-        self.text.append("")
-        self.count.append(0)
-        self.done.append(False)
-        self.finish.append("length")
-        return len(self.rows) - 1
+        row, self.joined = self.joined, self.joined + 1
+        self.requests[row], self.rows[row] = request, _RowText(request.stop)
+        self.text[row], self.count[row], self.done[row], self.finish[row] = "", 0, False, "length"
+        return row
 
     def release(self, row: int) -> None:
-        """The row's answer was delivered: drop its request (images) and text (a server's continuous
-        generate runs as long as requests keep coming)."""
-        self.requests[row] = self.rows[row] = None
-        self.text[row] = ""
+        """The row's answer was delivered: forget it (its request's images, its text, its counts)."""
+        for d in (self.requests, self.rows, self.text, self.count, self.done, self.finish):
+            del d[row]
 
     def put(self, value: torch.Tensor) -> None:
         if not self.prompt_seen:  # generate() first hands over the prompt
@@ -217,7 +216,7 @@ class _BatchStreamer:
 
     def end(self, rows=None, finish: str | None = None) -> None:
         """Rows the generation ended (all by default): done, as `finish` (default: "length")."""
-        for row in range(len(self.rows)) if rows is None else rows:
+        for row in list(self.rows) if rows is None else rows:
             if not self.done[row]:
                 self._close(row, finish or self.finish[row])
 
@@ -234,7 +233,7 @@ class _RowsDone(StoppingCriteria):
         self.streamer = streamer
 
     def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
-        return torch.tensor(self.streamer.done, device=input_ids.device)
+        return torch.tensor(list(self.streamer.done.values()), device=input_ids.device)
 
 
 def processor_pixel_limits(image_processor) -> tuple[int, int]:
@@ -569,4 +568,5 @@ class InferenceEngine:
                                 pad_token_id=self.encoder.pad_id, eos_token_id=self.end_ids, streamer=streamer,
                                 stopping_criteria=StoppingCriteriaList([_RowsDone(streamer)]), **sampling)
         return [Completion(text, int(n_prompt), count, finish) for text, n_prompt, count, finish
-                in zip(streamer.text, inputs["attention_mask"].sum(1).tolist(), streamer.count, streamer.finish)]
+                in zip(streamer.text.values(), inputs["attention_mask"].sum(1).tolist(), streamer.count.values(),
+                       streamer.finish.values())]

@@ -21,16 +21,18 @@ class APIError(Exception):
     """An error answered in OpenAI's shape."""
 
     TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-             404: "invalid_request_error", 413: "invalid_request_error", 500: "server_error", 503: "server_error"}
+             404: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error", 500: "server_error", 503: "server_error"}
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
-                 type: str | None = None):
+                 type: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.code = status, message, param, code
+        self.headers = headers
         self.type = type or self.TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
 
     def response(self) -> JSONResponse:
-        return JSONResponse(error_body(self.message, self.type, self.param, self.code), status_code=self.status)
+        return JSONResponse(error_body(self.message, self.type, self.param, self.code), status_code=self.status,
+                            headers=self.headers)
 
 
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict:
