@@ -442,4 +442,4 @@ def serve(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info
     _draining_server()(uvicorn.Config(app, host=host, port=port, log_level=log_level)).run()
 
 
-__all__ = ["DrainingServer", "create_app", "require_uvicorn", "serve"]
+__all__ = ["create_app", "require_uvicorn", "serve"]  # and DrainingServer, made on first use (__getattr__)
