@@ -19,11 +19,25 @@ from vlforge.recipes.infer import evaluate_jsonl
 from vlforge.serve.engine import InferenceEngine
 
 
+FP32 = PrecisionPolicy(PrecisionConfig(mode="fp32"), "cpu")
+
+
 def _greedy_tokens(model, encoder, samples, **kwargs) -> torch.Tensor:
     batch = collate([encode_prompt(encoder, s) for s in samples], encoder.pad_id, left_pad=True)
     with torch.no_grad():
         out = model.generate(**batch, max_new_tokens=8, do_sample=False, pad_token_id=encoder.pad_id, **kwargs)
     return out[:, batch["input_ids"].shape[1]:]
+
+
+def _eval_answers_equal_served(model, processor, encoder, samples, shapes_dir) -> list[str]:
+    """Training-time eval's greedy answers, checked equal to `vlforge eval`'s through the serve engine."""
+    answers = generate_answers(model, encoder, samples, batch_size=4, max_new_tokens=8, policy=FP32,
+                               device=torch.device("cpu"))
+    engine = InferenceEngine(model, processor, torch.device("cpu"), "tiny")
+    served = [row["answer"] for row in evaluate_jsonl(engine, shapes_dir / "val.jsonl", batch_size=3,
+                                                      max_new_tokens=8)["answers"]]
+    assert served == answers
+    return answers
 
 
 def test_eval_and_inference_stop_alike_and_answer_alike(tiny, shapes_dir):
@@ -40,13 +54,7 @@ def test_eval_and_inference_stop_alike_and_answer_alike(tiny, shapes_dir):
         w = model.lm_head.weight
         w[[frequent, encoder.pad_id]] = w[[encoder.pad_id, frequent]].clone()
 
-    policy = PrecisionPolicy(PrecisionConfig(mode="fp32"), "cpu")
-    answers = generate_answers(model, encoder, samples, batch_size=4, max_new_tokens=8, policy=policy,
-                               device=torch.device("cpu"))
-    engine = InferenceEngine(model, processor, torch.device("cpu"), "tiny")
-    served = [row["answer"] for row in evaluate_jsonl(engine, shapes_dir / "val.jsonl", batch_size=3,
-                                                      max_new_tokens=8)["answers"]]
-    assert served == answers
+    answers = _eval_answers_equal_served(model, processor, encoder, samples, shapes_dir)
 
     # ... and the stop at <|endoftext|> was exercised: stopping at <|im_end|> alone reads on past it
     tokens = _greedy_tokens(model, encoder, samples, eos_token_id=encoder.im_end_id)
@@ -77,19 +85,13 @@ def test_eval_serve_and_rollouts_never_generate_the_same_tokens(tiny, shapes_dir
     banned = {encoder.image_token_id, runner_up}
     assert banned <= set(never_generated(encoder, model))
 
-    policy = PrecisionPolicy(PrecisionConfig(mode="fp32"), "cpu")
-    answers = generate_answers(model, encoder, samples, batch_size=4, max_new_tokens=8, policy=policy,
-                               device=torch.device("cpu"))
-    engine = InferenceEngine(model, processor, torch.device("cpu"), "tiny")
-    served = [row["answer"] for row in evaluate_jsonl(engine, shapes_dir / "val.jsonl", batch_size=3,
-                                                      max_new_tokens=8)["answers"]]
-    assert served == answers
+    answers = _eval_answers_equal_served(model, processor, encoder, samples, shapes_dir)
     # the sharded eval's path (transformers' generate, synced across ranks: one gloo process here) bans alike
     import torch.distributed as dist
 
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
-        synced = _generate_answers_synced(model, encoder, samples, batch_size=4, max_new_tokens=8, policy=policy,
+        synced = _generate_answers_synced(model, encoder, samples, batch_size=4, max_new_tokens=8, policy=FP32,
                                           device=torch.device("cpu"))
     finally:
         dist.destroy_process_group()
