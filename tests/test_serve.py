@@ -515,6 +515,18 @@ def test_a_body_that_does_not_arrive_in_time_gets_408_and_frees_the_connection(t
             assert 'vlforge_http_requests_total{route="/v1/chat/completions",status="408"} 1.0' in c.get("/metrics").text
 
 
+def test_an_oversized_body_that_stalls_gets_413_not_408():
+    """A declared Content-Length over --max-body-mb, then a stall: what is wrong is the size, so the
+    answer is 413 (and the connection closes: its unread rest must not be read as a next request)."""
+    app = create_app(ScriptedEngine(), ServeConfig(body_timeout_s=0.5, max_body_bytes=1000))
+    with LiveServer(app) as s, socket.create_connection(("127.0.0.1", int(s.url.rsplit(":", 1)[1]))) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: 5000\r\n\r\n{\"messages\": ")
+        status, headers, raw = _stalled_answer(sock, trickle=False)
+        assert status == 413 and headers.get("connection") == "close", (status, headers)
+        assert json.loads(raw)["error"]["code"] == "request_too_large"
+
+
 # ---------------------------------------------------------------------------------- the CLI
 
 
