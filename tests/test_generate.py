@@ -101,6 +101,26 @@ def test_rollout_logprobs_with_filters_match_trainer(setup):
     assert not banned & set(rollout.response_ids[mask].tolist())
 
 
+def test_rollout_through_fewer_slots_samples_the_same_tokens(setup):
+    """rollout.max_slots: 4 prompts x 2 samples through 2 decode slots (a prompt's pair joins when
+    the previous pair's slots free up) sample exactly what all 8 at once do, one prefill per prompt."""
+    from vlforge.config import ConfigError
+
+    model, encoder, samples = setup
+    prompts = collate([encode_prompt(encoder, samples[i]) for i in range(4)], encoder.pad_id, left_pad=True)
+    cfg = RolloutConfig(group_size=2, max_new_tokens=12, temperature=1.0, top_k=20)
+    at_once = generate_groups(model, encoder, prompts, [1] * 4, cfg, seed=11)
+    assert engine_for(model).stats.prefills == 1
+    cfg.max_slots = 2
+    queued = generate_groups(model, encoder, prompts, [1] * 4, cfg, seed=11)
+    assert engine_for(model).stats.prefills == 4  # one pair at a time
+    assert torch.equal(queued.response_ids, at_once.response_ids)
+    assert torch.equal(queued.response_mask, at_once.response_mask)
+    torch.testing.assert_close(queued.logprobs, at_once.logprobs, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ConfigError, match="rollout.max_slots=3 is below rollout.group_size=4"):
+        RolloutConfig(group_size=4, max_slots=3)
+
+
 def test_greedy_rollout_equals_the_hf_loop(setup):
     model, encoder, samples = setup
     prompts = collate([encode_prompt(encoder, samples[i]) for i in range(3)], encoder.pad_id, left_pad=True)

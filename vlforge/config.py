@@ -535,6 +535,12 @@ class RolloutConfig:
     # graphs, so there freeing costs only the allocation. Kept by default: the buffers serve every
     # step; free them when the update runs out of memory.
     keep_kv: bool = True
+    # Decode slots (vlforge engine): 0 = every sample of a round at once (the KV memory of all of
+    # them); N = at most N samples decode together and the others wait, a prompt's G samples
+    # joining as soon as G slots are free (continuous batching: a group of short answers frees its
+    # slots for the next prompt, and the KV slots' memory is N rows). Same tokens either way (each
+    # sample's randomness is its own row's, generate/sampling.py). At least group_size.
+    max_slots: int = 0
     # MoE models (docs/moe.md): the rollout records every token's top-k experts per layer and the
     # trainer logs moe/route_flip (how often its own choice differs); true: the trainer's forwards
     # (and the KL reference's) also use the recorded experts ("router replay", R3); record: measure only.
@@ -552,6 +558,10 @@ class RolloutConfig:
         _range(self, "top_p", gt=0, le=1)
         _range(self, "top_k", ge=0, why="0 = off")
         _range(self, "max_new_tokens", ge=1)
+        _range(self, "max_slots", ge=0, why="0 = every sample at once")
+        if 0 < self.max_slots < self.group_size:
+            raise ConfigError(f"rollout.max_slots={self.max_slots} is below rollout.group_size={self.group_size}: "
+                              "a prompt's samples decode together (they share its prefill); raise it or set 0")
 
 
 @dataclass

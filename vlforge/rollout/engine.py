@@ -81,7 +81,7 @@ def generate_groups(model, encoder: Encoder, prompts: dict, images_per_prompt: l
     record = cfg.router_replay is not False  # "record" or true
     results = engine_for(model).generate(requests, stop_ids=encoder.end_ids, banned_ids=banned,
                                          image_token_id=encoder.image_token_id, pad_id=encoder.pad_id,
-                                         compile=cfg.compile, record_routes=record)
+                                         compile=cfg.compile, record_routes=record, slots=cfg.max_slots or None)
     R = max(len(r.tokens) for r in results)
     ids_NR = torch.full((len(results), R), encoder.pad_id, dtype=torch.long)
     logp_NR = torch.zeros(len(results), R)
