@@ -119,6 +119,8 @@ def test_rollout_through_fewer_slots_samples_the_same_tokens(setup):
     torch.testing.assert_close(queued.logprobs, at_once.logprobs, atol=1e-5, rtol=1e-5)
     with pytest.raises(ConfigError, match="rollout.max_slots=3 is below rollout.group_size=4"):
         RolloutConfig(group_size=4, max_slots=3)
+    with pytest.raises(ConfigError, match="needs rollout.engine=vlforge"):
+        RolloutConfig(group_size=4, max_slots=8, engine="hf")
 
 
 def test_greedy_rollout_equals_the_hf_loop(setup):

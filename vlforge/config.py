@@ -559,6 +559,9 @@ class RolloutConfig:
         _range(self, "top_k", ge=0, why="0 = off")
         _range(self, "max_new_tokens", ge=1)
         _range(self, "max_slots", ge=0, why="0 = every sample at once")
+        if self.max_slots and self.engine == "hf":
+            raise ConfigError(f"rollout.max_slots={self.max_slots} needs rollout.engine=vlforge (the plain hf "
+                              "decode loop runs every sample at once)")
         if 0 < self.max_slots < self.group_size:
             raise ConfigError(f"rollout.max_slots={self.max_slots} is below rollout.group_size={self.group_size}: "
                               "a prompt's samples decode together (they share its prefill); raise it or set 0")
