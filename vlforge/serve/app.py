@@ -89,13 +89,12 @@ class _Server:
         except ClientDisconnect:
             raise APIError(400, "the client disconnected while sending the request") from None
         except TimeoutError:
-            if too_big:  # the size is what is wrong; the timeout only ended the drain of the excess
-                raise APIError(413, f"request body is larger than the limit of {limit} bytes; send smaller or fewer "
-                                    "images", code="request_too_large", headers={"Connection": "close"}) from None
-            # Connection: close: the rest of the body may still come, and it must not be read as a next request
-            raise APIError(408, f"the request body did not arrive within {timeout:g} s (--body-timeout); send "
-                                "it at once, or ask the server's operator for a longer timeout", code="request_timeout",
-                           headers={"Connection": "close"}) from None
+            # too big: the size is what is wrong (the 413 below); the timeout only ended the drain of the excess.
+            # Connection: close: the rest of the body may still come, and must not be read as a next request
+            if not too_big:
+                raise APIError(408, f"the request body did not arrive within {timeout:g} s (--body-timeout); send "
+                                    "it at once, or ask the server's operator for a longer timeout",
+                               code="request_timeout", headers={"Connection": "close"}) from None
         if too_big:  # Connection: close: uvicorn would otherwise read the unread rest with no deadline
             raise APIError(413, f"request body is larger than the limit of {limit} bytes; send smaller or fewer "
                                 "images", code="request_too_large", headers={"Connection": "close"})

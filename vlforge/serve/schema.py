@@ -21,7 +21,8 @@ class APIError(Exception):
     """An error answered in OpenAI's shape."""
 
     TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-             404: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error", 500: "server_error", 503: "server_error"}
+             404: "invalid_request_error", 408: "invalid_request_error", 413: "invalid_request_error",
+             500: "server_error", 503: "server_error"}
 
     def __init__(self, status: int, message: str, *, param: str | None = None, code: str | None = None,
                  type: str | None = None, headers: dict[str, str] | None = None):
