@@ -478,19 +478,25 @@ def test_local_files_refused_without_allow_files(scripted, files):
     assert r.status_code == 200 and r.json()["usage"]["prompt_tokens"] == 13
 
 
-def _stalled_answer(sock: socket.socket, trickle: bool) -> tuple[int, dict, bytes]:
+def _stalled_answer(sock: socket.socket, trickle: bool) -> tuple[int | None, dict, bytes]:
     """(status, headers, body) of the HTTP answer on `sock`, read until the server closes it; until
     the answer starts, a byte every 0.1 s if `trickle` (stopping then: bytes the server has not read
-    when it closes make its kernel reset the connection)."""
+    when it closes make its kernel reset the connection). A byte sent just as the server closed can
+    still reset it before the answer is read (a race of the trickling client's own making): then
+    (None, {}, b""), and the caller checks the server's side (/metrics) instead."""
     deadline = time.monotonic() + 30  # without a body timeout the server never answers: the test fails
-    while not select.select([sock], [], [], 0.1)[0]:
-        assert time.monotonic() < deadline, "no answer: the server is still waiting for the body"
-        if trickle:
-            sock.sendall(b" ")
-    sock.settimeout(30)
     data = b""
-    while chunk := sock.recv(65536):
-        data += chunk
+    try:
+        while not select.select([sock], [], [], 0.1)[0]:
+            assert time.monotonic() < deadline, "no answer: the server is still waiting for the body"
+            if trickle:
+                sock.sendall(b" ")
+        sock.settimeout(30)
+        while chunk := sock.recv(65536):
+            data += chunk
+    except (ConnectionResetError, BrokenPipeError):
+        assert trickle, "the connection was reset although the client had stopped sending"
+        return None, {}, b""
     head, _, rest = data.partition(b"\r\n\r\n")
     status_line, *lines = head.decode("latin-1").split("\r\n")
     headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in lines)}
@@ -507,9 +513,10 @@ def test_a_body_that_does_not_arrive_in_time_gets_408_and_frees_the_connection(t
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
                      b"Content-Length: 1000\r\n\r\n{\"messages\": ")  # 1000 bytes: 100 s at the trickle's pace
         status, headers, raw = _stalled_answer(sock, trickle)
-        assert status == 408 and headers.get("connection") == "close", (status, headers)
-        err = json.loads(raw)["error"]
-        assert err["code"] == "request_timeout" and "--body-timeout" in err["message"], err
+        if status is not None:  # None: reset by the trickle's race; the 408 is then checked in /metrics only
+            assert status == 408 and headers.get("connection") == "close", (status, headers)
+            err = json.loads(raw)["error"]
+            assert err["code"] == "request_timeout" and "--body-timeout" in err["message"], err
         with httpx.Client(base_url=s.url, timeout=30) as c:
             assert c.post("/v1/chat/completions", json={"messages": user("hi")}).status_code == 200
             assert 'vlforge_http_requests_total{route="/v1/chat/completions",status="408"} 1.0' in c.get("/metrics").text
