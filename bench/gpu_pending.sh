@@ -9,6 +9,8 @@
 #   lora8b (8B LoRA peer vs ours, loss.impl chunked and liger, same process), gen2b, gen8b (issue 11:
 #   vlforge vs transformers' dynamic and static-cache generate, same process), serve (serve_load: engine vs hf),
 #   grpo (2B and 8B GRPO recipes at 8x8x256, 3 steps: read steps 2-3 of metrics.jsonl)
+#   Fifth session: fsdp1 (issue 10: FSDP2 at world size 1 vs one process, eager and compiled, both
+#   reshard settings), fp8 (issues 13/15: 8B full, 200 steps, compiled bf16 vs torchao tensorwise in one call)
 #   OUT=/some/dir GROUP=moe   bash bench/gpu_pending.sh  # 30B-A3B: peft peer vs ours same process; NF4 memory/decode
 #   OUT=/some/dir GROUP=mem   bash bench/gpu_pending.sh  # selective checkpointing and the activation memory budget
 # (carry .whl/train, and .whl/ao (torchao) for GROUP=tests, .whl/bnb (bitsandbytes) for moe and mem)
@@ -46,7 +48,14 @@ case $GROUP in
          m="--preset qwen3vl-2b --method full --mixed --max-tokens-per-batch 16384 --steps 8 --warmup 5 --override precision.compile=true"
          r 14 $m
          r 15 $m --packing ;;
-  tests2) timeout 200 python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_packing.py tests/test_losses.py \
+  fsdp1) b="--preset qwen3vl-2b --method full --steps 10 --warmup 4"
+         r 1 $b --override precision.compile=false
+         r 2 $b --fsdp --override precision.compile=false
+         r 3 $b --fsdp --override precision.compile=false distributed.reshard_after_forward=false
+         r 4 $b --override precision.compile=true
+         r 5 $b --fsdp --override precision.compile=true distributed.reshard_after_forward=false ;;
+  fp8) for side in 8b-bf16 8b-fp8; do OUT=$OUT timeout 290 bash bench/gpu_fp8.sh $side > "$OUT/fp8-$side.txt" 2>&1; done ;;
+  tests2) timeout 170 python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_packing.py tests/test_losses.py \
            tests/test_router_replay.py tests/test_generate.py --tb=short > "$OUT/pytest.txt" 2>&1 ;;
   lora8b) for impl in chunked liger; do (cd bench && timeout 270 python3 train.py --preset qwen3vl-8b --method lora \
            --paths peer,ours --steps 10 --samples 32 --ours precision.compile=true loss.impl=$impl \
