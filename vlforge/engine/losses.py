@@ -15,7 +15,9 @@ flex_attention transformers restricts it from the positions (docs/packing.md, pe
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -54,25 +56,104 @@ def packed_position_ids(core, input_ids_1T: torch.Tensor, mm_token_type_ids_1T: 
     filler = torch.arange(T - S)
     text_T = torch.cat([text_S, filler])
     mrope_3T = torch.cat([mrope_3nL[:, mask_nL], filler.expand(3, -1)], dim=1)
-    return torch.cat([text_T[None], mrope_3T])[:, None].to(device)
+    return host_to_device(torch.cat([text_T[None], mrope_3T])[:, None], device)
+
+
+def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` on `device` without a host-device sync: a blocking copy to a GPU waits for every kernel
+    queued before it (cudaStreamSynchronize); from pinned memory with non_blocking it is queued
+    like a kernel (the caching host allocator keeps the pinned block until the copy has run)."""
+    return (t.pin_memory() if device.type == "cuda" and t.device.type == "cpu" else t).to(device, non_blocking=True)
+
+
+@dataclass(frozen=True, eq=False)  # a dataclass: FSDP2/DDP move a forward's tensors in dicts and tuples, not in it
+class HostFacts:
+    """What a step's forward and loss read on the host, computed from the batch's CPU copy before it
+    moves (step_inputs): on the GPU each such read would stall the CPU until the queue drains."""
+
+    supervised: int  # supervised tokens (the loss's count)
+    image_grid_thw: torch.Tensor | None  # on the host: transformers reads it there (split sizes)
+    vision: dict  # the vision tower's precomputed kwargs (transformers.vision_utils), or {}
+    packed_rows: PackedRows | None = None  # packed rows with per-sample attention (sdpa)
+
+
+def _vision_inputs(visual, grid: torch.Tensor, device: torch.device) -> dict:
+    """The vision tower's grid-derived inputs, computed by transformers' own vision_utils (which its
+    forward takes precomputed from kwargs: "cu_seqlens", "position_ids", "interp_indices",
+    "interp_weights", "max_seqlen"), from a host grid: computed on the device they cost ~10 syncs
+    (repeat_interleave, tolist), and with the sequence lengths on the host the sdpa path's per-block
+    split (`lengths.tolist()`) reads them there instead of once per block from the device."""
+    from transformers.utils.generic import is_flash_attention_requested
+    from transformers.vision_utils import (get_vision_attention_seqlens, get_vision_interpolation_indices_and_weights,
+                                           get_vision_position_ids)
+
+    if not all(hasattr(visual, a) for a in ("num_grid_per_side", "interpolation_mode", "interpolation_align_corners",
+                                            "spatial_merge_size")):
+        return {}  # another vision tower: it computes them itself
+    merge = visual.config.spatial_merge_size
+    indices, weights = get_vision_interpolation_indices_and_weights(
+        grid, num_grid_per_side=visual.num_grid_per_side, mode=visual.interpolation_mode,
+        align_corners=visual.interpolation_align_corners, spatial_merge_size=merge)
+    cu_seqlens, max_seqlen = get_vision_attention_seqlens(grid, visual.config)
+    flash = is_flash_attention_requested(visual.config)  # varlen kernels read cu_seqlens on the device
+    return {"interp_indices": host_to_device(indices, device), "interp_weights": host_to_device(weights, device),
+            "position_ids": host_to_device(get_vision_position_ids(grid, visual.spatial_merge_size), device),
+            "cu_seqlens": host_to_device(cu_seqlens, device) if flash else cu_seqlens, "max_seqlen": max_seqlen}
+
+
+def step_inputs(model, batch: dict, device: torch.device) -> dict:
+    """`batch` on `device`, with what its forward and loss need computed where the batch is (the
+    training step passes the CPU copy, so none of it syncs with the GPU): the supervised positions
+    and their targets (`label_rows`, `label_cols`, `label_targets`), M-RoPE position ids (packed:
+    per sample; padded with images: the model's own get_rope_index, which otherwise runs on the
+    device), the vision tower's grid inputs, and `host` (HostFacts). The values are the ones the
+    model would compute itself, so results are bit-identical."""
+    core = unwrap(model)
+    targets_BT = batch["labels"][:, 1:]
+    rows_N, cols_N = (targets_BT != IGNORE_INDEX).nonzero().unbind(1)  # what boolean-mask indexing computes
+    out = {k: v for k, v in batch.items() if k != "image_grid_thw"}
+    out["label_rows"], out["label_cols"], out["label_targets"] = rows_N, cols_N, targets_BT[rows_N, cols_N]
+    grid = batch.get("image_grid_thw")
+    grid_host = grid.cpu() if grid is not None else None
+    packed_rows = None
+    if "seq_lens" in batch:
+        seq_lens = batch["seq_lens"].tolist()
+        out["position_ids"] = packed_position_ids(core, batch["input_ids"], batch["mm_token_type_ids"], grid_host,
+                                                  seq_lens)
+        if use_packed_attention(core):  # the row's sequences computed once here, for every layer
+            packed_rows = PackedRows.of(seq_lens, batch["input_ids"].shape[1], device)
+    elif grid is not None:  # what the model's forward would compute (compute_3d_position_ids), here on the host
+        out["position_ids"], _ = core.model.get_rope_index(batch["input_ids"], batch["mm_token_type_ids"],
+                                                           image_grid_thw=grid_host,
+                                                           attention_mask=batch.get("attention_mask"))
+    vision = _vision_inputs(core.model.visual, grid_host, device) if grid is not None else {}
+    out = {k: host_to_device(v, device) if isinstance(v, torch.Tensor) else v for k, v in out.items()}
+    out["host"] = HostFacts(len(rows_N), grid_host, vision, packed_rows)
+    return out
 
 
 def backbone_hidden(model, batch: dict) -> torch.Tensor:
-    """Last hidden states [B, T, H] of the language model (vision features merged in)."""
+    """Last hidden states [B, T, H] of the language model (vision features merged in), of a batch
+    from step_inputs (or a plain one, which it goes through first)."""
     core = unwrap(model)
+    if "host" not in batch:
+        batch = step_inputs(model, batch, batch["input_ids"].device)
+    host: HostFacts = batch["host"]
     inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
-    if "seq_lens" not in batch:
-        return core.model(**inputs, use_cache=False).last_hidden_state
-    # packed: no attention mask, per-sample positions instead; with sdpa, attention per sample
-    # (engine/packed_attention.py): the row's sequences computed once here, for every layer
-    seq_lens = batch["seq_lens"].tolist()
-    inputs["position_ids"] = packed_position_ids(core, batch["input_ids"], batch["mm_token_type_ids"],
-                                                 batch.get("image_grid_thw"), seq_lens)
-    if not use_packed_attention(core):  # eager / flash / flex, or packed_attention=mask: transformers' own
-        return core.model(**inputs, use_cache=False).last_hidden_state
-    rows = PackedRows.of(seq_lens, batch["input_ids"].shape[1], batch["input_ids"].device)
-    with packed_forward():
-        return core.model(**inputs, use_cache=False, packed_rows=rows).last_hidden_state
+    if host.image_grid_thw is not None:
+        inputs["image_grid_thw"] = host.image_grid_thw
+    if "position_ids" in batch:
+        inputs["position_ids"] = batch["position_ids"]
+    with contextlib.ExitStack() as stack:
+        if host.vision:  # the tower takes them as kwargs; the language model must not get them
+            hook = core.model.visual.register_forward_pre_hook(
+                lambda module, args, kwargs: (args, {**host.vision, **kwargs}), with_kwargs=True)
+            stack.callback(hook.remove)
+        if host.packed_rows is None:  # padded; or packed with eager / flash / flex / packed_attention=mask
+            return core.model(**inputs, use_cache=False).last_hidden_state
+        # packed, sdpa: attention per sample (engine/packed_attention.py), no [T, T] mask
+        stack.enter_context(packed_forward())
+        return core.model(**inputs, use_cache=False, packed_rows=host.packed_rows).last_hidden_state
 
 
 # ----------------------------------------------------------------------------- lm_head + loss
@@ -222,6 +303,8 @@ def sft_loss_sum(model, batch: dict, keep_vision: bool = False, loss: LossConfig
     `keep_vision`: run the vision tower even on a batch without images (vision_keepalive), first,
     where a batch with images runs it too: sharded, every rank then gathers the same units in the
     same order."""
+    if "host" not in batch:  # a plain batch: what step_inputs reads, read where it is
+        batch = step_inputs(model, batch, batch["input_ids"].device)
     if keep_vision and batch.get("pixel_values") is None:
         keepalive = vision_keepalive(model, batch["input_ids"].device)
         # joined to the token embeddings, where a batch's image features join: the first decoder
@@ -235,12 +318,12 @@ def sft_loss_sum(model, batch: dict, keep_vision: bool = False, loss: LossConfig
             hook.remove()
     else:
         hidden_BTH = backbone_hidden(model, batch)
-    targets_BT = batch["labels"][:, 1:]
-    supervised_BT = targets_BT != IGNORE_INDEX
-    hidden_NH = hidden_BTH[:, :-1][supervised_BT]
-    loss_sum = linear_cross_entropy_sum(hidden_NH, unwrap(model).lm_head, targets_BT[supervised_BT],
-                                        loss.impl, loss.chunk_size)
-    return loss_sum, int(supervised_BT.sum())
+    # the supervised positions, found on the host (step_inputs): boolean-mask indexing here would
+    # run a nonzero on the device, a sync, twice
+    hidden_NH = hidden_BTH[:, :-1][batch["label_rows"], batch["label_cols"]]
+    loss_sum = linear_cross_entropy_sum(hidden_NH, unwrap(model).lm_head, batch["label_targets"], loss.impl,
+                                        loss.chunk_size)
+    return loss_sum, batch["host"].supervised
 
 
 def count_supervised(batch: dict) -> int:

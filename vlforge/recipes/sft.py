@@ -23,9 +23,9 @@ from vlforge.data.dataset import Batching, ChatDataset, global_batches, load_dat
 from vlforge.data.encode import collate, pack
 from vlforge.data.jsonl import DataError, check_readable
 from vlforge.engine.distributed import no_sync
-from vlforge.engine.evaluate import to_device
 from vlforge.engine.health import GradHealth
-from vlforge.engine.losses import count_supervised, count_tokens, drop_keepalive_grads, real_tokens, sft_loss_sum
+from vlforge.engine.losses import (count_supervised, count_tokens, drop_keepalive_grads, real_tokens, sft_loss_sum,
+                                   step_inputs)
 from vlforge.engine.metrics import plot_metric, read_metrics
 from vlforge.engine.moe import aux_term, capture
 from vlforge.engine.run import Run, begin_run
@@ -89,9 +89,10 @@ def train_step(t: Trainable, micro: list[dict], optimizer, scaler, health: GradH
         optimizer.zero_grad(set_to_none=True)
         return {"loss": float("nan"), "grad_norm": 0.0, "skipped": True, **skipped, "supervised_tokens": 0,
                 "tokens": sum(count_tokens(b) for b in micro)}
-    loss_total = 0.0
+    loss_total = None  # fp64 on the device, read once after the last backward (a read per micro-batch is a sync)
     for i, batch in enumerate(micro):
-        batch = to_device(batch, t.device)
+        # positions, counts and label indices from the CPU copy, then the batch to the device (no sync)
+        batch = step_inputs(t.model, batch, t.device)
         with t.policy.autocast(), capture(t.routing, real_tokens(batch)) as routed:  # MoE: router logits
             # fp32 whatever the compute dtype; distributed, through the FSDP2 root unit or DDP (which also
             # runs the vision tower on a text-only micro-batch: the other ranks' collectives wait for it)
@@ -103,9 +104,11 @@ def train_step(t: Trainable, micro: list[dict], optimizer, scaler, health: GradH
         # makes it so: no x world size), logged apart as moe/aux_loss
         with no_sync(t.root, last=i == len(micro) - 1):
             scaler.scale(micro_loss * world.size + aux_term(t.routing, routed, len(micro))).backward()
-        loss_total += float(micro_loss.detach())
+        micro_loss = micro_loss.detach().double()  # fp64, as the host's float sum it replaces: the same bits
+        loss_total = micro_loss if loss_total is None else loss_total + micro_loss
     # the global batch's loss (the same on every rank), its micro-batches with images, its tokens
-    loss_total, with_images, tokens = world.sums(loss_total, sum(b.get("pixel_values") is not None for b in micro),
+    loss_total, with_images, tokens = world.sums(loss_total.item(),
+                                                 sum(b.get("pixel_values") is not None for b in micro),
                                                  sum(count_tokens(b) for b in micro))
     if world.wrapped and not with_images:
         drop_keepalive_grads(t.model)
