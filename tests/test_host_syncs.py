@@ -22,10 +22,11 @@ from syncs import SyncCounter  # noqa: E402
 OURS = {("tolist", "vlforge/engine/health.py"): 1, ("item", "vlforge/recipes/sft.py"): 1}
 
 
-def _step(shapes_dir, tmp_path, packing: bool, steps: int = 1):
+def _step(shapes_dir, tmp_path, packing: bool, steps: int = 1, prepare: bool = False):
     from vlforge.data.dataset import load_dataset
     from vlforge.data.encode import collate, pack
     from vlforge.engine.health import GradHealth
+    from vlforge.engine.losses import HostPrep
     from vlforge.engine.optim import build_optimizer
     from vlforge.engine.trainable import setup_model
     from vlforge.model.tiers import param_groups
@@ -40,6 +41,8 @@ def _step(shapes_dir, tmp_path, packing: bool, steps: int = 1):
     scaler, health = t.policy.grad_scaler(), GradHealth(t.model, t.plan, cfg.health, cfg.precision.mode)
     join = pack if packing else collate
     micro = [join([data[i] for i in range(k, k + 3)], data.encoder.pad_id) for k in (0, 3)]
+    if prepare:  # as the recipe's loader hands them over (HostPrep in its workers)
+        micro = [HostPrep.of(t.model)(b) for b in micro]
     train_step(t, micro, optimizer, scaler, health, 1.0, cfg.loss)  # first step: lazy state
     counters = []
     for _ in range(steps):
@@ -104,6 +107,65 @@ def test_host_inputs_are_what_the_model_computes(tiny, shapes_dir):
     our_grads = grads()
     assert our_grads.keys() == ref_grads.keys()
     assert all(torch.equal(our_grads[k], ref_grads[k]) for k in ref_grads)
+
+
+def _same(a, b) -> bool:
+    """Equal values, nested dicts of tensors and ints alike (bit for bit, dtypes included)."""
+    import torch
+
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    return a == b
+
+
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+def test_loader_workers_prepare_the_step_inputs(tiny, shapes_dir, packing):
+    """The SFT loader's worker process computes the step's host inputs (HostPrep, config values only,
+    pickled as a spawned worker gets it): the same as the step computes from a plain batch, and the
+    step's loss from them is the same bits."""
+    import copy
+    import pickle
+
+    import torch
+
+    from vlforge.config import DataConfig, LossConfig
+    from vlforge.data.dataset import Batching, load_dataset
+    from vlforge.engine.losses import HostPrep, sft_loss_sum, step_inputs
+    from vlforge.recipes.sft import micro_batches
+
+    model = copy.deepcopy(tiny[0])  # packed rows switch its attention implementation
+    data = load_dataset(str(shapes_dir / "train.jsonl"), tiny[1], DataConfig())
+    prep = pickle.loads(pickle.dumps(HostPrep.of(model)))  # no model object inside: it pickles small
+    assert len(pickle.dumps(prep)) < 100_000
+    batching = Batching(3, packed=packing)
+    worker = micro_batches(data, batching, seed=0, epoch=0, position=0, num_workers=1, prepare=prep)
+    plain = micro_batches(data, batching, seed=0, epoch=0, position=0, num_workers=0)
+    for _ in range(2):
+        (prepared, _, _), (batch, _, _) = next(worker), next(plain)
+        assert "pixel_values" in batch and "host_inputs" in prepared and "host_inputs" not in batch
+        assert _same(prepared["host_inputs"], HostPrep.of(model)(batch)["host_inputs"])
+        ours, theirs = step_inputs(model, prepared, torch.device("cpu")), step_inputs(model, batch, torch.device("cpu"))
+        assert ours.keys() == theirs.keys() and "position_ids" in ours
+        assert _same(ours["host"].vision, theirs["host"].vision) and ours["host"].vision
+        with torch.no_grad():
+            a, n = sft_loss_sum(model, ours, loss=LossConfig(impl="plain"))
+            b, m = sft_loss_sum(model, theirs, loss=LossConfig(impl="plain"))
+        assert n == m > 0 and torch.equal(a, b)
+
+
+def test_prepared_batches_step_with_the_same_syncs_and_loss(shapes_dir, tmp_path):
+    """train_step on loader-prepared batches: the same loss bits and vlforge's syncs as on plain ones."""
+    import torch
+
+    rows = []
+    for prepare in (False, True):
+        torch.manual_seed(0)  # the tiny model's trainable init and dropout draw from the global RNG
+        (syncs,), row = _step(shapes_dir, tmp_path / str(prepare), packing=True, prepare=prepare)
+        rows.append(row)
+    assert _ours(syncs) == OURS, syncs.table()
+    assert rows[1]["loss"] == rows[0]["loss"] and rows[1]["grad_norm"] == rows[0]["grad_norm"]
 
 
 if __name__ == "__main__":
