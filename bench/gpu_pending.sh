@@ -7,6 +7,12 @@
 #   OUT=/some/dir GROUP=final bash bench/gpu_pending.sh  # 2B full peer vs ours same process; 8B LoRA chunked; mixed set again
 #   OUT=/some/dir GROUP=moe   bash bench/gpu_pending.sh  # 30B-A3B: peft peer vs ours same process; NF4 memory/decode
 #   OUT=/some/dir GROUP=mem   bash bench/gpu_pending.sh  # selective checkpointing and the activation memory budget
+#   OUT=/some/dir GROUP=loader bash .whl/wt-loader/bench/gpu_pending.sh  # main vs the loader branch, one call:
+#       step inputs made in the DataLoader's workers (HostPrep) and pinned by its pin_memory. Before the call:
+#       rsync -a --delete /work/main/vlforge/ /work/main/.whl/presync/vlforge/        (A: main)
+#       rsync -a --delete /work/wt-loader/vlforge/ /work/main/.whl/wt-loader/vlforge/ (B: the branch)
+#       rsync -a --delete /work/wt-loader/bench/ /work/main/.whl/wt-loader/bench/     (this script, both run it)
+#       carry [".whl/presync", ".whl/wt-loader"]; runs.jsonl rows name the vlforge they imported ("vlforge")
 # (carry .whl/train, and .whl/ao (torchao) for GROUP=tests, .whl/bnb (bitsandbytes) for moe and mem)
 source "$(dirname "$0")/gpu_env.sh"
 for w in .whl/ao/*.whl .whl/bnb/*.whl; do [ -f "$w" ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$w"; done
@@ -51,5 +57,19 @@ case $GROUP in
        r 2 $b precision.gradient_checkpointing=true precision.checkpoint_every=2
        r 3 $b precision.compile=true precision.activation_memory_budget=0.5
        r 4 $b precision.compile=true ;;
-  *) echo "GROUP must be tests, pack, liger, final, moe or mem"; exit 2 ;;
+  loader) # A = main's vlforge, B = the branch's, by PYTHONPATH order (gpu_env.sh puts the repo root last); the
+          # branch's bench script for both (it feeds the steps through a DataLoader as the recipe does; main's
+          # vlforge has no HostPrep, so A's workers only hand over the batches, as main's recipe's). A then B
+          # per workload, same process settings. Last: B with 0 workers (host inputs on the main thread, as the
+          # reverted sync branch measured 0.87x), if the call's 10 minutes leave time for it.
+          ab() { n=$1 tree=$2; shift 2; echo "+ [$tree] $*" >&2; PYTHONPATH=.whl/$tree:$PYTHONPATH timeout ${LIMIT:-110} \
+                 python3 "$(dirname "$0")/sft_throughput.py" "$@" 2>"$OUT/err-$GROUP-$n.txt" | tail -1 \
+                 | sed "s/^{/{\"group\": \"$GROUP\", \"run\": $n, \"tree\": \"$tree\", /" >> "$OUT/runs.jsonl" \
+                 || echo "run $n failed" >> "$OUT/fail.txt"; }
+          b="--preset qwen3vl-2b --method full --steps 8 --warmup 5 --override precision.compile=true"
+          l="--preset qwen3vl-8b --method lora --steps 8 --warmup 5 --override precision.compile=true"
+          ab 1 presync $b; ab 2 wt-loader $b
+          ab 3 presync $l; ab 4 wt-loader $l
+          ab 5 wt-loader $b --workers 0 ;;
+  *) echo "GROUP must be tests, pack, liger, final, moe, mem or loader"; exit 2 ;;
 esac
