@@ -132,6 +132,7 @@ def test_loader_workers_prepare_the_step_inputs(tiny, shapes_dir, packing):
 
     from vlforge.config import DataConfig, LossConfig
     from vlforge.data.dataset import Batching, load_dataset
+    from vlforge.data.encode import collate, pack
     from vlforge.engine.losses import HostPrep, sft_loss_sum, step_inputs
     from vlforge.recipes.sft import micro_batches
 
@@ -153,6 +154,9 @@ def test_loader_workers_prepare_the_step_inputs(tiny, shapes_dir, packing):
             a, n = sft_loss_sum(model, ours, loss=LossConfig(impl="plain"))
             b, m = sft_loss_sum(model, theirs, loss=LossConfig(impl="plain"))
         assert n == m > 0 and torch.equal(a, b)
+    # a micro-batch whose rows were all skipped (data.on_error=skip) prepares to nothing (the step drops it)
+    empty = (pack if packing else collate)([], data.encoder.pad_id)
+    assert prep(empty)["host_inputs"]["supervised"] == 0
 
 
 def test_prepared_batches_step_with_the_same_syncs_and_loss(shapes_dir, tmp_path):

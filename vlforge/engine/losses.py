@@ -169,15 +169,14 @@ class HostPrep:
         return cls(RopeIndex(owner, core.config), VisionGrid.of(core.visual))
 
     def __call__(self, batch: dict) -> dict:
-        if not len(batch["input_ids"]):  # every row skipped (data.on_error=skip): the step leaves it out
-            return batch
         targets_BT = batch["labels"][:, 1:]
         rows_N, cols_N = (targets_BT != IGNORE_INDEX).nonzero().unbind(1)  # what boolean-mask indexing computes
-        facts = {"label_rows": rows_N, "label_cols": cols_N, "label_targets": targets_BT[rows_N, cols_N],
-                 "supervised": len(rows_N), "vision": {}, "vision_host": {}}
         grid = batch.get("image_grid_thw")
-        grid = grid.cpu() if grid is not None else None
-        if "seq_lens" in batch:
+        grid = grid.cpu() if grid is not None else None  # transformers reads it on the host (split sizes)
+        facts = {"label_rows": rows_N, "label_cols": cols_N, "label_targets": targets_BT[rows_N, cols_N],
+                 "supervised": len(rows_N), "image_grid_thw": grid, "vision": {}, "vision_host": {}}
+        # a packed batch whose rows were all skipped (data.on_error=skip) has no samples: the step leaves it out
+        if "seq_lens" in batch and len(batch["seq_lens"]):
             facts["position_ids"] = packed_position_ids_host(self.rope_index, batch["input_ids"],
                                                              batch["mm_token_type_ids"], grid,
                                                              batch["seq_lens"].tolist())
@@ -204,12 +203,11 @@ def step_inputs(model, batch: dict, device: torch.device) -> dict:
     out = {k: v for k, v in batch.items() if k not in ("image_grid_thw", "host_inputs")}
     out.update({k: facts[k] for k in ("label_rows", "label_cols", "label_targets", "position_ids") if k in facts})
     out = {k: host_to_device(v, device) if isinstance(v, torch.Tensor) else v for k, v in out.items()}
-    grid = batch.get("image_grid_thw")
     packed_rows = None
     if "seq_lens" in batch and use_packed_attention(core):  # the row's sequences computed once here, for every layer
         packed_rows = PackedRows.of(batch["seq_lens"].tolist(), batch["input_ids"].shape[1], device)
     vision = {**{k: host_to_device(v, device) for k, v in facts["vision"].items()}, **facts["vision_host"]}
-    out["host"] = HostFacts(facts["supervised"], grid.cpu() if grid is not None else None, vision, packed_rows)
+    out["host"] = HostFacts(facts["supervised"], facts["image_grid_thw"], vision, packed_rows)
     return out
 
 
