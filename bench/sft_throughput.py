@@ -48,11 +48,17 @@ from vlforge.engine.distributed import init_world
 from vlforge.engine.fp8 import summarize
 from vlforge.engine.health import GradHealth
 from vlforge.engine.losses import count_tokens
+from vlforge.engine.runtime import resolve_num_workers
 from vlforge.engine.optim import build_optimizer
 from vlforge.model.presets import MOE_PRESETS
 from vlforge.model.tiers import param_groups
 from vlforge.engine.trainable import setup_model
 from vlforge.recipes.sft import train_step
+
+try:  # the loader-side step inputs; an older vlforge (an A/B's baseline, bench/gpu_pending.sh) has none
+    from vlforge.engine.losses import HostPrep
+except ImportError:
+    HostPrep = None
 
 WORDS = "the a red blue green circle square triangle left right shape image colour how many is on of".split()
 # Answers follow a fixed random bigram chain (each word has three likely successors), so a loss
@@ -85,6 +91,23 @@ def synthetic_samples(n: int, tmp: str, image_side: int, rng: random.Random, mix
     return samples
 
 
+class Steps(torch.utils.data.Dataset):
+    """Step i's micro-batch: the prebuilt batches, cycled (a map-style dataset for the DataLoader)."""
+
+    def __init__(self, batches: list[dict], steps: int):
+        self.batches, self.steps = batches, steps
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __getitem__(self, step: int) -> dict:
+        return self.batches[step % len(self.batches)]
+
+
+def as_is(batch: dict) -> dict:  # the loader's collate without HostPrep (module level: picklable)
+    return batch
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="qwen3vl-2b")
@@ -105,6 +128,8 @@ def main() -> None:
     ap.add_argument("--profile", help="after the timed steps, profile 2 more (torch.profiler) and write the "
                     "top operators by GPU time and by CPU time to this text file")
     ap.add_argument("--expert-lora", choices=["fused", "peft"], default="fused", help="MoE: tiers.expert_lora")
+    ap.add_argument("--workers", type=int, help="DataLoader workers feeding the steps (default: data.num_workers, "
+                    "auto as the recipe); 0: the loader runs on the main thread")
     args = ap.parse_args()
 
     vision = "tiers.vision.train=false" if args.method == "lora" else "tiers.vision.train=true"
@@ -142,12 +167,18 @@ def main() -> None:
     optimizer = build_optimizer(param_groups(t.model, t.plan, 0.0), cfg.optim, "cuda")
     scaler = t.policy.grad_scaler()
     health = GradHealth(t.model, t.plan, cfg.health, cfg.precision.mode)
+    # as the recipe's loader (recipes/sft.py micro_batches): HostPrep in the workers, pinned by pin_memory
+    workers = resolve_num_workers(cfg.data.num_workers, t.device) if args.workers is None else args.workers
+    prepare = HostPrep.of(t.model) if HostPrep is not None else None
+    loader = iter(torch.utils.data.DataLoader(Steps(batches, args.warmup + args.steps), batch_size=None,
+                                              num_workers=workers, collate_fn=prepare or as_is,
+                                              pin_memory=prepare is not None))
     torch.cuda.reset_peak_memory_stats()
     times, tokens, losses = [], [], []
     for step in range(args.warmup + args.steps):
-        batch = batches[step % len(batches)]
         torch.cuda.synchronize()
         start = time.perf_counter()
+        batch = next(loader)  # timed: a loader that does not keep up shows in tokens/s
         out = train_step(t, [batch], optimizer, scaler, health, 1.0, cfg.loss)
         torch.cuda.synchronize()
         losses.append(out["loss"])
@@ -172,7 +203,8 @@ def main() -> None:
         "micro_batches": len(batches), "rows_mean": sum(len(b["input_ids"]) for b in batches) / len(batches),
         "row_tokens_mean": sum(b["input_ids"].numel() for b in batches) / len(batches),
         "attn": cfg.model.attn_implementation, "loss_impl": cfg.loss.impl,
-        "strategy": t.world.strategy, "optim": cfg.optim.name,
+        "strategy": t.world.strategy, "optim": cfg.optim.name, "workers": workers,
+        "host_prep": prepare is not None, "vlforge": __import__("vlforge").__file__,
         "tokens_per_s": sum(tokens) / sum(times), "step_s": step_s,
         "peak_gb": torch.cuda.max_memory_allocated() / 1e9, "pad_fraction": pad_fraction,
         "seq_len_mean": sum(len(x["input_ids"]) for x in items) / len(items),

@@ -16,7 +16,7 @@ import torch
 from vlforge.config import EvalConfig, LossConfig
 from vlforge.data.dataset import ChatDataset
 from vlforge.data.encode import Encoder, collate, encode, encode_prompt
-from vlforge.engine.losses import sft_loss_sum
+from vlforge.engine.losses import host_to_device, sft_loss_sum
 from vlforge.engine.metrics import MetricsLog, write_json_atomic
 from vlforge.engine.precision import PrecisionPolicy
 from vlforge.generate.engine import GenRequest, Prompt, engine_for
@@ -36,7 +36,7 @@ def sharded_run(model) -> bool:
 
 
 def to_device(batch: dict, device: torch.device) -> dict:
-    return {k: v.to(device) for k, v in batch.items()}
+    return {k: host_to_device(v, device) for k, v in batch.items()}  # pinned, non-blocking: no sync
 
 
 @torch.no_grad()

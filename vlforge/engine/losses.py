@@ -15,7 +15,9 @@ flex_attention transformers restricts it from the positions (docs/packing.md, pe
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -31,48 +33,206 @@ MODEL_INPUTS = ("input_ids", "attention_mask", "mm_token_type_ids", "pixel_value
 
 def packed_position_ids(core, input_ids_1T: torch.Tensor, mm_token_type_ids_1T: torch.Tensor,
                         image_grid_thw: torch.Tensor | None, seq_lens: list[int]) -> torch.Tensor:
-    """Position ids [4, 1, T] of a packed row: [text positions; t; h; w], Qwen3-VL's 4-row form.
+    """Position ids [4, 1, T] of a packed row on its device: [text positions; t; h; w], Qwen3-VL's
+    4-row form (packed_position_ids_host says how)."""
+    return host_to_device(packed_position_ids_host(core.model.get_rope_index, input_ids_1T, mm_token_type_ids_1T,
+                                                   image_grid_thw, seq_lens), input_ids_1T.device)
 
-    M-RoPE (rows 1-3) comes from the model's own get_rope_index over the samples as separate rows,
-    so every sample's positions, its images' 3-D ones included, restart at 0 exactly as when the
-    sample is alone; the image grids are taken in order, one sample after the other, as in the row.
-    Row 0 (text positions, 0..len-1 per sample) is what transformers reads for the attention mask:
-    with no 2-D attention mask, a position that does not follow its predecessor starts a new
-    sequence (masking_utils.find_packed_sequence_indices; flash-attention's varlen path reads the
-    same row). The filler after the last sample (`pack`'s `multiple`/`pad_to`) is one more sequence.
+
+def packed_position_ids_host(rope_index, input_ids_1T: torch.Tensor, mm_token_type_ids_1T: torch.Tensor,
+                             image_grid_thw: torch.Tensor | None, seq_lens: list[int]) -> torch.Tensor:
+    """Position ids [4, 1, T] of a packed row, on the CPU: [text positions; t; h; w].
+
+    M-RoPE (rows 1-3) comes from the model's own get_rope_index (`rope_index`: the bound method, or
+    a RopeIndex) over the samples as separate rows, so every sample's positions, its images' 3-D
+    ones included, restart at 0 exactly as when the sample is alone; the image grids are taken in
+    order, one sample after the other, as in the row. Row 0 (text positions, 0..len-1 per sample)
+    is what transformers reads for the attention mask: with no 2-D attention mask, a position that
+    does not follow its predecessor starts a new sequence (masking_utils.find_packed_sequence_indices;
+    flash-attention's varlen path reads the same row). The filler after the last sample (`pack`'s
+    `multiple`/`pad_to`) is one more sequence.
     """
     # On the CPU: get_rope_index walks each sample's token groups in Python (.tolist(), per-image
-    # aranges), which on the GPU would be a sync and a few tiny kernels per sample; one copy each way.
-    device, T = input_ids_1T.device, input_ids_1T.shape[1]
+    # aranges), which on the GPU would be a sync and a few tiny kernels per sample.
+    T = input_ids_1T.shape[1]
     S = int(sum(seq_lens))
     mask_nL = torch.arange(max(seq_lens))[None] < torch.tensor(seq_lens)[:, None]
     ids_nL = torch.zeros(mask_nL.shape, dtype=torch.long).masked_scatter(mask_nL, input_ids_1T[0, :S].cpu().long())
     mm_nL = torch.zeros_like(ids_nL).masked_scatter(mask_nL, mm_token_type_ids_1T[0, :S].cpu().long())
     grid = image_grid_thw.cpu() if image_grid_thw is not None else None
-    mrope_3nL, _ = core.model.get_rope_index(ids_nL, mm_nL, image_grid_thw=grid, attention_mask=mask_nL.long())
+    mrope_3nL, _ = rope_index(ids_nL, mm_nL, image_grid_thw=grid, attention_mask=mask_nL.long())
     text_S = torch.arange(mask_nL.shape[1]).expand_as(mask_nL)[mask_nL]
     filler = torch.arange(T - S)
     text_T = torch.cat([text_S, filler])
     mrope_3T = torch.cat([mrope_3nL[:, mask_nL], filler.expand(3, -1)], dim=1)
-    return torch.cat([text_T[None], mrope_3T])[:, None].to(device)
+    return torch.cat([text_T[None], mrope_3T])[:, None]
+
+
+def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` on `device` without a host-device sync: a blocking copy to a GPU waits for every kernel
+    queued before it (cudaStreamSynchronize); from pinned memory with non_blocking it is queued
+    like a kernel (the caching host allocator keeps the pinned block until the copy has run)."""
+    if device.type == "cuda" and t.device.type == "cpu" and not t.is_pinned():  # the loader's pin_memory did it
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
+@dataclass(frozen=True, eq=False)  # a dataclass: FSDP2/DDP move a forward's tensors in dicts and tuples, not in it
+class HostFacts:
+    """What a step's forward and loss read on the host, computed from the batch's CPU copy before it
+    moves (step_inputs): on the GPU each such read would stall the CPU until the queue drains."""
+
+    supervised: int  # supervised tokens (the loss's count)
+    image_grid_thw: torch.Tensor | None  # on the host: transformers reads it there (split sizes)
+    vision: dict  # the vision tower's precomputed kwargs (transformers.vision_utils), or {}
+    packed_rows: PackedRows | None = None  # packed rows with per-sample attention (sdpa)
+
+
+class RopeIndex:
+    """The language model's get_rope_index (M-RoPE positions) as a picklable callable of config
+    values: the model class's own function, called on this object in place of the model. In
+    transformers 5.17-5.24 Qwen3-VL's (and Qwen3-VL-MoE's) get_rope_index reads only
+    `self.config.vision_config.spatial_merge_size` and `self.get_vision_position_ids` (arithmetic on
+    its arguments), so a DataLoader worker runs the model's own code with no model object in it
+    (tests/test_host_syncs.py checks the result equals the model's)."""
+
+    def __init__(self, model_cls: type, config):
+        self.model_cls, self.config = model_cls, config
+
+    def get_vision_position_ids(self, *args, **kwargs):
+        return self.model_cls.get_vision_position_ids(self, *args, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        return self.model_cls.get_rope_index(self, *args, **kwargs)
+
+
+@dataclass(frozen=True)
+class VisionGrid:
+    """The vision tower's grid-derived inputs, computed by transformers' own vision_utils (which its
+    forward takes precomputed from kwargs: "cu_seqlens", "position_ids", "interp_indices",
+    "interp_weights", "max_seqlen"), from a host grid: computed on the device they cost ~10 syncs
+    (repeat_interleave, tolist), and with the sequence lengths on the host the sdpa path's per-block
+    split (`lengths.tolist()`) reads them there instead of once per block from the device. The
+    tower's values (all from its config) are copied here so that it pickles without the tower."""
+
+    num_grid_per_side: int
+    interpolation_mode: str
+    align_corners: bool
+    spatial_merge_size: int
+    config: object  # the tower's PretrainedConfig (vision_utils reads its attention implementation)
+
+    @classmethod
+    def of(cls, visual) -> VisionGrid | None:
+        if not all(hasattr(visual, a) for a in ("num_grid_per_side", "interpolation_mode",
+                                                "interpolation_align_corners", "spatial_merge_size")):
+            return None  # another vision tower: it computes them itself
+        return cls(visual.num_grid_per_side, visual.interpolation_mode, visual.interpolation_align_corners,
+                   visual.spatial_merge_size, visual.config)
+
+    def __call__(self, grid: torch.Tensor) -> tuple[dict, dict]:
+        """({kwarg: tensor} to move to the device, {kwarg: value} the tower reads on the host)."""
+        from transformers.utils.generic import is_flash_attention_requested
+        from transformers.vision_utils import (get_vision_attention_seqlens,
+                                               get_vision_interpolation_indices_and_weights, get_vision_position_ids)
+
+        indices, weights = get_vision_interpolation_indices_and_weights(
+            grid, num_grid_per_side=self.num_grid_per_side, mode=self.interpolation_mode,
+            align_corners=self.align_corners, spatial_merge_size=self.config.spatial_merge_size)
+        cu_seqlens, max_seqlen = get_vision_attention_seqlens(grid, self.config)
+        to_device = {"interp_indices": indices, "interp_weights": weights,
+                     "position_ids": get_vision_position_ids(grid, self.spatial_merge_size)}
+        host = {"max_seqlen": max_seqlen}
+        # varlen kernels read cu_seqlens on the device; the sdpa path splits by it on the host
+        (to_device if is_flash_attention_requested(self.config) else host)["cu_seqlens"] = cu_seqlens
+        return to_device, host
+
+
+@dataclass(frozen=True)
+class HostPrep:
+    """What a step reads on the host, computed from a batch's CPU copy: `prep(batch)` is the batch
+    plus "host_inputs" (the supervised positions and their targets, M-RoPE position ids, the vision
+    tower's grid inputs, the supervised count), all on the CPU. A picklable callable of config
+    values only (HostPrep.of(model)), so the recipe's DataLoader runs it in its worker processes
+    at collate time, and its pin_memory pins the result: the step then only queues non-blocking
+    copies (step_inputs), and this work runs while the GPU computes earlier steps. With
+    data.num_workers=0 the loader calls it on the main thread, before the step, as step_inputs
+    would: the workers are what take it off the step's critical path."""
+
+    rope_index: RopeIndex
+    vision: VisionGrid | None
+
+    @classmethod
+    def of(cls, model) -> HostPrep:
+        core = unwrap(model).model  # the Qwen3-VL model (language model + vision tower)
+        # the class that defines it: a wrapper's dynamic subclass (FSDP2) would not pickle by name
+        owner = next(c for c in type(core).__mro__ if "get_rope_index" in vars(c))
+        return cls(RopeIndex(owner, core.config), VisionGrid.of(core.visual))
+
+    def __call__(self, batch: dict) -> dict:
+        targets_BT = batch["labels"][:, 1:]
+        rows_N, cols_N = (targets_BT != IGNORE_INDEX).nonzero().unbind(1)  # what boolean-mask indexing computes
+        grid = batch.get("image_grid_thw")
+        grid = grid.cpu() if grid is not None else None  # transformers reads it on the host (split sizes)
+        facts = {"label_rows": rows_N, "label_cols": cols_N, "label_targets": targets_BT[rows_N, cols_N],
+                 "supervised": len(rows_N), "image_grid_thw": grid, "vision": {}, "vision_host": {}}
+        # a packed batch whose rows were all skipped (data.on_error=skip) has no samples: the step leaves it out
+        if "seq_lens" in batch and len(batch["seq_lens"]):
+            facts["position_ids"] = packed_position_ids_host(self.rope_index, batch["input_ids"],
+                                                             batch["mm_token_type_ids"], grid,
+                                                             batch["seq_lens"].tolist())
+        elif grid is not None:  # what the model's forward would compute (compute_3d_position_ids), here
+            facts["position_ids"], _ = self.rope_index(batch["input_ids"], batch["mm_token_type_ids"],
+                                                       image_grid_thw=grid, attention_mask=batch.get("attention_mask"))
+        if grid is not None and self.vision is not None:
+            facts["vision"], facts["vision_host"] = self.vision(grid)
+        return {**batch, "host_inputs": facts}
+
+
+def step_inputs(model, batch: dict, device: torch.device) -> dict:
+    """`batch` on `device`, with what its forward and loss need computed where the batch is (the
+    training step passes the CPU copy, so none of it syncs with the GPU): the supervised positions
+    and their targets (`label_rows`, `label_cols`, `label_targets`), M-RoPE position ids (packed:
+    per sample; padded with images: the model's own get_rope_index, which otherwise runs on the
+    device), the vision tower's grid inputs, and `host` (HostFacts). The values are the ones the
+    model would compute itself, so results are bit-identical. A batch from HostPrep (the recipe's
+    loader workers) has them already: then this only queues copies of pinned memory."""
+    core = unwrap(model)
+    if "host_inputs" not in batch:  # not prepared where batches are made: here, as the loader would
+        batch = HostPrep.of(model)(batch)
+    facts = batch["host_inputs"]
+    out = {k: v for k, v in batch.items() if k not in ("image_grid_thw", "host_inputs")}
+    out.update({k: facts[k] for k in ("label_rows", "label_cols", "label_targets", "position_ids") if k in facts})
+    out = {k: host_to_device(v, device) if isinstance(v, torch.Tensor) else v for k, v in out.items()}
+    packed_rows = None
+    if "seq_lens" in batch and use_packed_attention(core):  # the row's sequences computed once here, for every layer
+        packed_rows = PackedRows.of(batch["seq_lens"].tolist(), batch["input_ids"].shape[1], device)
+    vision = {**{k: host_to_device(v, device) for k, v in facts["vision"].items()}, **facts["vision_host"]}
+    out["host"] = HostFacts(facts["supervised"], facts["image_grid_thw"], vision, packed_rows)
+    return out
 
 
 def backbone_hidden(model, batch: dict) -> torch.Tensor:
-    """Last hidden states [B, T, H] of the language model (vision features merged in)."""
+    """Last hidden states [B, T, H] of the language model (vision features merged in), of a batch
+    from step_inputs (or a plain one, which it goes through first)."""
     core = unwrap(model)
+    if "host" not in batch:
+        batch = step_inputs(model, batch, batch["input_ids"].device)
+    host: HostFacts = batch["host"]
     inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
-    if "seq_lens" not in batch:
-        return core.model(**inputs, use_cache=False).last_hidden_state
-    # packed: no attention mask, per-sample positions instead; with sdpa, attention per sample
-    # (engine/packed_attention.py): the row's sequences computed once here, for every layer
-    seq_lens = batch["seq_lens"].tolist()
-    inputs["position_ids"] = packed_position_ids(core, batch["input_ids"], batch["mm_token_type_ids"],
-                                                 batch.get("image_grid_thw"), seq_lens)
-    if not use_packed_attention(core):  # eager / flash / flex, or packed_attention=mask: transformers' own
-        return core.model(**inputs, use_cache=False).last_hidden_state
-    rows = PackedRows.of(seq_lens, batch["input_ids"].shape[1], batch["input_ids"].device)
-    with packed_forward():
-        return core.model(**inputs, use_cache=False, packed_rows=rows).last_hidden_state
+    if host.image_grid_thw is not None:
+        inputs["image_grid_thw"] = host.image_grid_thw
+    if "position_ids" in batch:
+        inputs["position_ids"] = batch["position_ids"]
+    with contextlib.ExitStack() as stack:
+        if host.vision:  # the tower takes them as kwargs; the language model must not get them
+            hook = core.model.visual.register_forward_pre_hook(
+                lambda module, args, kwargs: (args, {**host.vision, **kwargs}), with_kwargs=True)
+            stack.callback(hook.remove)
+        if host.packed_rows is None:  # padded; or packed with eager / flash / flex / packed_attention=mask
+            return core.model(**inputs, use_cache=False).last_hidden_state
+        # packed, sdpa: attention per sample (engine/packed_attention.py), no [T, T] mask
+        stack.enter_context(packed_forward())
+        return core.model(**inputs, use_cache=False, packed_rows=host.packed_rows).last_hidden_state
 
 
 # ----------------------------------------------------------------------------- lm_head + loss
@@ -222,6 +382,8 @@ def sft_loss_sum(model, batch: dict, keep_vision: bool = False, loss: LossConfig
     `keep_vision`: run the vision tower even on a batch without images (vision_keepalive), first,
     where a batch with images runs it too: sharded, every rank then gathers the same units in the
     same order."""
+    if "host" not in batch:  # a plain batch: what step_inputs reads, read where it is
+        batch = step_inputs(model, batch, batch["input_ids"].device)
     if keep_vision and batch.get("pixel_values") is None:
         keepalive = vision_keepalive(model, batch["input_ids"].device)
         # joined to the token embeddings, where a batch's image features join: the first decoder
@@ -235,12 +397,12 @@ def sft_loss_sum(model, batch: dict, keep_vision: bool = False, loss: LossConfig
             hook.remove()
     else:
         hidden_BTH = backbone_hidden(model, batch)
-    targets_BT = batch["labels"][:, 1:]
-    supervised_BT = targets_BT != IGNORE_INDEX
-    hidden_NH = hidden_BTH[:, :-1][supervised_BT]
-    loss_sum = linear_cross_entropy_sum(hidden_NH, unwrap(model).lm_head, targets_BT[supervised_BT],
-                                        loss.impl, loss.chunk_size)
-    return loss_sum, int(supervised_BT.sum())
+    # the supervised positions, found on the host (step_inputs): boolean-mask indexing here would
+    # run a nonzero on the device, a sync, twice
+    hidden_NH = hidden_BTH[:, :-1][batch["label_rows"], batch["label_cols"]]
+    loss_sum = linear_cross_entropy_sum(hidden_NH, unwrap(model).lm_head, batch["label_targets"], loss.impl,
+                                        loss.chunk_size)
+    return loss_sum, batch["host"].supervised
 
 
 def count_supervised(batch: dict) -> int:

@@ -66,7 +66,7 @@ class PackedRows:
             raise ValueError(f"packed row: seq_lens sum to {sum(seq_lens)}, more than the row's {row_length} tokens")
         cu = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
         # one small host-to-device copy per forward (not per layer); pinned so it does not sync
-        cu = cu.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else cu.to(device)
+        cu = (cu.pin_memory() if device.type == "cuda" else cu).to(device, non_blocking=True)
         varlen = _varlen() if device.type == "cuda" and _flash_capable(device.index or 0) else None
         return cls(tuple(lengths), cu, max(lengths), varlen)
 

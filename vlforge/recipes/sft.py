@@ -23,9 +23,9 @@ from vlforge.data.dataset import Batching, ChatDataset, global_batches, load_dat
 from vlforge.data.encode import collate, pack
 from vlforge.data.jsonl import DataError, check_readable
 from vlforge.engine.distributed import no_sync
-from vlforge.engine.evaluate import to_device
 from vlforge.engine.health import GradHealth
-from vlforge.engine.losses import count_supervised, count_tokens, drop_keepalive_grads, real_tokens, sft_loss_sum
+from vlforge.engine.losses import (HostPrep, count_supervised, count_tokens, drop_keepalive_grads, real_tokens,
+                                   sft_loss_sum, step_inputs)
 from vlforge.engine.metrics import plot_metric, read_metrics
 from vlforge.engine.moe import aux_term, capture
 from vlforge.engine.run import Run, begin_run
@@ -34,22 +34,31 @@ from vlforge.engine.trainable import Trainable, setup_model
 from vlforge.model.tiers import plan_summary, unwrap
 
 
+def _join_and_prepare(join, prepare, samples: list[dict]) -> dict:
+    return prepare(join(samples))
+
+
 def micro_batches(data: ChatDataset, batch_size: int | Batching, seed: int, epoch: int, position: int,
                   num_workers: int, token_multiple: int = 1, rank: int = 0, world_size: int = 1,
-                  pad_to: int | None = None):
+                  pad_to: int | None = None, prepare: HostPrep | None = None, pin_memory: bool = False):
     """Endless stream of (batch, epoch, position-after) continuing across epochs; resumable.
 
     `batch_size`: samples per micro-batch, or a Batching (token budget, packed rows). With several
     ranks, each global micro-batch (the micro-batches one process would take in turn, one per
     rank) is split so that rank r takes the r-th part (data.dataset.global_batches); epoch and
     position count global samples, so a run resumes on any number of ranks. `pad_to`: packed
-    rows' fixed length (flex_attention)."""
+    rows' fixed length (flex_attention). `prepare` (HostPrep.of(model)): what the step reads on
+    the host, computed in the loader's workers at collate time; `pin_memory`: the loader pins
+    each batch (its own thread), so the step's copies to the GPU are non-blocking without a
+    memcpy on the main thread."""
     batching = batch_size if isinstance(batch_size, Batching) else Batching(batch_size)
     lengths = data.lengths
     if batching.packed:  # a partial, not a lambda: picklable for worker processes
         collate_fn = functools.partial(pack, pad_id=data.encoder.pad_id, multiple=token_multiple, pad_to=pad_to)
     else:
         collate_fn = functools.partial(collate, pad_id=data.encoder.pad_id, multiple=token_multiple)
+    if prepare is not None:
+        collate_fn = functools.partial(_join_and_prepare, collate_fn, prepare)
     while True:
         global_lists = list(global_batches(lengths, batching, seed, epoch, position, world_size))
         if not global_lists:
@@ -65,7 +74,7 @@ def micro_batches(data: ChatDataset, batch_size: int | Batching, seed: int, epoc
         # from the global RNG instead would shift dropout masks after a mid-epoch resume.
         loader = torch.utils.data.DataLoader(
             data, batch_sampler=[ix for ix, _ in index_lists], num_workers=num_workers, collate_fn=collate_fn,
-            generator=torch.Generator().manual_seed(seed + epoch))
+            pin_memory=pin_memory, generator=torch.Generator().manual_seed(seed + epoch))
         for batch, (_, pos) in zip(loader, index_lists):
             yield batch, epoch, pos
         epoch, position = epoch + 1, 0
@@ -89,9 +98,15 @@ def train_step(t: Trainable, micro: list[dict], optimizer, scaler, health: GradH
         optimizer.zero_grad(set_to_none=True)
         return {"loss": float("nan"), "grad_norm": 0.0, "skipped": True, **skipped, "supervised_tokens": 0,
                 "tokens": sum(count_tokens(b) for b in micro)}
-    loss_total = 0.0
+    loss_total = None  # fp64 on the device, read once after the last backward (a read per micro-batch is a sync)
     for i, batch in enumerate(micro):
-        batch = to_device(batch, t.device)
+        # positions, counts and label indices from the CPU copy, then the batch to the device (no sync).
+        # The recipe's loader computed them in its workers (HostPrep, pinned by its pin_memory), so here
+        # only copies are queued. Workers rather than a one-ahead pipeline here (micro-batch i+1's host
+        # work after launching i's backward): that would hide nothing for a step's first micro-batch,
+        # where the GPU is idle after the previous step's loss read, so nothing with grad_accum=1; the
+        # workers' prefetch overlaps every micro-batch, the first included, with the steps before it.
+        batch = step_inputs(t.model, batch, t.device)
         with t.policy.autocast(), capture(t.routing, real_tokens(batch)) as routed:  # MoE: router logits
             # fp32 whatever the compute dtype; distributed, through the FSDP2 root unit or DDP (which also
             # runs the vision tower on a text-only micro-batch: the other ranks' collectives wait for it)
@@ -103,9 +118,11 @@ def train_step(t: Trainable, micro: list[dict], optimizer, scaler, health: GradH
         # makes it so: no x world size), logged apart as moe/aux_loss
         with no_sync(t.root, last=i == len(micro) - 1):
             scaler.scale(micro_loss * world.size + aux_term(t.routing, routed, len(micro))).backward()
-        loss_total += float(micro_loss.detach())
+        micro_loss = micro_loss.detach().double()  # fp64, as the host's float sum it replaces: the same bits
+        loss_total = micro_loss if loss_total is None else loss_total + micro_loss
     # the global batch's loss (the same on every rank), its micro-batches with images, its tokens
-    loss_total, with_images, tokens = world.sums(loss_total, sum(b.get("pixel_values") is not None for b in micro),
+    loss_total, with_images, tokens = world.sums(loss_total.item(),
+                                                 sum(b.get("pixel_values") is not None for b in micro),
                                                  sum(count_tokens(b) for b in micro))
     if world.wrapped and not with_images:
         drop_keepalive_grads(t.model)
@@ -149,9 +166,11 @@ def run_sft(cfg: SFTConfig) -> dict:
 
         # flex_attention compiles for each new shape: packed rows of one fixed length (the budget) then
         pad_to = batching.packed_length if cfg.model.attn_implementation == "flex_attention" else None
+        # the step's host inputs made with the batches (in the workers, with data.num_workers > 0)
         stream = micro_batches(train_data, batching, tc.seed, run.state["epoch"], run.state["position"],
                                resolve_num_workers(cfg.data.num_workers, t.device), batching.multiple,
-                               world.rank, world.size, pad_to)
+                               world.rank, world.size, pad_to, prepare=HostPrep.of(t.model),
+                               pin_memory=t.device.type == "cuda")
         bar = tqdm(total=total_steps, initial=run.step, disable=not (cfg.log.progress and world.main), desc="sft",
                    dynamic_ncols=True)
         while run.step < total_steps:
