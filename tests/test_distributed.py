@@ -36,9 +36,9 @@ def launch(args: list[str], cwd, nproc: int = 2) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
 
 
-def losses(run_dir) -> list[float]:
-    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-            if "loss" in json.loads(line)]
+def losses(run_dir, key: str = "loss") -> list[float]:
+    return [json.loads(line)[key] for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+            if key in json.loads(line)]
 
 
 def config_file(tmp_path, train_jsonl, *overrides) -> str:
@@ -68,6 +68,9 @@ def test_two_processes_equal_one_and_resume_on_another_world_size(shapes_dir, tm
     third = launch(args + ["train.batch_size=2", "train.max_steps=4"], tmp_path)
     assert third.returncode == 0, third.stderr[-3000:]
     assert losses(split) == pytest.approx(losses(straight), rel=1e-5)
+    # the norms come from each rank's shards, summed in one all-reduce: the whole gradient's norms
+    for key in ("grad_norm", "grad_norm/language", "grad_norm/vision"):
+        assert losses(split, key) == pytest.approx(losses(straight, key), rel=1e-5), key
 
     export(split / "checkpoint-4", tmp_path / "consolidated", dtype=torch.float32)  # plain HF directory
     ours, theirs = load_file(tmp_path / "consolidated" / "model.safetensors"), \
