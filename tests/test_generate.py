@@ -236,3 +236,28 @@ def test_a_feed_lets_finished_requests_leave_even_behind_a_blocker_that_has_wait
     feed.finish(gone2)
     assert [t for t, _ in feed._take(fits)] == [gone2]  # the blocker's turn: only the finished one leaves
     assert [t for t, _ in feed._new] == [long, again]
+
+
+def test_compaction_moves_the_tail_into_a_smaller_bucket_without_changing_tokens(setup):
+    """8 rows in 8 slots, the longest in the last slot: once the 7 short ones finish, compaction
+    moves it to slot 0 (bucket 8 -> 1). Every row's tokens, log-probs and streamed pieces are the
+    ones it gets without compaction, greedy and sampled."""
+    model, encoder, samples = setup
+    for temperature in (0.0, 1.0):
+        requests = [GenRequest(prompt_of(encoder, samples[i % 4]), max_new_tokens=3 if i < 7 else 20,
+                               temperature=temperature, seed=5, first_row=i) for i in range(8)]
+        outs = {}
+        for compact in (False, True):
+            engine = Engine(model, sync_every=2, compact=compact)
+            pieces = {}
+            results = run(engine, encoder, requests, stop_ids=[],
+                          on_tokens=lambda i, s, ids: pieces.setdefault(i, []).extend(ids))
+            outs[compact] = (results, pieces, copy.copy(engine.stats))
+        (plain, plain_pieces, plain_stats), (moved, moved_pieces, moved_stats) = outs[False], outs[True]
+        assert plain_stats.compactions == 0 and moved_stats.compactions == 1
+        assert moved_stats.row_steps < plain_stats.row_steps / 2  # the tail ran 1 row a step, not 8
+        for a, b in zip(plain, moved):
+            assert torch.equal(a.tokens, b.tokens), temperature
+            torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-6, rtol=1e-6)
+        assert moved_pieces == plain_pieces
+        assert [len(r.tokens) for r in moved] == [3] * 7 + [20]

@@ -350,3 +350,29 @@ def test_moe_with_the_eager_expert_loop_decodes_without_cuda_graphs(tiny_moe, pr
     on_gpu = (encoder, {k: v.cuda() if torch.is_tensor(v) else v for k, v in batch.items()})
     engine, results = _engine_routes(model, on_gpu)
     assert not engine.graphs and len(results) == 6
+
+
+def test_compaction_moves_recorded_routes_with_their_rows(tiny_moe, prompts):
+    """Rows moved into lower slots (Engine._compact: the long request's pair in slots 2-3 moves to
+    0-1 once the short one's pair is done) keep their recorded experts: the same routes, tokens and
+    log-probs as without compaction."""
+    from vlforge.generate.engine import Engine, GenRequest, prompts_of_batch
+    from vlforge.generate.forward import vision_token_ids
+
+    model = copy.deepcopy(tiny_moe[0]).eval()
+    encoder, batch = prompts
+    short, long = prompts_of_batch(batch, [1, 1, 1])[:2]
+    requests = [GenRequest(short, n=2, max_new_tokens=3, temperature=1.0, seed=3),
+                GenRequest(long, n=2, max_new_tokens=14, temperature=1.0, seed=3, first_row=2)]
+    outs = {}
+    for compact in (False, True):
+        engine = Engine(model, sync_every=2, compact=compact)
+        results = engine.generate(requests, stop_ids=[], banned_ids=vision_token_ids(encoder),
+                                  image_token_id=encoder.image_token_id, pad_id=encoder.pad_id, record_routes=True)
+        outs[compact] = (results, engine.stats.compactions)
+    (plain, none), (moved, some) = outs[False], outs[True]
+    assert none == 0 and some == 1
+    for a, b in zip(plain, moved):
+        assert torch.equal(a.tokens, b.tokens) and torch.equal(a.routes, b.routes)
+        torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-6, rtol=1e-6)
+    assert [len(r.tokens) for r in moved] == [3, 3, 14, 14]
