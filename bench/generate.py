@@ -11,7 +11,9 @@ Workload (one process, the same inputs for every path, random weights, bf16): 8 
 448x448 image + ~60 words each) x 8 samples = 64 sequences x 256 new tokens at temperature 1,
 EOS never taken (every sequence runs the full length); then for the engine alone 32 prompts x 8
 = 256 x 256, and a mixed-length run: 256 requests whose lengths are drawn from 16-512 (standing
-in for EOS) through 64 slots (continuous batching). Each case runs once in full before the timed
+in for EOS) through 64 slots (continuous batching), and `tail`: 64 rows at once (8 prompts x 8) with
+lengths 16-512, with and without compaction (vlforge-nocompact: rows stay in their first slots).
+Each case runs once in full before the timed
 run (warm: CUDA graphs captured, torch.compile done; their time is reported as capture_s /
 compile_s). Prints one JSON line per case (also appended to --out) and a table at the end.
 
@@ -98,6 +100,7 @@ def case_engine(name, core, engine, encoder, requests, slots=None):
             "generated_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "ms_per_step": ms,
             "decode_steps": st.steps, "prefill_s": st.prefill_s, "prefills": st.prefills,
             "capture_s": capture_s, "first_run_s": first_s, "graphs": len(engine.graphs),
+            "row_steps": st.row_steps, "compactions": st.compactions,
             "peak_gb": torch.cuda.max_memory_allocated() / 1e9, "floor_ms": floor, "floor_frac": floor / ms}
 
 
@@ -126,7 +129,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="qwen3vl-2b")
     ap.add_argument("--paths", default="vlforge,hf-dynamic,hf-static")
-    ap.add_argument("--cases", default="64x256,256x256,mixed")
+    ap.add_argument("--cases", default="64x256,256x256,mixed,tail")
     ap.add_argument("--sync-every", type=int, default=8)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
@@ -189,6 +192,15 @@ def main() -> None:
         mixed = [GenRequest(p, max_new_tokens=rng.randint(16, 512), temperature=1.0, seed=2, first_row=i)
                  for i, p in enumerate(prompts_of_batch(large, [1] * 32) * 8)]
         attempt(lambda: case_engine("mixed-16-512", core, engine, encoder, mixed, slots=64))
+    if "tail" in cases and "vlforge" in paths:  # a GRPO round: 64 rows at once, EOS at 16-512 tokens
+        rng = random.Random(3)
+        tail = [GenRequest(p, max_new_tokens=rng.randint(16, 512), temperature=1.0, seed=3, first_row=i)
+                for i, p in enumerate(prompts_of_batch(small, [1] * 8) * 8)]
+        for compact in (True, False):  # running rows moved down into freed slots, or left where they started
+            engine.compact = compact
+            attempt(lambda: {**case_engine("tail-16-512", core, engine, encoder, tail),
+                             "path": "vlforge" if compact else "vlforge-nocompact"})
+        engine.compact = True
 
     print(f"\n{args.preset}  {torch.cuda.get_device_name()}")
     print(f"{'case':14} {'path':12} {'seqs':>5} {'tok/s':>8} {'ms/step':>8} {'prefill s':>9} {'capture s':>9} "
