@@ -77,7 +77,11 @@ def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device, non_blocking=True)
 
 
-@dataclass(frozen=True, eq=False)  # a dataclass: FSDP2/DDP move a forward's tensors in dicts and tuples, not in it
+# A dataclass: FSDP2's and DDP's input move (torch.distributed.utils._recursive_to) enters dicts and
+# tuples, not dataclasses, so the host tensors stay on the host. (FSDP2's mixed-precision input cast
+# does enter it: the vision kwargs' float interpolation weights become the param dtype, as the tower's
+# weights are under FSDP2.)
+@dataclass(frozen=True, eq=False)
 class HostFacts:
     """What a step's forward and loss read on the host, computed from the batch's CPU copy before it
     moves (step_inputs): on the GPU each such read would stall the CPU until the queue drains."""
