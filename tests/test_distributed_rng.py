@@ -1,7 +1,8 @@
 """Each rank's RNG after a resume (torchrun, gloo, tiny model): its own saved stream on the world
 size that saved it; on a larger world a fresh stream from (train.seed, step, rank) for each new
 rank, never a copy of rank 0's; rank 0's on every rank where the recipe keeps one stream in
-lockstep (GRPO: `shared_rng`). One 2-rank launch runs every case (this file is its script).
+lockstep (GRPO: `shared_rng`). On a fresh start, rank r > 0 leaves the common seed for the
+stream of (train.seed, 0, r) (GRPO: not). One 2-rank launch runs every case (this file is its script).
 """
 
 import os
@@ -28,6 +29,8 @@ CASES = {
     "grown-sharded": ("one-fsdp2/checkpoint-1", "fsdp2", False),  # saved by FSDP2 on one process
     "grown-ddp": ("one/checkpoint-1", "ddp", False),  # a one-process checkpoint on 2 DDP ranks
     "grown-shared": ("one/checkpoint-1", "ddp", True),  # the same, GRPO's lockstep stream
+    "fresh": (None, "fsdp2", False),  # no checkpoint: rank 1 leaves the common seed for its own stream
+    "fresh-shared": (None, "ddp", True),  # no checkpoint, GRPO: every rank the same stream
 }
 
 
@@ -51,7 +54,7 @@ def probe(tmp: str, train_jsonl: str) -> None:
         world = init_world(cfg.distributed, cfg.train.device)
         seed_everything(cfg.train.seed)  # as begin_run does
         t = setup_model(cfg, world=world)
-        Run.start(cfg, t, 4, None, tmp / checkpoint, spikes=True, shared_rng=shared)
+        Run.start(cfg, t, 4, None, checkpoint and tmp / checkpoint, spikes=True, shared_rng=shared)
         torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, tmp / f"{name}-{world.rank}.pt")
     group.close()
 
@@ -109,6 +112,9 @@ def test_resumed_ranks_get_their_own_or_a_fresh_rng_stream(shapes_dir, tmp_path)
         assert not _same(got[name][1], got[name][0]), name
     # GRPO's lockstep stream: every rank rank 0's
     assert all(_same(got["grown-shared"][r], saved["one/checkpoint-1/rng.pt"]) for r in (0, 1))
+    # a fresh start: rank 1 its own stream (different dropout masks), rank 0 the common one; GRPO: the same
+    assert _same(got["fresh"][1], _fresh(0, 0, 1)) and not _same(got["fresh"][0], got["fresh"][1])
+    assert _same(got["fresh-shared"][0], got["fresh-shared"][1]) and _same(got["fresh-shared"][0], got["fresh"][0])
     assert "exact resume needs 1 process(es)" in result.stdout  # the note of a resume on another world size
 
 

@@ -81,10 +81,15 @@ def restore_rng(path: Path, rank: int, seed: int, step: int, shared: bool = Fals
     if saved.is_file():
         set_rng_state(torch.load(saved, weights_only=False))
         return True
-    fresh = rank_seed(seed, step, rank)
-    torch.manual_seed(fresh)  # the CPU generator and every CUDA device's
-    random.seed(fresh)
+    fresh_rng(seed, step, rank)
     return False
+
+
+def fresh_rng(seed: int, step: int, rank: int) -> None:
+    """Seed this process's torch (CPU and every CUDA device) and Python RNG with rank_seed."""
+    fresh = rank_seed(seed, step, rank)
+    torch.manual_seed(fresh)
+    random.seed(fresh)
 
 
 def list_checkpoints(output_dir: str | Path) -> list[Path]:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from vlforge.config import ConfigError, RunConfig, dump_config, resolve_paths
 from vlforge.data.dataset import ChatDataset
-from vlforge.engine.checkpoint import (load_checkpoint, load_sharded_checkpoint, save_checkpoint,
+from vlforge.engine.checkpoint import (fresh_rng, load_checkpoint, load_sharded_checkpoint, save_checkpoint,
                                        save_sharded_checkpoint)
 from vlforge.engine.distributed import World, gathered, init_world
 from vlforge.engine.evaluate import EvalRecorder
@@ -113,6 +113,11 @@ class Run:
                           "weights, optimizer and data order continue exactly, the RNG streams (dropout) do not "
                           "(ranks the saving run lacked start fresh ones from train.seed, step and rank); "
                           f"exact resume needs {saved} process(es)")
+        elif world.size > 1 and world.rank > 0 and not shared_rng:
+            # a fresh start: every rank was seeded alike so that presets initialise identically; from
+            # here each rank > 0 draws its own stream (its dropout masks), rank 0 goes on with the
+            # one-process run's
+            fresh_rng(cfg.train.seed, 0, world.rank)
         step = state.get("step", 0)
         # every rank evaluates (a sharded forward needs them all; DDP's ranks would wait for rank 0 anyway); rank 0 writes
         metrics = MetricsLog(out, cfg.log.tensorboard, resume_step=step if resume_from else 0) if world.main \
