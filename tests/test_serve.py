@@ -20,7 +20,7 @@ pytest.importorskip("prometheus_client")
 import torch  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from vlforge.serve.app import create_app  # noqa: E402
+from vlforge.serve.app import create_app, uvicorn_config  # noqa: E402
 from vlforge.serve.config import ServeConfig  # noqa: E402
 from vlforge.serve.engine import Completion, InferenceEngine, Request, _BatchStreamer  # noqa: E402
 
@@ -37,7 +37,7 @@ class LiveServer:
         self.sock.bind(("127.0.0.1", 0))
         port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{port}"
-        self.server = server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+        self.server = server(uvicorn_config(app, host="127.0.0.1", port=port, log_level="warning"))  # as `serve`
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
 
     def __enter__(self):
@@ -532,6 +532,56 @@ def test_an_oversized_body_that_stalls_gets_413_not_408():
         status, headers, raw = _stalled_answer(sock, trickle=False)
         assert status == 413 and headers.get("connection") == "close", (status, headers)
         assert json.loads(raw)["error"]["code"] == "request_too_large"
+
+
+def _port(s: LiveServer) -> int:
+    return int(s.url.rsplit(":", 1)[1])
+
+
+@pytest.mark.parametrize("sent", [b"", b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"])
+def test_request_headers_that_do_not_arrive_in_time_get_408_and_a_closed_connection(sent):
+    """A client that connects and sends nothing, or half its headers, is answered 408 once
+    --header-timeout has passed and disconnected (uvicorn alone would hold it for ever); the server
+    keeps serving."""
+    app = create_app(ScriptedEngine(), ServeConfig(header_timeout_s=0.5))
+    with LiveServer(app) as s, socket.create_connection(("127.0.0.1", _port(s))) as sock:
+        start = time.monotonic()
+        sock.sendall(sent)
+        status, headers, raw = _stalled_answer(sock, trickle=False)
+        assert status == 408 and headers.get("connection") == "close", (status, headers)
+        assert json.loads(raw)["error"]["code"] == "request_timeout"
+        assert time.monotonic() - start >= 0.45  # not before the deadline
+        with httpx.Client(base_url=s.url, timeout=30) as c:
+            assert c.post("/v1/chat/completions", json={"messages": user("hi")}).status_code == 200
+
+
+def test_the_header_deadline_restarts_for_each_request_and_spares_a_body_in_progress():
+    """On one kept-alive connection: a request whose body takes longer than --header-timeout (its
+    headers came in time; the body has --body-timeout) is answered 200; after it, the next request's
+    half-sent headers get 408 once the deadline, counted from their first byte, has passed."""
+    app = create_app(ScriptedEngine(), ServeConfig(header_timeout_s=0.5, body_timeout_s=10))
+    payload = json.dumps({"messages": user("hi")}).encode()
+    with LiveServer(app) as s, socket.create_connection(("127.0.0.1", _port(s))) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(payload))
+        for i in range(0, len(payload), len(payload) // 4 + 1):  # the body over ~1.2 s
+            time.sleep(0.3)
+            sock.sendall(payload[i:i + len(payload) // 4 + 1])
+        sock.settimeout(30)
+        answer = b""
+        while b"\r\n\r\n" not in answer:
+            answer += sock.recv(65536)
+        head, _, rest = answer.partition(b"\r\n\r\n")
+        length = next(int(v) for k, _, v in (line.partition(b":") for line in head.split(b"\r\n"))
+                      if k.strip().lower() == b"content-length")
+        while len(rest) < length:  # the whole answer read: the connection is idle again
+            rest += sock.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+        time.sleep(1.0)  # idle between requests: not the header deadline's (uvicorn's keep-alive is 5 s)
+        start = time.monotonic()
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 1")
+        status, headers, _ = _stalled_answer(sock, trickle=False)
+        assert status == 408 and time.monotonic() - start >= 0.45, status
 
 
 # ---------------------------------------------------------------------------------- the CLI

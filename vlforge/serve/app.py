@@ -430,6 +430,65 @@ def _draining_server() -> type:
     return DrainingServer
 
 
+HEADER_TIMEOUT_BODY = (b'{"error": {"message": "the request line and headers did not arrive in time (--header-timeout)", '
+                       b'"type": "invalid_request_error", "param": null, "code": "request_timeout"}}')
+HEADER_TIMEOUT_RESPONSE = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
+                           b"content-length: %d\r\n\r\n" % len(HEADER_TIMEOUT_BODY)) + HEADER_TIMEOUT_BODY
+
+
+@functools.cache
+def header_deadline_protocol(seconds: float) -> type:
+    """uvicorn's HTTP protocol (httptools or h11, whichever uvicorn picks) with a deadline for each
+    request's line and headers: `seconds` from the connection's start, or from the first byte after
+    its previous answer (idle kept-alive connections are uvicorn's own timeout_keep_alive). Past it
+    the client gets 408 and the connection closes. uvicorn has no such timeout (only the request
+    body has one, the app's --body-timeout), so written here, on the protocol class uvicorn takes
+    as `Config(http=...)`."""
+    from uvicorn.protocols.http.auto import AutoHTTPProtocol
+
+    class HeaderDeadline(AutoHTTPProtocol):
+        _deadline = None
+        _armed_for = None  # the request cycle current when armed: a new one means the headers came
+
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            between = self.cycle is None or self.cycle.response_complete  # these bytes start a request
+            if between and (self._deadline is None or self._armed_for is not self.cycle):
+                self._arm()
+            super().data_received(data)
+
+        def connection_lost(self, exc):
+            if self._deadline is not None:
+                self._deadline.cancel()
+            super().connection_lost(exc)
+
+        def _arm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+            self._armed_for = self.cycle
+            self._deadline = self.loop.call_later(seconds, self._expired)
+
+        def _expired(self) -> None:
+            self._deadline = None
+            waiting = self.cycle is self._armed_for and (self.cycle is None or self.cycle.response_complete)
+            if waiting and not self.transport.is_closing():
+                self.transport.write(HEADER_TIMEOUT_RESPONSE)
+                self.transport.close()
+
+    return HeaderDeadline
+
+
+def uvicorn_config(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info"):
+    """The uvicorn.Config `serve` runs `app` (create_app's) with: its --header-timeout on the protocol."""
+    uvicorn = require_uvicorn()
+    state = getattr(getattr(app, "state", None), "vlforge", None)
+    timeout = state.cfg.header_timeout_s if state is not None else ServeConfig().header_timeout_s
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=header_deadline_protocol(timeout))
+
+
 def __getattr__(name: str):
     # `from vlforge.serve.app import DrainingServer` still works; the class is made on first use,
     # since its base class is uvicorn's
@@ -440,8 +499,7 @@ def __getattr__(name: str):
 
 def serve(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
     """Serve `app` (create_app's) with uvicorn until SIGINT/SIGTERM, then drain (DrainingServer)."""
-    uvicorn = require_uvicorn()
-    _draining_server()(uvicorn.Config(app, host=host, port=port, log_level=log_level)).run()
+    _draining_server()(uvicorn_config(app, host, port, log_level)).run()
 
 
-__all__ = ["create_app", "require_uvicorn", "serve"]  # and DrainingServer, made on first use (__getattr__)
+__all__ = ["create_app", "require_uvicorn", "serve", "uvicorn_config"]  # and DrainingServer, made on first use (__getattr__)

@@ -49,6 +49,11 @@ class ServeConfig:
     # its connection and a task for ever. 30 s: a 20 MB body (--max-body-mb) at ~0.7 MB/s.
     body_timeout_s: float = _flag(30.0, "--body-timeout", "seconds a client has to send its whole request body "
                                                           "once its headers arrived (slower: 408)", minimum=0.1)
+    # uvicorn times out idle kept-alive connections, not a client that connects and sends its request
+    # line and headers slowly or never (slowloris: each holds a connection and its buffers for ever)
+    header_timeout_s: float = _flag(30.0, "--header-timeout", "seconds a client has to send a request's line and "
+                                                              "headers, from connecting or from its previous "
+                                                              "answer (slower: 408, connection closed)", minimum=0.1)
     max_image_pixels: int = _flag(4096 * 4096, "--max-image-pixels",
                                   "largest image (width x height), checked on its header before decoding")
     max_images: int = _flag(8, "--max-images", "images per request")
