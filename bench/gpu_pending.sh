@@ -12,7 +12,8 @@
 #   Fifth session: fsdp1 (issue 10: FSDP2 at world size 1 vs one process, eager and compiled, both
 #   reshard settings), fp8 (issues 13/15: 8B full, 200 steps, compiled bf16 vs torchao tensorwise in one call)
 #   Still to run after the fifth session (device withdrawn after 3 calls): gen2b, gen8b (now with the `tail`
-#   case: compaction on/off), serve, grpo, mem, fp8prof (where the 8B FP8 step's time goes)
+#   case: compaction on/off), serve, grpo, mem, fp8prof (where the 8B FP8 step's time goes), tests3 (gpu tests
+#   of the fifth session: greedy parity on a saved 2B-architecture model, compaction under CUDA graphs)
 #   OUT=/some/dir GROUP=moe   bash bench/gpu_pending.sh  # 30B-A3B: peft peer vs ours same process; NF4 memory/decode
 #   OUT=/some/dir GROUP=mem   bash bench/gpu_pending.sh  # selective checkpointing and the activation memory budget
 # (carry .whl/train, and .whl/ao (torchao) for GROUP=tests, .whl/bnb (bitsandbytes) for moe and mem)
@@ -60,6 +61,8 @@ case $GROUP in
            r 1 $b precision.compile=true --profile "$OUT/prof-8b-bf16.txt"
            r 2 $b precision.fp8.enabled=true --profile "$OUT/prof-8b-fp8.txt" ;;
   fp8) for side in 8b-bf16 8b-fp8; do OUT=$OUT timeout 290 bash bench/gpu_fp8.sh $side > "$OUT/fp8-$side.txt" 2>&1; done ;;
+  tests3) timeout 300 python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_generate.py --tb=short \
+           > "$OUT/pytest.txt" 2>&1 ;;
   tests2) timeout 170 python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_packing.py tests/test_losses.py \
            tests/test_router_replay.py tests/test_generate.py --tb=short > "$OUT/pytest.txt" 2>&1 ;;
   lora8b) for impl in chunked liger; do (cd bench && timeout 270 python3 train.py --preset qwen3vl-8b --method lora \

@@ -261,3 +261,39 @@ def test_compaction_moves_the_tail_into_a_smaller_bucket_without_changing_tokens
             torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-6, rtol=1e-6)
         assert moved_pieces == plain_pieces
         assert [len(r.tokens) for r in moved] == [3] * 7 + [20]
+
+
+@pytest.mark.gpu
+def test_greedy_equals_transformers_generate_on_a_saved_2b_architecture(shapes_dir, tmp_path):
+    """The 2B architecture (random weights, fp32, TF32 off), saved as an HF directory and loaded back
+    as users load theirs: the engine's greedy tokens (CUDA graphs) equal transformers' generate's."""
+    from vlforge.config import ModelConfig
+    from vlforge.model.load import load_model
+
+    cuda = torch.device("cuda")
+    model, processor = load_model(ModelConfig(preset="qwen3vl-2b"), dtype=torch.float32, device=cuda)
+    model.save_pretrained(tmp_path / "2b")
+    processor.save_pretrained(tmp_path / "2b")
+    del model
+    torch.cuda.empty_cache()
+    model, processor = load_model(ModelConfig(path=str(tmp_path / "2b")), dtype=torch.float32, device=cuda)
+    model.eval()
+    data = load_dataset(str(shapes_dir / "train.jsonl"), processor, DataConfig())
+    encoder, chosen = data.encoder, data.samples[:4]
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    try:
+        batch = collate([encode_prompt(encoder, s) for s in chosen], encoder.pad_id, left_pad=True)
+        batch = {k: v.to(cuda) for k, v in batch.items()}
+        with torch.no_grad():
+            out = model.generate(**batch, max_new_tokens=16, do_sample=False, pad_token_id=encoder.pad_id,
+                                 eos_token_id=None)
+        reference = out[:, batch["input_ids"].shape[1]:].cpu()
+        engine = Engine(model, use_graphs=True)
+        results = engine.generate([GenRequest(prompt_of(encoder, s), max_new_tokens=16) for s in chosen],
+                                  stop_ids=[], banned_ids=[], image_token_id=encoder.image_token_id,
+                                  pad_id=encoder.pad_id)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+    assert engine.graphs  # the CUDA-graph decode, as GRPO and serve run it
+    assert torch.equal(torch.stack([r.tokens for r in results]), reference)
