@@ -238,11 +238,14 @@ def test_a_feed_lets_finished_requests_leave_even_behind_a_blocker_that_has_wait
     assert [t for t, _ in feed._new] == [long, again]
 
 
-def test_compaction_moves_the_tail_into_a_smaller_bucket_without_changing_tokens(setup):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_compaction_moves_the_tail_into_a_smaller_bucket_without_changing_tokens(setup, device):
     """8 rows in 8 slots, the longest in the last slot: once the 7 short ones finish, compaction
     moves it to slot 0 (bucket 8 -> 1). Every row's tokens, log-probs and streamed pieces are the
-    ones it gets without compaction, greedy and sampled."""
+    ones it gets without compaction, greedy and sampled (on CUDA: through the captured graphs, whose
+    buffers the move writes in place)."""
     model, encoder, samples = setup
+    model = model.to(device)
     for temperature in (0.0, 1.0):
         requests = [GenRequest(prompt_of(encoder, samples[i % 4]), max_new_tokens=3 if i < 7 else 20,
                                temperature=temperature, seed=5, first_row=i) for i in range(8)]
