@@ -7,7 +7,7 @@ import torch
 from vlforge.config import HealthConfig
 from vlforge.data.dataset import load_dataset
 from vlforge.data.encode import collate
-from vlforge.engine.health import GradHealth, LossSpikes, TrainingDiverged
+from vlforge.engine.health import GradHealth, LossSpikes, TrainingDiverged, clip_to, grad_norms
 from vlforge.engine.optim import build_optimizer
 from vlforge.model.tiers import param_groups
 from vlforge.engine.trainable import setup_model
@@ -32,6 +32,27 @@ def test_per_group_norms_add_up_to_the_global_norm(shapes_dir, tmp_path):
     assert set(groups) == {"language", "projector", "vision"}
     assert all(v > 0 for v in groups.values())
     assert row["grad_norm"] == pytest.approx(math.sqrt(sum(v * v for v in groups.values())), rel=1e-6)
+
+
+def test_group_norms_in_fp32_and_a_group_without_gradients_is_zero():
+    """Norms of bf16 gradients are taken in fp32 (a bf16 norm is 0.4% off at 10k elements); a group
+    this step gave no gradient (the vision tower on a text-only step) is 0; inf propagates; the clip
+    scales every gradient by max_norm / total."""
+    torch.manual_seed(0)
+    a = torch.nn.Parameter(torch.zeros(10_000, dtype=torch.bfloat16))
+    a.grad = torch.randn(10_000).to(torch.bfloat16)
+    b = torch.nn.Parameter(torch.zeros(3))
+    c = torch.nn.Parameter(torch.zeros(2))
+    c.grad = torch.tensor([3.0, 4.0])
+    norms = grad_norms({"bf16": [a], "empty": [b], "fp32": [c]})
+    assert norms["bf16"] == pytest.approx(a.grad.double().norm().item(), rel=1e-5)  # bf16: ~1e-3 off
+    assert norms["empty"] == 0.0 and norms["fp32"] == pytest.approx(5.0)
+    before = a.grad.double().clone()
+    clip_to([a, b, c], 1.0, 10.0)
+    torch.testing.assert_close(c.grad, torch.tensor([0.3, 0.4]))
+    torch.testing.assert_close(a.grad.double(), before * 0.1, rtol=1e-2, atol=0)
+    c.grad[0] = float("inf")
+    assert math.isinf(grad_norms({"fp32": [c]})["fp32"])
 
 
 def test_nan_gradient_is_skipped_named_and_aborts_after_k_steps(shapes_dir, tmp_path):

@@ -32,26 +32,29 @@ class TrainingDiverged(RuntimeError):
 
 
 def _local_grads(params: list[nn.Parameter]) -> tuple[list[torch.Tensor], object]:
-    """The gradients as plain tensors, and the process group whose sum makes them whole (None when
-    they are whole already). FSDP2's gradients are DTensors sharded on dim 0 of a 1-D mesh: each
-    element lives on exactly one rank, so squares summed locally and all-reduced are the global
-    sum. Working on the local shards keeps the step's norm and clip to two foreach kernels and one
-    collective: through DTensor each per-parameter op pays its sharding propagation on the host
-    (~25 us a parameter; ~600 parameters of a 2B model made the FSDP2 step host-bound)."""
+    """The gradients as plain tensors, and the device mesh over whose ranks they sum to the whole
+    (None when they are whole already). FSDP2's parameters and gradients are DTensors sharded on
+    dim 0 of a 1-D mesh: each element lives on exactly one rank, so squares summed locally and
+    all-reduced are the global sum. Working on the local shards keeps the step's norm and clip to
+    two foreach kernels and one collective: through DTensor each per-parameter op pays its
+    sharding propagation on the host (~25 us a parameter; ~600 parameters of a 2B model made the
+    FSDP2 step host-bound). The mesh comes from the parameters, which are DTensors whether or not
+    a step gave them a gradient, so every rank takes the same collective path."""
     from torch.distributed.tensor import DTensor, Shard
 
-    grads, group = [], None
-    for p in params:
-        g = p.grad
-        if g is None:
-            continue
-        if isinstance(g, DTensor):
-            if g.device_mesh.ndim != 1 or not all(isinstance(pl, Shard) for pl in g.placements):
-                raise ValueError(f"gradient with placements {g.placements}: expected FSDP2's 1-D dim-0 sharding")
-            group = g.device_mesh.get_group()
-            g = g._local_tensor  # not to_local(): an autograd op per call, ~20 us each (no graph here)
-        grads.append(g)
-    return grads, group
+    sharded = [isinstance(p, DTensor) for p in params]
+    if any(sharded) and not all(sharded):
+        raise ValueError("a parameter group mixes sharded (FSDP2) and plain parameters: its norm would count "
+                         "the plain ones once per rank")
+    mesh = None
+    if params and sharded[0]:
+        mesh = params[0].device_mesh
+        if mesh.ndim != 1 or not all(isinstance(pl, Shard) for p in params for pl in p.placements):
+            raise ValueError(f"parameters placed {params[0].placements} on a {mesh.ndim}-D mesh: expected FSDP2's "
+                             "1-D dim-0 sharding")
+    # not to_local(): an autograd op per call, ~20 us each (no graph here)
+    grads = [p.grad._local_tensor if s else p.grad for p, s in zip(params, sharded) if p.grad is not None]
+    return grads, mesh
 
 
 def _by_device_and_dtype(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
@@ -67,21 +70,26 @@ def grad_norms(groups: dict[str, list[nn.Parameter]]) -> dict[str, float]:
     gradients are sharded: the groups' squared norms are summed over the ranks in one all-reduce,
     so every rank gets the whole gradient's norms and makes the same skip and clip decision. Under
     DDP they are plain tensors DDP has already averaged over the ranks: the same on every rank
-    without a collective."""
-    if not groups:
-        return {}
-    squares, process_group = [], None
-    for params in groups.values():
-        grads, group = _local_grads(params)
-        process_group = process_group or group
-        total = torch.zeros((), dtype=torch.float32, device=grads[0].device if grads else None)
-        for same in _by_device_and_dtype(grads):  # fp32 squares: a bf16 norm squared loses digits
-            total = total + torch.stack(torch._foreach_norm(same)).float().square().sum().to(total.device)
+    without a collective. A group without gradients this step (e.g. the vision tower on a
+    text-only step) has norm 0."""
+    params = [p for ps in groups.values() for p in ps]
+    if not params:
+        return dict.fromkeys(groups, 0.0)
+    device = params[0].device  # the parameters', whether or not this step gave a group gradients
+    squares, mesh = [], None
+    for ps in groups.values():
+        grads, group_mesh = _local_grads(ps)
+        mesh = mesh or group_mesh
+        total = torch.zeros((), dtype=torch.float32, device=device)
+        for same in _by_device_and_dtype(grads):  # each norm in fp32: bf16 gradients' norms would round
+            total = total + torch.stack(torch._foreach_norm(same, 2, dtype=torch.float32)).square().sum().to(device)
         squares.append(total)
-    device = squares[0].device
-    squares = torch.stack([s.to(device) for s in squares])
-    if process_group is not None:
-        torch.distributed.all_reduce(squares, group=process_group)
+    squares = torch.stack(squares)
+    if mesh is not None and mesh.size() > 1:
+        # on the mesh's device: with cpu_offload the shards (and so the squares) are on the CPU, and an
+        # NCCL group takes CUDA tensors only
+        squares = squares.to(mesh.device_type)
+        torch.distributed.all_reduce(squares, group=mesh.get_group())
     return dict(zip(groups, squares.sqrt().tolist()))
 
 
