@@ -300,3 +300,36 @@ def test_greedy_equals_transformers_generate_on_a_saved_2b_architecture(shapes_d
         torch.backends.cuda.matmul.allow_tf32 = tf32
     assert engine.graphs  # the CUDA-graph decode, as GRPO and serve run it
     assert torch.equal(torch.stack([r.tokens for r in results]), reference)
+
+
+def test_compaction_with_a_feed_joining_and_finishing_moved_rows(setup):
+    """A fed call: the long request's pair is moved from slots 2-3 to 0-1 when the short pair ends;
+    a request fed after that joins the freed slots and gets its tokens alone; finishing the moved
+    request ends its rows at the next sync point with a prefix of its tokens alone."""
+    model, encoder, samples = setup
+    engine = Engine(model, sync_every=2)
+    short, long, late = (GenRequest(prompt_of(encoder, samples[i]), n=2, max_new_tokens=m, temperature=1.0, seed=9)
+                         for i, m in ((0, 3), (1, 30), (2, 6)))
+    alone = {name: run(engine, encoder, [r], stop_ids=[]) for name, r in
+             (("short", short), ("long", long), ("late", late))}
+    syncs, tickets = [], {}
+
+    def refill(feed):
+        syncs.append(engine.stats.compactions)
+        if len(syncs) == 4:
+            tickets["late"] = feed.put(late)
+        if len(syncs) == 8:
+            feed.finish(tickets["long"])
+
+    feed = Feed(refill)
+    tickets["short"], tickets["long"] = feed.put(short), feed.put(long)
+    got = []
+    run(engine, encoder, [], feed=feed, slots=4, on_result=got.append, stop_ids=[])
+    assert syncs[3] >= 1  # moved before the late request was fed
+    by = {(r.request, r.sample): r for r in got}
+    for name in ("short", "late"):
+        for s in range(2):
+            assert torch.equal(by[tickets[name], s].tokens, alone[name][s].tokens), name
+    for s in range(2):
+        cut = by[tickets["long"], s].tokens
+        assert 0 < len(cut) < 30 and torch.equal(cut, alone["long"][s].tokens[:len(cut)])

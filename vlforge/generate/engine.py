@@ -731,7 +731,9 @@ class Engine:
         that makes the step's slot bucket smaller: a step computes every slot up to the highest
         occupied one, so without this a batch's long tail (the last rows of a mixed-length GRPO
         group, a long serve request) runs at the bucket its first step had. Costs one copy of the
-        moved rows' filled KV (every layer) and their state; the rows' tokens are unchanged (tested)."""
+        moved rows' filled KV (every layer) and their state; the rows' tokens are unchanged (tested, fp32;
+        in bf16 a smaller batch can take other GEMM kernels, so later tokens may differ in the last
+        bits' way, as with any change of batch size)."""
         n = len(occupant)
         if not n or _bucket(max(occupant) + 1) <= _bucket(n):
             return
@@ -743,7 +745,8 @@ class Engine:
         for K, V in zip(self.cache.keys, self.cache.values):
             K[dst, :, :filled] = K[src, :, :filled]
             V[dst, :, :filled] = V[src, :, :filled]
-        if self._recording:
+        if self._recording:  # past `filled` NO_ROUTE, so _harvest_routes still sees a step that did not record
+            self.routes[:, dst] = NO_ROUTE
             self.routes[:, dst, :filled] = self.routes[:, src, :filled]
         self.state.move(src, dst)
         for s, d in zip(movers, holes):

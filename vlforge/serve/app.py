@@ -474,7 +474,9 @@ def header_deadline_protocol(seconds: float) -> type:
         def _expired(self) -> None:
             self._deadline = None
             waiting = self.cycle is self._armed_for and (self.cycle is None or self.cycle.response_complete)
-            if waiting and not self.transport.is_closing():
+            # get_protocol: a websocket upgrade hands the transport to another protocol, never this one's
+            # connection_lost: a live websocket is not ours to time out
+            if waiting and not self.transport.is_closing() and self.transport.get_protocol() is self:
                 self.transport.write(HEADER_TIMEOUT_RESPONSE)
                 self.transport.close()
 
