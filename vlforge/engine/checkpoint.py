@@ -88,7 +88,7 @@ def restore_rng(path: Path, rank: int, seed: int, step: int, shared: bool = Fals
 def fresh_rng(seed: int, step: int, rank: int) -> None:
     """Seed this process's torch (CPU and every CUDA device) and Python RNG with rank_seed."""
     fresh = rank_seed(seed, step, rank)
-    torch.manual_seed(fresh)
+    torch.manual_seed(fresh)  # the CPU generator and every CUDA device's
     random.seed(fresh)
 
 
