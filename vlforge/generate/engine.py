@@ -731,9 +731,9 @@ class Engine:
         that makes the step's slot bucket smaller: a step computes every slot up to the highest
         occupied one, so without this a batch's long tail (the last rows of a mixed-length GRPO
         group, a long serve request) runs at the bucket its first step had. Costs one copy of the
-        moved rows' filled KV (every layer) and their state; the rows' tokens are unchanged (tested, fp32;
-        in bf16 a smaller batch can take other GEMM kernels, so later tokens may differ in the last
-        bits' way, as with any change of batch size)."""
+        moved rows' filled KV (every layer) and their state. The rows' tokens are unchanged (tested in
+        fp32); in bf16 a smaller batch may run other GEMM kernels, whose rounding can change later
+        tokens, as any change of batch size can."""
         n = len(occupant)
         if not n or _bucket(max(occupant) + 1) <= _bucket(n):
             return

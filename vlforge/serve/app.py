@@ -430,8 +430,8 @@ def _draining_server() -> type:
     return DrainingServer
 
 
-HEADER_TIMEOUT_BODY = (b'{"error": {"message": "the request line and headers did not arrive in time (--header-timeout)", '
-                       b'"type": "invalid_request_error", "param": null, "code": "request_timeout"}}')
+HEADER_TIMEOUT_BODY = json.dumps(error_body("the request line and headers did not arrive in time (--header-timeout)",
+                                            APIError.TYPES[408], code="request_timeout")).encode()
 HEADER_TIMEOUT_RESPONSE = (b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\nconnection: close\r\n"
                            b"content-length: %d\r\n\r\n" % len(HEADER_TIMEOUT_BODY)) + HEADER_TIMEOUT_BODY
 
