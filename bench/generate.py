@@ -125,6 +125,24 @@ def case_hf(name, core, encoder, prompts, group, new_tokens, cache_implementatio
             "peak_gb": torch.cuda.max_memory_allocated() / 1e9, "floor_ms": floor, "floor_frac": floor / ms}
 
 
+def profile_decode(engine, encoder, requests, path: str) -> None:
+    """Where a decode step's time goes: the kernels (CUPTI records those a CUDA graph launches) of a
+    warm run, grouped by name, as a table; the graphs of these shapes are already captured."""
+    from torch.profiler import ProfilerActivity, profile
+
+    run_engine(engine, encoder, requests)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run_engine(engine, encoder, requests)
+        torch.cuda.synchronize()
+    steps = max(engine.stats.steps, 1)
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=60, max_name_column_width=90)
+    with open(path, "w") as f:
+        f.write(f"{len(requests)} prompts x {requests[0].n} samples x {requests[0].max_new_tokens} tokens, "
+                f"{steps} decode steps, decode {engine.stats.decode_s:.3f} s, prefill {engine.stats.prefill_s:.3f} s\n")
+        f.write(table)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="qwen3vl-2b")
@@ -132,6 +150,8 @@ def main() -> None:
     ap.add_argument("--cases", default="64x256,256x256,mixed,tail")
     ap.add_argument("--sync-every", type=int, default=8)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", default=None, help="after the 64x256 case: the GPU kernels of a 64x64 run, "
+                    "by total time, written to this file (inside CUDA graphs too)")
     args = ap.parse_args()
     paths, cases = args.paths.split(","), args.cases.split(",")
     torch.manual_seed(0)
@@ -179,6 +199,8 @@ def main() -> None:
                 first = sum(int(a.tokens[0] == b.tokens[0]) for a, b in zip(ours, reference)) / len(ours)
                 prefix = sum(int(torch.equal(a.tokens[:8], b.tokens[:8])) for a, b in zip(ours, reference)) / len(ours)
                 print(json.dumps({"agreement_compiled_vs_eager_layers": {"first_token": first, "first_8": prefix}}))
+            if args.profile:
+                profile_decode(engine, encoder, requests_of(small, 8, 8, 64), args.profile)
         if "hf-dynamic" in paths:
             attempt(lambda: case_hf("64x256", core, encoder, small, 8, 256))
         if "hf-static" in paths:

@@ -13,10 +13,12 @@ recipes=${1:-qwen3vl-8b-grpo qwen3vl-2b-grpo}; shift $(( $# > 0 ? 1 : 0 ))
 for recipe in $recipes; do
   name=$recipe${1:+-$(echo "$*" | md5sum | cut -c1-8)}  # overrides hashed: a name, not a path too long to copy
   echo "$name: $*" >> "$OUT/names.txt"
-  python3 -m vlforge grpo configs/$recipe.yaml data.train=/tmp/sh448/train.jsonl data.val=/tmp/sh448/val.jsonl \
-    train.output_dir=/tmp/$name train.max_steps=2 rollout.prompts_per_step=4 rollout.group_size=4 \
-    rollout.max_new_tokens=32 rl.mini_batch_size=8 eval.max_samples=8 eval.max_new_tokens=8 log.progress=false \
-    "rl.rewards=[{name: bench/varied_reward.py:length_mod3}]" rl.dynamic_sampling=false train.overwrite=true "$@" \
-    2>&1 | grep -v Warning | tail -4 | tee "$OUT/$name.txt"
-  cp /tmp/$name/metrics.jsonl "$OUT/$name-metrics.jsonl"
+  # LIMIT seconds per recipe (a run past it is stopped, and its finished steps' metrics still come back)
+  timeout ${LIMIT:-900} python3 -m vlforge grpo configs/$recipe.yaml data.train=/tmp/sh448/train.jsonl \
+    data.val=/tmp/sh448/val.jsonl train.output_dir=/tmp/$name train.max_steps=2 rollout.prompts_per_step=4 \
+    rollout.group_size=4 rollout.max_new_tokens=32 rl.mini_batch_size=8 eval.max_samples=8 eval.max_new_tokens=8 \
+    log.progress=false "rl.rewards=[{name: bench/varied_reward.py:length_mod3}]" rl.dynamic_sampling=false \
+    train.overwrite=true "$@" > "$OUT/$name.log" 2>&1 || echo "$name: exit $?" >> "$OUT/fail.txt"
+  grep -v Warning "$OUT/$name.log" | tail -4 | tee "$OUT/$name.txt"
+  cp /tmp/$name/metrics.jsonl "$OUT/$name-metrics.jsonl" 2>/dev/null || echo "$name: no metrics.jsonl" >> "$OUT/fail.txt"
 done

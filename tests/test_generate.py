@@ -11,7 +11,7 @@ from vlforge.data.dataset import load_dataset
 from vlforge.data.encode import collate, encode_prompt
 from vlforge.generate.engine import Engine, Feed, GenRequest, Prompt, engine_for
 from vlforge.generate.forward import vision_token_ids
-from vlforge.generate.sampling import row_key, sample
+from vlforge.generate.sampling import _first_above, inverse_cdf, row_key, sample
 from vlforge.rollout.engine import generate_groups, sequence_logprobs
 
 
@@ -172,6 +172,63 @@ def test_sampling_distribution(top_k, top_p):
     assert _chi_square(tok1, probs) < critical
 
 
+def test_two_level_inverse_cdf_draws_the_full_vocabulary_inverse_cdf():
+    """The block-then-token inverse CDF picks the token a float64 cumulative sum over the whole
+    vocabulary picks at the same u (but where u sits within rounding of a boundary), never a
+    token of zero probability: rows with -inf runs, a row whose mass is in one entry of the last
+    block, a row with one finite entry in the first."""
+    torch.manual_seed(0)
+    S, V = 4000, 1024  # 8 blocks of 128
+    x = torch.randn(S, V) * 3
+    x[::3, 100:700] = float("-inf")
+    x[1, :] = float("-inf")
+    x[1, V - 1] = 0.0
+    x[2, 1:] = float("-inf")
+    u = torch.rand(S) * (1 - 2**-24)
+    tok, lse = inverse_cdf(x, u)
+    assert torch.isfinite(x.gather(1, tok[:, None])).all()
+    assert tok[1] == V - 1 and tok[2] == 0
+    cdf = torch.softmax(x.double(), -1).cumsum(-1)
+    want = torch.searchsorted(cdf, (u.double() * cdf[:, -1])[:, None], right=True)[:, 0]
+    assert (tok == want).float().mean() > 0.999
+    torch.testing.assert_close(lse, torch.logsumexp(x, -1))
+    # a target at the total (fp32 rounding of a sum can put it there) takes the last possible entry
+    cdf = torch.tensor([[0.2, 0.5, 0.5], [0.2, 0.5, 0.9]])
+    possible = torch.tensor([[True, True, False], [True, True, True]])
+    assert _first_above(cdf, torch.tensor([0.5, 0.3]), possible).tolist() == [1, 1]
+
+
+def test_one_compile_serves_every_slot_bucket(setup, monkeypatch):
+    """The compiled decode step compiles once for every bucket: a first step over all slots, then
+    smaller buckets, then a call of one row (run at 2 slots). Dynamo's guards decide recompiles
+    whatever the backend, so the test compiles with backend="eager" and runs the steps without
+    CUDA graphs on the CPU; only the sampling mode (a Python string) compiles `_pick` again."""
+    from torch._dynamo.utils import counters
+
+    model, encoder, samples = setup
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, backend="eager", **kw))
+    torch._dynamo.reset()
+    engine = Engine(model, compile=True)
+    monkeypatch.setattr(engine, "_graphs_on", lambda device: True)
+    buckets = set()
+    monkeypatch.setattr(engine, "_run_steps", lambda S, Lb, mode, steps, use_graphs:
+                        [buckets.add(S)] + [engine._step(S, Lb, mode) for _ in range(steps)])
+    requests = [GenRequest(prompt_of(encoder, samples[i]), n=2, max_new_tokens=5 + 10 * i, temperature=1.0, seed=1,
+                           first_row=2 * i) for i in range(3)]
+    frames = counters["frames"]["ok"]
+    compiled = run(engine, encoder, requests, stop_ids=[])  # every row to its max_new_tokens
+    assert buckets == {8, 4, 2}  # slots 8 (the buffers' size), then fewer
+    run(engine, encoder, requests[:1], stop_ids=[])
+    assert counters["frames"]["ok"] - frames == 2  # the layers once, _pick once
+    run(engine, encoder, [GenRequest(prompt_of(encoder, samples[0]), max_new_tokens=4)])  # one row, greedy
+    assert 1 not in buckets
+    assert counters["frames"]["ok"] - frames == 3
+    eager = run(Engine(model), encoder, requests, stop_ids=[])
+    for a, b in zip(compiled, eager):
+        assert torch.equal(a.tokens, b.tokens)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("compiled", [False, True])
 def test_cuda_graph_decode_equals_eager(setup, compiled):
@@ -182,6 +239,8 @@ def test_cuda_graph_decode_equals_eager(setup, compiled):
     graphs = Engine(model, use_graphs=True, compile=compiled)
     with_graphs = run(graphs, encoder, requests, slots=4)
     assert graphs.graphs and graphs.stats.capture_s > 0
+    if compiled:  # a 1-row step would compile the layers again (size-1 specialization): never below 2 slots
+        assert min(key[0] for key in graphs.stats.graphs) == 2
     eager = run(Engine(model, use_graphs=False), encoder, requests, slots=4)
     for a, b in zip(with_graphs, eager):
         assert torch.equal(a.tokens, b.tokens)

@@ -33,6 +33,7 @@ cache and the decode attention call):
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import time
@@ -43,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
+import torch.fx.experimental._config as fx_config
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
@@ -315,6 +317,35 @@ def _decode_hidden(core, cache, tok_S1, length_S, span_L, pos_S):
     return out.last_hidden_state[:, -1]
 
 
+def _pick(logits_SV, banned_V, is_stop_V, early_S, temperature_S, top_k_S, top_p_S, key_S, step_S, mode: str):
+    """(tokens, log-probs) of one step from lm_head's logits: fp32, banned ids and (rows still
+    under their min_new_tokens: early_S) stop ids at -inf, then `sample`. A function of tensors
+    only, so the engine can torch.compile it apart from the layers (one small graph per mode;
+    it fuses the passes over the [S, V] logits)."""
+    V = logits_SV.shape[-1]
+    drop_SV = banned_V[None, :V] | (early_S[:, None] & is_stop_V[None, :V])
+    x_SV = logits_SV.float().masked_fill(drop_SV, float("-inf"))
+    return sample(x_SV, temperature_S, top_k_S, top_p_S, key_S, step_S, mode)
+
+
+def _compiled_once(fn):
+    """torch.compile(fn) with dynamic shapes that one compile serves every slot and length bucket.
+
+    Without duck sizing: by default dynamo takes sizes equal in the first call for one symbol, so a
+    first step over every slot (the state's [:S] views as long as their buffers) guards
+    `view size == buffer size`, and the first smaller bucket compiled the language model again
+    (seen with TORCH_LOGS=recompiles; ~2 min at 2B on an H200). Size 1 is specialized whatever
+    the setting (hence Engine's 2-slot floor for compiled steps)."""
+    compiled = torch.compile(fn, dynamic=True)
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        with fx_config.patch(use_duck_shape=False):
+            return compiled(*args, **kwargs)
+
+    return call
+
+
 def _expert_dtype(core) -> torch.dtype | None:
     """The dtype of the fused expert weights (gate_up_proj [E, 2I, H]), None if there are none."""
     return next((p.dtype for name, p in core.named_parameters() if name.endswith("gate_up_proj")), None)
@@ -327,8 +358,9 @@ class Engine:
     must run every forward); False = eager steps (the same code; CPU always).
     compile: torch.compile the decode step's language-model forward (fuses the layers' small
     elementwise ops: norms, rotary, activations; a graph of the eager layers is ~65 kernels per layer
-    and bound by their count): 1.6x faster steps on an H200 (2B, 64 rows) for a compile of ~2
-    minutes, once per engine (dynamic shapes: one compile serves every bucket; its time counts in
+    and bound by their count) and, apart, its logits-to-token part (_pick: the passes over [S, V]):
+    1.9x faster steps on an H200 (2B, 64 rows: 7.4 -> 3.9 ms) for a compile of ~2 minutes, once per
+    engine (dynamic shapes: one compile serves every bucket of 2 slots or more; its time counts in
     capture_s). Worth it for a GRPO run, not for one eval pass. Default for generate(compile=None).
     compact: at a sync point with nobody waiting, move running rows down into freed slots when that
     shrinks the step's slot bucket (_compact); False keeps every row in its first slot.
@@ -343,8 +375,8 @@ class Engine:
         self.max_prefill_tokens = max_prefill_tokens
         self.compile = compile
         self.compact = compact  # move running rows down into freed slots when the bucket would shrink
-        self._compiled = None
-        self._decode_hidden = _decode_hidden  # what _step calls: eager or compiled, set per call
+        self._compiled = self._compiled_pick = None
+        self._decode_hidden, self._pick = _decode_hidden, _pick  # what _step calls: eager or compiled, set per call
         self.cache: SlotCache | None = None
         self.state: _State | None = None
         self.graphs: dict = {}
@@ -355,6 +387,7 @@ class Engine:
         self.recorder = recorder_of(self.core)
         self.routes: torch.Tensor | None = None  # [L, slots, length, k] expert ids, when recording
         self._recording = False  # this call records routes (part of the graph key)
+        self._fewest_slots = 1  # the smallest slot bucket of this call's steps (2 when compiled)
 
     @property
     def core(self):
@@ -424,13 +457,6 @@ class Engine:
 
     # -- one decode step (the captured part) -----------------------------------------------------
 
-    def _logits(self, hidden_SH: torch.Tensor, early_S: torch.Tensor) -> torch.Tensor:
-        """fp32 logits, banned ids and (rows still under their min_new_tokens: early_S) stop ids at -inf."""
-        logits_SV = self.core.lm_head(hidden_SH).float()
-        V = logits_SV.shape[-1]
-        drop_SV = self.banned[None, :V] | (early_S[:, None] & self.is_stop[None, :V])
-        return logits_SV.masked_fill(drop_SV, float("-inf"))
-
     def _step(self, S: int, Lb: int, mode: str) -> None:
         st = self.state
         length_S, alive_S = st.length[:S], st.alive[:S]
@@ -441,9 +467,8 @@ class Engine:
             else nullcontext()
         with _attention(self.text_config, DECODE_ATTENTION), routes:
             hidden_SH = self._decode_hidden(self.core, self.cache, st.tok[:S, None], length_S, span_L, st.pos[:S])
-        logits_SV = self._logits(hidden_SH, st.count[:S] < st.min_new[:S])
-        tok_S, logp_S = sample(logits_SV, st.temperature[:S], st.top_k[:S], st.top_p[:S], st.key[:S], st.count[:S],
-                               mode)
+        tok_S, logp_S = self._pick(self.core.lm_head(hidden_SH), self.banned, self.is_stop, st.count[:S] < st.min_new[:S],
+                                   st.temperature[:S], st.top_k[:S], st.top_p[:S], st.key[:S], st.count[:S], mode)
         tok_S = torch.where(alive_S, tok_S, self.pad)
         col_S1 = st.count[:S, None]
         st.out_tok[:S].scatter_(1, col_S1, tok_S[:, None])
@@ -545,9 +570,9 @@ class Engine:
         st.count[slots_M] = 0
         # lm_head over the slots' rows (not the B prompts'): each row of every lm_head call is one
         # sequence, as in the decode steps
-        logits_MV = self._logits(out.last_hidden_state[:, -1][rows_M], st.min_new[slots_M] > 0)
-        tok_M, logp_M = sample(logits_MV, st.temperature[slots_M], st.top_k[slots_M], st.top_p[slots_M],
-                               st.key[slots_M], st.count[slots_M], mode)
+        tok_M, logp_M = _pick(self.core.lm_head(out.last_hidden_state[:, -1][rows_M]), self.banned, self.is_stop,
+                              st.min_new[slots_M] > 0, st.temperature[slots_M], st.top_k[slots_M], st.top_p[slots_M],
+                              st.key[slots_M], st.count[slots_M], mode)
         st.out_tok[slots_M, 0] = tok_M
         st.out_logp[slots_M, 0] = logp_M
         stop_M = (tok_M[:, None] == self.stop_ids[None]).any(-1)
@@ -620,7 +645,12 @@ class Engine:
         need = max(len(r.prompt.input_ids) + r.max_new_tokens for r in requests.values())
         length = LENGTH_BUCKET * math.ceil(need / LENGTH_BUCKET)
         kv_dtype = self._kv_dtype(device)
-        self._ensure_buffers(n_slots, length, kv_dtype, device)
+        use_graphs = self._graphs_on(device)
+        compiled = use_graphs and (compile if compile is not None else self.compile)
+        # torch.compile specializes a dimension of size 1 (dynamic=True or not): a one-row step would
+        # compile the language model again (~2 min at 2B), so a compiled step runs at least 2 slots
+        self._fewest_slots = 2 if compiled else 1
+        self._ensure_buffers(max(n_slots, self._fewest_slots), length, kv_dtype, device)
         if record_routes and self.recorder is None:
             raise ValueError("record_routes: the model has no mixture-of-experts router to record")
         self._recording = bool(record_routes)
@@ -637,11 +667,11 @@ class Engine:
         if banned_ids:
             self.banned[torch.tensor(banned_ids, device=device)] = True
         self.state.alive.zero_()
-        use_graphs = self._graphs_on(device)
-        compiled = use_graphs and (compile if compile is not None else self.compile)
         if compiled and self._compiled is None:
-            self._compiled = torch.compile(_decode_hidden, dynamic=True)
+            self._compiled = _compiled_once(_decode_hidden)
+            self._compiled_pick = _compiled_once(_pick)
         self._decode_hidden = self._compiled if compiled else _decode_hidden
+        self._pick = self._compiled_pick if compiled else _pick
         mode = _mode(list(requests.values()), "greedy")
 
         self.stats = GenStats()
@@ -690,7 +720,7 @@ class Engine:
                 self.stats.prefills += 1
                 self.stats.prefill_s += _elapsed(start, device)
             if occupant:
-                S = _bucket(max(occupant) + 1)
+                S = self._step_slots(max(occupant) + 1)
                 steps = self.sync_every
                 Lb = min(self.cache.length, LENGTH_BUCKET * math.ceil((max(bound.values()) + steps) / LENGTH_BUCKET))
                 start = time.perf_counter()
@@ -735,7 +765,7 @@ class Engine:
         fp32); in bf16 a smaller batch may run other GEMM kernels, whose rounding can change later
         tokens, as any change of batch size can."""
         n = len(occupant)
-        if not n or _bucket(max(occupant) + 1) <= _bucket(n):
+        if not n or self._step_slots(max(occupant) + 1) <= self._step_slots(n):
             return
         movers = sorted(s for s in occupant if s >= n)
         holes = sorted(s for s in range(n) if s not in occupant)[:len(movers)]
@@ -753,6 +783,10 @@ class Engine:
             occupant[d], bound[d], sent[d] = occupant.pop(s), bound.pop(s), sent.pop(s)
         free[:] = sorted((set(free) - set(holes)) | set(movers))
         self.stats.compactions += 1
+
+    def _step_slots(self, rows: int) -> int:
+        """The slot bucket a step over slots 0..rows-1 runs at."""
+        return max(_bucket(rows), self._fewest_slots)
 
     def _finish_early(self, ended: set[int], occupant, done, queue, requests, answered) -> list[int]:
         """Requests a feed finished: their rows stop (slots freed at this sync point); those not
