@@ -4,7 +4,8 @@
     python bench/generate.py --preset qwen3vl-8b --paths vlforge,vlforge-nocompile,hf-dynamic,hf-static
 
 Paths: vlforge (the engine as GRPO uses it: CUDA graphs of a torch.compile'd step),
-vlforge-nocompile (CUDA graphs of the eager layers), hf-dynamic / hf-static (transformers'
+vlforge-nocompile (CUDA graphs of the eager layers), vlforge-flex (the compiled step with
+flex_attention's decode kernel instead of SDPA), hf-dynamic / hf-static (transformers'
 generate with its dynamic or static cache; static is auto-compiled).
 
 Workload (one process, the same inputs for every path, random weights, bf16): 8 prompts (one
@@ -201,6 +202,12 @@ def main() -> None:
                 print(json.dumps({"agreement_compiled_vs_eager_layers": {"first_token": first, "first_8": prefix}}))
             if args.profile:
                 profile_decode(engine, encoder, requests_of(small, 8, 8, 64), args.profile)
+        if "vlforge-flex" in paths:  # the decode attention through flex_attention's decode kernel (another compile)
+            flex = Engine(model, sync_every=args.sync_every, compile=True, decode_attention="flex")
+            flex.reserve(64, 300 + 256)
+            attempt(lambda: {**case_engine("64x256", core, flex, encoder, requests_of(small, 8, 8, 256)),
+                             "path": "vlforge-flex"})
+            del flex
         if "hf-dynamic" in paths:
             attempt(lambda: case_hf("64x256", core, encoder, small, 8, 256))
         if "hf-static" in paths:

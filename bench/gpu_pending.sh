@@ -14,8 +14,9 @@
 #   Still to run after the fifth session (device withdrawn after 3 calls): gen2b, gen8b (now with the `tail`
 #   case: compaction on/off), serve, grpo, mem, fp8prof (where the 8B FP8 step's time goes), tests3 (gpu tests
 #   of the fifth session: greedy parity on a saved 2B-architecture model, compaction under CUDA graphs)
-#   Sixth session ran tests3, 64x256 of gen2b/gen8b; still to run: grpo (first: its 3 steps exceeded 235 s per
-#   recipe before the recompile fixes), the tail case (`generate.py --cases tail`), serve, mem, fp8prof, fsdp1
+#   Sixth session ran tests3, 64x256 of gen2b/gen8b; still to run, in this order: grpo (its 3 steps exceeded 235 s
+#   per recipe before the recompile fixes), gen3 (gpu tests of the sixth session; sdpa vs flex decode attention,
+#   the tail case), serve, mem, fp8prof, fsdp1
 #   OUT=/some/dir GROUP=moe   bash bench/gpu_pending.sh  # 30B-A3B: peft peer vs ours same process; NF4 memory/decode
 #   OUT=/some/dir GROUP=mem   bash bench/gpu_pending.sh  # selective checkpointing and the activation memory budget
 # (carry .whl/train, and .whl/ao (torchao) for GROUP=tests, .whl/bnb (bitsandbytes) for moe and mem)
@@ -63,6 +64,10 @@ case $GROUP in
            r 1 $b precision.compile=true --profile "$OUT/prof-8b-bf16.txt"
            r 2 $b precision.fp8.enabled=true --profile "$OUT/prof-8b-fp8.txt" ;;
   fp8) for side in 8b-bf16 8b-fp8; do OUT=$OUT timeout 290 bash bench/gpu_fp8.sh $side > "$OUT/fp8-$side.txt" 2>&1; done ;;
+  gen3)  timeout 120 python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_generate.py -k "flex or cuda_graph" \
+           --tb=short > "$OUT/pytest.txt" 2>&1
+         (cd bench && timeout 420 python3 generate.py --preset qwen3vl-2b --paths vlforge,vlforge-flex --cases 64x256,tail \
+           --out "$OUT/gen-2b.jsonl" 2>"$OUT/err-gen.txt") ;;
   tests3) timeout 300 python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_generate.py --tb=short \
            > "$OUT/pytest.txt" 2>&1 ;;
   tests2) timeout 170 python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_packing.py tests/test_losses.py \

@@ -192,10 +192,64 @@ def test_two_level_inverse_cdf_draws_the_full_vocabulary_inverse_cdf():
     want = torch.searchsorted(cdf, (u.double() * cdf[:, -1])[:, None], right=True)[:, 0]
     assert (tok == want).float().mean() > 0.999
     torch.testing.assert_close(lse, torch.logsumexp(x, -1))
+    # u at 1 (the top of its range) and entries whose probability underflows fp32: never one of them
+    sharp = torch.randn(3, V) / 0.01
+    tok, _ = inverse_cdf(sharp, torch.ones(3))
+    assert (torch.softmax(sharp, -1).gather(1, tok[:, None]) > 0).all()
+    from vlforge.generate.sampling import uniform
+    assert uniform(torch.tensor([row_key(0, r) for r in range(4096)]), torch.arange(4096)).max() < 1
     # a target at the total (fp32 rounding of a sum can put it there) takes the last possible entry
     cdf = torch.tensor([[0.2, 0.5, 0.5], [0.2, 0.5, 0.9]])
     possible = torch.tensor([[True, True, False], [True, True, True]])
     assert _first_above(cdf, torch.tensor([0.5, 0.3]), possible).tolist() == [1, 1]
+
+
+def compiled_on_cpu(engine, monkeypatch, buckets=None):
+    """The engine's compiled path on the CPU: torch.compile with the eager backend (dynamo's tracing
+    and guards, no inductor), steps run one by one instead of replaying CUDA graphs."""
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, **{**kw, "backend": "eager"}))
+    torch._dynamo.reset()
+    monkeypatch.setattr(engine, "_graphs_on", lambda device: True)
+    monkeypatch.setattr(engine, "_run_steps", lambda S, Lb, mode, steps, use_graphs:
+                        [buckets is None or buckets.add(S)] + [engine._step(S, Lb, mode) for _ in range(steps)])
+    return engine
+
+
+def test_flex_decode_attention_equals_sdpa():
+    """The flex decode attention (grouped-query heads, rows masked at their own lengths) equals the
+    sdpa one on the same [S, heads, 1, D] queries and [S, kv heads, Lb, D] cache."""
+    from vlforge.generate.engine import _decode_attention, _decode_attention_flex
+
+    torch.manual_seed(0)
+    S, Hq, Hkv, Lb, D = 5, 8, 2, 256, 16
+    q, k, v = torch.randn(S, Hq, 1, D), torch.randn(S, Hkv, Lb, D), torch.randn(S, Hkv, Lb, D)
+    lengths = torch.tensor([1, 17, 128, 200, 256])
+    mask = (torch.arange(Lb)[None] < lengths[:, None])[:, None, None, :]
+    flex, _ = _decode_attention_flex(None, q, k, v, mask, scaling=0.3)
+    sdpa, _ = _decode_attention(None, q, k, v, mask, scaling=0.3)
+    assert flex.shape == sdpa.shape == (S, 1, Hq, D)
+    torch.testing.assert_close(flex, sdpa, atol=1e-5, rtol=1e-5)
+    # a row sees nothing past its length: changing the cache there leaves its output alone
+    k2 = k.clone()
+    k2[0, :, 1:] = 100.0
+    torch.testing.assert_close(_decode_attention_flex(None, q, k2, v, mask, scaling=0.3)[0][0], flex[0])
+    with pytest.raises(ValueError, match="decode_attention"):
+        Engine(torch.nn.Linear(1, 1), decode_attention="flash")
+
+
+@pytest.mark.gpu
+def test_flex_decode_engine_equals_sdpa_on_cuda(setup):
+    """Compiled CUDA-graph steps with decode_attention="flex" give the sdpa engine's tokens (fp32)."""
+    model, encoder, samples = setup
+    model = model.cuda()
+    requests = [GenRequest(prompt_of(encoder, samples[i]), n=2, max_new_tokens=4 + 6 * i, temperature=1.0, seed=3,
+                           first_row=2 * i) for i in range(3)]
+    reference = run(Engine(model, use_graphs=True, compile=True), encoder, requests, stop_ids=[])
+    flex = Engine(model, use_graphs=True, compile=True, decode_attention="flex")
+    for a, b in zip(run(flex, encoder, requests, stop_ids=[]), reference):
+        assert torch.equal(a.tokens, b.tokens)
+        torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-4, rtol=1e-4)
 
 
 def test_one_compile_serves_every_slot_bucket(setup, monkeypatch):
@@ -206,20 +260,16 @@ def test_one_compile_serves_every_slot_bucket(setup, monkeypatch):
     from torch._dynamo.utils import counters
 
     model, encoder, samples = setup
-    compile_ = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, backend="eager", **kw))
-    torch._dynamo.reset()
-    engine = Engine(model, compile=True)
-    monkeypatch.setattr(engine, "_graphs_on", lambda device: True)
     buckets = set()
-    monkeypatch.setattr(engine, "_run_steps", lambda S, Lb, mode, steps, use_graphs:
-                        [buckets.add(S)] + [engine._step(S, Lb, mode) for _ in range(steps)])
+    engine = compiled_on_cpu(Engine(model, compile=True), monkeypatch, buckets)
     requests = [GenRequest(prompt_of(encoder, samples[i]), n=2, max_new_tokens=5 + 10 * i, temperature=1.0, seed=1,
                            first_row=2 * i) for i in range(3)]
     frames = counters["frames"]["ok"]
     compiled = run(engine, encoder, requests, stop_ids=[])  # every row to its max_new_tokens
     assert buckets == {8, 4, 2}  # slots 8 (the buffers' size), then fewer
     run(engine, encoder, requests[:1], stop_ids=[])
+    long = GenRequest(prompt_of(encoder, samples[1]), n=2, max_new_tokens=120, temperature=1.0, seed=2)
+    run(engine, encoder, [long], stop_ids=[])  # its rows cross from the 128- into the 256-token length bucket
     assert counters["frames"]["ok"] - frames == 2  # the layers once, _pick once
     run(engine, encoder, [GenRequest(prompt_of(encoder, samples[0]), max_new_tokens=4)])  # one row, greedy
     assert 1 not in buckets

@@ -522,7 +522,7 @@ class RolloutConfig:
     # vlforge: generate/ (static KV slots, CUDA-graph decode); hf: the plain decode loop on
     # transformers' DynamicCache, kept for comparison
     engine: Literal["vlforge", "hf"] = "vlforge"
-    # torch.compile the decode step (vlforge engine on CUDA): ~2 min once per run, then ~1.6x faster
+    # torch.compile the decode step (vlforge engine on CUDA): ~2 min once per run, then ~1.9x faster
     # decoding (docs/benchmarks.md); off: CUDA graphs of the eager layers
     compile: bool = True
     # Keep the engine's KV slots (and decode CUDA graphs) from one step's rollouts to the next, or

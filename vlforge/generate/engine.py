@@ -56,7 +56,7 @@ from vlforge.model.tiers import unwrap
 SLOT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 LENGTH_BUCKET = 128  # attention reads the cache up to the next multiple of this past the longest row
 MAX_STOP_IDS = 8
-DECODE_ATTENTION = "vlforge_decode"
+DECODE_ATTENTION = {"sdpa": "vlforge_decode", "flex": "vlforge_decode_flex"}  # Engine(decode_attention=...)
 
 
 @dataclass
@@ -208,7 +208,25 @@ def _decode_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     return out.reshape(S, Hq, 1, D).transpose(1, 2), None
 
 
-AttentionInterface.register(DECODE_ATTENTION, _decode_attention)
+def _decode_attention_flex(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """The same attention through torch's flex_attention (grouped-query heads in the kernel). When
+    compiled, inductor picks its decode kernel for one query token: the KV length split across
+    blocks (flash-decoding), where SDPA's kernels parallelise over rows and heads only (cudnn's read
+    the 2B decode cache at ~60% of HBM bandwidth). Eager (uncompiled) flex is a slow reference
+    path, so the engine takes it only with compile. Masked by the boolean [S, 1, 1, Lb] mask's row."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    keep_SL = attention_mask[:, 0, 0]
+
+    def length_mask(score, b, h, q_idx, kv_idx):
+        return torch.where(keep_SL[b, kv_idx], score, float("-inf"))
+
+    out = flex_attention(query, key, value, score_mod=length_mask, enable_gqa=True, scale=scaling)
+    return out.transpose(1, 2), None
+
+
+AttentionInterface.register(DECODE_ATTENTION["sdpa"], _decode_attention)
+AttentionInterface.register(DECODE_ATTENTION["flex"], _decode_attention_flex)
 
 
 class SlotCache:
@@ -335,7 +353,8 @@ def _compiled_once(fn):
     first step over every slot (the state's [:S] views as long as their buffers) guards
     `view size == buffer size`, and the first smaller bucket compiled the language model again
     (seen with TORCH_LOGS=recompiles; ~2 min at 2B on an H200). Size 1 is specialized whatever
-    the setting (hence Engine's 2-slot floor for compiled steps)."""
+    the setting (hence Engine's 2-slot floor for compiled steps). The patch is process-wide while a
+    call runs (ConfigModule.patch), which only matters to a compile running in another thread then."""
     compiled = torch.compile(fn, dynamic=True)
 
     @functools.wraps(fn)
@@ -362,12 +381,18 @@ class Engine:
     1.9x faster steps on an H200 (2B, 64 rows: 7.4 -> 3.9 ms) for a compile of ~2 minutes, once per
     engine (dynamic shapes: one compile serves every bucket of 2 slots or more; its time counts in
     capture_s). Worth it for a GRPO run, not for one eval pass. Default for generate(compile=None).
+    decode_attention: "sdpa" (default; measured) or "flex" (flex_attention's decode kernel, compiled
+    steps only, eager ones keep sdpa; not yet measured against sdpa: bench/generate.py --paths
+    vlforge,vlforge-flex).
     compact: at a sync point with nobody waiting, move running rows down into freed slots when that
     shrinks the step's slot bucket (_compact); False keeps every row in its first slot.
     """
 
     def __init__(self, model, *, max_slots: int = 256, sync_every: int = 8, use_graphs: bool | None = None,
-                 compile: bool = False, max_prefill_tokens: int = 32768, compact: bool = True):
+                 compile: bool = False, max_prefill_tokens: int = 32768, compact: bool = True,
+                 decode_attention: str = "sdpa"):
+        if decode_attention not in DECODE_ATTENTION:
+            raise ValueError(f"decode_attention: one of {sorted(DECODE_ATTENTION)}, got {decode_attention!r}")
         self._core = weakref.ref(unwrap(model))  # the engine lives as long as its model, not longer
         self.lm = self.core.model.language_model
         self.text_config = self.lm.layers[0].self_attn.config
@@ -375,6 +400,7 @@ class Engine:
         self.max_prefill_tokens = max_prefill_tokens
         self.compile = compile
         self.compact = compact  # move running rows down into freed slots when the bucket would shrink
+        self.decode_attention = decode_attention
         self._compiled = self._compiled_pick = None
         self._decode_hidden, self._pick = _decode_hidden, _pick  # what _step calls: eager or compiled, set per call
         self.cache: SlotCache | None = None
@@ -404,6 +430,7 @@ class Engine:
         """Allocate the KV slots for `slots` rows of `length` tokens now, so later calls up to that
         size reuse the same buffers and graphs (a larger call reallocates and recaptures)."""
         device = self.core.lm_head.weight.device
+        slots = max(slots, 2 if self.compile else 1)  # compiled steps run at least 2 slots (_compiled_once)
         self._ensure_buffers(_bucket(slots), LENGTH_BUCKET * math.ceil(length / LENGTH_BUCKET),
                              dtype or self._kv_dtype(device), device)
 
@@ -465,7 +492,9 @@ class Engine:
         # recording: each row's experts go where its input token's KV goes (length_S, updated by the step)
         routes = self.recorder.write_to(self.routes, self.cache.rows[:S], length_S) if self._recording \
             else nullcontext()
-        with _attention(self.text_config, DECODE_ATTENTION), routes:
+        compiled = self._decode_hidden is not _decode_hidden
+        attention = DECODE_ATTENTION["flex" if self.decode_attention == "flex" and compiled else "sdpa"]
+        with _attention(self.text_config, attention), routes:
             hidden_SH = self._decode_hidden(self.core, self.cache, st.tok[:S, None], length_S, span_L, st.pos[:S])
         tok_S, logp_S = self._pick(self.core.lm_head(hidden_SH), self.banned, self.is_stop, st.count[:S] < st.min_new[:S],
                                    st.temperature[:S], st.top_k[:S], st.top_p[:S], st.key[:S], st.count[:S], mode)

@@ -11,8 +11,8 @@ Gumbel draw per (row, vocabulary entry) also saves [S, V] random numbers per ste
 
 torch has no counter-based RNG taking per-row keys (torch.Generator is one stream per device), so
 the hash is written here: lowbias32 (Chris Wellons' 32-bit integer mix) on int64 tensors holding
-32-bit values. u has 24 bits (the fp32 mantissa), so probabilities below ~6e-8 are not resolved
-(of a row's total; inside a block, u's position is rescaled, so resolution there is finer).
+32-bit values. u has 23 bits (strictly below 1), so probabilities below ~1.2e-7 of a row's total
+are not resolved.
 """
 
 from __future__ import annotations
@@ -41,7 +41,9 @@ def row_key(seed: int, row: int) -> int:
 def uniform(key_S: torch.Tensor, step_S: torch.Tensor) -> torch.Tensor:
     """u in (0, 1), fp32, a function of (key, step) only."""
     h = mix32(key_S ^ mix32((step_S * GOLDEN) & M32))
-    return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    # 23 bits: (2**23 - 1) + 0.5 is exact in fp32, so u <= 1 - 2**-24 < 1 (with 24 bits the top value
+    # rounded to 2**24, u = 1.0, and the draw fell on the row's last possible token)
+    return ((h >> 9).float() + 0.5) * (1.0 / (1 << 23))
 
 
 def drop_mask(x_SV: torch.Tensor, top_k_S: torch.Tensor, top_p_S: torch.Tensor) -> torch.Tensor:
@@ -68,7 +70,8 @@ def block_size(V: int) -> int:
 
 def inverse_cdf(x_SV: torch.Tensor, u_S: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(token [S], logsumexp of x [S]): the first token whose cumulative probability under
-    softmax(x) exceeds u, in vocabulary order (-inf entries have zero probability, never drawn).
+    softmax(x) exceeds u, in vocabulary order (entries of zero fp32 probability, -inf ones among
+    them, are never drawn).
 
     Two levels instead of a cumulative sum over V per row (a scan kernel that was 5% of an H200
     decode step at 64 rows): the probability mass of each block of B entries from one logsumexp
@@ -80,20 +83,22 @@ def inverse_cdf(x_SV: torch.Tensor, u_S: torch.Tensor) -> tuple[torch.Tensor, to
     x_SNB = x_SV.view(S, V // B, B)
     block_lse_SN = torch.logsumexp(x_SNB, -1)
     lse_S = torch.logsumexp(block_lse_SN, -1)
-    cdf_SN = (block_lse_SN - lse_S[:, None]).exp().cumsum(-1)
+    mass_SN = (block_lse_SN - lse_S[:, None]).exp()
+    cdf_SN = mass_SN.cumsum(-1)
     target_S = u_S * cdf_SN[:, -1]
-    block_S = _first_above(cdf_SN, target_S, torch.isfinite(block_lse_SN))
+    block_S = _first_above(cdf_SN, target_S, mass_SN > 0)
     before_S = torch.where(block_S > 0, cdf_SN.gather(1, (block_S - 1).clamp(min=0)[:, None])[:, 0], 0.0)
     mass_S = cdf_SN.gather(1, block_S[:, None])[:, 0] - before_S
     fraction_S = ((target_S - before_S) / mass_S).clamp(0.0, 1.0)  # where u falls inside its block
     inner_SB = x_SNB.gather(1, block_S[:, None, None].expand(-1, 1, B))[:, 0]
-    inner_cdf_SB = (inner_SB - lse_S[:, None]).exp().cumsum(-1)
-    within_S = _first_above(inner_cdf_SB, fraction_S * inner_cdf_SB[:, -1], torch.isfinite(inner_SB))
+    inner_p_SB = (inner_SB - lse_S[:, None]).exp()
+    inner_cdf_SB = inner_p_SB.cumsum(-1)
+    within_S = _first_above(inner_cdf_SB, fraction_S * inner_cdf_SB[:, -1], inner_p_SB > 0)
     return block_S * B + within_S, lse_S
 
 
 def _first_above(cdf_SK: torch.Tensor, target_S: torch.Tensor, possible_SK: torch.Tensor) -> torch.Tensor:
-    """The first k with cdf > target, at most the last k that is possible (has probability)."""
+    """The first k with cdf > target, at most the last k that is possible (has fp32 probability > 0)."""
     K = cdf_SK.shape[-1]
     first_S = torch.searchsorted(cdf_SK, target_S[:, None].contiguous(), right=True)[:, 0]
     last_S = (possible_SK * torch.arange(1, K + 1, device=cdf_SK.device)).amax(-1) - 1
