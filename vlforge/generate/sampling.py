@@ -89,7 +89,9 @@ def inverse_cdf(x_SV: torch.Tensor, u_S: torch.Tensor) -> tuple[torch.Tensor, to
     block_S = _first_above(cdf_SN, target_S, mass_SN > 0)
     before_S = torch.where(block_S > 0, cdf_SN.gather(1, (block_S - 1).clamp(min=0)[:, None])[:, 0], 0.0)
     mass_S = cdf_SN.gather(1, block_S[:, None])[:, 0] - before_S
-    fraction_S = ((target_S - before_S) / mass_S).clamp(0.0, 1.0)  # where u falls inside its block
+    # where u falls inside its block (a block's mass below the rounding of the sum before it can
+    # only be reached through _first_above's clamp: the floor keeps 0/0 from making a NaN there)
+    fraction_S = ((target_S - before_S) / mass_S.clamp(min=torch.finfo(torch.float32).tiny)).clamp(0.0, 1.0)
     inner_SB = x_SNB.gather(1, block_S[:, None, None].expand(-1, 1, B))[:, 0]
     inner_p_SB = (inner_SB - lse_S[:, None]).exp()
     inner_cdf_SB = inner_p_SB.cumsum(-1)
