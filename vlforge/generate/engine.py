@@ -413,7 +413,7 @@ class Engine:
         self.recorder = recorder_of(self.core)
         self.routes: torch.Tensor | None = None  # [L, slots, length, k] expert ids, when recording
         self._recording = False  # this call records routes (part of the graph key)
-        self._fewest_slots = 1  # the smallest slot bucket of this call's steps (2 when compiled)
+        self._step_compiled = False  # this call's decode step is the compiled one
 
     @property
     def core(self):
@@ -492,8 +492,7 @@ class Engine:
         # recording: each row's experts go where its input token's KV goes (length_S, updated by the step)
         routes = self.recorder.write_to(self.routes, self.cache.rows[:S], length_S) if self._recording \
             else nullcontext()
-        compiled = self._decode_hidden is not _decode_hidden
-        attention = DECODE_ATTENTION["flex" if self.decode_attention == "flex" and compiled else "sdpa"]
+        attention = DECODE_ATTENTION["flex" if self.decode_attention == "flex" and self._step_compiled else "sdpa"]
         with _attention(self.text_config, attention), routes:
             hidden_SH = self._decode_hidden(self.core, self.cache, st.tok[:S, None], length_S, span_L, st.pos[:S])
         tok_S, logp_S = self._pick(self.core.lm_head(hidden_SH), self.banned, self.is_stop, st.count[:S] < st.min_new[:S],
@@ -514,7 +513,7 @@ class Engine:
     def _graph_key(self, S, Lb, mode):
         autocast = torch.is_autocast_enabled("cuda")
         return (S, Lb, mode, self.core.training, autocast, torch.get_autocast_dtype("cuda") if autocast else None,
-                self._decode_hidden is not _decode_hidden, self._recording)
+                self._step_compiled, self._recording)
 
     def _run_steps(self, S: int, Lb: int, mode: str, steps: int, use_graphs: bool) -> None:
         if not use_graphs:
@@ -678,8 +677,8 @@ class Engine:
         compiled = use_graphs and (compile if compile is not None else self.compile)
         # torch.compile specializes a dimension of size 1 (dynamic=True or not): a one-row step would
         # compile the language model again (~2 min at 2B), so a compiled step runs at least 2 slots
-        self._fewest_slots = 2 if compiled else 1
-        self._ensure_buffers(max(n_slots, self._fewest_slots), length, kv_dtype, device)
+        self._step_compiled = compiled
+        self._ensure_buffers(max(n_slots, self._step_slots(1)), length, kv_dtype, device)
         if record_routes and self.recorder is None:
             raise ValueError("record_routes: the model has no mixture-of-experts router to record")
         self._recording = bool(record_routes)
@@ -814,8 +813,8 @@ class Engine:
         self.stats.compactions += 1
 
     def _step_slots(self, rows: int) -> int:
-        """The slot bucket a step over slots 0..rows-1 runs at."""
-        return max(_bucket(rows), self._fewest_slots)
+        """The slot bucket a step over slots 0..rows-1 runs at (compiled: at least 2, see generate)."""
+        return max(_bucket(rows), 2 if self._step_compiled else 1)
 
     def _finish_early(self, ended: set[int], occupant, done, queue, requests, answered) -> list[int]:
         """Requests a feed finished: their rows stop (slots freed at this sync point); those not

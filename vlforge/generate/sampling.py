@@ -40,10 +40,14 @@ def row_key(seed: int, row: int) -> int:
 
 def uniform(key_S: torch.Tensor, step_S: torch.Tensor) -> torch.Tensor:
     """u in (0, 1), fp32, a function of (key, step) only."""
-    h = mix32(key_S ^ mix32((step_S * GOLDEN) & M32))
-    # 23 bits: (2**23 - 1) + 0.5 is exact in fp32, so u <= 1 - 2**-24 < 1 (with 24 bits the top value
-    # rounded to 2**24, u = 1.0, and the draw fell on the row's last possible token)
-    return ((h >> 9).float() + 0.5) * (1.0 / (1 << 23))
+    return unit_interval(mix32(key_S ^ mix32((step_S * GOLDEN) & M32)))
+
+
+def unit_interval(h_S: torch.Tensor) -> torch.Tensor:
+    """32-bit hashes -> fp32 in (0, 1) from their top 23 bits: (2**23 - 1) + 0.5 is exact in fp32, so
+    u <= 1 - 2**-24 < 1 (with 24 bits the top value rounded to 2**24, u = 1.0, and the draw fell on
+    the row's last possible token)."""
+    return ((h_S >> 9).float() + 0.5) * (1.0 / (1 << 23))
 
 
 def drop_mask(x_SV: torch.Tensor, top_k_S: torch.Tensor, top_p_S: torch.Tensor) -> torch.Tensor:
