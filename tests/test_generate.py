@@ -205,10 +205,11 @@ def test_two_level_inverse_cdf_draws_the_full_vocabulary_inverse_cdf():
 
 
 def compiled_on_cpu(engine, monkeypatch, buckets=None):
-    """The engine's compiled path on the CPU: torch.compile with the eager backend (dynamo's tracing
-    and guards, no inductor), steps run one by one instead of replaying CUDA graphs."""
+    """The engine's compiled path on the CPU: torch.compile with the aot_eager backend (dynamo's and
+    AOT autograd's tracing and guards, no inductor; AOT's contiguity checks are what specialized the
+    length bucket once), steps run one by one instead of replaying CUDA graphs."""
     compile_ = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, **{**kw, "backend": "eager"}))
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, **{**kw, "backend": "aot_eager"}))
     torch._dynamo.reset()
     monkeypatch.setattr(engine, "_graphs_on", lambda device: True)
 
@@ -260,9 +261,10 @@ def test_flex_decode_engine_equals_sdpa_on_cuda(setup):
 
 def test_one_compile_serves_every_slot_bucket(setup, monkeypatch):
     """The compiled decode step compiles once for every bucket: a first step over all slots, then
-    smaller buckets, then a call of one row (run at 2 slots). Dynamo's guards decide recompiles
-    whatever the backend, so the test compiles with backend="eager" and runs the steps without
-    CUDA graphs on the CPU; only the sampling mode (a Python string) compiles `_pick` again."""
+    smaller buckets, then a call of one row (run at 2 slots); the KV buffers reallocated longer and
+    the longest bucket as long as the buffers. The traced code's guards decide recompiles whatever
+    the backend, so the test compiles with backend="aot_eager" and runs the steps without CUDA
+    graphs on the CPU; only the sampling mode (a Python string) compiles `_pick` again."""
     from torch._dynamo.utils import counters
 
     model, encoder, samples = setup

@@ -32,6 +32,8 @@ def grpo_config(shapes_dir, out_dir, tmp_path, *overrides, reward="varied") -> G
     # (train.seed: with the sampler of generate/, seed 0 draws one group whose 4 rewards tie, so the
     # second mini-batch has no advantage and lora_A, which only moves after B does, stays put)
     ("lora", ["rl.kl_beta=0.1", "quant.language=nf4", "precision.mode=bf16", "train.seed=1"]),
+    # fp32 masters under bf16: the rollout reads bf16 copies of the linears (PrecisionPolicy.inference_weights)
+    ("full", ["rl.kl_beta=0.1", "precision.mode=bf16", "train.seed=1"]),
 ])
 def test_one_grpo_step_changes_exactly_the_trainable_params(shapes_dir, tmp_path, method, extra, monkeypatch):
     # 8 sequences in mini-batches of 4: two optimizer steps, so LoRA A moves too (B starts at zero)
@@ -55,6 +57,7 @@ def test_one_grpo_step_changes_exactly_the_trainable_params(shapes_dir, tmp_path
     for n, p in t.model.named_parameters():
         changed = not torch.equal(before[n], p.detach())
         assert changed == p.requires_grad, f"{n}: trainable={p.requires_grad} changed={changed}"
+        assert not p.requires_grad or p.dtype == torch.float32, n  # the masters are back after the rollout
     for key in ["reward_mean", "reward_std", "accuracy", "adv_mean", "kl", "clip_frac", "entropy",
                 "response_length_mean", "response_length_max", "zero_var_group_frac", "time_rollout_s",
                 "time_train_s", "tokens_per_s", f"reward/{tmp_path / 'rewards.py'}:varied",

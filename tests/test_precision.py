@@ -234,3 +234,53 @@ def test_trainable_weights_of_an_fp32_compute_module_are_fp32():
                                              overrides=[ModuleOverride("norm", compute="fp32")]), "cpu")
     assert policy.param_dtype("model.language_model.norm", trainable=True) == torch.float32
     assert policy.param_dtype("model.language_model.layers.0.mlp.up_proj", trainable=True) == torch.bfloat16
+
+
+def test_inference_weights_give_the_same_bits_and_give_the_masters_back(shapes_dir, tmp_path):
+    """Full fine-tuning with fp32 masters under bf16 autocast: inside inference_weights the plain
+    linears' weights are stored in bf16 (the embedding, which the tied lm_head shares, and the norms
+    keep fp32), the forward gives the same bits, and afterwards the very same fp32 masters train on;
+    a second entry refreshes the same copies (their addresses stay: captured graphs stay valid)."""
+    cfg = tiny_sft_config(shapes_dir, tmp_path, "precision.mode=bf16", "tiers.method=full")
+    t = setup_model(cfg)
+    data = load_dataset(cfg.data.train, t.processor, cfg.data)
+    batch = collate([data[i] for i in range(4)], data.encoder.pad_id)
+    inputs = {k: v for k, v in batch.items() if k != "labels"}
+    core = t.model
+    q_proj = core.model.language_model.layers[0].self_attn.q_proj
+    masters = {n: (p.data_ptr(), p.detach().clone()) for n, p in core.named_parameters()}
+    q_master = q_proj.weight.data  # an alias of the master's storage: it sees the training step
+    with torch.no_grad(), t.policy.autocast():
+        reference = core(**inputs).logits
+        with t.policy.inference_weights(core):
+            assert q_proj.weight.dtype == torch.bfloat16
+            assert core.model.language_model.embed_tokens.weight.dtype == torch.float32
+            assert core.model.language_model.norm.weight.dtype == torch.float32
+            first_copy = q_proj.weight.data_ptr()
+            inside = core(**inputs).logits
+    assert torch.equal(inside, reference)
+    for n, p in core.named_parameters():
+        assert p.data_ptr() == masters[n][0] and torch.equal(p, masters[n][1]), n  # the same storage, untouched
+    optimizer = build_optimizer(param_groups(t.model, t.plan, 0.0), cfg.optim, "cpu")
+    train_step(t, [batch], optimizer, t.policy.grad_scaler(), GradHealth(t.model, t.plan, cfg.health), 1.0)
+    assert q_proj.weight.dtype == torch.float32 and not torch.equal(q_proj.weight, masters[
+        "model.language_model.layers.0.self_attn.q_proj.weight"][1])
+    with torch.no_grad(), t.policy.inference_weights(core):
+        assert q_proj.weight.data_ptr() == first_copy
+        # the copy refreshed from the trained master
+        assert torch.equal(q_proj.weight, q_master.to(torch.bfloat16))
+
+
+def test_inference_weights_leave_compute_dtype_masters_alone(shapes_dir, tmp_path):
+    cfg = tiny_sft_config(shapes_dir, tmp_path, "precision.mode=bf16", "tiers.method=lora")
+    t = setup_model(cfg)
+    lora = [p for n, p in t.model.named_parameters() if "lora_A" in n][0]
+    base = [p for n, p in t.model.named_parameters() if n.endswith("q_proj.base_layer.weight")][0]
+    with t.policy.inference_weights(t.model):
+        assert lora.dtype == torch.bfloat16 and base.dtype == torch.bfloat16  # LoRA's fp32 masters swapped
+    assert lora.dtype == torch.float32
+    cfg = tiny_sft_config(shapes_dir, tmp_path / "c", "precision.master_weights=compute", "tiers.method=full")
+    t = setup_model(cfg)
+    before = {n: p.data_ptr() for n, p in t.model.named_parameters()}
+    with t.policy.inference_weights(t.model):
+        assert all(p.data_ptr() == before[n] for n, p in t.model.named_parameters())  # nothing to swap

@@ -522,7 +522,7 @@ class RolloutConfig:
     # vlforge: generate/ (static KV slots, CUDA-graph decode); hf: the plain decode loop on
     # transformers' DynamicCache, kept for comparison
     engine: Literal["vlforge", "hf"] = "vlforge"
-    # torch.compile the decode step (vlforge engine on CUDA): ~2 min once per run, then ~1.9x faster
+    # torch.compile the decode step (vlforge engine on CUDA): once per run, then ~1.9x faster
     # decoding (docs/benchmarks.md); off: CUDA graphs of the eager layers
     compile: bool = True
     # Keep the engine's KV slots (and decode CUDA graphs) from one step's rollouts to the next, or
@@ -530,8 +530,8 @@ class RolloutConfig:
     # KV length x KV heads x head dim x 2 bytes (8B, 64 slots x 1024 tokens: 9.7 GB). Freeing costs,
     # every step, the allocation and, on one GPU, capturing each decode graph again (one per slot /
     # KV-length bucket reached; docs/benchmarks.md: 3 graphs in 1.7 s with eager layers, 0.3 s for a
-    # compiled step's). The compiled step itself is kept and does not recompile for new buffers
-    # (checked: torch.compile's guards pass on a re-allocated cache). Several processes capture no
+    # compiled step's). The compiled step itself is kept and does not recompile for new buffers of
+    # another length (their length is a dynamic dimension; tested). Several processes capture no
     # graphs, so there freeing costs only the allocation. Kept by default: the buffers serve every
     # step; free them when the update runs out of memory.
     keep_kv: bool = True

@@ -59,6 +59,16 @@ def _run_forward_in(module: nn.Module, dtype: torch.dtype, device_type: str) -> 
     module.forward = forward_in_dtype
 
 
+def _linear_only_weights(model: nn.Module, policy: "PrecisionPolicy") -> list[nn.Parameter]:
+    """Parameters every owner of which is exactly an nn.Linear computing in the policy's compute dtype."""
+    owners: dict[nn.Parameter, list[bool]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        linear = type(module) is nn.Linear and policy.module_compute(name) == policy.compute_dtype
+        for p in module.parameters(recurse=False):
+            owners.setdefault(p, []).append(linear)
+    return [p for p, linear in owners.items() if all(linear)]
+
+
 class PrecisionPolicy:
     def __init__(self, cfg: PrecisionConfig, device_type: str):
         self.cfg = cfg
@@ -120,6 +130,41 @@ class PrecisionPolicy:
         if self.mode == "fp32":
             return contextlib.nullcontext()
         return torch.autocast(self.device_type, dtype=self.compute_dtype)
+
+    @contextlib.contextmanager
+    def inference_weights(self, model: nn.Module):
+        """Inside: the master-dtype (fp32) weights of plain nn.Linear layers stored in the compute
+        dtype, for generation under `autocast()` (GRPO rollouts); outside: the masters again.
+
+        Autocast already runs those layers on weights cast to the compute dtype, so the results are
+        the same bits; what changes is that a decode step reads 2-byte weights once instead of
+        reading the 4-byte masters and writing and reading a cast of every weight (~4x the traffic,
+        at every step of a captured CUDA graph, where autocast's weight-cast cache is off). The copies
+        are kept (one refresh per entry; 2 bytes per weight, ~3 GB at 2B): their addresses stay, so
+        the engine's graphs captured inside stay valid across GRPO steps (a graph captured over
+        copies freed afterwards would read freed memory: hence not for SFT's eval). Only weights
+        whose every user is exactly an nn.Linear (not FP8's subclasses; not a weight tied to the
+        embedding, whose fp32 output is the fp32 residual stream); modules with an fp32 compute
+        override keep theirs. A model sharded by FSDP2 is left alone (its gathers are in the
+        compute dtype already)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        swapped = []
+        if self.master_dtype != self.compute_dtype and not any(isinstance(m, FSDPModule) for m in model.modules()):
+            for p in _linear_only_weights(model, self):
+                if p.dtype != self.master_dtype:
+                    continue
+                copy = getattr(p, "_inference_copy", None)  # kept on the parameter: it lives as long
+                if copy is None or copy.shape != p.shape or copy.device != p.device:
+                    copy = p._inference_copy = torch.empty_like(p.data, dtype=self.compute_dtype)
+                copy.copy_(p.data)
+                swapped.append((p, p.data))
+                p.data = copy
+        try:
+            yield
+        finally:
+            for p, master in swapped:
+                p.data = master
 
     def grad_scaler(self) -> torch.amp.GradScaler:
         """Dynamic loss scaling for fp16; a disabled scaler (a no-op) for bf16/fp32/FP8."""

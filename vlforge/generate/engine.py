@@ -241,7 +241,10 @@ class SlotCache:
     is_compileable = True  # static shapes: masking_utils never drops our mask for is_causal
 
     def __init__(self, layers: int, slots: int, kv_heads: int, length: int, head_dim: int, dtype, device):
-        shape = (slots, kv_heads, length, head_dim)
+        # one spare position, never read: a [:S, :, :Lb] view is then never the whole buffer, so the
+        # compiled step's Lb never meets a contiguity check that holds (which would specialize Lb on
+        # the longest bucket and break _compiled_once's one compile)
+        shape = (slots, kv_heads, length + 1, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.rows = torch.arange(slots, device=device)
@@ -346,23 +349,39 @@ def _pick(logits_SV, banned_V, is_stop_V, early_S, temperature_S, top_k_S, top_p
     return sample(x_SV, temperature_S, top_k_S, top_p_S, key_S, step_S, mode)
 
 
-def _compiled_once(fn):
-    """torch.compile(fn) with dynamic shapes that one compile serves every slot and length bucket.
+def _compiled_once(fn, varying: Callable[..., list[tuple[torch.Tensor, int]]]):
+    """torch.compile(fn) that one compile serves every slot and length bucket and every KV buffer
+    length: static shapes but for the (tensor, dimension) pairs `varying(*args)` names, marked
+    dynamic at every call (the slot count S, the length bucket Lb, the buffers' length).
 
-    Without duck sizing: by default dynamo takes sizes equal in the first call for one symbol, so a
-    first step over every slot (the state's [:S] views as long as their buffers) guards
-    `view size == buffer size`, and the first smaller bucket compiled the language model again
-    (seen with TORCH_LOGS=recompiles; ~2 min at 2B on an H200). Size 1 is specialized whatever
-    the setting (hence Engine's 2-slot floor for compiled steps). The patch is process-wide while a
-    call runs (ConfigModule.patch), which only matters to a compile running in another thread then."""
-    compiled = torch.compile(fn, dynamic=True)
+    Why not dynamic=True: it makes every dimension of every tensor dynamic, all four of each of the
+    2 x layers KV buffers' too, and the symbolic-shape reasoning over those symbols (sympy) made the
+    trace slow: a 2B GRPO run's first step was still tracing 190 s in on an H200 (stack samples),
+    and on a CPU the 2B trace (bench/decode_trace_time.py) took 164 s, 28 s this way. The buffers'
+    slot count stays static (a buffer of more slots compiles again: GRPO and serve keep one). Without
+    duck sizing: by default dynamo takes sizes equal in the first call for one symbol, so S == Lb
+    in a first call would guard `S == Lb` and compile again later. Size 1 is specialized whatever
+    the setting (hence Engine's 2-slot floor for compiled steps); mark_dynamic fails loudly if the
+    traced code specializes a marked size. The patch is process-wide while a call runs
+    (ConfigModule.patch), which only matters to a compile running in another thread then."""
+    compiled = torch.compile(fn, dynamic=False)
 
     @functools.wraps(fn)
-    def call(*args, **kwargs):
+    def call(*args):
+        for tensor, dim in varying(*args):
+            torch._dynamo.mark_dynamic(tensor, dim)
         with fx_config.patch(use_duck_shape=False):
-            return compiled(*args, **kwargs)
+            return compiled(*args)
 
     return call
+
+
+def _decode_varying(core, cache, tok_S1, length_S, span_L, pos_S):
+    return [(tok_S1, 0), (length_S, 0), (span_L, 0), (pos_S, 0), *((kv, 2) for kv in cache.keys + cache.values)]
+
+
+def _pick_varying(logits_SV, banned_V, is_stop_V, *per_row_and_mode):
+    return [(logits_SV, 0), *((t, 0) for t in per_row_and_mode[:-1])]  # the last one is the mode string
 
 
 def _expert_dtype(core) -> torch.dtype | None:
@@ -696,8 +715,8 @@ class Engine:
             self.banned[torch.tensor(banned_ids, device=device)] = True
         self.state.alive.zero_()
         if compiled and self._compiled is None:
-            self._compiled = _compiled_once(_decode_hidden)
-            self._compiled_pick = _compiled_once(_pick)
+            self._compiled = _compiled_once(_decode_hidden, _decode_varying)
+            self._compiled_pick = _compiled_once(_pick, _pick_varying)
         self._decode_hidden = self._compiled if compiled else _decode_hidden
         self._pick = self._compiled_pick if compiled else _pick
         mode = _mode(list(requests.values()), "greedy")

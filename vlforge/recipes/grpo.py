@@ -102,7 +102,8 @@ def rollout_round(t: Trainable, data: ChatDataset, idx: list[int], cfg: GRPOConf
     prompts = to_device(collate(encoded, data.encoder.pad_id, left_pad=True), t.device)
     # sharded: the whole model gathered for the rollout, so that ranks decoding for different
     # numbers of steps issue no collectives
-    with t.policy.autocast(), fully_gathered(t.root):
+    # (fp32 masters: the linears' weights read in bf16 during the rollout, PrecisionPolicy.inference_weights)
+    with t.policy.autocast(), t.policy.inference_weights(t.model), fully_gathered(t.root):
         rollout = generate_groups(t.model, data.encoder, prompts, [len(s.images) for s in samples], cfg.rollout,
                                   first_row=first_row, all_rows=all_rows, seed=seed)
     tok = data.encoder.tokenizer  # decode only each response's own tokens (not the padding after EOS)
