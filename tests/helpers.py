@@ -1,5 +1,7 @@
 """Shared builders for recipe tests: a tiny SFT config on the session's shapes data."""
 
+import torch
+
 from vlforge.config import SFTConfig, load_config
 
 
@@ -9,3 +11,22 @@ def tiny_sft_config(shapes_dir, out_dir, *overrides) -> SFTConfig:
         "precision.mode=fp32", "train.device=cpu", f"train.output_dir={out_dir}", "train.batch_size=4",
         "train.max_steps=2", "log.progress=false", "eval.max_samples=4", "eval.max_new_tokens=3",
         "optim.warmup_steps=0", "tiers.vision.train=true", *overrides])
+
+
+def compiled_on_cpu(engine, monkeypatch, buckets=None):
+    """The engine's compiled path on the CPU: torch.compile with the aot_eager backend (dynamo's and
+    AOT autograd's tracing and guards, no inductor; AOT's contiguity checks are what specialized the
+    length bucket once), steps run one by one instead of replaying CUDA graphs."""
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, **{**kw, "backend": "aot_eager"}))
+    torch._dynamo.reset()
+    monkeypatch.setattr(engine, "_graphs_on", lambda device: True)
+
+    def run_steps(S, Lb, mode, steps, use_graphs):
+        if buckets is not None:
+            buckets.add(S)
+        for _ in range(steps):
+            engine._step(S, Lb, mode)
+
+    monkeypatch.setattr(engine, "_run_steps", run_steps)
+    return engine

@@ -14,6 +14,8 @@ from vlforge.generate.forward import vision_token_ids
 from vlforge.generate.sampling import _first_above, inverse_cdf, row_key, sample, unit_interval
 from vlforge.rollout.engine import generate_groups, sequence_logprobs
 
+from helpers import compiled_on_cpu
+
 
 @pytest.fixture
 def setup(tiny, shapes_dir):
@@ -202,25 +204,6 @@ def test_two_level_inverse_cdf_draws_the_full_vocabulary_inverse_cdf():
     cdf = torch.tensor([[0.2, 0.5, 0.5], [0.2, 0.5, 0.9]])
     possible = torch.tensor([[True, True, False], [True, True, True]])
     assert _first_above(cdf, torch.tensor([0.5, 0.3]), possible).tolist() == [1, 1]
-
-
-def compiled_on_cpu(engine, monkeypatch, buckets=None):
-    """The engine's compiled path on the CPU: torch.compile with the aot_eager backend (dynamo's and
-    AOT autograd's tracing and guards, no inductor; AOT's contiguity checks are what specialized the
-    length bucket once), steps run one by one instead of replaying CUDA graphs."""
-    compile_ = torch.compile
-    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, **{**kw, "backend": "aot_eager"}))
-    torch._dynamo.reset()
-    monkeypatch.setattr(engine, "_graphs_on", lambda device: True)
-
-    def run_steps(S, Lb, mode, steps, use_graphs):
-        if buckets is not None:
-            buckets.add(S)
-        for _ in range(steps):
-            engine._step(S, Lb, mode)
-
-    monkeypatch.setattr(engine, "_run_steps", run_steps)
-    return engine
 
 
 def test_flex_decode_attention_equals_sdpa():

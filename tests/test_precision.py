@@ -249,6 +249,8 @@ def test_inference_weights_give_the_same_bits_and_give_the_masters_back(shapes_d
     core = t.model
     q_proj = core.model.language_model.layers[0].self_attn.q_proj
     masters = {n: (p.data_ptr(), p.detach().clone()) for n, p in core.named_parameters()}
+    master = q_proj.weight
+    accumulator = master.view_as(master).grad_fn.next_functions[0][0]  # DDP's hooks hang on this node
     q_master = q_proj.weight.data  # an alias of the master's storage: it sees the training step
     with torch.no_grad(), t.policy.autocast():
         reference = core(**inputs).logits
@@ -259,6 +261,7 @@ def test_inference_weights_give_the_same_bits_and_give_the_masters_back(shapes_d
             first_copy = q_proj.weight.data_ptr()
             inside = core(**inputs).logits
     assert torch.equal(inside, reference)
+    assert q_proj.weight is master and master.view_as(master).grad_fn.next_functions[0][0] is accumulator
     for n, p in core.named_parameters():
         assert p.data_ptr() == masters[n][0] and torch.equal(p, masters[n][1]), n  # the same storage, untouched
     optimizer = build_optimizer(param_groups(t.model, t.plan, 0.0), cfg.optim, "cpu")
@@ -274,11 +277,11 @@ def test_inference_weights_give_the_same_bits_and_give_the_masters_back(shapes_d
 def test_inference_weights_leave_compute_dtype_masters_alone(shapes_dir, tmp_path):
     cfg = tiny_sft_config(shapes_dir, tmp_path, "precision.mode=bf16", "tiers.method=lora")
     t = setup_model(cfg)
-    lora = [p for n, p in t.model.named_parameters() if "lora_A" in n][0]
-    base = [p for n, p in t.model.named_parameters() if n.endswith("q_proj.base_layer.weight")][0]
+    lora_A = [m for n, m in t.model.named_modules() if n.endswith("q_proj.lora_A.default")][0]
+    base = [m for n, m in t.model.named_modules() if n.endswith("q_proj.base_layer")][0]
     with t.policy.inference_weights(t.model):
-        assert lora.dtype == torch.bfloat16 and base.dtype == torch.bfloat16  # LoRA's fp32 masters swapped
-    assert lora.dtype == torch.float32
+        assert lora_A.weight.dtype == torch.bfloat16 and base.weight.dtype == torch.bfloat16  # LoRA's masters swapped
+    assert lora_A.weight.dtype == torch.float32 and lora_A.weight.requires_grad
     cfg = tiny_sft_config(shapes_dir, tmp_path / "c", "precision.master_weights=compute", "tiers.method=full")
     t = setup_model(cfg)
     before = {n: p.data_ptr() for n, p in t.model.named_parameters()}

@@ -59,14 +59,15 @@ def _run_forward_in(module: nn.Module, dtype: torch.dtype, device_type: str) -> 
     module.forward = forward_in_dtype
 
 
-def _linear_only_weights(model: nn.Module, policy: "PrecisionPolicy") -> list[nn.Parameter]:
-    """Parameters every owner of which is exactly an nn.Linear computing in the policy's compute dtype."""
-    owners: dict[nn.Parameter, list[bool]] = {}
-    for name, module in model.named_modules(remove_duplicate=False):
-        linear = type(module) is nn.Linear and policy.module_compute(name) == policy.compute_dtype
-        for p in module.parameters(recurse=False):
-            owners.setdefault(p, []).append(linear)
-    return [p for p, linear in owners.items() if all(linear)]
+def _linear_only_weights(model: nn.Module, policy: "PrecisionPolicy") -> dict[nn.Parameter, list[tuple[nn.Module, str]]]:
+    """Parameter -> its (owner, name) pairs, for parameters every owner of which is exactly an
+    nn.Linear computing in the policy's compute dtype."""
+    owners: dict[nn.Parameter, list[tuple[nn.Module, str, bool]]] = {}
+    for module_name, module in model.named_modules(remove_duplicate=False):
+        linear = type(module) is nn.Linear and policy.module_compute(module_name) == policy.compute_dtype
+        for name, p in module.named_parameters(recurse=False):
+            owners.setdefault(p, []).append((module, name, linear))
+    return {p: [(m, n) for m, n, _ in uses] for p, uses in owners.items() if all(linear for *_, linear in uses)}
 
 
 class PrecisionPolicy:
@@ -136,6 +137,10 @@ class PrecisionPolicy:
         """Inside: the master-dtype (fp32) weights of plain nn.Linear layers stored in the compute
         dtype, for generation under `autocast()` (GRPO rollouts); outside: the masters again.
 
+        The owners' parameter entries point at the copies, the master Parameter objects are not
+        touched: assigning a master's .data another dtype would give it a new gradient-accumulation
+        node, and DDP's all-reduce hooks, registered on the old one, would silently stop firing
+        (found in review, reproduced with 2 gloo processes).
         Autocast already runs those layers on weights cast to the compute dtype, so the results are
         the same bits; what changes is that a decode step reads 2-byte weights once instead of
         reading the 4-byte masters and writing and reading a cast of every weight (~4x the traffic,
@@ -149,22 +154,24 @@ class PrecisionPolicy:
         compute dtype already)."""
         from torch.distributed.fsdp import FSDPModule
 
-        swapped = []
-        if self.master_dtype != self.compute_dtype and not any(isinstance(m, FSDPModule) for m in model.modules()):
-            for p in _linear_only_weights(model, self):
-                if p.dtype != self.master_dtype:
-                    continue
-                copy = getattr(p, "_inference_copy", None)  # kept on the parameter: it lives as long
-                if copy is None or copy.shape != p.shape or copy.device != p.device:
-                    copy = p._inference_copy = torch.empty_like(p.data, dtype=self.compute_dtype)
-                copy.copy_(p.data)
-                swapped.append((p, p.data))
-                p.data = copy
+        swapped = []  # (owner, name, master): the owners' entries are swapped, never a master's .data
         try:
+            if self.master_dtype != self.compute_dtype and not any(isinstance(m, FSDPModule) for m in model.modules()):
+                for p, uses in _linear_only_weights(model, self).items():
+                    if p.dtype != self.master_dtype:
+                        continue
+                    copy = getattr(p, "_inference_copy", None)  # kept on the master: it lives as long
+                    if copy is None or copy.shape != p.shape or copy.device != p.device:
+                        copy = p._inference_copy = nn.Parameter(torch.empty_like(p, dtype=self.compute_dtype),
+                                                                requires_grad=False)
+                    copy.data.copy_(p.detach())
+                    for module, name in uses:
+                        swapped.append((module, name, p))
+                        module._parameters[name] = copy
             yield
         finally:
-            for p, master in swapped:
-                p.data = master
+            for module, name, master in swapped:
+                module._parameters[name] = master
 
     def grad_scaler(self) -> torch.amp.GradScaler:
         """Dynamic loss scaling for fp16; a disabled scaler (a no-op) for bf16/fp32/FP8."""

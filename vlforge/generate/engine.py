@@ -377,7 +377,11 @@ def _compiled_once(fn, varying: Callable[..., list[tuple[torch.Tensor, int]]]):
 
 
 def _decode_varying(core, cache, tok_S1, length_S, span_L, pos_S):
-    return [(tok_S1, 0), (length_S, 0), (span_L, 0), (pos_S, 0), *((kv, 2) for kv in cache.keys + cache.values)]
+    varying = [(tok_S1, 0), (length_S, 0), (span_L, 0), (pos_S, 0), *((kv, 2) for kv in cache.keys + cache.values)]
+    recorder = recorder_of(core)
+    if recorder is not None and recorder.mode == "write":  # MoE route recording: its hooks' [S] rows, [L, slots, length, k] routes
+        varying += [(recorder.rows, 0), (recorder.routes, 2)]
+    return varying
 
 
 def _pick_varying(logits_SV, banned_V, is_stop_V, *per_row_and_mode):
@@ -433,6 +437,7 @@ class Engine:
         self.routes: torch.Tensor | None = None  # [L, slots, length, k] expert ids, when recording
         self._recording = False  # this call records routes (part of the graph key)
         self._step_compiled = False  # this call's decode step is the compiled one
+        self._weights = 0  # which weight tensors this call's steps read (generate sets it)
 
     @property
     def core(self):
@@ -532,7 +537,7 @@ class Engine:
     def _graph_key(self, S, Lb, mode):
         autocast = torch.is_autocast_enabled("cuda")
         return (S, Lb, mode, self.core.training, autocast, torch.get_autocast_dtype("cuda") if autocast else None,
-                self._step_compiled, self._recording)
+                self._step_compiled, self._recording, self._weights)
 
     def _run_steps(self, S: int, Lb: int, mode: str, steps: int, use_graphs: bool) -> None:
         if not use_graphs:
@@ -697,6 +702,9 @@ class Engine:
         # torch.compile specializes a dimension of size 1 (dynamic=True or not): a one-row step would
         # compile the language model again (~2 min at 2B), so a compiled step runs at least 2 slots
         self._step_compiled = compiled
+        # the weights' storage is part of a graph's key: a graph captured over other tensors (GRPO's
+        # rollout reads bf16 copies of fp32 masters, PrecisionPolicy.inference_weights) is not replayed
+        self._weights = hash(tuple(p.data_ptr() for p in self.core.parameters()))
         self._ensure_buffers(max(n_slots, self._step_slots(1)), length, kv_dtype, device)
         if record_routes and self.recorder is None:
             raise ValueError("record_routes: the model has no mixture-of-experts router to record")
