@@ -27,7 +27,8 @@ def main() -> None:
     from torch._dynamo.utils import counters
 
     grpo = args.setup == "grpo"
-    model, _ = load_model(ModelConfig(preset=args.preset), dtype=torch.float32 if grpo else torch.bfloat16, device="cpu")
+    dtype = torch.float32 if grpo else torch.bfloat16
+    model, _ = load_model(ModelConfig(preset=args.preset), dtype=dtype, device="cpu")
     if grpo:  # what GRPO's full fine-tuning hands the engine (recipes/grpo.py, engine/trainable.py)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
@@ -41,7 +42,8 @@ def main() -> None:
     start = time.perf_counter()
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=grpo):
         engine.generate([request], stop_ids=[], banned_ids=[], image_token_id=model.config.image_token_id, pad_id=0)
-    print(json.dumps({"preset": args.preset, "setup": args.setup, "first_generate_s": round(time.perf_counter() - start, 1),
+    seconds = round(time.perf_counter() - start, 1)
+    print(json.dumps({"preset": args.preset, "setup": args.setup, "first_generate_s": seconds,
                       "frames": dict(counters["frames"]), "torch": torch.__version__}))
 
 

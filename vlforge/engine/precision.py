@@ -59,7 +59,8 @@ def _run_forward_in(module: nn.Module, dtype: torch.dtype, device_type: str) -> 
     module.forward = forward_in_dtype
 
 
-def _linear_only_weights(model: nn.Module, policy: "PrecisionPolicy") -> dict[nn.Parameter, list[tuple[nn.Module, str]]]:
+def _linear_only_weights(model: nn.Module,
+                         policy: "PrecisionPolicy") -> dict[nn.Parameter, list[tuple[nn.Module, str]]]:
     """Parameter -> its (owner, name) pairs, for parameters every owner of which is exactly an
     nn.Linear computing in the policy's compute dtype."""
     owners: dict[nn.Parameter, list[tuple[nn.Module, str, bool]]] = {}

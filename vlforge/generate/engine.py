@@ -379,7 +379,8 @@ def _compiled_once(fn, varying: Callable[..., list[tuple[torch.Tensor, int]]]):
 def _decode_varying(core, cache, tok_S1, length_S, span_L, pos_S):
     varying = [(tok_S1, 0), (length_S, 0), (span_L, 0), (pos_S, 0), *((kv, 2) for kv in cache.keys + cache.values)]
     recorder = recorder_of(core)
-    if recorder is not None and recorder.mode == "write":  # MoE route recording: its hooks' [S] rows, [L, slots, length, k] routes
+    if recorder is not None and recorder.mode == "write":
+        # MoE route recording: its hooks' [S] rows and [L, slots, length, k] routes
         varying += [(recorder.rows, 0), (recorder.routes, 2)]
     return varying
 
