@@ -255,16 +255,36 @@ def test_one_compile_serves_every_slot_bucket(setup, monkeypatch):
     engine = compiled_on_cpu(Engine(model, compile=True), monkeypatch, buckets)
     requests = [GenRequest(prompt_of(encoder, samples[i]), n=2, max_new_tokens=5 + 10 * i, temperature=1.0, seed=1,
                            first_row=2 * i) for i in range(3)]
-    frames = counters["frames"]["ok"]
+    graphs = counters["stats"]["unique_graphs"]
     compiled = run(engine, encoder, requests, stop_ids=[])  # every row to its max_new_tokens
     assert buckets == {8, 4, 2}  # slots 8 (the buffers' size), then fewer
     run(engine, encoder, requests[:1], stop_ids=[])
     long = GenRequest(prompt_of(encoder, samples[1]), n=2, max_new_tokens=120, temperature=1.0, seed=2)
     run(engine, encoder, [long], stop_ids=[])  # its rows cross from the 128- into the 256-token length bucket
-    assert counters["frames"]["ok"] - frames == 2  # the layers once, _pick once
+    assert counters["stats"]["unique_graphs"] - graphs == 2  # the layers once, _pick once
     run(engine, encoder, [GenRequest(prompt_of(encoder, samples[0]), max_new_tokens=4)])  # one row, greedy
     assert 1 not in buckets
-    assert counters["frames"]["ok"] - frames == 3
+    assert counters["stats"]["unique_graphs"] - graphs == 3
+    eager = run(Engine(model), encoder, requests, stop_ids=[])
+    for a, b in zip(compiled, eager):
+        assert torch.equal(a.tokens, b.tokens)
+
+
+def test_a_decode_step_that_does_not_compile_as_one_graph_runs_eager_with_a_warning(setup, monkeypatch):
+    """A hook dynamo cannot trace on the model (here a graph break on the input embeddings) makes
+    the compiled step fail under fullgraph: the engine says so once and decodes eager, the same
+    tokens as an uncompiled engine, instead of ending the run."""
+    model, encoder, samples = setup
+    model = copy.deepcopy(model)
+    model.get_input_embeddings().register_forward_hook(lambda module, args, out: torch._dynamo.graph_break())
+    engine = compiled_on_cpu(Engine(model, compile=True), monkeypatch)
+    requests = [GenRequest(prompt_of(encoder, samples[i]), n=2, max_new_tokens=6, temperature=1.0, seed=3)
+                for i in range(2)]
+    with pytest.warns(RuntimeWarning, match="did not compile as one graph") as caught:
+        compiled = run(engine, encoder, requests, stop_ids=[])
+        run(engine, encoder, requests, stop_ids=[])
+    assert sum("_decode_hidden" in str(w.message) for w in caught) == 1  # said once, not every step
+    assert engine._compiled.compile_failure
     eager = run(Engine(model), encoder, requests, stop_ids=[])
     for a, b in zip(compiled, eager):
         assert torch.equal(a.tokens, b.tokens)

@@ -326,14 +326,14 @@ def test_engine_compiled_recording_step_compiles_once(tiny_moe, prompts, monkeyp
     model.set_experts_implementation("batched_mm")  # the eager experts' loop over hit experts does not trace whole
     encoder, batch = prompts
     engine = compiled_on_cpu(Engine(model, compile=True), monkeypatch, buckets := set())
-    frames = counters["frames"]["ok"]
+    graphs = counters["stats"]["unique_graphs"]
     for new_tokens in (6, 200):  # the second call reallocates the KV buffers (and routes) longer
         requests = [GenRequest(p, n=2, max_new_tokens=new_tokens + 3 * b, temperature=1.0, seed=3, first_row=2 * b)
                     for b, p in enumerate(prompts_of_batch(batch, [1, 1, 1]))]
         engine.generate(requests, stop_ids=[], banned_ids=vision_token_ids(encoder),
                         image_token_id=encoder.image_token_id, pad_id=encoder.pad_id, slots=4, record_routes=True)
     assert {4, 2} <= buckets
-    assert counters["frames"]["ok"] - frames == 2  # the layers once, _pick once
+    assert counters["stats"]["unique_graphs"] - graphs == 2  # the layers once, _pick once
 
 
 @pytest.mark.gpu

@@ -169,6 +169,10 @@ def setup_model(cfg: RunConfig, compile_blocks: bool | None = None, world: World
             core.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
             core.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # transformers also hooks the input embeddings to make their output require grad, which only
+        # reentrant checkpointing needs. The hook's requires_grad_() is a graph break for dynamo
+        # (torch 2.11), inside the compiled rollout decode step, where mark_dynamic then failed.
+        core.disable_input_require_grads()
         if cfg.precision.checkpoint_every > 1:
             checkpoint_selected_blocks(model, cfg.precision.checkpoint_every)
     measured = not (cfg.quant.enabled or cfg.precision.gradient_checkpointing or world.strategy != "none"

@@ -37,6 +37,7 @@ import functools
 import math
 import threading
 import time
+import warnings
 import weakref
 from collections import deque
 from contextlib import contextmanager, nullcontext
@@ -46,6 +47,7 @@ from typing import Callable
 import torch
 import torch.fx.experimental._config as fx_config
 import torch.nn.functional as F
+from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
 from transformers import AttentionInterface
 
 from vlforge.generate.forward import cache_of, encode_images, forward_shared, rope_positions
@@ -56,6 +58,9 @@ from vlforge.model.tiers import unwrap
 SLOT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 LENGTH_BUCKET = 128  # attention reads the cache up to the next multiple of this past the longest row
 MAX_STOP_IDS = 8
+# what a failed torch.compile of a decode step raises (graph breaks under fullgraph, guards that
+# specialized a marked size, backend failures): errors of the model itself are none of these
+COMPILE_ERRORS = (torch._dynamo.exc.TorchDynamoException, ConstraintViolationError)
 DECODE_ATTENTION = {"sdpa": "vlforge_decode", "flex": "vlforge_decode_flex"}  # Engine(decode_attention=...)
 
 
@@ -363,16 +368,33 @@ def _compiled_once(fn, varying: Callable[..., list[tuple[torch.Tensor, int]]]):
     in a first call would guard `S == Lb` and compile again later. Size 1 is specialized whatever
     the setting (hence Engine's 2-slot floor for compiled steps); mark_dynamic fails loudly if the
     traced code specializes a marked size. The patch is process-wide while a call runs
-    (ConfigModule.patch), which only matters to a compile running in another thread then."""
-    compiled = torch.compile(fn, dynamic=False)
+    (ConfigModule.patch), which only matters to a compile running in another thread then.
+
+    fullgraph: a graph break (a hook on the model that dynamo cannot trace, say) would split the step
+    into pieces whose guards then specialized the marked sizes (a GRPO run died so in its first step
+    on torch 2.11). A step that does not compile as one graph runs eager from then on, with a
+    warning that says why: the run goes on at eager speed instead of stopping."""
+    compiled = torch.compile(fn, dynamic=False, fullgraph=True)
+    failed: list[str] = []
 
     @functools.wraps(fn)
     def call(*args):
+        if failed:
+            return fn(*args)
         for tensor, dim in varying(*args):
             torch._dynamo.mark_dynamic(tensor, dim)
-        with fx_config.patch(use_duck_shape=False):
-            return compiled(*args)
+        try:
+            with fx_config.patch(use_duck_shape=False):
+                return compiled(*args)
+        except COMPILE_ERRORS as error:
+            reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            failed.append(reason)
+            warnings.warn(f"vlforge: the decode step ({fn.__name__}) did not compile as one graph and runs eager "
+                          f"from now on ({type(error).__name__}: {reason}). Generation still works, at eager speed; "
+                          "rollout.compile=false silences this.", RuntimeWarning, stacklevel=2)
+            return fn(*args)
 
+    call.compile_failure = failed  # the reason, once a compile failed (tests, stats)
     return call
 
 
