@@ -17,6 +17,8 @@
 #   Sixth session ran tests3, 64x256 of gen2b/gen8b; still to run, in this order: grpo (its 3 steps exceeded 235 s
 #   per recipe before the recompile fixes), gen3 (gpu tests of the sixth session; sdpa vs flex decode attention,
 #   the tail case), serve, mem, fp8prof, fsdp1
+#   Eighth session: grpo ran (3,386-8,781 tokens/s); then gen4 (sdpa vs flex decode, 2B and 8B, 64x256, hf-static
+#   beside at 2B), serve, the tail case, mem, fp8prof, fsdp1
 #   Seventh session: grpo ran twice and never finished a step (the compile's tracing; fixed on the CPU): run grpo
 #   first again, then gen3, serve, mem, fp8prof, fsdp1
 #   OUT=/some/dir GROUP=moe   bash bench/gpu_pending.sh  # 30B-A3B: peft peer vs ours same process; NF4 memory/decode
@@ -70,6 +72,10 @@ case $GROUP in
            --tb=short > "$OUT/pytest.txt" 2>&1
          (cd bench && timeout 420 python3 generate.py --preset qwen3vl-2b --paths vlforge,vlforge-flex --cases 64x256,tail \
            --out "$OUT/gen-2b.jsonl" 2>"$OUT/err-gen.txt") ;;
+  gen4)  (cd bench && timeout 300 python3 generate.py --preset qwen3vl-2b --paths vlforge,vlforge-flex,hf-static \
+           --cases 64x256 --out "$OUT/gen-2b.jsonl" 2>"$OUT/err-gen2b.txt"
+         timeout 240 python3 generate.py --preset qwen3vl-8b --paths vlforge,vlforge-flex --cases 64x256 \
+           --out "$OUT/gen-8b.jsonl" 2>"$OUT/err-gen8b.txt") ;;
   tests3) timeout 300 python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_generate.py --tb=short \
            > "$OUT/pytest.txt" 2>&1 ;;
   tests2) timeout 170 python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_packing.py tests/test_losses.py \
