@@ -218,7 +218,8 @@ def _decode_attention_flex(module, query, key, value, attention_mask, dropout=0.
     compiled, inductor picks its decode kernel for one query token: the KV length split across
     blocks (flash-decoding), where SDPA's kernels parallelise over rows and heads only (cudnn's read
     the 2B decode cache at ~60% of HBM bandwidth). Eager (uncompiled) flex is a slow reference
-    path, so the engine takes it only with compile. Masked by the boolean [S, 1, 1, Lb] mask's row."""
+    path, so the engine takes it only with compile. Masked by the boolean [S, 1, 1, Lb] mask's row.
+    Kept for comparison: on an H200 it was slower than sdpa (6.33 vs 3.82 ms a 2B step)."""
     from torch.nn.attention.flex_attention import flex_attention
 
     keep_SL = attention_mask[:, 0, 0]
@@ -424,12 +425,12 @@ class Engine:
     compile: torch.compile the decode step's language-model forward (fuses the layers' small
     elementwise ops: norms, rotary, activations; a graph of the eager layers is ~65 kernels per layer
     and bound by their count) and, apart, its logits-to-token part (_pick: the passes over [S, V]):
-    1.9x faster steps on an H200 (2B, 64 rows: 7.4 -> 3.9 ms) for a compile of ~2 minutes, once per
+    1.9x faster steps on an H200 (2B, 64 rows: 7.4 -> 3.8 ms) for a compile of ~80-95 s, once per
     engine (dynamic shapes: one compile serves every bucket of 2 slots or more; its time counts in
     capture_s). Worth it for a GRPO run, not for one eval pass. Default for generate(compile=None).
     decode_attention: "sdpa" (default; measured) or "flex" (flex_attention's decode kernel, compiled
-    steps only, eager ones keep sdpa; not yet measured against sdpa: bench/generate.py --paths
-    vlforge,vlforge-flex).
+    steps only, eager ones keep sdpa). Measured on an H200 (64 x 256): 1.66x (2B) and 2.07x (8B)
+    slower than sdpa's decode, so sdpa stays the default (docs/benchmarks.md, eighth session).
     compact: at a sync point with nobody waiting, move running rows down into freed slots when that
     shrinks the step's slot bucket (_compact); False keeps every row in its first slot.
     """
