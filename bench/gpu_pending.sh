@@ -17,8 +17,9 @@
 #   Sixth session ran tests3, 64x256 of gen2b/gen8b; still to run, in this order: grpo (its 3 steps exceeded 235 s
 #   per recipe before the recompile fixes), gen3 (gpu tests of the sixth session; sdpa vs flex decode attention,
 #   the tail case), serve, mem, fp8prof, fsdp1
-#   Eighth session: grpo ran (3,386-8,781 tokens/s); then gen4 (sdpa vs flex decode, 2B and 8B, 64x256, hf-static
-#   beside at 2B), serve, the tail case, mem, fp8prof, fsdp1
+#   Eighth session ran grpo (3,386-8,781 tokens/s), gen4 (sdpa vs flex decode, 2B and 8B, 64x256, hf-static beside
+#   at 2B) and serve with --requests 2 (the old path's 32 clients unfinished); still to run: the tail case
+#   (generate.py --cases tail), serve's old path at 32 clients, mem, fp8prof, fsdp1
 #   Seventh session: grpo ran twice and never finished a step (the compile's tracing; fixed on the CPU): run grpo
 #   first again, then gen3, serve, mem, fp8prof, fsdp1
 #   OUT=/some/dir GROUP=moe   bash bench/gpu_pending.sh  # 30B-A3B: peft peer vs ours same process; NF4 memory/decode
