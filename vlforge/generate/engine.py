@@ -392,10 +392,10 @@ def _compiled_once(fn, varying: Callable[..., list[tuple[torch.Tensor, int]]]):
             failed.append(reason)
             warnings.warn(f"vlforge: the decode step ({fn.__name__}) did not compile as one graph and runs eager "
                           f"from now on ({type(error).__name__}: {reason}). Generation still works, at eager speed; "
-                          "rollout.compile=false silences this.", RuntimeWarning, stacklevel=2)
+                          "an uncompiled engine (GRPO: rollout.compile=false) does not try.", RuntimeWarning, stacklevel=2)
             return fn(*args)
 
-    call.compile_failure = failed  # the reason, once a compile failed (tests, stats)
+    call.compile_failure = failed  # the reason, once a compile failed (for tests)
     return call
 
 
