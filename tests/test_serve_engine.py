@@ -350,3 +350,43 @@ def test_a_long_feed_keeps_nothing_of_the_answered_requests(engine, monkeypatch)
     assert done == [3] * (total + 1)
     assert held and max(n for n, _, _ in held) >= total // 2, held
     assert all(alive <= slots and rows <= slots for _, alive, rows in held), held  # not growing with the answers
+
+
+def test_compile_warms_every_sampling_mode_so_requests_compile_nothing(monkeypatch):
+    """--compile: warm_up compiles the decode step once and each sampling mode's pick once, at the
+    server's slot count, so that the requests after it (greedy, sampled, top-p, of other lengths)
+    trace nothing more; their answers are the uncompiled engine's. Compiled here with the aot_eager
+    backend, steps run one by one (tests/helpers.compiled_on_cpu): dynamo's guards decide recompiles
+    whatever the backend."""
+    from helpers import compiled_on_cpu
+    from torch._dynamo.utils import counters
+
+    warm = InferenceEngine.load("tiny", device="cpu", dtype=torch.float32, compile=True)
+    assert "only on CUDA" in warm.compile_problem() and warm.warm_up(slots=4) is None  # on the CPU: nothing to do
+    compiled_on_cpu(warm.gen_engine(), monkeypatch)
+    monkeypatch.setattr(warm, "compile_problem", lambda: None)
+    graphs = counters["stats"]["unique_graphs"]
+    assert warm.warm_up(slots=4) > 0
+    assert counters["stats"]["unique_graphs"] - graphs == 4  # the layers once, _pick per mode (3)
+    assert warm.gen_engine().cache.slots == 4
+
+    def requests():
+        return [Request(_msg("hi"), max_new_tokens=12, min_new_tokens=12),
+                Request(_msg("a sampled answer, please"), max_new_tokens=7, temperature=1.0, seed=5),
+                Request(_msg("and a filtered one"), max_new_tokens=9, temperature=0.8, top_p=0.9, seed=6),
+                Request(_msg("and a much longer prompt than the warm-up's, to read a longer span of the cache"),
+                        max_new_tokens=5, temperature=1.0, seed=7)]
+
+    graphs = counters["stats"]["unique_graphs"]
+    ours = warm.generate(requests())
+    assert counters["stats"]["unique_graphs"] == graphs  # nothing traced after the warm-up
+    plain = InferenceEngine.load("tiny", device="cpu", dtype=torch.float32).generate(requests())
+    assert [(c.text, c.completion_tokens) for c in ours] == [(c.text, c.completion_tokens) for c in plain]
+    assert ours[0].completion_tokens == 12
+
+
+def test_compile_flag_says_why_it_does_not_apply_on_the_cpu(capsys):
+    from vlforge.cli import main
+
+    assert main(["infer", "tiny", "--device", "cpu", "--prompt", "hi", "--max-new-tokens", "2", "--compile"]) == 0
+    assert "--compile: not applied (the decode step is compiled only on CUDA" in capsys.readouterr().err

@@ -143,7 +143,9 @@ def cmd_doctor(args) -> int:
     return 0 if report["ok"] else 1
 
 
-def _engine(args):
+def _engine(args, slots: int = 1):
+    """The loaded InferenceEngine; with --compile its decode step is compiled and warmed now, at
+    `slots` decode slots (the batch its command generates: serve's --max-batch, eval's --batch-size)."""
     from vlforge.config import QuantConfig
     from vlforge.serve.engine import InferenceEngine
 
@@ -151,11 +153,19 @@ def _engine(args):
     if args.min_pixels is not None and args.max_pixels is not None and args.min_pixels > args.max_pixels:
         raise ConfigError(f"--min-pixels {args.min_pixels} is above --max-pixels {args.max_pixels}")  # before loading
     engine = InferenceEngine.load(args.source, quant=quant, device=args.device, min_pixels=args.min_pixels,
-                                  max_pixels=args.max_pixels, engine=getattr(args, "engine", "vlforge"))
+                                  max_pixels=args.max_pixels, engine=getattr(args, "engine", "vlforge"),
+                                  compile=args.compile)
     if engine.quant_report:
         from vlforge.model.quant import format_report
 
         print(format_report(engine.quant_report), file=sys.stderr)
+    if args.compile:
+        if problem := engine.compile_problem():
+            print(f"--compile: not applied ({problem}); decoding eager", file=sys.stderr)
+        else:
+            print("--compile: compiling the decode step (a minute or two; once per process) ...", file=sys.stderr,
+                  flush=True)
+            print(f"--compile: decode step compiled and warmed in {engine.warm_up(slots):.0f} s", file=sys.stderr)
     return engine
 
 
@@ -201,8 +211,8 @@ def cmd_eval(args) -> int:
 
     if args.out:
         check_writable(args.out, "--out")  # before the model loads and every answer is computed
-    report = evaluate_jsonl(_engine(args), args.data, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
-                            max_samples=args.max_samples)
+    report = evaluate_jsonl(_engine(args, slots=args.batch_size), args.data, batch_size=args.batch_size,
+                            max_new_tokens=args.max_new_tokens, max_samples=args.max_samples)
     if args.out:
         write_json_atomic(report, args.out)
     tasks = " ".join(f"{k} {v:.3f}" for k, v in report["by_task"].items())
@@ -221,7 +231,7 @@ def cmd_serve(args) -> int:
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port {args.port}: must be 0..65535")
     cfg = ServeConfig.from_flags(vars(args), environ=os.environ)  # checked before the model loads
-    app = create_app(_engine(args), cfg)
+    app = create_app(_engine(args, slots=cfg.max_batch), cfg)
     name = app.state.vlforge.model_name
     if args.host not in ("127.0.0.1", "localhost", "::1") and cfg.api_key is None:
         print(f"warning: listening on {args.host} without authentication; anyone who can reach the port can use "
@@ -267,6 +277,11 @@ def _model_source_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", choices=["vlforge", "hf"], default="vlforge",
                    help="generation: vlforge = generate/'s engine (continuous batching, as GRPO rollouts); hf = "
                         "transformers generate, requests batched by sampling settings (the old path, for comparison)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch.compile generate/'s decode step (CUDA, unquantized; 1.9x faster decode steps for 64 "
+                        "rows of the 2B on an H200) "
+                        "and warm it up at start-up, which takes a minute or two; worth it for serve, chat and "
+                        "long evals")
     p.add_argument("--min-pixels", type=_at_least(1), help="images smaller than this (width x height) are "
                                                            "upscaled; default: the model's preprocessor config")
     p.add_argument("--max-pixels", type=_at_least(1), help="images larger than this are downscaled; default: the "

@@ -24,6 +24,7 @@ import copy
 import json
 import secrets
 import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -292,8 +293,10 @@ def max_chars_per_token(tokenizer) -> int | None:
 
 class InferenceEngine:
     def __init__(self, model, processor, device: torch.device, name: str, quant_report: dict | None = None, *,
-                 min_pixels: int | None = None, max_pixels: int | None = None, engine: str = "vlforge"):
+                 min_pixels: int | None = None, max_pixels: int | None = None, engine: str = "vlforge",
+                 compile: bool = False):
         self.model, self.processor, self.device, self.name = model, processor, device, name
+        self.compile = compile  # generate/'s engine compiles its decode step (see warm_up)
         self.tokenizer = processor.tokenizer
         self.set_image_limits(min_pixels, max_pixels)
         self.quant_report = quant_report
@@ -322,8 +325,40 @@ class InferenceEngine:
         steps run eagerly; same tokens)."""
         if self._gen is None:
             self._gen = Engine(self.model, sync_every=self.sync_every,
-                               use_graphs=False if self.quant_report else None)
+                               use_graphs=False if self.quant_report else None, compile=self.compile)
         return self._gen
+
+    def compile_problem(self) -> str | None:
+        """Why `compile` does not apply to this engine (None: it does). The compiled decode step is
+        replayed from CUDA graphs: without them (CPU, quantized weights) the steps stay eager."""
+        if not self.continuous:
+            return "the hf engine is transformers generate"
+        if self.device.type != "cuda":
+            return "the decode step is compiled only on CUDA (it is replayed from CUDA graphs)"
+        if not self.gen_engine()._graphs_on(self.device):
+            return "quantized weights decode without CUDA graphs" if self.quant_report else \
+                "this model decodes without CUDA graphs"
+        return None
+
+    def warm_up(self, slots: int) -> float | None:
+        """With `compile`: compile the decode step and capture its CUDA graphs now, before the first
+        request would wait for it (~80-95 s at 2B-8B on an H200, docs/benchmarks.md): one
+        generation per sampling mode (greedy; sampled; top-p filtered: each mode is its own compiled
+        sampling graph) at `slots` decode slots, the number later calls run at (serve: --max-batch;
+        the compiled step's buffer slot count is static, so warming at another count would compile
+        again). Later slot and length buckets reuse the compile and only capture a graph (well under a
+        second each). Returns the seconds it took; None when nothing compiles (compile_problem)."""
+        if not self.compile or self.compile_problem() is not None:
+            return None
+        start = time.perf_counter()
+        steps = 2 * self.sync_every  # two sync points' worth of decode steps
+        for temperature, top_p in ((0.0, 1.0), (1.0, 1.0), (1.0, 0.9)):
+            # min_new_tokens: the rows decode every step whatever the model would answer
+            warm = [Request([{"role": "user", "content": [{"type": "text", "text": "Hello"}]}],
+                            max_new_tokens=steps, min_new_tokens=steps, temperature=temperature, top_p=top_p,
+                            seed=0) for _ in range(slots)]
+            self.generate_continuous(warm, None, lambda r, c: None, slots=slots)
+        return time.perf_counter() - start
 
     def set_image_limits(self, min_pixels: int | None = None, max_pixels: int | None = None) -> None:
         """Resize bounds of images (pixels per image): the model's own (its processor's, from the
@@ -348,14 +383,15 @@ class InferenceEngine:
     @classmethod
     def load(cls, source: str, quant: QuantConfig | None = None, device: str = "auto",
              dtype: torch.dtype = torch.bfloat16, *, min_pixels: int | None = None,
-             max_pixels: int | None = None, engine: str = "vlforge") -> "InferenceEngine":
+             max_pixels: int | None = None, engine: str = "vlforge", compile: bool = False) -> "InferenceEngine":
         """`quant=None`: unquantized, except a LoRA checkpoint of a QLoRA run, which gets its run's quant.
         `min_pixels`/`max_pixels`: image resize bounds; None: the model's processor's own. `engine`:
-        "vlforge" (generate/'s engine) or "hf" (transformers generate, for comparison)."""
+        "vlforge" (generate/'s engine) or "hf" (transformers generate, for comparison). `compile`:
+        generate/'s engine compiles its decode step (call warm_up before serving)."""
         if engine not in ENGINES:  # before any weight loads
             raise ConfigError(f"--engine {engine!r}: one of {', '.join(ENGINES)}")
         loaded = cls._load(source, quant, device, dtype)
-        loaded.engine_kind = engine
+        loaded.engine_kind, loaded.compile = engine, compile
         engine = loaded
         if min_pixels is not None or max_pixels is not None:
             engine.set_image_limits(min_pixels, max_pixels)
