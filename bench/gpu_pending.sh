@@ -22,6 +22,8 @@
 #   (generate.py --cases tail), serve's old path at 32 clients, mem, fp8prof, fsdp1
 #   Seventh session: grpo ran twice and never finished a step (the compile's tracing; fixed on the CPU): run grpo
 #   first again, then gen3, serve, mem, fp8prof, fsdp1
+#   Ninth/tenth session: fsdpgen (fsdp1 with the model as one FSDP unit, then generate.py's mixed and tail cases),
+#   serve2 (serve --compile at 1/8/32 clients; the old path at 32), then mem, fp8prof
 #   OUT=/some/dir GROUP=moe   bash bench/gpu_pending.sh  # 30B-A3B: peft peer vs ours same process; NF4 memory/decode
 #   OUT=/some/dir GROUP=mem   bash bench/gpu_pending.sh  # selective checkpointing and the activation memory budget
 # (carry .whl/train, and .whl/ao (torchao) for GROUP=tests, .whl/bnb (bitsandbytes) for moe and mem)
@@ -59,12 +61,19 @@ case $GROUP in
          m="--preset qwen3vl-2b --method full --mixed --max-tokens-per-batch 16384 --steps 8 --warmup 5 --override precision.compile=true"
          r 14 $m
          r 15 $m --packing ;;
-  fsdp1) b="--preset qwen3vl-2b --method full --steps 10 --warmup 4"
+  fsdp1) b="--preset qwen3vl-2b --method full --steps 10 --warmup 4"  # units=auto: the model as one unit on one process
          r 1 $b --override precision.compile=false
          r 2 $b --fsdp --override precision.compile=false
-         r 3 $b --fsdp --override precision.compile=false distributed.reshard_after_forward=false
+         r 3 $b --fsdp --override precision.compile=false distributed.units=layers
          r 4 $b --override precision.compile=true
-         r 5 $b --fsdp --override precision.compile=true distributed.reshard_after_forward=false ;;
+         r 5 $b --fsdp --override precision.compile=true ;;
+  fsdpgen) LIMIT=100 GROUP=fsdp1 bash "$0"
+         (cd bench && timeout 200 python3 generate.py --preset qwen3vl-2b --paths vlforge --cases mixed,tail \
+           --out "$OUT/gen-2b.jsonl" 2>"$OUT/err-gen.txt") ;;
+  serve2) timeout 330 python3 bench/serve_load.py --preset qwen3vl-2b --requests 2 --serve-arg=--compile \
+           --out "$OUT/serve-compiled.json" > /dev/null 2>"$OUT/err-s1.txt"
+          timeout 220 python3 bench/serve_load.py --preset qwen3vl-2b --requests 1 --clients 32 --serve-arg "--engine hf" \
+           --out "$OUT/serve-old32.json" > /dev/null 2>"$OUT/err-s2.txt" ;;
   fp8prof) b="--preset qwen3vl-8b --method full --steps 6 --warmup 6 --override precision.master_weights=compute"
            r 1 $b precision.compile=true --profile "$OUT/prof-8b-bf16.txt"
            r 2 $b precision.fp8.enabled=true --profile "$OUT/prof-8b-fp8.txt" ;;
