@@ -77,6 +77,13 @@ case $GROUP in
   fp8prof) b="--preset qwen3vl-8b --method full --steps 6 --warmup 6 --override precision.master_weights=compute"
            r 1 $b precision.compile=true --profile "$OUT/prof-8b-bf16.txt"
            r 2 $b precision.fp8.enabled=true --profile "$OUT/prof-8b-fp8.txt" ;;
+  fp8b) b="--preset qwen3vl-8b --method full --batch 16 --steps 6 --warmup 6 --override precision.master_weights=compute"
+        r 1 $b precision.compile=true
+        r 2 $b precision.fp8.enabled=true
+        r 3 $b precision.fp8.enabled=true precision.fp8.recipe=rowwise ;;
+  serve3) for a in "--engine vlforge" "--compile"; do n=${a//[- ]/}
+           timeout 200 python3 bench/serve_load.py --preset qwen3vl-2b --requests 2 --serve-arg="$a" \
+             --out "$OUT/serve-$n.json" > /dev/null 2>"$OUT/err-$n.txt"; done ;;
   fp8) for side in 8b-bf16 8b-fp8; do OUT=$OUT timeout 290 bash bench/gpu_fp8.sh $side > "$OUT/fp8-$side.txt" 2>&1; done ;;
   gen3)  timeout 120 python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_generate.py -k "flex or cuda_graph" \
            --tb=short > "$OUT/pytest.txt" 2>&1

@@ -385,11 +385,6 @@ class DistributedConfig:
     # (what cpu_offload needs); ddp: a full replica per process (models whose training state fits one GPU)
     strategy: Literal["auto", "none", "fsdp2", "ddp"] = "auto"
     reshard_after_forward: bool = True  # FSDP2: free gathered weights after forward (memory) or keep them (speed)
-    # FSDP2 units: layers = each decoder layer and vision block its own (only a unit or two gathered
-    # at a time: what sharding and offload save memory by); model = one unit, the whole model
-    # gathered for forward and backward (fewest hooks and copies); auto: model on one process
-    # without cpu_offload (nothing is sharded there, per-layer units would only add host work), else layers
-    units: Literal["auto", "layers", "model"] = "auto"
     cpu_offload: bool = False  # FSDP2: sharded parameters, gradients and optimizer state live in host memory
     timeout_s: int = 600  # a collective waiting longer than this ends the run (a rank died or hangs)
     # FSDP2: every rank builds the model on the meta device and rank 0 loads the weights in host

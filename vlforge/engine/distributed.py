@@ -245,11 +245,10 @@ def wrap(model: torch.nn.Module, world: World, cfg: DistributedConfig, compute_d
     A model on the meta device (meta_init, FSDP2 only) is filled once sharded, from rank 0's `source`
     (materialize).
 
-    Units (distributed.units, resolved by `per_layer_units`): every language decoder layer and
-    every vision block (the memory peaks), the rest of the vision tower (called on its own by
-    losses.vision_keepalive), and the root, which holds the embeddings, final norm and lm_head (tied
-    weights stay one parameter); or the root alone, holding everything. Each unit is gathered when
-    its forward starts; generation gathers the root explicitly (`gathered`).
+    Units: every language decoder layer and every vision block (the memory peaks), the rest of the
+    vision tower (called on its own by losses.vision_keepalive), and the root, which holds the
+    embeddings, final norm and lm_head (tied weights stay one parameter). Each unit is gathered
+    when its forward starts; generation gathers the root explicitly (`gathered`).
     """
     if world.strategy == "none":
         return None
@@ -268,8 +267,7 @@ def wrap(model: torch.nn.Module, world: World, cfg: DistributedConfig, compute_d
     # language model at several layers (deepstack), so a rank with images reaches its backward in
     # the middle of the layers' backward, a text-only rank (vision_keepalive) at the end; gathering
     # again in backward would then put the ranks' collectives out of order. It is small (~0.6B at 32B).
-    root = _shard_units(model, kwargs, {**kwargs, "reshard_after_forward": False},
-                        per_layer_units(cfg.units, world.size, cfg.cpu_offload))
+    root = _shard_units(model, kwargs, {**kwargs, "reshard_after_forward": False})
     if any(p.is_meta for p in model.parameters()):
         materialize(root, model, world, cfg.cpu_offload, source)
     _enter_root(root)
@@ -280,32 +278,18 @@ def wrap(model: torch.nn.Module, world: World, cfg: DistributedConfig, compute_d
     return root
 
 
-def per_layer_units(units: str, world_size: int, offload: bool) -> bool:
-    """Whether FSDP2 shards per decoder layer and vision block (distributed.units), or the model as
-    one unit. auto: per layer where it saves memory, i.e. with parameters split over several
-    processes or offloaded; on one process without offload each unit's "shard" is the whole
-    parameter, so per-layer units would gather and reduce the same bytes through 54 sets of hooks
-    instead of one (a 2B step under per-layer FSDP2 at world size 1 spent 1.6x the host time:
-    docs/benchmarks.md)."""
-    if units != "auto":
-        return units == "layers"
-    return world_size > 1 or offload
-
-
-def _shard_units(model: torch.nn.Module, kwargs: dict, vision: dict, per_layer: bool) -> torch.nn.Module:
-    """fully_shard every vision block, language decoder layer and the vision tower (`per_layer`),
-    then the root (losses.Root(model)); `vision`: the vision units' settings. Returns the root,
-    which keeps each unit's reshard_after_forward in `reshard_settings` (fully_gathered restores them)."""
+def _shard_units(model: torch.nn.Module, kwargs: dict, vision: dict) -> torch.nn.Module:
+    """fully_shard every vision block, language decoder layer and the vision tower, then the root
+    (losses.Root(model)); `vision`: the vision units' settings. Returns the root, which keeps each
+    unit's reshard_after_forward in `reshard_settings` (fully_gathered restores them)."""
     from torch.distributed.fsdp import fully_shard
 
     from vlforge.engine.losses import Root
 
     core = unwrap(model)
-    units = []
-    if per_layer:
-        units += [(block, vision) for block in core.model.visual.blocks]
-        units += [(layer, kwargs) for layer in core.model.language_model.layers]
-        units += [(core.model.visual, vision)]
+    units = [(block, vision) for block in core.model.visual.blocks]
+    units += [(layer, kwargs) for layer in core.model.language_model.layers]
+    units += [(core.model.visual, vision)]
     for unit, how in units:
         fully_shard(unit, **how)
     root = fully_shard(Root(model), **kwargs)
@@ -337,8 +321,7 @@ def frozen_sharded_copy(model: torch.nn.Module, empty: torch.nn.Module, world: W
     if cfg.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=world.device.type == "cuda")
     empty.requires_grad_(False).eval()
-    # the policy's units, so that each rank's local shards are the same tensors
-    root = _shard_units(empty, kwargs, kwargs, per_layer_units(cfg.units, world.size, cfg.cpu_offload))
+    root = _shard_units(empty, kwargs, kwargs)
     root.to_empty(device=torch.device("cpu") if cfg.cpu_offload else world.device)
     own = dict(model.named_parameters())
     with torch.no_grad():

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
-from vlforge.engine.distributed import per_layer_units, planned_strategy
+from vlforge.engine.distributed import planned_strategy
 from vlforge.engine.optim import state_bytes
 from vlforge.engine.precision import NAMES, PrecisionPolicy
 
@@ -100,7 +100,7 @@ def _tensors(model: nn.Module, plan: list, cfg) -> list[_Tensor]:
 
 
 def _layout(tensors: list[_Tensor], world_size: int, sharded: bool, offload: bool, optim: str,
-            compute_bytes: int, reshard_after_forward: bool, per_layer: bool) -> dict:
+            compute_bytes: int, reshard_after_forward: bool) -> dict:
     """Bytes per part on the GPU and in host memory, for one layout."""
 
     def held(t: _Tensor) -> int:
@@ -116,15 +116,13 @@ def _layout(tensors: list[_Tensor], world_size: int, sharded: bool, offload: boo
     if sharded:
         # units gathered at once in the compute dtype: the root (all forward and backward), the
         # vision tower (kept gathered from its forward to its backward), and the decoder layers:
-        # the running one and the prefetched next, or all of them without reshard_after_forward;
-        # the model as one unit (distributed.units): everything
+        # the running one and the prefetched next, or all of them without reshard_after_forward
         units: dict[str, int] = {}
         for t in tensors:
             units[t.unit] = units.get(t.unit, 0) + t.numel
         layers = sorted((v for k, v in units.items() if k.startswith("layer ")), reverse=True)
         always = sum(v for k, v in units.items() if not k.startswith("layer "))
-        held_layers = layers[:2] if reshard_after_forward and per_layer else layers
-        gathered = (always + sum(held_layers)) * compute_bytes
+        gathered = (always + sum(layers if not reshard_after_forward else layers[:2])) * compute_bytes
     where = "host" if offload else "gpu"
     parts = {"parameters": params, "gradients": grads, "optimizer_state": state}
     out = {k: {"gpu": 0.0, "host": 0.0} for k in (*parts, "gathered")}
@@ -169,11 +167,8 @@ def memory_estimate(model: nn.Module, plan: list, cfg, world_size: int = 1) -> d
         "trainable_params": sum(t.numel for t in tensors if t.trainable),
         "load": _load(tensors, cfg, world_size, strategy),
         "selected": "cpu_offload" if offload_applies else "no_offload",
-        "units": "per layer" if per_layer_units(d.units, world_size, offload_applies) else "model",
-        "no_offload": _layout(tensors, sharded=sharded, offload=False,
-                              per_layer=per_layer_units(d.units, world_size, False), **common),
-        "cpu_offload": _layout(tensors, sharded=True, offload=True,
-                               per_layer=per_layer_units(d.units, world_size, True), **common),
+        "no_offload": _layout(tensors, sharded=sharded, offload=False, **common),
+        "cpu_offload": _layout(tensors, sharded=True, offload=True, **common),
         "expert_lora_copies": expert_lora_copies(model, plan, cfg, compute),
         "fsdp2_problem": fsdp2_problem(cfg, world_size),
         "not_estimated": not_estimated,
@@ -255,7 +250,7 @@ def _gb(value: float) -> str:
 
 def format_memory(est: dict) -> str:
     n, strategy = est["world_size"], est["strategy"]
-    how = {"fsdp2": f"FSDP2 over {n} process(es), every tensor split {n} ways, units {est['units']}",
+    how = {"fsdp2": f"FSDP2 over {n} process(es), every tensor split {n} ways",
            "ddp": f"DDP over {n} process(es), every one holding everything"}.get(strategy, "one process, no sharding")
     lines = [f"memory per process: {how}; {est['optimizer']}, master weights {est['master_weights']}, "
              f"compute {est['compute']} (GB = 1e9 bytes)"]
