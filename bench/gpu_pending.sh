@@ -22,8 +22,9 @@
 #   (generate.py --cases tail), serve's old path at 32 clients, mem, fp8prof, fsdp1
 #   Seventh session: grpo ran twice and never finished a step (the compile's tracing; fixed on the CPU): run grpo
 #   first again, then gen3, serve, mem, fp8prof, fsdp1
-#   Ninth/tenth session: fsdpgen (fsdp1 with the model as one FSDP unit, then generate.py's mixed and tail cases),
-#   serve2 (serve --compile at 1/8/32 clients; the old path at 32), then mem, fp8prof
+#   Tenth session ran fsdpgen (fsdp1, then generate.py's mixed and tail cases), serve2 (serve --compile; the old path
+#   at 32 clients), mem, fp8prof, fp8b (8B FP8 at batch 16), serve3 (serve eager vs --compile in one call); nothing
+#   of the list above is left unrun; issue 14's multi-GPU runs wait for those machines
 #   OUT=/some/dir GROUP=moe   bash bench/gpu_pending.sh  # 30B-A3B: peft peer vs ours same process; NF4 memory/decode
 #   OUT=/some/dir GROUP=mem   bash bench/gpu_pending.sh  # selective checkpointing and the activation memory budget
 # (carry .whl/train, and .whl/ao (torchao) for GROUP=tests, .whl/bnb (bitsandbytes) for moe and mem)
@@ -61,10 +62,10 @@ case $GROUP in
          m="--preset qwen3vl-2b --method full --mixed --max-tokens-per-batch 16384 --steps 8 --warmup 5 --override precision.compile=true"
          r 14 $m
          r 15 $m --packing ;;
-  fsdp1) b="--preset qwen3vl-2b --method full --steps 10 --warmup 4"  # units=auto: the model as one unit on one process
+  fsdp1) b="--preset qwen3vl-2b --method full --steps 10 --warmup 4"
          r 1 $b --override precision.compile=false
          r 2 $b --fsdp --override precision.compile=false
-         r 3 $b --fsdp --override precision.compile=false distributed.units=layers
+         r 3 $b --fsdp --override precision.compile=false distributed.reshard_after_forward=false
          r 4 $b --override precision.compile=true
          r 5 $b --fsdp --override precision.compile=true ;;
   fsdpgen) LIMIT=100 GROUP=fsdp1 bash "$0"
