@@ -13,7 +13,8 @@ Workload (one process, the same inputs for every path, random weights, bf16): 8 
 EOS never taken (every sequence runs the full length); then for the engine alone 32 prompts x 8
 = 256 x 256, and a mixed-length run: 256 requests whose lengths are drawn from 16-512 (standing
 in for EOS) through 64 slots (continuous batching), and `tail`: 64 rows at once (8 prompts x 8) with
-lengths 16-512, with and without compaction (vlforge-nocompact: rows stay in their first slots).
+lengths 16-512, with and without compaction (vlforge-nocompact: rows stay in their first slots); mixed
+also runs with joins at every sync point (vlforge-joineach: Engine(join_share=0)).
 Each case runs once in full before the timed
 run (warm: CUDA graphs captured, torch.compile done; their time is reported as capture_s /
 compile_s). Prints one JSON line per case (also appended to --out) and a table at the end.
@@ -220,7 +221,12 @@ def main() -> None:
         rng = random.Random(2)
         mixed = [GenRequest(p, max_new_tokens=rng.randint(16, 512), temperature=1.0, seed=2, first_row=i)
                  for i, p in enumerate(prompts_of_batch(large, [1] * 32) * 8)]
-        attempt(lambda: case_engine("mixed-16-512", core, engine, encoder, mixed, slots=64))
+        default_share = engine.join_share
+        for share in (default_share, 0.0):  # joins batched (default) or at every sync point where a slot freed
+            engine.join_share = share
+            attempt(lambda: {**case_engine("mixed-16-512", core, engine, encoder, mixed, slots=64),
+                             "path": "vlforge" if share else "vlforge-joineach"})
+        engine.join_share = default_share
     if "tail" in cases and "vlforge" in paths:  # a GRPO round: 64 rows at once, EOS at 16-512 tokens
         rng = random.Random(3)
         tail = [GenRequest(p, max_new_tokens=rng.randint(16, 512), temperature=1.0, seed=3, first_row=i)

@@ -71,6 +71,28 @@ def test_joining_mid_batch_changes_nothing(setup):
         assert [len(r.tokens) for r in batched] != [len(r.tokens) for r in batched[:1]] * 6
 
 
+def test_joins_wait_for_a_share_of_the_slots_and_change_no_token(setup):
+    """join_share: 24 requests of different lengths through 8 slots join in prefills of at least
+    4 (half the slots) while rows run, instead of one prefill per sync point at which a slot freed;
+    every request gets the same greedy tokens either way, and a lone waiting request does not wait."""
+    model, encoder, samples = setup
+    requests = [GenRequest(prompt_of(encoder, samples[i % len(samples)]), max_new_tokens=1 + i % 7,
+                           first_row=i) for i in range(24)]
+    every = Engine(model, sync_every=1, join_share=0.0)
+    one_by_one = run(every, encoder, requests, slots=8, stop_ids=[])
+    batched = Engine(model, sync_every=1, join_share=0.5)
+    together = run(batched, encoder, requests, slots=8, stop_ids=[])
+    assert batched.stats.prefills < every.stats.prefills
+    assert [r.tokens.tolist() for r in together] == [r.tokens.tolist() for r in one_by_one]
+    assert [len(r.tokens) for r in together] == [r.max_new_tokens for r in requests]
+    # 9 requests through 8 slots: the ninth waits alone, so it joins at the first free slot
+    lone = Engine(model, sync_every=1, join_share=0.5)
+    run(lone, encoder, requests[:9], slots=8, stop_ids=[])
+    assert lone.stats.prefills == 2
+    with pytest.raises(ValueError, match="join_share"):
+        Engine(model, join_share=1.5)
+
+
 def test_results_stream_and_seeds_reproduce(setup):
     model, encoder, samples = setup
     engine = engine_for(model)
