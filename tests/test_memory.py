@@ -116,3 +116,28 @@ def test_cli_plan_memory_table_json_and_world_size(capsys, monkeypatch):
     with pytest.raises(SystemExit) as usage:  # argparse's usage error
         main(["sft", "configs/demo-sft.yaml", "--plan", "--world-size", "0"])
     assert usage.value.code == 2 and "--world-size: 0: must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_grpo_rollout_weight_copies_equal_the_copies_a_rollout_makes(tmp_path, method):
+    """fp32 masters: the estimate's rollout copies equal the bytes of the bf16 copies that
+    PrecisionPolicy.inference_weights really makes on the tiny model (full: the trained linears;
+    LoRA: the adapters' A and B); none with bf16 masters."""
+    from vlforge.config import GRPOConfig
+    from vlforge.engine.memory import format_memory
+    from vlforge.engine.trainable import setup_model
+
+    overrides = ["model.preset=tiny", "train.device=cpu", f"tiers.method={method}", "precision.mode=bf16",
+                 "precision.master_weights=fp32", f"train.output_dir={tmp_path}"]
+    cfg = load_config(GRPOConfig, None, overrides)
+    meta, _ = build_meta_model(cfg.model)
+    est = memory_estimate(meta, build_plan(meta, cfg.tiers), cfg)
+    t = setup_model(cfg)
+    with t.policy.inference_weights(t.model):  # makes the copies (kept on the masters)
+        pass
+    made = sum(p._inference_copy.numel() * p._inference_copy.element_size()
+               for p in t.model.parameters() if hasattr(p, "_inference_copy"))
+    assert made > 0 and est["rollout_weight_copies"] == made
+    assert "GRPO rollouts: + " in format_memory(est)
+    bf16 = load_config(GRPOConfig, None, [*overrides, "precision.master_weights=compute"])
+    assert memory_estimate(meta, build_plan(meta, bf16.tiers), bf16)["rollout_weight_copies"] == 0

@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from vlforge.engine.distributed import planned_strategy
 from vlforge.engine.optim import state_bytes
-from vlforge.engine.precision import NAMES, PrecisionPolicy
+from vlforge.engine.precision import NAMES, PrecisionPolicy, _linear_only_weights
 
 GB = 1e9  # decimal gigabytes, as GPU datasheets count them (an H200 has 141 GB)
 
@@ -152,8 +152,10 @@ def memory_estimate(model: nn.Module, plan: list, cfg, world_size: int = 1) -> d
     offload_applies = d.cpu_offload and sharded  # auto on one process resolves to none: no offload
     not_estimated = "activations, autocast copies, CUDA/NCCL workspaces, allocator fragmentation"
 
+    rollout_copies = 0.0
     if hasattr(cfg, "rollout"):  # GRPO
         not_estimated += ", the rollout KV cache"
+        rollout_copies = rollout_weight_copies(model, plan, cfg, sharded)
         if cfg.tiers.method == "full" and cfg.rl.kl_beta > 0:
             not_estimated += ", the frozen reference copy (full fine-tuning with rl.kl_beta > 0)"
     return {
@@ -170,6 +172,7 @@ def memory_estimate(model: nn.Module, plan: list, cfg, world_size: int = 1) -> d
         "no_offload": _layout(tensors, sharded=sharded, offload=False, **common),
         "cpu_offload": _layout(tensors, sharded=True, offload=True, **common),
         "expert_lora_copies": expert_lora_copies(model, plan, cfg, compute),
+        "rollout_weight_copies": rollout_copies,
         "fsdp2_problem": fsdp2_problem(cfg, world_size),
         "not_estimated": not_estimated,
     }
@@ -225,6 +228,28 @@ def expert_lora_copies(model: nn.Module, plan: list, cfg, compute_bytes: int) ->
     return float((sum(kept) + max(recomputed, default=0)) * compute_bytes)
 
 
+def rollout_weight_copies(model: nn.Module, plan: list, cfg, sharded: bool) -> float:
+    """GRPO: bytes of the compute-dtype copies of master-dtype linear weights that rollouts decode
+    from (PrecisionPolicy.inference_weights; kept across steps so the decode graphs stay valid).
+    None with compute-dtype masters, and none under FSDP2, whose gathers are in the compute dtype."""
+    policy = PrecisionPolicy(cfg.precision, "cpu")
+    if sharded or policy.master_dtype == policy.compute_dtype:
+        return 0.0
+    full_roots = [e.module for e in plan if e.kind == "full"]
+    names = {p: name for name, p in model.named_parameters()}
+    copied = 0
+    for p in _linear_only_weights(model, policy):  # the same selection as the rollout's swap
+        module = names[p].rpartition(".")[0]
+        trainable = any(module == r or module.startswith(r + ".") for r in full_roots)
+        if p.is_floating_point() and policy.param_dtype(module, trainable) == policy.master_dtype:
+            copied += p.numel()
+    for e in plan:  # LoRA's A and B are nn.Linear layers in the master dtype too (not fused experts' ones)
+        if e.kind == "lora" and e.target != "parameter":
+            linear = model.get_submodule(e.module)
+            copied += e.r * (linear.in_features + linear.out_features)
+    return float(copied * policy.compute_dtype.itemsize)
+
+
 def fsdp2_problem(cfg, world_size: int) -> str | None:
     """Why the run would refuse `cfg` under FSDP2 (and so cpu_offload), or None: the refusals
     engine/distributed.refuse_unsupported and engine/optim.optimizer_problem raise before loading."""
@@ -276,6 +301,9 @@ def format_memory(est: dict) -> str:
     if est.get("expert_lora_copies"):
         lines.append(f"expert LoRA: + {_gb(est['expert_lora_copies'])} of folded expert weights held for backward "
                      "(peft adds the update to a copy of each layer's experts; gradient checkpointing keeps one layer's)")
+    if est.get("rollout_weight_copies"):
+        lines.append(f"GRPO rollouts: + {_gb(est['rollout_weight_copies'])} of {est['compute']} copies of the "
+                     f"{est['master_weights']} linear weights, decoded from and kept across steps")
     lines.append(f"not estimated: {est['not_estimated']} (activations grow with batch, sequence length and "
                  "images; precision.gradient_checkpointing shrinks them)")
     if est["fsdp2_problem"]:
