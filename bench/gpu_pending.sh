@@ -24,7 +24,8 @@
 #   first again, then gen3, serve, mem, fp8prof, fsdp1
 #   Tenth session ran fsdpgen (fsdp1, then generate.py's mixed and tail cases), serve2 (serve --compile; the old path
 #   at 32 clients), mem, fp8prof, fp8b (8B FP8 at batch 16), serve3 (serve eager vs --compile in one call); nothing
-#   of the list above is left unrun; issue 14's multi-GPU runs wait for those machines
+#   of the list above is left unrun; issue 14's multi-GPU runs wait for those machines. Next: gen6 (the batched joins
+#   built after the tenth session's calls), then serve3 again (serve latency with batched joins)
 #   OUT=/some/dir GROUP=moe   bash bench/gpu_pending.sh  # 30B-A3B: peft peer vs ours same process; NF4 memory/decode
 #   OUT=/some/dir GROUP=mem   bash bench/gpu_pending.sh  # selective checkpointing and the activation memory budget
 # (carry .whl/train, and .whl/ao (torchao) for GROUP=tests, .whl/bnb (bitsandbytes) for moe and mem)
@@ -82,6 +83,8 @@ case $GROUP in
         r 1 $b precision.compile=true
         r 2 $b precision.fp8.enabled=true
         r 3 $b precision.fp8.enabled=true precision.fp8.recipe=rowwise ;;
+  gen6)  (cd bench && timeout 300 python3 generate.py --preset qwen3vl-2b --paths vlforge --cases mixed,tail \
+           --out "$OUT/gen-2b.jsonl" 2>"$OUT/err-gen.txt") ;;  # mixed: joins batched (join_share) vs vlforge-joineach
   serve3) for a in "--engine vlforge" "--compile"; do n=${a//[- ]/}
            timeout 200 python3 bench/serve_load.py --preset qwen3vl-2b --requests 2 --serve-arg="$a" \
              --out "$OUT/serve-$n.json" > /dev/null 2>"$OUT/err-$n.txt"; done ;;
