@@ -74,21 +74,36 @@ def test_joining_mid_batch_changes_nothing(setup):
 def test_joins_wait_for_a_share_of_the_slots_and_change_no_token(setup):
     """join_share: 24 requests of different lengths through 8 slots join in prefills of at least
     4 (half the slots) while rows run, instead of one prefill per sync point at which a slot freed;
-    every request gets the same greedy tokens either way, and a lone waiting request does not wait."""
+    every request gets the same greedy tokens either way. A lone waiting request is not held, and
+    no request is held longer than MAX_JOIN_HOLD sync points while long rows keep the slots."""
+    from vlforge.generate.engine import MAX_JOIN_HOLD
+
     model, encoder, samples = setup
-    requests = [GenRequest(prompt_of(encoder, samples[i % len(samples)]), max_new_tokens=1 + i % 7,
-                           first_row=i) for i in range(24)]
-    every = Engine(model, sync_every=1, join_share=0.0)
-    one_by_one = run(every, encoder, requests, slots=8, stop_ids=[])
-    batched = Engine(model, sync_every=1, join_share=0.5)
-    together = run(batched, encoder, requests, slots=8, stop_ids=[])
+
+    def finish_steps(requests, share):  # each request's step count when its result came back
+        engine, at = Engine(model, sync_every=1, join_share=share), {}
+        results = run(engine, encoder, requests, slots=8, stop_ids=[],
+                      on_result=lambda r: at.setdefault(r.request, engine.stats.steps))
+        return engine, results, [at[i] for i in range(len(requests))]
+
+    def requests_of(lengths):
+        return [GenRequest(prompt_of(encoder, samples[i % len(samples)]), max_new_tokens=n, first_row=i)
+                for i, n in enumerate(lengths)]
+
+    mixed = requests_of([1 + i % 7 for i in range(24)])
+    every, one_by_one, _ = finish_steps(mixed, 0.0)
+    batched, together, _ = finish_steps(mixed, 0.5)
     assert batched.stats.prefills < every.stats.prefills
     assert [r.tokens.tolist() for r in together] == [r.tokens.tolist() for r in one_by_one]
-    assert [len(r.tokens) for r in together] == [r.max_new_tokens for r in requests]
+    assert [len(r.tokens) for r in together] == [r.max_new_tokens for r in mixed]
     # 9 requests through 8 slots: the ninth waits alone, so it joins at the first free slot
-    lone = Engine(model, sync_every=1, join_share=0.5)
-    run(lone, encoder, requests[:9], slots=8, stop_ids=[])
-    assert lone.stats.prefills == 2
+    lone = requests_of([2] + [30] * 7 + [2])
+    assert finish_steps(lone, 0.5)[2][8] == finish_steps(lone, 0.0)[2][8] < 30
+    # 5 long rows keep 5 slots; 4 requests wait behind 3 short rows: held, but not until a long row ends
+    behind = requests_of([60] * 5 + [2] * 3 + [2] * 4)
+    held, unheld = finish_steps(behind, 0.5)[2][8:], finish_steps(behind, 0.0)[2][8:]
+    assert max(held) > max(unheld)  # they were held
+    assert max(held) <= max(unheld) + MAX_JOIN_HOLD < 60
     with pytest.raises(ValueError, match="join_share"):
         Engine(model, join_share=1.5)
 
@@ -306,7 +321,7 @@ def test_a_decode_step_that_does_not_compile_as_one_graph_runs_eager_with_a_warn
         compiled = run(engine, encoder, requests, stop_ids=[])
         run(engine, encoder, requests, stop_ids=[])
     assert sum("_decode_hidden" in str(w.message) for w in caught) == 1  # said once, not every step
-    assert engine._compiled.compile_failure
+    assert engine._compiled.compile_failure and engine.compile_failure == engine._compiled.compile_failure[0]
     eager = run(Engine(model), encoder, requests, stop_ids=[])
     for a, b in zip(compiled, eager):
         assert torch.equal(a.tokens, b.tokens)

@@ -118,17 +118,21 @@ def test_cli_plan_memory_table_json_and_world_size(capsys, monkeypatch):
     assert usage.value.code == 2 and "--world-size: 0: must be >= 1" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("method", ["full", "lora"])
-def test_grpo_rollout_weight_copies_equal_the_copies_a_rollout_makes(tmp_path, method):
+@pytest.mark.parametrize("preset,method,extra", [
+    ("tiny", "full", []), ("tiny", "lora", []),
+    ("tiny", "lora", [r"precision.overrides=[{pattern: 'self_attn\.q_proj', compute: fp32}]"]),
+    ("tiny-moe", "lora", ["tiers.language.experts=true"])], ids=["full", "lora", "lora-fp32-override", "moe-experts"])
+def test_grpo_rollout_weight_copies_equal_the_copies_a_rollout_makes(tmp_path, preset, method, extra):
     """fp32 masters: the estimate's rollout copies equal the bytes of the bf16 copies that
-    PrecisionPolicy.inference_weights really makes on the tiny model (full: the trained linears;
-    LoRA: the adapters' A and B); none with bf16 masters."""
+    PrecisionPolicy.inference_weights really makes (full: the trained linears; LoRA: the adapters'
+    A and B, the fused experts' too, but not those an fp32 compute override matches); none with
+    bf16 masters."""
     from vlforge.config import GRPOConfig
     from vlforge.engine.memory import format_memory
     from vlforge.engine.trainable import setup_model
 
-    overrides = ["model.preset=tiny", "train.device=cpu", f"tiers.method={method}", "precision.mode=bf16",
-                 "precision.master_weights=fp32", f"train.output_dir={tmp_path}"]
+    overrides = [f"model.preset={preset}", "train.device=cpu", f"tiers.method={method}", "precision.mode=bf16",
+                 "precision.master_weights=fp32", f"train.output_dir={tmp_path}", *extra]
     cfg = load_config(GRPOConfig, None, overrides)
     meta, _ = build_meta_model(cfg.model)
     est = memory_estimate(meta, build_plan(meta, cfg.tiers), cfg)
@@ -141,3 +145,20 @@ def test_grpo_rollout_weight_copies_equal_the_copies_a_rollout_makes(tmp_path, m
     assert "GRPO rollouts: + " in format_memory(est)
     bf16 = load_config(GRPOConfig, None, [*overrides, "precision.master_weights=compute"])
     assert memory_estimate(meta, build_plan(meta, bf16.tiers), bf16)["rollout_weight_copies"] == 0
+
+
+def test_grpo_rollout_copies_leave_out_fp8_linears(meta_8b):
+    """FP8's converted linears are not exact nn.Linear layers: inference_weights makes no copy of
+    them (a GPU-only path), so the estimate leaves exactly their weights out."""
+    from vlforge.config import GRPOConfig
+    from vlforge.engine.fp8 import fp8_layer_plan
+
+    _, model, _ = meta_8b
+    cfg = load_config(GRPOConfig, None, FULL_8B)
+    plan = build_plan(model, cfg.tiers)
+    plain = memory_estimate(model, plan, cfg)["rollout_weight_copies"]
+    cfg.precision.fp8.enabled = True
+    converted = [n for n, d in fp8_layer_plan(model, cfg.precision.fp8).items() if d.convert]
+    assert len(converted) > 100  # the decoder layers' projections
+    fp8 = memory_estimate(model, plan, cfg)["rollout_weight_copies"]
+    assert plain - fp8 == 2 * sum(model.get_submodule(n).weight.numel() for n in converted)

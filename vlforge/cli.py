@@ -165,7 +165,11 @@ def _engine(args, slots: int = 1):
         else:
             print("--compile: compiling the decode step (a minute or two; once per process) ...", file=sys.stderr,
                   flush=True)
-            print(f"--compile: decode step compiled and warmed in {engine.warm_up(slots):.0f} s", file=sys.stderr)
+            seconds = engine.warm_up(slots)
+            if failure := engine.gen_engine().compile_failure:  # _compiled_once warned and runs eager
+                print(f"--compile: the decode step did not compile ({failure}); decoding eager", file=sys.stderr)
+            else:
+                print(f"--compile: decode step compiled and warmed in {seconds:.0f} s", file=sys.stderr)
     return engine
 
 

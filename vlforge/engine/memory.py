@@ -231,20 +231,34 @@ def expert_lora_copies(model: nn.Module, plan: list, cfg, compute_bytes: int) ->
 def rollout_weight_copies(model: nn.Module, plan: list, cfg, sharded: bool) -> float:
     """GRPO: bytes of the compute-dtype copies of master-dtype linear weights that rollouts decode
     from (PrecisionPolicy.inference_weights; kept across steps so the decode graphs stay valid).
-    None with compute-dtype masters, and none under FSDP2, whose gathers are in the compute dtype."""
+    None with compute-dtype masters, and none under FSDP2, whose gathers are in the compute dtype.
+    The same selection as inference_weights: weights used only by exact nn.Linear layers computing in
+    the compute dtype (not FP8's converted linears, not fp32-compute overrides), LoRA's A and B
+    (peft's nn.Linear layers, the fused experts' too) included."""
+    from vlforge.engine.fp8 import fp8_layer_plan
+    from vlforge.model.tiers import expert_shape
+
     policy = PrecisionPolicy(cfg.precision, "cpu")
     if sharded or policy.master_dtype == policy.compute_dtype:
         return 0.0
+    fp8 = fp8_layer_plan(model, cfg.precision.fp8) if cfg.precision.fp8.enabled else {}
+    converted = {name for name, d in fp8.items() if d.convert}
     full_roots = [e.module for e in plan if e.kind == "full"]
     names = {p: name for name, p in model.named_parameters()}
     copied = 0
-    for p in _linear_only_weights(model, policy):  # the same selection as the rollout's swap
+    for p in _linear_only_weights(model, policy):
         module = names[p].rpartition(".")[0]
         trainable = any(module == r or module.startswith(r + ".") for r in full_roots)
-        if p.is_floating_point() and policy.param_dtype(module, trainable) == policy.master_dtype:
+        if (module not in converted and p.is_floating_point()
+                and policy.param_dtype(module, trainable) == policy.master_dtype):
             copied += p.numel()
-    for e in plan:  # LoRA's A and B are nn.Linear layers in the master dtype too (not fused experts' ones)
-        if e.kind == "lora" and e.target != "parameter":
+    for e in plan:  # the adapters (peft names them <module>.lora_A.default; an override may match them)
+        if e.kind != "lora" or policy.module_compute(f"{e.module}.lora_A.default") != policy.compute_dtype:
+            continue
+        if e.target == "parameter":  # fused MoE experts: A (r*E x in), B (out x r*E)
+            experts, fan_in, fan_out = expert_shape(model.get_parameter(e.module))
+            copied += e.r * experts * (fan_in + fan_out)
+        else:
             linear = model.get_submodule(e.module)
             copied += e.r * (linear.in_features + linear.out_features)
     return float(copied * policy.compute_dtype.itemsize)

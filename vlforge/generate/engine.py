@@ -56,6 +56,7 @@ from vlforge.generate.sampling import row_key, sample
 from vlforge.model.tiers import unwrap
 
 SLOT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+MAX_JOIN_HOLD = 4  # sync points waiting requests are held for a fuller prefill at most (Engine.join_share)
 LENGTH_BUCKET = 128  # attention reads the cache up to the next multiple of this past the longest row
 MAX_STOP_IDS = 8
 # what a failed torch.compile of a decode step raises (graph breaks under fullgraph, guards that
@@ -435,10 +436,10 @@ class Engine:
     shrinks the step's slot bucket (_compact); False keeps every row in its first slot.
     join_share: while rows run, waiting requests join only once this share of the call's slots is
     free (or as many as wait: one waiting request joins the first free slot, so a lone request never
-    waits for it), so that one prefill serves several joins. Measured on an H200 (2B, 256 requests of
-    16-512 tokens through 64 slots, joins at every sync point): 92 prefills of ~59 ms each took 5.4 s
-    of the 11.3 s run, the decode steps 5.8 s (docs/benchmarks.md, tenth session). 0: join at every
-    sync point where a slot freed.
+    waits for it), for at most MAX_JOIN_HOLD sync points, so that one prefill serves several joins.
+    Measured on an H200 (2B, 256 requests of 16-512 tokens through 64 slots, joins at every sync
+    point): 92 prefills of ~59 ms each took 5.4 s of the 11.3 s run, the decode steps 5.8 s
+    (docs/benchmarks.md, tenth session). 0: join at every sync point where a slot freed.
     """
 
     def __init__(self, model, *, max_slots: int = 256, sync_every: int = 8, use_graphs: bool | None = None,
@@ -475,6 +476,15 @@ class Engine:
     @property
     def core(self):
         return self._core()
+
+    @property
+    def compile_failure(self) -> str | None:
+        """Why the compiled decode step runs eager (its compile failed: _compiled_once); None if it
+        compiled or was never tried."""
+        for fn in (self._compiled, self._compiled_pick):
+            if fn is not None and fn.compile_failure:
+                return fn.compile_failure[0]
+        return None
 
     def release(self) -> None:
         """Free the KV slots and graphs (e.g. before a memory-hungry phase); the next call
@@ -783,10 +793,15 @@ class Engine:
             return len(r.prompt.input_ids) + r.max_new_tokens <= self.cache.length and r.n <= n_slots
 
         join_at = max(1, int(n_slots * self.join_share))  # free slots that make a prefill worth it while rows run
+        held = 0  # sync points the waiting requests have been held for
         while queue or occupant:
             admitted, tokens = [], 0
-            # joins wait for join_at free slots, or for as many as all the waiting samples need
-            hold = bool(occupant) and len(free) < min(join_at, sum(requests[q].n for q in queue))
+            # joins wait for join_at free slots (or as many as all the waiting samples need), for at most
+            # MAX_JOIN_HOLD sync points: slots free only as rows end, which long rows may not for a long time
+            can_join = bool(queue) and requests[queue[0]].n <= len(free)
+            hold = (can_join and bool(occupant) and held < MAX_JOIN_HOLD
+                    and len(free) < min(join_at, sum(requests[q].n for q in queue)))
+            held = held + 1 if hold else 0
             while queue and not hold and requests[queue[0]].n <= len(free):
                 r = requests[queue[0]]
                 if admitted and tokens + len(r.prompt.input_ids) > self.max_prefill_tokens:
