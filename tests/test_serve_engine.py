@@ -374,15 +374,16 @@ def test_compile_warms_every_sampling_mode_so_requests_compile_nothing(monkeypat
         return [Request(_msg("hi"), max_new_tokens=12, min_new_tokens=12),
                 Request(_msg("a sampled answer, please"), max_new_tokens=7, temperature=1.0, seed=5),
                 Request(_msg("and a filtered one"), max_new_tokens=9, temperature=0.8, top_p=0.9, seed=6),
-                Request(_msg("and a much longer prompt than the warm-up's, to read a longer span of the cache"),
-                        max_new_tokens=5, temperature=1.0, seed=7)]
+                # past the warm-up's 128-token length bucket: a longer span of the cache, no new compile
+                Request(_msg("a much longer prompt than the warm-up's " * 20), max_new_tokens=5, temperature=1.0,
+                        seed=7)]
 
     graphs = counters["stats"]["unique_graphs"]
     ours = warm.generate(requests())
     assert counters["stats"]["unique_graphs"] == graphs  # nothing traced after the warm-up
     plain = InferenceEngine.load("tiny", device="cpu", dtype=torch.float32).generate(requests())
     assert [(c.text, c.completion_tokens) for c in ours] == [(c.text, c.completion_tokens) for c in plain]
-    assert ours[0].completion_tokens == 12
+    assert ours[0].completion_tokens == 12 and ours[3].prompt_tokens > 128
 
 
 def test_compile_flag_says_why_it_does_not_apply_on_the_cpu(capsys):

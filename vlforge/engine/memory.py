@@ -25,7 +25,7 @@ import torch.nn as nn
 
 from vlforge.engine.distributed import planned_strategy
 from vlforge.engine.optim import state_bytes
-from vlforge.engine.precision import NAMES, PrecisionPolicy, _linear_only_weights
+from vlforge.engine.precision import NAMES, PrecisionPolicy, linear_only_weights
 
 GB = 1e9  # decimal gigabytes, as GPU datasheets count them (an H200 has 141 GB)
 
@@ -64,6 +64,11 @@ def _unit(name: str) -> str:
     return "root"
 
 
+def _under(module: str, roots: list[str]) -> bool:
+    """`module` is one of `roots` or inside one (a fully trained tier's module)."""
+    return any(module == r or module.startswith(r + ".") for r in roots)
+
+
 def _tensors(model: nn.Module, plan: list, cfg) -> list[_Tensor]:
     """Every parameter of the trained model (LoRA adapters included) with its storage dtype."""
     from vlforge.model.quant import quant_plan
@@ -75,7 +80,7 @@ def _tensors(model: nn.Module, plan: list, cfg) -> list[_Tensor]:
     out = []
     for name, p in model.named_parameters():  # tied weights once, as named_parameters gives them
         module = name.rpartition(".")[0]
-        trainable = any(module == r or module.startswith(r + ".") for r in full_roots)
+        trainable = _under(module, full_roots)
         if module in quantized and name.endswith(".weight"):
             size = QUANT_BYTES[quantized[module]]
         else:
@@ -244,13 +249,12 @@ def rollout_weight_copies(model: nn.Module, plan: list, cfg, sharded: bool) -> f
     fp8 = fp8_layer_plan(model, cfg.precision.fp8) if cfg.precision.fp8.enabled else {}
     converted = {name for name, d in fp8.items() if d.convert}
     full_roots = [e.module for e in plan if e.kind == "full"]
-    names = {p: name for name, p in model.named_parameters()}
+    linear_only = linear_only_weights(model, policy)
     copied = 0
-    for p in _linear_only_weights(model, policy):
-        module = names[p].rpartition(".")[0]
-        trainable = any(module == r or module.startswith(r + ".") for r in full_roots)
-        if (module not in converted and p.is_floating_point()
-                and policy.param_dtype(module, trainable) == policy.master_dtype):
+    for name, p in model.named_parameters():
+        module = name.rpartition(".")[0]
+        if (p in linear_only and module not in converted and p.is_floating_point()
+                and policy.param_dtype(module, _under(module, full_roots)) == policy.master_dtype):
             copied += p.numel()
     for e in plan:  # the adapters (peft names them <module>.lora_A.default; an override may match them)
         if e.kind != "lora" or policy.module_compute(f"{e.module}.lora_A.default") != policy.compute_dtype:

@@ -59,7 +59,7 @@ def _run_forward_in(module: nn.Module, dtype: torch.dtype, device_type: str) -> 
     module.forward = forward_in_dtype
 
 
-def _linear_only_weights(model: nn.Module,
+def linear_only_weights(model: nn.Module,
                          policy: "PrecisionPolicy") -> dict[nn.Parameter, list[tuple[nn.Module, str]]]:
     """Parameter -> its (owner, name) pairs, for parameters every owner of which is exactly an
     nn.Linear computing in the policy's compute dtype."""
@@ -158,7 +158,7 @@ class PrecisionPolicy:
         swapped = []  # (owner, name, master): the owners' entries are swapped, never a master's .data
         try:
             if self.master_dtype != self.compute_dtype and not any(isinstance(m, FSDPModule) for m in model.modules()):
-                for p, uses in _linear_only_weights(model, self).items():
+                for p, uses in linear_only_weights(model, self).items():
                     if p.dtype != self.master_dtype:
                         continue
                     copy = getattr(p, "_inference_copy", None)  # kept on the master: it lives as long
