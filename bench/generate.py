@@ -4,7 +4,8 @@
     python bench/generate.py --preset qwen3vl-8b --paths vlforge,vlforge-nocompile,hf-dynamic,hf-static
 
 Paths: vlforge (the engine as GRPO uses it: CUDA graphs of a torch.compile'd step),
-vlforge-nocompile (CUDA graphs of the eager layers), vlforge-flex (the compiled step with
+vlforge-nocompile (CUDA graphs of the eager layers), vlforge-noshare (64x256: SlotCache, every row
+reading its own copy of its prompt's KV, instead of GroupCache), vlforge-flex (the compiled step with
 flex_attention's decode kernel instead of SDPA), hf-dynamic / hf-static (transformers'
 generate with its dynamic or static cache; static is auto-compiled).
 
@@ -164,6 +165,8 @@ def main() -> None:
     engine = Engine(model, sync_every=args.sync_every, compile=True)
     # one set of KV buffers for every case (256 slots x the mixed run's longest row): no reallocation
     engine.reserve(256, 300 + 512)
+    # and for the n = 8 cases (GroupCache: a prompt's KV once per group, its 8 rows' tokens interleaved)
+    engine.reserve(256, 300 + 8 * 256, group=8)
     rows = []
 
     def emit(row):
@@ -203,6 +206,11 @@ def main() -> None:
                 print(json.dumps({"agreement_compiled_vs_eager_layers": {"first_token": first, "first_8": prefix}}))
             if args.profile:
                 profile_decode(engine, encoder, requests_of(small, 8, 8, 64), args.profile)
+        if "vlforge-noshare" in paths:  # SlotCache: each row reads its own copy of the prompt's KV (v3)
+            engine.share_prompt = False
+            attempt(lambda: {**case_engine("64x256", core, engine, encoder, requests_of(small, 8, 8, 256)),
+                             "path": "vlforge-noshare"})
+            engine.share_prompt = True
         if "vlforge-flex" in paths:  # the decode attention through flex_attention's decode kernel (another compile)
             flex = Engine(model, sync_every=args.sync_every, compile=True, decode_attention="flex")
             flex.reserve(64, 300 + 256)

@@ -83,6 +83,16 @@ case $GROUP in
         r 1 $b precision.compile=true
         r 2 $b precision.fp8.enabled=true
         r 3 $b precision.fp8.enabled=true precision.fp8.recipe=rowwise ;;
+  gen6f) b="--preset qwen3vl-2b --method full --steps 10 --warmup 4 --override precision.compile=false"
+         r 1 $b; r 2 $b --fsdp; r 3 $b; r 4 $b --fsdp  # issue 10's <= 10%: plain and FSDP2 eager, twice, one call
+         (cd bench && timeout 240 python3 generate.py --preset qwen3vl-2b --paths vlforge --cases mixed \
+           --out "$OUT/gen-2b.jsonl" 2>"$OUT/err-gen.txt") ;;
+  gen7)  timeout 150 python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_generate.py --tb=short \
+           > "$OUT/pytest.txt" 2>&1  # GroupCache (share_prompt) vs SlotCache: 2B, hf-static beside
+         (cd bench && timeout 400 python3 generate.py --preset qwen3vl-2b --paths vlforge,vlforge-noshare,hf-static \
+           --cases 64x256 --out "$OUT/gen-2b.jsonl" 2>"$OUT/err-gen.txt") ;;
+  gen8)  (cd bench && timeout 540 python3 generate.py --preset qwen3vl-8b --paths vlforge,vlforge-noshare \
+           --cases 64x256 --out "$OUT/gen-8b.jsonl" 2>"$OUT/err-gen.txt") ;;
   gen6)  (cd bench && timeout 300 python3 generate.py --preset qwen3vl-2b --paths vlforge --cases mixed,tail \
            --out "$OUT/gen-2b.jsonl" 2>"$OUT/err-gen.txt") ;;  # mixed: joins batched (join_share) vs vlforge-joineach
   serve3) for a in "--engine vlforge" "--compile"; do n=${a//[- ]/}

@@ -71,6 +71,37 @@ def test_joining_mid_batch_changes_nothing(setup):
         assert [len(r.tokens) for r in batched] != [len(r.tokens) for r in batched[:1]] * 6
 
 
+def test_shared_prompt_kv_gives_the_tokens_of_a_copy_per_row(setup):
+    """GroupCache (each prompt's KV stored once for its n samples, their tokens interleaved after it)
+    against SlotCache (a copy per row), fp32: the same tokens and log-probs, sampled with top-k/top-p
+    and greedy, for prompts of different lengths whose rows end at different lengths, with groups
+    joining as earlier groups finish (5 requests of 3 samples through 6 slots) and moving down
+    (compaction); requests of different n fall back to SlotCache."""
+    model, encoder, samples = setup
+    for temperature, top_p in ((0.0, 1.0), (1.0, 0.9)):
+        requests = [GenRequest(prompt_of(encoder, samples[i]), n=3, max_new_tokens=3 + 4 * i, temperature=temperature,
+                               top_k=20, top_p=top_p, seed=5, first_row=3 * i) for i in (4, 0, 1, 3, 2)]
+        assert len({len(r.prompt.input_ids) for r in requests}) > 1
+        results, stats = {}, {}
+        for share in (True, False):
+            engine = Engine(model, sync_every=2, share_prompt=share)
+            results[share] = run(engine, encoder, requests, slots=6, stop_ids=[])  # 2 groups at a time
+            joined = engine.stats.prefills
+            # then a short group in group 0 and a long one above it: the long one moves down
+            results[share] += run(engine, encoder, requests[1:2] + requests[:1], stop_ids=[])
+            stats[share] = (engine._group, joined, engine.stats.compactions)
+        assert stats[True][0] == 3 and stats[False][0] == 0
+        assert stats[True][1] > 1 and stats[True][2] > 0  # groups joined later and moved down
+        for a, b in zip(results[True], results[False]):
+            assert (a.request, a.sample) == (b.request, b.sample)
+            assert torch.equal(a.tokens, b.tokens), (temperature, a.request, a.sample)
+            torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=1e-5)
+        assert len({len(r.tokens) for r in results[True][:15]}) == len(requests)
+    engine = Engine(model)
+    run(engine, encoder, [GenRequest(prompt_of(encoder, samples[0]), n=2), GenRequest(prompt_of(encoder, samples[1]))])
+    assert engine._group == 0
+
+
 def test_joins_wait_for_a_share_of_the_slots_and_change_no_token(setup):
     """join_share: 24 requests of different lengths through 8 slots join in prefills of at least
     4 (half the slots) while rows run, instead of one prefill per sync point at which a slot freed;
@@ -279,30 +310,35 @@ def test_flex_decode_engine_equals_sdpa_on_cuda(setup):
         torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-4, rtol=1e-4)
 
 
-def test_one_compile_serves_every_slot_bucket(setup, monkeypatch):
+@pytest.mark.parametrize("share_prompt", [False, True])
+def test_one_compile_serves_every_slot_bucket(setup, monkeypatch, share_prompt):
     """The compiled decode step compiles once for every bucket: a first step over all slots, then
     smaller buckets, then a call of one row (run at 2 slots); the KV buffers reallocated longer and
     the longest bucket as long as the buffers. The traced code's guards decide recompiles whatever
     the backend, so the test compiles with backend="aot_eager" and runs the steps without CUDA
-    graphs on the CPU; only the sampling mode (a Python string) compiles `_pick` again."""
+    graphs on the CPU; only the sampling mode (a Python string) compiles `_pick` again. With
+    share_prompt (GroupCache: 2 samples a request) the same holds over group buckets 4 and 2
+    (8 and 4 slots); the one-row request then takes the SlotCache step, compiled once more."""
     from torch._dynamo.utils import counters
 
     model, encoder, samples = setup
     buckets = set()
-    engine = compiled_on_cpu(Engine(model, compile=True), monkeypatch, buckets)
+    engine = compiled_on_cpu(Engine(model, compile=True, share_prompt=share_prompt), monkeypatch, buckets)
     requests = [GenRequest(prompt_of(encoder, samples[i]), n=2, max_new_tokens=5 + 10 * i, temperature=1.0, seed=1,
                            first_row=2 * i) for i in range(3)]
     graphs = counters["stats"]["unique_graphs"]
     compiled = run(engine, encoder, requests, stop_ids=[])  # every row to its max_new_tokens
-    assert buckets == {8, 4, 2}  # slots 8 (the buffers' size), then fewer
+    # slots 8 (the buffers' size), then fewer; GroupCache: 4 groups, then 2 (a compiled step's least)
+    assert buckets == ({8, 4} if share_prompt else {8, 4, 2})
+    assert engine._group == (2 if share_prompt else 0) and engine.stats.compactions > 0
     run(engine, encoder, requests[:1], stop_ids=[])
     long = GenRequest(prompt_of(encoder, samples[1]), n=2, max_new_tokens=120, temperature=1.0, seed=2)
     run(engine, encoder, [long], stop_ids=[])  # its rows cross from the 128- into the 256-token length bucket
     assert counters["stats"]["unique_graphs"] - graphs == 2  # the layers once, _pick once
     run(engine, encoder, [GenRequest(prompt_of(encoder, samples[0]), max_new_tokens=4)])  # one row, greedy
     assert 1 not in buckets
-    assert counters["stats"]["unique_graphs"] - graphs == 3
-    eager = run(Engine(model), encoder, requests, stop_ids=[])
+    assert counters["stats"]["unique_graphs"] - graphs == (4 if share_prompt else 3)
+    eager = run(Engine(model, share_prompt=False), encoder, requests, stop_ids=[])
     for a, b in zip(compiled, eager):
         assert torch.equal(a.tokens, b.tokens)
 
@@ -321,7 +357,9 @@ def test_a_decode_step_that_does_not_compile_as_one_graph_runs_eager_with_a_warn
         compiled = run(engine, encoder, requests, stop_ids=[])
         run(engine, encoder, requests, stop_ids=[])
     assert sum("_decode_hidden" in str(w.message) for w in caught) == 1  # said once, not every step
-    assert engine._compiled.compile_failure and engine.compile_failure == engine._compiled.compile_failure[0]
+    # 2 samples a request: GroupCache's step (_decode_hidden_grouped)
+    assert engine._compiled_grouped.compile_failure
+    assert engine.compile_failure == engine._compiled_grouped.compile_failure[0]
     eager = run(Engine(model), encoder, requests, stop_ids=[])
     for a, b in zip(compiled, eager):
         assert torch.equal(a.tokens, b.tokens)
@@ -340,6 +378,24 @@ def test_cuda_graph_decode_equals_eager(setup, compiled):
     if compiled:  # a 1-row step would compile the layers again (size-1 specialization): never below 2 slots
         assert min(key[0] for key in graphs.stats.graphs) == 2
     eager = run(Engine(model, use_graphs=False), encoder, requests, slots=4)
+    for a, b in zip(with_graphs, eager):
+        assert torch.equal(a.tokens, b.tokens)
+        torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("compiled", [False, True])
+def test_cuda_graph_grouped_decode_equals_eager_copies(setup, compiled):
+    """GroupCache steps captured as CUDA graphs (and compiled) give the tokens of eager SlotCache
+    steps: 5 requests of 3 samples through 2 groups at a time (joins, compaction)."""
+    model, encoder, samples = setup
+    model = model.cuda()
+    requests = [GenRequest(prompt_of(encoder, samples[i]), n=3, max_new_tokens=6 + 5 * i, temperature=t, seed=1,
+                           first_row=3 * i) for i, t in zip(range(5), (0.0, 1.0, 1.0, 0.0, 1.0))]
+    graphs = Engine(model, use_graphs=True, compile=compiled)
+    with_graphs = run(graphs, encoder, requests, slots=6, stop_ids=[])
+    assert graphs._group == 3 and graphs.graphs and graphs.stats.prefills > 1
+    eager = run(Engine(model, use_graphs=False, share_prompt=False), encoder, requests, slots=6, stop_ids=[])
     for a, b in zip(with_graphs, eager):
         assert torch.equal(a.tokens, b.tokens)
         torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-4, rtol=1e-4)

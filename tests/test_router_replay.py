@@ -312,10 +312,12 @@ def test_compiled_decode_step_traces_the_recording_hooks(tiny_moe, prompts, monk
         assert torch.equal(a.tokens, b.tokens) and torch.equal(a.routes, b.routes)
 
 
-def test_engine_compiled_recording_step_compiles_once(tiny_moe, prompts, monkeypatch):
+@pytest.mark.parametrize("share_prompt", [False, True])
+def test_engine_compiled_recording_step_compiles_once(tiny_moe, prompts, monkeypatch, share_prompt):
     """The engine's own compiled step (static shapes but the marked sizes) while recording routes:
-    one compile across slot buckets 4 and 2 and a longer KV buffer, the hooks' row and routes
-    tensors marked dynamic too (unmarked, each bucket compiled the language model again)."""
+    one compile across slot buckets 4 and 2 (GroupCache: group buckets 4 and 2 = slots 8 and 4) and a
+    longer KV buffer, the hooks' row and routes tensors marked dynamic too (unmarked, each bucket
+    compiled the language model again)."""
     from torch._dynamo.utils import counters
 
     from helpers import compiled_on_cpu
@@ -325,14 +327,16 @@ def test_engine_compiled_recording_step_compiles_once(tiny_moe, prompts, monkeyp
     model = copy.deepcopy(tiny_moe[0]).eval()
     model.set_experts_implementation("batched_mm")  # the eager experts' loop over hit experts does not trace whole
     encoder, batch = prompts
-    engine = compiled_on_cpu(Engine(model, compile=True), monkeypatch, buckets := set())
+    engine = compiled_on_cpu(Engine(model, compile=True, share_prompt=share_prompt), monkeypatch, buckets := set())
     graphs = counters["stats"]["unique_graphs"]
     for new_tokens in (6, 200):  # the second call reallocates the KV buffers (and routes) longer
         requests = [GenRequest(p, n=2, max_new_tokens=new_tokens + 3 * b, temperature=1.0, seed=3, first_row=2 * b)
                     for b, p in enumerate(prompts_of_batch(batch, [1, 1, 1]))]
         engine.generate(requests, stop_ids=[], banned_ids=vision_token_ids(encoder),
-                        image_token_id=encoder.image_token_id, pad_id=encoder.pad_id, slots=4, record_routes=True)
-    assert {4, 2} <= buckets
+                        image_token_id=encoder.image_token_id, pad_id=encoder.pad_id, slots=8 if share_prompt else 4,
+                        record_routes=True)
+        assert engine._group == (2 if share_prompt else 0)
+    assert ({8, 4} if share_prompt else {4, 2}) <= buckets
     assert counters["stats"]["unique_graphs"] - graphs == 2  # the layers once, _pick once
 
 

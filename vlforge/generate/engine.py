@@ -56,6 +56,7 @@ from vlforge.generate.sampling import row_key, sample
 from vlforge.model.tiers import unwrap
 
 SLOT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+MIN_BUFFER_ROWS = 4  # slots (GroupCache: groups) the KV buffers hold at least (Engine._ensure_buffers)
 MAX_JOIN_HOLD = 4  # sync points waiting requests are held for a fuller prefill at most (Engine.join_share)
 LENGTH_BUCKET = 128  # attention reads the cache up to the next multiple of this past the longest row
 MAX_STOP_IDS = 8
@@ -63,6 +64,7 @@ MAX_STOP_IDS = 8
 # specialized a marked size, backend failures): errors of the model itself are none of these
 COMPILE_ERRORS = (torch._dynamo.exc.TorchDynamoException, ConstraintViolationError)
 DECODE_ATTENTION = {"sdpa": "vlforge_decode", "flex": "vlforge_decode_flex"}  # Engine(decode_attention=...)
+GROUPED_ATTENTION = "vlforge_decode_grouped"  # GroupCache's (Engine(share_prompt=True))
 
 
 @dataclass
@@ -232,7 +234,24 @@ def _decode_attention_flex(module, query, key, value, attention_mask, dropout=0.
     return out.transpose(1, 2), None
 
 
+def _decode_attention_grouped(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
+    """GroupCache's decode attention: the G rows of a group (one prompt's samples) attend as G query
+    tokens of one sequence whose keys are the prompt's (stored once) followed by the G rows' generated
+    tokens interleaved; the [P, 1, G x q heads per kv head, Lk] mask lets each row see the prompt and
+    its own tokens only. One SDPA call reads the prompt's KV once per group instead of once per row.
+    query [P*G, q heads, 1, D], key/value [P, kv heads, Lk, D] -> [P*G, 1, q heads, D]."""
+    S, Hq, q, D = query.shape
+    P, Hkv = key.shape[:2]
+    G = S // P
+    if q != 1:
+        raise RuntimeError("the decode attention takes one query token per row")
+    q_PHQD = query.reshape(P, G, Hkv, Hq // Hkv, D).transpose(1, 2).reshape(P, Hkv, G * (Hq // Hkv), D)
+    out = F.scaled_dot_product_attention(q_PHQD, key, value, attn_mask=attention_mask, scale=scaling)
+    return out.reshape(P, Hkv, G, Hq // Hkv, D).transpose(1, 2).reshape(S, 1, Hq, D), None
+
+
 AttentionInterface.register(DECODE_ATTENTION["sdpa"], _decode_attention)
+AttentionInterface.register(GROUPED_ATTENTION, _decode_attention_grouped)
 AttentionInterface.register(DECODE_ATTENTION["flex"], _decode_attention_flex)
 
 
@@ -286,6 +305,37 @@ class SlotCache:
             V[slots_M, :, :P] = v[rows_M].gather(2, idx).to(V.dtype)
 
 
+class GroupCache(SlotCache):
+    """The KV cache of a call whose requests all have n = G >= 2 samples (GRPO's groups): one prompt's
+    KV stored once for its G rows, the rows' generated tokens interleaved after it.
+
+    keys/values: per layer [groups, kv heads, L, D]. Group p holds the rows of slots p*G .. p*G+G-1
+    (one request). Positions 0..prompt length-1: the prompt's KV (SlotCache.fill, slots = groups);
+    from `prompt_span` (the call's longest prompt) on: generated token t of member i at
+    prompt_span + t*G + i, so the filled part is one prefix of the buffer and one SDPA call per
+    group reads the prompt once (_decode_attention_grouped) where SlotCache's rows read it G times.
+    """
+
+    def __init__(self, layers: int, groups: int, group: int, kv_heads: int, length: int, head_dim: int, dtype, device):
+        super().__init__(layers, groups, kv_heads, length, head_dim, dtype, device)
+        self.group, self.groups = group, groups
+        self.rows = torch.arange(groups * group, device=device)  # the slots (route recording indexes them)
+        self.group_PG = self.write_PG = None
+
+    def bind(self, group_PG: torch.Tensor, write_PG: torch.Tensor, span_L: torch.Tensor) -> None:
+        """Row (p, i) writes into group group_PG[p, i] at write_PG[p, i]; attention reads len(span_L)
+        positions of the first P groups ([P, G] views: the row count P*G derives from P)."""
+        self.group_PG, self.write_PG, self.span_L = group_PG, write_PG, span_L
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        K, V = self.keys[layer_idx], self.values[layer_idx]
+        P, Lk = self.group_PG.shape[0], self.span_L.shape[0]
+        group_S, write_S = self.group_PG.reshape(-1), self.write_PG.reshape(-1)
+        K[group_S, :, write_S] = key_states[:, :, 0].to(K.dtype)
+        V[group_S, :, write_S] = value_states[:, :, 0].to(V.dtype)
+        return K[:P, :, :Lk], V[:P, :, :Lk]
+
+
 def _layer_kv(cache, layer: int):
     if hasattr(cache, "layers"):
         return cache.layers[layer].keys, cache.layers[layer].values
@@ -309,6 +359,9 @@ class _State:
         self.top_p = torch.ones(slots, dtype=torch.float32, device=device)
         self.alive = torch.zeros(slots, dtype=torch.bool, device=device)
         self.stopped = torch.zeros(slots, dtype=torch.bool, device=device)
+        self.prompt_len = torch.zeros(slots, **long)  # GroupCache: where the row's generated tokens start
+        self.member = torch.zeros(slots, **long)  # GroupCache: the row's index in its group
+        self.group = torch.zeros(slots, **long)  # GroupCache: its group
         self.out_tok = torch.zeros(slots, width, **long)  # width > max_new_tokens: finished rows write past their end
         self.out_logp = torch.zeros(slots, width, dtype=torch.float32, device=device)
 
@@ -342,6 +395,13 @@ def _decode_hidden(core, cache, tok_S1, length_S, span_L, pos_S):
     mask_S11L = (span_L[None] <= length_S[:, None])[:, None, None, :]  # the input token's own slot included
     pos_31S = pos_S[None, :, None].expand(3, -1, -1)
     out = forward_shared(core, tok_S1, mask_S11L, pos_31S, None, [], cache=cache, use_cache=True)
+    return out.last_hidden_state[:, -1]
+
+
+def _decode_hidden_grouped(core, cache, tok_PG, mask_P1QL, pos_PG):
+    """_decode_hidden over GroupCache's P groups of G rows ([P, G] inputs, the mask built by _step)."""
+    pos_31S = pos_PG.reshape(-1)[None, :, None].expand(3, -1, -1)
+    out = forward_shared(core, tok_PG.reshape(-1, 1), mask_P1QL, pos_31S, None, [], cache=cache, use_cache=True)
     return out.last_hidden_state[:, -1]
 
 
@@ -409,6 +469,16 @@ def _decode_varying(core, cache, tok_S1, length_S, span_L, pos_S):
     return varying
 
 
+def _decode_grouped_varying(core, cache, tok_PG, mask_P1QL, pos_PG):
+    # the group count P (every [P, G] input, the mask's and the bound views'), the read length Lk; G stays static
+    varying = [(tok_PG, 0), (mask_P1QL, 0), (mask_P1QL, 3), (pos_PG, 0), (cache.group_PG, 0), (cache.write_PG, 0),
+               (cache.span_L, 0), *((kv, 2) for kv in cache.keys + cache.values)]
+    recorder = recorder_of(core)
+    if recorder is not None and recorder.mode == "write":
+        varying += [(recorder.rows, 0), (recorder.write, 0), (recorder.routes, 2)]
+    return varying
+
+
 def _pick_varying(logits_SV, banned_V, is_stop_V, *per_row_and_mode):
     return [(logits_SV, 0), *((t, 0) for t in per_row_and_mode[:-1])]  # the last one is the mode string
 
@@ -444,7 +514,7 @@ class Engine:
 
     def __init__(self, model, *, max_slots: int = 256, sync_every: int = 8, use_graphs: bool | None = None,
                  compile: bool = False, max_prefill_tokens: int = 32768, compact: bool = True,
-                 decode_attention: str = "sdpa", join_share: float = 0.125):
+                 decode_attention: str = "sdpa", join_share: float = 0.125, share_prompt: bool = True):
         if decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"decode_attention: one of {sorted(DECODE_ATTENTION)}, got {decode_attention!r}")
         self._core = weakref.ref(unwrap(model))  # the engine lives as long as its model, not longer
@@ -458,9 +528,13 @@ class Engine:
             raise ValueError(f"join_share: a share of the slots in [0, 1], got {join_share}")
         self.join_share = join_share
         self.decode_attention = decode_attention
-        self._compiled = self._compiled_pick = None
-        self._decode_hidden, self._pick = _decode_hidden, _pick  # what _step calls: eager or compiled, set per call
+        self.share_prompt = share_prompt
+        self._group = 0  # this call's GroupCache group size G (0: SlotCache)
+        self._compiled = self._compiled_pick = self._compiled_grouped = None
+        # what _step calls: eager or compiled, set per call
+        self._decode_hidden, self._decode_hidden_grouped, self._pick = _decode_hidden, _decode_hidden_grouped, _pick
         self.cache: SlotCache | None = None
+        self._largest: dict[int, tuple[int, int]] = {}  # buffer kind (GroupCache's G, 0) -> the largest (slots, length)
         self.state: _State | None = None
         self.graphs: dict = {}
         self.pool = None
@@ -481,7 +555,7 @@ class Engine:
     def compile_failure(self) -> str | None:
         """Why the compiled decode step runs eager (its compile failed: _compiled_once); None if it
         compiled or was never tried."""
-        for fn in (self._compiled, self._compiled_pick):
+        for fn in (self._compiled, self._compiled_grouped, self._compiled_pick):
             if fn is not None and fn.compile_failure:
                 return fn.compile_failure[0]
         return None
@@ -493,30 +567,48 @@ class Engine:
         self.graphs.clear()
         self.pool = None
 
-    def reserve(self, slots: int, length: int, dtype: torch.dtype | None = None) -> None:
-        """Allocate the KV slots for `slots` rows of `length` tokens now, so later calls up to that
-        size reuse the same buffers and graphs (a larger call reallocates and recaptures)."""
+    def reserve(self, slots: int, length: int, dtype: torch.dtype | None = None, group: int = 0) -> None:
+        """Allocate the KV slots for `slots` rows of `length` positions now, so later calls up to that
+        size reuse the same buffers and graphs (a larger call reallocates and recaptures). With
+        `group` G: a GroupCache for calls of n = G samples a request (length: the longest prompt +
+        G x max_new_tokens); one kind of buffer is held at a time, each kind's largest size is kept
+        for when a call switches back (a compiled step compiles again for a new slot count)."""
         device = self.core.lm_head.weight.device
-        slots = max(slots, 2 if self.compile else 1)  # compiled steps run at least 2 slots (_compiled_once)
-        self._ensure_buffers(_bucket(slots), LENGTH_BUCKET * math.ceil(length / LENGTH_BUCKET),
-                             dtype or self._kv_dtype(device), device)
+        slots = max(slots, 2 * max(group, 1) if self.compile else 1)  # compiled steps run at least 2 slots (groups)
+        rows = group * _bucket(math.ceil(slots / group)) if group else _bucket(slots)
+        self._ensure_buffers(rows, LENGTH_BUCKET * math.ceil(length / LENGTH_BUCKET),
+                             dtype or self._kv_dtype(device), device, group=group)
 
     # -- buffers ------------------------------------------------------------------------------
 
-    def _ensure_buffers(self, slots: int, length: int, dtype, device) -> None:
+    def _ensure_buffers(self, slots: int, length: int, dtype, device, group: int = 0) -> None:
+        """KV buffers of at least `slots` rows x `length` positions: a SlotCache, or with group G a
+        GroupCache of slots / G groups (reused while large enough and of the same kind and G)."""
         c = self.cache
-        if c is not None and c.slots >= slots and c.length >= length and c.dtype == dtype and \
-                c.keys[0].device == device:
+        kind = getattr(c, "group", 0)
+        if c is not None and c.slots * max(kind, 1) >= slots and c.length >= length and c.dtype == dtype and \
+                c.keys[0].device == device and kind == group:
             return
         cfg = self.text_config
-        slots = max(slots, c.slots if c is not None else 0)
-        length = max(length, c.length if c is not None else 0)
+        # grown, never shrunk, per kind (SlotCache, GroupCache of G): a slot count seen before needs no new compile
+        high_slots, high_length = self._largest.get(group, (0, 0))
+        slots, length = max(slots, high_slots), max(length, high_length)
+        self._largest[group] = (slots, length)
         self.cache = self.state = self.routes = None
         self.graphs.clear()  # they point at the old buffers
         self.pool = None  # a pool whose graphs are gone cannot take new captures
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-        self.cache = SlotCache(cfg.num_hidden_layers, slots, cfg.num_key_value_heads, length, head_dim, dtype, device)
+        # at least 4 slots (groups): in buffers of 2, the compiled step's [:S] views bound S to [2, 2],
+        # which dynamo refines to the constant 2 (a marked size specialized: the compile fails)
+        slots = max(slots, MIN_BUFFER_ROWS * max(group, 1))
+        if group:
+            self.cache = GroupCache(cfg.num_hidden_layers, slots // group, group, cfg.num_key_value_heads, length,
+                                    head_dim, dtype, device)
+        else:
+            self.cache = SlotCache(cfg.num_hidden_layers, slots, cfg.num_key_value_heads, length, head_dim, dtype,
+                                   device)
         self.state = _State(slots, length + 1, device)
+        self.prompt_span = torch.zeros((), dtype=torch.long, device=device)  # GroupCache: where generated tokens start
         self.arange_L = torch.arange(length, device=device)
         self.stop_ids = torch.full((MAX_STOP_IDS,), -1, dtype=torch.long, device=device)
         self.pad = torch.zeros((), dtype=torch.long, device=device)  # what finished rows emit
@@ -555,13 +647,28 @@ class Engine:
         st = self.state
         length_S, alive_S = st.length[:S], st.alive[:S]
         span_L = self.arange_L[:Lb]
-        self.cache.bind(length_S, span_L)
         # recording: each row's experts go where its input token's KV goes (length_S, updated by the step)
         routes = self.recorder.write_to(self.routes, self.cache.rows[:S], length_S) if self._recording \
             else nullcontext()
-        attention = DECODE_ATTENTION["flex" if self.decode_attention == "flex" and self._step_compiled else "sdpa"]
-        with _attention(self.text_config, attention), routes:
-            hidden_SH = self._decode_hidden(self.core, self.cache, st.tok[:S, None], length_S, span_L, st.pos[:S])
+        if self._group:  # GroupCache: the mask and write positions of a group's interleaved layout
+            G = self._group
+            P, qpk = S // G, self.text_config.num_attention_heads // self.text_config.num_key_value_heads
+            suffix_S = length_S - st.prompt_len[:S]  # the input token's index among the row's generated ones
+            # a stale row past the call's layout (a padding group's) writes into the spare position, never read
+            write_S = (self.prompt_span + suffix_S * G + st.member[:S]).clamp(max=self.cache.length)
+            self.cache.bind(st.group[:S].view(P, G), write_S.view(P, G), span_L)
+            off_L = span_L - self.prompt_span
+            keep_SL = (span_L[None] < st.prompt_len[:S, None]) | (
+                (off_L[None] >= 0) & (off_L[None] % G == st.member[:S, None]) & (off_L[None] // G <= suffix_S[:, None]))
+            mask_P1QL = keep_SL.view(P, G, 1, Lb).expand(P, G, qpk, Lb).reshape(P, 1, G * qpk, Lb)
+            with _attention(self.text_config, GROUPED_ATTENTION), routes:
+                hidden_SH = self._decode_hidden_grouped(self.core, self.cache, st.tok[:S].view(P, G), mask_P1QL,
+                                                        st.pos[:S].view(P, G))
+        else:
+            self.cache.bind(length_S, span_L)
+            attention = DECODE_ATTENTION["flex" if self.decode_attention == "flex" and self._step_compiled else "sdpa"]
+            with _attention(self.text_config, attention), routes:
+                hidden_SH = self._decode_hidden(self.core, self.cache, st.tok[:S, None], length_S, span_L, st.pos[:S])
         tok_S, logp_S = self._pick(self.core.lm_head(hidden_SH), self.banned, self.is_stop, st.count[:S] < st.min_new[:S],
                                    st.temperature[:S], st.top_k[:S], st.top_p[:S], st.key[:S], st.count[:S], mode)
         tok_S = torch.where(alive_S, tok_S, self.pad)
@@ -580,7 +687,7 @@ class Engine:
     def _graph_key(self, S, Lb, mode):
         autocast = torch.is_autocast_enabled("cuda")
         return (S, Lb, mode, self.core.training, autocast, torch.get_autocast_dtype("cuda") if autocast else None,
-                self._step_compiled, self._recording, self._weights)
+                self._step_compiled, self._recording, self._weights, self._group)
 
     def _run_steps(self, S: int, Lb: int, mode: str, steps: int, use_graphs: bool) -> None:
         if not use_graphs:
@@ -651,7 +758,14 @@ class Engine:
         slots_M = torch.tensor(slots, device=device)
         rows_M = torch.tensor(rows, device=device)
         lengths_B = torch.tensor([len(p.input_ids) for p in prompts], device=device)
-        self.cache.fill(slots_M, cache_of(out), rows_M, lengths_B[rows_M], P)
+        G = self._group
+        if G:  # one copy of each prompt's KV, into its request's group
+            if any(sl != list(range(sl[0], sl[0] + G)) or sl[0] % G for _, _, sl in admitted):
+                raise RuntimeError("GroupCache: a request's samples must take one whole group")
+            groups_B = torch.tensor([sl[0] // G for _, _, sl in admitted], device=device)
+            self.cache.fill(groups_B, cache_of(out), torch.arange(len(prompts), device=device), lengths_B, P)
+        else:
+            self.cache.fill(slots_M, cache_of(out), rows_M, lengths_B[rows_M], P)
         if self._recording:
             self._fill_routes(slots_M, kept, rows_M, lengths_B[rows_M], P)
 
@@ -663,6 +777,7 @@ class Engine:
         st.max_new[slots_M] = torch.tensor([r.max_new_tokens for r in reqs], device=device)
         st.min_new[slots_M] = torch.tensor([r.min_new_tokens for r in reqs], device=device)
         st.count[slots_M] = 0
+        st.prompt_len[slots_M] = lengths_B[rows_M]
         # lm_head over the slots' rows (not the B prompts'): each row of every lm_head call is one
         # sequence, as in the decode steps
         tok_M, logp_M = _pick(self.core.lm_head(out.last_hidden_state[:, -1][rows_M]), self.banned, self.is_stop,
@@ -737,8 +852,6 @@ class Engine:
         if max(r.n for r in requests.values()) > n_slots:
             raise ValueError(f"a request asks for {max(r.n for r in requests.values())} samples; the engine has "
                              f"{n_slots} slots (raise slots / max_slots)")
-        need = max(len(r.prompt.input_ids) + r.max_new_tokens for r in requests.values())
-        length = LENGTH_BUCKET * math.ceil(need / LENGTH_BUCKET)
         kv_dtype = self._kv_dtype(device)
         use_graphs = self._graphs_on(device)
         compiled = use_graphs and (compile if compile is not None else self.compile)
@@ -748,12 +861,32 @@ class Engine:
         # the weights' storage is part of a graph's key: a graph captured over other tensors (GRPO's
         # rollout reads bf16 copies of fp32 masters, PrecisionPolicy.inference_weights) is not replayed
         self._weights = hash(tuple(p.data_ptr() for p in self.core.parameters()))
-        self._ensure_buffers(max(n_slots, self._step_slots(1)), length, kv_dtype, device)
+        sizes = {r.n for r in requests.values()}
+        # every request n = G >= 2 samples, all known now (GRPO, eval with n > 1): a GroupCache, each
+        # prompt's KV read once per group
+        self._group = G = sizes.pop() if (self.share_prompt and feed is None and len(sizes) == 1 and min(sizes) >= 2
+                                          and self.decode_attention == "sdpa") else 0
+        prompt_span = max(len(r.prompt.input_ids) for r in requests.values())
+        if G:
+            groups = n_slots // G  # the call's groups; a step runs a bucket of them (a compiled one at least 2)
+            need = prompt_span + G * max(r.max_new_tokens for r in requests.values())
+            self._ensure_buffers(G * self._step_groups(groups), LENGTH_BUCKET * math.ceil(need / LENGTH_BUCKET),
+                                 kv_dtype, device, group=G)
+            self.prompt_span.fill_(prompt_span)
+            self._prompt_span = prompt_span
+            # every slot in its own group, also those of a bucket's padding groups (their stale rows write there)
+            slots_all = torch.arange(self.state.group.shape[0], device=device)
+            self.state.group.copy_(slots_all // G)
+            self.state.member.copy_(slots_all % G)
+        else:
+            need = max(len(r.prompt.input_ids) + r.max_new_tokens for r in requests.values())
+            self._ensure_buffers(max(n_slots, self._step_slots(1)), LENGTH_BUCKET * math.ceil(need / LENGTH_BUCKET),
+                                 kv_dtype, device)
         if record_routes and self.recorder is None:
             raise ValueError("record_routes: the model has no mixture-of-experts router to record")
         self._recording = bool(record_routes)
         if self._recording and self.routes is None:  # with the slots: a new cache drops it (and the graphs)
-            self.routes = torch.full((len(self.recorder.layers), self.cache.slots, self.cache.length,
+            self.routes = torch.full((len(self.recorder.layers), len(self.cache.rows), self.cache.length,
                                       self.recorder.top_k), NO_ROUTE, dtype=ROUTE_DTYPE, device=device)
         self.stop_ids.fill_(-1)
         self.stop_ids[:len(stop_ids)] = torch.tensor(stop_ids, dtype=torch.long, device=device)
@@ -767,18 +900,22 @@ class Engine:
         self.state.alive.zero_()
         if compiled and self._compiled is None:
             self._compiled = _compiled_once(_decode_hidden, _decode_varying)
+            self._compiled_grouped = _compiled_once(_decode_hidden_grouped, _decode_grouped_varying)
             self._compiled_pick = _compiled_once(_pick, _pick_varying)
         self._decode_hidden = self._compiled if compiled else _decode_hidden
+        self._decode_hidden_grouped = self._compiled_grouped if compiled else _decode_hidden_grouped
         self._pick = self._compiled_pick if compiled else _pick
         mode = _mode(list(requests.values()), "greedy")
 
         self.stats = GenStats()
         results: dict[int, list[GenResult | None]] = {t: [None] * r.n for t, r in requests.items()} if keep else {}
         queue = deque(requests)
-        free = list(range(n_slots))
+        free = list(range(G * (n_slots // G) if G else n_slots))  # GroupCache: whole groups only
+        ended_in_group: dict[int, int] = {}  # GroupCache: group -> rows finished (its slots free with the last)
         occupant: dict[int, tuple[int, int]] = {}  # slot -> (request, sample)
         sent: dict[int, int] = {}  # slot -> tokens already streamed
         bound: dict[int, int] = {}  # slot -> an upper bound of its KV length (host-side, no sync)
+        prompt_len: dict[int, int] = {}  # slot -> its prompt's length
 
         def answered(res: GenResult) -> None:
             if keep:
@@ -813,7 +950,7 @@ class Engine:
                 tokens += len(r.prompt.input_ids)
                 for s, slot in enumerate(sl):
                     occupant[slot] = (i, s)
-                    bound[slot] = len(r.prompt.input_ids)
+                    bound[slot] = prompt_len[slot] = len(r.prompt.input_ids)
                     sent[slot] = 0
             if admitted:
                 mode = _mode([r for _, r, _ in admitted], mode)  # a joining request may need more than greedy
@@ -826,9 +963,15 @@ class Engine:
                 self.stats.prefills += 1
                 self.stats.prefill_s += _elapsed(start, device)
             if occupant:
-                S = self._step_slots(max(occupant) + 1)
                 steps = self.sync_every
-                Lb = min(self.cache.length, LENGTH_BUCKET * math.ceil((max(bound.values()) + steps) / LENGTH_BUCKET))
+                if G:  # the rows' generated tokens, G to a position step, after the call's prompt span
+                    S = G * self._step_groups(max(occupant) // G + 1)
+                    suffix = max(bound[s] - prompt_len[s] for s in occupant)
+                    span = LENGTH_BUCKET * max(1, G // 2)  # ~LENGTH_BUCKET / 2 positions a row at most unread
+                    Lb = min(self.cache.length, span * math.ceil((prompt_span + G * (suffix + steps)) / span))
+                else:
+                    S = self._step_slots(max(occupant) + 1)
+                    Lb = min(self.cache.length, LENGTH_BUCKET * math.ceil((max(bound.values()) + steps) / LENGTH_BUCKET))
                 start = time.perf_counter()
                 self._run_steps(S, Lb, mode, steps, use_graphs)
                 self.stats.row_steps += S * steps
@@ -856,13 +999,22 @@ class Engine:
             if done:
                 self._harvest(done, occupant, answered)
                 for slot in done:
-                    del occupant[slot], bound[slot]
-                free += done
-                if self.compact and not queue:
-                    self._compact(occupant, bound, sent, free)
+                    del occupant[slot], bound[slot], prompt_len[slot]
+                if G:  # a group's slots free together, with its last row (a joining request takes a whole group)
+                    for slot in done:
+                        ended_in_group[slot // G] = ended_in_group.get(slot // G, 0) + 1
+                        if ended_in_group[slot // G] == G:
+                            free += range(slot // G * G, slot // G * G + G)
+                            del ended_in_group[slot // G]
+                    if self.compact and not queue:
+                        self._compact_groups(occupant, bound, sent, prompt_len, free, ended_in_group)
+                else:
+                    free += done
+                    if self.compact and not queue:
+                        self._compact(occupant, bound, sent, prompt_len, free)
         return [res for per in results.values() for res in per]
 
-    def _compact(self, occupant: dict, bound: dict, sent: dict, free: list[int]) -> None:
+    def _compact(self, occupant: dict, bound: dict, sent: dict, prompt_len: dict, free: list[int]) -> None:
         """Move running rows from slots at or past len(occupant) into the free slots below it, when
         that makes the step's slot bucket smaller: a step computes every slot up to the highest
         occupied one, so without this a batch's long tail (the last rows of a mixed-length GRPO
@@ -886,9 +1038,50 @@ class Engine:
             self.routes[:, dst, :filled] = self.routes[:, src, :filled]
         self.state.move(src, dst)
         for s, d in zip(movers, holes):
-            occupant[d], bound[d], sent[d] = occupant.pop(s), bound.pop(s), sent.pop(s)
+            occupant[d], bound[d], sent[d], prompt_len[d] = occupant.pop(s), bound.pop(s), sent.pop(s), prompt_len.pop(s)
         free[:] = sorted((set(free) - set(holes)) | set(movers))
         self.stats.compactions += 1
+
+    def _compact_groups(self, occupant: dict, bound: dict, sent: dict, prompt_len: dict, free: list[int],
+                        ended_in_group: dict) -> None:
+        """_compact for a GroupCache: whole groups (their prompt's KV and their rows' tokens) move into
+        free groups below, when that makes the step's group bucket smaller."""
+        G = self._group
+        live = sorted({slot // G for slot in occupant})
+        n = len(live)
+        if not n or self._step_groups(live[-1] + 1) <= self._step_groups(n):
+            return
+        movers = [g for g in live if g >= n]
+        holes = [g for g in range(n) if g not in live][:len(movers)]
+        device = self.state.tok.device
+        src, dst = torch.tensor(movers, device=device), torch.tensor(holes, device=device)
+        suffix = max(bound[s] - prompt_len[s] for s in occupant if s // G in movers)
+        filled = min(self.cache.length + 1, self._prompt_span + G * (suffix + 1))  # past it nothing was written
+        for K, V in zip(self.cache.keys, self.cache.values):
+            K[dst, :, :filled] = K[src, :, :filled]
+            V[dst, :, :filled] = V[src, :, :filled]
+        rows = [(g * G + i, h * G + i) for g, h in zip(movers, holes) for i in range(G)]
+        src_rows = torch.tensor([a for a, _ in rows], device=device)
+        dst_rows = torch.tensor([b for _, b in rows], device=device)
+        if self._recording:
+            self.routes[:, dst_rows] = self.routes[:, src_rows]
+        self.state.move(src_rows, dst_rows)
+        self.state.group[dst_rows], self.state.group[src_rows] = dst_rows // G, src_rows // G  # a row's group is its slot's
+        for a, b in rows:
+            if a in occupant:  # a finished row of a moving group has left occupant already
+                occupant[b], bound[b], sent[b], prompt_len[b] = occupant.pop(a), bound.pop(a), sent.pop(a), \
+                    prompt_len.pop(a)
+        for g, h in zip(movers, holes):
+            if g in ended_in_group:
+                ended_in_group[h] = ended_in_group.pop(g)
+        moved_from = {a for a, _ in rows}
+        taken = {b for _, b in rows}
+        free[:] = sorted((set(free) - taken) | moved_from)
+        self.stats.compactions += 1
+
+    def _step_groups(self, groups: int) -> int:
+        """The group bucket a GroupCache step over groups 0..groups-1 runs at (compiled: at least 2)."""
+        return max(_bucket(groups), 2 if self._step_compiled else 1)
 
     def _step_slots(self, rows: int) -> int:
         """The slot bucket a step over slots 0..rows-1 runs at (compiled: at least 2, see generate)."""
