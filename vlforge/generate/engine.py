@@ -19,7 +19,10 @@ cache and the decode attention call):
   requests (each: one prompt, n samples) are admitted while free slots remain; their images are
   encoded once, their prompts prefilled once (`forward_shared` with a DynamicCache, the model's
   own attention), and each prompt's KV is copied, left padding stripped, into its n slots of
-  `SlotCache` ([slots, kv heads, L, D] per layer). The first token is sampled from the prefill.
+  `SlotCache` ([slots, kv heads, L, D] per layer). A call whose requests all have n = G >= 2 (and no
+  feed) uses `GroupCache` instead: each prompt's KV once for its G rows, their tokens interleaved
+  after it, read once per group by the decode attention (`Engine(share_prompt=False)`: SlotCache).
+  The first token is sampled from the prefill.
 - A decode step is the language model on [S, 1] with a 4-D boolean mask built on the GPU from
   the per-row lengths (masking_utils returns a 4-D mask as given), per-row M-RoPE positions,
   `SlotCache.update` writing each row at its own position, lm_head, banned tokens, sampling
@@ -504,6 +507,10 @@ class Engine:
     slower than sdpa's decode, so sdpa stays the default (docs/benchmarks.md, eighth session).
     compact: at a sync point with nobody waiting, move running rows down into freed slots when that
     shrinks the step's slot bucket (_compact); False keeps every row in its first slot.
+    share_prompt: a call whose requests all have the same n >= 2 samples (and no feed) stores each
+    prompt's KV once for its n rows (GroupCache) instead of a copy per row, so a decode step reads
+    a prompt's KV once per group: less attention traffic (the prompt is most of a GRPO row's KV)
+    and less KV memory; the same tokens (tested). False: SlotCache always.
     join_share: while rows run, waiting requests join only once this share of the call's slots is
     free (or as many as wait: one waiting request joins the first free slot, so a lone request never
     waits for it), for at most MAX_JOIN_HOLD sync points, so that one prefill serves several joins.
