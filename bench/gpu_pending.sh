@@ -26,6 +26,9 @@
 #   at 32 clients), mem, fp8prof, fp8b (8B FP8 at batch 16), serve3 (serve eager vs --compile in one call); nothing
 #   of the list above is left unrun; issue 14's multi-GPU runs wait for those machines. Next: gen6 (the batched joins
 #   built after the tenth session's calls), then serve3 again (serve latency with batched joins)
+#   Eleventh session ran gen6f (FSDP2 world 1 twice + batched joins), gen7 (GroupCache 2B + hf-static), gen8 (8B);
+#   serve3 was refused (no machine). Next: serve3 (carry .whl/serve), grpo (GRPO 8x8x256 on GroupCache), gen8 with
+#   hf-static added (issue 11's 3x at 8B in one process)
 #   OUT=/some/dir GROUP=moe   bash bench/gpu_pending.sh  # 30B-A3B: peft peer vs ours same process; NF4 memory/decode
 #   OUT=/some/dir GROUP=mem   bash bench/gpu_pending.sh  # selective checkpointing and the activation memory budget
 # (carry .whl/train, and .whl/ao (torchao) for GROUP=tests, .whl/bnb (bitsandbytes) for moe and mem)
