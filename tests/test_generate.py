@@ -163,6 +163,7 @@ def test_rollout_logprobs_with_filters_match_trainer(setup):
     prompts = collate([encode_prompt(encoder, samples[i]) for i in range(3)], encoder.pad_id, left_pad=True)
     cfg = RolloutConfig(group_size=3, max_new_tokens=10, temperature=0.8, top_k=40, top_p=0.8)
     rollout = generate_groups(model, encoder, prompts, [1, 1, 1], cfg)
+    assert engine_for(model)._group == 3  # GRPO's groups decode on GroupCache (one copy of each prompt's KV)
     with torch.no_grad():
         logp, _ = sequence_logprobs(model, rollout, cfg.temperature)
     mask = rollout.response_mask.bool()
