@@ -323,6 +323,8 @@ class GroupCache(SlotCache):
         super().__init__(layers, groups, kv_heads, length, head_dim, dtype, device)
         self.group, self.groups = group, groups
         self.rows = torch.arange(groups * group, device=device)  # the slots (route recording indexes them)
+        # slot s is member s % G of group s // G, whichever row it holds (compaction moves whole groups)
+        self.group_of, self.member_of = self.rows // group, self.rows % group
         self.group_PG = self.write_PG = None
 
     def bind(self, group_PG: torch.Tensor, write_PG: torch.Tensor, span_L: torch.Tensor) -> None:
@@ -363,8 +365,6 @@ class _State:
         self.alive = torch.zeros(slots, dtype=torch.bool, device=device)
         self.stopped = torch.zeros(slots, dtype=torch.bool, device=device)
         self.prompt_len = torch.zeros(slots, **long)  # GroupCache: where the row's generated tokens start
-        self.member = torch.zeros(slots, **long)  # GroupCache: the row's index in its group
-        self.group = torch.zeros(slots, **long)  # GroupCache: its group
         self.out_tok = torch.zeros(slots, width, **long)  # width > max_new_tokens: finished rows write past their end
         self.out_logp = torch.zeros(slots, width, dtype=torch.float32, device=device)
 
@@ -662,11 +662,12 @@ class Engine:
             P, qpk = S // G, self.text_config.num_attention_heads // self.text_config.num_key_value_heads
             suffix_S = length_S - st.prompt_len[:S]  # the input token's index among the row's generated ones
             # a stale row past the call's layout (a padding group's) writes into the spare position, never read
-            write_S = (self.prompt_span + suffix_S * G + st.member[:S]).clamp(max=self.cache.length)
-            self.cache.bind(st.group[:S].view(P, G), write_S.view(P, G), span_L)
+            member_S = self.cache.member_of[:S]
+            write_S = (self.prompt_span + suffix_S * G + member_S).clamp(max=self.cache.length)
+            self.cache.bind(self.cache.group_of[:S].view(P, G), write_S.view(P, G), span_L)
             off_L = span_L - self.prompt_span
             keep_SL = (span_L[None] < st.prompt_len[:S, None]) | (
-                (off_L[None] >= 0) & (off_L[None] % G == st.member[:S, None]) & (off_L[None] // G <= suffix_S[:, None]))
+                (off_L[None] >= 0) & (off_L[None] % G == member_S[:, None]) & (off_L[None] // G <= suffix_S[:, None]))
             mask_P1QL = keep_SL.view(P, G, 1, Lb).expand(P, G, qpk, Lb).reshape(P, 1, G * qpk, Lb)
             with _attention(self.text_config, GROUPED_ATTENTION), routes:
                 hidden_SH = self._decode_hidden_grouped(self.core, self.cache, st.tok[:S].view(P, G), mask_P1QL,
@@ -881,10 +882,6 @@ class Engine:
                                  kv_dtype, device, group=G)
             self.prompt_span.fill_(prompt_span)
             self._prompt_span = prompt_span
-            # every slot in its own group, also those of a bucket's padding groups (their stale rows write there)
-            slots_all = torch.arange(self.state.group.shape[0], device=device)
-            self.state.group.copy_(slots_all // G)
-            self.state.member.copy_(slots_all % G)
         else:
             need = max(len(r.prompt.input_ids) + r.max_new_tokens for r in requests.values())
             self._ensure_buffers(max(n_slots, self._step_slots(1)), LENGTH_BUCKET * math.ceil(need / LENGTH_BUCKET),
@@ -1073,7 +1070,6 @@ class Engine:
         if self._recording:
             self.routes[:, dst_rows] = self.routes[:, src_rows]
         self.state.move(src_rows, dst_rows)
-        self.state.group[dst_rows], self.state.group[src_rows] = dst_rows // G, src_rows // G  # a row's group is its slot's
         for a, b in rows:
             if a in occupant:  # a finished row of a moving group has left occupant already
                 occupant[b], bound[b], sent[b], prompt_len[b] = occupant.pop(a), bound.pop(a), sent.pop(a), \
