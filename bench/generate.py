@@ -40,7 +40,7 @@ from vlforge.generate.engine import Engine, GenRequest, prompts_of_batch
 from vlforge.generate.forward import vision_token_ids
 from vlforge.model.load import load_model
 
-from sft_throughput import synthetic_samples
+from sft_throughput import synthetic_samples, write_trace
 
 HBM_BYTES_PER_S = 4.8e12
 
@@ -144,6 +144,8 @@ def profile_decode(engine, encoder, requests, path: str) -> None:
         f.write(f"{len(requests)} prompts x {requests[0].n} samples x {requests[0].max_new_tokens} tokens, "
                 f"{steps} decode steps, decode {engine.stats.decode_s:.3f} s, prefill {engine.stats.prefill_s:.3f} s\n")
         f.write(table)
+    write_trace(prof, path + ".trace.json.gz")
+
 
 
 def main() -> None:

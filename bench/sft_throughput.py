@@ -67,6 +67,18 @@ _chain = random.Random(1234)
 SUCCESSORS = {w: _chain.sample(WORDS, 3) for w in WORDS}
 
 
+def write_trace(prof, path: str) -> None:
+    """The profile's timeline (chrome://tracing or perfetto), gzipped: host gaps show there, not in tables."""
+    import gzip
+    import os
+
+    raw = path[:-3] + ".tmp"
+    prof.export_chrome_trace(raw)
+    with open(raw, "rb") as src, gzip.open(path, "wb") as dst:
+        dst.write(src.read())
+    os.remove(raw)
+
+
 def markov_answer(rng: random.Random, n_words: int) -> str:
     words = [rng.choice(WORDS)]
     for _ in range(n_words - 1):
@@ -196,6 +208,8 @@ def main() -> None:
         with open(args.profile, "w") as f:
             f.write(table.table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=60))
             f.write(table.table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60))
+            f.write(table.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=60))
+        write_trace(prof, args.profile + ".trace.json.gz")
     pad_fraction = 1 - sum(count_tokens(b) for b in batches) / sum(b["input_ids"].numel() for b in batches)
     result = {
         "preset": args.preset, "method": args.method, "batch": args.batch, "grad_ckpt": args.grad_ckpt,

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -187,3 +188,39 @@ if __name__ == "__main__":
             print(f"\n== {'packed' if packing else 'padded'}: 2 micro-batches of 3 samples; {syncs.total()} syncs, "
                   f"{syncs.total(ours_only=True)} in vlforge")
             print(syncs.table())
+
+
+def test_generation_prefill_reads_no_device_tensor_on_the_host(tiny, shapes_dir):
+    """The engine builds a prefill on the host (prompt batch, M-RoPE positions, the vision tower's
+    grid inputs, the slots' settings) and queues it to the device: a generate call's own host reads
+    are its sync point and the results' harvest, whatever the prompts; transformers' get_rope_index,
+    vision grid inputs and per-block vision split (~10 syncs a prompt on a GPU) read host copies."""
+    import copy
+
+    from vlforge.config import DataConfig
+    from vlforge.data.dataset import load_dataset
+    from vlforge.data.encode import encode_prompt
+    from vlforge.generate.engine import Engine, GenRequest, Prompt
+    from vlforge.generate.forward import vision_token_ids
+
+    model, processor = tiny
+    model = copy.deepcopy(model).eval()
+    data = load_dataset(str(shapes_dir / "train.jsonl"), processor, DataConfig())
+    encoder = data.encoder
+
+    def requests(k):
+        prompts = [encode_prompt(encoder, s) for s in data.samples[:k]]
+        return [GenRequest(Prompt(x["input_ids"], x.get("pixel_values"), x.get("image_grid_thw")), n=2,
+                           max_new_tokens=3, temperature=1.0) for x in prompts]
+
+    counts = []
+    for k in (2, 4):
+        with SyncCounter(model, torch.device("cpu")) as syncs:  # the engine's buffers are made inside: seen
+            Engine(model, sync_every=4).generate(requests(k), stop_ids=[], banned_ids=vision_token_ids(encoder),
+                                                 image_token_id=encoder.image_token_id, pad_id=encoder.pad_id)
+        assert syncs.total() > 0  # the counter sees the library's syncs: it can fail
+        assert _ours(syncs) == {("cpu", "vlforge/generate/engine.py"): 5}, syncs.table()  # sync point + harvest
+        library = {site for (_, site) in syncs.by_site() if not site.startswith("vlforge/")}
+        assert not [s for s in library if "get_rope_index" in s or "vision" in s or "listcomp" in s], syncs.table()
+        counts.append(syncs.total())
+    assert counts[0] == counts[1]  # nothing per prompt

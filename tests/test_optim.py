@@ -143,3 +143,45 @@ def test_8bit_adamw_refuses_fsdp2_parameters(tmp_path):
             raw.step()
     finally:
         dist.destroy_process_group()
+
+
+def test_adamw_on_local_shards_equals_adamw_through_dtensor(tmp_path):
+    """ShardLocalAdamW (build_optimizer's adamw) updates FSDP2's DTensor parameters exactly as
+    torch's AdamW through DTensor dispatch does, and keeps its state DTensors (DCP saves them
+    sharded and reshards them on another world size)."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from vlforge.engine.optim import ShardLocalAdamW
+
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        models = []
+        for _ in range(2):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
+            fully_shard(model[0])
+            models.append(fully_shard(model))
+        def groups(m):  # two tiers, each its own lr and weight decay
+            return [{"params": list(m[0].parameters()), "lr": 1e-2, "weight_decay": 0.1},
+                    {"params": list(m[2].parameters()), "lr": 3e-3, "weight_decay": 0.0}]
+        ours = build_optimizer(groups(models[0]), OptimConfig(name="adamw"), "cpu")
+        reference = torch.optim.AdamW(groups(models[1]), betas=ours.defaults["betas"], eps=ours.defaults["eps"])
+        assert isinstance(ours, ShardLocalAdamW)
+        initial = {n: p.full_tensor().clone() for n, p in models[0].named_parameters()}
+        for step in range(3):
+            x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step))
+            for model, opt in zip(models, (ours, reference)):
+                model(x).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+        for (name, p), q in zip(models[0].named_parameters(), models[1].parameters()):
+            assert isinstance(p, DTensor)
+            torch.testing.assert_close(p.full_tensor(), q.full_tensor(), rtol=1e-6, atol=1e-7, msg=name)
+            assert not torch.equal(p.full_tensor(), initial[name]), f"{name} never moved"
+        state = ours.state[next(models[0].parameters())]
+        assert isinstance(state["exp_avg"], DTensor) and isinstance(state["exp_avg_sq"], DTensor)
+        assert int(state["step"]) == 3
+    finally:
+        dist.destroy_process_group()

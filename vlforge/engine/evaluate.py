@@ -16,11 +16,12 @@ import torch
 from vlforge.config import EvalConfig, LossConfig
 from vlforge.data.dataset import ChatDataset
 from vlforge.data.encode import Encoder, collate, encode, encode_prompt
-from vlforge.engine.losses import host_to_device, sft_loss_sum
+from vlforge.engine.losses import sft_loss_sum
 from vlforge.engine.metrics import MetricsLog, write_json_atomic
 from vlforge.engine.precision import PrecisionPolicy
 from vlforge.generate.engine import GenRequest, Prompt, engine_for
 from vlforge.generate.forward import never_generated
+from vlforge.model.host_inputs import host_to_device
 from vlforge.model.tiers import unwrap
 from vlforge.rl.rewards import exact_match
 

@@ -26,6 +26,7 @@ from torch.utils.checkpoint import checkpoint
 from vlforge.config import ConfigError, LossConfig
 from vlforge.data.encode import IGNORE_INDEX
 from vlforge.engine.packed_attention import PackedRows, packed_forward, use_packed_attention
+from vlforge.model.host_inputs import RopeIndex, VisionGrid, host_to_device
 from vlforge.model.tiers import unwrap
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "mm_token_type_ids", "pixel_values", "image_grid_thw")
@@ -68,15 +69,6 @@ def packed_position_ids_host(rope_index, input_ids_1T: torch.Tensor, mm_token_ty
     return torch.cat([text_T[None], mrope_3T])[:, None]
 
 
-def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`t` on `device` without a host-device sync: a blocking copy to a GPU waits for every kernel
-    queued before it (cudaStreamSynchronize); from pinned memory with non_blocking it is queued
-    like a kernel (the caching host allocator keeps the pinned block until the copy has run)."""
-    if device.type == "cuda" and t.device.type == "cpu" and not t.is_pinned():  # the loader's pin_memory did it
-        t = t.pin_memory()
-    return t.to(device, non_blocking=True)
-
-
 # A dataclass: FSDP2's and DDP's input move (torch.distributed.utils._recursive_to) enters dicts and
 # tuples, not dataclasses, so the host tensors stay on the host. (FSDP2's mixed-precision input cast
 # does enter it: the vision kwargs' float interpolation weights become the param dtype, as the tower's
@@ -90,65 +82,6 @@ class HostFacts:
     image_grid_thw: torch.Tensor | None  # on the host: transformers reads it there (split sizes)
     vision: dict  # the vision tower's precomputed kwargs (transformers.vision_utils), or {}
     packed_rows: PackedRows | None = None  # packed rows with per-sample attention (sdpa)
-
-
-class RopeIndex:
-    """The language model's get_rope_index (M-RoPE positions) as a picklable callable of config
-    values: the model class's own function, called on this object in place of the model. In
-    transformers 5.17-5.24 Qwen3-VL's (and Qwen3-VL-MoE's) get_rope_index reads only
-    `self.config.vision_config.spatial_merge_size` and `self.get_vision_position_ids` (arithmetic on
-    its arguments), so a DataLoader worker runs the model's own code with no model object in it
-    (tests/test_host_syncs.py checks the result equals the model's)."""
-
-    def __init__(self, model_cls: type, config):
-        self.model_cls, self.config = model_cls, config
-
-    def get_vision_position_ids(self, *args, **kwargs):
-        return self.model_cls.get_vision_position_ids(self, *args, **kwargs)
-
-    def __call__(self, *args, **kwargs):
-        return self.model_cls.get_rope_index(self, *args, **kwargs)
-
-
-@dataclass(frozen=True)
-class VisionGrid:
-    """The vision tower's grid-derived inputs, computed by transformers' own vision_utils (which its
-    forward takes precomputed from kwargs: "cu_seqlens", "position_ids", "interp_indices",
-    "interp_weights", "max_seqlen"), from a host grid: computed on the device they cost ~10 syncs
-    (repeat_interleave, tolist), and with the sequence lengths on the host the sdpa path's per-block
-    split (`lengths.tolist()`) reads them there instead of once per block from the device. The
-    tower's values (all from its config) are copied here so that it pickles without the tower."""
-
-    num_grid_per_side: int
-    interpolation_mode: str
-    align_corners: bool
-    spatial_merge_size: int
-    config: object  # the tower's PretrainedConfig (vision_utils reads its attention implementation)
-
-    @classmethod
-    def of(cls, visual) -> VisionGrid | None:
-        if not all(hasattr(visual, a) for a in ("num_grid_per_side", "interpolation_mode",
-                                                "interpolation_align_corners", "spatial_merge_size")):
-            return None  # another vision tower: it computes them itself
-        return cls(visual.num_grid_per_side, visual.interpolation_mode, visual.interpolation_align_corners,
-                   visual.spatial_merge_size, visual.config)
-
-    def __call__(self, grid: torch.Tensor) -> tuple[dict, dict]:
-        """({kwarg: tensor} to move to the device, {kwarg: value} the tower reads on the host)."""
-        from transformers.utils.generic import is_flash_attention_requested
-        from transformers.vision_utils import (get_vision_attention_seqlens,
-                                               get_vision_interpolation_indices_and_weights, get_vision_position_ids)
-
-        indices, weights = get_vision_interpolation_indices_and_weights(
-            grid, num_grid_per_side=self.num_grid_per_side, mode=self.interpolation_mode,
-            align_corners=self.align_corners, spatial_merge_size=self.config.spatial_merge_size)
-        cu_seqlens, max_seqlen = get_vision_attention_seqlens(grid, self.config)
-        to_device = {"interp_indices": indices, "interp_weights": weights,
-                     "position_ids": get_vision_position_ids(grid, self.spatial_merge_size)}
-        host = {"max_seqlen": max_seqlen}
-        # varlen kernels read cu_seqlens on the device; the sdpa path splits by it on the host
-        (to_device if is_flash_attention_requested(self.config) else host)["cu_seqlens"] = cu_seqlens
-        return to_device, host
 
 
 @dataclass(frozen=True)
@@ -168,9 +101,7 @@ class HostPrep:
     @classmethod
     def of(cls, model) -> HostPrep:
         core = unwrap(model).model  # the Qwen3-VL model (language model + vision tower)
-        # the class that defines it: a wrapper's dynamic subclass (FSDP2) would not pickle by name
-        owner = next(c for c in type(core).__mro__ if "get_rope_index" in vars(c))
-        return cls(RopeIndex(owner, core.config), VisionGrid.of(core.visual))
+        return cls(RopeIndex.of(core), VisionGrid.of(core.visual))
 
     def __call__(self, batch: dict) -> dict:
         targets_BT = batch["labels"][:, 1:]

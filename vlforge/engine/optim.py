@@ -62,12 +62,33 @@ def state_bytes(numel: int, name: str) -> int:
     return 2 * numel + 2 * 4 * -(-numel // BLOCK)  # two uint8 moments + their fp32 block scales
 
 
+class ShardLocalAdamW(torch.optim.AdamW):
+    """torch's AdamW whose update runs on the local shards of FSDP2's DTensor parameters.
+
+    AdamW is elementwise, so updating each rank's shard alone is the same update. Through DTensor,
+    the fused (or foreach) kernel's list arguments pay DTensor's sharding propagation on the host
+    for every parameter at every step (pytorch/pytorch#134191: AdamW CPU-bound under FSDP2), which
+    the library offers no switch to skip. The state (moments, step) is created by AdamW itself, so
+    it stays DTensors: checkpoints (DCP) and resharding to another world size see the usual
+    optimizer. Plain tensors pass through unchanged."""
+
+    def _init_group(self, group, params, grads, *state_lists):  # torch's hook that lists a group's tensors
+        from torch.distributed.tensor import DTensor
+
+        has_complex = super()._init_group(group, params, grads, *state_lists)
+        for tensors in (params, grads, *state_lists):
+            # _local_tensor, not to_local(): a view of the shard's storage, so in-place updates reach
+            # the parameter, and no autograd op per tensor (~20 us each)
+            tensors[:] = [t._local_tensor if isinstance(t, DTensor) else t for t in tensors]
+        return has_complex
+
+
 def build_optimizer(groups: list[dict], cfg: OptimConfig, device_type: str) -> torch.optim.Optimizer:
     """One optimizer over `groups` (tiers.param_groups: each group's own lr and weight_decay)."""
     if cfg.name == "adamw":
         # fused AdamW on CUDA: one kernel for all params (the peer baseline uses it too).
         fused = device_type == "cuda"
-        return torch.optim.AdamW(groups, betas=cfg.betas, eps=cfg.eps, fused=fused)  # lr: per tier group
+        return ShardLocalAdamW(groups, betas=cfg.betas, eps=cfg.eps, fused=fused)  # lr: per tier group
     from torch.distributed.tensor import DTensor
 
     # also checked here, not only before loading: a caller that shards without saying so is still refused

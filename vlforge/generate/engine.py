@@ -56,6 +56,7 @@ from transformers import AttentionInterface
 from vlforge.generate.forward import cache_of, encode_images, forward_shared, rope_positions
 from vlforge.generate.routes import NO_ROUTE, ROUTE_DTYPE, recorder_of, router_modules
 from vlforge.generate.sampling import row_key, sample
+from vlforge.model.host_inputs import host_to_device
 from vlforge.model.tiers import unwrap
 
 SLOT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -83,7 +84,10 @@ class Prompt:
 
 def prompts_of_batch(batch: dict, images_per_prompt: list[int]) -> list[Prompt]:
     """The prompts of a left-padded collated batch (input_ids, attention_mask, pixel_values,
-    image_grid_thw), padding removed, each with its own images' patch rows."""
+    image_grid_thw), padding removed, each with its own images' patch rows, on the host (the
+    engine builds its prefill there: one copy of each tensor here, not host reads per prompt)."""
+    batch = {k: v.cpu() for k, v in batch.items() if k in ("input_ids", "attention_mask", "pixel_values",
+                                                           "image_grid_thw")}
     grid = batch.get("image_grid_thw")
     pixels = batch.get("pixel_values")
     bounds = [0, *torch.cumsum(grid.prod(-1), 0).tolist()] if grid is not None else [0]
@@ -744,33 +748,37 @@ class Engine:
         """Prefill the admitted requests' prompts in one batch and set up their slots."""
         device = self.cache.rows.device
         prompts = [r.prompt for _, r, _ in admitted]
+        # the batch is built on the host and queued to the device: every host read of a device tensor
+        # (and every blocking copy to it) would stall the CPU until the GPU's queue drains
         P = max(len(p.input_ids) for p in prompts)
-        ids_BP = torch.full((len(prompts), P), pad_id, dtype=torch.long, device=device)
+        ids_BP = torch.full((len(prompts), P), pad_id, dtype=torch.long)
         mask_BP = torch.zeros_like(ids_BP)
         for b, p in enumerate(prompts):
-            ids_BP[b, P - len(p.input_ids):] = p.input_ids.to(device)
+            ids_BP[b, P - len(p.input_ids):] = p.input_ids.cpu()
             mask_BP[b, P - len(p.input_ids):] = 1
         with_images = [p for p in prompts if p.images]
-        pixels = torch.cat([p.pixel_values for p in with_images]).to(device) if with_images else None
-        grid = torch.cat([p.image_grid_thw for p in with_images]).to(device) if with_images else None
+        grid = torch.cat([p.image_grid_thw.cpu() for p in with_images]) if with_images else None
+        pos_3BP = rope_positions(self.core, ids_BP, mask_BP, image_token_id, grid)  # on the host
+        next_pos_B = pos_3BP.amax(dim=(0, 2)) + 1
+        ids_BP, mask_BP, pos_3BP = (host_to_device(t, device) for t in (ids_BP, mask_BP, pos_3BP))
+        pixels = host_to_device(torch.cat([p.pixel_values for p in with_images]), device) if with_images else None
         feats = encode_images(self.core, pixels, grid, [p.images for p in prompts])
-        pos_3BP = rope_positions(self.core, ids_BP, mask_BP, image_token_id, grid)
         with self.recorder.keep() if self._recording else nullcontext({}) as kept:
             out = forward_shared(self.core, ids_BP, mask_BP, pos_3BP, feats, list(range(len(prompts))), use_cache=True)
+
         slots, rows, keys, reqs = [], [], [], []
         for b, (_, r, sl) in enumerate(admitted):
             slots += sl
             rows += [b] * len(sl)
             keys += [row_key(r.seed, r.first_row + i) for i in range(len(sl))]
             reqs += [r] * len(sl)
-        slots_M = torch.tensor(slots, device=device)
-        rows_M = torch.tensor(rows, device=device)
-        lengths_B = torch.tensor([len(p.input_ids) for p in prompts], device=device)
+        slots_M, rows_M = _queued(device, slots), _queued(device, rows)
+        lengths_B = _queued(device, [len(p.input_ids) for p in prompts])
         G = self._group
         if G:  # one copy of each prompt's KV, into its request's group
             if any(sl != list(range(sl[0], sl[0] + G)) or sl[0] % G for _, _, sl in admitted):
                 raise RuntimeError("GroupCache: a request's samples must take one whole group")
-            groups_B = torch.tensor([sl[0] // G for _, _, sl in admitted], device=device)
+            groups_B = _queued(device, [sl[0] // G for _, _, sl in admitted])
             self.cache.fill(groups_B, cache_of(out), torch.arange(len(prompts), device=device), lengths_B, P)
         else:
             self.cache.fill(slots_M, cache_of(out), rows_M, lengths_B[rows_M], P)
@@ -778,12 +786,12 @@ class Engine:
             self._fill_routes(slots_M, kept, rows_M, lengths_B[rows_M], P)
 
         st = self.state
-        st.temperature[slots_M] = torch.tensor([float(r.temperature) for r in reqs], device=device)
-        st.top_p[slots_M] = torch.tensor([float(r.top_p) for r in reqs], device=device)
-        st.top_k[slots_M] = torch.tensor([int(r.top_k) for r in reqs], device=device)
-        st.key[slots_M] = torch.tensor(keys, device=device)
-        st.max_new[slots_M] = torch.tensor([r.max_new_tokens for r in reqs], device=device)
-        st.min_new[slots_M] = torch.tensor([r.min_new_tokens for r in reqs], device=device)
+        st.temperature[slots_M] = _queued(device, [float(r.temperature) for r in reqs])
+        st.top_p[slots_M] = _queued(device, [float(r.top_p) for r in reqs])
+        st.top_k[slots_M] = _queued(device, [int(r.top_k) for r in reqs])
+        st.key[slots_M] = _queued(device, keys)
+        st.max_new[slots_M] = _queued(device, [r.max_new_tokens for r in reqs])
+        st.min_new[slots_M] = _queued(device, [r.min_new_tokens for r in reqs])
         st.count[slots_M] = 0
         st.prompt_len[slots_M] = lengths_B[rows_M]
         # lm_head over the slots' rows (not the B prompts'): each row of every lm_head call is one
@@ -797,7 +805,7 @@ class Engine:
         st.tok[slots_M] = tok_M
         st.count[slots_M] = 1
         st.length[slots_M] = lengths_B[rows_M]
-        st.pos[slots_M] = (pos_3BP.amax(dim=(0, 2)) + 1)[rows_M]
+        st.pos[slots_M] = host_to_device(next_pos_B, device)[rows_M]
         st.stopped[slots_M] = stop_M
         st.alive[slots_M] = ~stop_M & (st.max_new[slots_M] > 1)
 
@@ -893,14 +901,14 @@ class Engine:
             self.routes = torch.full((len(self.recorder.layers), len(self.cache.rows), self.cache.length,
                                       self.recorder.top_k), NO_ROUTE, dtype=ROUTE_DTYPE, device=device)
         self.stop_ids.fill_(-1)
-        self.stop_ids[:len(stop_ids)] = torch.tensor(stop_ids, dtype=torch.long, device=device)
+        self.stop_ids[:len(stop_ids)] = _queued(device, stop_ids)
         self.is_stop.zero_()
         if stop_ids:
-            self.is_stop[torch.tensor(stop_ids, device=device)] = True
+            self.is_stop[_queued(device, stop_ids)] = True
         self.pad.fill_(pad_id)
         self.banned.zero_()
         if banned_ids:
-            self.banned[torch.tensor(banned_ids, device=device)] = True
+            self.banned[_queued(device, banned_ids)] = True
         self.state.alive.zero_()
         if compiled and self._compiled is None:
             self._compiled = _compiled_once(_decode_hidden, _decode_varying)
@@ -1032,7 +1040,7 @@ class Engine:
         movers = sorted(s for s in occupant if s >= n)
         holes = sorted(s for s in range(n) if s not in occupant)[:len(movers)]
         device = self.state.tok.device
-        src, dst = torch.tensor(movers, device=device), torch.tensor(holes, device=device)
+        src, dst = _queued(device, movers), _queued(device, holes)
         filled = min(self.cache.length, max(bound[s] for s in movers))  # KV past it is never read
         for K, V in zip(self.cache.keys, self.cache.values):
             K[dst, :, :filled] = K[src, :, :filled]
@@ -1058,15 +1066,15 @@ class Engine:
         movers = [g for g in live if g >= n]
         holes = [g for g in range(n) if g not in live][:len(movers)]
         device = self.state.tok.device
-        src, dst = torch.tensor(movers, device=device), torch.tensor(holes, device=device)
+        src, dst = _queued(device, movers), _queued(device, holes)
         suffix = max(bound[s] - prompt_len[s] for s in occupant if s // G in movers)
         filled = min(self.cache.length + 1, self._prompt_span + G * (suffix + 1))  # past it nothing was written
         for K, V in zip(self.cache.keys, self.cache.values):
             K[dst, :, :filled] = K[src, :, :filled]
             V[dst, :, :filled] = V[src, :, :filled]
         rows = [(g * G + i, h * G + i) for g, h in zip(movers, holes) for i in range(G)]
-        src_rows = torch.tensor([a for a, _ in rows], device=device)
-        dst_rows = torch.tensor([b for _, b in rows], device=device)
+        src_rows = _queued(device, [a for a, _ in rows])
+        dst_rows = _queued(device, [b for _, b in rows])
         if self._recording:
             self.routes[:, dst_rows] = self.routes[:, src_rows]
         self.state.move(src_rows, dst_rows)
@@ -1095,7 +1103,7 @@ class Engine:
         started yet leave the queue with empty results."""
         rows = [slot for slot, (t, _) in occupant.items() if t in ended and slot not in done]
         if rows:
-            self.state.alive[torch.tensor(rows, device=self.state.alive.device)] = False
+            self.state.alive[_queued(self.state.alive.device, rows)] = False
         for t in [t for t in queue if t in ended]:
             queue.remove(t)
             for s in range(requests.pop(t).n):
@@ -1115,7 +1123,7 @@ class Engine:
 
     def _harvest(self, done, occupant, answered) -> None:
         st = self.state
-        idx = torch.tensor(done, device=st.count.device)
+        idx = _queued(st.count.device, done)
         counts = st.count[idx].cpu().tolist()
         stopped = st.stopped[idx].cpu().tolist()
         width = max(counts)
@@ -1173,6 +1181,12 @@ def _mode(requests: list[GenRequest], at_least: str) -> str:
     else:
         need = "greedy"
     return max(need, at_least, key=_MODES.index)
+
+
+def _queued(device: torch.device, values: list) -> torch.Tensor:
+    """A host list as a tensor on `device`, copied without a sync (a blocking copy to a GPU would wait
+    for every kernel queued before it)."""
+    return host_to_device(torch.tensor(values), device)
 
 
 def _elapsed(start: float, device) -> float:

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from vlforge.data.encode import Encoder
+from vlforge.model.host_inputs import RopeIndex, VisionGrid, host_to_device
 from vlforge.model.tiers import unwrap
 
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
@@ -34,15 +35,20 @@ class ImageFeatures:
 
 def encode_images(core, pixel_values: torch.Tensor | None, grid_thw: torch.Tensor | None,
                   images_per_prompt: list[int]) -> ImageFeatures | None:
-    """One vision-tower pass over every prompt's images (not G times)."""
+    """One vision-tower pass over every prompt's images (not G times). The grid's derived inputs
+    are computed on the host (model/host_inputs.py): a host `grid_thw` costs no sync at all."""
     if pixel_values is None:
         return None
-    out = core.model.visual(pixel_values, grid_thw=grid_thw, return_dict=True)
-    tokens_per_image = (grid_thw.prod(-1) // core.model.visual.spatial_merge_size**2).tolist()
+    device, grid = pixel_values.device, grid_thw.cpu()
+    visual = core.model.visual
+    vision = VisionGrid.of(visual)
+    kwargs = vision.kwargs_on(grid, device) if vision is not None else {}
+    out = visual(pixel_values, grid_thw=grid if vision is not None else grid_thw, return_dict=True, **kwargs)
+    tokens_per_image = (grid.prod(-1) // visual.spatial_merge_size**2).tolist()
     rows, start, image = [], 0, 0
     for n in images_per_prompt:
         count = sum(tokens_per_image[image:image + n])
-        rows.append(torch.arange(start, start + count, device=pixel_values.device))
+        rows.append(torch.arange(start, start + count, device=device))
         start, image = start + count, image + n
     deepstack = [d if torch.is_tensor(d) else torch.cat(list(d)) for d in out.deepstack_features]
     return ImageFeatures(out.pooler_output, deepstack, rows)
@@ -76,8 +82,8 @@ def forward_shared(core, input_ids_NT: torch.Tensor, attention_mask_NT: torch.Te
         embeds_NTH = embeds_NTH + keepalive.to(embeds_NTH.dtype)
     kwargs = {}
     image_mask_NT = input_ids_NT == core.config.image_token_id
-    if feats is not None and bool(image_mask_NT.any()):
-        rows = torch.cat([feats.rows_per_prompt[b] for b in prompt_of_seq])
+    rows = torch.cat([feats.rows_per_prompt[b] for b in prompt_of_seq]) if feats is not None else None
+    if rows is not None and len(rows):  # its length is known on the host: no sync
         image_embeds = feats.embeds[rows].to(embeds_NTH.dtype)
         embeds_NTH = embeds_NTH.masked_scatter(image_mask_NT[..., None], image_embeds)
         kwargs = {"visual_pos_masks": image_mask_NT, "deepstack_visual_embeds": [d[rows] for d in feats.deepstack]}
@@ -87,14 +93,17 @@ def forward_shared(core, input_ids_NT: torch.Tensor, attention_mask_NT: torch.Te
 
 def rope_positions(core, input_ids: torch.Tensor, attention_mask: torch.Tensor, image_token_id: int,
                    grid_thw: torch.Tensor | None) -> torch.Tensor:
-    """Qwen3-VL M-RoPE position ids [3, N, T] (via the model's own get_rope_index)."""
-    mm_types = (input_ids == image_token_id).long()
+    """Qwen3-VL M-RoPE position ids [3, N, T] (the model's own get_rope_index), on the inputs'
+    device, computed on the host copies (model/host_inputs.RopeIndex): on a GPU, get_rope_index
+    reads its inputs on the host several times per prompt; host inputs cost no sync at all."""
+    device = input_ids.device
+    ids, mask = input_ids.cpu(), attention_mask.cpu()
+    mm_types = (ids == image_token_id).long()
     if grid_thw is None or not bool(mm_types.any()):
-        pos = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-        return pos[None].expand(3, -1, -1)
-    position_ids, _ = core.model.get_rope_index(input_ids, mm_types, image_grid_thw=grid_thw,
-                                                attention_mask=attention_mask)
-    return position_ids
+        pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+        return host_to_device(pos[None].expand(3, -1, -1).contiguous(), device)
+    position_ids, _ = RopeIndex.of(core.model)(ids, mm_types, image_grid_thw=grid_thw.cpu(), attention_mask=mask)
+    return host_to_device(position_ids, device)
 
 
 def token_logprobs(logits_NV: torch.Tensor, tokens_N: torch.Tensor, temperature: float) -> torch.Tensor:

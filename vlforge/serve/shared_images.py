@@ -31,6 +31,7 @@ from typing import Callable, Iterator
 import torch
 from PIL import Image
 
+from vlforge.model.host_inputs import VISION_GRID_KWARGS, VisionGrid
 from vlforge.model.tiers import unwrap
 
 
@@ -67,9 +68,15 @@ class _Plan:
                                 range(len(keys)))
         self.total = sum(patches)
 
-    def inputs(self, hidden, kwargs):
-        kwargs = {k: v for k, v in kwargs.items() if k not in ("hidden_states", "grid_thw")}
-        return (hidden.index_select(0, self.keep_patches),), {**kwargs, "grid_thw": self.grid_thw[self.distinct]}
+    def inputs(self, visual, hidden, kwargs):
+        grid = self.grid_thw[self.distinct]
+        # the grid's derived inputs, when the caller computed them (model/host_inputs.py), are the
+        # whole call's: computed again for the distinct images' grid
+        derived = VisionGrid.of(visual) if any(k in kwargs for k in VISION_GRID_KWARGS) else None
+        kwargs = {k: v for k, v in kwargs.items() if k not in ("hidden_states", "grid_thw", *VISION_GRID_KWARGS)}
+        if derived is not None:
+            kwargs.update(derived.kwargs_on(grid.cpu(), hidden.device))
+        return (hidden.index_select(0, self.keep_patches),), {**kwargs, "grid_thw": grid}
 
     def outputs(self, out):
         if not hasattr(out, "pooler_output"):
@@ -103,7 +110,7 @@ def _hooked(model, plan_for) -> Iterator[None]:
         if plan is None:
             return None
         pending.append(plan)
-        return plan.inputs(hidden, kwargs)
+        return plan.inputs(module, hidden, kwargs)
 
     def after(module, args, kwargs, out):
         return pending.pop().outputs(out) if pending else None

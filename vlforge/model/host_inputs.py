@@ -1,0 +1,104 @@
+"""What Qwen3-VL's forward computes from its inputs with host reads, computed on the host instead.
+
+On a GPU, transformers' Qwen3-VL reads device tensors on the host in several places of a forward
+with images: the M-RoPE position ids (`get_rope_index`: per prompt, boolean masks and `tolist`),
+the vision tower's grid inputs (`repeat_interleave`, `item`, `tolist`), and with sdpa one
+`lengths.tolist()` per vision block. Each read stalls the CPU until the GPU queue drains. These
+callables run the model's own code on the host copies of the inputs (the training loader's
+workers, the generation engine's prefill), so the values are the model's and the forward gets
+them precomputed: transformers' vision forward takes them as kwargs, the language model takes
+position_ids.
+
+    RopeIndex       the model class's get_rope_index as a picklable callable of config values
+    VisionGrid      the vision tower's grid-derived kwargs (transformers.vision_utils)
+    host_to_device  a host tensor queued to the device without a sync
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+# the vision tower's forward kwargs VisionGrid computes (transformers.vision_utils reads them if given)
+VISION_GRID_KWARGS = ("cu_seqlens", "position_ids", "interp_indices", "interp_weights", "max_seqlen")
+
+
+def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` on `device` without a host-device sync: a blocking copy to a GPU waits for every kernel
+    queued before it (cudaStreamSynchronize); from pinned memory with non_blocking it is queued
+    like a kernel (the caching host allocator keeps the pinned block until the copy has run)."""
+    if device.type == "cuda" and t.device.type == "cpu" and not t.is_pinned():  # the loader's pin_memory did it
+        t = t.pin_memory()
+    return t.to(device, non_blocking=True)
+
+
+class RopeIndex:
+    """The language model's get_rope_index (M-RoPE positions) as a picklable callable of config
+    values: the model class's own function, called on this object in place of the model. In
+    transformers 5.17-5.24 Qwen3-VL's (and Qwen3-VL-MoE's) get_rope_index reads only
+    `self.config.vision_config.spatial_merge_size` and `self.get_vision_position_ids` (arithmetic on
+    its arguments), so a DataLoader worker runs the model's own code with no model object in it
+    (tests/test_host_syncs.py checks the result equals the model's)."""
+
+    def __init__(self, model_cls: type, config):
+        self.model_cls, self.config = model_cls, config
+
+    @classmethod
+    def of(cls, core) -> RopeIndex:
+        """Of the Qwen3-VL model (core.model of the ForConditionalGeneration)."""
+        # the class that defines it: a wrapper's dynamic subclass (FSDP2) would not pickle by name
+        owner = next(c for c in type(core).__mro__ if "get_rope_index" in vars(c))
+        return cls(owner, core.config)
+
+    def get_vision_position_ids(self, *args, **kwargs):
+        return self.model_cls.get_vision_position_ids(self, *args, **kwargs)
+
+    def __call__(self, *args, **kwargs):
+        return self.model_cls.get_rope_index(self, *args, **kwargs)
+
+
+@dataclass(frozen=True)
+class VisionGrid:
+    """The vision tower's grid-derived inputs, computed by transformers' own vision_utils (which its
+    forward takes precomputed from kwargs: "cu_seqlens", "position_ids", "interp_indices",
+    "interp_weights", "max_seqlen"), from a host grid: computed on the device they cost ~10 syncs
+    (repeat_interleave, tolist), and with the sequence lengths on the host the sdpa path's per-block
+    split (`lengths.tolist()`) reads them there instead of once per block from the device. The
+    tower's values (all from its config) are copied here so that it pickles without the tower."""
+
+    num_grid_per_side: int
+    interpolation_mode: str
+    align_corners: bool
+    spatial_merge_size: int
+    config: object  # the tower's PretrainedConfig (vision_utils reads its attention implementation)
+
+    @classmethod
+    def of(cls, visual) -> VisionGrid | None:
+        if not all(hasattr(visual, a) for a in ("num_grid_per_side", "interpolation_mode",
+                                                "interpolation_align_corners", "spatial_merge_size")):
+            return None  # another vision tower: it computes them itself
+        return cls(visual.num_grid_per_side, visual.interpolation_mode, visual.interpolation_align_corners,
+                   visual.spatial_merge_size, visual.config)
+
+    def __call__(self, grid: torch.Tensor) -> tuple[dict, dict]:
+        """({kwarg: tensor} to move to the device, {kwarg: value} the tower reads on the host)."""
+        from transformers.utils.generic import is_flash_attention_requested
+        from transformers.vision_utils import (get_vision_attention_seqlens,
+                                               get_vision_interpolation_indices_and_weights, get_vision_position_ids)
+
+        indices, weights = get_vision_interpolation_indices_and_weights(
+            grid, num_grid_per_side=self.num_grid_per_side, mode=self.interpolation_mode,
+            align_corners=self.align_corners, spatial_merge_size=self.config.spatial_merge_size)
+        cu_seqlens, max_seqlen = get_vision_attention_seqlens(grid, self.config)
+        to_device = {"interp_indices": indices, "interp_weights": weights,
+                     "position_ids": get_vision_position_ids(grid, self.spatial_merge_size)}
+        host = {"max_seqlen": max_seqlen}
+        # varlen kernels read cu_seqlens on the device; the sdpa path splits by it on the host
+        (to_device if is_flash_attention_requested(self.config) else host)["cu_seqlens"] = cu_seqlens
+        return to_device, host
+
+    def kwargs_on(self, grid: torch.Tensor, device: torch.device) -> dict:
+        """The tower's kwargs for a forward on `device` (the tensors queued there, no sync)."""
+        to_device, host = self(grid)
+        return {**{k: host_to_device(v, device) for k, v in to_device.items()}, **host}
