@@ -98,7 +98,7 @@ case $GROUP in
            --cases 64x256 --out "$OUT/gen-8b.jsonl" 2>"$OUT/err-gen.txt") ;;
   prof12) b="--preset qwen3vl-2b --method full --steps 6 --warmup 3 --override precision.compile=false"
          r 1 $b --profile "$OUT/prof-plain.txt"; r 2 $b --fsdp --profile "$OUT/prof-fsdp.txt"  # issue 10: host time
-         (cd bench && timeout 300 python3 generate.py --preset qwen3vl-2b --paths vlforge --cases 64x256 \
+         (cd bench && timeout 330 python3 generate.py --preset qwen3vl-2b --paths vlforge,hf-static --cases 64x256 \
            --profile "$OUT/prof-gen.txt" --out "$OUT/gen-2b.jsonl" 2>"$OUT/err-gen.txt") ;;  # issue 11: the prefill
   gen6)  (cd bench && timeout 300 python3 generate.py --preset qwen3vl-2b --paths vlforge --cases mixed,tail \
            --out "$OUT/gen-2b.jsonl" 2>"$OUT/err-gen.txt") ;;  # mixed: joins batched (join_share) vs vlforge-joineach
