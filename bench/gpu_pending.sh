@@ -100,6 +100,10 @@ case $GROUP in
          r 1 $b --profile "$OUT/prof-plain.txt"; r 2 $b --fsdp --profile "$OUT/prof-fsdp.txt"  # issue 10: host time
          (cd bench && timeout 330 python3 generate.py --preset qwen3vl-2b --paths vlforge,hf-static --cases 64x256 \
            --profile "$OUT/prof-gen.txt" --out "$OUT/gen-2b.jsonl" 2>"$OUT/err-gen.txt") ;;  # issue 11: the prefill
+  fsdp8s) b="--preset qwen3vl-2b --method full --steps 8 --warmup 3 --override precision.compile=false"
+         LIMIT=75; r 1 $b; r 2 $b --fsdp; r 3 $b; r 4 $b --fsdp  # FSDP2 world 1: local-shard AdamW, bf16 "reduce"
+         (cd bench && timeout 320 python3 generate.py --preset qwen3vl-8b --paths vlforge,hf-static --cases 64x256 \
+           --out "$OUT/gen-8b.jsonl" 2>"$OUT/err-gen.txt") ;;  # issue 11: 8B against hf-static in one process
   gen6)  (cd bench && timeout 300 python3 generate.py --preset qwen3vl-2b --paths vlforge --cases mixed,tail \
            --out "$OUT/gen-2b.jsonl" 2>"$OUT/err-gen.txt") ;;  # mixed: joins batched (join_share) vs vlforge-joineach
   serve3) for a in "--engine vlforge" "--compile"; do n=${a//[- ]/}

@@ -256,9 +256,12 @@ def wrap(model: torch.nn.Module, world: World, cfg: DistributedConfig, compute_d
         return _wrap_ddp(model, world)
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
-    # bf16 compute with fp32 masters: gather parameters in bf16, reduce gradients in fp32
-    mp = MixedPrecisionPolicy(param_dtype=compute_dtype if master_dtype != compute_dtype else None,
-                              reduce_dtype=torch.float32)
+    # bf16 compute with fp32 masters: gather parameters in bf16, reduce gradients in fp32. On one
+    # process nothing is summed, so the bf16 gradients are "reduced" as they are and FSDP2 casts the
+    # result to the fp32 shard: the same values, without the fp32 copy-in of every unit's gradients
+    param_dtype = compute_dtype if master_dtype != compute_dtype else None
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype,
+                              reduce_dtype=torch.float32 if world.size > 1 or param_dtype is None else None)
     kwargs = {"mp_policy": mp, "reshard_after_forward": cfg.reshard_after_forward}
     if cfg.cpu_offload:
         # pinned host memory speeds the copies to a GPU; a CPU run (tests) has none to pin
