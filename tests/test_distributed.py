@@ -99,6 +99,32 @@ def test_fsdp2_on_one_process_trains_like_no_sharding(shapes_dir, tmp_path, resh
         torch.testing.assert_close(ours[name], theirs[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_fsdp2_on_one_process_reduces_bf16_gradients_to_the_same_weights(shapes_dir, tmp_path, monkeypatch):
+    """bf16 compute over fp32 masters on one process: FSDP2 "reduces" the bf16 gradients as they are
+    (nothing is summed) and casts them to the fp32 shards; the weights equal those of the fp32
+    reduction (a copy-in cast of every unit's gradients) exactly."""
+    import torch.distributed.fsdp as fsdp
+
+    runs, policies = {}, []
+    real = fsdp.MixedPrecisionPolicy
+    for name in ("ours", "fp32_reduce"):
+        def policy(**kw):
+            kw = {**kw, "reduce_dtype": torch.float32} if name == "fp32_reduce" else kw
+            policies.append((name, kw["param_dtype"], kw["reduce_dtype"]))
+            return real(**kw)
+        monkeypatch.setattr(fsdp, "MixedPrecisionPolicy", policy)
+        runs[name] = tmp_path / name
+        run_sft(tiny_sft_config(shapes_dir, runs[name], *COMMON, "precision.mode=bf16", "tiers.method=full",
+                                "distributed.strategy=fsdp2", "train.max_steps=2", "train.save_every=2"))
+    assert policies == [("ours", torch.bfloat16, None), ("fp32_reduce", torch.bfloat16, torch.float32)]
+    assert losses(runs["ours"]) == losses(runs["fp32_reduce"])
+    for name in ("ours", "fp32_reduce"):
+        export(runs[name] / "checkpoint-2", tmp_path / f"{name}-hf", dtype=torch.float32)
+    ours, theirs = (load_file(tmp_path / f"{n}-hf" / "model.safetensors") for n in ("ours", "fp32_reduce"))
+    for name in theirs:
+        assert torch.equal(ours[name], theirs[name]), name
+
+
 def _mixed_modality_data(shapes_dir, tmp_path) -> tuple:
     """Rows where, in every global batch of 4, rank 1's two rows are text-only."""
     rows = [json.loads(line) for line in (shapes_dir / "train.jsonl").read_text().splitlines()][:32]
