@@ -29,6 +29,10 @@
 #   Eleventh session ran gen6f (FSDP2 world 1 twice + batched joins), gen7 (GroupCache 2B + hf-static), gen8 (8B);
 #   serve3 was refused (no machine). Next: serve3 (carry .whl/serve), grpo (GRPO 8x8x256 on GroupCache), gen8 with
 #   hf-static added (issue 11's 3x at 8B in one process)
+#   Twelfth session ran prof12 (FSDP2 world 1 and the 2B prefill under the profiler, hf-static beside) and fsdp8s
+#   (FSDP2 world 1 twice with local-shard AdamW and bf16 one-process reduction; 8B vlforge vs hf-static). Next:
+#   attn12 (the grouped decode attention per SDPA backend: is there a faster kernel than cudnn's for 16 query
+#   rows per KV head?), serve3 (carry .whl/serve), the 8B LoRA GRPO recipe at 8x8x256 on GroupCache
 #   OUT=/some/dir GROUP=moe   bash bench/gpu_pending.sh  # 30B-A3B: peft peer vs ours same process; NF4 memory/decode
 #   OUT=/some/dir GROUP=mem   bash bench/gpu_pending.sh  # selective checkpointing and the activation memory budget
 # (carry .whl/train, and .whl/ao (torchao) for GROUP=tests, .whl/bnb (bitsandbytes) for moe and mem)
