@@ -109,7 +109,9 @@ case $GROUP in
          (cd bench && timeout 320 python3 generate.py --preset qwen3vl-8b --paths vlforge,hf-static --cases 64x256 \
            --out "$OUT/gen-8b.jsonl" 2>"$OUT/err-gen.txt") ;;  # issue 11: 8B against hf-static in one process
   attn12) timeout 120 python3 bench/grouped_attention.py > "$OUT/attn-2b.jsonl" 2>"$OUT/err-attn.txt"
-          timeout 120 python3 bench/grouped_attention.py --q-heads 32 --kv-heads 8 > "$OUT/attn-8b.jsonl" 2>>"$OUT/err-attn.txt" ;;
+          timeout 120 python3 bench/grouped_attention.py --q-heads 32 --kv-heads 8 > "$OUT/attn-8b.jsonl" 2>>"$OUT/err-attn.txt"
+          [ -n "${GEN2B:-}" ] && (cd bench && timeout 260 python3 generate.py --preset qwen3vl-2b --paths vlforge,hf-static \
+            --cases 64x256 --out "$OUT/gen-2b.jsonl" 2>"$OUT/err-gen.txt") ;;  # GEN2B=1: 2B vs hf-static again
   gen6)  (cd bench && timeout 300 python3 generate.py --preset qwen3vl-2b --paths vlforge --cases mixed,tail \
            --out "$OUT/gen-2b.jsonl" 2>"$OUT/err-gen.txt") ;;  # mixed: joins batched (join_share) vs vlforge-joineach
   serve3) for a in "--engine vlforge" "--compile"; do n=${a//[- ]/}
