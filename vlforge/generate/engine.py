@@ -765,7 +765,6 @@ class Engine:
         feats = encode_images(self.core, pixels, grid, [p.images for p in prompts])
         with self.recorder.keep() if self._recording else nullcontext({}) as kept:
             out = forward_shared(self.core, ids_BP, mask_BP, pos_3BP, feats, list(range(len(prompts))), use_cache=True)
-
         slots, rows, keys, reqs = [], [], [], []
         for b, (_, r, sl) in enumerate(admitted):
             slots += sl
