@@ -33,6 +33,9 @@
 #   (FSDP2 world 1 twice with local-shard AdamW and bf16 one-process reduction; 8B vlforge vs hf-static). Next:
 #   attn12 (the grouped decode attention per SDPA backend: is there a faster kernel than cudnn's for 16 query
 #   rows per KV head?), serve3 (carry .whl/serve), the 8B LoRA GRPO recipe at 8x8x256 on GroupCache
+#   attn12 ran (an additive mask beat the boolean one everywhere, eager). Next: build GroupCache's step mask
+#   additive and A/B it in one process; the prefill under the profiler at 8B (it ran 0.09-0.22 s); serve3; the
+#   8B LoRA GRPO recipe. Archive results with `tar czf $OUT/all.tgz -C <dir> .` where <dir> is not $OUT.
 #   OUT=/some/dir GROUP=moe   bash bench/gpu_pending.sh  # 30B-A3B: peft peer vs ours same process; NF4 memory/decode
 #   OUT=/some/dir GROUP=mem   bash bench/gpu_pending.sh  # selective checkpointing and the activation memory budget
 # (carry .whl/train, and .whl/ao (torchao) for GROUP=tests, .whl/bnb (bitsandbytes) for moe and mem)
