@@ -145,7 +145,7 @@ def test_8bit_adamw_refuses_fsdp2_parameters(tmp_path):
         dist.destroy_process_group()
 
 
-def test_adamw_on_local_shards_equals_adamw_through_dtensor(tmp_path):
+def test_adamw_on_local_shards_equals_adamw_through_dtensor(tmp_path, monkeypatch):
     """ShardLocalAdamW (build_optimizer's adamw) updates FSDP2's DTensor parameters exactly as
     torch's AdamW through DTensor dispatch does, and keeps its state DTensors (DCP saves them
     sharded and reshards them on another world size)."""
@@ -169,6 +169,14 @@ def test_adamw_on_local_shards_equals_adamw_through_dtensor(tmp_path):
         ours = build_optimizer(groups(models[0]), OptimConfig(name="adamw"), "cpu")
         reference = torch.optim.AdamW(groups(models[1]), betas=ours.defaults["betas"], eps=ours.defaults["eps"])
         assert isinstance(ours, ShardLocalAdamW)
+        import torch.optim.adam as adam_module
+
+        kernel_inputs, real_adam = [], adam_module.adam
+
+        def adam(params, grads, exp_avgs, exp_avg_sqs, *args, **kwargs):  # what the update kernel gets
+            kernel_inputs.append({type(t) for t in (*params, *grads, *exp_avgs, *exp_avg_sqs)})
+            return real_adam(params, grads, exp_avgs, exp_avg_sqs, *args, **kwargs)
+        monkeypatch.setattr(adam_module, "adam", adam)
         initial = {n: p.full_tensor().clone() for n, p in models[0].named_parameters()}
         for step in range(3):
             x = torch.randn(4, 16, generator=torch.Generator().manual_seed(step))
@@ -180,6 +188,10 @@ def test_adamw_on_local_shards_equals_adamw_through_dtensor(tmp_path):
             assert isinstance(p, DTensor)
             torch.testing.assert_close(p.full_tensor(), q.full_tensor(), rtol=1e-6, atol=1e-7, msg=name)
             assert not torch.equal(p.full_tensor(), initial[name]), f"{name} never moved"
+        # ours hands the kernel plain local shards (the speed-up: no DTensor dispatch); torch's, DTensors
+        # per step: ours (two groups, two calls), then torch's (two calls)
+        assert [kernel_inputs[i] for i in range(12) if i % 4 < 2] == [{torch.Tensor}] * 6
+        assert [kernel_inputs[i] for i in range(12) if i % 4 >= 2] == [{DTensor}] * 6
         state = ours.state[next(models[0].parameters())]
         assert isinstance(state["exp_avg"], DTensor) and isinstance(state["exp_avg_sq"], DTensor)
         assert int(state["step"]) == 3
