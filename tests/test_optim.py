@@ -150,6 +150,7 @@ def test_adamw_on_local_shards_equals_adamw_through_dtensor(tmp_path, monkeypatc
     torch's AdamW through DTensor dispatch does, and keeps its state DTensors (DCP saves them
     sharded and reshards them on another world size)."""
     import torch.distributed as dist
+    import torch.optim.adam as adam_module
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
@@ -163,14 +164,13 @@ def test_adamw_on_local_shards_equals_adamw_through_dtensor(tmp_path, monkeypatc
             model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
             fully_shard(model[0])
             models.append(fully_shard(model))
+
         def groups(m):  # two tiers, each its own lr and weight decay
             return [{"params": list(m[0].parameters()), "lr": 1e-2, "weight_decay": 0.1},
                     {"params": list(m[2].parameters()), "lr": 3e-3, "weight_decay": 0.0}]
         ours = build_optimizer(groups(models[0]), OptimConfig(name="adamw"), "cpu")
         reference = torch.optim.AdamW(groups(models[1]), betas=ours.defaults["betas"], eps=ours.defaults["eps"])
         assert isinstance(ours, ShardLocalAdamW)
-        import torch.optim.adam as adam_module
-
         kernel_inputs, real_adam = [], adam_module.adam
 
         def adam(params, grads, exp_avgs, exp_avg_sqs, *args, **kwargs):  # what the update kernel gets
