@@ -141,7 +141,7 @@ def step_inputs(model, batch: dict, device: torch.device) -> dict:
     packed_rows = None
     if "seq_lens" in batch and use_packed_attention(core):  # the row's sequences computed once here, for every layer
         packed_rows = PackedRows.of(batch["seq_lens"].tolist(), batch["input_ids"].shape[1], device)
-    vision = {**{k: host_to_device(v, device) for k, v in facts["vision"].items()}, **facts["vision_host"]}
+    vision = VisionGrid.moved(facts["vision"], facts["vision_host"], device)
     out["host"] = HostFacts(facts["supervised"], facts["image_grid_thw"], vision, packed_rows)
     return out
 

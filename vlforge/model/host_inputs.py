@@ -100,5 +100,9 @@ class VisionGrid:
 
     def kwargs_on(self, grid: torch.Tensor, device: torch.device) -> dict:
         """The tower's kwargs for a forward on `device` (the tensors queued there, no sync)."""
-        to_device, host = self(grid)
+        return self.moved(*self(grid), device)
+
+    @staticmethod
+    def moved(to_device: dict, host: dict, device: torch.device) -> dict:
+        """What __call__ gave (computed elsewhere, e.g. in a loader worker) as kwargs on `device`."""
         return {**{k: host_to_device(v, device) for k, v in to_device.items()}, **host}
