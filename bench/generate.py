@@ -6,7 +6,8 @@
 Paths: vlforge (the engine as GRPO uses it: CUDA graphs of a torch.compile'd step),
 vlforge-nocompile (CUDA graphs of the eager layers), vlforge-noshare (64x256: SlotCache, every row
 reading its own copy of its prompt's KV, instead of GroupCache), vlforge-flex (the compiled step with
-flex_attention's decode kernel instead of SDPA), hf-dynamic / hf-static (transformers'
+flex_attention's decode kernel instead of SDPA), vlforge-boolmask (64x256: the step's boolean mask,
+which SDPA converts in every layer, instead of the additive one built once a step), hf-dynamic / hf-static (transformers'
 generate with its dynamic or static cache; static is auto-compiled).
 
 Workload (one process, the same inputs for every path, random weights, bf16): 8 prompts (one
@@ -37,7 +38,7 @@ import torch
 from vlforge.config import ModelConfig
 from vlforge.data.encode import Encoder, ImageLimits, collate, encode_prompt
 from vlforge.generate.engine import Engine, GenRequest, prompts_of_batch
-from vlforge.generate.forward import vision_token_ids
+from vlforge.generate.forward import encode_images, vision_token_ids
 from vlforge.model.load import load_model
 
 from sft_throughput import synthetic_samples, write_trace
@@ -128,6 +129,17 @@ def case_hf(name, core, encoder, prompts, group, new_tokens, cache_implementatio
             "peak_gb": torch.cuda.max_memory_allocated() / 1e9, "floor_ms": floor, "floor_frac": floor / ms}
 
 
+def case_vision(name, core, prompts, repeats: int = 5):
+    """The vision tower over the prompts' images as the prefill runs it (encode_images), warm: the
+    median of `repeats` timed runs."""
+    grid = prompts["image_grid_thw"].cpu()
+    run = lambda: encode_images(core, prompts["pixel_values"], grid, [1] * len(grid))  # noqa: E731
+    with torch.no_grad():
+        run()
+        seconds = sorted(timed(run)[1] for _ in range(repeats))[repeats // 2]
+    return {"case": name, "path": "vision", "images": len(grid), "seconds": seconds}
+
+
 def profile_decode(engine, encoder, requests, path: str) -> None:
     """Where a decode step's time goes: the kernels (CUPTI records those a CUDA graph launches) of a
     warm run, grouped by name, as a table; the graphs of these shapes are already captured."""
@@ -208,6 +220,13 @@ def main() -> None:
                 print(json.dumps({"agreement_compiled_vs_eager_layers": {"first_token": first, "first_8": prefix}}))
             if args.profile:
                 profile_decode(engine, encoder, requests_of(small, 8, 8, 64), args.profile)
+        if "vlforge-boolmask" in paths:  # the boolean step mask (before the thirteenth session; compiles again)
+            engine.additive_mask = False
+            attempt(lambda: {**case_engine("64x256", core, engine, encoder, requests_of(small, 8, 8, 256)),
+                             "path": "vlforge-boolmask"})
+            engine.additive_mask = True
+        if "vision" in paths:  # the vision tower's share of the prefill: its 8 images alone, warm
+            attempt(lambda: case_vision("64x256", core, small))
         if "vlforge-noshare" in paths:  # SlotCache: each row reads its own copy of the prompt's KV (v3)
             engine.share_prompt = False
             attempt(lambda: {**case_engine("64x256", core, engine, encoder, requests_of(small, 8, 8, 256)),

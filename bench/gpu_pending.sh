@@ -36,6 +36,8 @@
 #   attn12 ran (an additive mask beat the boolean one everywhere, eager). Next: build GroupCache's step mask
 #   additive and A/B it in one process; the prefill under the profiler at 8B (it ran 0.09-0.22 s); serve3; the
 #   8B LoRA GRPO recipe. Archive results with `tar czf $OUT/all.tgz -C <dir> .` where <dir> is not $OUT.
+#   Thirteenth session: mask13 (gpu tests of the engine; 2B additive vs boolean step mask, the vision tower's share of
+#   the prefill, hf-static beside), then mask13 with PRESET=qwen3vl-8b (no tests).
 #   OUT=/some/dir GROUP=moe   bash bench/gpu_pending.sh  # 30B-A3B: peft peer vs ours same process; NF4 memory/decode
 #   OUT=/some/dir GROUP=mem   bash bench/gpu_pending.sh  # selective checkpointing and the activation memory budget
 # (carry .whl/train, and .whl/ao (torchao) for GROUP=tests, .whl/bnb (bitsandbytes) for moe and mem)
@@ -115,6 +117,11 @@ case $GROUP in
           timeout 120 python3 bench/grouped_attention.py --q-heads 32 --kv-heads 8 > "$OUT/attn-8b.jsonl" 2>>"$OUT/err-attn.txt"
           [ -n "${GEN2B:-}" ] && (cd bench && timeout 260 python3 generate.py --preset qwen3vl-2b --paths vlforge,hf-static \
             --cases 64x256 --out "$OUT/gen-2b.jsonl" 2>"$OUT/err-gen.txt") ;;  # GEN2B=1: 2B vs hf-static again
+  mask13) [ "${PRESET:-qwen3vl-2b}" = qwen3vl-2b ] && timeout 200 python3 -m pytest -q -rs -m gpu -p no:cacheprovider \
+            tests/test_generate.py -k "cuda_graph or flex_decode_engine" --tb=short > "$OUT/pytest.txt" 2>&1
+          (cd bench && timeout ${LIMIT:-380} python3 generate.py --preset ${PRESET:-qwen3vl-2b} \
+            --paths vlforge,vlforge-boolmask,vision,hf-static --cases 64x256 --profile "$OUT/prof-gen.txt" \
+            --out "$OUT/gen.jsonl" 2>"$OUT/err-gen.txt") ;;  # issue 11: the additive step mask, A/B in one process
   gen6)  (cd bench && timeout 300 python3 generate.py --preset qwen3vl-2b --paths vlforge --cases mixed,tail \
            --out "$OUT/gen-2b.jsonl" 2>"$OUT/err-gen.txt") ;;  # mixed: joins batched (join_share) vs vlforge-joineach
   serve3) for a in "--engine vlforge" "--compile"; do n=${a//[- ]/}

@@ -102,6 +102,33 @@ def test_shared_prompt_kv_gives_the_tokens_of_a_copy_per_row(setup):
     assert engine._group == 0
 
 
+def test_the_additive_step_mask_gives_the_tokens_of_the_boolean_one(setup):
+    """The decode step's additive mask (built once a step) against the boolean one SDPA converts
+    per layer, fp32: the same tokens and log-probs through GroupCache (3 samples a request) and
+    SlotCache (1), sampled; a row that reads nothing (a padding row) gets finite output, not NaN."""
+    from vlforge.generate.engine import _decode_attention_grouped, step_mask
+
+    model, encoder, samples = setup
+    for n in (3, 1):
+        requests = [GenRequest(prompt_of(encoder, samples[i]), n=n, max_new_tokens=4 + 3 * i, temperature=1.0,
+                               top_k=20, seed=4, first_row=n * i) for i in range(3)]
+        additive, boolean = (Engine(model, sync_every=2, additive_mask=a) for a in (True, False))
+        ours = run(additive, encoder, requests, stop_ids=[])
+        assert additive._mask_dtype == torch.float32 and boolean._mask_dtype is None
+        assert additive._group == (3 if n == 3 else 0)
+        for a, b in zip(ours, run(boolean, encoder, requests, stop_ids=[])):
+            assert torch.equal(a.tokens, b.tokens), (n, a.request, a.sample)
+            torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=1e-5)
+    keep = torch.tensor([[True, False, True], [False, False, False]])
+    mask = step_mask(keep, torch.bfloat16)
+    assert mask.dtype == torch.bfloat16 and mask[0].tolist() == [0, torch.finfo(torch.bfloat16).min, 0]
+    assert step_mask(keep, None) is keep
+    q, kv = torch.randn(2, 4, 1, 8), torch.randn(1, 2, 3, 8)  # 2 rows of one group, 4 q heads, 2 kv heads
+    mask_P1QL = step_mask(keep[:, None].expand(2, 2, 3).reshape(1, 1, 4, 3), torch.float32)
+    out, _ = _decode_attention_grouped(None, q, kv, kv, mask_P1QL, scaling=0.3)
+    assert torch.isfinite(out).all()
+
+
 def test_joins_wait_for_a_share_of_the_slots_and_change_no_token(setup):
     """join_share: 24 requests of different lengths through 8 slots join in prefills of at least
     4 (half the slots) while rows run, instead of one prefill per sync point at which a slot freed;

@@ -23,8 +23,9 @@ cache and the decode attention call):
   feed) uses `GroupCache` instead: each prompt's KV once for its G rows, their tokens interleaved
   after it, read once per group by the decode attention (`Engine(share_prompt=False)`: SlotCache).
   The first token is sampled from the prefill.
-- A decode step is the language model on [S, 1] with a 4-D boolean mask built on the GPU from
-  the per-row lengths (masking_utils returns a 4-D mask as given), per-row M-RoPE positions,
+- A decode step is the language model on [S, 1] with a 4-D additive mask (0 / dtype min) built
+  once a step on the GPU from the per-row lengths (masking_utils returns a 4-D mask as given, so
+  every layer's SDPA call takes it as it is), per-row M-RoPE positions,
   `SlotCache.update` writing each row at its own position, lm_head, banned tokens, sampling
   (generate.sampling) and per-row stop / max-token bookkeeping, all tensor ops: on CUDA it is
   captured once per (slot bucket, length bucket, sampling mode) as a CUDA graph and replayed.
@@ -228,11 +229,14 @@ def _decode_attention_flex(module, query, key, value, attention_mask, dropout=0.
     compiled, inductor picks its decode kernel for one query token: the KV length split across
     blocks (flash-decoding), where SDPA's kernels parallelise over rows and heads only (cudnn's read
     the 2B decode cache at ~60% of HBM bandwidth). Eager (uncompiled) flex is a slow reference
-    path, so the engine takes it only with compile. Masked by the boolean [S, 1, 1, Lb] mask's row.
+    path, so the engine takes it only with compile. Masked by the [S, 1, 1, Lb] mask's row (boolean
+    or additive).
     Kept for comparison: on an H200 it was slower than sdpa (6.33 vs 3.82 ms a 2B step)."""
     from torch.nn.attention.flex_attention import flex_attention
 
     keep_SL = attention_mask[:, 0, 0]
+    if keep_SL.dtype != torch.bool:  # the additive step mask: 0 where a row reads
+        keep_SL = keep_SL == 0
 
     def length_mask(score, b, h, q_idx, kv_idx):
         return torch.where(keep_SL[b, kv_idx], score, float("-inf"))
@@ -397,9 +401,19 @@ def _attention(config, name: str):
         config._attn_implementation = previous
 
 
-def _decode_hidden(core, cache, tok_S1, length_S, span_L, pos_S):
+def step_mask(keep: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """A decode step's attention mask from its boolean `keep`: additive (0 where read, the dtype's
+    minimum elsewhere: finite, so a padding row that reads nothing gets finite garbage, not NaN) when
+    `dtype` is given, else `keep` itself. Built once a step: given a boolean mask, SDPA converts it
+    to this in every layer, and on an H200 its kernel ran the grouped decode attention ~2x slower
+    with the boolean mask than with an additive bf16 one (bench/grouped_attention.py)."""
+    if dtype is None:
+        return keep
+    return torch.where(keep, 0.0, torch.finfo(dtype).min).to(dtype)
+
+
+def _decode_hidden(core, cache, tok_S1, mask_S11L, pos_S):
     """The language model on one token per row: last hidden states [S, H]."""
-    mask_S11L = (span_L[None] <= length_S[:, None])[:, None, None, :]  # the input token's own slot included
     pos_31S = pos_S[None, :, None].expand(3, -1, -1)
     out = forward_shared(core, tok_S1, mask_S11L, pos_31S, None, [], cache=cache, use_cache=True)
     return out.last_hidden_state[:, -1]
@@ -467,8 +481,9 @@ def _compiled_once(fn, varying: Callable[..., list[tuple[torch.Tensor, int]]]):
     return call
 
 
-def _decode_varying(core, cache, tok_S1, length_S, span_L, pos_S):
-    varying = [(tok_S1, 0), (length_S, 0), (span_L, 0), (pos_S, 0), *((kv, 2) for kv in cache.keys + cache.values)]
+def _decode_varying(core, cache, tok_S1, mask_S11L, pos_S):
+    varying = [(tok_S1, 0), (mask_S11L, 0), (mask_S11L, 3), (pos_S, 0), (cache.write_S, 0), (cache.span_L, 0),
+               *((kv, 2) for kv in cache.keys + cache.values)]
     recorder = recorder_of(core)
     if recorder is not None and recorder.mode == "write":
         # MoE route recording: its hooks' [S] rows and [L, slots, length, k] routes
@@ -521,11 +536,14 @@ class Engine:
     Measured on an H200 (2B, 256 requests of 16-512 tokens through 64 slots, joins at every sync
     point): 92 prefills of ~59 ms each took 5.4 s of the 11.3 s run, the decode steps 5.8 s
     (docs/benchmarks.md, tenth session). 0: join at every sync point where a slot freed.
+    additive_mask: the decode step's mask additive in the KV dtype, built once a step (step_mask);
+    False passes the boolean one (SDPA then converts it in every layer; kept for bench/generate.py's A/B).
     """
 
     def __init__(self, model, *, max_slots: int = 256, sync_every: int = 8, use_graphs: bool | None = None,
                  compile: bool = False, max_prefill_tokens: int = 32768, compact: bool = True,
-                 decode_attention: str = "sdpa", join_share: float = 0.125, share_prompt: bool = True):
+                 decode_attention: str = "sdpa", join_share: float = 0.125, share_prompt: bool = True,
+                 additive_mask: bool = True):
         if decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"decode_attention: one of {sorted(DECODE_ATTENTION)}, got {decode_attention!r}")
         self._core = weakref.ref(unwrap(model))  # the engine lives as long as its model, not longer
@@ -540,6 +558,8 @@ class Engine:
         self.join_share = join_share
         self.decode_attention = decode_attention
         self.share_prompt = share_prompt
+        self.additive_mask = additive_mask
+        self._mask_dtype: torch.dtype | None = None  # this call's step mask dtype (None: boolean)
         self._group = 0  # this call's GroupCache group size G (0: SlotCache)
         self._compiled = self._compiled_pick = self._compiled_grouped = None
         # what _step calls: eager or compiled, set per call
@@ -672,15 +692,17 @@ class Engine:
             off_L = span_L - self.prompt_span
             keep_SL = (span_L[None] < st.prompt_len[:S, None]) | (
                 (off_L[None] >= 0) & (off_L[None] % G == member_S[:, None]) & (off_L[None] // G <= suffix_S[:, None]))
-            mask_P1QL = keep_SL.view(P, G, 1, Lb).expand(P, G, qpk, Lb).reshape(P, 1, G * qpk, Lb)
+            mask_P1QL = step_mask(keep_SL.view(P, G, 1, Lb).expand(P, G, qpk, Lb).reshape(P, 1, G * qpk, Lb),
+                                  self._mask_dtype)
             with _attention(self.text_config, GROUPED_ATTENTION), routes:
                 hidden_SH = self._decode_hidden_grouped(self.core, self.cache, st.tok[:S].view(P, G), mask_P1QL,
                                                         st.pos[:S].view(P, G))
         else:
             self.cache.bind(length_S, span_L)
             attention = DECODE_ATTENTION["flex" if self.decode_attention == "flex" and self._step_compiled else "sdpa"]
+            mask_S11L = step_mask((span_L[None] <= length_S[:, None])[:, None, None, :], self._mask_dtype)  # own slot too
             with _attention(self.text_config, attention), routes:
-                hidden_SH = self._decode_hidden(self.core, self.cache, st.tok[:S, None], length_S, span_L, st.pos[:S])
+                hidden_SH = self._decode_hidden(self.core, self.cache, st.tok[:S, None], mask_S11L, st.pos[:S])
         tok_S, logp_S = self._pick(self.core.lm_head(hidden_SH), self.banned, self.is_stop, st.count[:S] < st.min_new[:S],
                                    st.temperature[:S], st.top_k[:S], st.top_p[:S], st.key[:S], st.count[:S], mode)
         tok_S = torch.where(alive_S, tok_S, self.pad)
@@ -868,6 +890,7 @@ class Engine:
             raise ValueError(f"a request asks for {max(r.n for r in requests.values())} samples; the engine has "
                              f"{n_slots} slots (raise slots / max_slots)")
         kv_dtype = self._kv_dtype(device)
+        self._mask_dtype = kv_dtype if self.additive_mask else None
         use_graphs = self._graphs_on(device)
         compiled = use_graphs and (compile if compile is not None else self.compile)
         # torch.compile specializes a dimension of size 1 (dynamic=True or not): a one-row step would
