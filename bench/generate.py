@@ -7,7 +7,9 @@ Paths: vlforge (the engine as GRPO uses it: CUDA graphs of a torch.compile'd ste
 vlforge-nocompile (CUDA graphs of the eager layers), vlforge-noshare (64x256: SlotCache, every row
 reading its own copy of its prompt's KV, instead of GroupCache), vlforge-flex (the compiled step with
 flex_attention's decode kernel instead of SDPA), vlforge-boolmask (64x256: the step's boolean mask,
-which SDPA converts in every layer, instead of the additive one built once a step), hf-dynamic / hf-static (transformers'
+which SDPA converts in every layer, instead of the additive one built once a step), vlforge-autotune
+(64x256: Engine(autotune=True), inductor's GEMM autotuning in the compiled step), vision (the vision
+tower alone on the 8 prompts' images), hf-dynamic / hf-static (transformers'
 generate with its dynamic or static cache; static is auto-compiled).
 
 Workload (one process, the same inputs for every path, random weights, bf16): 8 prompts (one
@@ -225,6 +227,12 @@ def main() -> None:
             attempt(lambda: {**case_engine("64x256", core, engine, encoder, requests_of(small, 8, 8, 256)),
                              "path": "vlforge-boolmask"})
             engine.additive_mask = True
+        if "vlforge-autotune" in paths:  # the decode step's GEMMs autotuned by inductor (Engine(autotune=True))
+            tuned = Engine(model, sync_every=args.sync_every, compile=True, autotune=True)
+            tuned.reserve(256, 300 + 8 * 256, group=8)
+            attempt(lambda: {**case_engine("64x256", core, tuned, encoder, requests_of(small, 8, 8, 256)),
+                             "path": "vlforge-autotune"})
+            del tuned
         if "vision" in paths:  # the vision tower's share of the prefill: its 8 images alone, warm
             attempt(lambda: case_vision("64x256", core, small))
         if "vlforge-noshare" in paths:  # SlotCache: each row reads its own copy of the prompt's KV (v3)
@@ -270,6 +278,9 @@ def main() -> None:
     print(f"{'case':14} {'path':12} {'seqs':>5} {'tok/s':>8} {'ms/step':>8} {'prefill s':>9} {'capture s':>9} "
           f"{'peak GB':>8} {'floor':>6}")
     for r in rows:
+        if "tokens_per_s" not in r:  # the vision tower alone
+            print(f"{r['case']:14} {r['path']:12} {r['images']:>5} images: {r['seconds']:.3f} s")
+            continue
         cap = r.get("capture_s", r.get("compile_s", 0.0))
         pre = "-" if r["prefill_s"] is None else f"{r['prefill_s']:.3f}"
         print(f"{r['case']:14} {r['path']:12} {r['sequences']:>5} {r['tokens_per_s']:>8.0f} {r['ms_per_step']:>8.2f} "
