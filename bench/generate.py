@@ -7,9 +7,8 @@ Paths: vlforge (the engine as GRPO uses it: CUDA graphs of a torch.compile'd ste
 vlforge-nocompile (CUDA graphs of the eager layers), vlforge-noshare (64x256: SlotCache, every row
 reading its own copy of its prompt's KV, instead of GroupCache), vlforge-flex (the compiled step with
 flex_attention's decode kernel instead of SDPA), vlforge-boolmask (64x256: the step's boolean mask,
-which SDPA converts in every layer, instead of the additive one built once a step), vlforge-autotune
-(64x256: Engine(autotune=True), inductor's GEMM autotuning in the compiled step), vision (the vision
-tower alone on the 8 prompts' images), hf-dynamic / hf-static (transformers'
+which SDPA converts in every layer, instead of the additive one built once a step), vision (the vision tower
+alone on the 8 prompts' images; vision-sdpa: through transformers' per-image sdpa loop), hf-dynamic / hf-static (transformers'
 generate with its dynamic or static cache; static is auto-compiled).
 
 Workload (one process, the same inputs for every path, random weights, bf16): 8 prompts (one
@@ -227,14 +226,13 @@ def main() -> None:
             attempt(lambda: {**case_engine("64x256", core, engine, encoder, requests_of(small, 8, 8, 256)),
                              "path": "vlforge-boolmask"})
             engine.additive_mask = True
-        if "vlforge-autotune" in paths:  # the decode step's GEMMs autotuned by inductor (Engine(autotune=True))
-            tuned = Engine(model, sync_every=args.sync_every, compile=True, autotune=True)
-            tuned.reserve(256, 300 + 8 * 256, group=8)
-            attempt(lambda: {**case_engine("64x256", core, tuned, encoder, requests_of(small, 8, 8, 256)),
-                             "path": "vlforge-autotune"})
-            del tuned
         if "vision" in paths:  # the vision tower's share of the prefill: its 8 images alone, warm
             attempt(lambda: case_vision("64x256", core, small))
+        if "vision-sdpa" in paths:  # the same through transformers' per-image sdpa loop (model.vision_attention=sdpa)
+            config = core.model.visual.config
+            config._attn_implementation, varlen = "sdpa", config._attn_implementation
+            attempt(lambda: {**case_vision("64x256", core, small), "path": "vision-sdpa"})
+            config._attn_implementation = varlen
         if "vlforge-noshare" in paths:  # SlotCache: each row reads its own copy of the prompt's KV (v3)
             engine.share_prompt = False
             attempt(lambda: {**case_engine("64x256", core, engine, encoder, requests_of(small, 8, 8, 256)),

@@ -37,8 +37,9 @@
 #   additive and A/B it in one process; the prefill under the profiler at 8B (it ran 0.09-0.22 s); serve3; the
 #   8B LoRA GRPO recipe. Archive results with `tar czf $OUT/all.tgz -C <dir> .` where <dir> is not $OUT.
 #   Thirteenth session: mask13 (gpu tests of the engine; 2B additive vs boolean step mask, the vision tower's share of
-#   the prefill, hf-static beside): no gain from the mask (3.61 vs 3.62 ms). Then tune13 (inductor's GEMM autotuning
-#   in the decode step vs the default, hf-static beside), 2B, then PRESET=qwen3vl-8b.
+#   the prefill, hf-static beside): no gain from the mask (3.61 vs 3.62 ms). tune13 (inductor's GEMM autotuning in the
+#   decode step, since removed): slower (3.76 vs 3.60 ms). vis13: the vision tower's attention in one varlen call
+#   (model.vision_attention) and compiled vision blocks (precision.compile_vision), 2B SFT and the prefill.
 #   OUT=/some/dir GROUP=moe   bash bench/gpu_pending.sh  # 30B-A3B: peft peer vs ours same process; NF4 memory/decode
 #   OUT=/some/dir GROUP=mem   bash bench/gpu_pending.sh  # selective checkpointing and the activation memory budget
 # (carry .whl/train, and .whl/ao (torchao) for GROUP=tests, .whl/bnb (bitsandbytes) for moe and mem)
@@ -123,9 +124,12 @@ case $GROUP in
           (cd bench && timeout ${LIMIT:-380} python3 generate.py --preset ${PRESET:-qwen3vl-2b} \
             --paths vlforge,vlforge-boolmask,vision,hf-static --cases 64x256 --profile "$OUT/prof-gen.txt" \
             --out "$OUT/gen.jsonl" 2>"$OUT/err-gen.txt") ;;  # issue 11: the additive step mask, A/B in one process
-  tune13) (cd bench && timeout ${LIMIT:-560} python3 generate.py --preset ${PRESET:-qwen3vl-2b} \
-            --paths ${PATHS:-vlforge,vlforge-autotune,hf-static} --cases 64x256 --out "$OUT/gen.jsonl" \
-            2>"$OUT/err-gen.txt") ;;  # issue 11: inductor's GEMM autotuning in the decode step, A/B in one process
+  vis13) timeout 200 python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_vision_attention.py tests/test_packing.py \
+           tests/test_generate.py -k "vision or varlen or cuda_graph_grouped" --tb=short > "$OUT/pytest.txt" 2>&1
+         b="--preset qwen3vl-2b --method full --steps 8 --warmup 4 --override precision.compile=true"
+         LIMIT=110; r 1 $b model.vision_attention=sdpa; r 2 $b; r 3 $b precision.compile_vision=true
+         (cd bench && timeout 200 python3 generate.py --preset qwen3vl-2b --paths vlforge,vision,vision-sdpa --cases 64x256 \
+           --out "$OUT/gen.jsonl" 2>"$OUT/err-gen.txt") ;;  # the vision tower in one varlen call: training and the prefill
   gen6)  (cd bench && timeout 300 python3 generate.py --preset qwen3vl-2b --paths vlforge --cases mixed,tail \
            --out "$OUT/gen-2b.jsonl" 2>"$OUT/err-gen.txt") ;;  # mixed: joins batched (join_share) vs vlforge-joineach
   serve3) for a in "--engine vlforge" "--compile"; do n=${a//[- ]/}

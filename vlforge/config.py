@@ -79,6 +79,10 @@ class ModelConfig:
     # data.packing with sdpa: per_sample (above), or mask = transformers' dense block-diagonal
     # mask over the whole row (the previous path, measured slower than padding; for comparisons)
     packed_attention: Literal["per_sample", "mask"] = "per_sample"
+    # the vision tower under sdpa: varlen = every image of a forward in one call (model/varlen.py:
+    # torch's varlen_attn on CUDA, exact per-image SDPA elsewhere), sdpa = transformers' own loop,
+    # one SDPA call per image in every block (for comparisons)
+    vision_attention: Literal["varlen", "sdpa"] = "varlen"
     # MoE models: transformers' expert kernels; auto = grouped_mm (grouped GEMM) on CUDA, eager
     # (the reference loop over experts) elsewhere (model/load.experts_implementation)
     experts_implementation: Literal["auto", "eager", "grouped_mm", "batched_mm"] = "auto"
@@ -288,9 +292,12 @@ class PrecisionConfig:
     # activation memory budget; null = its default, 1: keep what it would). A memory knob finer than
     # whole-layer checkpointing, chosen op by op.
     activation_memory_budget: float | None = None
-    # torch.compile each decoder/vision block; auto = on when FP8 (torchao) runs on a GPU, where
-    # its casts must be fused to pay off.
+    # torch.compile each decoder layer; auto = on where measured faster (engine/trainable.default_compile),
+    # and when FP8 (torchao) runs on a GPU, where its casts must be fused to pay off.
     compile: bool | Literal["auto"] = "auto"
+    # With compiled decoder layers: also torch.compile each vision block (its attention one varlen
+    # call with model.vision_attention=varlen, so no host loop splits the graph).
+    compile_vision: bool = False
 
     def __post_init__(self):
         _require(not (self.fp8.enabled and self.mode == "fp16"),

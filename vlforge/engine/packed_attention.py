@@ -30,8 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import functools
-import inspect
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +37,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from vlforge.model.varlen import flash_capable, half_dtype, kernel_takes, varlen_kernel
 
 PACKED_ATTENTION = "vlforge_packed"
 _IN_PACKED_FORWARD = contextvars.ContextVar("vlforge_packed_forward", default=False)
@@ -67,7 +67,7 @@ class PackedRows:
         cu = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
         # one small host-to-device copy per forward (not per layer); pinned so it does not sync
         cu = (cu.pin_memory() if device.type == "cuda" else cu).to(device, non_blocking=True)
-        varlen = _varlen() if device.type == "cuda" and _flash_capable(device.index or 0) else None
+        varlen = varlen_kernel() if device.type == "cuda" and flash_capable(device.index or 0) else None
         return cls(tuple(lengths), cu, max(lengths), varlen)
 
 
@@ -108,48 +108,10 @@ def use_packed_attention(core) -> bool:
     return text_config._attn_implementation == PACKED_ATTENTION
 
 
-@functools.cache
-def _varlen():
-    """(varlen_attn, its parameter names) or None. Its signature changed across torch releases
-    (is_causal=, then window_size=(-1, 0) for causal, then enable_gqa=): adapt to what is there."""
-    try:
-        from torch.nn.attention.varlen import varlen_attn
-    except ImportError:
-        return None
-    return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
-
-
-@functools.cache
-def _flash_capable(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] >= 8  # flash kernels: Ampere and newer
-
-
-def half_dtype(query: torch.Tensor) -> torch.dtype | None:
-    """The half precision this attention runs in, or None: the query's own, or under CUDA autocast
-    the autocast dtype. With fp32 master weights (precision.master_weights) Qwen3's q/k RMSNorm
-    returns fp32 (its fp32 weight promotes), so the query arrives in fp32 although SDPA, on
-    autocast's lower-precision list, would run it in bf16: varlen_attn must do the same cast, or
-    every packed layer falls back to the per-sample loop (measured on the H200: it did)."""
-    if query.dtype in (torch.bfloat16, torch.float16):
-        return query.dtype
-    if query.is_cuda and torch.is_autocast_enabled("cuda"):
-        dtype = torch.get_autocast_dtype("cuda")
-        return dtype if dtype in (torch.bfloat16, torch.float16) else None
-    return None
-
-
 def varlen_usable(query: torch.Tensor, rows: PackedRows, dropout: float, scaling: float | None) -> bool:
-    """Whether torch's varlen_attn can take this call: the row's device runs it (CUDA sm80+), half
-    precision (the query's or autocast's), no dropout (its dropout is fixed at 0), a head size the
-    flash kernel takes, a scale it can be given. Static facts only: a compiled layer guards on
-    them once."""
-    if rows.varlen is None or not query.is_cuda or half_dtype(query) is None or dropout > 0:
-        return False
-    D = query.shape[-1]
-    if D % 8 or D > 256:
-        return False
-    _, params = rows.varlen
-    return "scale" in params or scaling is None or abs(scaling - D ** -0.5) < 1e-12 * D ** -0.5
+    """Whether torch's varlen_attn can take this call (model/varlen.kernel_takes) on a row whose
+    device runs it."""
+    return kernel_takes(query, dropout, scaling, rows.varlen)
 
 
 def _varlen_call(query_HqTD, key_HkTD, value_HkTD, rows: PackedRows, scaling):

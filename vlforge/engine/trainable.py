@@ -85,12 +85,14 @@ def checkpoint_selected_blocks(model: torch.nn.Module, every: int) -> int:
     return count
 
 
-def compile_decoder_layers(model: torch.nn.Module) -> int:
-    """torch.compile each language-model decoder layer in place (parameter names unchanged)."""
-    layers = unwrap(model).model.language_model.layers
-    for layer in layers:
-        layer.compile()
-    return len(layers)
+def compile_decoder_layers(model: torch.nn.Module, vision: bool = False) -> int:
+    """torch.compile each language-model decoder layer in place (parameter names unchanged), and with
+    `vision` each vision block; returns the number compiled."""
+    core = unwrap(model).model
+    blocks = [*core.language_model.layers, *(core.visual.blocks if vision else [])]
+    for block in blocks:
+        block.compile()
+    return len(blocks)
 
 
 def default_compile(precision: PrecisionConfig, device: torch.device, measured_setup: bool = True) -> bool:
@@ -179,7 +181,7 @@ def setup_model(cfg: RunConfig, compile_blocks: bool | None = None, world: World
                     or is_moe(unwrap(model).config))
     compiled = default_compile(cfg.precision, device, measured) if compile_blocks is None else compile_blocks
     if compiled:
-        compile_decoder_layers(model)
+        compile_decoder_layers(model, vision=cfg.precision.compile_vision)
     elif cfg.precision.activation_memory_budget is not None:  # config requires compile=true: a caller said no
         raise ConfigError("precision.activation_memory_budget acts on compiled layers, and this run compiles none")
     # sharded last: FSDP2 takes the parameters in their storage dtypes (fp32 masters) and gathers

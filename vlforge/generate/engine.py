@@ -437,13 +437,7 @@ def _pick(logits_SV, banned_V, is_stop_V, early_S, temperature_S, top_k_S, top_p
     return sample(x_SV, temperature_S, top_k_S, top_p_S, key_S, step_S, mode)
 
 
-# Engine(autotune=True): inductor times its Triton GEMM templates against cuBLAS for each of the decode
-# step's GEMM shapes and keeps the faster (cuBLAS stays where it wins); at 64 rows cuBLAS read the 2B
-# attention projections' weights at 15-30% of HBM bandwidth on an H200 (profile, thirteenth session)
-AUTOTUNE_GEMMS = {"max_autotune_gemm": True, "max_autotune_gemm_backends": "ATEN,TRITON"}
-
-
-def _compiled_once(fn, varying: Callable[..., list[tuple[torch.Tensor, int]]], options: dict | None = None):
+def _compiled_once(fn, varying: Callable[..., list[tuple[torch.Tensor, int]]]):
     """torch.compile(fn) that one compile serves every slot and length bucket and every KV buffer
     length: static shapes but for the (tensor, dimension) pairs `varying(*args)` names, marked
     dynamic at every call (the slot count S, the length bucket Lb, the buffers' length).
@@ -463,7 +457,7 @@ def _compiled_once(fn, varying: Callable[..., list[tuple[torch.Tensor, int]]], o
     into pieces whose guards then specialized the marked sizes (a GRPO run died so in its first step
     on torch 2.11). A step that does not compile as one graph runs eager from then on, with a
     warning that says why: the run goes on at eager speed instead of stopping."""
-    compiled = torch.compile(fn, dynamic=False, fullgraph=True, options=options)
+    compiled = torch.compile(fn, dynamic=False, fullgraph=True)
     failed: list[str] = []
 
     @functools.wraps(fn)
@@ -542,8 +536,6 @@ class Engine:
     Measured on an H200 (2B, 256 requests of 16-512 tokens through 64 slots, joins at every sync
     point): 92 prefills of ~59 ms each took 5.4 s of the 11.3 s run, the decode steps 5.8 s
     (docs/benchmarks.md, tenth session). 0: join at every sync point where a slot freed.
-    autotune: with compile, let inductor pick each GEMM of the decode step's layers from its Triton
-    templates and cuBLAS by timing them (AUTOTUNE_GEMMS; a longer compile).
     additive_mask: the decode step's mask additive in the KV dtype, built once a step (step_mask);
     False passes the boolean one (SDPA then converts it in every layer; kept for bench/generate.py's A/B).
     """
@@ -551,7 +543,7 @@ class Engine:
     def __init__(self, model, *, max_slots: int = 256, sync_every: int = 8, use_graphs: bool | None = None,
                  compile: bool = False, max_prefill_tokens: int = 32768, compact: bool = True,
                  decode_attention: str = "sdpa", join_share: float = 0.125, share_prompt: bool = True,
-                 additive_mask: bool = True, autotune: bool = False):
+                 additive_mask: bool = True):
         if decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"decode_attention: one of {sorted(DECODE_ATTENTION)}, got {decode_attention!r}")
         self._core = weakref.ref(unwrap(model))  # the engine lives as long as its model, not longer
@@ -567,7 +559,6 @@ class Engine:
         self.decode_attention = decode_attention
         self.share_prompt = share_prompt
         self.additive_mask = additive_mask
-        self.autotune = autotune
         self._mask_dtype: torch.dtype | None = None  # this call's step mask dtype (None: boolean)
         self._group = 0  # this call's GroupCache group size G (0: SlotCache)
         self._compiled = self._compiled_pick = self._compiled_grouped = None
@@ -942,9 +933,8 @@ class Engine:
             self.banned[_queued(device, banned_ids)] = True
         self.state.alive.zero_()
         if compiled and self._compiled is None:
-            layers = AUTOTUNE_GEMMS if self.autotune else None
-            self._compiled = _compiled_once(_decode_hidden, _decode_varying, layers)
-            self._compiled_grouped = _compiled_once(_decode_hidden_grouped, _decode_grouped_varying, layers)
+            self._compiled = _compiled_once(_decode_hidden, _decode_varying)
+            self._compiled_grouped = _compiled_once(_decode_hidden_grouped, _decode_grouped_varying)
             self._compiled_pick = _compiled_once(_pick, _pick_varying)
         self._decode_hidden = self._compiled if compiled else _decode_hidden
         self._decode_hidden_grouped = self._compiled_grouped if compiled else _decode_hidden_grouped

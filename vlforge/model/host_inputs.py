@@ -20,8 +20,11 @@ from dataclasses import dataclass
 
 import torch
 
+from vlforge.model.varlen import VISION_ATTENTION
+
 # the vision tower's forward kwargs VisionGrid computes (transformers.vision_utils reads them if given)
-VISION_GRID_KWARGS = ("cu_seqlens", "position_ids", "interp_indices", "interp_weights", "max_seqlen")
+# (and image_bounds: model/varlen's per-image fallback reads the images' bounds there, never on the device)
+VISION_GRID_KWARGS = ("cu_seqlens", "position_ids", "interp_indices", "interp_weights", "max_seqlen", "image_bounds")
 
 
 def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -96,6 +99,8 @@ class VisionGrid:
         host = {"max_seqlen": max_seqlen}
         # varlen kernels read cu_seqlens on the device; the sdpa path splits by it on the host
         (to_device if is_flash_attention_requested(self.config) else host)["cu_seqlens"] = cu_seqlens
+        if self.config._attn_implementation == VISION_ATTENTION:
+            host["image_bounds"] = tuple(cu_seqlens.tolist())
         return to_device, host
 
     def kwargs_on(self, grid: torch.Tensor, device: torch.device) -> dict:

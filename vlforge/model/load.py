@@ -20,6 +20,7 @@ from transformers import AutoProcessor, Qwen3VLForConditionalGeneration, Qwen3VL
 
 from vlforge.config import ConfigError, ModelConfig, QuantConfig
 from vlforge.model.presets import PRESETS, TINY_PATCH, TINY_PRESETS, build_processor, is_moe, preset_config, tiny_tokenizer
+from vlforge.model.varlen import use_vision_varlen
 
 # The dtype names of the config (precision.mode, --dtype) as torch dtypes.
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -134,7 +135,13 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: str
             with torch.device(device):
                 model = model_class(config)._from_config(config, dtype=dtype, **_impl_kwargs(cfg, config, target))
     _generation_tokens(model, processor)
+    _vision_attention(cfg, model)
     return model, processor
+
+
+def _vision_attention(cfg: ModelConfig, model) -> None:
+    if cfg.vision_attention == "varlen":
+        use_vision_varlen(model)
 
 
 def _generation_tokens(model, processor) -> None:
@@ -154,7 +161,8 @@ def _load_quantized(cfg: ModelConfig, quant: QuantConfig, dtype: torch.dtype, de
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             return _load_quantized(ModelConfig(path=tmp, attn_implementation=cfg.attn_implementation,
-                                               experts_implementation=cfg.experts_implementation), quant, dtype, device)
+                                               experts_implementation=cfg.experts_implementation,
+                                               vision_attention=cfg.vision_attention), quant, dtype, device)
     meta, processor = build_meta_model(cfg)
     kwargs = from_pretrained_kwargs(quant, quant_plan(meta, quant), compute_dtype=dtype)
     model = model_class(meta.config).from_pretrained(
@@ -162,6 +170,7 @@ def _load_quantized(cfg: ModelConfig, quant: QuantConfig, dtype: torch.dtype, de
         device_map=str(device) if device.type == "cuda" else None, **_impl_kwargs(cfg, meta.config, device), **kwargs)
     verify(model, quant)  # the skip list must have been exact
     _generation_tokens(model, processor)
+    _vision_attention(cfg, model)
     return model, processor
 
 
@@ -177,6 +186,7 @@ def build_meta_model(cfg: ModelConfig, dtype: torch.dtype | None = None, device:
         model = model_class(config)._from_config(config, **kwargs)
     if device is not None:
         _generation_tokens(model, processor)
+        _vision_attention(cfg, model)
     return model, processor
 
 

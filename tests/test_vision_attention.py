@@ -1,0 +1,102 @@
+"""model/varlen.py: the vision tower's attention over every image of a forward in one call, against
+transformers' own per-image sdpa loop."""
+
+import copy
+import json
+
+import pytest
+import torch
+
+import vlforge.model.varlen as varlen
+from vlforge.config import ModelConfig
+from vlforge.model.load import load_model
+
+
+def pixels_of(config, grid: torch.Tensor) -> torch.Tensor:
+    width = config.in_channels * config.temporal_patch_size * config.patch_size ** 2
+    return torch.randn(int(grid.prod(-1).sum()), width)
+
+
+GRID = torch.tensor([[1, 4, 4], [1, 8, 4], [1, 4, 6]])  # three images of three sizes: 16, 32 and 24 patches
+
+
+def tower_outputs(model, pixels, grid):
+    out = model.model.visual(pixels, grid_thw=grid, return_dict=True)
+    return [out.pooler_output, *out.deepstack_features]
+
+
+def test_the_vision_tower_attends_per_image_in_one_call_as_transformers_sdpa_does(monkeypatch):
+    """Loaded models use VISION_ATTENTION (the language model keeps sdpa); transformers' vision
+    attention hands it the images' bounds (its varlen branch, one call a block) and the tower's
+    outputs and gradients equal transformers' sdpa loop over the images (fp32, CPU: exact per-image
+    SDPA); model.vision_attention=sdpa keeps transformers' own; nothing of it is saved."""
+    model, _ = load_model(ModelConfig(preset="tiny"))
+    visual = model.model.visual
+    assert visual.config._attn_implementation == varlen.VISION_ATTENTION
+    assert model.config.text_config._attn_implementation == "sdpa"
+    reference, _ = load_model(ModelConfig(preset="tiny", vision_attention="sdpa"))
+    assert reference.model.visual.config._attn_implementation == "sdpa"
+    calls = []
+    per_image = varlen._vision_per_image
+    monkeypatch.setattr(varlen, "_vision_per_image", lambda q, k, v, bounds, *a: calls.append(list(bounds)) or
+                        per_image(q, k, v, bounds, *a))
+    torch.manual_seed(0)
+    pixels = pixels_of(visual.config, GRID)
+    ours = tower_outputs(model, pixels.clone().requires_grad_(), GRID)
+    theirs = tower_outputs(reference, pixels.clone().requires_grad_(), GRID)
+    assert calls == [[0, 16, 48, 72]] * len(visual.blocks)  # every image of the forward, once a block
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    sum(o.square().sum() for o in ours).backward()
+    sum(o.square().sum() for o in theirs).backward()
+    grads = {n: p.grad for n, p in reference.model.visual.named_parameters()}
+    for name, p in visual.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name], atol=1e-5, rtol=1e-5, msg=name)
+    # the bounds matter: the three images attended as one differ from the three apart
+    qkv = (torch.randn(1, 2, 72, 8),) * 3
+    joined = varlen._vision_attention(None, *qkv, None, cu_seq_lens_q=torch.tensor([0, 72]), max_length_q=72)[0]
+    split = varlen._vision_attention(None, *qkv, None, cu_seq_lens_q=torch.tensor([0, 16, 48, 72]), max_length_q=32)[0]
+    assert joined.shape == split.shape == (1, 72, 2, 8) and not torch.allclose(joined, split, atol=1e-3)
+
+
+def test_only_sdpa_switches_and_the_switch_is_not_saved(tmp_path):
+    eager, _ = load_model(ModelConfig(preset="tiny", attn_implementation="eager"))
+    assert not varlen.use_vision_varlen(eager)
+    assert eager.model.visual.config._attn_implementation == "eager"
+    model, _ = load_model(ModelConfig(preset="tiny"))
+    model.save_pretrained(tmp_path)
+    assert varlen.VISION_ATTENTION not in (tmp_path / "config.json").read_text()
+    assert json.loads((tmp_path / "config.json").read_text())["vision_config"]
+    with pytest.raises(ValueError, match="one row of images"):
+        varlen._vision_attention(None, *(torch.randn(2, 2, 8, 8),) * 3, None, cu_seq_lens_q=torch.tensor([0, 8]))
+
+
+@pytest.mark.gpu
+def test_the_vision_tower_runs_torch_varlen_attn_on_cuda_and_compiles_without_a_graph_break(monkeypatch):
+    """On CUDA in bf16 the tower's attention is one varlen_attn call a block, its outputs and
+    gradients within bf16 rounding of transformers' per-image sdpa loop; a compiled vision block
+    traces it with no graph break (fullgraph)."""
+    model, _ = load_model(ModelConfig(preset="tiny"), dtype=torch.bfloat16, device="cuda")
+    reference = copy.deepcopy(model)
+    reference.model.visual.config._attn_implementation = "sdpa"
+    calls = []
+    kernel = varlen._vision_varlen
+    monkeypatch.setattr(varlen, "_vision_varlen", lambda *a: calls.append(1) or kernel(*a))
+    torch.manual_seed(0)
+    pixels = pixels_of(model.model.visual.config, GRID).to("cuda", torch.bfloat16)
+    ours = tower_outputs(model, pixels.clone().requires_grad_(), GRID.cuda())
+    theirs = tower_outputs(reference, pixels.clone().requires_grad_(), GRID.cuda())
+    assert len(calls) == len(model.model.visual.blocks)
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a.float(), b.float(), atol=3e-2, rtol=3e-2)
+    sum(o.float().square().sum() for o in ours).backward()
+    sum(o.float().square().sum() for o in theirs).backward()
+    grads = {n: p.grad for n, p in reference.model.visual.named_parameters()}
+    for name, p in model.model.visual.named_parameters():
+        torch.testing.assert_close(p.grad.float(), grads[name].float(), atol=5e-2, rtol=5e-2, msg=name)
+    torch._dynamo.reset()
+    for block in model.model.visual.blocks:
+        block.compile(fullgraph=True)
+    compiled = tower_outputs(model, pixels, GRID.cuda())
+    for a, b in zip(compiled, theirs):
+        torch.testing.assert_close(a.float(), b.float(), atol=3e-2, rtol=3e-2)
