@@ -116,9 +116,15 @@ def case_hf(name, core, encoder, prompts, group, new_tokens, cache_implementatio
         kwargs["cache_implementation"] = cache_implementation
     batch = {k: v for k, v in prompts.items() if k in ("input_ids", "attention_mask", "pixel_values",
                                                        "image_grid_thw", "mm_token_type_ids")}
-    with torch.no_grad():
-        _, first_s = timed(lambda: core.generate(**batch, **kwargs))  # warm-up (static: torch.compile)
-        out, seconds = timed(lambda: core.generate(**batch, **kwargs))
+    # the peer is plain transformers: its own per-image sdpa loop in the vision tower too
+    vision = core.model.visual.config
+    vision._attn_implementation, ours = "sdpa", vision._attn_implementation
+    try:
+        with torch.no_grad():
+            _, first_s = timed(lambda: core.generate(**batch, **kwargs))  # warm-up (static: torch.compile)
+            out, seconds = timed(lambda: core.generate(**batch, **kwargs))
+    finally:
+        vision._attn_implementation = ours
     n = out.shape[0]
     tokens = n * new_tokens
     ms = 1e3 * seconds / new_tokens

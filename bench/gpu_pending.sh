@@ -39,7 +39,8 @@
 #   Thirteenth session: mask13 (gpu tests of the engine; 2B additive vs boolean step mask, the vision tower's share of
 #   the prefill, hf-static beside): no gain from the mask (3.61 vs 3.62 ms). tune13 (inductor's GEMM autotuning in the
 #   decode step, since removed): slower (3.76 vs 3.60 ms). vis13: the vision tower's attention in one varlen call
-#   (model.vision_attention) and compiled vision blocks (precision.compile_vision), 2B SFT and the prefill.
+#   (model.vision_attention) and compiled vision blocks (precision.compile_vision), 2B SFT and the prefill; vis13b:
+#   bench/train.py peer vs ours with compiled vision blocks, and vis13's SFT runs in reverse order.
 #   OUT=/some/dir GROUP=moe   bash bench/gpu_pending.sh  # 30B-A3B: peft peer vs ours same process; NF4 memory/decode
 #   OUT=/some/dir GROUP=mem   bash bench/gpu_pending.sh  # selective checkpointing and the activation memory budget
 # (carry .whl/train, and .whl/ao (torchao) for GROUP=tests, .whl/bnb (bitsandbytes) for moe and mem)
@@ -130,6 +131,11 @@ case $GROUP in
          LIMIT=110; r 1 $b model.vision_attention=sdpa; r 2 $b; r 3 $b precision.compile_vision=true
          (cd bench && timeout 200 python3 generate.py --preset qwen3vl-2b --paths vlforge,vision,vision-sdpa --cases 64x256 \
            --out "$OUT/gen.jsonl" 2>"$OUT/err-gen.txt") ;;  # the vision tower in one varlen call: training and the prefill
+  vis13b) (cd bench && timeout 260 python3 train.py --preset qwen3vl-2b --method full --paths peer,ours,packed --steps 12 \
+            --samples 32 --ours precision.compile=true precision.compile_vision=true 2>"$OUT/err-train2b.txt" \
+            | tail -6 > "$OUT/train2b.txt")  # issue 13: peer vs ours with compiled vision blocks, same process
+          b="--preset qwen3vl-2b --method full --steps 8 --warmup 4 --override precision.compile=true"
+          LIMIT=100; r 1 $b precision.compile_vision=true; r 2 $b; r 3 $b model.vision_attention=sdpa ;;  # vis13 reversed
   gen6)  (cd bench && timeout 300 python3 generate.py --preset qwen3vl-2b --paths vlforge --cases mixed,tail \
            --out "$OUT/gen-2b.jsonl" 2>"$OUT/err-gen.txt") ;;  # mixed: joins batched (join_share) vs vlforge-joineach
   serve3) for a in "--engine vlforge" "--compile"; do n=${a//[- ]/}

@@ -95,7 +95,8 @@ def run_peer(args, batches) -> dict:
     """What TRL/LLaMA-Factory run underneath: the HF forward with labels (full [B, T, V] logits),
     peft LoRA, fused AdamW."""
     lora = args.method == "lora"
-    model, _ = load_model(ModelConfig(preset=args.preset, seed=args.seed), dtype=torch.bfloat16 if lora else torch.float32,
+    # the peer is plain transformers: its own per-image sdpa loop in the vision tower too
+    model, _ = load_model(ModelConfig(preset=args.preset, seed=args.seed, vision_attention="sdpa"), dtype=torch.bfloat16 if lora else torch.float32,
                           device=DEVICE)
     if lora:
         from peft import LoraConfig, get_peft_model
@@ -152,7 +153,7 @@ def run_trl(args, samples, n_steps: int) -> dict:
     from trl import SFTConfig as TRLConfig, SFTTrainer
 
     lora = args.method == "lora"
-    model, processor = load_model(ModelConfig(preset=args.preset, seed=args.seed),
+    model, processor = load_model(ModelConfig(preset=args.preset, seed=args.seed, vision_attention="sdpa"),
                                   dtype=torch.bfloat16 if lora else torch.float32, device=DEVICE)
     rows = [{"messages": [{"role": m["role"], "content": [{"type": "image"} if c.get("type") == "image" else c
                                                            for c in (m["content"] if isinstance(m["content"], list)

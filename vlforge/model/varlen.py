@@ -45,10 +45,14 @@ def varlen_kernel():
     return varlen_attn, frozenset(inspect.signature(varlen_attn).parameters)
 
 
-@torch.compiler.assume_constant_result  # a compiled caller takes the answer as a constant (the query is not traceable)
-@functools.cache
+_FLASH_CAPABLE: dict[int, bool] = {}
+
+
+@torch.compiler.assume_constant_result  # a compiled caller bakes the answer in (a plain dict: dynamo would trace into a functools.cache)
 def flash_capable(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] >= 8  # flash kernels: Ampere and newer
+    if device_index not in _FLASH_CAPABLE:  # flash kernels: Ampere and newer
+        _FLASH_CAPABLE[device_index] = torch.cuda.get_device_capability(device_index)[0] >= 8
+    return _FLASH_CAPABLE[device_index]
 
 
 def half_dtype(query: torch.Tensor) -> torch.dtype | None:
