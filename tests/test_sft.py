@@ -180,6 +180,26 @@ def test_activation_memory_budget_is_applied_to_the_training_forward_only(shapes
             load_config(SFTConfig, None, bad.split())
 
 
+def test_compile_vision_compiles_the_vision_blocks_with_the_decoder_layers(shapes_dir, tmp_path):
+    """precision.compile_vision: each vision block wrapped for torch.compile along with the decoder
+    layers (not without it); refused unless precision.compile=true."""
+    from vlforge.config import SFTConfig, load_config
+    from vlforge.engine.trainable import setup_model
+    from vlforge.model.tiers import unwrap
+
+    def compiled(cfg_overrides):
+        t = setup_model(tiny_sft_config(shapes_dir, tmp_path / "run", *cfg_overrides))
+        core = unwrap(t.model).model
+        return ({b._compiled_call_impl is not None for b in core.language_model.layers},
+                {b._compiled_call_impl is not None for b in core.visual.blocks})
+
+    assert compiled(["precision.compile=true", "precision.compile_vision=true"]) == ({True}, {True})
+    assert compiled(["precision.compile=true"]) == ({True}, {False})
+    for bad in ("precision.compile_vision=true", "precision.compile_vision=true precision.compile=false"):
+        with pytest.raises(ConfigError, match="compile_vision"):
+            load_config(SFTConfig, None, bad.split())
+
+
 def test_tensorboard_events_are_written(shapes_dir, tmp_path):
     pytest.importorskip("tensorboard")
     run_sft(tiny_sft_config(shapes_dir, tmp_path, "log.tensorboard=true", "data.val=null"))

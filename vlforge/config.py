@@ -316,6 +316,9 @@ class PrecisionConfig:
         _require(self.activation_memory_budget is None or self.compile is True,
                  "precision.activation_memory_budget acts on compiled layers (torch's partitioner): set "
                  "precision.compile=true, or use gradient_checkpointing / checkpoint_every")
+        _require(not self.compile_vision or self.compile is True,
+                 "precision.compile_vision compiles the vision blocks along with the decoder layers: set "
+                 "precision.compile=true too")
         for o in self.overrides:
             _require(o.compute != "fp16" or self.mode == "fp16",
                      f"precision.overrides: {o.pattern!r} computes in fp16 but precision.mode={self.mode} has no "
