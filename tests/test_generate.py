@@ -129,6 +129,33 @@ def test_the_additive_step_mask_gives_the_tokens_of_the_boolean_one(setup):
     assert torch.isfinite(out).all()
 
 
+def test_prefill_pixels_cast_on_the_host_give_the_tokens_of_the_towers_own_cast(setup, monkeypatch):
+    """The prefill joins its prompts' pixels in the dtype the patch embedding casts them to (a bf16
+    model: bf16 on the host, half the copy): the same tokens and log-probs as fp32 pixels cast by the
+    tower itself; joined_to_device is torch.cat then the cast."""
+    from vlforge.model.host_inputs import joined_to_device
+
+    model, encoder, samples = setup
+    model = copy.deepcopy(model).to(torch.bfloat16)
+    requests = [GenRequest(prompt_of(encoder, samples[i]), n=2, max_new_tokens=5, temperature=1.0, seed=2,
+                           first_row=2 * i) for i in range(3)]
+    engine = Engine(model)
+    assert engine._pixel_dtype == torch.bfloat16
+    host_cast = run(engine, encoder, requests, stop_ids=[])
+    seen = []
+    joined = joined_to_device
+    monkeypatch.setattr("vlforge.generate.engine.joined_to_device",
+                        lambda parts, device, dtype=None: seen.append(dtype) or joined(parts, device))  # fp32 pixels
+    tower_cast = run(Engine(model), encoder, requests, stop_ids=[])
+    assert seen == [torch.bfloat16]
+    for a, b in zip(host_cast, tower_cast):
+        assert torch.equal(a.tokens, b.tokens)
+        assert torch.equal(a.logprobs, b.logprobs)
+    parts = [torch.randn(3, 4), torch.randn(2, 4)]
+    out = joined_to_device(parts, torch.device("cpu"), torch.bfloat16)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, torch.cat(parts).to(torch.bfloat16))
+
+
 def test_joins_wait_for_a_share_of_the_slots_and_change_no_token(setup):
     """join_share: 24 requests of different lengths through 8 slots join in prefills of at least
     4 (half the slots) while rows run, instead of one prefill per sync point at which a slot freed;

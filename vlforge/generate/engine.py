@@ -57,7 +57,7 @@ from transformers import AttentionInterface
 from vlforge.generate.forward import cache_of, encode_images, forward_shared, rope_positions
 from vlforge.generate.routes import NO_ROUTE, ROUTE_DTYPE, recorder_of, router_modules
 from vlforge.generate.sampling import row_key, sample
-from vlforge.model.host_inputs import host_to_device
+from vlforge.model.host_inputs import host_to_device, joined_to_device
 from vlforge.model.tiers import unwrap
 
 SLOT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -583,6 +583,12 @@ class Engine:
         return self._core()
 
     @property
+    def _pixel_dtype(self) -> torch.dtype | None:
+        """The dtype Qwen3-VL's patch embedding casts pixels to (its conv weight's), None for another tower."""
+        weight = getattr(getattr(getattr(self.core.model.visual, "patch_embed", None), "proj", None), "weight", None)
+        return weight.dtype if weight is not None and weight.dtype.is_floating_point else None
+
+    @property
     def compile_failure(self) -> str | None:
         """Why the compiled decode step runs eager (its compile failed: _compiled_once); None if it
         compiled or was never tried."""
@@ -783,7 +789,9 @@ class Engine:
         pos_3BP = rope_positions(self.core, ids_BP, mask_BP, image_token_id, grid)  # on the host
         next_pos_B = pos_3BP.amax(dim=(0, 2)) + 1
         ids_BP, mask_BP, pos_3BP = (host_to_device(t, device) for t in (ids_BP, mask_BP, pos_3BP))
-        pixels = host_to_device(torch.cat([p.pixel_values for p in with_images]), device) if with_images else None
+        # the pixels in the dtype the tower's patch embedding casts them to (the same values), cast on the host
+        pixels = joined_to_device([p.pixel_values for p in with_images], device, self._pixel_dtype) if with_images \
+            else None
         feats = encode_images(self.core, pixels, grid, [p.images for p in prompts])
         with self.recorder.keep() if self._recording else nullcontext({}) as kept:
             out = forward_shared(self.core, ids_BP, mask_BP, pos_3BP, feats, list(range(len(prompts))), use_cache=True)

@@ -12,6 +12,7 @@ position_ids.
     RopeIndex       the model class's get_rope_index as a picklable callable of config values
     VisionGrid      the vision tower's grid-derived kwargs (transformers.vision_utils)
     host_to_device  a host tensor queued to the device without a sync
+    joined_to_device  host tensors concatenated (and cast) into one pinned buffer, queued so
 """
 
 from __future__ import annotations
@@ -34,6 +35,19 @@ def host_to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type == "cuda" and t.device.type == "cpu" and not t.is_pinned():  # the loader's pin_memory did it
         t = t.pin_memory()
     return t.to(device, non_blocking=True)
+
+
+def joined_to_device(parts: list[torch.Tensor], device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """torch.cat(parts) on `device` in `dtype` (default: theirs), queued without a sync. Host parts
+    bound for a GPU are concatenated, and cast, straight into one pinned buffer: one host pass over
+    the bytes where cat, then pin_memory (host_to_device) make two, and a narrower dtype halves the
+    copy (a prefill's 8 images of 448x448 are 38 MB of fp32 pixels, ~20-70 ms a pass on a slow host)."""
+    dtype = dtype or parts[0].dtype
+    if device.type != "cuda" or any(p.device.type != "cpu" for p in parts):
+        return torch.cat(parts).to(device=device, dtype=dtype, non_blocking=True)
+    buffer = torch.empty((sum(p.shape[0] for p in parts), *parts[0].shape[1:]), dtype=dtype, pin_memory=True)
+    torch.cat(parts, out=buffer)
+    return buffer.to(device, non_blocking=True)
 
 
 class RopeIndex:
