@@ -136,6 +136,8 @@ case $GROUP in
             | tail -6 > "$OUT/train2b.txt")  # issue 13: peer vs ours with compiled vision blocks, same process
           b="--preset qwen3vl-2b --method full --steps 8 --warmup 4 --override precision.compile=true"
           LIMIT=100; r 1 $b precision.compile_vision=true; r 2 $b; r 3 $b model.vision_attention=sdpa ;;  # vis13 reversed
+  gen13) (cd bench && timeout ${LIMIT:-200} python3 generate.py --preset qwen3vl-2b --paths vlforge,hf-static --cases 64x256 \
+           --out "$OUT/gen.jsonl" 2>"$OUT/err-gen.txt") ;;  # issue 11: the prefill with varlen vision and host-cast pixels
   gen6)  (cd bench && timeout 300 python3 generate.py --preset qwen3vl-2b --paths vlforge --cases mixed,tail \
            --out "$OUT/gen-2b.jsonl" 2>"$OUT/err-gen.txt") ;;  # mixed: joins batched (join_share) vs vlforge-joineach
   serve3) for a in "--engine vlforge" "--compile"; do n=${a//[- ]/}

@@ -180,21 +180,30 @@ def test_activation_memory_budget_is_applied_to_the_training_forward_only(shapes
             load_config(SFTConfig, None, bad.split())
 
 
-def test_compile_vision_compiles_the_vision_blocks_with_the_decoder_layers(shapes_dir, tmp_path):
-    """precision.compile_vision: each vision block wrapped for torch.compile along with the decoder
-    layers (not without it); refused unless precision.compile=true."""
+def test_vision_blocks_compile_with_the_decoder_layers_and_an_eager_trainable_tower_keeps_the_loop(shapes_dir, tmp_path):
+    """precision.compile_vision (auto: with compiled decoder layers and the varlen vision attention)
+    wraps each vision block for torch.compile; model.vision_attention=auto leaves a trainable tower
+    whose blocks run eager on transformers' per-image loop (measured faster there), a frozen one
+    (LoRA on the language model) and compiled ones on varlen; compile_vision=true needs compile=true."""
     from vlforge.config import SFTConfig, load_config
     from vlforge.engine.trainable import setup_model
     from vlforge.model.tiers import unwrap
+    from vlforge.model.varlen import VISION_ATTENTION
 
-    def compiled(cfg_overrides):
-        t = setup_model(tiny_sft_config(shapes_dir, tmp_path / "run", *cfg_overrides))
+    def setup(*overrides):
+        t = setup_model(tiny_sft_config(shapes_dir, tmp_path / "run", *overrides))
         core = unwrap(t.model).model
         return ({b._compiled_call_impl is not None for b in core.language_model.layers},
-                {b._compiled_call_impl is not None for b in core.visual.blocks})
+                {b._compiled_call_impl is not None for b in core.visual.blocks}, core.visual.config._attn_implementation)
 
-    assert compiled(["precision.compile=true", "precision.compile_vision=true"]) == ({True}, {True})
-    assert compiled(["precision.compile=true"]) == ({True}, {False})
+    assert setup("precision.compile=true") == ({True}, {True}, VISION_ATTENTION)
+    assert setup("precision.compile=true", "precision.compile_vision=false") == ({True}, {False}, "sdpa")
+    assert setup("precision.compile=false") == ({False}, {False}, "sdpa")  # full: the tower trains, eager
+    assert setup("precision.compile=false", "model.vision_attention=varlen") == ({False}, {False}, VISION_ATTENTION)
+    assert setup("precision.compile=true", "model.vision_attention=sdpa") == ({True}, {False}, "sdpa")
+    assert setup("precision.compile=false", "tiers.method=lora")[1:] == ({False}, "sdpa")  # LoRA on vision blocks
+    assert setup("precision.compile=false", "tiers.method=lora", "tiers.vision.train=false")[1:] == (
+        {False}, VISION_ATTENTION)  # a frozen tower: forward only, as in inference
     for bad in ("precision.compile_vision=true", "precision.compile_vision=true precision.compile=false"):
         with pytest.raises(ConfigError, match="compile_vision"):
             load_config(SFTConfig, None, bad.split())

@@ -140,7 +140,7 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: str
 
 
 def _vision_attention(cfg: ModelConfig, model) -> None:
-    if cfg.vision_attention == "varlen":
+    if cfg.vision_attention != "sdpa":  # auto: varlen too (training may switch back: engine/trainable)
         use_vision_varlen(model)
 
 
