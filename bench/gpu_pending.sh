@@ -40,7 +40,10 @@
 #   the prefill, hf-static beside): no gain from the mask (3.61 vs 3.62 ms). tune13 (inductor's GEMM autotuning in the
 #   decode step, since removed): slower (3.76 vs 3.60 ms). vis13: the vision tower's attention in one varlen call
 #   (model.vision_attention) and compiled vision blocks (precision.compile_vision), 2B SFT and the prefill; vis13b:
-#   bench/train.py peer vs ours with compiled vision blocks, and vis13's SFT runs in reverse order.
+#   bench/train.py peer vs ours with compiled vision blocks, and vis13's SFT runs in reverse order. gen13 (2B vlforge
+#   vs hf-static with the varlen prefill tower and host-cast pixels) was refused: run it next, then PRESET=qwen3vl-8b
+#   LIMIT=330, a profile of eager varlen vs the per-image loop in training (why 4-9% slower?),
+#   8B LoRA with compiled vision blocks (forward-only tower) vs without.
 #   OUT=/some/dir GROUP=moe   bash bench/gpu_pending.sh  # 30B-A3B: peft peer vs ours same process; NF4 memory/decode
 #   OUT=/some/dir GROUP=mem   bash bench/gpu_pending.sh  # selective checkpointing and the activation memory budget
 # (carry .whl/train, and .whl/ao (torchao) for GROUP=tests, .whl/bnb (bitsandbytes) for moe and mem)
@@ -136,7 +139,7 @@ case $GROUP in
             | tail -6 > "$OUT/train2b.txt")  # issue 13: peer vs ours with compiled vision blocks, same process
           b="--preset qwen3vl-2b --method full --steps 8 --warmup 4 --override precision.compile=true"
           LIMIT=100; r 1 $b precision.compile_vision=true; r 2 $b; r 3 $b model.vision_attention=sdpa ;;  # vis13 reversed
-  gen13) (cd bench && timeout ${LIMIT:-200} python3 generate.py --preset qwen3vl-2b --paths vlforge,hf-static --cases 64x256 \
+  gen13) (cd bench && timeout ${LIMIT:-200} python3 generate.py --preset ${PRESET:-qwen3vl-2b} --paths vlforge,hf-static --cases 64x256 \
            --out "$OUT/gen.jsonl" 2>"$OUT/err-gen.txt") ;;  # issue 11: the prefill with varlen vision and host-cast pixels
   gen6)  (cd bench && timeout 300 python3 generate.py --preset qwen3vl-2b --paths vlforge --cases mixed,tail \
            --out "$OUT/gen-2b.jsonl" 2>"$OUT/err-gen.txt") ;;  # mixed: joins batched (join_share) vs vlforge-joineach

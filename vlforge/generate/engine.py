@@ -404,9 +404,10 @@ def _attention(config, name: str):
 def step_mask(keep: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     """A decode step's attention mask from its boolean `keep`: additive (0 where read, the dtype's
     minimum elsewhere: finite, so a padding row that reads nothing gets finite garbage, not NaN) when
-    `dtype` is given, else `keep` itself. Built once a step: given a boolean mask, SDPA converts it
-    to this in every layer, and on an H200 its kernel ran the grouped decode attention ~2x slower
-    with the boolean mask than with an additive bf16 one (bench/grouped_attention.py)."""
+    `dtype` is given, else `keep` itself. Built once a step where SDPA converts a boolean mask in
+    every layer. (An eager microbenchmark had the grouped attention ~2x faster with it; in the
+    compiled, captured 2B step the two measured the same, 3.61 vs 3.62 ms on an H200: the
+    benchmark's gap was launch cost. docs/benchmarks.md, thirteenth session.)"""
     if dtype is None:
         return keep
     return torch.where(keep, 0.0, torch.finfo(dtype).min).to(dtype)

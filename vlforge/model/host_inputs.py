@@ -12,7 +12,7 @@ position_ids.
     RopeIndex       the model class's get_rope_index as a picklable callable of config values
     VisionGrid      the vision tower's grid-derived kwargs (transformers.vision_utils)
     host_to_device  a host tensor queued to the device without a sync
-    joined_to_device  host tensors concatenated (and cast) into one pinned buffer, queued so
+    joined_to_device  host tensors concatenated (and cast) into one pinned buffer, queued to the device
 """
 
 from __future__ import annotations
