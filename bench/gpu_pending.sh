@@ -43,7 +43,7 @@
 #   bench/train.py peer vs ours with compiled vision blocks, and vis13's SFT runs in reverse order. gen13 (2B vlforge
 #   vs hf-static with the varlen prefill tower and host-cast pixels) was refused: run it next, then PRESET=qwen3vl-8b
 #   LIMIT=330, visprof (a profile of eager varlen vs the per-image loop in training: why 4-9% slower?),
-#   8B LoRA with compiled vision blocks (forward-only tower) vs without.
+#   lora13 (8B LoRA peer vs ours padded and packed, compiled vision blocks now on by default).
 #   OUT=/some/dir GROUP=moe   bash bench/gpu_pending.sh  # 30B-A3B: peft peer vs ours same process; NF4 memory/decode
 #   OUT=/some/dir GROUP=mem   bash bench/gpu_pending.sh  # selective checkpointing and the activation memory budget
 # (carry .whl/train, and .whl/ao (torchao) for GROUP=tests, .whl/bnb (bitsandbytes) for moe and mem)
@@ -144,6 +144,9 @@ case $GROUP in
   visprof) b="--preset qwen3vl-2b --method full --steps 6 --warmup 3 --override precision.compile=true precision.compile_vision=false"
            LIMIT=120; r 1 $b model.vision_attention=varlen --profile "$OUT/prof-varlen.txt"
            r 2 $b model.vision_attention=sdpa --profile "$OUT/prof-loop.txt" ;;  # why eager varlen vision blocks train slower
+  lora13) (cd bench && timeout 420 python3 train.py --preset qwen3vl-8b --method lora --paths peer,ours,packed --steps 10 \
+            --samples 32 --ours precision.compile=true 2>"$OUT/err-8b.txt" | tail -6 > "$OUT/train8b.txt") ;;  # issue 13: 8B LoRA
+            # with compiled (frozen, forward-only) vision blocks on the varlen call, padded and packed, peft beside
   gen6)  (cd bench && timeout 300 python3 generate.py --preset qwen3vl-2b --paths vlforge --cases mixed,tail \
            --out "$OUT/gen-2b.jsonl" 2>"$OUT/err-gen.txt") ;;  # mixed: joins batched (join_share) vs vlforge-joineach
   serve3) for a in "--engine vlforge" "--compile"; do n=${a//[- ]/}
