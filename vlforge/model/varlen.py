@@ -85,8 +85,9 @@ def kernel_takes(query: torch.Tensor, dropout: float, scaling: float | None, ker
     return "scale" in kernel[1] or scaling is None or abs(scaling - D ** -0.5) < 1e-12 * D ** -0.5
 
 
-def _vision_varlen(query_HTD, key_HTD, value_HTD, cu_seqlens, max_len: int, scaling):
-    """torch's varlen_attn over the images of one row, not causal: [H, T, D] each -> [1, T, H, D]."""
+def _vision_varlen(query_HTD, key_HTD, value_HTD, cu_seqlens, max_len: int | None, scaling):
+    """torch's varlen_attn over the images of one row, not causal: [H, T, D] each -> [1, T, H, D].
+    `max_len`: the longest image's patches (None: read from cu_seqlens, a sync on a GPU)."""
     varlen_attn, params = _KERNEL
     dtype = half_dtype(query_HTD)  # autocast's cast, as SDPA gets it
     q, k, v = (x.transpose(0, 1).to(dtype).contiguous() for x in (query_HTD, key_HTD, value_HTD))
@@ -97,6 +98,8 @@ def _vision_varlen(query_HTD, key_HTD, value_HTD, cu_seqlens, max_len: int, scal
     # image's end exit at once), so the graph does not guard on the host int of the longest image
     if torch.compiler.is_compiling():
         max_len = q.shape[0]
+    elif max_len is None:
+        max_len = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
     cu = cu_seqlens.to(torch.int32)
     return varlen_attn(q, k, v, cu, cu, max_len, max_len, **kwargs)[None]
 
@@ -123,8 +126,7 @@ def _vision_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     if attention_mask is not None or is_causal or query.shape[0] != 1:
         raise ValueError("the vision attention takes one row of images, no mask, not causal")
     if kernel_takes(query, dropout, scaling, _KERNEL):
-        max_len = max_length_q if max_length_q is not None else int((cu_seq_lens_q[1:] - cu_seq_lens_q[:-1]).max())
-        return _vision_varlen(query[0], key[0], value[0], cu_seq_lens_q, max_len, scaling), None
+        return _vision_varlen(query[0], key[0], value[0], cu_seq_lens_q, max_length_q, scaling), None
     bounds = image_bounds if image_bounds is not None else tuple(cu_seq_lens_q.tolist())  # (a sync on a GPU)
     return _vision_per_image(query, key, value, bounds, dropout, scaling), None
 
