@@ -7,9 +7,10 @@ Paths: vlforge (the engine as GRPO uses it: CUDA graphs of a torch.compile'd ste
 vlforge-nocompile (CUDA graphs of the eager layers), vlforge-noshare (64x256: SlotCache, every row
 reading its own copy of its prompt's KV, instead of GroupCache), vlforge-flex (the compiled step with
 flex_attention's decode kernel instead of SDPA), vlforge-boolmask (64x256: the step's boolean mask,
-which SDPA converts in every layer, instead of the additive one built once a step), vision (the vision tower
-alone on the 8 prompts' images; vision-sdpa: through transformers' per-image sdpa loop), hf-dynamic / hf-static (transformers'
-generate with its dynamic or static cache; static is auto-compiled).
+which SDPA converts in every layer, instead of the additive one built once a step), vision (the
+vision tower alone on the 8 prompts' images; vision-sdpa: through transformers' per-image sdpa
+loop), hf-dynamic / hf-static (transformers' generate with its dynamic or static cache; static is
+auto-compiled; both with transformers' own vision attention).
 
 Workload (one process, the same inputs for every path, random weights, bf16): 8 prompts (one
 448x448 image + ~60 words each) x 8 samples = 64 sequences x 256 new tokens at temperature 1,
