@@ -197,6 +197,8 @@ def test_vision_blocks_compile_with_the_decoder_layers_and_an_eager_trainable_to
                 {b._compiled_call_impl is not None for b in core.visual.blocks}, core.visual.config._attn_implementation)
 
     assert setup("precision.compile=true") == ({True}, {True}, VISION_ATTENTION)
+    assert setup_model(tiny_sft_config(shapes_dir, tmp_path / "run", "precision.compile=true")).compiled == (
+        "decoder layers", "vision blocks")  # what the run's first line reports
     assert setup("precision.compile=true", "precision.compile_vision=false") == ({True}, {False}, "sdpa")
     assert setup("precision.compile=false") == ({False}, {False}, "sdpa")  # full: the tower trains, eager
     assert setup("precision.compile=false", "model.vision_attention=varlen") == ({False}, {False}, VISION_ATTENTION)

@@ -46,6 +46,7 @@ class Trainable:
     root: torch.nn.Module | None = None  # sharded: the FSDP2 root unit (a losses.Root) the step calls
     routing: Routing | None = None  # MoE: router hooks for the aux loss and expert-load metrics (engine/moe.py)
     activation_memory_budget: float | None = None  # precision.activation_memory_budget (compiled layers)
+    compiled: tuple[str, ...] = ()  # what torch.compile wraps: "decoder layers", "vision blocks" (precision.compile*)
 
     def forward(self, fn, *args, **kwargs):
         """`fn(model, *args)`, entered through the FSDP2 root unit when the run is sharded (losses.Root).
@@ -209,8 +210,10 @@ def setup_model(cfg: RunConfig, compile_blocks: bool | None = None, world: World
     del source  # rank 0's host copy of the whole model
     model.train()
     routing = Routing.of(model, cfg.train.router_aux_loss_coef)
+    compiled_parts = ("decoder layers", "vision blocks") if compiled and vision_compiled else \
+        ("decoder layers",) if compiled else ()
     return Trainable(model, processor, plan, policy, device, fp8_plan, world, root, routing,
-                     cfg.precision.activation_memory_budget)
+                     cfg.precision.activation_memory_budget, compiled_parts)
 
 
 def _meta_model(cfg: RunConfig, load_dtype: torch.dtype, world: World):

@@ -484,7 +484,8 @@ def run_grpo(cfg: GRPOConfig) -> dict:
         B, G = cfg.rollout.prompts_per_step, cfg.rollout.group_size
         if world.main:
             print(f"GRPO: {len(data)} prompts, {B} x {G} rollouts per step, {total_steps} steps, device {t.device}"
-                  + (f", {world.size} processes ({world.strategy})" if world.strategy != "none" else ""))
+                  + (f", {world.size} processes ({world.strategy})" if world.strategy != "none" else "")
+                  + (f"; compiled: {' and '.join(t.compiled)}" if t.compiled else ""))
         first_eval = run.evaluate() if cfg.eval.at_start and run.step == 0 else None
         stream = prompt_stream(data, B, cfg.train.seed, run.state["epoch"], run.state["position"], world)
         bar = tqdm(total=total_steps, initial=run.step, disable=not (cfg.log.progress and world.main), desc="grpo",

@@ -158,7 +158,8 @@ def run_sft(cfg: SFTConfig) -> dict:
         say = print if world.main else (lambda *a, **k: None)  # one process speaks for the run
         say(f"training {summary['trainable_params']:,} of {summary['total_params']:,} parameters "
               f"({cfg.tiers.method}); {len(train_data)} samples, {total_steps} steps, device {t.device}"
-            + (f", {world.size} processes ({world.strategy})" if world.strategy != "none" else ""))
+            + (f", {world.size} processes ({world.strategy})" if world.strategy != "none" else "")
+            + (f"; compiled: {' and '.join(t.compiled)}" if t.compiled else ""))
         if train_data.report.skipped:
             say(f"skipped rows: {dict(train_data.report.skipped)}")
         if cfg.eval.at_start and run.step == 0:
