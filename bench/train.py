@@ -119,7 +119,7 @@ def run_peer(args, batches) -> dict:
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return float(loss)
+        return float(loss.detach())
 
     return {"model": model, "run": step}
 
