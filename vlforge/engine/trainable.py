@@ -102,7 +102,7 @@ def vision_attention_for_training(core, model_cfg: ModelConfig, precision: Preci
     returns whether the vision blocks compile. Measured on one H200 (2B full SFT with compiled decoder
     layers, two calls in opposite orders, docs/benchmarks.md, thirteenth session): compiled vision
     blocks on the one-call varlen attention were the fastest (1.05-1.06x transformers' per-image
-    loop), but eager vision blocks trained 4-8% faster on the loop than on the varlen call. So auto
+    loop), but eager vision blocks trained 4-9% faster on the loop than on the varlen call. So auto
     compiles the blocks where the decoder layers compile, and a trainable tower left eager goes back
     to the loop. Inference keeps varlen (the prefill's tower alone was 1.20x faster on it)."""
     varlen = model_cfg.vision_attention != "sdpa" and use_vision_varlen(core)
