@@ -7,7 +7,9 @@ Paths: vlforge (the engine as GRPO uses it: CUDA graphs of a torch.compile'd ste
 vlforge-nocompile (CUDA graphs of the eager layers), vlforge-noshare (64x256: SlotCache, every row
 reading its own copy of its prompt's KV, instead of GroupCache), vlforge-flex (the compiled step with
 flex_attention's decode kernel instead of SDPA), vlforge-boolmask (64x256: the step's boolean mask,
-which SDPA converts in every layer, instead of the additive one built once a step), vision (the
+which SDPA converts in every layer, instead of the additive one built once a step), vlforge-unfused
+(64x256: one GEMM per q/k/v and gate/up projection, as transformers, instead of generate/fused.py's
+one GEMM per group), vision (the
 vision tower alone on the 8 prompts' images; vision-sdpa: through transformers' per-image sdpa
 loop), hf-dynamic / hf-static (transformers' generate with its dynamic or static cache; static is
 auto-compiled; both with transformers' own vision attention).
@@ -181,7 +183,7 @@ def main() -> None:
     paths, cases = args.paths.split(","), args.cases.split(",")
     torch.manual_seed(0)
     model, processor = load_model(ModelConfig(preset=args.preset), dtype=torch.bfloat16, device="cuda")
-    model.eval()
+    model.eval().requires_grad_(False)  # an inference model: the engine fuses its projections (generate/fused.py)
     core = model
     encoder = Encoder(processor, ImageLimits(3136, 448 * 448))
     engine = Engine(model, sync_every=args.sync_every, compile=True)
@@ -233,6 +235,11 @@ def main() -> None:
             attempt(lambda: {**case_engine("64x256", core, engine, encoder, requests_of(small, 8, 8, 256)),
                              "path": "vlforge-boolmask"})
             engine.additive_mask = True
+        if "vlforge-unfused" in paths:  # one GEMM per projection, as transformers (the step compiles again)
+            engine.fuse_projections = False
+            attempt(lambda: {**case_engine("64x256", core, engine, encoder, requests_of(small, 8, 8, 256)),
+                             "path": "vlforge-unfused"})
+            engine.fuse_projections = True
         if "vision" in paths:  # the vision tower's share of the prefill: its 8 images alone, warm
             attempt(lambda: case_vision("64x256", core, small))
         if "vision-sdpa" in paths:  # the same through transformers' per-image sdpa loop (model.vision_attention=sdpa)

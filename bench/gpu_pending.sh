@@ -44,6 +44,8 @@
 #   vs hf-static with the varlen prefill tower and host-cast pixels) was refused: run it next, then PRESET=qwen3vl-8b
 #   LIMIT=330, visprof (a profile of eager varlen vs the per-image loop in training: why 4-9% slower?),
 #   lora13 (8B LoRA peer vs ours padded and packed, compiled vision blocks now on by default).
+#   Fourteenth session: fuse14 (gpu tests of generate/fused.py and the engine; 2B vlforge vs vlforge-unfused vs
+#   hf-static; PRESET=qwen3vl-8b skips the tests)
 #   OUT=/some/dir GROUP=moe   bash bench/gpu_pending.sh  # 30B-A3B: peft peer vs ours same process; NF4 memory/decode
 #   OUT=/some/dir GROUP=mem   bash bench/gpu_pending.sh  # selective checkpointing and the activation memory budget
 # (carry .whl/train, and .whl/ao (torchao) for GROUP=tests, .whl/bnb (bitsandbytes) for moe and mem)
@@ -139,6 +141,10 @@ case $GROUP in
             | tail -6 > "$OUT/train2b.txt")  # issue 13: peer vs ours with compiled vision blocks, same process
           b="--preset qwen3vl-2b --method full --steps 8 --warmup 4 --override precision.compile=true"
           LIMIT=100; r 1 $b precision.compile_vision=true; r 2 $b; r 3 $b model.vision_attention=sdpa ;;  # vis13 reversed
+  fuse14) [ "${PRESET:-qwen3vl-2b}" = qwen3vl-2b ] && timeout 150 python3 -m pytest -q -rs -m gpu -p no:cacheprovider \
+           tests/test_fused.py tests/test_generate.py --tb=short > "$OUT/pytest.txt" 2>&1
+         (cd bench && timeout ${LIMIT:-330} python3 generate.py --preset ${PRESET:-qwen3vl-2b} \
+           --paths ${PATHS:-vlforge,vlforge-unfused,hf-static} --cases 64x256 --out "$OUT/gen.jsonl" 2>"$OUT/err-gen.txt") ;;
   gen13) (cd bench && timeout ${LIMIT:-200} python3 generate.py --preset ${PRESET:-qwen3vl-2b} --paths vlforge,hf-static --cases 64x256 \
            --out "$OUT/gen.jsonl" 2>"$OUT/err-gen.txt") ;;  # issue 11: the prefill with varlen vision and host-cast pixels
   visprof) b="--preset qwen3vl-2b --method full --steps 6 --warmup 3 --override precision.compile=true precision.compile_vision=false"

@@ -55,6 +55,7 @@ from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
 from transformers import AttentionInterface
 
 from vlforge.generate.forward import cache_of, encode_images, forward_shared, rope_positions
+from vlforge.generate.fused import FusedProjections
 from vlforge.generate.routes import NO_ROUTE, ROUTE_DTYPE, recorder_of, router_modules
 from vlforge.generate.sampling import row_key, sample
 from vlforge.model.host_inputs import host_to_device, joined_to_device
@@ -539,12 +540,15 @@ class Engine:
     (docs/benchmarks.md, tenth session). 0: join at every sync point where a slot freed.
     additive_mask: the decode step's mask additive in the KV dtype, built once a step (step_mask);
     False passes the boolean one (SDPA then converts it in every layer; kept for bench/generate.py's A/B).
+    fuse_projections: each decoder layer's q/k/v projections, and its MLP's gate/up, computed as one
+    GEMM each in the prefill and the decode steps (generate/fused.py; weights that need no gradient
+    only: inference models and GRPO's rollout copies). False: one GEMM per projection, as transformers.
     """
 
     def __init__(self, model, *, max_slots: int = 256, sync_every: int = 8, use_graphs: bool | None = None,
                  compile: bool = False, max_prefill_tokens: int = 32768, compact: bool = True,
                  decode_attention: str = "sdpa", join_share: float = 0.125, share_prompt: bool = True,
-                 additive_mask: bool = True):
+                 additive_mask: bool = True, fuse_projections: bool = True):
         if decode_attention not in DECODE_ATTENTION:
             raise ValueError(f"decode_attention: one of {sorted(DECODE_ATTENTION)}, got {decode_attention!r}")
         self._core = weakref.ref(unwrap(model))  # the engine lives as long as its model, not longer
@@ -560,6 +564,9 @@ class Engine:
         self.decode_attention = decode_attention
         self.share_prompt = share_prompt
         self.additive_mask = additive_mask
+        self.fuse_projections = fuse_projections
+        self._fused: FusedProjections | None = None  # the model's fusable groups (built at the first call)
+        self._fusing = False  # this call's forwards run the fused projections (part of the graph key)
         self._mask_dtype: torch.dtype | None = None  # this call's step mask dtype (None: boolean)
         self._group = 0  # this call's GroupCache group size G (0: SlotCache)
         self._compiled = self._compiled_pick = self._compiled_grouped = None
@@ -701,14 +708,14 @@ class Engine:
                 (off_L[None] >= 0) & (off_L[None] % G == member_S[:, None]) & (off_L[None] // G <= suffix_S[:, None]))
             mask_P1QL = step_mask(keep_SL.view(P, G, 1, Lb).expand(P, G, qpk, Lb).reshape(P, 1, G * qpk, Lb),
                                   self._mask_dtype)
-            with _attention(self.text_config, GROUPED_ATTENTION), routes:
+            with _attention(self.text_config, GROUPED_ATTENTION), routes, self._fusion():
                 hidden_SH = self._decode_hidden_grouped(self.core, self.cache, st.tok[:S].view(P, G), mask_P1QL,
                                                         st.pos[:S].view(P, G))
         else:
             self.cache.bind(length_S, span_L)
             attention = DECODE_ATTENTION["flex" if self.decode_attention == "flex" and self._step_compiled else "sdpa"]
             mask_S11L = step_mask((span_L[None] <= length_S[:, None])[:, None, None, :], self._mask_dtype)  # own slot too
-            with _attention(self.text_config, attention), routes:
+            with _attention(self.text_config, attention), routes, self._fusion():
                 hidden_SH = self._decode_hidden(self.core, self.cache, st.tok[:S, None], mask_S11L, st.pos[:S])
         tok_S, logp_S = self._pick(self.core.lm_head(hidden_SH), self.banned, self.is_stop, st.count[:S] < st.min_new[:S],
                                    st.temperature[:S], st.top_k[:S], st.top_p[:S], st.key[:S], st.count[:S], mode)
@@ -725,10 +732,14 @@ class Engine:
         st.alive[:S] = alive_S & ~stop_S & (st.count[:S] < st.max_new[:S])
         st.tok[:S] = tok_S
 
+    def _fusion(self):
+        """The fused projections for the forwards inside, when this call uses them."""
+        return self._fused.installed() if self._fusing else nullcontext()
+
     def _graph_key(self, S, Lb, mode):
         autocast = torch.is_autocast_enabled("cuda")
         return (S, Lb, mode, self.core.training, autocast, torch.get_autocast_dtype("cuda") if autocast else None,
-                self._step_compiled, self._recording, self._weights, self._group)
+                self._step_compiled, self._recording, self._weights, self._group, self._fusing)
 
     def _run_steps(self, S: int, Lb: int, mode: str, steps: int, use_graphs: bool) -> None:
         if not use_graphs:
@@ -794,7 +805,7 @@ class Engine:
         pixels = joined_to_device([p.pixel_values for p in with_images], device, self._pixel_dtype) if with_images \
             else None
         feats = encode_images(self.core, pixels, grid, [p.images for p in prompts])
-        with self.recorder.keep() if self._recording else nullcontext({}) as kept:
+        with self.recorder.keep() if self._recording else nullcontext({}) as kept, self._fusion():
             out = forward_shared(self.core, ids_BP, mask_BP, pos_3BP, feats, list(range(len(prompts))), use_cache=True)
         slots, rows, keys, reqs = [], [], [], []
         for b, (_, r, sl) in enumerate(admitted):
@@ -905,6 +916,10 @@ class Engine:
         # torch.compile specializes a dimension of size 1 (dynamic=True or not): a one-row step would
         # compile the language model again (~2 min at 2B), so a compiled step runs at least 2 slots
         self._step_compiled = compiled
+        if self.fuse_projections and self._fused is None:
+            self._fused = FusedProjections(self.core)
+        # before the weights' storage is read below: a first call makes the fused weights views of one buffer
+        self._fusing = self.fuse_projections and self._fused.prepare() > 0
         # the weights' storage is part of a graph's key: a graph captured over other tensors (GRPO's
         # rollout reads bf16 copies of fp32 masters, PrecisionPolicy.inference_weights) is not replayed
         self._weights = hash(tuple(p.data_ptr() for p in self.core.parameters()))

@@ -311,7 +311,8 @@ class InferenceEngine:
         self.engine_kind = engine
         self.sync_every = SYNC_EVERY
         self._gen: Engine | None = None
-        model.eval()
+        # an inference model: no gradients, and generate/'s engine fuses its projections (generate/fused.py)
+        model.eval().requires_grad_(False)
 
     @property
     def continuous(self) -> bool:

@@ -1,0 +1,181 @@
+"""generate/fused.py: a decoder layer's q/k/v and gate/up projections as one GEMM each, in the engine's
+prefill and decode steps, against transformers' one GEMM per projection."""
+
+import copy
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from vlforge.config import DataConfig
+from vlforge.data.dataset import load_dataset
+from vlforge.data.encode import encode_prompt
+from vlforge.generate.engine import Engine, GenRequest, Prompt
+from vlforge.generate.forward import vision_token_ids
+from vlforge.generate.fused import FusedProjections
+
+from helpers import compiled_on_cpu
+
+
+@pytest.fixture
+def setup(tiny, shapes_dir):
+    model, processor = tiny
+    model = copy.deepcopy(model).eval().requires_grad_(False)  # an inference model: its weights are fused
+    data = load_dataset(str(shapes_dir / "train.jsonl"), processor, DataConfig())
+    return model, data.encoder, data.samples
+
+
+def requests_of(encoder, samples, n=1, temperature=0.0):
+    out = []
+    for i, s in enumerate(samples):
+        x = encode_prompt(encoder, s)
+        out.append(GenRequest(Prompt(x["input_ids"], x.get("pixel_values"), x.get("image_grid_thw")), n=n,
+                              max_new_tokens=6 + 3 * i, temperature=temperature, seed=5, first_row=n * i))
+    return out
+
+
+def run(engine, encoder, requests):
+    return engine.generate(requests, stop_ids=[], banned_ids=vision_token_ids(encoder),
+                           image_token_id=encoder.image_token_id, pad_id=encoder.pad_id)
+
+
+class CountMatmuls(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm):
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def language_model_logits(core, ids):
+    return core.lm_head(core.model.language_model(input_ids=ids).last_hidden_state)
+
+
+def test_fused_groups_compute_transformers_projections_in_one_gemm_each(setup):
+    """Inside `installed()` a language-model forward runs 4 GEMMs a layer instead of 7 (q/k/v one,
+    gate/up one) and gives transformers' logits; the weights are views of one buffer per group with
+    their values and Parameter objects kept; outside, the modules' own forwards run again."""
+    model, _, _ = setup
+    layers = model.model.language_model.layers
+    params = {n: p for n, p in model.named_parameters()}
+    before = {n: p.detach().clone() for n, p in params.items()}
+    ids = torch.randint(0, model.config.text_config.vocab_size, (3, 7))
+    with torch.no_grad(), CountMatmuls() as plain:
+        reference = language_model_logits(model, ids)
+    fused = FusedProjections(model)
+    assert fused.prepare() == 2 * len(layers)
+    attn = layers[0].self_attn
+    q, k, v = attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight
+    assert k.data_ptr() == q.data_ptr() + q.numel() * q.element_size()
+    assert v.data_ptr() == k.data_ptr() + k.numel() * k.element_size()
+    for n, p in model.named_parameters():
+        assert p is params[n] and torch.equal(p, before[n]), n
+    with torch.no_grad(), fused.installed(), CountMatmuls() as grouped:
+        out = language_model_logits(model, ids)
+    assert plain.count - grouped.count == 3 * len(layers)
+    torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
+    assert "forward" not in attn.q_proj.__dict__  # uninstalled
+    assert fused.prepare() == 2 * len(layers) and fused.groups[0].buffer is not None  # no second copy
+    assert fused.groups[0].views_current()
+
+
+def test_weights_that_need_gradients_or_are_not_plain_linears_keep_their_own_storage(tiny):
+    model = copy.deepcopy(tiny[0])  # trainable: nothing fused
+    assert FusedProjections(model).prepare() == 0
+    model.requires_grad_(False)
+    model.model.language_model.layers[0].mlp.up_proj.weight.requires_grad_(True)
+    layers = len(model.model.language_model.layers)
+    assert FusedProjections(model).prepare() == 2 * layers - 1
+
+
+def test_a_model_with_fused_weights_saves_and_loads_as_before(setup, tmp_path):
+    from transformers import AutoModelForImageTextToText
+
+    model, _, _ = setup
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    FusedProjections(model).prepare()
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForImageTextToText.from_pretrained(tmp_path, local_files_only=True)
+    for n, p in loaded.named_parameters():
+        assert torch.equal(p, before[n]), n
+
+
+def test_the_engine_with_fused_projections_gives_the_tokens_of_one_gemm_per_projection(setup):
+    """Greedy and sampled (GroupCache and SlotCache), fp32 on the CPU: the same tokens, log-probs
+    within fp32 rounding."""
+    model, encoder, samples = setup
+    for n, temperature in ((1, 0.0), (2, 1.0), (1, 1.0)):
+        requests = requests_of(encoder, samples[:3], n=n, temperature=temperature)
+        fused_engine = Engine(model)
+        fused = run(fused_engine, encoder, requests)
+        assert fused_engine._fusing
+        plain = run(Engine(model, fuse_projections=False), encoder, requests)
+        for a, b in zip(fused, plain):
+            assert torch.equal(a.tokens, b.tokens), (n, temperature)
+            torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=1e-5)
+
+
+def test_the_compiled_decode_step_traces_the_fused_projections_as_one_graph(setup, monkeypatch):
+    """dynamo follows the fused forwards (their shared state is Python attributes): the compiled
+    step compiles once as one graph and gives the eager engine's tokens."""
+    from torch._dynamo.utils import counters
+
+    model, encoder, samples = setup
+    engine = compiled_on_cpu(Engine(model, compile=True), monkeypatch)
+    requests = requests_of(encoder, samples[:3], n=2, temperature=1.0)
+    graphs = counters["stats"]["unique_graphs"]
+    compiled = run(engine, encoder, requests)
+    run(engine, encoder, requests)
+    assert engine._fusing and engine.compile_failure is None
+    assert counters["stats"]["unique_graphs"] - graphs == 2  # the layers once, _pick once
+    eager = run(Engine(model, fuse_projections=False), encoder, requests)
+    for a, b in zip(compiled, eager):
+        assert torch.equal(a.tokens, b.tokens)
+
+
+def test_rollout_copies_of_fp32_masters_are_fused_and_follow_the_masters(tiny, shapes_dir):
+    """GRPO with fp32 masters generates on bf16 copies of the linears (inference_weights): the engine
+    fuses the copies, and after the masters change the next rollout reads the new values (the
+    copies are refreshed into the fused buffers), the tokens of an unfused engine each time."""
+    from vlforge.config import PrecisionConfig
+    from vlforge.engine.precision import PrecisionPolicy
+
+    model = copy.deepcopy(tiny[0]).eval()
+    data = load_dataset(str(shapes_dir / "train.jsonl"), tiny[1], DataConfig())
+    policy = PrecisionPolicy(PrecisionConfig(mode="bf16"), "cpu")
+    policy.apply(model)
+    requests = requests_of(data.encoder, data.samples[:2], n=2, temperature=1.0)
+    fused_engine, plain_engine = Engine(model), Engine(model, fuse_projections=False)
+    q_master = model.model.language_model.layers[0].self_attn.q_proj.weight
+    rounds = []
+    for round_ in range(2):
+        with policy.autocast(), policy.inference_weights(model):
+            fused = run(fused_engine, data.encoder, requests)
+            assert fused_engine._fusing
+            plain = run(plain_engine, data.encoder, requests)
+        for a, b in zip(fused, plain):
+            assert torch.equal(a.tokens, b.tokens), round_
+        rounds.append([r.tokens for r in fused])
+        assert model.model.language_model.layers[0].self_attn.q_proj.weight is q_master  # given back
+        with torch.no_grad():  # an optimizer step on the masters
+            for p in model.model.language_model.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+    assert any(not torch.equal(a, b) for a, b in zip(*rounds))  # the second rollout read the new weights
+
+
+@pytest.mark.gpu
+def test_cuda_graphs_of_the_compiled_fused_step_give_the_unfused_eager_tokens(setup):
+    model, encoder, samples = setup
+    model = model.cuda()
+    for n in (1, 3):
+        requests = requests_of(encoder, samples[:4], n=n, temperature=1.0)
+        graphs = Engine(model, use_graphs=True, compile=True)
+        fused = run(graphs, encoder, requests)
+        assert graphs._fusing and graphs.graphs and graphs.compile_failure is None
+        eager = run(Engine(model, use_graphs=False, fuse_projections=False), encoder, requests)
+        for a, b in zip(fused, eager):
+            assert torch.equal(a.tokens, b.tokens)
+            torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-4, rtol=1e-4)

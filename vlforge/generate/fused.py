@@ -1,0 +1,139 @@
+"""One GEMM for the linears of a decoder layer that read the same input: q/k/v, and the MLP's gate/up.
+
+    fused = FusedProjections(core)
+    with fused.installed():          # inside: transformers' own attention and MLP code, unchanged,
+        out = core.model.language_model(...)  # each group of projections computed as one GEMM
+
+Why: in a decode step (tens of rows) each projection is a small GEMM bound by reading its weight
+plus a launch. Measured in the compiled 2B step on an H200 (docs/benchmarks.md, thirteenth session):
+q/o 6.0 us and k/v 5.7 us a layer, 15-28% of HBM bandwidth, gate/up 9.5 us each at ~55%. One GEMM
+over the group's weights reads the same bytes in one launch at the wider GEMM's efficiency.
+
+Why hand-written: inductor merges GEMMs that share an input only under `freezing` (its concat-linear
+pattern), which bakes the weights into the compiled code (GRPO changes them every step), and it does
+not deduplicate identical GEMMs in an inference graph (checked on torch 2.14: three F.linear calls on
+one weight stayed three extern mm calls).
+
+How: a group's weights become views of one buffer [sum of out features, in features] (the same
+values; each Parameter's `.data` is reassigned, the Parameter objects are kept, so an optimizer or
+a precision policy holding them still holds them); inside `installed()` each member's forward is
+replaced by one that, at the group's first call on an input, runs the GEMM over the whole buffer
+and hands every member its part. Only weights that need no gradient are fused (inference models,
+and the compute-dtype copies a GRPO rollout reads, PrecisionPolicy.inference_weights): a trained
+weight keeps its own storage. Members must be exactly nn.Linear without bias (not LoRA, FP8 or
+quantized layers, which keep their own forward).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+# the projections of one input, per decoder-layer submodule
+GROUPS = {"self_attn": ("q_proj", "k_proj", "v_proj"), "mlp": ("gate_proj", "up_proj")}
+
+
+class _Group:
+    """Linears reading one input whose weights are rows of one buffer."""
+
+    def __init__(self, linears: list[nn.Linear]):
+        self.linears = linears
+        self.sizes = [m.out_features for m in linears]
+        self.buffer: torch.Tensor | None = None
+        self.parts: list[torch.Tensor] | None = None  # the GEMM's output split per member, until all took theirs
+        self.input: torch.Tensor | None = None
+        self.given: list[bool] = [False] * len(linears)
+        self.forwards = [self._forward_of(i) for i in range(len(linears))]  # one function each: stable for dynamo
+
+    def eligible(self) -> bool:
+        weights = [m.weight for m in self.linears]
+        w0 = weights[0]
+        return all(type(m) is nn.Linear and m.bias is None and "forward" not in m.__dict__ for m in self.linears) \
+            and all(type(w.data) is torch.Tensor and not w.requires_grad and w.dtype == w0.dtype
+                    and w.device == w0.device and w.shape[1] == w0.shape[1] and w.dtype.is_floating_point
+                    for w in weights)
+
+    def views_current(self) -> bool:
+        """Every member's weight is still its rows of the buffer."""
+        if self.buffer is None:
+            return False
+        start = 0
+        for m, n in zip(self.linears, self.sizes):
+            w = m.weight
+            if w.data_ptr() != self.buffer[start:start + n].data_ptr() or w.shape != (n, self.buffer.shape[1]):
+                return False
+            start += n
+        return True
+
+    def adopt(self) -> None:
+        """Copy the members' weights into one buffer and make each weight a view of its rows."""
+        weights = [m.weight for m in self.linears]
+        buffer = torch.empty((sum(self.sizes), weights[0].shape[1]), dtype=weights[0].dtype, device=weights[0].device)
+        start = 0
+        for w, n in zip(weights, self.sizes):
+            buffer[start:start + n].copy_(w.data)
+            w.data = buffer[start:start + n]
+            start += n
+        self.buffer = buffer
+
+    def _forward_of(self, i: int):
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            # the first member called on an input computes every member's part (a member called again, or
+            # on another input, starts over: always correct; transformers calls each once, in order)
+            if self.parts is None or self.given[i] or x is not self.input:
+                self.parts = list(F.linear(x, self.buffer).split(self.sizes, dim=-1))
+                self.input = x
+                self.given = [False] * len(self.sizes)
+            self.given[i] = True
+            part = self.parts[i]
+            if all(self.given):  # every member took its part: nothing is held past the layer
+                self.parts = self.input = None
+            return part
+        return forward
+
+    def clear(self) -> None:
+        self.parts = self.input = None
+        self.given = [False] * len(self.sizes)
+
+
+class FusedProjections:
+    """The language model's fusable groups (GROUPS in every decoder layer) of `core`."""
+
+    def __init__(self, core):
+        self.groups: list[_Group] = []
+        for layer in core.model.language_model.layers:
+            for owner, names in GROUPS.items():
+                module = getattr(layer, owner, None)
+                linears = [getattr(module, n, None) for n in names]
+                if module is not None and all(isinstance(m, nn.Linear) for m in linears):
+                    self.groups.append(_Group(linears))
+        self._active: list[_Group] = []
+
+    def prepare(self) -> int:
+        """Before a generate call: adopt every eligible group whose weights are not its buffer's views
+        (a first call, or weights replaced since); returns how many groups `installed` fuses."""
+        self._active = []
+        for g in self.groups:
+            if not g.eligible():
+                continue
+            if not g.views_current():
+                g.adopt()
+            self._active.append(g)
+        return len(self._active)
+
+    @contextmanager
+    def installed(self):
+        """The prepared groups' fused forwards, for the forwards run inside."""
+        try:
+            for g in self._active:
+                for m, forward in zip(g.linears, g.forwards):
+                    m.forward = forward
+            yield
+        finally:
+            for g in self._active:
+                g.clear()
+                for m in g.linears:
+                    m.__dict__.pop("forward", None)
