@@ -179,3 +179,26 @@ def test_cuda_graphs_of_the_compiled_fused_step_give_the_unfused_eager_tokens(se
         for a, b in zip(fused, eager):
             assert torch.equal(a.tokens, b.tokens)
             torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-4, rtol=1e-4)
+
+
+def test_lora_layers_fuse_their_frozen_base_layers_and_keep_their_adapters(setup):
+    """peft LoRA on q/k/v and gate/up (adapters not zero): the base layers' GEMMs are fused, the
+    adapters still add their product: the tokens and log-probs of the unfused engine."""
+    from peft import LoraConfig, get_peft_model
+
+    model, encoder, samples = setup
+    lora = get_peft_model(copy.deepcopy(model), LoraConfig(r=4, lora_alpha=8, init_lora_weights=False, target_modules=[
+        "q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"])).eval()
+    core = lora.base_model.model
+    layers = len(core.model.language_model.layers)
+    requests = requests_of(encoder, samples[:3], n=2, temperature=1.0)
+    fused_engine = Engine(lora)
+    fused = run(fused_engine, encoder, requests)
+    assert fused_engine._fusing and len(fused_engine._fused._active) == 2 * layers
+    assert fused_engine._fused.groups[0].linears[0] is core.model.language_model.layers[0].self_attn.q_proj.base_layer
+    plain = run(Engine(lora, fuse_projections=False), encoder, requests)
+    without_adapters = run(Engine(model, fuse_projections=False), encoder, requests)
+    for a, b in zip(fused, plain):
+        assert torch.equal(a.tokens, b.tokens)
+        torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=1e-5)
+    assert any(not torch.equal(a.tokens, c.tokens) for a, c in zip(fused, without_adapters))  # the adapters count

@@ -20,8 +20,9 @@ a precision policy holding them still holds them); inside `installed()` each mem
 replaced by one that, at the group's first call on an input, runs the GEMM over the whole buffer
 and hands every member its part. Only weights that need no gradient are fused (inference models,
 and the compute-dtype copies a GRPO rollout reads, PrecisionPolicy.inference_weights): a trained
-weight keeps its own storage. Members must be exactly nn.Linear without bias (not LoRA, FP8 or
-quantized layers, which keep their own forward).
+weight keeps its own storage. Members must be exactly nn.Linear without bias; of a LoRA layer the
+frozen base layer is fused (the adapters' terms are added by peft as before); FP8 and quantized
+layers keep their own forward.
 """
 
 from __future__ import annotations
@@ -99,6 +100,14 @@ class _Group:
         self.given = [False] * len(self.sizes)
 
 
+def _base(module):
+    """The linear whose weight a projection reads: a LoRA layer's frozen base layer (peft's
+    lora.Linear calls its base_layer on its own input, then adds the adapters' product, which stays
+    its own small GEMM), else the module itself."""
+    base = getattr(module, "base_layer", None)
+    return base if isinstance(base, nn.Linear) else module
+
+
 class FusedProjections:
     """The language model's fusable groups (GROUPS in every decoder layer) of `core`."""
 
@@ -107,7 +116,7 @@ class FusedProjections:
         for layer in core.model.language_model.layers:
             for owner, names in GROUPS.items():
                 module = getattr(layer, owner, None)
-                linears = [getattr(module, n, None) for n in names]
+                linears = [_base(getattr(module, n, None)) for n in names]
                 if module is not None and all(isinstance(m, nn.Linear) for m in linears):
                     self.groups.append(_Group(linears))
         self._active: list[_Group] = []
