@@ -44,7 +44,7 @@
 #   vs hf-static with the varlen prefill tower and host-cast pixels) was refused: run it next, then PRESET=qwen3vl-8b
 #   LIMIT=330, visprof (a profile of eager varlen vs the per-image loop in training: why 4-9% slower?),
 #   lora13 (8B LoRA peer vs ours padded and packed, compiled vision blocks now on by default).
-#   Fourteenth session: fuse14 (gpu tests of generate/fused.py and the engine; 2B vlforge vs vlforge-unfused vs
+#   Fourteenth session: fsdp14 (FSDP2 world 1 with distributed.layers_per_unit 1, 4, 2, 8; eager), fuse14 (gpu tests of generate/fused.py and the engine; 2B vlforge vs vlforge-unfused vs
 #   hf-static; PRESET=qwen3vl-8b skips the tests)
 #   OUT=/some/dir GROUP=moe   bash bench/gpu_pending.sh  # 30B-A3B: peft peer vs ours same process; NF4 memory/decode
 #   OUT=/some/dir GROUP=mem   bash bench/gpu_pending.sh  # selective checkpointing and the activation memory budget
@@ -141,6 +141,9 @@ case $GROUP in
             | tail -6 > "$OUT/train2b.txt")  # issue 13: peer vs ours with compiled vision blocks, same process
           b="--preset qwen3vl-2b --method full --steps 8 --warmup 4 --override precision.compile=true"
           LIMIT=100; r 1 $b precision.compile_vision=true; r 2 $b; r 3 $b model.vision_attention=sdpa ;;  # vis13 reversed
+  fsdp14) b="--preset qwen3vl-2b --method full --steps 8 --warmup 3 --fsdp --override precision.compile=false"
+         LIMIT=80; r 1 ${b/--fsdp/}  # FSDP2 world 1 with K decoder layers / vision blocks a unit, no sharding around
+         for k in 1 4 2 8; do r $((k + 1)) $b distributed.layers_per_unit=$k; done; r 99 ${b/--fsdp/} ;;
   fuse14) [ "${PRESET:-qwen3vl-2b}" = qwen3vl-2b ] && timeout 150 python3 -m pytest -q -rs -m gpu -p no:cacheprovider \
            tests/test_fused.py tests/test_generate.py --tb=short > "$OUT/pytest.txt" 2>&1
          (cd bench && timeout ${LIMIT:-330} python3 generate.py --preset ${PRESET:-qwen3vl-2b} \

@@ -80,17 +80,27 @@ def test_two_processes_equal_one_and_resume_on_another_world_size(shapes_dir, tm
         torch.testing.assert_close(ours[name], theirs[name], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("reshard", ["true", "false"])
-def test_fsdp2_on_one_process_trains_like_no_sharding(shapes_dir, tmp_path, reshard):
-    """FSDP2 at world size 1 (both reshard_after_forward settings) updates every weight as the
-    unsharded run does. With `false` the root unit once stayed gathered after wrap's first
-    forward and its parameters (embeddings, final norm, lm_head) never moved."""
+@pytest.mark.parametrize("reshard,per_unit", [("true", "auto"), ("false", "auto"), ("true", "1")])
+def test_fsdp2_on_one_process_trains_like_no_sharding(shapes_dir, tmp_path, reshard, per_unit, monkeypatch):
+    """FSDP2 at world size 1 (both reshard_after_forward settings; the tiny model's layers and vision
+    blocks in units of several (auto: 4) or one each) updates every weight as the unsharded run
+    does. With `false` the root unit once stayed gathered after wrap's first forward and its
+    parameters (embeddings, final norm, lm_head) never moved."""
+    import torch.distributed.fsdp as fsdp
+
+    shard, units = fsdp.fully_shard, []
+    monkeypatch.setattr(fsdp, "fully_shard", lambda module, **kw: units.append(module) or shard(module, **kw))
     runs = {}
-    for name, extra in (("plain", []), ("fsdp", ["distributed.strategy=fsdp2",
+    for name, extra in (("plain", []), ("fsdp", ["distributed.strategy=fsdp2", f"distributed.layers_per_unit={per_unit}",
                                                  f"distributed.reshard_after_forward={reshard}"])):
         runs[name] = tmp_path / name
         run_sft(tiny_sft_config(shapes_dir, runs[name], *COMMON, "tiers.method=full", "train.max_steps=2",
                                 "train.save_every=2", *extra))
+    grouped = [u for u in units if isinstance(u, list)]
+    if per_unit == "auto":  # up to 4 a unit on one process: the tiny model's 2 decoder layers in one
+        assert any(len(u) == 2 and all(type(m).__name__.endswith("DecoderLayer") for m in u) for u in grouped)
+    else:
+        assert grouped == [] and sum(type(u).__name__.endswith("DecoderLayer") for u in units) == 2
     assert losses(runs["fsdp"]) == pytest.approx(losses(runs["plain"]), rel=1e-5)
     export(runs["fsdp"] / "checkpoint-2", tmp_path / "consolidated", dtype=torch.float32)
     ours, theirs = load_file(tmp_path / "consolidated" / "model.safetensors"), \

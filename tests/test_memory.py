@@ -54,6 +54,16 @@ def test_8b_full_fine_tuning_is_16_bytes_per_parameter_split_over_the_ranks(meta
     assert kept == 2 * n
     cfg.distributed.reshard_after_forward = True
 
+    # units of several layers: two units (the running one and the prefetched next) of 4 layers gathered,
+    # the default of FSDP2 on one process (distributed.layers_per_unit: auto), or of 3 as set
+    cfg.distributed.strategy = "fsdp2"
+    for per_unit, world in (("auto", 1), (3, 8)):
+        cfg.distributed.layers_per_unit = per_unit
+        layers = 4 if per_unit == "auto" else per_unit
+        gathered = memory_estimate(model, plan, cfg, world_size=world)["no_offload"]["gathered"]["gpu"]
+        assert gathered == 2 * (n - (len(lm.layers) - 2 * layers) * layer), per_unit
+    cfg.distributed.strategy, cfg.distributed.layers_per_unit = "auto", "auto"
+
 
 @pytest.mark.parametrize("method,master", [("lora", "compute"), ("full", "fp32")])
 def test_estimate_equals_the_tensors_of_a_real_run_and_its_optimizer(tmp_path, method, master):

@@ -270,7 +270,7 @@ def wrap(model: torch.nn.Module, world: World, cfg: DistributedConfig, compute_d
     # language model at several layers (deepstack), so a rank with images reaches its backward in
     # the middle of the layers' backward, a text-only rank (vision_keepalive) at the end; gathering
     # again in backward would then put the ranks' collectives out of order. It is small (~0.6B at 32B).
-    root = _shard_units(model, kwargs, {**kwargs, "reshard_after_forward": False})
+    root = _shard_units(model, kwargs, {**kwargs, "reshard_after_forward": False}, layers_per_unit(cfg, world.size))
     if any(p.is_meta for p in model.parameters()):
         materialize(root, model, world, cfg.cpu_offload, source)
     _enter_root(root)
@@ -281,22 +281,38 @@ def wrap(model: torch.nn.Module, world: World, cfg: DistributedConfig, compute_d
     return root
 
 
-def _shard_units(model: torch.nn.Module, kwargs: dict, vision: dict) -> torch.nn.Module:
-    """fully_shard every vision block, language decoder layer and the vision tower, then the root
-    (losses.Root(model)); `vision`: the vision units' settings. Returns the root, which keeps each
-    unit's reshard_after_forward in `reshard_settings` (fully_gathered restores them)."""
+def layers_per_unit(cfg: DistributedConfig, world_size: int) -> int:
+    """distributed.layers_per_unit resolved: auto = 4 on one process, 1 with several.
+
+    Measured on one H200 (2B full, eager, one call, docs/benchmarks.md, fourteenth session): FSDP2 on
+    one process ran at 0.82x of no sharding with a unit per layer, 0.90x with 2, 0.93x with 4 and
+    0.81x with 8 (a unit that large is gathered with too little compute to hide behind, as the whole
+    model as one unit measured 0.81x before). What units cost there is FSDP2's host work per unit
+    (hooks, copy-in/out, DTensor bookkeeping), which fewer units do less of. With several processes
+    a unit per layer (torchtitan's choice) keeps the gathered memory and the overlap per layer."""
+    if cfg.layers_per_unit != "auto":
+        return int(cfg.layers_per_unit)
+    return 4 if world_size == 1 else 1
+
+
+def _shard_units(model: torch.nn.Module, kwargs: dict, vision: dict, per_unit: int = 1) -> torch.nn.Module:
+    """fully_shard the vision blocks and the language decoder layers, `per_unit` consecutive ones a
+    unit (one FSDP2 state over a list of modules), and the vision tower, then the root
+    (losses.Root(model)); `vision`: the vision units' settings. Returns the root, which keeps every
+    sharded module's reshard_after_forward in `reshard_settings` (fully_gathered restores them)."""
     from torch.distributed.fsdp import fully_shard
 
     from vlforge.engine.losses import Root
 
     core = unwrap(model)
-    units = [(block, vision) for block in core.model.visual.blocks]
-    units += [(layer, kwargs) for layer in core.model.language_model.layers]
-    units += [(core.model.visual, vision)]
+    blocks, layers = list(core.model.visual.blocks), list(core.model.language_model.layers)
+    units = [(blocks[i:i + per_unit], vision) for i in range(0, len(blocks), per_unit)]
+    units += [(layers[i:i + per_unit], kwargs) for i in range(0, len(layers), per_unit)]
+    units += [([core.model.visual], vision)]
     for unit, how in units:
-        fully_shard(unit, **how)
+        fully_shard(unit if len(unit) > 1 else unit[0], **how)
     root = fully_shard(Root(model), **kwargs)
-    root.reshard_settings = [(u, how["reshard_after_forward"]) for u, how in units] + \
+    root.reshard_settings = [(m, how["reshard_after_forward"]) for unit, how in units for m in unit] + \
         [(root, kwargs["reshard_after_forward"])]  # the root last
     return root
 
@@ -324,7 +340,7 @@ def frozen_sharded_copy(model: torch.nn.Module, empty: torch.nn.Module, world: W
     if cfg.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=world.device.type == "cuda")
     empty.requires_grad_(False).eval()
-    root = _shard_units(empty, kwargs, kwargs)
+    root = _shard_units(empty, kwargs, kwargs, layers_per_unit(cfg, world.size))
     root.to_empty(device=torch.device("cpu") if cfg.cpu_offload else world.device)
     own = dict(model.named_parameters())
     with torch.no_grad():

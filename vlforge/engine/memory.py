@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
-from vlforge.engine.distributed import planned_strategy
+from vlforge.engine.distributed import layers_per_unit, planned_strategy
 from vlforge.engine.optim import state_bytes
 from vlforge.engine.precision import NAMES, PrecisionPolicy, linear_only_weights
 
@@ -105,7 +105,7 @@ def _tensors(model: nn.Module, plan: list, cfg) -> list[_Tensor]:
 
 
 def _layout(tensors: list[_Tensor], world_size: int, sharded: bool, offload: bool, optim: str,
-            compute_bytes: int, reshard_after_forward: bool) -> dict:
+            compute_bytes: int, reshard_after_forward: bool, layers_per_unit: int = 1) -> dict:
     """Bytes per part on the GPU and in host memory, for one layout."""
 
     def held(t: _Tensor) -> int:
@@ -121,11 +121,14 @@ def _layout(tensors: list[_Tensor], world_size: int, sharded: bool, offload: boo
     if sharded:
         # units gathered at once in the compute dtype: the root (all forward and backward), the
         # vision tower (kept gathered from its forward to its backward), and the decoder layers:
-        # the running one and the prefetched next, or all of them without reshard_after_forward
+        # the running unit of layers_per_unit layers and the prefetched next, or all of them without
+        # reshard_after_forward
         units: dict[str, int] = {}
         for t in tensors:
             units[t.unit] = units.get(t.unit, 0) + t.numel
-        layers = sorted((v for k, v in units.items() if k.startswith("layer ")), reverse=True)
+        per_layer = [units[k] for k in sorted((k for k in units if k.startswith("layer ")), key=lambda k: int(k[6:]))]
+        layers = sorted((sum(per_layer[i:i + layers_per_unit]) for i in range(0, len(per_layer), layers_per_unit)),
+                        reverse=True)
         always = sum(v for k, v in units.items() if not k.startswith("layer "))
         gathered = (always + sum(layers if not reshard_after_forward else layers[:2])) * compute_bytes
     where = "host" if offload else "gpu"
@@ -152,7 +155,7 @@ def memory_estimate(model: nn.Module, plan: list, cfg, world_size: int = 1) -> d
     policy = PrecisionPolicy(cfg.precision, "cpu")
     compute = policy.compute_dtype.itemsize
     common = dict(world_size=world_size, optim=cfg.optim.name, compute_bytes=compute,
-                  reshard_after_forward=d.reshard_after_forward)
+                  reshard_after_forward=d.reshard_after_forward, layers_per_unit=layers_per_unit(d, world_size))
     sharded = strategy == "fsdp2"
     offload_applies = d.cpu_offload and sharded  # auto on one process resolves to none: no offload
     not_estimated = "activations, autocast copies, CUDA/NCCL workspaces, allocator fragmentation"
