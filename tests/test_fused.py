@@ -202,3 +202,15 @@ def test_lora_layers_fuse_their_frozen_base_layers_and_keep_their_adapters(setup
         assert torch.equal(a.tokens, b.tokens)
         torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=1e-5)
     assert any(not torch.equal(a.tokens, c.tokens) for a, c in zip(fused, without_adapters))  # the adapters count
+
+
+def test_nothing_is_fused_under_fsdp2(setup, monkeypatch):
+    """FSDP2's gathered weights (a frozen LoRA base's too) are views of its all-gather buffers: the
+    engine leaves them alone."""
+    import torch.distributed.fsdp as fsdp
+
+    model, _, _ = setup
+    fused = FusedProjections(model)
+    monkeypatch.setattr(fsdp, "FSDPModule", type(model.model.language_model.layers[0]))  # as if a layer were sharded
+    assert fused.prepare() == 0
+    assert "forward" not in model.model.language_model.layers[0].self_attn.q_proj.__dict__

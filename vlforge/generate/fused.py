@@ -27,6 +27,7 @@ layers keep their own forward.
 
 from __future__ import annotations
 
+import weakref
 from contextlib import contextmanager
 
 import torch
@@ -112,6 +113,7 @@ class FusedProjections:
     """The language model's fusable groups (GROUPS in every decoder layer) of `core`."""
 
     def __init__(self, core):
+        self._core = weakref.ref(core)  # as the engine: held as long as the model lives, not longer
         self.groups: list[_Group] = []
         for layer in core.model.language_model.layers:
             for owner, names in GROUPS.items():
@@ -123,8 +125,14 @@ class FusedProjections:
 
     def prepare(self) -> int:
         """Before a generate call: adopt every eligible group whose weights are not its buffer's views
-        (a first call, or weights replaced since); returns how many groups `installed` fuses."""
+        (a first call, or weights replaced since); returns how many groups `installed` fuses. None
+        under FSDP2: its gathered weights are views of its own all-gather buffers (a frozen LoRA base
+        too), which a `.data` swap would cut off from the next gather."""
+        from torch.distributed.fsdp import FSDPModule
+
         self._active = []
+        if any(isinstance(m, FSDPModule) for m in self._core().modules()):
+            return 0
         for g in self.groups:
             if not g.eligible():
                 continue
