@@ -13,7 +13,8 @@ Shapes: S decode slots, L KV-cache length, Lb the filled part attention reads (a
 prompts of one prefill, V vocabulary, D head dim.
 
 How a call runs (transformers' own Qwen3-VL layers throughout; nothing re-implemented but the
-cache and the decode attention call):
+cache, the decode attention call and, in generate/fused.py, the q/k/v and gate/up projections of
+a layer as one GEMM each):
 
 - The scheduler keeps a queue of requests and a fixed set of slots. At each sync point, waiting
   requests (each: one prompt, n samples) are admitted while free slots remain; their images are
