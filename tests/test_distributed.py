@@ -80,19 +80,22 @@ def test_two_processes_equal_one_and_resume_on_another_world_size(shapes_dir, tm
         torch.testing.assert_close(ours[name], theirs[name], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("reshard,per_unit", [("true", "auto"), ("false", "auto"), ("true", "1")])
-def test_fsdp2_on_one_process_trains_like_no_sharding(shapes_dir, tmp_path, reshard, per_unit, monkeypatch):
+@pytest.mark.parametrize("reshard,per_unit,offload", [("true", "auto", "false"), ("false", "auto", "false"),
+                                                     ("true", "1", "false"), ("true", "auto", "true")])
+def test_fsdp2_on_one_process_trains_like_no_sharding(shapes_dir, tmp_path, reshard, per_unit, offload, monkeypatch):
     """FSDP2 at world size 1 (both reshard_after_forward settings; the tiny model's layers and vision
-    blocks in units of several (auto: 4) or one each) updates every weight as the unsharded run
-    does. With `false` the root unit once stayed gathered after wrap's first forward and its
-    parameters (embeddings, final norm, lm_head) never moved."""
+    blocks in units of several (auto: 4) or one each; and with cpu_offload, what one GPU needs to
+    full-fine-tune a model whose training state does not fit it) updates every weight as the
+    unsharded run does. With `false` the root unit once stayed gathered after wrap's first forward
+    and its parameters (embeddings, final norm, lm_head) never moved."""
     import torch.distributed.fsdp as fsdp
 
     shard, units = fsdp.fully_shard, []
     monkeypatch.setattr(fsdp, "fully_shard", lambda module, **kw: units.append(module) or shard(module, **kw))
     runs = {}
     for name, extra in (("plain", []), ("fsdp", ["distributed.strategy=fsdp2", f"distributed.layers_per_unit={per_unit}",
-                                                 f"distributed.reshard_after_forward={reshard}"])):
+                                                 f"distributed.reshard_after_forward={reshard}",
+                                                 f"distributed.cpu_offload={offload}"])):
         runs[name] = tmp_path / name
         run_sft(tiny_sft_config(shapes_dir, runs[name], *COMMON, "tiers.method=full", "train.max_steps=2",
                                 "train.save_every=2", *extra))
