@@ -111,7 +111,9 @@ def test_8bit_state_uses_the_8bit_sizes(meta_8b):
 def test_cli_plan_memory_table_json_and_world_size(capsys, monkeypatch):
     assert main(["sft", "configs/demo-sft.yaml", "--plan", "--world-size", "4", "distributed.cpu_offload=true"]) == 0
     text = capsys.readouterr().out
-    assert "memory per process: FSDP2 over 4 process(es)" in text and "cpu_offload GPU" in text
+    assert ("memory per process: FSDP2 over 4 process(es), every tensor split 4 ways, 1 decoder layer "
+            "(and vision blocks) a unit") in text
+    assert "cpu_offload GPU" in text
     assert "this config: cpu_offload" in text and "not estimated: activations" in text
     monkeypatch.setenv("WORLD_SIZE", "2")  # under torchrun, --plan defaults to its world size
     assert main(["sft", "configs/demo-sft.yaml", "--plan", "--json"]) == 0

@@ -169,6 +169,7 @@ def memory_estimate(model: nn.Module, plan: list, cfg, world_size: int = 1) -> d
     return {
         "world_size": world_size,
         "strategy": strategy,
+        "layers_per_unit": layers_per_unit(d, world_size),
         "problem": problem,
         "optimizer": cfg.optim.name,
         "master_weights": NAMES[policy.master_dtype],
@@ -296,7 +297,9 @@ def _gb(value: float) -> str:
 
 def format_memory(est: dict) -> str:
     n, strategy = est["world_size"], est["strategy"]
-    how = {"fsdp2": f"FSDP2 over {n} process(es), every tensor split {n} ways",
+    per_unit = est["layers_per_unit"]
+    how = {"fsdp2": f"FSDP2 over {n} process(es), every tensor split {n} ways, "
+                    f"{per_unit} decoder layer{'s' if per_unit > 1 else ''} (and vision blocks) a unit",
            "ddp": f"DDP over {n} process(es), every one holding everything"}.get(strategy, "one process, no sharding")
     lines = [f"memory per process: {how}; {est['optimizer']}, master weights {est['master_weights']}, "
              f"compute {est['compute']} (GB = 1e9 bytes)"]
