@@ -214,3 +214,23 @@ def test_nothing_is_fused_under_fsdp2(setup, monkeypatch):
     monkeypatch.setattr(fsdp, "FSDPModule", type(model.model.language_model.layers[0]))  # as if a layer were sharded
     assert fused.prepare() == 0
     assert "forward" not in model.model.language_model.layers[0].self_attn.q_proj.__dict__
+
+
+def test_fused_greedy_equals_transformers_generate(setup):
+    """The fused engine on an inference model, greedy, against transformers' own generate (left
+    padding differing per row): the same tokens."""
+    from vlforge.data.encode import collate
+
+    model, encoder, samples = setup
+    chosen = samples[:4]
+    batch = collate([encode_prompt(encoder, s) for s in chosen], encoder.pad_id, left_pad=True)
+    with torch.no_grad():
+        out = model.generate(**batch, max_new_tokens=12, do_sample=False, pad_token_id=encoder.pad_id,
+                             eos_token_id=None)
+    reference = out[:, batch["input_ids"].shape[1]:]
+    requests = [GenRequest(r.prompt, max_new_tokens=12) for r in requests_of(encoder, chosen)]
+    engine = Engine(model)
+    results = engine.generate(requests, stop_ids=[], banned_ids=[], image_token_id=encoder.image_token_id,
+                              pad_id=encoder.pad_id)
+    assert engine._fusing
+    assert torch.equal(torch.stack([r.tokens for r in results]), reference)
