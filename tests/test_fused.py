@@ -78,17 +78,49 @@ def test_fused_groups_compute_transformers_projections_in_one_gemm_each(setup):
     assert plain.count - grouped.count == 3 * len(layers)
     torch.testing.assert_close(out, reference, atol=1e-5, rtol=1e-5)
     assert "forward" not in attn.q_proj.__dict__  # uninstalled
-    assert fused.prepare() == 2 * len(layers) and fused.groups[0].buffer is not None  # no second copy
-    assert fused.groups[0].views_current()
+    buffer = fused.groups[0].buffer
+    assert fused.prepare() == 2 * len(layers) and fused.groups[0].buffer is buffer  # no second copy
+    # a second engine's groups find the same buffer from the weights' storage: nothing copied again
+    again = FusedProjections(model)
+    assert again.prepare() == 2 * len(layers) and again.groups[0].buffer.data_ptr() == buffer.data_ptr()
+    assert attn.q_proj.weight.data_ptr() == q.data_ptr()
 
 
-def test_weights_that_need_gradients_or_are_not_plain_linears_keep_their_own_storage(tiny):
-    model = copy.deepcopy(tiny[0])  # trainable: nothing fused
-    assert FusedProjections(model).prepare() == 0
+def test_trained_models_keep_their_weights_storage_but_for_marked_and_lora_base_weights(tiny):
+    """A model with a parameter that trains: its frozen plain weights keep their storage (the run
+    saves the model whole), weights marked FUSABLE (rollout copies) are fused; an inference model's
+    are; a merged LoRA adapter keeps its group unfused (peft unmerges it inside the forward)."""
+    from peft import LoraConfig, get_peft_model
+
+    from vlforge.generate.fused import FUSABLE
+
+    model = copy.deepcopy(tiny[0])
+    layers = model.model.language_model.layers
+    assert FusedProjections(model).prepare() == 0  # trainable
     model.requires_grad_(False)
-    model.model.language_model.layers[0].mlp.up_proj.weight.requires_grad_(True)
-    layers = len(model.model.language_model.layers)
-    assert FusedProjections(model).prepare() == 2 * layers - 1
+    layers[0].mlp.up_proj.weight.requires_grad_(True)  # one trains: the frozen plain weights stay as they are
+    assert FusedProjections(model).prepare() == 0
+    for name in ("q_proj", "k_proj", "v_proj"):
+        setattr(getattr(layers[1].self_attn, name).weight, FUSABLE, True)
+    assert FusedProjections(model).prepare() == 1
+    model.requires_grad_(False)
+    assert FusedProjections(model).prepare() == 2 * len(layers)  # an inference model
+
+    lora = get_peft_model(copy.deepcopy(tiny[0]), LoraConfig(r=2, target_modules=["q_proj", "k_proj", "v_proj"]))
+    assert FusedProjections(lora.base_model.model).prepare() == len(layers)  # the frozen bases, beside trained adapters
+    lora.merge_adapter()
+    assert FusedProjections(lora.base_model.model).prepare() == 0
+
+
+def test_weights_are_adopted_outside_inference_mode(setup):
+    """A first generate under torch.inference_mode must not make the weights views of an inference
+    tensor: a LoRA base could then never be saved for backward, nor a rollout copy refreshed."""
+    model, _, _ = setup
+    with torch.inference_mode():
+        FusedProjections(model).prepare()
+    q = model.model.language_model.layers[0].self_attn.q_proj.weight
+    assert not q.is_inference()
+    q.data.mul_(1.0)  # in place, outside inference mode
 
 
 def test_a_model_with_fused_weights_saves_and_loads_as_before(setup, tmp_path):

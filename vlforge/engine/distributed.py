@@ -245,8 +245,8 @@ def wrap(model: torch.nn.Module, world: World, cfg: DistributedConfig, compute_d
     A model on the meta device (meta_init, FSDP2 only) is filled once sharded, from rank 0's `source`
     (materialize).
 
-    Units: every language decoder layer and every vision block (the memory peaks), the rest of the
-    vision tower (called on its own by losses.vision_keepalive), and the root, which holds the
+    Units: the language decoder layers and the vision blocks (the memory peaks), `layers_per_unit`
+    consecutive ones a unit (one each with several processes), the rest of the vision tower (called on its own by losses.vision_keepalive), and the root, which holds the
     embeddings, final norm and lm_head (tied weights stay one parameter). Each unit is gathered
     when its forward starts; generation gathers the root explicitly (`gathered`).
     """

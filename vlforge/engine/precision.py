@@ -29,6 +29,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from vlforge.config import PrecisionConfig, QuantConfig
+from vlforge.generate.fused import FUSABLE
 from vlforge.model.load import DTYPES
 from vlforge.model.tiers import canonical_name
 
@@ -165,6 +166,7 @@ class PrecisionPolicy:
                     if copy is None or copy.shape != p.shape or copy.device != p.device:
                         copy = p._inference_copy = nn.Parameter(torch.empty_like(p, dtype=self.compute_dtype),
                                                                 requires_grad=False)
+                        setattr(copy, FUSABLE, True)  # ours: the engine may make it a view of a fused buffer
                     copy.data.copy_(p.detach())
                     for module, name in uses:
                         swapped.append((module, name, p))

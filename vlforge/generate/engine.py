@@ -543,7 +543,8 @@ class Engine:
     False passes the boolean one (SDPA then converts it in every layer; kept for bench/generate.py's A/B).
     fuse_projections: each decoder layer's q/k/v projections, and its MLP's gate/up, computed as one
     GEMM each in the prefill and the decode steps (generate/fused.py; weights that need no gradient
-    only: inference models and GRPO's rollout copies). False: one GEMM per projection, as transformers.
+    only: inference models, frozen LoRA bases and GRPO's rollout copies). False: one GEMM per
+    projection, as transformers.
     """
 
     def __init__(self, model, *, max_slots: int = 256, sync_every: int = 8, use_graphs: bool | None = None,

@@ -20,9 +20,9 @@ a precision policy holding them still holds them); inside `installed()` each mem
 replaced by one that, at the group's first call on an input, runs the GEMM over the whole buffer
 and hands every member its part. Only weights that need no gradient are fused (inference models,
 and the compute-dtype copies a GRPO rollout reads, PrecisionPolicy.inference_weights): a trained
-weight keeps its own storage. Members must be exactly nn.Linear without bias; of a LoRA layer the
-frozen base layer is fused (the adapters' terms are added by peft as before); FP8 and quantized
-layers keep their own forward.
+weight keeps its own storage (`FusedProjections.prepare` says whose storage is rearranged).
+Members must be exactly nn.Linear without bias; of a LoRA layer the frozen base layer is fused
+(the adapters' terms are added by peft as before); FP8 and quantized layers keep their own forward.
 """
 
 from __future__ import annotations
@@ -34,52 +34,77 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+# set to True on a weight Parameter whose owner lets the engine make it a view of a fused buffer
+# (FusedProjections.prepare; PrecisionPolicy.inference_weights' rollout copies)
+FUSABLE = "vlforge_fusable"
+
 # the projections of one input, per decoder-layer submodule
 GROUPS = {"self_attn": ("q_proj", "k_proj", "v_proj"), "mlp": ("gate_proj", "up_proj")}
 
 
 class _Group:
-    """Linears reading one input whose weights are rows of one buffer."""
+    """Linears reading one input whose weights are rows of one buffer. `wrappers`: the modules the
+    layer calls (a LoRA layer around its base linear, else the linear itself)."""
 
-    def __init__(self, linears: list[nn.Linear]):
-        self.linears = linears
-        self.sizes = [m.out_features for m in linears]
-        self.buffer: torch.Tensor | None = None
+    def __init__(self, wrappers: list[nn.Module]):
+        self.wrappers = wrappers
+        self.linears = [_base(m) for m in wrappers]
+        self.sizes = [m.out_features for m in self.linears]
+        self.buffer: torch.Tensor | None = None  # only while the weights are its views (prepare)
         self.parts: list[torch.Tensor] | None = None  # the GEMM's output split per member, until all took theirs
         self.input: torch.Tensor | None = None
-        self.given: list[bool] = [False] * len(linears)
-        self.forwards = [self._forward_of(i) for i in range(len(linears))]  # one function each: stable for dynamo
+        self.given: list[bool] = [False] * len(self.linears)
+        self.forwards = [self._forward_of(i) for i in range(len(self.linears))]  # one function each: stable for dynamo
 
-    def eligible(self) -> bool:
+    def lora(self) -> bool:
+        return any(w is not m for w, m in zip(self.wrappers, self.linears))
+
+    def eligible(self, owned: bool) -> bool:
+        """Plain linears without bias whose weights need no gradient, are plain tensors (not FSDP2's
+        DTensors, not quantized or FP8 subclasses) of one dtype and width, and that nothing else
+        changes during a forward (a merged LoRA adapter: peft unmerges it into the base weight inside
+        the layer's own forward when adapters are disabled). `owned`: the weights' storage may be
+        rearranged (see FusedProjections.prepare)."""
         weights = [m.weight for m in self.linears]
         w0 = weights[0]
-        return all(type(m) is nn.Linear and m.bias is None and "forward" not in m.__dict__ for m in self.linears) \
+        return owned and all(type(m) is nn.Linear and m.bias is None and "forward" not in m.__dict__
+                             for m in self.linears) \
+            and not any(getattr(w, "merged", False) for w in self.wrappers) \
             and all(type(w.data) is torch.Tensor and not w.requires_grad and w.dtype == w0.dtype
                     and w.device == w0.device and w.shape[1] == w0.shape[1] and w.dtype.is_floating_point
                     for w in weights)
 
-    def views_current(self) -> bool:
-        """Every member's weight is still its rows of the buffer."""
-        if self.buffer is None:
-            return False
-        start = 0
-        for m, n in zip(self.linears, self.sizes):
-            w = m.weight
-            if w.data_ptr() != self.buffer[start:start + n].data_ptr() or w.shape != (n, self.buffer.shape[1]):
-                return False
-            start += n
-        return True
-
-    def adopt(self) -> None:
-        """Copy the members' weights into one buffer and make each weight a view of its rows."""
+    def shared_buffer(self) -> torch.Tensor | None:
+        """The buffer whose consecutive rows the members' weights are (found from their storage, so
+        a second engine on the model, or a call after weights were replaced and adopted again, finds
+        the same one), or None."""
         weights = [m.weight for m in self.linears]
-        buffer = torch.empty((sum(self.sizes), weights[0].shape[1]), dtype=weights[0].dtype, device=weights[0].device)
-        start = 0
+        storage, cols, offset = weights[0].untyped_storage(), weights[0].shape[1], 0
         for w, n in zip(weights, self.sizes):
-            buffer[start:start + n].copy_(w.data)
-            w.data = buffer[start:start + n]
-            start += n
-        self.buffer = buffer
+            if w.untyped_storage().data_ptr() != storage.data_ptr() or w.storage_offset() != offset \
+                    or not w.is_contiguous() or tuple(w.shape) != (n, cols):
+                return None
+            offset += n * cols
+        if storage.nbytes() != offset * weights[0].element_size():
+            return None
+        if self.buffer is not None and self.buffer.data_ptr() == storage.data_ptr():
+            return self.buffer
+        return weights[0].new_empty(0).set_(storage, 0, (offset // cols, cols))
+
+    def adopt(self) -> torch.Tensor:
+        """Copy the members' weights into one buffer and make each weight a view of its rows. Outside
+        inference mode: views of an inference tensor could never again be saved for backward (a LoRA
+        base in training) nor written in place (a rollout copy's refresh)."""
+        weights = [m.weight for m in self.linears]
+        with torch.inference_mode(False), torch.no_grad():
+            buffer = torch.empty((sum(self.sizes), weights[0].shape[1]), dtype=weights[0].dtype,
+                                 device=weights[0].device)
+            start = 0
+            for w, n in zip(weights, self.sizes):
+                buffer[start:start + n].copy_(w.data)
+                w.data = buffer[start:start + n]
+                start += n
+        return buffer
 
     def _forward_of(self, i: int):
         def forward(x: torch.Tensor) -> torch.Tensor:
@@ -118,26 +143,37 @@ class FusedProjections:
         for layer in core.model.language_model.layers:
             for owner, names in GROUPS.items():
                 module = getattr(layer, owner, None)
-                linears = [_base(getattr(module, n, None)) for n in names]
-                if module is not None and all(isinstance(m, nn.Linear) for m in linears):
-                    self.groups.append(_Group(linears))
+                wrappers = [getattr(module, n, None) for n in names]
+                if module is not None and all(isinstance(_base(m), nn.Linear) for m in wrappers):
+                    self.groups.append(_Group(wrappers))
         self._active: list[_Group] = []
 
     def prepare(self) -> int:
-        """Before a generate call: adopt every eligible group whose weights are not its buffer's views
-        (a first call, or weights replaced since); returns how many groups `installed` fuses. None
-        under FSDP2: its gathered weights are views of its own all-gather buffers (a frozen LoRA base
-        too), which a `.data` swap would cut off from the next gather."""
+        """Before a generate call: adopt every eligible group whose weights are not yet views of one
+        buffer (a first call, or weights replaced since); returns how many groups `installed` fuses.
+
+        Whose storage is rearranged: a model none of whose parameters trains (serve, eval, infer,
+        benchmarks), a LoRA layer's frozen base (peft checkpoints hold the adapters only), and
+        weights their owner marks with FUSABLE (GRPO's rollout copies of fp32 masters). Not a frozen
+        plain weight beside trained ones (a run whose language tier is frozen): a run saves such a
+        model whole, and transformers' save_pretrained clones views of one buffer (a transient copy
+        of them). Nothing under FSDP2: its gathered weights are views of its own all-gather buffers
+        (a frozen LoRA base too), which a `.data` swap would cut off from the next gather."""
         from torch.distributed.fsdp import FSDPModule
 
         self._active = []
-        if any(isinstance(m, FSDPModule) for m in self._core().modules()):
+        core = self._core()
+        if any(isinstance(m, FSDPModule) for m in core.modules()):
             return 0
+        trains = any(p.requires_grad for p in core.parameters())
         for g in self.groups:
-            if not g.eligible():
+            owned = not trains or g.lora() or all(getattr(m.weight, FUSABLE, False) for m in g.linears)
+            if not g.eligible(owned):
+                g.buffer = None  # held only through the weights, if they still are its views
                 continue
-            if not g.views_current():
-                g.adopt()
+            g.buffer = g.shared_buffer()
+            if g.buffer is None:
+                g.buffer = g.adopt()
             self._active.append(g)
         return len(self._active)
 
