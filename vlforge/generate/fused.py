@@ -19,8 +19,8 @@ values; each Parameter's `.data` is reassigned, the Parameter objects are kept, 
 a precision policy holding them still holds them); inside `installed()` each member's forward is
 replaced by one that, at the group's first call on an input, runs the GEMM over the whole buffer
 and hands every member its part. Only weights that need no gradient are fused (inference models,
-and the compute-dtype copies a GRPO rollout reads, PrecisionPolicy.inference_weights): a trained
-weight keeps its own storage (`FusedProjections.prepare` says whose storage is rearranged).
+frozen LoRA bases, and the compute-dtype copies a GRPO rollout reads, PrecisionPolicy.inference_weights):
+a trained weight keeps its own storage (`FusedProjections.prepare` says whose storage is rearranged).
 Members must be exactly nn.Linear without bias; of a LoRA layer the frozen base layer is fused
 (the adapters' terms are added by peft as before); FP8 and quantized layers keep their own forward.
 """
