@@ -44,8 +44,11 @@
 #   vs hf-static with the varlen prefill tower and host-cast pixels) was refused: run it next, then PRESET=qwen3vl-8b
 #   LIMIT=330, visprof (a profile of eager varlen vs the per-image loop in training: why 4-9% slower?),
 #   lora13 (8B LoRA peer vs ours padded and packed, compiled vision blocks now on by default).
-#   Fourteenth session: fsdp14 (FSDP2 world 1 with distributed.layers_per_unit 1, 4, 2, 8; eager), fuse14 (gpu tests of generate/fused.py and the engine; 2B vlforge vs vlforge-unfused vs
-#   hf-static; PRESET=qwen3vl-8b skips the tests)
+#   Fourteenth session: fuse14 (gpu tests of generate/fused.py and the engine; 2B vlforge vs vlforge-unfused vs
+#   hf-static; PRESET=qwen3vl-8b skips the tests), grpo (fused rollouts), fsdp14 (FSDP2 world 1 with
+#   distributed.layers_per_unit 1, 4, 2, then 8; eager; ran through an experiment script doing the same grouping).
+#   Next: lora13 and visprof (issue 13), fsdp14 again through the key, and FSDP2 world 1 compiled (0.70x) under
+#   TORCH_LOGS=recompiles,graph_breaks and --profile (is its compiled layer breaking at FSDP2's hooks?)
 #   OUT=/some/dir GROUP=moe   bash bench/gpu_pending.sh  # 30B-A3B: peft peer vs ours same process; NF4 memory/decode
 #   OUT=/some/dir GROUP=mem   bash bench/gpu_pending.sh  # selective checkpointing and the activation memory budget
 # (carry .whl/train, and .whl/ao (torchao) for GROUP=tests, .whl/bnb (bitsandbytes) for moe and mem)
