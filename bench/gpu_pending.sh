@@ -47,7 +47,8 @@
 #   Fourteenth session: fuse14 (gpu tests of generate/fused.py and the engine; 2B vlforge vs vlforge-unfused vs
 #   hf-static; PRESET=qwen3vl-8b skips the tests), grpo (fused rollouts), fsdp14 (FSDP2 world 1 with
 #   distributed.layers_per_unit 1, 4, 2, then 8; eager; ran through an experiment script doing the same grouping).
-#   Next: lora13 and visprof (issue 13), fsdp14 again through the key, and FSDP2 world 1 compiled (0.70x) under
+#   Next: offload14 (issue 10: the 4B cpu_offload run with its host memory, then fsdp14 through the key),
+#   lora13 and visprof (issue 13), and FSDP2 world 1 compiled (0.70x) under
 #   TORCH_LOGS=recompiles,graph_breaks and --profile (is its compiled layer breaking at FSDP2's hooks?)
 #   OUT=/some/dir GROUP=moe   bash bench/gpu_pending.sh  # 30B-A3B: peft peer vs ours same process; NF4 memory/decode
 #   OUT=/some/dir GROUP=mem   bash bench/gpu_pending.sh  # selective checkpointing and the activation memory budget
@@ -147,6 +148,9 @@ case $GROUP in
   fsdp14) b="--preset qwen3vl-2b --method full --steps 8 --warmup 3 --fsdp --override precision.compile=false"
          LIMIT=80; r 1 ${b/--fsdp/}  # FSDP2 world 1 with K decoder layers / vision blocks a unit, no sharding around
          for k in 1 4 2 8; do r $((k + 1)) $b distributed.layers_per_unit=$k; done; r 99 ${b/--fsdp/} ;;
+  offload14) LIMIT=240 r 1 --preset qwen3vl-4b --method full --fsdp --steps 3 --warmup 1 \
+           --override distributed.cpu_offload=true  # issue 10 (a): tokens/s, GPU and host peak (host_peak_gb)
+         GROUP=fsdp14 LIMIT=80 bash "$0" ;;  # then FSDP2 world 1 through distributed.layers_per_unit
   fuse14) [ "${PRESET:-qwen3vl-2b}" = qwen3vl-2b ] && timeout 150 python3 -m pytest -q -rs -m gpu -p no:cacheprovider \
            tests/test_fused.py tests/test_generate.py --tb=short > "$OUT/pytest.txt" 2>&1
          (cd bench && timeout ${LIMIT:-330} python3 generate.py --preset ${PRESET:-qwen3vl-2b} \

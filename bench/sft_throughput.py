@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import resource
 import time
 
 import torch
@@ -221,6 +222,9 @@ def main() -> None:
         "host_prep": prepare is not None, "vlforge": __import__("vlforge").__file__,
         "tokens_per_s": sum(tokens) / sum(times), "step_s": step_s,
         "peak_gb": torch.cuda.max_memory_allocated() / 1e9, "pad_fraction": pad_fraction,
+        # the process's peak resident host memory (Linux reports KiB): with cpu_offload, where the sharded
+        # parameters, gradients and optimizer state live (it includes loading the model)
+        "host_peak_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9,
         "seq_len_mean": sum(len(x["input_ids"]) for x in items) / len(items),
         "gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
         "transformers": __import__("transformers").__version__, "overrides": args.override,
