@@ -295,7 +295,7 @@ def layers_per_unit(cfg: DistributedConfig, world_size: int) -> int:
     return 4 if world_size == 1 else 1
 
 
-def _shard_units(model: torch.nn.Module, kwargs: dict, vision: dict, per_unit: int = 1) -> torch.nn.Module:
+def _shard_units(model: torch.nn.Module, kwargs: dict, vision: dict, per_unit: int) -> torch.nn.Module:
     """fully_shard the vision blocks and the language decoder layers, `per_unit` consecutive ones a
     unit (one FSDP2 state over a list of modules), and the vision tower, then the root
     (losses.Root(model)); `vision`: the vision units' settings. Returns the root, which keeps every

@@ -105,7 +105,7 @@ def _tensors(model: nn.Module, plan: list, cfg) -> list[_Tensor]:
 
 
 def _layout(tensors: list[_Tensor], world_size: int, sharded: bool, offload: bool, optim: str,
-            compute_bytes: int, reshard_after_forward: bool, layers_per_unit: int = 1) -> dict:
+            compute_bytes: int, reshard_after_forward: bool, layers_per_unit: int) -> dict:
     """Bytes per part on the GPU and in host memory, for one layout."""
 
     def held(t: _Tensor) -> int:

@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_map
 from vlforge.config import PrecisionConfig, QuantConfig
 from vlforge.generate.fused import FUSABLE
 from vlforge.model.load import DTYPES
-from vlforge.model.tiers import canonical_name
+from vlforge.model.tiers import canonical_name, fsdp_sharded
 
 NAMES = {v: k for k, v in DTYPES.items()}
 
@@ -154,11 +154,9 @@ class PrecisionPolicy:
         embedding, whose fp32 output is the fp32 residual stream); modules with an fp32 compute
         override keep theirs. A model sharded by FSDP2 is left alone (its gathers are in the
         compute dtype already)."""
-        from torch.distributed.fsdp import FSDPModule
-
         swapped = []  # (owner, name, master): the owners' entries are swapped, never a master's .data
         try:
-            if self.master_dtype != self.compute_dtype and not any(isinstance(m, FSDPModule) for m in model.modules()):
+            if self.master_dtype != self.compute_dtype and not fsdp_sharded(model):
                 for p, uses in linear_only_weights(model, self).items():
                     if p.dtype != self.master_dtype:
                         continue

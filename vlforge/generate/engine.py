@@ -60,7 +60,7 @@ from vlforge.generate.fused import FusedProjections
 from vlforge.generate.routes import NO_ROUTE, ROUTE_DTYPE, recorder_of, router_modules
 from vlforge.generate.sampling import row_key, sample
 from vlforge.model.host_inputs import host_to_device, joined_to_device
-from vlforge.model.tiers import unwrap
+from vlforge.model.tiers import fsdp_sharded, unwrap
 
 SLOT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 MIN_BUFFER_ROWS = 4  # slots (GroupCache: groups) the KV buffers hold at least (Engine._ensure_buffers)
@@ -682,11 +682,7 @@ class Engine:
 
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             return False
-        try:  # FSDP2, even on one process: its unshard/reshard hooks must run on every forward
-            from torch.distributed.fsdp import FSDPModule
-        except ImportError:
-            return True
-        return not any(isinstance(m, FSDPModule) for m in self.core.modules())
+        return not fsdp_sharded(self.core)  # FSDP2, even on one process: its hooks must run on every forward
 
     # -- one decode step (the captured part) -----------------------------------------------------
 

@@ -34,6 +34,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from vlforge.model.tiers import fsdp_sharded
+
 # set to True on a weight Parameter whose owner lets the engine make it a view of a fused buffer
 # (FusedProjections.prepare; PrecisionPolicy.inference_weights' rollout copies)
 FUSABLE = "vlforge_fusable"
@@ -159,11 +161,9 @@ class FusedProjections:
         model whole, and transformers' save_pretrained clones views of one buffer (a transient copy
         of them). Nothing under FSDP2: its gathered weights are views of its own all-gather buffers
         (a frozen LoRA base too), which a `.data` swap would cut off from the next gather."""
-        from torch.distributed.fsdp import FSDPModule
-
         self._active = []
         core = self._core()
-        if any(isinstance(m, FSDPModule) for m in core.modules()):
+        if fsdp_sharded(core):
             return 0
         trains = any(p.requires_grad for p in core.parameters())
         for g in self.groups:

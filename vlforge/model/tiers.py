@@ -272,6 +272,14 @@ def unwrap(model: nn.Module) -> nn.Module:
     return model.get_base_model() if isinstance(model, PeftModel) else model
 
 
+def fsdp_sharded(model: nn.Module) -> bool:
+    """Whether FSDP2 (fully_shard) wraps any module of `model`: its parameters are DTensor shards,
+    gathered by hooks around each unit's forward (even on one process)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(m, FSDPModule) for m in model.modules())
+
+
 def tier_of_param(name: str, plan: list[PlanEntry]) -> str | None:
     """Tier of a trainable parameter name (peft prefixes like base_model.model. are tolerated;
     an expert LoRA's A/B live on the experts module, `.base_layer` nested once per parameter)."""
