@@ -50,6 +50,8 @@
 #   Next: offload14 (issue 10: the 4B cpu_offload run with its host memory, then fsdp14 through the key),
 #   lora13 and visprof (issue 13), and FSDP2 world 1 compiled (0.70x) under
 #   TORCH_LOGS=recompiles,graph_breaks and --profile (is its compiled layer breaking at FSDP2's hooks?)
+#   Fifteenth session: offload14 (recorded), prof15 (its profile did not come back: at most 8 files return from
+#   $OUT, and the empty err-*.txt files took the places; archive with tar). Next: prof15 again, lora13, visprof.
 #   OUT=/some/dir GROUP=moe   bash bench/gpu_pending.sh  # 30B-A3B: peft peer vs ours same process; NF4 memory/decode
 #   OUT=/some/dir GROUP=mem   bash bench/gpu_pending.sh  # selective checkpointing and the activation memory budget
 # (carry .whl/train, and .whl/ao (torchao) for GROUP=tests, .whl/bnb (bitsandbytes) for moe and mem)
@@ -157,6 +159,8 @@ case $GROUP in
            --paths ${PATHS:-vlforge,vlforge-unfused,hf-static} --cases 64x256 --out "$OUT/gen.jsonl" 2>"$OUT/err-gen.txt") ;;
   gen13) (cd bench && timeout ${LIMIT:-200} python3 generate.py --preset ${PRESET:-qwen3vl-2b} --paths vlforge,hf-static --cases 64x256 \
            --out "$OUT/gen.jsonl" 2>"$OUT/err-gen.txt") ;;  # issue 11: the prefill with varlen vision and host-cast pixels
+  prof15) b="--preset qwen3vl-2b --method full --steps 6 --warmup 3 --override precision.compile=true"
+          LIMIT=150; r 1 $b --profile "$OUT/prof-2b.txt" ;;  # issue 13: where the compiled 2B step's 0.19 s goes
   visprof) b="--preset qwen3vl-2b --method full --steps 6 --warmup 3 --override precision.compile=true precision.compile_vision=false"
            LIMIT=120; r 1 $b model.vision_attention=varlen --profile "$OUT/prof-varlen.txt"
            r 2 $b model.vision_attention=sdpa --profile "$OUT/prof-loop.txt" ;;  # why eager varlen vision blocks train slower
