@@ -160,7 +160,23 @@ case $GROUP in
   gen13) (cd bench && timeout ${LIMIT:-200} python3 generate.py --preset ${PRESET:-qwen3vl-2b} --paths vlforge,hf-static --cases 64x256 \
            --out "$OUT/gen.jsonl" 2>"$OUT/err-gen.txt") ;;  # issue 11: the prefill with varlen vision and host-cast pixels
   prof15) b="--preset qwen3vl-2b --method full --steps 6 --warmup 3 --override precision.compile=true"
-          LIMIT=150; r 1 $b --profile "$OUT/prof-2b.txt" ;;  # issue 13: where the compiled 2B step's 0.19 s goes
+          LIMIT=150; r 1 $b --profile "$OUT/prof-2b.txt"  # issue 13: where the compiled 2B step's 0.19 s goes
+          LIMIT=240; r 2 --preset qwen3vl-8b --method lora --steps 6 --warmup 3 --override precision.compile=true \
+            --profile "$OUT/prof-8b-lora.txt"  # and the 8B LoRA step's 0.36 s
+          find "$OUT" -empty -delete ;;  # at most 8 files come back from a device call
+  host15) b="--preset qwen3vl-2b --method full --steps 8 --warmup 4 --override precision.compile=true"
+          # issue 13: prof15 found the compiled 2B step ~30% GPU-idle (host-bound vision tower and backward): is it the
+          # loader's threads, inductor's Python wrapper (cpp_wrapper) or launches (CUDA graphs of each compiled block)?
+          LIMIT=120; r 1 $b; TORCHINDUCTOR_CUDAGRAPHS=1 TORCH_LOGS=perf_hints LIMIT=150 r 2 $b
+          TORCHINDUCTOR_CPP_WRAPPER=1 LIMIT=150 r 3 $b; LIMIT=80 r 4 $b --workers 0; LIMIT=80 r 5 $b
+          for f in "$OUT"/err-*.txt; do echo "== $f"; tail -c 6000 "$f"; done > "$OUT/errors.txt"; rm -f "$OUT"/err-*.txt ;;
+  sync15) b="--preset qwen3vl-2b --method full --steps 8 --warmup 4 --override precision.compile=true"
+          # issue 13: the image-token positions and the padding flag read on the host (no library syncs left in a
+          # padded step) vs transformers' device reads (--library-syncs), alternating; then peer vs ours, one process
+          LIMIT=120; r 1 $b; r 2 $b --library-syncs; r 3 $b; r 4 $b --library-syncs
+          (cd bench && timeout 260 python3 train.py --preset qwen3vl-2b --method full --paths peer,ours,packed --steps 12 \
+            --samples 32 --ours precision.compile=true 2>"$OUT/err-train2b.txt" | tail -6 > "$OUT/train2b.txt")
+          for f in "$OUT"/err-*.txt; do echo "== $f"; tail -c 3000 "$f"; done > "$OUT/errors.txt"; rm -f "$OUT"/err-*.txt ;;
   visprof) b="--preset qwen3vl-2b --method full --steps 6 --warmup 3 --override precision.compile=true precision.compile_vision=false"
            LIMIT=120; r 1 $b model.vision_attention=varlen --profile "$OUT/prof-varlen.txt"
            r 2 $b model.vision_attention=sdpa --profile "$OUT/prof-loop.txt" ;;  # why eager varlen vision blocks train slower

@@ -121,6 +121,20 @@ def as_is(batch: dict) -> dict:  # the loader's collate without HostPrep (module
     return batch
 
 
+class WithLibrarySyncs:
+    """HostPrep without the image token positions and the padding flag (model/host_inputs.Placeholders,
+    causal_padding_mask): transformers finds both on the device again, with its syncs (the A/B of
+    --library-syncs). Module level: the loader's workers pickle it."""
+
+    def __init__(self, prepare):
+        self.prepare = prepare
+
+    def __call__(self, batch: dict) -> dict:
+        out = self.prepare(batch)
+        out["host_inputs"] = {k: v for k, v in out["host_inputs"].items() if k not in ("placeholders", "padding")}
+        return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="qwen3vl-2b")
@@ -140,6 +154,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0, help="the synthetic samples (and the budget batches' order)")
     ap.add_argument("--profile", help="after the timed steps, profile 2 more (torch.profiler) and write the "
                     "top operators by GPU time and by CPU time to this text file")
+    ap.add_argument("--library-syncs", action="store_true", help="A/B: transformers' own image-token masks and "
+                    "padding check (device reads) instead of the host's (model/host_inputs.py)")
     ap.add_argument("--expert-lora", choices=["fused", "peft"], default="fused", help="MoE: tiers.expert_lora")
     ap.add_argument("--workers", type=int, help="DataLoader workers feeding the steps (default: data.num_workers, "
                     "auto as the recipe); 0: the loader runs on the main thread")
@@ -183,6 +199,8 @@ def main() -> None:
     # as the recipe's loader (recipes/sft.py micro_batches): HostPrep in the workers, pinned by pin_memory
     workers = resolve_num_workers(cfg.data.num_workers, t.device) if args.workers is None else args.workers
     prepare = HostPrep.of(t.model) if HostPrep is not None else None
+    if args.library_syncs:
+        prepare = WithLibrarySyncs(prepare)
     loader = iter(torch.utils.data.DataLoader(Steps(batches, args.warmup + args.steps), batch_size=None,
                                               num_workers=workers, collate_fn=prepare or as_is,
                                               pin_memory=prepare is not None))
@@ -218,7 +236,7 @@ def main() -> None:
         "micro_batches": len(batches), "rows_mean": sum(len(b["input_ids"]) for b in batches) / len(batches),
         "row_tokens_mean": sum(b["input_ids"].numel() for b in batches) / len(batches),
         "attn": cfg.model.attn_implementation, "loss_impl": cfg.loss.impl,
-        "strategy": t.world.strategy, "optim": cfg.optim.name, "workers": workers,
+        "strategy": t.world.strategy, "optim": cfg.optim.name, "workers": workers, "library_syncs": args.library_syncs,
         "host_prep": prepare is not None, "vlforge": __import__("vlforge").__file__,
         "tokens_per_s": sum(tokens) / sum(times), "step_s": step_s,
         "peak_gb": torch.cuda.max_memory_allocated() / 1e9, "pad_fraction": pad_fraction,

@@ -26,7 +26,8 @@ from torch.utils.checkpoint import checkpoint
 from vlforge.config import ConfigError, LossConfig
 from vlforge.data.encode import IGNORE_INDEX
 from vlforge.engine.packed_attention import PackedRows, packed_forward, use_packed_attention
-from vlforge.model.host_inputs import RopeIndex, VisionGrid, host_to_device
+from vlforge.model.host_inputs import (Placeholders, RopeIndex, VisionGrid, causal_padding_mask, host_to_device,
+                                       placeholders_from_host)
 from vlforge.model.tiers import unwrap
 
 MODEL_INPUTS = ("input_ids", "attention_mask", "mm_token_type_ids", "pixel_values", "image_grid_thw")
@@ -82,6 +83,8 @@ class HostFacts:
     image_grid_thw: torch.Tensor | None  # on the host: transformers reads it there (split sizes)
     vision: dict  # the vision tower's precomputed kwargs (transformers.vision_utils), or {}
     packed_rows: PackedRows | None = None  # packed rows with per-sample attention (sdpa)
+    placeholders: Placeholders | None = None  # where the image tokens are (a batch with images, no video)
+    padding: bool | None = None  # whether any row of a padded batch has padding (None: not known)
 
 
 @dataclass(frozen=True)
@@ -97,11 +100,12 @@ class HostPrep:
 
     rope_index: RopeIndex
     vision: VisionGrid | None
+    image_token_id: int
 
     @classmethod
     def of(cls, model) -> HostPrep:
         core = unwrap(model).model  # the Qwen3-VL model (language model + vision tower)
-        return cls(RopeIndex.of(core), VisionGrid.of(core.visual))
+        return cls(RopeIndex.of(core), VisionGrid.of(core.visual), core.config.image_token_id)
 
     def __call__(self, batch: dict) -> dict:
         targets_BT = batch["labels"][:, 1:]
@@ -120,6 +124,10 @@ class HostPrep:
                                                        image_grid_thw=grid, attention_mask=batch.get("attention_mask"))
         if grid is not None and self.vision is not None:
             facts["vision"], facts["vision_host"] = self.vision(grid)
+        if grid is not None and "pixel_values_videos" not in batch:
+            facts["placeholders"] = Placeholders.of(batch["input_ids"], self.image_token_id)
+        if "attention_mask" in batch and "seq_lens" not in batch:
+            facts["padding"] = not bool(batch["attention_mask"].all())
         return {**batch, "host_inputs": facts}
 
 
@@ -142,7 +150,9 @@ def step_inputs(model, batch: dict, device: torch.device) -> dict:
     if "seq_lens" in batch and use_packed_attention(core):  # the row's sequences computed once here, for every layer
         packed_rows = PackedRows.of(batch["seq_lens"].tolist(), batch["input_ids"].shape[1], device)
     vision = VisionGrid.moved(facts["vision"], facts["vision_host"], device)
-    out["host"] = HostFacts(facts["supervised"], facts["image_grid_thw"], vision, packed_rows)
+    placeholders = facts["placeholders"].to(device) if facts.get("placeholders") is not None else None
+    out["host"] = HostFacts(facts["supervised"], facts["image_grid_thw"], vision, packed_rows, placeholders,
+                            facts.get("padding"))
     return out
 
 
@@ -163,6 +173,13 @@ def backbone_hidden(model, batch: dict) -> torch.Tensor:
             hook = core.model.visual.register_forward_pre_hook(
                 lambda module, args, kwargs: (args, {**host.vision, **kwargs}), with_kwargs=True)
             stack.callback(hook.remove)
+        if host.placeholders is not None:  # image features and deepstack features placed by index: no syncs
+            stack.enter_context(placeholders_from_host(core.model, host.placeholders, core.config.image_token_id))
+        if (host.padding is not None and "position_ids" in inputs and "attention_mask" in inputs
+                and core.model.language_model.config._attn_implementation == "sdpa"):
+            # the mask transformers' sdpa path would build, without its device check for padding (a sync);
+            # the attention mask is read only there once the position ids are given
+            inputs["attention_mask"] = causal_padding_mask(inputs["attention_mask"]) if host.padding else None
         if host.packed_rows is None:  # padded; or packed with eager / flash / flex / packed_attention=mask
             return core.model(**inputs, use_cache=False).last_hidden_state
         # packed, sdpa: attention per sample (engine/packed_attention.py), no [T, T] mask

@@ -11,12 +11,16 @@ position_ids.
 
     RopeIndex       the model class's get_rope_index as a picklable callable of config values
     VisionGrid      the vision tower's grid-derived kwargs (transformers.vision_utils)
+    Placeholders    where a batch's image tokens are; placeholders_from_host: the model places the
+                    image features and deepstack features there without boolean masks
+    causal_padding_mask  the 4-D mask transformers' sdpa path builds for a padded batch, without its check
     host_to_device  a host tensor queued to the device without a sync
     joined_to_device  host tensors concatenated (and cast) into one pinned buffer, queued to the device
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -125,3 +129,69 @@ class VisionGrid:
     def moved(to_device: dict, host: dict, device: torch.device) -> dict:
         """What __call__ gave (computed elsewhere, e.g. in a loader worker) as kwargs on `device`."""
         return {**{k: host_to_device(v, device) for k, v in to_device.items()}, **host}
+
+
+@dataclass(frozen=True, eq=False)
+class Placeholders:
+    """Where a batch's image tokens are, read from its host copy. transformers' Qwen3-VL finds them
+    on the device with boolean masks: `get_placeholder_mask` checks their count against the image
+    features with an `.item()`, and `_deepstack_process` reads and writes the hidden states through
+    the mask at each of the first decoder layers (deepstack: 3 at 2B), a nonzero each way in the
+    forward and again in the backward. Each is a sync: the CPU waits for the GPU queue to drain, then
+    the GPU waits for the CPU (measured on one H200: a 2B step's GPU idle ~30%, docs/benchmarks.md,
+    fifteenth session). With the positions as indices the same reads and writes need no sync."""
+
+    flat_positions: torch.Tensor  # long [N]: row * T + column of each image token, in row-major order
+    image_tokens: int  # N
+
+    @classmethod
+    def of(cls, input_ids_BT: torch.Tensor, image_token_id: int) -> Placeholders:
+        flat = (input_ids_BT.reshape(-1) == image_token_id).nonzero().reshape(-1)  # on the host: no sync
+        return cls(flat, len(flat))
+
+    def to(self, device: torch.device) -> Placeholders:
+        return Placeholders(host_to_device(self.flat_positions, device), self.image_tokens)
+
+
+@contextlib.contextmanager
+def placeholders_from_host(model, placeholders: Placeholders, image_token_id: int):
+    """Inside, the Qwen3-VL model (`model`: the ForConditionalGeneration's .model) finds its image
+    tokens from `placeholders`: the same masks, count check and hidden states as its own methods,
+    which it gets back on exit. For batches with images and no video (the joint image + video path
+    builds its own masks)."""
+    language = model.language_model
+
+    def get_placeholder_mask(input_ids, inputs_embeds, image_features=None, video_features=None):
+        if input_ids is None or video_features is not None:
+            raise ValueError("placeholders_from_host: a batch of input_ids with images, no video")
+        if image_features is not None and placeholders.image_tokens * inputs_embeds.shape[-1] != image_features.numel():
+            raise ValueError(f"Image features and image tokens do not match, tokens: {placeholders.image_tokens}, "
+                             f"features: {image_features.shape[0]}")
+        device = inputs_embeds.device
+        return ((input_ids == image_token_id).unsqueeze(-1).to(device),
+                (input_ids == model.config.video_token_id).unsqueeze(-1).to(device))
+
+    def deepstack_process(hidden_states, visual_pos_masks, visual_embeds):
+        # transformers: hidden[mask] = hidden[mask] + embeds; here by index (the mask's order), the same bits
+        rows_NH = hidden_states.reshape(-1, hidden_states.shape[-1]).clone()
+        at = placeholders.flat_positions
+        rows_NH[at] = rows_NH[at] + visual_embeds.to(rows_NH.device, rows_NH.dtype)
+        return rows_NH.view_as(hidden_states)
+
+    model.get_placeholder_mask, language._deepstack_process = get_placeholder_mask, deepstack_process
+    try:
+        yield
+    finally:
+        del model.get_placeholder_mask, language._deepstack_process
+
+
+def causal_padding_mask(attention_mask_BT: torch.Tensor) -> torch.Tensor:
+    """The boolean [B, 1, T, T] mask transformers' sdpa path builds for a padded batch (causal, and
+    keys that are not padding: masking_utils.sdpa_mask), built without its check whether the batch
+    has padding at all (`padding_mask.all()`, a sync on a GPU): the caller knows that from the host
+    copy, and passes no mask for a batch without padding, as transformers then does. A 4-D mask is
+    taken as it is (masking_utils._preprocess_mask_arguments)."""
+    T = attention_mask_BT.shape[1]
+    positions = torch.arange(T, device=attention_mask_BT.device)
+    causal_11TT = (positions[None, :] <= positions[:, None])[None, None]
+    return causal_11TT & attention_mask_BT.bool()[:, None, None, :]
