@@ -176,6 +176,7 @@ case $GROUP in
           LIMIT=120; r 1 $b; r 2 $b --library-syncs; r 3 $b; r 4 $b --library-syncs
           (cd bench && timeout 260 python3 train.py --preset qwen3vl-2b --method full --paths peer,ours,packed --steps 12 \
             --samples 32 --ours precision.compile=true 2>"$OUT/err-train2b.txt" | tail -6 > "$OUT/train2b.txt")
+          LIMIT=100; r 5 ${b/--steps 8/--steps 4} --profile "$OUT/prof-2b.txt"  # the GPU's idle share now
           for f in "$OUT"/err-*.txt; do echo "== $f"; tail -c 3000 "$f"; done > "$OUT/errors.txt"; rm -f "$OUT"/err-*.txt ;;
   visprof) b="--preset qwen3vl-2b --method full --steps 6 --warmup 3 --override precision.compile=true precision.compile_vision=false"
            LIMIT=120; r 1 $b model.vision_attention=varlen --profile "$OUT/prof-varlen.txt"
