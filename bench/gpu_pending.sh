@@ -178,6 +178,12 @@ case $GROUP in
             --samples 32 --ours precision.compile=true 2>"$OUT/err-train2b.txt" | tail -6 > "$OUT/train2b.txt")
           LIMIT=100; r 5 ${b/--steps 8/--steps 4} --profile "$OUT/prof-2b.txt"  # the GPU's idle share now
           for f in "$OUT"/err-*.txt; do echo "== $f"; tail -c 3000 "$f"; done > "$OUT/errors.txt"; rm -f "$OUT"/err-*.txt ;;
+  sync15b) (cd bench && timeout 200 python3 train.py --preset qwen3vl-2b --method full --paths peer,ours,packed --steps 12 \
+            --samples 32 --ours precision.compile=true 2>"$OUT/err-train2b.txt" | tail -6 > "$OUT/train2b.txt")
+          # issue 13: peer vs ours with ours fed by the recipe's loader (HostPrep in workers); then the sync A/B again
+          b="--preset qwen3vl-2b --method full --steps 8 --warmup 4 --override precision.compile=true"
+          LIMIT=70; r 1 $b --library-syncs; r 2 $b
+          for f in "$OUT"/err-*.txt; do echo "== $f"; tail -c 3000 "$f"; done > "$OUT/errors.txt"; rm -f "$OUT"/err-*.txt ;;
   visprof) b="--preset qwen3vl-2b --method full --steps 6 --warmup 3 --override precision.compile=true precision.compile_vision=false"
            LIMIT=120; r 1 $b model.vision_attention=varlen --profile "$OUT/prof-varlen.txt"
            r 2 $b model.vision_attention=sdpa --profile "$OUT/prof-loop.txt" ;;  # why eager varlen vision blocks train slower

@@ -14,7 +14,9 @@ same micro-batches packed into one row each (data.packing); its FLOPs and tokens
 batches' (the same samples), so its tokens/s and MFU compare directly. LoRA: r=16, alpha=32 on the
 language model's attention projections (the peer baseline's setup). Each path runs `--warmup`
 untimed steps, then `--steps` timed ones over the same cycled batches, so their losses after N
-steps compare (they must agree within bf16 noise; the table shows the spread).
+steps compare (they must agree within bf16 noise; the table shows the spread). Ours is fed as the recipe
+feeds it: a DataLoader whose workers compute the step's host inputs (engine/losses.HostPrep) and pin them;
+the peer moves its batch to the device in the step, as transformers' own training loop does.
 
 MFU = model FLOPs per second / 989e12 (H100/H200 dense bf16 peak). Model FLOPs of a step (the same
 useful work for every path, whatever it computes beyond it):
@@ -38,6 +40,8 @@ import torch
 from vlforge.config import ModelConfig, SFTConfig, load_config
 from vlforge.data.encode import Encoder, ImageLimits, SampleTokens, collate, encode, pack
 from vlforge.engine.health import GradHealth
+from vlforge.engine.losses import HostPrep
+from vlforge.engine.runtime import resolve_num_workers
 from vlforge.engine.optim import build_optimizer
 from vlforge.engine.trainable import setup_model
 from vlforge.model.load import load_model, load_processor
@@ -45,7 +49,7 @@ from vlforge.model.presets import MOE_PRESETS
 from vlforge.model.tiers import param_groups
 from vlforge.recipes.sft import train_step
 
-from sft_throughput import synthetic_samples
+from sft_throughput import Steps, synthetic_samples
 
 PEAK_FLOPS = 989e12
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a smoke run with --preset tiny
@@ -139,8 +143,15 @@ def run_ours(args, batches, packed: bool = False) -> dict:
     optimizer = build_optimizer(param_groups(t.model, t.plan, 0.0), cfg.optim, DEVICE)
     scaler, health = t.policy.grad_scaler(), GradHealth(t.model, t.plan, cfg.health, cfg.precision.mode)
 
-    def step(i: int) -> float:
-        return train_step(t, [batches[i % len(batches)]], optimizer, scaler, health, 1.0, cfg.loss)["loss"]
+    # fed as the recipe feeds its steps (recipes/sft.py micro_batches): the step's host inputs (HostPrep) made
+    # in the loader's worker processes and pinned by its pin_memory, so the step only queues copies
+    workers = resolve_num_workers(cfg.data.num_workers, t.device)
+    loader = iter(torch.utils.data.DataLoader(Steps(batches, args.warmup + args.steps), batch_size=None,
+                                              num_workers=workers, collate_fn=HostPrep.of(t.model),
+                                              pin_memory=DEVICE == "cuda"))
+
+    def step(i: int) -> float:  # timed() calls it for i = 0, 1, ...: the loader's batch i % len(batches)
+        return train_step(t, [next(loader)], optimizer, scaler, health, 1.0, cfg.loss)["loss"]
 
     return {"model": t.model, "run": step}
 
