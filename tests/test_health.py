@@ -55,6 +55,47 @@ def test_group_norms_in_fp32_and_a_group_without_gradients_is_zero():
     assert math.isinf(grad_norms({"fp32": [c]})["fp32"])
 
 
+def test_fused_adamw_takes_the_clip_in_its_update(monkeypatch):
+    """With torch's fused AdamW and no loss scaler the clip rides in the optimizer's kernel
+    (grad_scale): no pass of its own over the gradients, the same update as clip_to then step (to
+    fp32 rounding: a division by the inverted multiplier), nothing left on the optimizer. fp16's
+    scaler and non-fused optimizers keep clip_to."""
+    from vlforge.engine import health as health_module
+
+    def run(fused: bool, scaler_on: bool):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4))
+        # eps of the gradients' size: Adam's update then depends on their scale (with a tiny eps it hardly would)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, eps=0.1, fused=fused,
+                                      foreach=None if fused else True)
+        health = GradHealth(model, [], HealthConfig())
+        scaler = torch.amp.GradScaler("cpu", enabled=scaler_on)
+        for _ in range(3):
+            scaler.scale(100 * model(torch.randn(8, 16)).square().sum()).backward()  # norm >> 1: clipped
+            row = health.step(optimizer, scaler, 1.0, 1.0)
+            assert row["grad_norm"] > 10 and not row["skipped"] and not hasattr(optimizer, "grad_scale")
+        return [p.detach().clone() for p in model.parameters()]
+
+    clipped_by = []
+    real_clip_to = health_module.clip_to
+    monkeypatch.setattr(health_module, "clip_to", lambda *a: (clipped_by.append(a), real_clip_to(*a)))
+    folded = run(fused=True, scaler_on=False)
+    assert clipped_by == []  # the clip went into the optimizer
+    reference = run(fused=False, scaler_on=False)
+    assert len(clipped_by) == 3
+    for a, b in zip(folded, reference):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    monkeypatch.setattr(health_module, "clips_in_optimizer", lambda *a: False)
+    monkeypatch.setattr(health_module, "clip_to", lambda *a: None)  # no clip at all: another update (the test can fail)
+    assert not all(torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+                   for a, b in zip(folded, run(fused=True, scaler_on=False)))
+    monkeypatch.undo()
+    monkeypatch.setattr(health_module, "clip_to", lambda *a: (clipped_by.append(a), real_clip_to(*a)))
+    clipped_by.clear()
+    run(fused=True, scaler_on=True)  # the fp16 scaler sets grad_scale itself: clip_to
+    assert len(clipped_by) == 3
+
+
 def test_nan_gradient_is_skipped_named_and_aborts_after_k_steps(shapes_dir, tmp_path):
     cfg, t, optimizer, batch = _setup(shapes_dir, tmp_path, "health.max_bad_steps=2")
     health = GradHealth(t.model, t.plan, cfg.health)

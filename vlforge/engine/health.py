@@ -93,6 +93,17 @@ def grad_norms(groups: dict[str, list[nn.Parameter]]) -> dict[str, float]:
     return dict(zip(groups, squares.sqrt().tolist()))
 
 
+def clips_in_optimizer(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler) -> bool:
+    """Whether the clip can ride in the optimizer's update: torch's fused Adam/AdamW divides every
+    gradient by the tensor in its `grad_scale` attribute inside its one kernel (the hook GradScaler
+    uses to unscale fp16 gradients), so the clip costs no pass of its own over the gradients (at 2B
+    full fine-tuning ~4 ms a step on an H200, a foreach read and write of 8.5 GB: docs/benchmarks.md,
+    fifteenth session). Not with the loss scaler on (fp16: GradScaler.step sets grad_scale itself),
+    nor for other optimizers (bitsandbytes' 8-bit ones, torch's foreach AdamW ignore or refuse it)."""
+    return (isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) and bool(optimizer.defaults.get("fused"))
+            and not scaler.is_enabled())
+
+
 def clip_to(params: list[nn.Parameter], max_norm: float, total: float) -> None:
     """Scale gradients so their global norm is at most max_norm, given that norm (a Python float:
     the same multiplier on every rank's shards)."""
@@ -141,6 +152,7 @@ class GradHealth:
                 self.groups.setdefault(tier_of_param(name, plan) or "other", []).append(p)
         self.bad_streak = 0
         self.loss_spikes = LossSpikes(cfg)
+        self._divisors: dict[torch.device, torch.Tensor] = {}  # the clip's divisor per device (clips_in_optimizer)
 
     def step(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
              max_grad_norm: float | None, loss: float) -> dict:
@@ -151,9 +163,19 @@ class GradHealth:
         bad_groups = sorted(g for g, n in norms.items() if not math.isfinite(n))
         finite = math.isfinite(total) and math.isfinite(loss)
         if finite:
-            if max_grad_norm:
-                clip_to([p for ps in self.groups.values() for p in ps], max_grad_norm, total)
-            scaler.step(optimizer)
+            params = [p for ps in self.groups.values() for p in ps]
+            clip = bool(max_grad_norm) and max_grad_norm / (total + 1e-6) < 1.0
+            if clip and clips_in_optimizer(optimizer, scaler):
+                # the update divides each gradient by (total + 1e-6) / max_norm: clip_to's multiplier, inverted
+                optimizer.grad_scale = self._divisor(params).fill_((total + 1e-6) / max_grad_norm)
+                try:
+                    optimizer.step()
+                finally:
+                    del optimizer.grad_scale
+            else:
+                if clip:
+                    clip_to(params, max_grad_norm, total)
+                scaler.step(optimizer)
         elif scaler.is_enabled():
             scaler.step(optimizer)  # the scaler sees the inf/nan, skips the update and backs off
         scale = scaler.get_scale() if scaler.is_enabled() else None
@@ -172,6 +194,13 @@ class GradHealth:
             row["nonfinite_groups"] = bad_groups or ["loss"]
             self._abort_if_diverged(bad_groups, loss)
         return row
+
+    def _divisor(self, params: list[nn.Parameter]) -> torch.Tensor:
+        """A scalar fp32 tensor where the parameters' gradients are, kept (fill_ writes it without a sync)."""
+        device = _local_grads(params)[0][0].device
+        if self._divisors.get(device) is None:
+            self._divisors[device] = torch.ones((), dtype=torch.float32, device=device)
+        return self._divisors[device]
 
     def _spike(self, loss: float) -> dict:
         ratio = self.loss_spikes(loss)
