@@ -138,8 +138,10 @@ class Placeholders:
     features with an `.item()`, and `_deepstack_process` reads and writes the hidden states through
     the mask at each of the first decoder layers (deepstack: 3 at 2B), a nonzero each way in the
     forward and again in the backward. Each is a sync: the CPU waits for the GPU queue to drain, then
-    the GPU waits for the CPU (measured on one H200: a 2B step's GPU idle ~30%, docs/benchmarks.md,
-    fifteenth session). With the positions as indices the same reads and writes need no sync."""
+    the GPU waits for the CPU. With the positions as indices the same reads and writes need no sync.
+    (On one H200 taking them out changed no step time measurably: the compiled 2B step's host work
+    is about as long as its GPU work, so running ahead gains little; docs/benchmarks.md, fifteenth
+    session. They cost once the host's share shrinks.)"""
 
     flat_positions: torch.Tensor  # long [N]: row * T + column of each image token, in row-major order
     image_tokens: int  # N
