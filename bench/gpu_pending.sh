@@ -51,7 +51,9 @@
 #   lora13 and visprof (issue 13), and FSDP2 world 1 compiled (0.70x) under
 #   TORCH_LOGS=recompiles,graph_breaks and --profile (is its compiled layer breaking at FSDP2's hooks?)
 #   Fifteenth session: offload14 (recorded), prof15 (its profile did not come back: at most 8 files return from
-#   $OUT, and the empty err-*.txt files took the places; archive with tar). Next: prof15 again, lora13, visprof.
+#   $OUT, and the empty err-*.txt files took the places; archive with tar), then prof15 (2B full and 8B LoRA
+#   profiles), host15 (CUDA graphs / cpp_wrapper / loader workers), sync15 and sync15b (the library syncs A/B; peer
+#   vs ours fed by the recipe's loader). Next: next16 (the clip inside fused AdamW; 8B three-tier LoRA vs peft).
 #   OUT=/some/dir GROUP=moe   bash bench/gpu_pending.sh  # 30B-A3B: peft peer vs ours same process; NF4 memory/decode
 #   OUT=/some/dir GROUP=mem   bash bench/gpu_pending.sh  # selective checkpointing and the activation memory budget
 # (carry .whl/train, and .whl/ao (torchao) for GROUP=tests, .whl/bnb (bitsandbytes) for moe and mem)
@@ -183,6 +185,14 @@ case $GROUP in
           # issue 13: peer vs ours with ours fed by the recipe's loader (HostPrep in workers); then the sync A/B again
           b="--preset qwen3vl-2b --method full --steps 8 --warmup 4 --override precision.compile=true"
           LIMIT=70; r 1 $b --library-syncs; r 2 $b
+          for f in "$OUT"/err-*.txt; do echo "== $f"; tail -c 3000 "$f"; done > "$OUT/errors.txt"; rm -f "$OUT"/err-*.txt ;;
+  next16) b="--preset qwen3vl-2b --method full --steps 8 --warmup 4 --override precision.compile=true"
+          # issue 13, after the fifteenth session: the clip inside fused AdamW vs a foreach multiply (alternating),
+          # then 8B three-tier LoRA (language attention + projector + last 2 vision blocks) peer vs ours
+          LIMIT=80; r 1 $b --foreach-clip; r 2 $b; r 3 $b --foreach-clip; r 4 $b
+          (cd bench && timeout 330 python3 train.py --preset qwen3vl-8b --method lora --lora-tiers three \
+            --paths peer,ours,packed --steps 10 --samples 32 --ours precision.compile=true 2>"$OUT/err-8b.txt" \
+            | tail -6 > "$OUT/train8b.txt")
           for f in "$OUT"/err-*.txt; do echo "== $f"; tail -c 3000 "$f"; done > "$OUT/errors.txt"; rm -f "$OUT"/err-*.txt ;;
   visprof) b="--preset qwen3vl-2b --method full --steps 6 --warmup 3 --override precision.compile=true precision.compile_vision=false"
            LIMIT=120; r 1 $b model.vision_attention=varlen --profile "$OUT/prof-varlen.txt"

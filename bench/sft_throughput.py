@@ -156,6 +156,8 @@ def main() -> None:
                     "top operators by GPU time and by CPU time to this text file")
     ap.add_argument("--library-syncs", action="store_true", help="A/B: transformers' own image-token masks and "
                     "padding check (device reads) instead of the host's (model/host_inputs.py)")
+    ap.add_argument("--foreach-clip", action="store_true", help="A/B: clip the gradients with a foreach multiply "
+                    "before the optimizer step instead of inside fused AdamW (engine/health.clips_in_optimizer)")
     ap.add_argument("--expert-lora", choices=["fused", "peft"], default="fused", help="MoE: tiers.expert_lora")
     ap.add_argument("--workers", type=int, help="DataLoader workers feeding the steps (default: data.num_workers, "
                     "auto as the recipe); 0: the loader runs on the main thread")
@@ -201,6 +203,10 @@ def main() -> None:
     prepare = HostPrep.of(t.model) if HostPrep is not None else None
     if args.library_syncs:
         prepare = WithLibrarySyncs(prepare)
+    if args.foreach_clip:
+        import vlforge.engine.health as health_module
+
+        health_module.clips_in_optimizer = lambda optimizer, scaler: False
     loader = iter(torch.utils.data.DataLoader(Steps(batches, args.warmup + args.steps), batch_size=None,
                                               num_workers=workers, collate_fn=prepare or as_is,
                                               pin_memory=prepare is not None))
@@ -237,6 +243,7 @@ def main() -> None:
         "row_tokens_mean": sum(b["input_ids"].numel() for b in batches) / len(batches),
         "attn": cfg.model.attn_implementation, "loss_impl": cfg.loss.impl,
         "strategy": t.world.strategy, "optim": cfg.optim.name, "workers": workers, "library_syncs": args.library_syncs,
+        "foreach_clip": args.foreach_clip,
         "host_prep": prepare is not None, "vlforge": __import__("vlforge").__file__,
         "tokens_per_s": sum(tokens) / sum(times), "step_s": step_s,
         "peak_gb": torch.cuda.max_memory_allocated() / 1e9, "pad_fraction": pad_fraction,

@@ -5,6 +5,7 @@
     python bench/train.py --preset qwen3vl-8b --method lora --steps 50 --ours precision.compile=true
     python bench/train.py --preset qwen3vl-2b --method full --paths peer,ours,packed --json out.json
     python bench/train.py --preset qwen3vl-30b-a3b --method lora --paths peer,ours --grad-ckpt --steps 8
+    python bench/train.py --preset qwen3vl-8b --method lora --lora-tiers three --paths peer,ours,packed
 
 Workload: shared/BASELINES.md's (sft_throughput.synthetic_samples: one 448x448 image, ~64 prompt
 tokens, a 128-384-token answer; batch 8), random weights of the published architecture, the same
@@ -12,7 +13,9 @@ initial weights for every path (one seed), bf16 autocast, fp32 master weights fo
 fused AdamW at one learning rate, gradient clipping at 1.0, no dropout. `packed` is our path on the
 same micro-batches packed into one row each (data.packing); its FLOPs and tokens are the padded
 batches' (the same samples), so its tokens/s and MFU compare directly. LoRA: r=16, alpha=32 on the
-language model's attention projections (the peer baseline's setup). Each path runs `--warmup`
+language model's attention projections (the peer baseline's setup); with `--lora-tiers three` also on
+the projector and the last two vision blocks' attention (three tiers; the peer's peft config adapts the
+same modules, listed by our plan). Each path runs `--warmup`
 untimed steps, then `--steps` timed ones over the same cycled batches, so their losses after N
 steps compare (they must agree within bf16 noise; the table shows the spread). Ours is fed as the recipe
 feeds it: a DataLoader whose workers compute the step's host inputs (engine/losses.HostPrep) and pin them;
@@ -46,7 +49,7 @@ from vlforge.engine.optim import build_optimizer
 from vlforge.engine.trainable import setup_model
 from vlforge.model.load import load_model, load_processor
 from vlforge.model.presets import MOE_PRESETS
-from vlforge.model.tiers import param_groups
+from vlforge.model.tiers import build_plan, param_groups
 from vlforge.recipes.sft import train_step
 
 from sft_throughput import Steps, synthetic_samples
@@ -107,7 +110,10 @@ def run_peer(args, batches) -> dict:
 
         # MoE: the fused 3-D experts through peft's parameter targeting, as its docs show for MoE models
         experts = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] if args.preset in MOE_PRESETS else None
-        model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=LORA_TARGETS,
+        # three tiers: the modules our plan adapts (build_plan over our tiers' settings), as one peft config
+        targets = LORA_TARGETS if args.lora_tiers == "attention" else [
+            e.module for e in build_plan(model, lora_tiers(args).tiers) if e.kind == "lora" and e.target == "module"]
+        model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=targets,
                                                  target_parameters=experts))
     if args.grad_ckpt:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -128,12 +134,23 @@ def run_peer(args, batches) -> dict:
     return {"model": model, "run": step}
 
 
+def lora_tier_overrides(args) -> list[str]:
+    """Our LoRA tiers: r=16, alpha=32, no dropout on the language model's attention (`attention`: the
+    peer baseline's setup), or also on the projector and the last two vision blocks' attention (`three`)."""
+    lora = ["r=16", "alpha=32", "dropout=0.0"]
+    tiers = [f"tiers.language.{k}" for k in lora]
+    tiers += ([f"tiers.{t}.{k}" for t in ("projector", "vision") for k in ["train=true", *lora]]
+              if args.lora_tiers == "three" else ["tiers.projector.train=false", "tiers.vision.train=false"])
+    return tiers + (["tiers.language.experts=true"] if args.preset in MOE_PRESETS else [])
+
+
+def lora_tiers(args) -> SFTConfig:
+    return load_config(SFTConfig, None, [f"model.preset={args.preset}", "tiers.method=lora", *lora_tier_overrides(args)])
+
+
 def run_ours(args, batches, packed: bool = False) -> dict:
     lora = args.method == "lora"
-    tiers = ([f"tiers.language.r=16", "tiers.language.alpha=32", "tiers.language.dropout=0.0",
-              "tiers.projector.train=false", "tiers.vision.train=false",
-              *(["tiers.language.experts=true"] if args.preset in MOE_PRESETS else [])]
-             if lora else ["tiers.vision.train=true"])
+    tiers = lora_tier_overrides(args) if lora else ["tiers.vision.train=true"]
     tiers += ["precision.gradient_checkpointing=true"] if args.grad_ckpt else []
     cfg = load_config(SFTConfig, None, [
         f"model.preset={args.preset}", f"model.seed={args.seed}", f"tiers.method={args.method}", "precision.mode=bf16",
@@ -230,6 +247,9 @@ def main() -> None:
     ap.add_argument("--ours", nargs="*", default=[], help="vlforge config overrides for our path")
     ap.add_argument("--json", help="write all results (with per-step losses) here")
     ap.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing on the peer and our paths")
+    ap.add_argument("--lora-tiers", default="attention", choices=["attention", "three"],
+                    help="LoRA on the language model's attention, or also on the projector and the last 2 vision "
+                         "blocks' attention (the same modules for the peer's peft config)")
     args = ap.parse_args()
     args.lr = args.lr or (1e-4 if args.method == "lora" else 1e-5)
     torch.backends.cuda.matmul.allow_tf32 = True
