@@ -190,6 +190,7 @@ case $GROUP in
           # issue 13, after the fifteenth session: the clip inside fused AdamW vs a foreach multiply (alternating),
           # then 8B three-tier LoRA (language attention + projector + last 2 vision blocks) peer vs ours
           LIMIT=80; r 1 $b --foreach-clip; r 2 $b; r 3 $b --foreach-clip; r 4 $b
+          LIMIT=150; r 5 $b --layer-compile-mode reduce-overhead  # CUDA graphs of the decoder layers only: works?
           (cd bench && timeout 330 python3 train.py --preset qwen3vl-8b --method lora --lora-tiers three \
             --paths peer,ours,packed --steps 10 --samples 32 --ours precision.compile=true 2>"$OUT/err-8b.txt" \
             | tail -6 > "$OUT/train8b.txt")

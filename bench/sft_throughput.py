@@ -158,6 +158,9 @@ def main() -> None:
                     "padding check (device reads) instead of the host's (model/host_inputs.py)")
     ap.add_argument("--foreach-clip", action="store_true", help="A/B: clip the gradients with a foreach multiply "
                     "before the optimizer step instead of inside fused AdamW (engine/health.clips_in_optimizer)")
+    ap.add_argument("--layer-compile-mode", help="experiment: torch.compile the language model's decoder layers "
+                    "with this mode (e.g. reduce-overhead: CUDA graphs of each layer's forward and backward; a step "
+                    "begins with torch.compiler.cudagraph_mark_step_begin()); vision blocks as the recipe compiles them")
     ap.add_argument("--expert-lora", choices=["fused", "peft"], default="fused", help="MoE: tiers.expert_lora")
     ap.add_argument("--workers", type=int, help="DataLoader workers feeding the steps (default: data.num_workers, "
                     "auto as the recipe); 0: the loader runs on the main thread")
@@ -174,6 +177,19 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = True
     if args.fsdp:
         cfg.distributed.strategy = "fsdp2"
+    if args.layer_compile_mode:
+        import vlforge.engine.trainable as trainable
+        from vlforge.model.tiers import unwrap
+
+        def compile_layers(model, vision: bool = False) -> int:  # trainable.compile_decoder_layers, another mode
+            core = unwrap(model).model
+            for layer in core.language_model.layers:
+                layer.compile(mode=args.layer_compile_mode)
+            for block in core.visual.blocks if vision else []:
+                block.compile()
+            return len(core.language_model.layers) + (len(core.visual.blocks) if vision else 0)
+
+        trainable.compile_decoder_layers = compile_layers
     t = setup_model(cfg, world=init_world(cfg.distributed, cfg.train.device))
     encoder = Encoder(t.processor, ImageLimits(3136, args.image * args.image))
     import tempfile
@@ -216,6 +232,8 @@ def main() -> None:
         torch.cuda.synchronize()
         start = time.perf_counter()
         batch = next(loader)  # timed: a loader that does not keep up shows in tokens/s
+        if args.layer_compile_mode == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()  # the step's graphs may overwrite the last step's outputs
         out = train_step(t, [batch], optimizer, scaler, health, 1.0, cfg.loss)
         torch.cuda.synchronize()
         losses.append(out["loss"])
@@ -243,7 +261,7 @@ def main() -> None:
         "row_tokens_mean": sum(b["input_ids"].numel() for b in batches) / len(batches),
         "attn": cfg.model.attn_implementation, "loss_impl": cfg.loss.impl,
         "strategy": t.world.strategy, "optim": cfg.optim.name, "workers": workers, "library_syncs": args.library_syncs,
-        "foreach_clip": args.foreach_clip,
+        "foreach_clip": args.foreach_clip, "layer_compile_mode": args.layer_compile_mode,
         "host_prep": prepare is not None, "vlforge": __import__("vlforge").__file__,
         "tokens_per_s": sum(tokens) / sum(times), "step_s": step_s,
         "peak_gb": torch.cuda.max_memory_allocated() / 1e9, "pad_fraction": pad_fraction,
