@@ -44,8 +44,8 @@ from vlforge.config import ModelConfig, SFTConfig, load_config
 from vlforge.data.encode import Encoder, ImageLimits, SampleTokens, collate, encode, pack
 from vlforge.engine.health import GradHealth
 from vlforge.engine.losses import HostPrep
-from vlforge.engine.runtime import resolve_num_workers
 from vlforge.engine.optim import build_optimizer
+from vlforge.engine.runtime import resolve_num_workers
 from vlforge.engine.trainable import setup_model
 from vlforge.model.load import load_model, load_processor
 from vlforge.model.presets import MOE_PRESETS
