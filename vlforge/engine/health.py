@@ -152,7 +152,6 @@ class GradHealth:
                 self.groups.setdefault(tier_of_param(name, plan) or "other", []).append(p)
         self.bad_streak = 0
         self.loss_spikes = LossSpikes(cfg)
-        self._divisors: dict[torch.device, torch.Tensor] = {}  # the clip's divisor per device (clips_in_optimizer)
 
     def step(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
              max_grad_norm: float | None, loss: float) -> dict:
@@ -167,7 +166,9 @@ class GradHealth:
             clip = bool(max_grad_norm) and max_grad_norm / (total + 1e-6) < 1.0
             if clip and clips_in_optimizer(optimizer, scaler):
                 # the update divides each gradient by (total + 1e-6) / max_norm: clip_to's multiplier, inverted
-                optimizer.grad_scale = self._divisor(params).fill_((total + 1e-6) / max_grad_norm)
+                # (torch.full with a Python scalar is a fill kernel: no host-device copy, no sync)
+                optimizer.grad_scale = torch.full((), (total + 1e-6) / max_grad_norm, dtype=torch.float32,
+                                                  device=_local_grads(params)[0][0].device)
                 try:
                     optimizer.step()
                 finally:
@@ -194,13 +195,6 @@ class GradHealth:
             row["nonfinite_groups"] = bad_groups or ["loss"]
             self._abort_if_diverged(bad_groups, loss)
         return row
-
-    def _divisor(self, params: list[nn.Parameter]) -> torch.Tensor:
-        """A scalar fp32 tensor where the parameters' gradients are, kept (fill_ writes it without a sync)."""
-        device = _local_grads(params)[0][0].device
-        if self._divisors.get(device) is None:
-            self._divisors[device] = torch.ones((), dtype=torch.float32, device=device)
-        return self._divisors[device]
 
     def _spike(self, loss: float) -> dict:
         ratio = self.loss_spikes(loss)

@@ -174,7 +174,7 @@ def backbone_hidden(model, batch: dict) -> torch.Tensor:
                 lambda module, args, kwargs: (args, {**host.vision, **kwargs}), with_kwargs=True)
             stack.callback(hook.remove)
         if host.placeholders is not None:  # image features and deepstack features placed by index: no syncs
-            stack.enter_context(placeholders_from_host(core.model, host.placeholders, core.config.image_token_id))
+            stack.enter_context(placeholders_from_host(core.model, host.placeholders))
         if (host.padding is not None and "position_ids" in inputs and "attention_mask" in inputs
                 and core.model.language_model.config._attn_implementation == "sdpa"):
             # the mask transformers' sdpa path would build, without its device check for padding (a sync);

@@ -156,7 +156,7 @@ class Placeholders:
 
 
 @contextlib.contextmanager
-def placeholders_from_host(model, placeholders: Placeholders, image_token_id: int):
+def placeholders_from_host(model, placeholders: Placeholders):
     """Inside, the Qwen3-VL model (`model`: the ForConditionalGeneration's .model) finds its image
     tokens from `placeholders`: the same masks, count check and hidden states as its own methods,
     which it gets back on exit. For batches with images and no video (the joint image + video path
@@ -170,7 +170,7 @@ def placeholders_from_host(model, placeholders: Placeholders, image_token_id: in
             raise ValueError(f"Image features and image tokens do not match, tokens: {placeholders.image_tokens}, "
                              f"features: {image_features.shape[0]}")
         device = inputs_embeds.device
-        return ((input_ids == image_token_id).unsqueeze(-1).to(device),
+        return ((input_ids == model.config.image_token_id).unsqueeze(-1).to(device),
                 (input_ids == model.config.video_token_id).unsqueeze(-1).to(device))
 
     def deepstack_process(hidden_states, visual_pos_masks, visual_embeds):
