@@ -54,6 +54,7 @@
 #   $OUT, and the empty err-*.txt files took the places; archive with tar), then prof15 (2B full and 8B LoRA
 #   profiles), host15 (CUDA graphs / cpp_wrapper / loader workers), sync15 and sync15b (the library syncs A/B; peer
 #   vs ours fed by the recipe's loader). Next: next16 (the clip inside fused AdamW; 8B three-tier LoRA vs peft).
+#   Sixteenth session ran next16; then host16 (guard skipping and the C++ wrapper at 2B; the 8B three-tier LoRA profile).
 #   OUT=/some/dir GROUP=moe   bash bench/gpu_pending.sh  # 30B-A3B: peft peer vs ours same process; NF4 memory/decode
 #   OUT=/some/dir GROUP=mem   bash bench/gpu_pending.sh  # selective checkpointing and the activation memory budget
 # (carry .whl/train, and .whl/ao (torchao) for GROUP=tests, .whl/bnb (bitsandbytes) for moe and mem)
@@ -194,6 +195,18 @@ case $GROUP in
           (cd bench && timeout 330 python3 train.py --preset qwen3vl-8b --method lora --lora-tiers three \
             --paths peer,ours,packed --steps 10 --samples 32 --ours precision.compile=true 2>"$OUT/err-8b.txt" \
             | tail -6 > "$OUT/train8b.txt")
+          for f in "$OUT"/err-*.txt; do echo "== $f"; tail -c 3000 "$f"; done > "$OUT/errors.txt"; rm -f "$OUT"/err-*.txt ;;
+  host16) b="--preset qwen3vl-2b --method full --steps 8 --warmup 4 --override precision.compile=true"
+          # issue 13, sixteenth session: the compiled 2B step's host work per region: guards skipped after the
+          # warmup, kernels launched from inductor's C++ wrapper (decoder layers; the vision blocks' varlen call
+          # cannot), alternating with the plain compiled step; then where the 8B three-tier LoRA packed step goes
+          LIMIT=90; r 1 $b; r 2 $b --skip-guards
+          LIMIT=180; r 3 $b --layer-compile-options cpp_wrapper=1
+          LIMIT=90; r 4 $b
+          t="tiers.language.dropout=0.0 tiers.projector.train=true tiers.vision.train=true"
+          for k in r=16 alpha=32 dropout=0.0; do t="$t tiers.projector.$k tiers.vision.$k"; done
+          LIMIT=170; r 5 --preset qwen3vl-8b --method lora --packing --steps 6 --warmup 3 --override \
+            precision.compile=true $t --profile "$OUT/prof-8b.txt"
           for f in "$OUT"/err-*.txt; do echo "== $f"; tail -c 3000 "$f"; done > "$OUT/errors.txt"; rm -f "$OUT"/err-*.txt ;;
   visprof) b="--preset qwen3vl-2b --method full --steps 6 --warmup 3 --override precision.compile=true precision.compile_vision=false"
            LIMIT=120; r 1 $b model.vision_attention=varlen --profile "$OUT/prof-varlen.txt"

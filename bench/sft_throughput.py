@@ -161,6 +161,10 @@ def main() -> None:
     ap.add_argument("--layer-compile-mode", help="experiment: torch.compile the language model's decoder layers "
                     "with this mode (e.g. reduce-overhead: CUDA graphs of each layer's forward and backward; a step "
                     "begins with torch.compiler.cudagraph_mark_step_begin()); vision blocks as the recipe compiles them")
+    ap.add_argument("--layer-compile-options", help="experiment: inductor options for the decoder layers' "
+                    "torch.compile, k=v[,k=v] (e.g. cpp_wrapper=1: kernels launched from generated C++, not Python)")
+    ap.add_argument("--skip-guards", action="store_true", help="experiment: after the warmup steps, "
+                    "torch.compiler.set_stance(skip_guard_eval_unsafe=True) (no guard evaluation per compiled call)")
     ap.add_argument("--expert-lora", choices=["fused", "peft"], default="fused", help="MoE: tiers.expert_lora")
     ap.add_argument("--workers", type=int, help="DataLoader workers feeding the steps (default: data.num_workers, "
                     "auto as the recipe); 0: the loader runs on the main thread")
@@ -177,14 +181,16 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = True
     if args.fsdp:
         cfg.distributed.strategy = "fsdp2"
-    if args.layer_compile_mode:
+    if args.layer_compile_mode or args.layer_compile_options:
         import vlforge.engine.trainable as trainable
         from vlforge.model.tiers import unwrap
 
         def compile_layers(model, vision: bool = False) -> int:  # trainable.compile_decoder_layers, another mode
             core = unwrap(model).model
+            options = {k: int(v) if v.isdigit() else v for k, v in
+                       (kv.split("=") for kv in args.layer_compile_options.split(","))} if args.layer_compile_options else None
             for layer in core.language_model.layers:
-                layer.compile(mode=args.layer_compile_mode)
+                layer.compile(mode=args.layer_compile_mode, options=options)
             for block in core.visual.blocks if vision else []:
                 block.compile()
             return len(core.language_model.layers) + (len(core.visual.blocks) if vision else 0)
@@ -229,6 +235,8 @@ def main() -> None:
     torch.cuda.reset_peak_memory_stats()
     times, tokens, losses = [], [], []
     for step in range(args.warmup + args.steps):
+        if args.skip_guards and step == args.warmup:
+            torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
         torch.cuda.synchronize()
         start = time.perf_counter()
         batch = next(loader)  # timed: a loader that does not keep up shows in tokens/s
@@ -262,6 +270,7 @@ def main() -> None:
         "attn": cfg.model.attn_implementation, "loss_impl": cfg.loss.impl,
         "strategy": t.world.strategy, "optim": cfg.optim.name, "workers": workers, "library_syncs": args.library_syncs,
         "foreach_clip": args.foreach_clip, "layer_compile_mode": args.layer_compile_mode,
+        "layer_compile_options": args.layer_compile_options, "skip_guards": args.skip_guards,
         "host_prep": prepare is not None, "vlforge": __import__("vlforge").__file__,
         "tokens_per_s": sum(tokens) / sum(times), "step_s": step_s,
         "peak_gb": torch.cuda.max_memory_allocated() / 1e9, "pad_fraction": pad_fraction,
