@@ -114,7 +114,10 @@ class Steps(torch.utils.data.Dataset):
         return self.steps
 
     def __getitem__(self, step: int) -> dict:
-        return self.batches[step % len(self.batches)]
+        # fresh tensors, as the recipe's collate makes: a worker sending the same tensor objects again moves
+        # their storage into shared memory once and then shares it with every later step (seen once: a
+        # worker's mm_token_type_ids held token ids at an 8B run's 13th step)
+        return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in self.batches[step % len(self.batches)].items()}
 
 
 def as_is(batch: dict) -> dict:  # the loader's collate without HostPrep (module level: picklable)
