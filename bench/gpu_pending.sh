@@ -217,17 +217,14 @@ case $GROUP in
           LIMIT=120; r 1 $b; LIMIT=80; r 2 $b --varlen-public; r 3 $b; r 4 $b --varlen-public
           r 5 $b --packing; r 6 $b --packing --varlen-public
           for f in "$OUT"/err-*.txt; do echo "== $f"; tail -c 3000 "$f"; done > "$OUT/errors.txt"; rm -f "$OUT"/err-*.txt ;;
-  lora16) # issue 13: 8B three-tier LoRA peer vs ours padded and packed (same process), then the aten flash op vs
-          # torch's varlen_attn alternating step by step in one process (var16's runs apart were within their spread)
+  lora16) # issue 13: 8B three-tier LoRA peer vs ours padded and packed (same process), then packed aten vs public
           (cd bench && timeout 300 python3 train.py --preset qwen3vl-8b --method lora --lora-tiers three \
             --paths peer,ours,packed --steps 10 --samples 32 --ours precision.compile=true 2>"$OUT/err-8b.txt" \
             | tail -6 > "$OUT/train8b.txt")
-          b="--preset qwen3vl-2b --method full --steps 16 --warmup 4 --varlen-ab --override precision.compile=true"
-          LIMIT=100; r 1 $b; r 2 $b --packing
           t="tiers.language.dropout=0.0 tiers.projector.train=true tiers.vision.train=true"
           for k in r=16 alpha=32 dropout=0.0; do t="$t tiers.projector.$k tiers.vision.$k"; done
-          LIMIT=120; r 3 --preset qwen3vl-8b --method lora --packing --steps 12 --warmup 4 --varlen-ab --override \
-            precision.compile=true $t
+          l="--preset qwen3vl-8b --method lora --packing --steps 6 --warmup 3 --override precision.compile=true $t"
+          LIMIT=100; r 1 $l --varlen-public; r 2 $l
           for f in "$OUT"/err-*.txt; do echo "== $f"; tail -c 3000 "$f"; done > "$OUT/errors.txt"; rm -f "$OUT"/err-*.txt ;;
   visprof) b="--preset qwen3vl-2b --method full --steps 6 --warmup 3 --override precision.compile=true precision.compile_vision=false"
            LIMIT=120; r 1 $b model.vision_attention=varlen --profile "$OUT/prof-varlen.txt"

@@ -168,8 +168,6 @@ def main() -> None:
                     "torch.compile, k=v[,k=v] (e.g. cpp_wrapper=1: kernels launched from generated C++, not Python)")
     ap.add_argument("--varlen-public", action="store_true", help="A/B: torch's public varlen_attn (a Python custom "
                     "op) for the varlen attention calls instead of the aten flash op it wraps (model/varlen.varlen_kernel)")
-    ap.add_argument("--varlen-ab", action="store_true", help="A/B in one process: even steps through the aten flash "
-                    "op, odd steps through torch's varlen_attn (both compiled in the warmup); tokens/s of each in the JSON")
     ap.add_argument("--skip-guards", action="store_true", help="experiment: after the warmup steps, "
                     "torch.compiler.set_stance(skip_guard_eval_unsafe=True) (no guard evaluation per compiled call)")
     ap.add_argument("--expert-lora", choices=["fused", "peft"], default="fused", help="MoE: tiers.expert_lora")
@@ -247,14 +245,7 @@ def main() -> None:
                                               pin_memory=prepare is not None))
     torch.cuda.reset_peak_memory_stats()
     times, tokens, losses = [], [], []
-    if args.varlen_ab:
-        import vlforge.engine.packed_attention as packed_attention
-        import vlforge.model.varlen as varlen
-        kernels = (varlen.aten_flash_kernel(), varlen.public_varlen_kernel())
     for step in range(args.warmup + args.steps):
-        if args.varlen_ab:  # the vision attention's kernel and the packed rows' (PackedRows.of)
-            varlen._KERNEL = kernels[step % 2]
-            packed_attention.varlen_kernel = lambda k=kernels[step % 2]: k
         if args.skip_guards and step == args.warmup:
             torch.compiler.set_stance("default", skip_guard_eval_unsafe=True)
         torch.cuda.synchronize()
@@ -294,8 +285,6 @@ def main() -> None:
         "varlen_kernel": "varlen_attn" if args.varlen_public else "aten_flash",
         "host_prep": prepare is not None, "vlforge": __import__("vlforge").__file__,
         "tokens_per_s": sum(tokens) / sum(times), "step_s": step_s,
-        **({f"tokens_per_s_{name}": sum(tokens[i::2]) / sum(times[i::2]) for i, name in
-            ((args.warmup % 2, "aten_flash"), (1 - args.warmup % 2, "varlen_attn"))} if args.varlen_ab else {}),
         "peak_gb": torch.cuda.max_memory_allocated() / 1e9, "pad_fraction": pad_fraction,
         # the process's peak resident host memory (Linux reports KiB): with cpu_offload, where the sharded
         # parameters, gradients and optimizer state live (it includes loading the model)
