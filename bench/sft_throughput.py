@@ -166,8 +166,6 @@ def main() -> None:
                     "begins with torch.compiler.cudagraph_mark_step_begin()); vision blocks as the recipe compiles them")
     ap.add_argument("--layer-compile-options", help="experiment: inductor options for the decoder layers' "
                     "torch.compile, k=v[,k=v] (e.g. cpp_wrapper=1: kernels launched from generated C++, not Python)")
-    ap.add_argument("--varlen-public", action="store_true", help="A/B: torch's public varlen_attn (a Python custom "
-                    "op) for the varlen attention calls instead of the aten flash op it wraps (model/varlen.varlen_kernel)")
     ap.add_argument("--skip-guards", action="store_true", help="experiment: after the warmup steps, "
                     "torch.compiler.set_stance(skip_guard_eval_unsafe=True) (no guard evaluation per compiled call)")
     ap.add_argument("--expert-lora", choices=["fused", "peft"], default="fused", help="MoE: tiers.expert_lora")
@@ -186,19 +184,13 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = True
     if args.fsdp:
         cfg.distributed.strategy = "fsdp2"
-    if args.varlen_public:
-        import vlforge.engine.packed_attention as packed_attention
-        import vlforge.model.varlen as varlen
-
-        varlen._KERNEL = varlen.public_varlen_kernel()  # the vision attention's
-        packed_attention.varlen_kernel = varlen.public_varlen_kernel  # packed rows' (PackedRows.of)
     if args.layer_compile_mode or args.layer_compile_options:
         import vlforge.engine.trainable as trainable
         from vlforge.model.tiers import unwrap
 
         def compile_layers(model, vision: bool = False) -> int:  # trainable.compile_decoder_layers, another mode
             core = unwrap(model).model
-            options = {k: {"true": True, "false": False}.get(v, int(v) if v.isdigit() else v) for k, v in
+            options = {k: int(v) if v.isdigit() else v for k, v in
                        (kv.split("=") for kv in args.layer_compile_options.split(","))} if args.layer_compile_options else None
             for layer in core.language_model.layers:
                 layer.compile(mode=args.layer_compile_mode, options=options)
@@ -282,7 +274,6 @@ def main() -> None:
         "strategy": t.world.strategy, "optim": cfg.optim.name, "workers": workers, "library_syncs": args.library_syncs,
         "foreach_clip": args.foreach_clip, "layer_compile_mode": args.layer_compile_mode,
         "layer_compile_options": args.layer_compile_options, "skip_guards": args.skip_guards,
-        "varlen_kernel": "varlen_attn" if args.varlen_public else "aten_flash",
         "host_prep": prepare is not None, "vlforge": __import__("vlforge").__file__,
         "tokens_per_s": sum(tokens) / sum(times), "step_s": step_s,
         "peak_gb": torch.cuda.max_memory_allocated() / 1e9, "pad_fraction": pad_fraction,

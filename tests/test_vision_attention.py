@@ -59,18 +59,6 @@ def test_the_vision_tower_attends_per_image_in_one_call_as_transformers_sdpa_doe
     assert joined.shape == split.shape == (1, 72, 2, 8) and not torch.allclose(joined, split, atol=1e-3)
 
 
-def test_the_varlen_kernel_is_the_aten_flash_op_where_torch_has_it():
-    """The aten flash op is called directly (the public varlen_attn wraps it in a Python custom op
-    whose host cost the host-bound steps pay): a torch build with flash kernels must offer it with
-    the signature we call, else this fails instead of silently falling back."""
-    if not torch.backends.cuda.is_flash_attention_available():
-        pytest.skip("this torch build has no flash kernels")
-    kernel = varlen.varlen_kernel()
-    assert kernel is not None and kernel.name == "aten_flash" and kernel.takes_scale
-    public = varlen.public_varlen_kernel()
-    assert public is None or public.name == "varlen_attn"
-
-
 def test_only_sdpa_switches_and_the_switch_is_not_saved(tmp_path):
     eager, _ = load_model(ModelConfig(preset="tiny", attn_implementation="eager"))
     assert not varlen.use_vision_varlen(eager)

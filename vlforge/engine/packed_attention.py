@@ -13,12 +13,12 @@ module registers one more implementation through transformers' own extension poi
 - `AttentionMaskInterface` "vlforge_packed": transformers' `sdpa_mask`, except inside a packed
   forward (`packed_forward()`), where it returns None: the dense mask is never built.
 
-Per sample, on CUDA (bf16/fp16, sm80+): torch's flash kernel over cu_seqlens, one call a layer
-(model/varlen.varlen_kernel); elsewhere (CPU, fp32, dropout, a torch without it): SDPA per sample
-with is_causal=True over slices of the row (no mask; exact). Why kwargs and not a context for the
-lengths: activation checkpointing recomputes a layer in backward, after the forward's context is
-gone, but with the layer's own kwargs. Compiled decoder layers trace the varlen call into their
-graph (an aten op with a meta kernel, or torch's custom op with a fake one): it reads only the
+Per sample, on CUDA (bf16/fp16, sm80+): torch's own `torch.nn.attention.varlen.varlen_attn` (flash
+kernels over cu_seqlens, one call a layer); elsewhere (CPU, fp32, dropout, a torch without it):
+SDPA per sample with is_causal=True over slices of the row (no mask; exact). Why kwargs and not a
+context for the lengths: activation checkpointing recomputes a layer in backward, after the
+forward's context is gone, but with the layer's own kwargs. Compiled decoder layers trace the
+varlen call into their graph (it is a torch custom op with a fake kernel): it reads only the
 `cu_seqlens` tensor and the row length, never the host lengths, so a compiled layer has no graph
 break in the middle and, once the row length and the sequence count have gone dynamic (one
 recompile each), does not recompile for a row's composition (the
@@ -38,7 +38,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from vlforge.model.varlen import VarlenKernel, flash_capable, half_dtype, kernel_takes, varlen_kernel
+from vlforge.model.varlen import flash_capable, half_dtype, kernel_takes, varlen_kernel
 
 PACKED_ATTENTION = "vlforge_packed"
 _IN_PACKED_FORWARD = contextvars.ContextVar("vlforge_packed_forward", default=False)
@@ -48,14 +48,14 @@ _IN_PACKED_FORWARD = contextvars.ContextVar("vlforge_packed_forward", default=Fa
 class PackedRows:
     """A packed row's sequences, computed once per forward: `lengths` (host ints: every sample,
     then the filler tail as one more sequence, summing to the row length), `cu_seqlens` [n+1]
-    int32 on the row's device (the varlen kernel's offsets), `max_len`, and `varlen`: the varlen
-    kernel (model/varlen.varlen_kernel) where the row's device runs it (CUDA sm80+), else None;
+    int32 on the row's device (the varlen kernel's offsets), `max_len`, and `varlen`: torch's
+    varlen_attn and its parameter names where the row's device runs it (CUDA sm80+), else None;
     looked up here, outside compiled code (inspect and the capability query are not traceable)."""
 
     lengths: tuple[int, ...]
     cu_seqlens: torch.Tensor
     max_len: int
-    varlen: VarlenKernel | None = None
+    varlen: tuple | None = None
 
     @classmethod
     def of(cls, seq_lens: list[int], row_length: int, device: torch.device) -> PackedRows:
@@ -109,22 +109,36 @@ def use_packed_attention(core) -> bool:
 
 
 def varlen_usable(query: torch.Tensor, rows: PackedRows, dropout: float, scaling: float | None) -> bool:
-    """Whether the varlen kernel can take this call (model/varlen.kernel_takes) on a row whose
+    """Whether torch's varlen_attn can take this call (model/varlen.kernel_takes) on a row whose
     device runs it."""
     return kernel_takes(query, dropout, scaling, rows.varlen)
 
 
 def _varlen_call(query_HqTD, key_HkTD, value_HkTD, rows: PackedRows, scaling):
-    T = query_HqTD.shape[1]
+    varlen_attn, params = rows.varlen
+    Hq, Hk, T = query_HqTD.shape[0], key_HkTD.shape[0], query_HqTD.shape[1]
     # [T, H, D]; contiguous, as flash-attention's varlen entry points are called elsewhere (one
     # copy of q, k, v per layer, small next to the projections)
     dtype = half_dtype(query_HqTD)  # autocast's cast, as SDPA gets it (the copy happens anyway)
     q, k, v = (x.transpose(0, 1).to(dtype).contiguous() for x in (query_HqTD, key_HkTD, value_HkTD))
+    kwargs = {}
+    if Hk != Hq:
+        if "enable_gqa" in params:
+            kwargs["enable_gqa"] = True
+        else:  # older releases: repeat the KV heads (what transformers' sdpa path does with a mask)
+            k, v = (x.repeat_interleave(Hq // Hk, dim=1) for x in (k, v))
+    if "window_size" in params:
+        kwargs["window_size"] = (-1, 0)  # causal
+    else:
+        kwargs["is_causal"] = True
+    if "scale" in params:
+        kwargs["scale"] = scaling
     # compiled, max_q = max_k = the row length, an upper bound of every sequence's (the kernel sizes
     # its grid by it; blocks past a sequence's end exit at once), not rows.max_len: the graph would
     # guard on that host int and recompile for every new longest sample
     max_len = T if torch.compiler.is_compiling() else rows.max_len
-    return rows.varlen.attend(q, k, v, rows.cu_seqlens, max_len, True, scaling)[None]
+    out_THD = varlen_attn(q, k, v, rows.cu_seqlens, rows.cu_seqlens, max_len, max_len, **kwargs)
+    return out_THD[None]
 
 
 @torch.compiler.disable  # loops over the row's host lengths: out of compiled graphs (no guard, no recompile per row)
