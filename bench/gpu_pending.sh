@@ -54,7 +54,8 @@
 #   $OUT, and the empty err-*.txt files took the places; archive with tar), then prof15 (2B full and 8B LoRA
 #   profiles), host15 (CUDA graphs / cpp_wrapper / loader workers), sync15 and sync15b (the library syncs A/B; peer
 #   vs ours fed by the recipe's loader). Next: next16 (the clip inside fused AdamW; 8B three-tier LoRA vs peft).
-#   Sixteenth session ran next16; then host16 (guard skipping and the C++ wrapper at 2B; the 8B three-tier LoRA profile).
+#   Sixteenth session ran next16; then host16 (guard skipping and the C++ wrapper at 2B; the 8B three-tier LoRA profile),
+#   var16 and lora16 (at 5d71fbe/d259ab1: the aten flash op called directly vs torch's varlen_attn, reverted), full16.
 #   OUT=/some/dir GROUP=moe   bash bench/gpu_pending.sh  # 30B-A3B: peft peer vs ours same process; NF4 memory/decode
 #   OUT=/some/dir GROUP=mem   bash bench/gpu_pending.sh  # selective checkpointing and the activation memory budget
 # (carry .whl/train, and .whl/ao (torchao) for GROUP=tests, .whl/bnb (bitsandbytes) for moe and mem)
@@ -207,6 +208,13 @@ case $GROUP in
           for k in r=16 alpha=32 dropout=0.0; do t="$t tiers.projector.$k tiers.vision.$k"; done
           LIMIT=170; r 5 --preset qwen3vl-8b --method lora --packing --steps 6 --warmup 3 --override \
             precision.compile=true $t --profile "$OUT/prof-8b.txt"
+          for f in "$OUT"/err-*.txt; do echo "== $f"; tail -c 3000 "$f"; done > "$OUT/errors.txt"; rm -f "$OUT"/err-*.txt ;;
+  full16) # issue 13: 2B full peer vs ours padded and packed (same process, ours fed by the recipe's loader), then
+          # inductor's C++ wrapper for the decoder layers (host16's try passed an int where torch wants a bool)
+          (cd bench && timeout 240 python3 train.py --preset qwen3vl-2b --method full --paths peer,ours,packed --steps 12 \
+            --samples 32 --ours precision.compile=true 2>"$OUT/err-train2b.txt" | tail -6 > "$OUT/train2b.txt")
+          b="--preset qwen3vl-2b --method full --steps 8 --warmup 4 --override precision.compile=true"
+          LIMIT=150; r 1 $b --layer-compile-options cpp_wrapper=true
           for f in "$OUT"/err-*.txt; do echo "== $f"; tail -c 3000 "$f"; done > "$OUT/errors.txt"; rm -f "$OUT"/err-*.txt ;;
   visprof) b="--preset qwen3vl-2b --method full --steps 6 --warmup 3 --override precision.compile=true precision.compile_vision=false"
            LIMIT=120; r 1 $b model.vision_attention=varlen --profile "$OUT/prof-varlen.txt"

@@ -190,7 +190,7 @@ def main() -> None:
 
         def compile_layers(model, vision: bool = False) -> int:  # trainable.compile_decoder_layers, another mode
             core = unwrap(model).model
-            options = {k: int(v) if v.isdigit() else v for k, v in
+            options = {k: {"true": True, "false": False}.get(v, int(v) if v.isdigit() else v) for k, v in
                        (kv.split("=") for kv in args.layer_compile_options.split(","))} if args.layer_compile_options else None
             for layer in core.language_model.layers:
                 layer.compile(mode=args.layer_compile_mode, options=options)
