@@ -297,7 +297,7 @@ def test_packed_training_equals_padded_and_keeps_grad_accum_invariance(shapes_di
     ours = Spy(monkeypatch, packed_attention, "packed_rows_attention")
     masks = Spy(monkeypatch, packed_attention, "sdpa_mask")
     run_sft(tiny_sft_config(shapes_dir, tmp_path / "pad", *common, "train.batch_size=4"))
-    assert ours.calls == 0
+    assert ours.calls == 0  # data.packing=auto on the CPU: padded rows
     run_sft(tiny_sft_config(shapes_dir, tmp_path / "pack", *common, "train.batch_size=4", "data.packing=true"))
     assert ours.calls == 2 * 2 and masks.calls == 0  # 2 steps x 2 decoder layers
     run_sft(tiny_sft_config(shapes_dir, tmp_path / "mask", *common, "train.batch_size=4", "data.packing=true",
@@ -311,6 +311,32 @@ def test_packed_training_equals_padded_and_keeps_grad_accum_invariance(shapes_di
         for name in pad:
             torch.testing.assert_close(weights[name], pad[name], atol=2e-6, rtol=1e-5, msg=f"{other}: {name}")
         assert _losses(tmp_path / other) == pytest.approx(_losses(tmp_path / "pad"), rel=1e-5)
+
+
+def test_packing_auto_packs_where_the_varlen_flash_kernel_runs(tiny, monkeypatch):
+    """data.packing=auto resolves per model and device: a CUDA device of sm80+ with sdpa's per-sample
+    attention packs; the CPU, an older GPU, eager attention and the dense-mask path do not. An
+    unresolved auto never reaches the batching."""
+    model = copy.deepcopy(tiny[0])
+    monkeypatch.setattr(packed_attention, "flash_capable", lambda index: index == 0)  # device 0 is an sm80+ GPU
+    assert packed_attention.packing_pays(model, torch.device("cuda", 0))
+    assert not packed_attention.packing_pays(model, torch.device("cuda", 1))  # sm75: no flash kernels
+    assert not packed_attention.packing_pays(model, torch.device("cpu"))
+    monkeypatch.setattr(packed_attention, "varlen_kernel", lambda: None)  # a torch without varlen_attn
+    assert not packed_attention.packing_pays(model, torch.device("cuda", 0))
+    monkeypatch.undo()
+    monkeypatch.setattr(packed_attention, "flash_capable", lambda index: True)
+    eager = copy.deepcopy(model)
+    eager.model.language_model.config._attn_implementation = "eager"
+    assert not packed_attention.packing_pays(eager, torch.device("cuda", 0))
+    packed_attention.keep_mask_attention(model)  # model.packed_attention=mask
+    assert not packed_attention.packing_pays(model, torch.device("cuda", 0))
+    cfg = load_config(SFTConfig, None, [])
+    assert cfg.data.packing == "auto"
+    with pytest.raises(ValueError, match="must be resolved"):
+        Batching.of(cfg.data, 4)
+    assert Batching.of(cfg.data, 4, packed=True).packed
+    assert Batching.of(load_config(SFTConfig, None, ["data.packing=false"]).data, 4).packed is False
 
 
 def test_token_budget_training_runs_with_lora(shapes_dir, tmp_path):

@@ -133,8 +133,14 @@ class Batching:
     multiple: int = 1  # rows are padded to a multiple of this (FP8): the budget counts the padded rows
 
     @classmethod
-    def of(cls, cfg: DataConfig, batch_size: int, multiple: int = 1) -> "Batching":
-        return cls(batch_size, cfg.max_tokens_per_batch, cfg.packing, multiple)
+    def of(cls, cfg: DataConfig, batch_size: int, multiple: int = 1, packed: bool | None = None) -> "Batching":
+        """`packed`: data.packing resolved (engine/packed_attention.packing_pays for auto); None: the
+        config's own true/false."""
+        if packed is None:
+            if cfg.packing == "auto":
+                raise ValueError("data.packing=auto must be resolved for the model and device (packing_pays) first")
+            packed = cfg.packing
+        return cls(batch_size, cfg.max_tokens_per_batch, packed, multiple)
 
     @property
     def packed_length(self) -> int | None:

@@ -96,6 +96,17 @@ def per_sample_attention(core) -> bool:
     return impl in ("sdpa", PACKED_ATTENTION) and not getattr(core, "_vlforge_packed_mask", False)
 
 
+def packing_pays(core, device: torch.device) -> bool:
+    """data.packing=auto: pack where a packed row runs the varlen flash kernel (a CUDA device of sm80+,
+    a torch with varlen_attn, per-sample attention: sdpa without packed_attention=mask). Measured there
+    (one H200, docs/benchmarks.md, same process): 2B full at BASELINES.md's shapes (16% padding) 1.01-1.12x
+    padding, 8B three-tier LoRA 1.17-1.18x, the mixed set (36% padding) 1.60x; never slower since the
+    varlen call went inside the compiled layers. Elsewhere a packed row attends through the per-sample
+    SDPA loop (CPU) or a dense [T, T] mask (eager, flex_attention, mask), not measured faster: padded."""
+    return (device.type == "cuda" and per_sample_attention(core) and varlen_kernel() is not None
+            and flash_capable(device.index if device.index is not None else torch.cuda.current_device()))
+
+
 def use_packed_attention(core) -> bool:
     """Switch the language model's config from `sdpa` to the packed implementation (True if it now
     uses it). Only sdpa: it is the same for every call without `packed_rows`, so eval, generation

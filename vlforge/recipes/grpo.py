@@ -436,7 +436,7 @@ def run_grpo(cfg: GRPOConfig) -> dict:
         raise ConfigError("rollout.temperature must be > 0 for GRPO: it needs sampled responses and their log-probs")
     if not cfg.data.train:
         raise ConfigError("data.train is not set: give a JSONL of prompts with reference answers")
-    if cfg.data.packing or cfg.data.max_tokens_per_batch:
+    if cfg.data.packing is True or cfg.data.max_tokens_per_batch:
         raise ConfigError("data.packing / data.max_tokens_per_batch are SFT batching keys: GRPO batches prompts by "
                           "rollout.prompts_per_step (its update packs responses by rl.packing); remove them")
     if cfg.loss.impl == "liger":

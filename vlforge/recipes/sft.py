@@ -28,6 +28,7 @@ from vlforge.engine.losses import (HostPrep, count_supervised, count_tokens, dro
                                    sft_loss_sum, step_inputs)
 from vlforge.engine.metrics import plot_metric, read_metrics
 from vlforge.engine.moe import aux_term, capture
+from vlforge.engine.packed_attention import packing_pays
 from vlforge.engine.run import Run, begin_run
 from vlforge.engine.runtime import resolve_num_workers
 from vlforge.engine.trainable import Trainable, setup_model
@@ -143,7 +144,8 @@ def run_sft(cfg: SFTConfig) -> dict:
         val_data = load_dataset(cfg.data.val, t.processor, cfg.data) if cfg.data.val else None
         tc = cfg.train
         # rows padded for FP8 count against the token budget as padded (the tokens the step computes)
-        batching = Batching.of(cfg.data, tc.batch_size, t.token_multiple)
+        packed = packing_pays(unwrap(t.model), t.device) if cfg.data.packing == "auto" else cfg.data.packing
+        batching = Batching.of(cfg.data, tc.batch_size, t.token_multiple, packed)
         per_epoch = [micro_batches_per_epoch(train_data.lengths, batching, tc.seed, e, world.size)
                      for e in range(1 if tc.max_steps else tc.epochs)]  # global micro-batches
         if per_epoch[0] < tc.grad_accum:
@@ -159,7 +161,8 @@ def run_sft(cfg: SFTConfig) -> dict:
         say(f"training {summary['trainable_params']:,} of {summary['total_params']:,} parameters "
               f"({cfg.tiers.method}); {len(train_data)} samples, {total_steps} steps, device {t.device}"
             + (f", {world.size} processes ({world.strategy})" if world.strategy != "none" else "")
-            + (f"; compiled: {' and '.join(t.compiled)}" if t.compiled else ""))
+            + (f"; compiled: {' and '.join(t.compiled)}" if t.compiled else "")
+            + ("; packed rows (data.packing)" if packed else ""))
         if train_data.report.skipped:
             say(f"skipped rows: {dict(train_data.report.skipped)}")
         if cfg.eval.at_start and run.step == 0:
