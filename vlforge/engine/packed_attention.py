@@ -101,8 +101,8 @@ def packing_pays(core, device: torch.device) -> bool:
     a torch with varlen_attn, per-sample attention: sdpa without packed_attention=mask). Measured there
     (one H200, docs/benchmarks.md, same process): 2B full at BASELINES.md's shapes (16% padding) 1.01-1.12x
     padding, 8B three-tier LoRA 1.17-1.18x, the mixed set (36% padding) 1.60x, eager 2B 1.07x; never
-    slower since the step's host syncs went (fifteenth session). Not measured: packed rows with FP8,
-    QLoRA or an MoE model on the GPU (tested for equal results on the CPU). Elsewhere a packed row attends
+    slower since the step's host syncs went (fifteenth session). Not measured on the GPU: packed rows
+    with FP8, QLoRA or an MoE model (MoE's packed rows equal its padded batch on the CPU, tests/test_moe.py). Elsewhere a packed row attends
     through the per-sample SDPA loop (CPU) or a dense [T, T] mask (eager, flex_attention, mask): padded."""
     return (device.type == "cuda" and per_sample_attention(core) and varlen_kernel() is not None
             and flash_capable(device.index if device.index is not None else torch.cuda.current_device()))
