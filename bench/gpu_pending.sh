@@ -56,6 +56,7 @@
 #   vs ours fed by the recipe's loader). Next: next16 (the clip inside fused AdamW; 8B three-tier LoRA vs peft).
 #   Sixteenth session ran next16; then host16 (guard skipping and the C++ wrapper at 2B; the 8B three-tier LoRA profile),
 #   var16 and lora16 (at 5d71fbe/d259ab1: the aten flash op called directly vs torch's varlen_attn, reverted), full16.
+#   Next: recipes17 (the shipped SFT recipes with data.packing=auto, 3 steps each; carry .whl/ao for the FP8 one).
 #   OUT=/some/dir GROUP=moe   bash bench/gpu_pending.sh  # 30B-A3B: peft peer vs ours same process; NF4 memory/decode
 #   OUT=/some/dir GROUP=mem   bash bench/gpu_pending.sh  # selective checkpointing and the activation memory budget
 # (carry .whl/train, and .whl/ao (torchao) for GROUP=tests, .whl/bnb (bitsandbytes) for moe and mem)
@@ -216,6 +217,15 @@ case $GROUP in
           b="--preset qwen3vl-2b --method full --steps 8 --warmup 4 --override precision.compile=true"
           LIMIT=150; r 1 $b --layer-compile-options cpp_wrapper=true
           for f in "$OUT"/err-*.txt; do echo "== $f"; tail -c 3000 "$f"; done > "$OUT/errors.txt"; rm -f "$OUT"/err-*.txt ;;
+  recipes17) # the shipped SFT recipes as users run them, 3 steps each on synthetic 448x448 shapes: data.packing=auto
+          # must say "packed rows" on the GPU (first packed runs with FP8 and the 8B LoRA tiers through the recipe)
+          [ -f /tmp/sh448/train.jsonl ] || python3 -m vlforge data synth shapes --n 72 --out /tmp/sh448 --size 448 --val-fraction 0.12
+          for c in qwen3vl-2b-full qwen3vl-8b-lora qwen3vl-8b-fp8; do
+            timeout 170 python3 -m vlforge sft configs/$c.yaml data.train=/tmp/sh448/train.jsonl data.val=null eval.every=0 \
+              train.output_dir=/tmp/$c train.max_steps=3 log.progress=false train.overwrite=true > "$OUT/$c.log" 2>&1 \
+              || echo "$c: exit $?" >> "$OUT/fail.txt"
+            cp /tmp/$c/metrics.jsonl "$OUT/$c-metrics.jsonl" 2>/dev/null || echo "$c: no metrics" >> "$OUT/fail.txt"
+          done ;;
   visprof) b="--preset qwen3vl-2b --method full --steps 6 --warmup 3 --override precision.compile=true precision.compile_vision=false"
            LIMIT=120; r 1 $b model.vision_attention=varlen --profile "$OUT/prof-varlen.txt"
            r 2 $b model.vision_attention=sdpa --profile "$OUT/prof-loop.txt" ;;  # why eager varlen vision blocks train slower
