@@ -6,9 +6,11 @@
     python bench/train.py --preset qwen3vl-2b --method full --paths peer,ours,packed --json out.json
     python bench/train.py --preset qwen3vl-30b-a3b --method lora --paths peer,ours --grad-ckpt --steps 8
     python bench/train.py --preset qwen3vl-8b --method lora --lora-tiers three --paths peer,ours,packed
+    python bench/train.py --preset qwen3vl-2b --method full --mixed --paths peer,ours,packed
 
 Workload: shared/BASELINES.md's (sft_throughput.synthetic_samples: one 448x448 image, ~64 prompt
-tokens, a 128-384-token answer; batch 8), random weights of the published architecture, the same
+tokens, a 128-384-token answer; batch 8; or with `--mixed` answers of 8-1024 words and 1-4 images of 224-448 px,
+where padding is ~36% and packing matters most), random weights of the published architecture, the same
 initial weights for every path (one seed), bf16 autocast, fp32 master weights for full fine-tuning,
 fused AdamW at one learning rate, gradient clipping at 1.0, no dropout. `packed` is our path on the
 same micro-batches packed into one row each (data.packing); its FLOPs and tokens are the padded
@@ -39,6 +41,7 @@ import tempfile
 import time
 
 import torch
+from PIL import Image
 
 from vlforge.config import ModelConfig, SFTConfig, load_config
 from vlforge.data.encode import Encoder, ImageLimits, SampleTokens, collate, encode, pack
@@ -176,7 +179,6 @@ def run_ours(args, batches, packed: bool = False) -> dict:
 def run_trl(args, samples, n_steps: int) -> dict:
     """TRL's SFTTrainer on the same samples (its own collator, so its batches are its own)."""
     from datasets import Dataset
-    from PIL import Image
     from transformers import TrainerCallback
     from trl import SFTConfig as TRLConfig, SFTTrainer
 
@@ -247,6 +249,8 @@ def main() -> None:
     ap.add_argument("--ours", nargs="*", default=[], help="vlforge config overrides for our path")
     ap.add_argument("--json", help="write all results (with per-step losses) here")
     ap.add_argument("--grad-ckpt", action="store_true", help="activation checkpointing on the peer and our paths")
+    ap.add_argument("--mixed", action="store_true", help="the mixed set: answers of 8-1024 words, 1-4 images of "
+                    "224-448 px per sample (sft_throughput.synthetic_samples)")
     ap.add_argument("--lora-tiers", default="attention", choices=["attention", "three"],
                     help="LoRA on the language model's attention, or also on the projector and the last 2 vision "
                          "blocks' attention (the same modules for the peer's peft config)")
@@ -256,10 +260,10 @@ def main() -> None:
 
     encoder = Encoder(load_processor(ModelConfig(preset=args.preset)), ImageLimits(3136, args.image * args.image))
     tmp = tempfile.TemporaryDirectory()
-    samples = synthetic_samples(args.samples, tmp.name, args.image, random.Random(0))
+    samples = synthetic_samples(args.samples, tmp.name, args.image, random.Random(0), mixed=args.mixed)
     items = []
     for s in samples:
-        ids = encoder.token_ids(s.messages, [(args.image, args.image)])
+        ids = encoder.token_ids(s.messages, [Image.open(p).size for p in s.images])
         items.append(encode(encoder, s, SampleTokens(ids, encoder.assistant_labels(ids), len(ids))))
     batches = [collate(items[i:i + args.batch], encoder.pad_id) for i in range(0, len(items), args.batch)]
     # the same samples per micro-batch, each batch's samples back to back in one row (data.packing)
