@@ -120,6 +120,50 @@ class Steps(torch.utils.data.Dataset):
         return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in self.batches[step % len(self.batches)].items()}
 
 
+def compile_layer_groups(model, per_region: int, vision: bool = False) -> int:
+    """Experiment (issue 13: the compiled 2B step is host-bound, and part of each compiled region's host
+    work is per region: the guard check, AOTAutograd's wrappers forward and backward): torch.compile
+    the decoder layers `per_region` at a time as one region instead of one each. The layers that take
+    deepstack features after them (the first len(deepstack_visual_indexes)) stay one a region, because
+    transformers' loop adds the features between them; each later group's first layer runs the
+    group's layers (their own forwards, parameter names unchanged) and the others pass the hidden
+    states through. Groups are as equal as the count allows (every distinct size is another graph).
+    Not for gradient checkpointing (it wraps each layer's call) or FSDP2 (hooks per layer).
+    Returns the number of compiled regions, vision blocks included."""
+    from vlforge.model.tiers import unwrap
+
+    core = unwrap(model).model
+    layers = core.language_model.layers
+    first = len(core.config.vision_config.deepstack_visual_indexes)
+    for layer in layers[:first]:
+        layer.compile()
+    rest = len(layers) - first
+    groups = -(-rest // per_region)
+    sizes = [rest // groups + (i < rest % groups) for i in range(groups)]
+    start = first
+    for size in sizes:
+        members = list(layers[start:start + size])
+        forwards = tuple(type(m).forward.__get__(m) for m in members)
+
+        def grouped(hidden_states, *args, _forwards=forwards, **kwargs):
+            for forward in _forwards:
+                hidden_states = forward(hidden_states, *args, **kwargs)
+            return hidden_states
+
+        members[0].forward = grouped
+        for m in members[1:]:
+            m.forward = _pass_through
+        members[0].compile()
+        start += size
+    for block in core.visual.blocks if vision else []:
+        block.compile()
+    return first + groups + (len(core.visual.blocks) if vision else 0)
+
+
+def _pass_through(hidden_states, *args, **kwargs):
+    return hidden_states
+
+
 def as_is(batch: dict) -> dict:  # the loader's collate without HostPrep (module level: picklable)
     return batch
 
@@ -166,6 +210,8 @@ def main() -> None:
                     "begins with torch.compiler.cudagraph_mark_step_begin()); vision blocks as the recipe compiles them")
     ap.add_argument("--layer-compile-options", help="experiment: inductor options for the decoder layers' "
                     "torch.compile, k=v[,k=v] (e.g. cpp_wrapper=1: kernels launched from generated C++, not Python)")
+    ap.add_argument("--layers-per-region", type=int, default=1, help="experiment: compile the decoder layers this "
+                    "many at a time as one region (compile_layer_groups)")
     ap.add_argument("--skip-guards", action="store_true", help="experiment: after the warmup steps, "
                     "torch.compiler.set_stance(skip_guard_eval_unsafe=True) (no guard evaluation per compiled call)")
     ap.add_argument("--expert-lora", choices=["fused", "peft"], default="fused", help="MoE: tiers.expert_lora")
@@ -184,6 +230,11 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = True
     if args.fsdp:
         cfg.distributed.strategy = "fsdp2"
+    if args.layers_per_region > 1:
+        import vlforge.engine.trainable as trainable
+
+        trainable.compile_decoder_layers = lambda model, vision=False: compile_layer_groups(model, args.layers_per_region,
+                                                                                            vision)
     if args.layer_compile_mode or args.layer_compile_options:
         import vlforge.engine.trainable as trainable
         from vlforge.model.tiers import unwrap
@@ -274,6 +325,7 @@ def main() -> None:
         "strategy": t.world.strategy, "optim": cfg.optim.name, "workers": workers, "library_syncs": args.library_syncs,
         "foreach_clip": args.foreach_clip, "layer_compile_mode": args.layer_compile_mode,
         "layer_compile_options": args.layer_compile_options, "skip_guards": args.skip_guards,
+        "layers_per_region": args.layers_per_region,
         "host_prep": prepare is not None, "vlforge": __import__("vlforge").__file__,
         "tokens_per_s": sum(tokens) / sum(times), "step_s": step_s,
         "peak_gb": torch.cuda.max_memory_allocated() / 1e9, "pad_fraction": pad_fraction,
