@@ -56,7 +56,7 @@
 #   vs ours fed by the recipe's loader). Next: next16 (the clip inside fused AdamW; 8B three-tier LoRA vs peft).
 #   Sixteenth session ran next16; then host16 (guard skipping and the C++ wrapper at 2B; the 8B three-tier LoRA profile),
 #   var16 and lora16 (at 5d71fbe/d259ab1: the aten flash op called directly vs torch's varlen_attn, reverted), full16.
-#   Next: group17 (decoder layers 5 to a compiled region vs 1, one process), mixed17 (peer vs ours on the mixed set),
+#   Next: group17 (decoder layers and vision blocks 6 to a compiled region vs 1, one process), mixed17 (peer vs ours on the mixed set),
 #   recipes17 (the shipped SFT recipes with data.packing=auto, 3 steps each; carry .whl/ao for the FP8 one).
 #   OUT=/some/dir GROUP=moe   bash bench/gpu_pending.sh  # 30B-A3B: peft peer vs ours same process; NF4 memory/decode
 #   OUT=/some/dir GROUP=mem   bash bench/gpu_pending.sh  # selective checkpointing and the activation memory budget
@@ -218,10 +218,11 @@ case $GROUP in
           b="--preset qwen3vl-2b --method full --steps 8 --warmup 4 --override precision.compile=true"
           LIMIT=150; r 1 $b --layer-compile-options cpp_wrapper=true
           for f in "$OUT"/err-*.txt; do echo "== $f"; tail -c 3000 "$f"; done > "$OUT/errors.txt"; rm -f "$OUT"/err-*.txt ;;
-  group17) # issue 13: the decoder layers compiled 5 to a region (2B: 3 deepstack layers alone, then 5 x 5) vs one a
-          # region, alternating in one process (bench/train.py ours:g5; sft_throughput.compile_layer_groups), padded and packed
+  group17) # issue 13: decoder layers and vision blocks compiled up to 6 to a region (2B: 3 deepstack layers alone, 5 x 5
+          # layers, 4 x 6 vision blocks: 12 regions, not 52) vs one a region, alternating in one process
+          # (bench/train.py ours:g6; sft_throughput.compile_layer_groups), padded and packed
           (cd bench && timeout 480 python3 train.py --preset qwen3vl-2b --method full --steps 12 --samples 32 \
-            --paths ours,ours:g5,ours,ours:g5,packed,packed:g5 --ours precision.compile=true 2>"$OUT/err-g.txt" \
+            --paths ours,ours:g6,ours,ours:g6,packed,packed:g6 --ours precision.compile=true 2>"$OUT/err-g.txt" \
             | tail -9 > "$OUT/group2b.txt") ;;
   mixed17) # issue 13: peer vs ours on the mixed set (answers 8-1024 words, 1-4 images of 224-448 px), same process
           (cd bench && timeout 480 python3 train.py --preset qwen3vl-2b --method full --mixed --steps 10 --samples 32 \
