@@ -154,6 +154,29 @@ def test_liger_loss_recipe_is_checked_as_the_run_checks_it(monkeypatch):
     assert not loss(_recipe())  # auto: nothing to check
 
 
+def test_packing_auto_says_what_the_recipe_will_do(monkeypatch):
+    """data.packing=auto: doctor says whether the run packs (what packing_pays decides once the model
+    loads), and why not where it pads; nothing to say for true/false."""
+    import vlforge.engine.packed_attention as packed_attention
+
+    packing = lambda recipe: [c for c in recipe_checks(recipe, _libs()) if c.name == "recipe packing"]  # noqa: E731
+    (cpu,) = packing(_recipe(packing="auto"))
+    assert cpu.status == "ok" and "padded rows" in cpu.detail and "on cpu" in cpu.detail
+    monkeypatch.setattr(packed_attention, "flash_capable", lambda index: index == 0)  # device 0: sm80+, 1: older
+    (gpu,) = packing(_recipe(packing="auto", device_spec="cuda", device=torch.device("cuda", 0)))
+    assert "packed rows on cuda:0" in gpu.detail
+    (old,) = packing(_recipe(packing="auto", device_spec="cuda:1", device=torch.device("cuda", 1)))
+    assert "padded rows" in old.detail and "no flash kernels" in old.detail
+    (eager,) = packing(_recipe(packing="auto", device_spec="cuda", device=torch.device("cuda", 0),
+                               attn_implementation="eager"))
+    assert "padded rows" in eager.detail and "data.packing=true packs anyway" in eager.detail
+    assert not packing(_recipe(packing=True)) and not packing(_recipe())
+    recipe = recipe_from_config(load_recipe_config(None, ["data.packing=auto"]), None, cuda_available=False,
+                                gpu_count=0)
+    assert recipe.packing == "auto" and recipe.attn_implementation == "sdpa"
+    assert recipe_from_config(load_recipe_config(None, ["rl.kl_beta=0.1"]), None, False, 0).packing is False
+
+
 def test_flash_attention_recipe_needs_flash_attn():
     recipe = _recipe(flash_attn=True)
     (ok,) = [c for c in recipe_checks(recipe, _libs("flash_attn")) if c.name == "recipe flash_attn"]

@@ -286,6 +286,9 @@ class Recipe:
     quant: frozenset[str] = frozenset()  # quant methods in use: nf4 / int8 (bitsandbytes), fp8 (torchao)
     loss_impl: str = "auto"  # loss.impl: liger needs liger-kernel and CUDA (and SFT: GRPO refuses it)
     grpo: bool = False
+    packing: bool | str = False  # data.packing (SFT): auto packs where the varlen flash kernel runs
+    attn_implementation: str = "sdpa"
+    packed_attention: str = "per_sample"
 
     @property
     def needs(self) -> list[str]:
@@ -320,6 +323,9 @@ def recipe_from_config(cfg: SFTConfig | GRPOConfig, config: str | None, cuda_ava
         quant=frozenset({cfg.quant.language, cfg.quant.vision, cfg.quant.projector} - {"none"}),
         loss_impl=cfg.loss.impl,
         grpo=isinstance(cfg, GRPOConfig),
+        packing=False if isinstance(cfg, GRPOConfig) else cfg.data.packing,  # GRPO packs by rl.packing
+        attn_implementation=cfg.model.attn_implementation,
+        packed_attention=cfg.model.packed_attention,
     )
 
 
@@ -828,6 +834,13 @@ def recipe_checks(recipe: Recipe, libs: dict[str, dict[str, Any]]) -> list[Check
         checks.append(Check("recipe loss", "fail", problem, "set loss.impl=auto (ours, chunked)")
                       if problem else
                       Check("recipe loss", "ok", f"loss.impl=liger: liger-kernel's fused cross-entropy on {device}"))
+
+    if recipe.packing == "auto" and device is not None:  # what the recipe will do; informational
+        from vlforge.engine.packed_attention import packing_problem
+
+        problem = packing_problem(device, recipe.attn_implementation, recipe.packed_attention)
+        checks.append(Check("recipe packing", "ok", f"data.packing=auto -> padded rows: {problem}" if problem else
+                            f"data.packing=auto -> packed rows on {device} (torch's varlen flash kernel)"))
 
     if recipe.model_path:
         checks.append(_model_path_check(recipe.model_path))

@@ -102,10 +102,27 @@ def packing_pays(core, device: torch.device) -> bool:
     (one H200, docs/benchmarks.md, same process): 2B full at BASELINES.md's shapes (16% padding) 1.01-1.12x
     padding, 8B three-tier LoRA 1.17-1.18x, the mixed set (36% padding) 1.60x, eager 2B 1.07x; never
     slower since the step's host syncs went (fifteenth session). Not measured on the GPU: packed rows
-    with FP8, QLoRA or an MoE model (MoE's packed rows equal its padded batch on the CPU, tests/test_moe.py). Elsewhere a packed row attends
-    through the per-sample SDPA loop (CPU) or a dense [T, T] mask (eager, flex_attention, mask): padded."""
-    return (device.type == "cuda" and per_sample_attention(core) and varlen_kernel() is not None
-            and flash_capable(device.index if device.index is not None else torch.cuda.current_device()))
+    with FP8, QLoRA or an MoE model (MoE's packed rows equal its padded batch on the CPU,
+    tests/test_moe.py). Elsewhere a packed row attends through the per-sample SDPA loop (CPU), a dense
+    [T, T] mask (eager, packed_attention=mask) or paths not measured packed (flex_attention,
+    flash_attention_2): padded."""
+    return per_sample_attention(core) and packing_problem(device) is None
+
+
+def packing_problem(device: torch.device, attn_implementation: str = "sdpa",
+                    packed_attention: str = "per_sample") -> str | None:
+    """Why data.packing=auto pads on `device` with these model settings (None: it packs); what
+    packing_pays decides, from the config alone (vlforge doctor asks before any model loads)."""
+    if attn_implementation != "sdpa" or packed_attention != "per_sample":
+        return (f"model.attn_implementation={attn_implementation}, model.packed_attention={packed_attention}: auto "
+                "packs only sdpa's per-sample attention (measured); data.packing=true packs anyway")
+    if device.type != "cuda":
+        return f"on {device.type} a packed row attends through a per-sample SDPA loop, not measured faster than padding"
+    if varlen_kernel() is None:
+        return f"torch {torch.__version__} has no torch.nn.attention.varlen (its varlen flash kernel)"
+    if not flash_capable(device.index if device.index is not None else torch.cuda.current_device()):
+        return f"{device} has no flash kernels (compute capability below 8.0)"
+    return None
 
 
 def use_packed_attention(core) -> bool:
