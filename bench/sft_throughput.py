@@ -175,7 +175,9 @@ def _group_forward(stack: str, size: int, forwards: tuple):
     # one code object per stack and group size: dynamo keeps compiled graphs, and its recompile limit, per code
     # object, so groups of one size share their graphs and other sizes or the other stack do not crowd them out
     code = _GROUP_CODE.setdefault((stack, size), grouped.__code__.replace(co_name=f"grouped_{stack}_{size}"))
-    return types.FunctionType(code, grouped.__globals__, code.co_name, None, grouped.__closure__)
+    group = types.FunctionType(code, grouped.__globals__, code.co_name, grouped.__defaults__, grouped.__closure__)
+    group.__kwdefaults__ = grouped.__kwdefaults__
+    return group
 
 
 def _pass_through(hidden_states, *args, **kwargs):
@@ -249,6 +251,9 @@ def main() -> None:
     if args.fsdp:
         cfg.distributed.strategy = "fsdp2"
     if args.layers_per_region > 1:
+        if args.layer_compile_mode or args.layer_compile_options or args.grad_ckpt:
+            ap.error("--layers-per-region takes neither --layer-compile-mode/-options (one compile per layer) nor "
+                     "--grad-ckpt (a group's layers run inside its first layer's call, past their checkpointing)")
         import vlforge.engine.trainable as trainable
 
         trainable.compile_decoder_layers = lambda model, vision=False: compile_layer_groups(model, args.layers_per_region,

@@ -268,8 +268,13 @@ def main() -> None:
     args = ap.parse_args()
     args.lr = args.lr or (1e-4 if args.method == "lora" else 1e-5)
     for name in args.paths.split(","):
-        if name.partition(":g")[0] not in ("peer", "trl", "ours", "packed"):
-            ap.error(f"unknown path {name!r}: peer, trl, ours, packed, ours:gK, packed:gK")
+        kind, grouped, k = name.partition(":g")
+        if kind not in ("peer", "trl", "ours", "packed") or (grouped and (kind not in ("ours", "packed")
+                                                                          or not k.isdigit() or int(k) < 1)):
+            ap.error(f"unknown path {name!r}: peer, trl, ours, packed, ours:gK, packed:gK (K >= 1)")
+        if grouped and args.grad_ckpt:
+            ap.error(f"{name}: grouped layers run inside their group's first layer's call, past its checkpointing; "
+                     "drop --grad-ckpt")
     torch.backends.cuda.matmul.allow_tf32 = True
 
     encoder = Encoder(load_processor(ModelConfig(preset=args.preset)), ImageLimits(3136, args.image * args.image))

@@ -170,6 +170,8 @@ def test_packing_auto_says_what_the_recipe_will_do(monkeypatch):
     (eager,) = packing(_recipe(packing="auto", device_spec="cuda", device=torch.device("cuda", 0),
                                attn_implementation="eager"))
     assert "padded rows" in eager.detail and "data.packing=true packs anyway" in eager.detail
+    (fp32,) = packing(_recipe(packing="auto", device_spec="cuda", device=torch.device("cuda", 0), precision_mode="fp32"))
+    assert "padded rows" in fp32.detail and "precision.mode=fp32" in fp32.detail
     assert not packing(_recipe(packing=True)) and not packing(_recipe())
     recipe = recipe_from_config(load_recipe_config(None, ["data.packing=auto"]), None, cuda_available=False,
                                 gpu_count=0)

@@ -1,4 +1,5 @@
-"""Host-device syncs of one SFT training step, counted on the CPU (tests/syncs.py says how).
+"""Host-device syncs of one SFT training step and of GRPO's log-prob forward, counted on the CPU
+(tests/syncs.py says how).
 
 Every sync stalls the CPU until the GPU has drained, then the GPU starves while the CPU launches
 the next kernels. vlforge's own code reads what it needs on the host from the batch's CPU copy
@@ -17,6 +18,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 from syncs import SyncCounter  # noqa: E402
+from test_grpo_packing import prompts_jsonl  # noqa: E402,F401  (the fixture: prompts of 0-3 images)
 
 # vlforge's own syncs per optimizer step: the per-group gradient norms, read once (GradHealth decides
 # skip and clip from them on the host), and the step's loss, read once
@@ -247,3 +249,32 @@ def test_generation_prefill_reads_no_device_tensor_on_the_host(tiny, shapes_dir)
         assert not [s for s in library if "get_rope_index" in s or "vision" in s or "listcomp" in s], syncs.table()
         counts.append(syncs.total())
     assert counts[0] == counts[1]  # nothing per prompt
+
+
+@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
+def test_grpo_update_forward_reads_no_device_value(tiny, prompts_jsonl, packing):
+    """GRPO's log-prob forward (rollout/engine.sequence_logprobs: the update's and the KL reference's)
+    lays out its rows from the rollout's host copy, made once per rollout: after it, the forward and
+    backward of a mini-batch part read no device value of vlforge's, and of transformers' only its
+    packed-sequence detection (packed rows); the image and deepstack features are placed by index."""
+    import copy
+    import dataclasses
+
+    from test_grpo_packing import mixed_rollout
+    from vlforge.rollout.engine import sequence_logprobs
+
+    model = copy.deepcopy(tiny[0])
+    rollout = mixed_rollout(model.eval(), tiny[1], prompts_jsonl)
+    model.train()
+    assert rollout.host.response_mask is not rollout.response_mask  # the one copy, as the first forward makes it
+    syncs = SyncCounter(model, torch.device("cpu"))
+    for field in dataclasses.fields(rollout):  # the rollout lives on the device, as the recipe's does
+        if isinstance(value := getattr(rollout, field.name), torch.Tensor):
+            syncs.device[value] = True
+    with syncs:
+        logp, entropy = sequence_logprobs(model, rollout, 1.0, with_entropy=True, packing=packing)
+        (logp.sum() + 0 * entropy.sum()).backward()
+    assert logp.shape == rollout.response_mask.shape and bool((logp != 0).any())
+    assert syncs.total(ours_only=True) == 0, syncs.table()
+    library = {site.split()[-1] for (_, site) in syncs.by_site() if not site.startswith("vlforge/")}
+    assert library == LIBRARY[packing], syncs.table()

@@ -322,6 +322,8 @@ def test_packing_auto_packs_where_the_varlen_flash_kernel_runs(tiny, monkeypatch
     assert packed_attention.packing_pays(model, torch.device("cuda", 0))
     assert not packed_attention.packing_pays(model, torch.device("cuda", 1))  # sm75: no flash kernels
     assert not packed_attention.packing_pays(model, torch.device("cpu"))
+    assert not packed_attention.packing_pays(model, torch.device("cuda", 0), "fp32")  # the kernel is half precision
+    assert packed_attention.packing_pays(model, torch.device("cuda", 0), "fp16")
     monkeypatch.setattr(packed_attention, "varlen_kernel", lambda: None)  # a torch without varlen_attn
     assert not packed_attention.packing_pays(model, torch.device("cuda", 0))
     monkeypatch.undo()
@@ -337,6 +339,29 @@ def test_packing_auto_packs_where_the_varlen_flash_kernel_runs(tiny, monkeypatch
         Batching.of(cfg.data, 4)
     assert Batching.of(cfg.data, 4, packed=True).packed
     assert Batching.of(load_config(SFTConfig, None, ["data.packing=false"]).data, 4).packed is False
+
+
+def test_the_recipe_packs_where_packing_pays_and_resumes_only_as_it_packed(shapes_dir, tmp_path, monkeypatch, capsys):
+    """Through the recipe: data.packing=auto packs where packing_pays says so (its startup line says
+    "packed rows") and records it; a resume that would decide otherwise is refused with a token budget
+    (other micro-batches), noted without one."""
+    import vlforge.recipes.sft as sft
+    from vlforge.recipes.sft import check_resumed_packing
+
+    ours = Spy(monkeypatch, packed_attention, "packed_rows_attention")
+    monkeypatch.setattr(sft, "packing_pays", lambda core, device, precision: True)
+    common = ["tiers.method=full", "train.max_steps=1", "eval.every=0", "data.val=null", "train.batch_size=4"]
+    run_sft(tiny_sft_config(shapes_dir, tmp_path / "auto", *common))
+    assert ours.calls == 2 and "packed rows (data.packing)" in capsys.readouterr().out  # 1 step x 2 layers
+    state = {"packed": True}
+    check_resumed_packing(state, True, Batching(4, max_tokens=400, packed=True))
+    with pytest.raises(ConfigError, match="set data.packing=true to resume it exactly"):
+        check_resumed_packing(state, False, Batching(4, max_tokens=400))
+    check_resumed_packing(state, False, Batching(4))
+    assert state["packed"] is False and "the same samples a micro-batch" in capsys.readouterr().out
+    fresh = {}
+    check_resumed_packing(fresh, True, Batching(4))
+    assert fresh == {"packed": True}
 
 
 def test_token_budget_training_runs_with_lora(shapes_dir, tmp_path):

@@ -287,6 +287,7 @@ class Recipe:
     loss_impl: str = "auto"  # loss.impl: liger needs liger-kernel and CUDA (and SFT: GRPO refuses it)
     grpo: bool = False
     packing: bool | str = False  # data.packing (SFT): auto packs where the varlen flash kernel runs
+    precision_mode: str = "bf16"
     attn_implementation: str = "sdpa"
     packed_attention: str = "per_sample"
 
@@ -326,6 +327,7 @@ def recipe_from_config(cfg: SFTConfig | GRPOConfig, config: str | None, cuda_ava
         packing=False if isinstance(cfg, GRPOConfig) else cfg.data.packing,  # GRPO packs by rl.packing
         attn_implementation=cfg.model.attn_implementation,
         packed_attention=cfg.model.packed_attention,
+        precision_mode=cfg.precision.mode,
     )
 
 
@@ -838,7 +840,7 @@ def recipe_checks(recipe: Recipe, libs: dict[str, dict[str, Any]]) -> list[Check
     if recipe.packing == "auto" and device is not None:  # what the recipe will do; informational
         from vlforge.engine.packed_attention import packing_problem
 
-        problem = packing_problem(device, recipe.attn_implementation, recipe.packed_attention)
+        problem = packing_problem(device, recipe.attn_implementation, recipe.packed_attention, recipe.precision_mode)
         checks.append(Check("recipe packing", "ok", f"data.packing=auto -> padded rows: {problem}" if problem else
                             f"data.packing=auto -> packed rows on {device} (torch's varlen flash kernel)"))
 

@@ -25,7 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 from vlforge.config import ConfigError, LossConfig
 from vlforge.data.encode import IGNORE_INDEX
-from vlforge.engine.packed_attention import PackedRows, packed_forward, use_packed_attention
+from vlforge.engine.packed_attention import PackedRows, packed_forward, runs_sdpa, use_packed_attention
 from vlforge.model.host_inputs import (Placeholders, RopeIndex, VisionGrid, causal_padding_mask, host_to_device,
                                        placeholders_from_host)
 from vlforge.model.tiers import unwrap
@@ -175,8 +175,7 @@ def backbone_hidden(model, batch: dict) -> torch.Tensor:
             stack.callback(hook.remove)
         if host.placeholders is not None:  # image features and deepstack features placed by index: no syncs
             stack.enter_context(placeholders_from_host(core.model, host.placeholders))
-        if (host.padding is not None and "position_ids" in inputs and "attention_mask" in inputs
-                and core.model.language_model.config._attn_implementation == "sdpa"):
+        if host.padding is not None and "position_ids" in inputs and "attention_mask" in inputs and runs_sdpa(core):
             # the mask transformers' sdpa path would build, without its device check for padding (a sync);
             # the attention mask is read only there once the position ids are given
             inputs["attention_mask"] = causal_padding_mask(inputs["attention_mask"]) if host.padding else None
@@ -291,7 +290,7 @@ def token_logprobs_entropy(hidden_NH: torch.Tensor, lm_head: torch.nn.Module, to
     with `banned_ids` at -inf (the rollout never samples them, so the trainer's policy excludes them
     too), fp32. Chunked like linear_cross_entropy_sum: at most [chunk_size, V] logits in forward and
     backward. (liger's fused op cannot ban vocabulary entries nor return the entropy.)"""
-    banned_N = torch.tensor(banned_ids, device=hidden_NH.device) if banned_ids else None
+    banned_N = host_to_device(torch.tensor(banned_ids), hidden_NH.device) if banned_ids else None
     grad = torch.is_grad_enabled()
     logps, entropies = [], []
     for s in range(0, max(len(tokens_N), 1), chunk_size):

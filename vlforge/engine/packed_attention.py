@@ -87,6 +87,12 @@ def keep_mask_attention(core) -> None:
     core._vlforge_packed_mask = True  # a plain module attribute: never saved with the weights
 
 
+def runs_sdpa(core) -> bool:
+    """Whether the language model's unpacked calls run transformers' sdpa path: `sdpa`, or this
+    module's implementation (which is sdpa for every call without packed rows)."""
+    return core.model.language_model.config._attn_implementation in ("sdpa", PACKED_ATTENTION)
+
+
 def per_sample_attention(core) -> bool:
     """Whether this model's packed rows would attend per sample without a [T, T] mask: sdpa (this
     module; already switched or not) unless model.packed_attention=mask. eager, flex_attention and
@@ -96,9 +102,10 @@ def per_sample_attention(core) -> bool:
     return impl in ("sdpa", PACKED_ATTENTION) and not getattr(core, "_vlforge_packed_mask", False)
 
 
-def packing_pays(core, device: torch.device) -> bool:
+def packing_pays(core, device: torch.device, precision: str = "bf16") -> bool:
     """data.packing=auto: pack where a packed row runs the varlen flash kernel (a CUDA device of sm80+,
-    a torch with varlen_attn, per-sample attention: sdpa without packed_attention=mask). Measured there
+    a torch with varlen_attn, bf16/fp16 compute (`precision`: precision.mode), per-sample attention:
+    sdpa without packed_attention=mask). Measured there
     (one H200, docs/benchmarks.md, same process): 2B full at BASELINES.md's shapes (16% padding) 1.01-1.12x
     padding, 8B three-tier LoRA 1.17-1.18x, the mixed set (36% padding) 1.60x, eager 2B 1.07x; never
     slower since the step's host syncs went (fifteenth session). Not measured on the GPU: packed rows
@@ -106,11 +113,11 @@ def packing_pays(core, device: torch.device) -> bool:
     tests/test_moe.py). Elsewhere a packed row attends through the per-sample SDPA loop (CPU), a dense
     [T, T] mask (eager, packed_attention=mask) or paths not measured packed (flex_attention,
     flash_attention_2): padded."""
-    return per_sample_attention(core) and packing_problem(device) is None
+    return per_sample_attention(core) and packing_problem(device, precision=precision) is None
 
 
-def packing_problem(device: torch.device, attn_implementation: str = "sdpa",
-                    packed_attention: str = "per_sample") -> str | None:
+def packing_problem(device: torch.device, attn_implementation: str = "sdpa", packed_attention: str = "per_sample",
+                    precision: str = "bf16") -> str | None:
     """Why data.packing=auto pads on `device` with these model settings (None: it packs); what
     packing_pays decides, from the config alone (vlforge doctor asks before any model loads)."""
     if attn_implementation != "sdpa" or packed_attention != "per_sample":
@@ -118,6 +125,9 @@ def packing_problem(device: torch.device, attn_implementation: str = "sdpa",
                 "packs only sdpa's per-sample attention (measured); data.packing=true packs anyway")
     if device.type != "cuda":
         return f"on {device.type} a packed row attends through a per-sample SDPA loop, not measured faster than padding"
+    if precision not in ("bf16", "fp16"):
+        return (f"precision.mode={precision}: the flash kernel takes half precision only, a packed row would attend "
+                "through a per-sample SDPA loop")
     if varlen_kernel() is None:
         return f"torch {torch.__version__} has no torch.nn.attention.varlen (its varlen flash kernel)"
     if not flash_capable(device.index if device.index is not None else torch.cuda.current_device()):

@@ -12,6 +12,7 @@ Shapes: N sequences, T tokens, H hidden size, V vocabulary.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from vlforge.data.encode import Encoder
-from vlforge.model.host_inputs import RopeIndex, VisionGrid, host_to_device
+from vlforge.model.host_inputs import Placeholders, RopeIndex, VisionGrid, host_to_device, placeholders_from_host
 from vlforge.model.tiers import unwrap
 
 VISION_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
@@ -67,14 +68,17 @@ def cache_of(output):
 
 def forward_shared(core, input_ids_NT: torch.Tensor, attention_mask_NT: torch.Tensor, position_ids_3NT: torch.Tensor,
                    feats: ImageFeatures | None, prompt_of_seq: list[int], cache=None, use_cache: bool = False,
-                   keepalive: torch.Tensor | None = None, **lm_kwargs):
+                   keepalive: torch.Tensor | None = None, placeholders: Placeholders | None = None, **lm_kwargs):
     """Qwen3-VL's language model over N sequences whose image tokens reuse `feats` of their prompt.
 
     Equivalent to the HF forward with each prompt's pixels repeated per sequence (tested), without
     running the vision tower again. Returns the language model output (last_hidden_state, cache).
     `keepalive` (a zero from engine.losses.vision_keepalive) joins the embeddings where image
     features would: a sharded text-only mini-batch then reduces gradients like one with images.
-    `lm_kwargs` go to the language model as they are (a packed row's `packed_rows`).
+    `lm_kwargs` go to the language model as they are (a packed row's `packed_rows`). `placeholders`
+    (the image tokens' places, read from the host copy of `input_ids_NT`, on its device): the image
+    features are placed, and the deepstack features added, by index instead of through boolean masks,
+    the same values without a sync (model/host_inputs.Placeholders).
     """
     lm = core.model.language_model
     embeds_NTH = lm.embed_tokens(input_ids_NT)
@@ -83,20 +87,27 @@ def forward_shared(core, input_ids_NT: torch.Tensor, attention_mask_NT: torch.Te
     kwargs = {}
     image_mask_NT = input_ids_NT == core.config.image_token_id
     rows = torch.cat([feats.rows_per_prompt[b] for b in prompt_of_seq]) if feats is not None else None
+    by_index = contextlib.nullcontext()
     if rows is not None and len(rows):  # its length is known on the host: no sync
         image_embeds = feats.embeds[rows].to(embeds_NTH.dtype)
-        embeds_NTH = embeds_NTH.masked_scatter(image_mask_NT[..., None], image_embeds)
+        if placeholders is None:
+            embeds_NTH = embeds_NTH.masked_scatter(image_mask_NT[..., None], image_embeds)
+        else:  # masked_scatter's backward reads the mask on the host; an index write's backward gathers
+            flat_XH = embeds_NTH.reshape(-1, embeds_NTH.shape[-1])
+            embeds_NTH = flat_XH.index_put((placeholders.flat_positions,), image_embeds).view_as(embeds_NTH)
+            by_index = placeholders_from_host(core.model, placeholders)  # the deepstack layers' writes
         kwargs = {"visual_pos_masks": image_mask_NT, "deepstack_visual_embeds": [d[rows] for d in feats.deepstack]}
-    return lm(inputs_embeds=embeds_NTH, attention_mask=attention_mask_NT, position_ids=position_ids_3NT,
-              use_cache=use_cache, **{_cache_kwarg(type(lm)): cache}, **kwargs, **lm_kwargs)
+    with by_index:
+        return lm(inputs_embeds=embeds_NTH, attention_mask=attention_mask_NT, position_ids=position_ids_3NT,
+                  use_cache=use_cache, **{_cache_kwarg(type(lm)): cache}, **kwargs, **lm_kwargs)
 
 
 def rope_positions(core, input_ids: torch.Tensor, attention_mask: torch.Tensor, image_token_id: int,
-                   grid_thw: torch.Tensor | None) -> torch.Tensor:
-    """Qwen3-VL M-RoPE position ids [3, N, T] (the model's own get_rope_index), on the inputs'
-    device, computed on the host copies (model/host_inputs.RopeIndex): on a GPU, get_rope_index
+                   grid_thw: torch.Tensor | None, device: torch.device | None = None) -> torch.Tensor:
+    """Qwen3-VL M-RoPE position ids [3, N, T] (the model's own get_rope_index), on `device` (default:
+    the inputs'), computed on the host copies (model/host_inputs.RopeIndex): on a GPU, get_rope_index
     reads its inputs on the host several times per prompt; host inputs cost no sync at all."""
-    device = input_ids.device
+    device = device or input_ids.device
     ids, mask = input_ids.cpu(), attention_mask.cpu()
     mm_types = (ids == image_token_id).long()
     if grid_thw is None or not bool(mm_types.any()):

@@ -35,6 +35,7 @@ from vlforge.engine.run import Run, begin_run
 from vlforge.engine.trainable import Trainable, setup_model
 from vlforge.generate.engine import engine_for
 from vlforge.rl import RewardSpec, agg_loss, build_rewards, exact_match, grpo_advantages, kl_penalty, policy_loss
+from vlforge.model.host_inputs import host_to_device
 from vlforge.model.load import build_meta_model, dir_config
 from vlforge.model.presets import MOE_PRESETS, is_moe
 from vlforge.rollout.engine import (PackedLayout, Rollout, generate_groups, packing_enabled, rollout_seed,
@@ -226,9 +227,9 @@ def token_rows(rollout: Rollout, seqs: list[int], packing: bool = False) -> torc
     """[n, P + R] mask of the token rows sequence_logprobs runs for `seqs` (prompt + response):
     the rows an MoE router sees, padding left out of the load-balancing loss and the load metrics.
     Packed: [1, T], the row's tokens (all real)."""
-    prompt = rollout.prompt_mask[[rollout.prompt_of_seq[s] for s in seqs]]
-    rows = torch.cat([prompt, rollout.response_mask[seqs]], dim=1)
-    return PackedLayout.of(rows).pack(rows) if packing else rows
+    host = rollout.host  # laid out on the host copies (no sync), as sequence_logprobs lays out its rows
+    rows = torch.cat([host.prompt_mask[[rollout.prompt_of_seq[s] for s in seqs]], host.response_mask[seqs]], dim=1)
+    return host_to_device(PackedLayout.of(rows).pack(rows) if packing else rows, rollout.prompt_ids.device)
 
 
 def mini_batches(batches: list[Batch], size: int) -> list[list[tuple[Batch, list[int]]]]:

@@ -132,6 +132,24 @@ def train_step(t: Trainable, micro: list[dict], optimizer, scaler, health: GradH
     return {"loss": loss_total, **row, **moe, **skipped, "supervised_tokens": total_tokens, "tokens": int(tokens)}
 
 
+def check_resumed_packing(state: dict, packed: bool, batching: Batching) -> None:
+    """Record whether this run packs (data.packing=auto decides by the device) in the run's state; a
+    resumed run that decides otherwise than its checkpoint's: refused with a token budget (the
+    budget forms other micro-batches, so the data order and the step count would not continue),
+    else a note (the same samples a micro-batch, the same loss to rounding)."""
+    saved = state.setdefault("packed", packed)  # a checkpoint from before it was recorded: taken as this run's
+    if saved == packed:
+        return
+    was, now = ("packed", "padded") if saved else ("padded", "packed")
+    if batching.max_tokens:
+        raise ConfigError(f"the checkpoint's run {was} its rows and this one would have {now} them (data.packing="
+                          f"auto decides by the device): with data.max_tokens_per_batch the micro-batches differ; "
+                          f"set data.packing={str(saved).lower()} to resume it exactly")
+    print(f"note: the checkpoint's run {was} its rows, this one has {now} them (data.packing=auto decides by the "
+          "device): the same samples a micro-batch, the same loss to rounding")
+    state["packed"] = packed
+
+
 def run_sft(cfg: SFTConfig) -> dict:
     """Train; returns {"output_dir", "final_step", "eval", "plan"}."""
     if not cfg.data.train:
@@ -144,7 +162,8 @@ def run_sft(cfg: SFTConfig) -> dict:
         val_data = load_dataset(cfg.data.val, t.processor, cfg.data) if cfg.data.val else None
         tc = cfg.train
         # rows padded for FP8 count against the token budget as padded (the tokens the step computes)
-        packed = packing_pays(unwrap(t.model), t.device) if cfg.data.packing == "auto" else cfg.data.packing
+        packed = (packing_pays(unwrap(t.model), t.device, cfg.precision.mode) if cfg.data.packing == "auto"
+                  else cfg.data.packing)
         batching = Batching.of(cfg.data, tc.batch_size, t.token_multiple, packed)
         per_epoch = [micro_batches_per_epoch(train_data.lengths, batching, tc.seed, e, world.size)
                      for e in range(1 if tc.max_steps else tc.epochs)]  # global micro-batches
@@ -156,6 +175,7 @@ def run_sft(cfg: SFTConfig) -> dict:
                               f"train.grad_accum={tc.grad_accum}")
         total_steps = tc.max_steps or sum(n // tc.grad_accum for n in per_epoch)
         run = Run.start(cfg, t, total_steps, val_data, resume_from, spikes=True, state={"tokens_seen": 0})
+        check_resumed_packing(run.state, packed, batching)
         summary = plan_summary(unwrap(t.model), t.plan)
         say = print if world.main else (lambda *a, **k: None)  # one process speaks for the run
         say(f"training {summary['trainable_params']:,} of {summary['total_params']:,} parameters "

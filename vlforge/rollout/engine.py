@@ -21,12 +21,14 @@ import torch
 
 from vlforge.config import RolloutConfig
 from vlforge.data.encode import Encoder
-from vlforge.engine.losses import packed_position_ids, token_logprobs_entropy, vision_keepalive
-from vlforge.engine.packed_attention import PackedRows, packed_forward, per_sample_attention, use_packed_attention
+from vlforge.engine.losses import packed_position_ids_host, token_logprobs_entropy, vision_keepalive
+from vlforge.engine.packed_attention import (PackedRows, packed_forward, per_sample_attention, runs_sdpa,
+                                            use_packed_attention)
 from vlforge.generate.engine import GenRequest, engine_for, prompts_of_batch
 from vlforge.generate.forward import (ImageFeatures, cache_of, encode_images, filter_logits, forward_shared,  # noqa: F401
                                       never_generated, rope_positions, token_logprobs)
 from vlforge.generate.routes import NO_ROUTE
+from vlforge.model.host_inputs import Placeholders, causal_padding_mask, host_to_device
 from vlforge.model.tiers import unwrap
 
 
@@ -51,6 +53,27 @@ class Rollout:
     @property
     def prompt_of_seq(self) -> list[int]:
         return [n // self.group_size for n in range(self.response_ids.shape[0])]
+
+    @functools.cached_property
+    def host(self) -> RolloutHost:
+        """The token ids, masks and image grids on the host, copied once (a sync on a GPU, at the first
+        read: the update's first forward) for every forward of the update: sequence_logprobs lays out
+        its forwards (positions, packing, the response tokens' places) from them, reading no device
+        value. The rollout's tensors are not changed after it is made (a change would not reach here)."""
+        cpu = lambda t: None if t is None else t.to("cpu", copy=True)  # noqa: E731  (a copy on the CPU too)
+        return RolloutHost(cpu(self.prompt_ids), cpu(self.prompt_mask), cpu(self.response_ids),
+                           cpu(self.response_mask), cpu(self.image_grid_thw))
+
+
+@dataclass(frozen=True)
+class RolloutHost:
+    """A Rollout's token ids, masks and image grids on the host (Rollout.host)."""
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    response_ids: torch.Tensor
+    response_mask: torch.Tensor
+    image_grid_thw: torch.Tensor | None
 
 
 @torch.no_grad()
@@ -119,8 +142,9 @@ def route_rows(rollout: Rollout, seq_index: list[int], packing: bool = False) ->
     if not packing:
         return routes_LNk
     prompts = [rollout.prompt_of_seq[s] for s in seq_index]
-    rows_nT = torch.cat([rollout.prompt_mask[prompts], rollout.response_mask[seq_index]], dim=1)
-    return routes_LNk[:, PackedLayout.of(rows_nT).src_T.to(routes_LNk.device)]
+    host = rollout.host
+    rows_nT = torch.cat([host.prompt_mask[prompts], host.response_mask[seq_index]], dim=1)
+    return routes_LNk[:, host_to_device(PackedLayout.of(rows_nT).src_T, routes_LNk.device)]
 
 
 @torch.no_grad()
@@ -192,9 +216,10 @@ def _images_of(rollout: Rollout, prompts: list[int]) -> tuple[torch.Tensor | Non
     images = [i for b in prompts for i in range(first_image[b], first_image[b] + per_prompt[b])]
     if not images:
         return None, None
-    bounds = [0, *torch.cumsum(rollout.image_grid_thw.prod(-1), 0).tolist()]
-    rows = torch.cat([torch.arange(bounds[i], bounds[i + 1]) for i in images]).to(rollout.pixel_values.device)
-    return rollout.pixel_values[rows], rollout.image_grid_thw[images]
+    grid = rollout.host.image_grid_thw  # the grids on the host: the patch bounds without a device read
+    bounds = [0, *torch.cumsum(grid.prod(-1), 0).tolist()]
+    rows = torch.cat([torch.arange(bounds[i], bounds[i + 1]) for i in images])
+    return rollout.pixel_values[host_to_device(rows, rollout.pixel_values.device)], grid[images]
 
 
 @dataclass(frozen=True)
@@ -209,6 +234,10 @@ class PackedLayout:
     seq_lens: list[int]
     src_T: torch.Tensor
     row_index_nT: torch.Tensor
+
+    def to(self, device: torch.device) -> PackedLayout:
+        """The same layout with its index tensors on `device` (one built from a host mask: no sync)."""
+        return PackedLayout(self.seq_lens, host_to_device(self.src_T, device), host_to_device(self.row_index_nT, device))
 
     @classmethod
     def of(cls, mask_nT: torch.Tensor) -> PackedLayout:
@@ -230,15 +259,25 @@ def packing_enabled(model, setting: bool | str) -> bool:
     return per_sample_attention(unwrap(model)) if setting == "auto" else bool(setting)
 
 
-def _packed_hidden(core, ids_1T: torch.Tensor, grid: torch.Tensor | None, seq_lens: list[int],
-                   feats: ImageFeatures | None, prompt_of_seq: list[int], keepalive: torch.Tensor | None):
-    """Last hidden states [T, H] of a packed row; as engine.losses.backbone_hidden, but with the
-    image features of each prompt (encoded once) gathered into every packed copy of its image tokens
-    (forward_shared: the row's image tokens are in sequence order, as the padded batch's are)."""
-    mm_1T = (ids_1T == core.config.image_token_id).long()
+def _placeholders(host_ids: torch.Tensor, core, feats: ImageFeatures | None, device: torch.device):
+    """The image tokens' places in a forward's token rows (their host copy), on `device`; None without images."""
+    return None if feats is None else Placeholders.of(host_ids, core.config.image_token_id).to(device)
+
+
+def _packed_hidden(core, ids_1T: torch.Tensor, host_ids_1T: torch.Tensor, grid: torch.Tensor | None,
+                   seq_lens: list[int], feats: ImageFeatures | None, prompt_of_seq: list[int],
+                   keepalive: torch.Tensor | None):
+    """Last hidden states [T, H] of a packed row (`ids_1T`, and `host_ids_1T` its host copy, which
+    the positions and the image tokens' places are read from); as engine.losses.backbone_hidden, but
+    with the image features of each prompt (encoded once) gathered into every packed copy of its image
+    tokens (forward_shared: the row's image tokens are in sequence order, as the padded batch's are)."""
+    mm_1T = (host_ids_1T == core.config.image_token_id).long()
     grid = grid if grid is not None and len(grid) else None
-    pos_41T = packed_position_ids(core, ids_1T, mm_1T, grid, seq_lens)  # M-RoPE restarting per sequence
-    run = functools.partial(forward_shared, core, ids_1T, None, pos_41T, feats, prompt_of_seq, keepalive=keepalive)
+    # M-RoPE restarting per sequence, on the host
+    pos_41T = host_to_device(packed_position_ids_host(core.model.get_rope_index, host_ids_1T, mm_1T, grid, seq_lens),
+                             ids_1T.device)
+    run = functools.partial(forward_shared, core, ids_1T, None, pos_41T, feats, prompt_of_seq, keepalive=keepalive,
+                            placeholders=_placeholders(host_ids_1T, core, feats, ids_1T.device))
     if not use_packed_attention(core):  # eager / flash / flex / packed_attention=mask: transformers' own
         return run().last_hidden_state[0]
     rows = PackedRows.of(seq_lens, ids_1T.shape[1], ids_1T.device)
@@ -257,37 +296,47 @@ def sequence_logprobs(model, rollout: Rollout, temperature: float, seq_index: li
     per-sequence M-RoPE and attention; the same numbers as the padded batch, to rounding (tested).
     Returns (logp, entropy or None)."""
     core = unwrap(model)
+    host, device = rollout.host, rollout.prompt_ids.device  # the layout below is read from host copies: no syncs
     seq_index = list(range(rollout.response_ids.shape[0])) if seq_index is None else seq_index
     prompt_of = [rollout.prompt_of_seq[n] for n in seq_index]
     needed = sorted(set(prompt_of))  # a mini-batch usually covers a few prompts: encode only theirs
     feats = encode_images(core, *_images_of(rollout, needed), [rollout.images_per_prompt[b] for b in needed])
-    keepalive = vision_keepalive(model, rollout.prompt_ids.device) if keep_vision and feats is None else None
-    local = {b: i for i, b in enumerate(needed)}
-    idx = torch.tensor(prompt_of, device=rollout.prompt_ids.device)
+    keepalive = vision_keepalive(model, device) if keep_vision and feats is None else None
+    slot = {b: i for i, b in enumerate(needed)}
+    local = [slot[b] for b in prompt_of]
     resp = rollout.response_ids[seq_index]
-    ids = torch.cat([rollout.prompt_ids[idx], resp], dim=1)
-    mask = torch.cat([rollout.prompt_mask[idx], rollout.response_mask[seq_index]], dim=1)
+    ids = torch.cat([rollout.prompt_ids[host_to_device(torch.tensor(prompt_of), device)], resp], dim=1)
+    ids_h = torch.cat([host.prompt_ids[prompt_of], host.response_ids[seq_index]], dim=1)
+    mask_h = torch.cat([host.prompt_mask[prompt_of], host.response_mask[seq_index]], dim=1)
     grid = None
-    if rollout.image_grid_thw is not None:  # grids in sequence order, for the M-RoPE index
+    if host.image_grid_thw is not None:  # grids in sequence order, for the M-RoPE index
         starts = [sum(rollout.images_per_prompt[:b]) for b in range(len(rollout.images_per_prompt))]
-        grid = torch.cat([rollout.image_grid_thw[starts[b]:starts[b] + rollout.images_per_prompt[b]] for b in prompt_of])
+        grid = torch.cat([host.image_grid_thw[starts[b]:starts[b] + rollout.images_per_prompt[b]] for b in prompt_of])
     P, R = rollout.prompt_ids.shape[1], resp.shape[1]
-    mask_nR = rollout.response_mask[seq_index].bool()
-    # the state before each response token predicts it: padded position P - 1 + r
+    # the response tokens (row, column), in a boolean mask's row-major order; the state before each
+    # response token predicts it: padded position P - 1 + column
+    rows_N, cols_N = host.response_mask[seq_index].bool().nonzero().unbind(1)
+    rows_d, cols_d = host_to_device(torch.stack([rows_N, cols_N]), device)
     if packing:
-        layout = PackedLayout.of(mask)
-        hidden_TH = _packed_hidden(core, layout.pack(ids), grid, layout.seq_lens, feats,
-                                   [local[b] for b in prompt_of], keepalive)
-        hidden_NH = hidden_TH[layout.row_index_nT[:, P - 1:P - 1 + R][mask_nR]]
+        layout_h = PackedLayout.of(mask_h)
+        hidden_TH = _packed_hidden(core, layout_h.to(device).pack(ids), layout_h.pack(ids_h), grid, layout_h.seq_lens,
+                                   feats, local, keepalive)
+        hidden_NH = hidden_TH[host_to_device(layout_h.row_index_nT[rows_N, P - 1 + cols_N], device)]
     else:
-        pos = rope_positions(core, ids, mask, core.config.image_token_id, grid)
-        hidden = forward_shared(core, ids, mask, pos, feats, [local[b] for b in prompt_of],
-                                keepalive=keepalive).last_hidden_state
-        hidden_NH = hidden[:, P - 1:P - 1 + R][mask_nR]
+        pos = rope_positions(core, ids_h, mask_h, core.config.image_token_id, grid, device=device)
+        mask = host_to_device(mask_h, device)
+        if runs_sdpa(core):
+            # the mask transformers' sdpa path builds, without its device check for padding (engine/losses.py)
+            mask = causal_padding_mask(mask) if not bool(mask_h.all()) else None
+        hidden = forward_shared(core, ids, mask, pos, feats, local, keepalive=keepalive,
+                                placeholders=_placeholders(ids_h, core, feats, device)).last_hidden_state
+        hidden_NH = hidden[rows_d, P - 1 + cols_d]
     # logits only at response tokens, a chunk at a time (engine.losses.token_logprobs_entropy); 0 elsewhere
-    logp_N, entropy_N = token_logprobs_entropy(hidden_NH, core.lm_head, resp[mask_nR], temperature,
-                                               rollout.banned_ids, with_entropy, chunk_size)
-    logp = logp_N.new_zeros(mask_nR.shape).masked_scatter(mask_nR, logp_N)
-    entropy = entropy_N.new_zeros(mask_nR.shape).masked_scatter(mask_nR, entropy_N) if with_entropy else None
+    tokens_N = host_to_device(host.response_ids[seq_index][rows_N, cols_N], device)
+    logp_N, entropy_N = token_logprobs_entropy(hidden_NH, core.lm_head, tokens_N, temperature, rollout.banned_ids,
+                                               with_entropy, chunk_size)
+    # placed by index (a masked_scatter's backward would read the mask on the host)
+    logp = logp_N.new_zeros(len(seq_index), R).index_put((rows_d, cols_d), logp_N)
+    entropy = entropy_N.new_zeros(len(seq_index), R).index_put((rows_d, cols_d), entropy_N) if with_entropy else None
     return logp, entropy
 
