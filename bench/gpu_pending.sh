@@ -57,7 +57,8 @@
 #   Sixteenth session ran next16; then host16 (guard skipping and the C++ wrapper at 2B; the 8B three-tier LoRA profile),
 #   var16 and lora16 (at 5d71fbe/d259ab1: the aten flash op called directly vs torch's varlen_attn, reverted), full16.
 #   Next: group17 (decoder layers and vision blocks 6 to a compiled region vs 1, one process), mixed17 (peer vs ours on the mixed set),
-#   recipes17 (the shipped SFT recipes with data.packing=auto, 3 steps each; carry .whl/ao for the FP8 one).
+#   recipes17 (the shipped SFT recipes with data.packing=auto, 3 steps each; carry .whl/ao for the FP8 one), grpo17
+#   (GRPO's update without the log-prob forward's syncs vs before, bench/ab.sh).
 #   OUT=/some/dir GROUP=moe   bash bench/gpu_pending.sh  # 30B-A3B: peft peer vs ours same process; NF4 memory/decode
 #   OUT=/some/dir GROUP=mem   bash bench/gpu_pending.sh  # selective checkpointing and the activation memory budget
 # (carry .whl/train, and .whl/ao (torchao) for GROUP=tests, .whl/bnb (bitsandbytes) for moe and mem)
@@ -227,6 +228,10 @@ case $GROUP in
   mixed17) # issue 13: peer vs ours on the mixed set (answers 8-1024 words, 1-4 images of 224-448 px), same process
           (cd bench && timeout 480 python3 train.py --preset qwen3vl-2b --method full --mixed --steps 10 --samples 32 \
             --paths peer,ours,packed --ours precision.compile=true 2>"$OUT/err-mixed.txt" | tail -6 > "$OUT/mixed2b.txt") ;;
+  grpo17) # GRPO's update with the log-prob forward's layout read from the rollout's host copy (4090292) against the
+          # commit before it, in one call: here `bash bench/ab.sh prepare acfe487` first (side "main" = this checkout's
+          # main, "branch" = acfe487), carry [".whl/ab"]; the recipe's update, padded and packed modes alternating
+          LIMIT=280 bash bench/ab.sh run grpo_update.py --recipe qwen3vl-2b-grpo > "$OUT/ab-grpo2b.jsonl" ;;
   recipes17) # the shipped SFT recipes as users run them, 3 steps each on synthetic 448x448 shapes: data.packing=auto
           # must say "packed rows" on the GPU (first packed runs with FP8 and the 8B LoRA tiers through the recipe)
           [ -f /tmp/sh448/train.jsonl ] || python3 -m vlforge data synth shapes --n 72 --out /tmp/sh448 --size 448 --val-fraction 0.12
