@@ -34,10 +34,10 @@ from vlforge.engine.moe import aux_term, capture, follow
 from vlforge.engine.run import Run, begin_run
 from vlforge.engine.trainable import Trainable, setup_model
 from vlforge.generate.engine import engine_for
-from vlforge.rl import RewardSpec, agg_loss, build_rewards, exact_match, grpo_advantages, kl_penalty, policy_loss
 from vlforge.model.host_inputs import host_to_device
 from vlforge.model.load import build_meta_model, dir_config
 from vlforge.model.presets import MOE_PRESETS, is_moe
+from vlforge.rl import RewardSpec, agg_loss, build_rewards, exact_match, grpo_advantages, kl_penalty, policy_loss
 from vlforge.rollout.engine import (PackedLayout, Rollout, generate_groups, packing_enabled, rollout_seed,
                                     route_rows, sequence_logprobs)
 
