@@ -343,25 +343,27 @@ def test_packing_auto_packs_where_the_varlen_flash_kernel_runs(tiny, monkeypatch
 
 def test_the_recipe_packs_where_packing_pays_and_resumes_only_as_it_packed(shapes_dir, tmp_path, monkeypatch, capsys):
     """Through the recipe: data.packing=auto packs where packing_pays says so (its startup line says
-    "packed rows") and records it; a resume that would decide otherwise is refused with a token budget
-    (other micro-batches), noted without one."""
+    "packed rows") and records it in the checkpoint; a resume where auto decides otherwise is refused
+    with a token budget (other micro-batches, another step count), noted without one."""
     import vlforge.recipes.sft as sft
-    from vlforge.recipes.sft import check_resumed_packing
 
     ours = Spy(monkeypatch, packed_attention, "packed_rows_attention")
-    monkeypatch.setattr(sft, "packing_pays", lambda core, device, precision: True)
-    common = ["tiers.method=full", "train.max_steps=1", "eval.every=0", "data.val=null", "train.batch_size=4"]
-    run_sft(tiny_sft_config(shapes_dir, tmp_path / "auto", *common))
-    assert ours.calls == 2 and "packed rows (data.packing)" in capsys.readouterr().out  # 1 step x 2 layers
-    state = {"packed": True}
-    check_resumed_packing(state, True, Batching(4, max_tokens=400, packed=True))
-    with pytest.raises(ConfigError, match="set data.packing=true to resume it exactly"):
-        check_resumed_packing(state, False, Batching(4, max_tokens=400))
-    check_resumed_packing(state, False, Batching(4))
-    assert state["packed"] is False and "the same samples a micro-batch" in capsys.readouterr().out
-    fresh = {}
-    check_resumed_packing(fresh, True, Batching(4))
-    assert fresh == {"packed": True}
+    common = ["tiers.method=full", "eval.every=0", "data.val=null", "data.max_length=200"]
+    for name, batching in (("budget", "data.max_tokens_per_batch=400"), ("fixed", "train.batch_size=4")):
+        monkeypatch.setattr(sft, "packing_pays", lambda core, device, precision: True)  # as on a GPU
+        out = tmp_path / name
+        run_sft(tiny_sft_config(shapes_dir, out, *common, batching, "train.max_steps=1"))
+        assert ours.calls > 0 and "packed rows (data.packing)" in capsys.readouterr().out
+        ours.calls = 0
+        monkeypatch.setattr(sft, "packing_pays", lambda core, device, precision: False)  # resumed elsewhere
+        resume = tiny_sft_config(shapes_dir, out, *common, batching, "train.max_steps=2", "train.resume=auto")
+        if name == "budget":
+            with pytest.raises(ConfigError, match="set data.packing=true to resume it exactly"):
+                run_sft(resume)
+            assert (out / "checkpoint-1").is_dir()  # the finished checkpoint is kept
+        else:
+            assert run_sft(resume)["final_step"] == 2 and ours.calls == 0
+            assert "the same samples a micro-batch" in capsys.readouterr().out
 
 
 def test_token_budget_training_runs_with_lora(shapes_dir, tmp_path):

@@ -109,8 +109,9 @@ class DataConfig:
     # Padding-free packing: a micro-batch's samples concatenated into one row, attention kept inside
     # each sample (block-diagonal, from per-sample position ids) and M-RoPE computed per sample.
     # See docs/packing.md. auto = on where a packed row runs torch's varlen flash kernel (CUDA sm80+,
-    # model.attn_implementation=sdpa, packed_attention=per_sample: engine/packed_attention.packing_pays),
-    # measured at least as fast as padding there (docs/benchmarks.md); off elsewhere (CPU, eager, flex)
+    # bf16/fp16, model.attn_implementation=sdpa with packed_attention=per_sample: engine/packed_attention.
+    # packing_pays), measured at least as fast as padding there (docs/benchmarks.md); off elsewhere (CPU,
+    # fp32, eager, flex_attention, flash_attention_2, packed_attention=mask: doctor --config says which)
     packing: bool | Literal["auto"] = "auto"
     # Micro-batches by a token budget instead of train.batch_size samples: packed, the row's total
     # tokens; padded, rows x the longest row. Must fit one sample of data.max_length.

@@ -98,8 +98,7 @@ def per_sample_attention(core) -> bool:
     module; already switched or not) unless model.packed_attention=mask. eager, flex_attention and
     the mask path build a dense mask over the whole row; flash_attention_2 is varlen too, but not
     installed where this is tested."""
-    impl = core.model.language_model.config._attn_implementation
-    return impl in ("sdpa", PACKED_ATTENTION) and not getattr(core, "_vlforge_packed_mask", False)
+    return runs_sdpa(core) and not getattr(core, "_vlforge_packed_mask", False)
 
 
 def packing_pays(core, device: torch.device, precision: str = "bf16") -> bool:
@@ -107,7 +106,7 @@ def packing_pays(core, device: torch.device, precision: str = "bf16") -> bool:
     a torch with varlen_attn, bf16/fp16 compute (`precision`: precision.mode), per-sample attention:
     sdpa without packed_attention=mask). Measured there
     (one H200, docs/benchmarks.md, same process): 2B full at BASELINES.md's shapes (16% padding) 1.01-1.12x
-    padding, 8B three-tier LoRA 1.17-1.18x, the mixed set (36% padding) 1.60x, eager 2B 1.07x; never
+    padding, 8B three-tier LoRA 1.17x, the mixed set (36% padding) 1.60x, eager 2B 1.07x; never
     slower since the step's host syncs went (fifteenth session). Not measured on the GPU: packed rows
     with FP8, QLoRA or an MoE model (MoE's packed rows equal its padded batch on the CPU,
     tests/test_moe.py). Elsewhere a packed row attends through the per-sample SDPA loop (CPU), a dense

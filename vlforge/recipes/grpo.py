@@ -39,7 +39,7 @@ from vlforge.model.load import build_meta_model, dir_config
 from vlforge.model.presets import MOE_PRESETS, is_moe
 from vlforge.rl import RewardSpec, agg_loss, build_rewards, exact_match, grpo_advantages, kl_penalty, policy_loss
 from vlforge.rollout.engine import (PackedLayout, Rollout, generate_groups, packing_enabled, rollout_seed,
-                                    route_rows, sequence_logprobs)
+                                    route_rows, sequence_logprobs, token_mask)
 
 
 @dataclass
@@ -227,8 +227,7 @@ def token_rows(rollout: Rollout, seqs: list[int], packing: bool = False) -> torc
     """[n, P + R] mask of the token rows sequence_logprobs runs for `seqs` (prompt + response):
     the rows an MoE router sees, padding left out of the load-balancing loss and the load metrics.
     Packed: [1, T], the row's tokens (all real)."""
-    host = rollout.host  # laid out on the host copies (no sync), as sequence_logprobs lays out its rows
-    rows = torch.cat([host.prompt_mask[[rollout.prompt_of_seq[s] for s in seqs]], host.response_mask[seqs]], dim=1)
+    rows = token_mask(rollout, seqs)  # on the host copies (no sync), as sequence_logprobs lays out its rows
     return host_to_device(PackedLayout.of(rows).pack(rows) if packing else rows, rollout.prompt_ids.device)
 
 

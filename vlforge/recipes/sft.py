@@ -132,7 +132,7 @@ def train_step(t: Trainable, micro: list[dict], optimizer, scaler, health: GradH
     return {"loss": loss_total, **row, **moe, **skipped, "supervised_tokens": total_tokens, "tokens": int(tokens)}
 
 
-def check_resumed_packing(state: dict, packed: bool, batching: Batching) -> None:
+def check_resumed_packing(state: dict, packed: bool, batching: Batching, say=print) -> None:
     """Record whether this run packs (data.packing=auto decides by the device) in the run's state; a
     resumed run that decides otherwise than its checkpoint's: refused with a token budget (the
     budget forms other micro-batches, so the data order and the step count would not continue),
@@ -145,7 +145,7 @@ def check_resumed_packing(state: dict, packed: bool, batching: Batching) -> None
         raise ConfigError(f"the checkpoint's run {was} its rows and this one would have {now} them (data.packing="
                           f"auto decides by the device): with data.max_tokens_per_batch the micro-batches differ; "
                           f"set data.packing={str(saved).lower()} to resume it exactly")
-    print(f"note: the checkpoint's run {was} its rows, this one has {now} them (data.packing=auto decides by the "
+    say(f"note: the checkpoint's run {was} its rows, this one has {now} them (data.packing=auto decides by the "
           "device): the same samples a micro-batch, the same loss to rounding")
     state["packed"] = packed
 
@@ -175,9 +175,9 @@ def run_sft(cfg: SFTConfig) -> dict:
                               f"train.grad_accum={tc.grad_accum}")
         total_steps = tc.max_steps or sum(n // tc.grad_accum for n in per_epoch)
         run = Run.start(cfg, t, total_steps, val_data, resume_from, spikes=True, state={"tokens_seen": 0})
-        check_resumed_packing(run.state, packed, batching)
-        summary = plan_summary(unwrap(t.model), t.plan)
         say = print if world.main else (lambda *a, **k: None)  # one process speaks for the run
+        check_resumed_packing(run.state, packed, batching, say)
+        summary = plan_summary(unwrap(t.model), t.plan)
         say(f"training {summary['trainable_params']:,} of {summary['total_params']:,} parameters "
               f"({cfg.tiers.method}); {len(train_data)} samples, {total_steps} steps, device {t.device}"
             + (f", {world.size} processes ({world.strategy})" if world.strategy != "none" else "")

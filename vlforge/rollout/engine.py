@@ -7,6 +7,7 @@ R response length (right-padded), H hidden size, V vocabulary.
     sequence_logprobs   the trainer's log-probs of response tokens (same forward: generate.forward),
                         on the padded [n, P + R] batch or packed into one row (rl.packing: PackedLayout)
     route_rows          MoE: the rollout's recorded experts for the token rows sequence_logprobs runs
+    token_mask          those token rows' mask, on the host (Rollout.host: the rollout's one host copy)
 
 Log-probs are of the temperature-scaled policy, log_softmax(logits / T), before top-k/top-p
 truncation (as verl's actor computes them), in fp32. Vision special tokens are never sampled.
@@ -141,10 +142,15 @@ def route_rows(rollout: Rollout, seq_index: list[int], packing: bool = False) ->
     routes_LNk = rollout.routes[:, seq_index].flatten(1, 2)
     if not packing:
         return routes_LNk
-    prompts = [rollout.prompt_of_seq[s] for s in seq_index]
+    return routes_LNk[:, host_to_device(PackedLayout.of(token_mask(rollout, seq_index)).src_T, routes_LNk.device)]
+
+
+def token_mask(rollout: Rollout, seq_index: list[int]) -> torch.Tensor:
+    """[n, P + R] mask of sequences `seq_index`' token rows (each prompt's, then its response's), on
+    the host (Rollout.host): the rows sequence_logprobs runs, and what a packed row keeps of them."""
     host = rollout.host
-    rows_nT = torch.cat([host.prompt_mask[prompts], host.response_mask[seq_index]], dim=1)
-    return routes_LNk[:, host_to_device(PackedLayout.of(rows_nT).src_T, routes_LNk.device)]
+    prompts = [rollout.prompt_of_seq[s] for s in seq_index]
+    return torch.cat([host.prompt_mask[prompts], host.response_mask[seq_index]], dim=1)
 
 
 @torch.no_grad()
@@ -307,7 +313,7 @@ def sequence_logprobs(model, rollout: Rollout, temperature: float, seq_index: li
     resp = rollout.response_ids[seq_index]
     ids = torch.cat([rollout.prompt_ids[host_to_device(torch.tensor(prompt_of), device)], resp], dim=1)
     ids_h = torch.cat([host.prompt_ids[prompt_of], host.response_ids[seq_index]], dim=1)
-    mask_h = torch.cat([host.prompt_mask[prompt_of], host.response_mask[seq_index]], dim=1)
+    mask_h = token_mask(rollout, seq_index)
     grid = None
     if host.image_grid_thw is not None:  # grids in sequence order, for the M-RoPE index
         starts = [sum(rollout.images_per_prompt[:b]) for b in range(len(rollout.images_per_prompt))]
