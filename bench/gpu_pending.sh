@@ -63,7 +63,10 @@
 #   OUT=/some/dir GROUP=mem   bash bench/gpu_pending.sh  # selective checkpointing and the activation memory budget
 # (carry .whl/train, and .whl/ao (torchao) for GROUP=tests, .whl/bnb (bitsandbytes) for moe and mem)
 source "$(dirname "$0")/gpu_env.sh"
-for w in .whl/ao/*.whl .whl/bnb/*.whl; do [ -f "$w" ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$w"; done
+for w in .whl/ao/*.whl .whl/bnb/*.whl; do
+  [ -f "$w" ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$w" \
+    && case :$PYTHONPATH: in *:/tmp/site:*) ;; *) export PYTHONPATH=$PYTHONPATH:/tmp/site ;; esac
+done
 GROUP=${GROUP:-tests}
 r() { n=$1; shift; echo "+ $*" >&2; timeout ${LIMIT:-110} python3 bench/sft_throughput.py "$@" 2>"$OUT/err-$GROUP-$n.txt" | tail -1 \
       | sed "s/^{/{\"group\": \"$GROUP\", \"run\": $n, /" >> "$OUT/runs.jsonl" || echo "run $n failed" >> "$OUT/fail.txt"; }
@@ -219,12 +222,28 @@ case $GROUP in
           b="--preset qwen3vl-2b --method full --steps 8 --warmup 4 --override precision.compile=true"
           LIMIT=150; r 1 $b --layer-compile-options cpp_wrapper=true
           for f in "$OUT"/err-*.txt; do echo "== $f"; tail -c 3000 "$f"; done > "$OUT/errors.txt"; rm -f "$OUT"/err-*.txt ;;
-  group17) # issue 13: decoder layers and vision blocks compiled up to 6 to a region (2B: 3 deepstack layers alone, 5 x 5
-          # layers, 4 x 6 vision blocks: 12 regions, not 52) vs one a region, alternating in one process
-          # (bench/train.py ours:g6; sft_throughput.compile_layer_groups), padded and packed
-          (cd bench && timeout 480 python3 train.py --preset qwen3vl-2b --method full --steps 12 --samples 32 \
-            --paths ours,ours:g6,ours,ours:g6,packed,packed:g6 --ours precision.compile=true 2>"$OUT/err-g.txt" \
-            | tail -9 > "$OUT/group2b.txt") ;;
+  ratio18) # issue 13: peer vs ours with 5 warmup steps (the 4 batches' shapes, so the compiled paths' one recompile for
+          # a new length lands before the timing: group17's first compiled path ran 28% slower than its repeat), each path
+          # twice, alternating; then 8B three-tier LoRA the same way; TORCH_LOGS=recompiles shows where recompiles fell
+          (cd bench && TORCH_LOGS=recompiles timeout 260 python3 train.py --preset qwen3vl-2b --method full --steps 12 --warmup 5 \
+            --samples 32 --paths peer,ours,packed,peer,ours,packed --ours precision.compile=true --json "$OUT/full2b.json" \
+            2>"$OUT/err-2b.txt" | tail -9 > "$OUT/full2b.txt")
+          (cd bench && TORCH_LOGS=recompiles timeout 290 python3 train.py --preset qwen3vl-8b --method lora --lora-tiers three \
+            --steps 10 --warmup 5 --samples 32 --paths peer,ours,packed --ours precision.compile=true --json "$OUT/lora8b.json" \
+            2>"$OUT/err-8b.txt" | tail -6 > "$OUT/lora8b.txt") ;;
+  final18) # the shipped SFT recipes as users run them (recipes17: data.packing=auto must say "packed rows"; FP8 and the
+          # 8B LoRA tiers packed through the recipe), then mixed17 (peer vs ours on the mixed set) in the time left
+          t0=$SECONDS
+          [ -f /tmp/sh448/train.jsonl ] || python3 -m vlforge data synth shapes --n 72 --out /tmp/sh448 --size 448 --val-fraction 0.12
+          for c in qwen3vl-8b-fp8 qwen3vl-8b-lora qwen3vl-2b-full; do
+            timeout 150 python3 -m vlforge sft configs/$c.yaml data.train=/tmp/sh448/train.jsonl data.val=null eval.every=0 \
+              train.output_dir=/tmp/$c train.max_steps=3 log.progress=false train.overwrite=true > "$OUT/$c.log" 2>&1 \
+              || echo "$c: exit $?" >> "$OUT/fail.txt"
+            cp /tmp/$c/metrics.jsonl "$OUT/$c-metrics.jsonl" 2>/dev/null || echo "$c: no metrics" >> "$OUT/fail.txt"
+          done
+          (cd bench && timeout $((560 - SECONDS + t0)) python3 train.py --preset qwen3vl-2b --method full --mixed --steps 10 \
+            --warmup 5 --samples 32 --paths peer,ours,packed --ours precision.compile=true 2>"$OUT/err-mixed.txt" \
+            | tail -6 > "$OUT/mixed2b.txt") ;;
   mixed17) # issue 13: peer vs ours on the mixed set (answers 8-1024 words, 1-4 images of 224-448 px), same process
           (cd bench && timeout 480 python3 train.py --preset qwen3vl-2b --method full --mixed --steps 10 --samples 32 \
             --paths peer,ours,packed --ours precision.compile=true 2>"$OUT/err-mixed.txt" | tail -6 > "$OUT/mixed2b.txt") ;;

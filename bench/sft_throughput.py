@@ -37,7 +37,6 @@ import json
 import random
 import resource
 import time
-import types
 
 import torch
 from PIL import Image
@@ -121,69 +120,6 @@ class Steps(torch.utils.data.Dataset):
         return {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in self.batches[step % len(self.batches)].items()}
 
 
-def compile_layer_groups(model, per_region: int, vision: bool = False, vision_per_region: int | None = None) -> int:
-    """Experiment (issue 13: the compiled 2B step is host-bound, and part of each compiled region's host
-    work is per region: the guard check, AOTAutograd's wrappers forward and backward): torch.compile
-    the decoder layers `per_region` at a time as one region instead of one each, and with `vision` the
-    vision blocks `vision_per_region` (default: the same) at a time. A group never spans a point where
-    transformers' loop reads the hidden states between two layers: the first len(deepstack_visual_indexes)
-    decoder layers, which get deepstack features added after them, stay one a region, and a vision group
-    ends at each deepstack tap. Each group's first layer runs the group's layers (their own forwards,
-    parameter names unchanged) and the others pass the hidden states through. Groups of a stretch are
-    as equal as its length allows. Not for gradient checkpointing (it wraps each layer's call) or FSDP2
-    (hooks per layer). Returns the number of compiled regions."""
-    from vlforge.model.tiers import unwrap
-
-    core = unwrap(model).model
-    layers = core.language_model.layers
-    first = len(core.config.vision_config.deepstack_visual_indexes)
-    stretches = [(i, i + 1, 1) for i in range(first)] + [(first, len(layers), per_region)]
-    regions = _compile_groups("decoder", layers, stretches)
-    if vision:
-        blocks, taps = core.visual.blocks, sorted(core.visual.deepstack_visual_indexes)
-        ends = [t + 1 for t in taps if t + 1 < len(blocks)] + [len(blocks)]
-        k = vision_per_region or per_region
-        regions += _compile_groups("vision", blocks, [(a, b, k) for a, b in zip([0, *ends[:-1]], ends)])
-    return regions
-
-
-def _compile_groups(stack: str, modules, stretches: list[tuple[int, int, int]]) -> int:
-    regions = 0
-    for start, end, k in stretches:
-        groups = -(-(end - start) // k)
-        sizes = [(end - start) // groups + (i < (end - start) % groups) for i in range(groups)]
-        for size in sizes:
-            members = list(modules[start:start + size])
-            if size > 1:
-                members[0].forward = _group_forward(stack, size, tuple(type(m).forward.__get__(m) for m in members))
-                for m in members[1:]:
-                    m.forward = _pass_through
-            members[0].compile()
-            start, regions = start + size, regions + 1
-    return regions
-
-
-_GROUP_CODE: dict = {}
-
-
-def _group_forward(stack: str, size: int, forwards: tuple):
-    def grouped(hidden_states, *args, **kwargs):
-        for forward in forwards:
-            hidden_states = forward(hidden_states, *args, **kwargs)
-        return hidden_states
-
-    # one code object per stack and group size: dynamo keeps compiled graphs, and its recompile limit, per code
-    # object, so groups of one size share their graphs and other sizes or the other stack do not crowd them out
-    code = _GROUP_CODE.setdefault((stack, size), grouped.__code__.replace(co_name=f"grouped_{stack}_{size}"))
-    group = types.FunctionType(code, grouped.__globals__, code.co_name, grouped.__defaults__, grouped.__closure__)
-    group.__kwdefaults__ = grouped.__kwdefaults__
-    return group
-
-
-def _pass_through(hidden_states, *args, **kwargs):
-    return hidden_states
-
-
 def as_is(batch: dict) -> dict:  # the loader's collate without HostPrep (module level: picklable)
     return batch
 
@@ -230,8 +166,6 @@ def main() -> None:
                     "begins with torch.compiler.cudagraph_mark_step_begin()); vision blocks as the recipe compiles them")
     ap.add_argument("--layer-compile-options", help="experiment: inductor options for the decoder layers' "
                     "torch.compile, k=v[,k=v] (e.g. cpp_wrapper=1: kernels launched from generated C++, not Python)")
-    ap.add_argument("--layers-per-region", type=int, default=1, help="experiment: compile the decoder layers (and the "
-                    "vision blocks, when compiled) this many at a time as one region (compile_layer_groups)")
     ap.add_argument("--skip-guards", action="store_true", help="experiment: after the warmup steps, "
                     "torch.compiler.set_stance(skip_guard_eval_unsafe=True) (no guard evaluation per compiled call)")
     ap.add_argument("--expert-lora", choices=["fused", "peft"], default="fused", help="MoE: tiers.expert_lora")
@@ -250,14 +184,6 @@ def main() -> None:
     torch.backends.cuda.matmul.allow_tf32 = True
     if args.fsdp:
         cfg.distributed.strategy = "fsdp2"
-    if args.layers_per_region > 1:
-        if args.layer_compile_mode or args.layer_compile_options or args.grad_ckpt:
-            ap.error("--layers-per-region takes neither --layer-compile-mode/-options (one compile per layer) nor "
-                     "--grad-ckpt (a group's layers run inside its first layer's call, past their checkpointing)")
-        import vlforge.engine.trainable as trainable
-
-        trainable.compile_decoder_layers = lambda model, vision=False: compile_layer_groups(model, args.layers_per_region,
-                                                                                            vision)
     if args.layer_compile_mode or args.layer_compile_options:
         import vlforge.engine.trainable as trainable
         from vlforge.model.tiers import unwrap
@@ -348,7 +274,6 @@ def main() -> None:
         "strategy": t.world.strategy, "optim": cfg.optim.name, "workers": workers, "library_syncs": args.library_syncs,
         "foreach_clip": args.foreach_clip, "layer_compile_mode": args.layer_compile_mode,
         "layer_compile_options": args.layer_compile_options, "skip_guards": args.skip_guards,
-        "layers_per_region": args.layers_per_region,
         "host_prep": prepare is not None, "vlforge": __import__("vlforge").__file__,
         "tokens_per_s": sum(tokens) / sum(times), "step_s": step_s,
         "peak_gb": torch.cuda.max_memory_allocated() / 1e9, "pad_fraction": pad_fraction,

@@ -55,7 +55,7 @@ from vlforge.model.presets import MOE_PRESETS
 from vlforge.model.tiers import build_plan, param_groups
 from vlforge.recipes.sft import train_step
 
-from sft_throughput import Steps, compile_layer_groups, synthetic_samples
+from sft_throughput import Steps, synthetic_samples
 
 PEAK_FLOPS = 989e12
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a smoke run with --preset tiny
@@ -151,7 +151,7 @@ def lora_tiers(args) -> SFTConfig:
     return load_config(SFTConfig, None, [f"model.preset={args.preset}", "tiers.method=lora", *lora_tier_overrides(args)])
 
 
-def run_ours(args, batches, packed: bool = False, per_region: int = 1) -> dict:
+def run_ours(args, batches, packed: bool = False) -> dict:
     lora = args.method == "lora"
     tiers = lora_tier_overrides(args) if lora else ["tiers.vision.train=true"]
     tiers += ["precision.gradient_checkpointing=true"] if args.grad_ckpt else []
@@ -159,17 +159,7 @@ def run_ours(args, batches, packed: bool = False, per_region: int = 1) -> dict:
         f"model.preset={args.preset}", f"model.seed={args.seed}", f"tiers.method={args.method}", "precision.mode=bf16",
         f"train.device={DEVICE}", *tiers, *(f"tiers.{t}.lr={args.lr}" for t in ("language", "projector", "vision")),
         *(["data.packing=true"] if packed else []), *args.ours])
-    if per_region > 1:  # the experiment: decoder layers compiled several to a region (sft_throughput.compile_layer_groups)
-        import vlforge.engine.trainable as trainable
-
-        plain = trainable.compile_decoder_layers
-        trainable.compile_decoder_layers = lambda model, vision=False: compile_layer_groups(model, per_region, vision)
-        try:
-            t = setup_model(cfg)
-        finally:
-            trainable.compile_decoder_layers = plain
-    else:
-        t = setup_model(cfg)
+    t = setup_model(cfg)
     optimizer = build_optimizer(param_groups(t.model, t.plan, 0.0), cfg.optim, DEVICE)
     scaler, health = t.policy.grad_scaler(), GradHealth(t.model, t.plan, cfg.health, cfg.precision.mode)
 
@@ -239,7 +229,7 @@ def summarize(name: str, losses, times, tokens_per_step, flops_per_step, args) -
     n = len(times)
     return {"path": name, "preset": args.preset, "method": args.method, "batch": args.batch, "timed_steps": n,
             "tokens_per_s": sum(tokens_per_step[:n]) / sum(times) if tokens_per_step else None,
-            "step_s": sum(times) / n, "mfu": sum(flops_per_step[:n]) / sum(times) / PEAK_FLOPS if flops_per_step else None,
+            "step_s": sum(times) / n, "step_median_s": sorted(times)[n // 2], "step_max_s": max(times), "mfu": sum(flops_per_step[:n]) / sum(times) / PEAK_FLOPS if flops_per_step else None,
             "peak_gb": torch.cuda.max_memory_allocated() / 1e9 if DEVICE == "cuda" else None, "loss_first": losses[0],
             "loss_last5": sum(losses[-5:]) / len(losses[-5:]), "losses": losses}
 
@@ -248,8 +238,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="qwen3vl-2b")
     ap.add_argument("--method", default="full", choices=["full", "lora"])
-    ap.add_argument("--paths", default="peer,trl,ours,packed", help="packed: ours with data.packing; ours:gK / "
-                    "packed:gK: with the decoder layers compiled K to a region (experiment; a path may repeat)")
+    ap.add_argument("--paths", default="peer,trl,ours,packed", help="peer, trl, ours, packed (ours with data.packing); a path may repeat (alternating runs in one process)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=3)
@@ -267,14 +256,8 @@ def main() -> None:
                          "blocks' attention (the same modules for the peer's peft config)")
     args = ap.parse_args()
     args.lr = args.lr or (1e-4 if args.method == "lora" else 1e-5)
-    for name in args.paths.split(","):
-        kind, grouped, k = name.partition(":g")
-        if kind not in ("peer", "trl", "ours", "packed") or (grouped and (kind not in ("ours", "packed")
-                                                                          or not k.isdigit() or int(k) < 1)):
-            ap.error(f"unknown path {name!r}: peer, trl, ours, packed, ours:gK, packed:gK (K >= 1)")
-        if grouped and args.grad_ckpt:
-            ap.error(f"{name}: grouped layers run inside their group's first layer's call, past its checkpointing; "
-                     "drop --grad-ckpt")
+    if unknown := [name for name in args.paths.split(",") if name not in ("peer", "trl", "ours", "packed")]:
+        ap.error(f"unknown path(s) {', '.join(unknown)}: peer, trl, ours, packed")
     torch.backends.cuda.matmul.allow_tf32 = True
 
     encoder = Encoder(load_processor(ModelConfig(preset=args.preset)), ImageLimits(3136, args.image * args.image))
@@ -302,11 +285,8 @@ def main() -> None:
                 # TRL builds its own batches (same samples, its collator and order): its own token counts
                 results.append(summarize(name, r["losses"], r["times"], r["tokens"], None, args))
             else:
-                kind, _, group = name.partition(":g")
-                per_region = int(group or 1)
-                path = (run_peer(args, batches) if name == "peer" else
-                        run_ours(args, batches, per_region=per_region) if kind == "ours" else
-                        run_ours(args, packed, packed=True, per_region=per_region))
+                path = (run_peer(args, batches) if name == "peer" else run_ours(args, batches) if name == "ours" else
+                        run_ours(args, packed, packed=True))
                 losses, times = timed(args.steps, args.warmup, path["run"])
                 from vlforge.model.tiers import unwrap
 
