@@ -244,6 +244,20 @@ case $GROUP in
           (cd bench && timeout $((560 - SECONDS + t0)) python3 train.py --preset qwen3vl-2b --method full --mixed --steps 10 \
             --warmup 5 --samples 32 --paths peer,ours,packed --ours precision.compile=true 2>"$OUT/err-mixed.txt" \
             | tail -6 > "$OUT/mixed2b.txt") ;;
+  final18b) # final18 again without its disk filling (each recipe's checkpoints removed after it): the 2B full recipe
+          # and the 8B LoRA one, then peer vs ours on the mixed set
+          t0=$SECONDS
+          [ -f /tmp/sh448/train.jsonl ] || python3 -m vlforge data synth shapes --n 72 --out /tmp/sh448 --size 448 --val-fraction 0.12
+          for c in qwen3vl-2b-full qwen3vl-8b-lora; do
+            timeout 150 python3 -m vlforge sft configs/$c.yaml data.train=/tmp/sh448/train.jsonl data.val=null eval.every=0 \
+              train.output_dir=/tmp/$c train.max_steps=3 log.progress=false train.overwrite=true > "$OUT/$c.log" 2>&1 \
+              || echo "$c: exit $?" >> "$OUT/fail.txt"
+            ls -la /tmp/$c >> "$OUT/$c.log"; tail -2 /tmp/$c/metrics.jsonl >> "$OUT/$c.log"; rm -rf /tmp/$c
+          done
+          df -h /tmp > "$OUT/df.txt"
+          (cd bench && timeout $((560 - SECONDS + t0)) python3 train.py --preset qwen3vl-2b --method full --mixed --steps 10 \
+            --warmup 5 --samples 32 --paths peer,ours,packed --ours precision.compile=true 2>"$OUT/err-mixed.txt" \
+            | tail -6 > "$OUT/mixed2b.txt") ;;
   mixed17) # issue 13: peer vs ours on the mixed set (answers 8-1024 words, 1-4 images of 224-448 px), same process
           (cd bench && timeout 480 python3 train.py --preset qwen3vl-2b --method full --mixed --steps 10 --samples 32 \
             --paths peer,ours,packed --ours precision.compile=true 2>"$OUT/err-mixed.txt" | tail -6 > "$OUT/mixed2b.txt") ;;
