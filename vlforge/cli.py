@@ -9,6 +9,7 @@ import sys
 
 from vlforge.config import ConfigError, GRPOConfig, SFTConfig, dump_config, load_config
 from vlforge.data.jsonl import DataError
+from vlforge.engine.checkpoint import CheckpointWriteError
 from vlforge.engine.health import TrainingDiverged
 from vlforge.rl.rewards import RewardError
 
@@ -429,6 +430,9 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingDiverged as e:  # the health monitor gave up; finished checkpoints are on disk
         print(f"{_rank_prefix()}error: training diverged: {e}", file=sys.stderr)
         return 3
+    except CheckpointWriteError as e:  # disk full, quota, permissions: finished checkpoints are on disk
+        print(f"{_rank_prefix()}error: {e}", file=sys.stderr)
+        return 4
 
 
 if __name__ == "__main__":

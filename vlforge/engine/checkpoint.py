@@ -8,7 +8,10 @@
         trainer_state.json                                 (step, epoch, data position, ...)
 
 A checkpoint is written under a temporary name and renamed into place only once complete, so a
-crash (even SIGKILL) leaves either the previous checkpoint set or the new one, never a torn one.
+crash (even SIGKILL) leaves either the previous checkpoint set or the new one, never a torn one. A
+save that cannot be written (disk full, quota, permissions) removes its torn copy and stops the run
+with CheckpointWriteError, naming the finished checkpoint to resume from; the run warns at its start
+when the disk has less room than its checkpoints will take (`checkpoint_bytes`, `space_problem`).
 
 RNG streams on resume (`restore_rng`): weights, optimizer, schedule and data position resume on
 any number of processes, but the RNG (dropout masks) resumes exactly only on the world size that
@@ -21,6 +24,7 @@ GRPO resume on any world size continues exactly.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -32,10 +36,12 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
+from vlforge.config import ConfigError
 from vlforge.engine.fp8 import fp8_state, load_fp8_state
 from vlforge.model.export import SHARDED_DIR, is_sharded
 
 CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
+GB = 1e9
 TMP_PREFIX = ".tmp-checkpoint-"  # a save in progress (or torn by a crash): never listed, never resumed from
 
 
@@ -92,6 +98,66 @@ def fresh_rng(seed: int, step: int, rank: int) -> None:
     random.seed(fresh)
 
 
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written; its torn copy is removed, the finished ones are kept."""
+
+
+def checkpoint_bytes(model, optimizer_name: str, sharded: bool = False) -> int:
+    """About how many bytes one checkpoint of this run takes on disk: the weights (a LoRA run's
+    adapters; a full run's whole model as save_pretrained writes it, or with FSDP2 its trainable
+    weights) and the optimizer's moments (AdamW: two per parameter in its dtype; 8-bit: one byte
+    each plus block scales). The tokenizer, schedule and RNG files are a few MB and left out."""
+    from peft import PeftModel
+
+    from vlforge.engine.optim import state_bytes
+
+    params = list(model.parameters())  # a tied weight once, as save_pretrained writes it
+    trainable = [p for p in params if p.requires_grad]
+    weights = trainable if isinstance(model, PeftModel) or sharded else params
+    moments = sum(2 * p.numel() * p.element_size() if optimizer_name == "adamw" else state_bytes(p.numel(), optimizer_name)
+                  for p in trainable)
+    return sum(p.numel() * p.element_size() for p in weights) + moments
+
+
+def checkpoints_held(saves_left: int, existing: int, keep_last: int) -> int:
+    """How many more checkpoints' worth of disk this run will need at its fullest: during a save,
+    train.keep_last finished ones plus the one being written. `existing` finished checkpoints
+    already take their room; rotation removes the oldest only after the new one is complete."""
+    if saves_left <= 0:
+        return 0
+    return max(1, min(existing + saves_left, keep_last + 1) - existing)
+
+
+def space_problem(free: int, per_checkpoint: int, held: int, out: Path) -> str | None:
+    """The warning a run prints at its start when `out`'s disk has less free space than `held` more
+    checkpoints of `per_checkpoint` bytes; None when they fit."""
+    need = per_checkpoint * held
+    if free >= need:
+        return None
+    what = ("not even the first save fits" if free < per_checkpoint else
+            f"a save needs room for up to {held} checkpoints at once (train.keep_last finished ones plus the one "
+            "being written)")
+    return (f"{out} has {free / GB:.1f} GB free and this run's checkpoints take ~{per_checkpoint / GB:.1f} GB each: "
+            f"{what}, ~{need / GB:.1f} GB. A save that finds the disk full stops the run (finished checkpoints are "
+            "kept). Free space, point train.output_dir at a larger disk, or lower train.keep_last / raise "
+            "train.save_every")
+
+
+def _write_failure(out: Path, step: int, error: BaseException) -> str:
+    finished = list_checkpoints(out)
+    free = shutil.disk_usage(out).free if out.is_dir() else None
+    full = getattr(error, "errno", None) in (28, 122) or (free is not None and free < 64 * 2**20)  # ENOSPC, EDQUOT
+    cause = (f"the disk is full ({free / GB:.2f} GB free)" if full and free is not None else
+             f"{type(error).__name__}: {error}".strip())
+    if not full and "inline_container" in str(error):  # torch.save's zip writer says no more than this
+        cause += " (torch.save's writer: the file system refused the bytes, e.g. a quota or a size limit)"
+    resume = (f"the finished checkpoint {finished[-1]} is kept: fix the cause and rerun with train.resume=auto to go "
+              "on from it" if finished else "no checkpoint of this run was finished yet")
+    advice = (" Free space, point train.output_dir at a larger disk (copying the run's directory), or lower "
+              "train.keep_last." if full else "")
+    return f"could not write checkpoint-{step} in {out}: {cause}; its partial copy was removed, and {resume}.{advice}"
+
+
 def list_checkpoints(output_dir: str | Path) -> list[Path]:
     """Complete checkpoints, oldest first (temporary directories are never listed)."""
     out = Path(output_dir)
@@ -127,26 +193,28 @@ def save_checkpoint(output_dir: str | Path, step: int, model, processor, optimiz
         if not world.main:
             torch.save(rng_state(), tmp / f"rng-{world.rank}.pt")
     if main:
-        if isinstance(model, PeftModel):
-            model.save_pretrained(tmp)
-        else:
-            model.save_pretrained(tmp, max_shard_size="5GB")
-        processor.save_pretrained(tmp)
-        torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
-        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-        torch.save(scaler.state_dict(), tmp / "scaler.pt")
-        torch.save(rng_state(), tmp / "rng.pt")
-        if fp8 := fp8_state(model):  # TE delayed scaling's scales + amax history: without them a resume drifts
-            torch.save(fp8, tmp / "fp8_state.pt")
-        (tmp / "trainer_state.json").write_text(json.dumps({**state, "step": step,
-                                                            "world_size": world.size if world else 1}, indent=2))
+        with _removed_on_failure(tmp, out, step):
+            if isinstance(model, PeftModel):
+                model.save_pretrained(tmp)
+            else:
+                model.save_pretrained(tmp, max_shard_size="5GB")
+            processor.save_pretrained(tmp)
+            torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+            torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+            torch.save(scaler.state_dict(), tmp / "scaler.pt")
+            torch.save(rng_state(), tmp / "rng.pt")
+            if fp8 := fp8_state(model):  # TE delayed scaling's scales + amax history: without them a resume drifts
+                torch.save(fp8, tmp / "fp8_state.pt")
+            (tmp / "trainer_state.json").write_text(json.dumps({**state, "step": step,
+                                                                "world_size": world.size if world else 1}, indent=2))
     if several:
         world.barrier()  # every rank's RNG state is on disk
     if main:
-        for f in tmp.iterdir():  # make the bytes durable before the rename makes them visible
-            with open(f, "rb") as fh:
-                os.fsync(fh.fileno())
-        _fsync_dir(tmp)
+        with _removed_on_failure(tmp, out, step):
+            for f in tmp.iterdir():  # make the bytes durable before the rename makes them visible
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+            _fsync_dir(tmp)
         if final.exists():  # re-saving a step after a resume: replace the old copy
             shutil.rmtree(final)
         os.rename(tmp, final)
@@ -156,6 +224,25 @@ def save_checkpoint(output_dir: str | Path, step: int, model, processor, optimiz
     if several:
         world.barrier()  # no rank runs ahead to the next save (and its stale-directory sweep)
     return final
+
+
+@contextlib.contextmanager
+def _removed_on_failure(tmp: Path, out: Path, step: int, remove: bool = True):
+    """A write into the save's temporary directory that fails (an OSError, or torch.save's
+    RuntimeError from its zip writer on a full disk) removes the torn copy (`remove`: the process
+    that owns it) and becomes CheckpointWriteError with the cause and the checkpoint to resume from."""
+    try:
+        yield
+    except Exception as e:  # noqa: BLE001 - whatever broke the write: the message carries it
+        if remove:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise CheckpointWriteError(_write_failure(out, step, e)) from e
+
+
+def _other_run(path: Path, what: str) -> str:
+    return (f"cannot resume from {path}: {what}. It was saved by a run that trained other parameters (other "
+            f"tiers or model); resume with the config it was saved with ({path.parent / 'config.yaml'}), or "
+            "start this config in a new train.output_dir")
 
 
 def load_checkpoint(path: str | Path, model, optimizer, scheduler, scaler, rank: int = 0, seed: int = 0,
@@ -176,7 +263,7 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler, scaler, rank:
             raise FileNotFoundError(f"{path} has no adapter_model.safetensors: it was not written by a LoRA run")
         result = set_peft_model_state_dict(model, load_file(path / "adapter_model.safetensors"))
         if getattr(result, "unexpected_keys", None):
-            raise RuntimeError(f"{path}: adapter keys do not match this model: {result.unexpected_keys[:3]}")
+            raise ConfigError(_other_run(path, f"its adapters do not fit this model ({result.unexpected_keys[:3]})"))
     else:
         files = sorted(path.glob("model*.safetensors"))
         if not files:
@@ -187,12 +274,15 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler, scaler, rank:
         params = dict(model.named_parameters())
         missing = [n for n, p in params.items() if p.requires_grad and n not in weights]
         if missing:
-            raise RuntimeError(f"{path}: checkpoint lacks trainable weights {missing[:3]}")
+            raise ConfigError(_other_run(path, f"it lacks weights this run trains ({missing[:3]})"))
         with torch.no_grad():
             for n, p in params.items():
                 if n in weights:
                     p.copy_(weights[n].to(p.dtype))
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+    try:
+        optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+    except ValueError as e:  # torch's check that the groups and their sizes match
+        raise ConfigError(_other_run(path, f"its optimizer state is for other parameters ({e})")) from None
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
     scaler.load_state_dict(torch.load(path / "scaler.pt", weights_only=True))
     state = json.loads((path / "trainer_state.json").read_text())
@@ -239,22 +329,26 @@ def save_sharded_checkpoint(output_dir: str | Path, step: int, model, processor,
         tmp.mkdir(parents=True)
     world.barrier()
     model_state = _trainable_only(model, get_model_state_dict(model))
-    dcp.save({"model": model_state, "optim": get_optimizer_state_dict(model, optimizer)},
-             checkpoint_id=str(tmp / SHARDED_DIR))
-    torch.save(rng_state(), tmp / f"rng-{world.rank}.pt")
-    if world.main:
-        processor.save_pretrained(tmp)
-        torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
-        torch.save(scaler.state_dict(), tmp / "scaler.pt")
-        (tmp / "trainer_state.json").write_text(json.dumps({**state, "step": step, "world_size": world.size},
-                                                           indent=2))
+    optim_state = get_optimizer_state_dict(model, optimizer)  # collectives: every rank, outside the guard below
+    # a rank whose write fails raises here; torchrun then stops the others (a collective save has no
+    # way to tell them), and the next save's sweep removes what this one left
+    with _removed_on_failure(tmp, out, step, remove=world.main):
+        dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp / SHARDED_DIR))
+        torch.save(rng_state(), tmp / f"rng-{world.rank}.pt")
+        if world.main:
+            processor.save_pretrained(tmp)
+            torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
+            torch.save(scaler.state_dict(), tmp / "scaler.pt")
+            (tmp / "trainer_state.json").write_text(json.dumps({**state, "step": step, "world_size": world.size},
+                                                               indent=2))
     world.barrier()  # every rank's shards are on disk
     if world.main:
-        for f in tmp.rglob("*"):
-            if f.is_file():
-                with open(f, "rb") as fh:
-                    os.fsync(fh.fileno())
-        _fsync_dir(tmp)
+        with _removed_on_failure(tmp, out, step):
+            for f in tmp.rglob("*"):
+                if f.is_file():
+                    with open(f, "rb") as fh:
+                        os.fsync(fh.fileno())
+            _fsync_dir(tmp)
         if final.exists():
             shutil.rmtree(final)
         os.rename(tmp, final)

@@ -16,14 +16,15 @@ metrics log, periodic evaluation and checkpoints, so SFT and GRPO do these ident
 from __future__ import annotations
 
 import contextlib
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 from vlforge.config import ConfigError, RunConfig, dump_config, resolve_paths
 from vlforge.data.dataset import ChatDataset
-from vlforge.engine.checkpoint import (fresh_rng, load_checkpoint, load_sharded_checkpoint, save_checkpoint,
-                                       save_sharded_checkpoint)
+from vlforge.engine.checkpoint import (checkpoint_bytes, checkpoints_held, fresh_rng, list_checkpoints, load_checkpoint,
+                                       load_sharded_checkpoint, save_checkpoint, save_sharded_checkpoint, space_problem)
 from vlforge.engine.distributed import World, gathered, init_world
 from vlforge.engine.evaluate import EvalRecorder
 from vlforge.engine.health import GradHealth
@@ -119,6 +120,12 @@ class Run:
             # one-process run's
             fresh_rng(cfg.train.seed, 0, world.rank)
         step = state.get("step", 0)
+        if world.main:  # before hours of training, not at the first save: will the checkpoints fit?
+            saves_left = sum(due(cfg.train.save_every, s, total_steps) for s in range(step + 1, total_steps + 1))
+            held = checkpoints_held(saves_left, len(list_checkpoints(out)), cfg.train.keep_last)
+            per = checkpoint_bytes(t.model, cfg.optim.name, sharded=world.sharded)
+            if problem := space_problem(shutil.disk_usage(out).free, per, held, out):
+                print(f"warning: {problem}")
         # every rank evaluates (a sharded forward needs them all; DDP's ranks would wait for rank 0 anyway); rank 0 writes
         metrics = MetricsLog(out, cfg.log.tensorboard, resume_step=step if resume_from else 0) if world.main \
             else NullMetrics()

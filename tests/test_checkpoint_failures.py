@@ -1,0 +1,104 @@
+"""Checkpoints that cannot be written or resumed: the run's estimate of a checkpoint's size, the
+start-of-run warning when they will not fit, a save the disk refuses (a real write failure: the
+process's file-size limit), and a resume under a config that trains other parameters."""
+
+import os
+import resource
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from vlforge.config import ConfigError
+from vlforge.engine.checkpoint import GB, checkpoint_bytes, checkpoints_held, space_problem
+from vlforge.engine.trainable import setup_model
+from vlforge.recipes.sft import run_sft
+
+from helpers import tiny_sft_config
+
+
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_the_estimate_is_the_size_of_the_checkpoint_written(shapes_dir, tmp_path, method):
+    cfg = tiny_sft_config(shapes_dir, tmp_path / "run", f"tiers.method={method}", "train.max_steps=1", "eval.every=0",
+                          "data.val=null")
+    run_sft(cfg)
+    ckpt = tmp_path / "run" / "checkpoint-1"
+    # the weights and the optimizer state; the tokenizer, schedule and RNG files (~50 KB) are left out
+    written = sum(f.stat().st_size for f in [*ckpt.glob("*.safetensors"), ckpt / "optimizer.pt"])
+    torch.manual_seed(0)
+    estimate = checkpoint_bytes(setup_model(cfg).model, cfg.optim.name)
+    assert 0.93 * written < estimate <= written, (estimate, written)  # the files' headers and pickling: a few %
+
+
+def test_checkpoints_held_at_the_fullest_moment():
+    assert checkpoints_held(saves_left=10, existing=0, keep_last=2) == 3  # 2 finished + 1 being written
+    assert checkpoints_held(saves_left=1, existing=0, keep_last=2) == 1  # only the final save
+    assert checkpoints_held(saves_left=5, existing=2, keep_last=2) == 1  # a resume: two already on disk
+    assert checkpoints_held(saves_left=5, existing=1, keep_last=3) == 3
+    assert checkpoints_held(saves_left=0, existing=2, keep_last=2) == 0
+
+
+def test_space_problem_says_how_much_is_missing_and_what_to_do(tmp_path):
+    assert space_problem(free=int(100 * GB), per_checkpoint=int(30 * GB), held=3, out=tmp_path) is None
+    warn = space_problem(free=int(50 * GB), per_checkpoint=int(30 * GB), held=3, out=tmp_path)
+    assert f"{tmp_path} has 50.0 GB free" in warn and "~30.0 GB each" in warn and "~90.0 GB" in warn
+    assert "train.keep_last" in warn and "train.output_dir" in warn
+    assert "not even the first save fits" in space_problem(free=int(10 * GB), per_checkpoint=int(30 * GB), held=3,
+                                                          out=tmp_path)
+
+
+def test_the_run_warns_at_its_start_when_its_checkpoints_will_not_fit(shapes_dir, tmp_path, monkeypatch, capsys):
+    import vlforge.engine.run as run
+
+    real = run.shutil.disk_usage
+    monkeypatch.setattr(run.shutil, "disk_usage", lambda p: real(p)._replace(free=1000))  # a disk with 1 kB left
+    run_sft(tiny_sft_config(shapes_dir, tmp_path / "run", "train.max_steps=1", "eval.every=0", "data.val=null"))
+    out = capsys.readouterr().out
+    assert "warning:" in out and "not even the first save fits" in out
+
+
+def _file_size_limit(limit: int):
+    def apply():  # in the child before exec: writes past `limit` bytes fail with EFBIG instead of killing it
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return apply
+
+
+def test_a_save_the_disk_refuses_stops_the_run_clearly_and_keeps_the_finished_checkpoint(shapes_dir, tmp_path):
+    out = tmp_path / "run"
+    common = ["tiers.method=full", "train.save_every=1", "eval.every=0", "data.val=null"]
+    run_sft(tiny_sft_config(shapes_dir, out, *common, "train.max_steps=2"))
+    kept = load_file(out / "checkpoint-2" / "model.safetensors")
+    optimizer = (out / "checkpoint-2" / "optimizer.pt").stat().st_size
+    model = (out / "checkpoint-2" / "model.safetensors").stat().st_size
+    assert model < optimizer  # the limit below lets the weights through and stops the optimizer state
+
+    # the same run resumed through the CLI (its own config.yaml) under a file-size limit
+    cmd = [sys.executable, "-m", "vlforge", "sft", str(out / "config.yaml"), "train.max_steps=3", "train.resume=auto"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                          preexec_fn=_file_size_limit((model + optimizer) // 2), timeout=300)
+    assert proc.returncode == 4, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"could not write checkpoint-3 in {out}" in proc.stderr
+    assert f"the finished checkpoint {out / 'checkpoint-2'} is kept" in proc.stderr and "train.resume=auto" in proc.stderr
+    assert not list(out.glob(".tmp-checkpoint-*")), "the torn copy is removed"
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
+    after = load_file(out / "checkpoint-2" / "model.safetensors")
+    assert all(torch.equal(kept[k], after[k]) for k in kept)
+
+    # with room again, the run goes on from the kept checkpoint
+    run_sft(tiny_sft_config(shapes_dir, out, *common, "train.max_steps=3", "train.resume=auto"))
+    assert (out / "checkpoint-3" / "trainer_state.json").is_file()
+
+
+@pytest.mark.parametrize("method, change", [("full", "tiers.vision.train=false"),
+                                            ("lora", "tiers.vision.last_n_blocks=1")])
+def test_resuming_under_a_config_that_trains_other_parameters_is_refused_clearly(shapes_dir, tmp_path, method, change):
+    common = [f"tiers.method={method}", "eval.every=0", "data.val=null", "train.max_steps=1"]
+    run_sft(tiny_sft_config(shapes_dir, tmp_path, *common))
+    with pytest.raises(ConfigError, match=r"cannot resume from .*checkpoint-1: .*trained other parameters.*config\.yaml"):
+        run_sft(tiny_sft_config(shapes_dir, tmp_path, *common, change, "train.max_steps=2", "train.resume=auto"))
