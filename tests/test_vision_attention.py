@@ -38,8 +38,8 @@ def test_the_vision_tower_attends_per_image_in_one_call_as_transformers_sdpa_doe
     assert reference.model.visual.config._attn_implementation == "sdpa"
     calls = []
     per_image = varlen._vision_per_image
-    monkeypatch.setattr(varlen, "_vision_per_image", lambda q, k, v, bounds, *a: calls.append(list(bounds)) or
-                        per_image(q, k, v, bounds, *a))
+    monkeypatch.setattr(varlen, "_vision_per_image", lambda q, k, v, bounds, cu, *a: calls.append(cu.tolist()) or
+                        per_image(q, k, v, bounds, cu, *a))
     torch.manual_seed(0)
     pixels = pixels_of(visual.config, GRID)
     ours = tower_outputs(model, pixels.clone().requires_grad_(), GRID)
@@ -69,6 +69,42 @@ def test_only_sdpa_switches_and_the_switch_is_not_saved(tmp_path):
     assert json.loads((tmp_path / "config.json").read_text())["vision_config"]
     with pytest.raises(ValueError, match="one row of images"):
         varlen._vision_attention(None, *(torch.randn(2, 2, 8, 8),) * 3, None, cu_seq_lens_q=torch.tensor([0, 8]))
+
+
+def test_compiled_vision_blocks_do_not_compile_again_for_each_number_of_images():
+    """The tower's host inputs (model/host_inputs.VisionGrid, as the recipe's loader makes them) carry
+    the images' bounds; as a plain tuple dynamo guarded on its length, and a batch with a new number
+    of images compiled every vision block again until torch's recompile limit (8) left them eager (the
+    mixed-image set on the H200). Compiled blocks see 2..9 images a forward: after the second count
+    (when the lengths turn dynamic) nothing compiles again, and the outputs are eager's."""
+    from torch._dynamo.testing import CompileCounter
+
+    from vlforge.model.host_inputs import VisionGrid
+
+    model, _ = load_model(ModelConfig(preset="tiny"))
+    eager = copy.deepcopy(model)
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    for block in model.model.visual.blocks:
+        block.compile(backend=counter)
+    vision_grid = VisionGrid.of(model.model.visual)
+    frames = []
+    for images in (2, 3, 4, 5, 7, 9):
+        grid = torch.tensor([[1, 4, 4 + 2 * (i % 2)] for i in range(images)])
+        pixels = pixels_of(model.model.visual.config, grid)
+        kwargs = vision_grid.kwargs_on(grid, torch.device("cpu"))
+        ours = tower_outputs_with(model, pixels, grid, kwargs)
+        for a, b in zip(ours, tower_outputs_with(eager, pixels, grid, kwargs)):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+        frames.append(counter.frame_count)
+    assert frames[1] > frames[0] > 0  # the second count: the dynamic graphs
+    assert frames[2:] == [frames[1]] * 4, frames  # then no new compile for 4, 5, 7 or 9 images
+    torch._dynamo.reset()
+
+
+def tower_outputs_with(model, pixels, grid, kwargs):
+    out = model.model.visual(pixels, grid_thw=grid, return_dict=True, **kwargs)
+    return [out.pooler_output, *out.deepstack_features]
 
 
 @pytest.mark.gpu

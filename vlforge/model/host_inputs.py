@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vlforge.model.varlen import VISION_ATTENTION
+from vlforge.model.varlen import VISION_ATTENTION, ImageBounds
 
 # the vision tower's forward kwargs VisionGrid computes (transformers.vision_utils reads them if given)
 # (and image_bounds: model/varlen's per-image fallback reads the images' bounds there, never on the device)
@@ -118,7 +118,7 @@ class VisionGrid:
         # varlen kernels read cu_seqlens on the device; the sdpa path splits by it on the host
         (to_device if is_flash_attention_requested(self.config) else host)["cu_seqlens"] = cu_seqlens
         if self.config._attn_implementation == VISION_ATTENTION:
-            host["image_bounds"] = tuple(cu_seqlens.tolist())
+            host["image_bounds"] = ImageBounds(tuple(cu_seqlens.tolist()))
         return to_device, host
 
     def kwargs_on(self, grid: torch.Tensor, device: torch.device) -> dict:

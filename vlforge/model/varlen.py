@@ -104,10 +104,31 @@ def _vision_varlen(query_HTD, key_HTD, value_HTD, cu_seqlens, max_len: int | Non
     return varlen_attn(q, k, v, cu, cu, max_len, max_len, **kwargs)[None]
 
 
+class ImageBounds:
+    """The images' cu_seqlens on the host (model/host_inputs.VisionGrid computes them with the tower's
+    other inputs), for the per-image fallback. Not a plain tuple: dynamo guards on the length of a
+    tuple argument, so a compiled vision block would compile again for every new number of images in
+    a batch, and past torch's recompile limit (8) run eager for the rest of the run (measured: the
+    mixed-image set hit the limit). An object passed through untouched costs one type guard."""
+
+    __slots__ = ("offsets",)
+
+    def __init__(self, offsets: tuple[int, ...]):
+        self.offsets = offsets
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, ImageBounds) and self.offsets == other.offsets
+
+    def __repr__(self) -> str:
+        return f"ImageBounds{self.offsets}"
+
+
 @torch.compiler.disable  # loops over host lengths: out of compiled graphs
-def _vision_per_image(query, key, value, bounds: tuple[int, ...], dropout, scaling):
-    """SDPA over each image's slice of the row (`bounds`: host cu_seqlens), as transformers' sdpa
-    branch computes it ([1, H, T, D] each -> [1, T, H, D])."""
+def _vision_per_image(query, key, value, image_bounds: ImageBounds | None, cu_seqlens, dropout, scaling):
+    """SDPA over each image's slice of the row, as transformers' sdpa branch computes it ([1, H, T, D]
+    each -> [1, T, H, D]). The bounds are read here, out of the compiled graph, from `image_bounds`,
+    or from the device's cu_seqlens (a sync on a GPU) when the caller has no host copy."""
+    bounds = image_bounds.offsets if image_bounds is not None else tuple(cu_seqlens.tolist())
     outs = [F.scaled_dot_product_attention(query[:, :, a:b], key[:, :, a:b], value[:, :, a:b], dropout_p=dropout,
                                            scale=scaling) for a, b in zip(bounds[:-1], bounds[1:])]
     return torch.cat(outs, dim=2).transpose(1, 2)
@@ -117,8 +138,8 @@ def _vision_attention(module, query, key, value, attention_mask, dropout=0.0, sc
                       cu_seq_lens_k=None, max_length_q=None, max_length_k=None, is_causal=False, image_bounds=None,
                       **kwargs):
     """The vision tower's attention over all images of the forward: query/key/value [1, H, T, D],
-    images delimited by cu_seq_lens_q (= cu_seq_lens_k) -> ([1, T, H, D], None). `image_bounds`:
-    the same bounds on the host (model/host_inputs.VisionGrid passes them with the tower's other
+    images delimited by cu_seq_lens_q (= cu_seq_lens_k) -> ([1, T, H, D], None). `image_bounds`
+    (ImageBounds): the same bounds on the host (model/host_inputs.VisionGrid passes them with the tower's other
     precomputed inputs), which the per-image fallback reads instead of the device tensor."""
     if cu_seq_lens_q is None:  # a call without images' bounds (not the vision attention's varlen branch)
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -127,8 +148,7 @@ def _vision_attention(module, query, key, value, attention_mask, dropout=0.0, sc
         raise ValueError("the vision attention takes one row of images, no mask, not causal")
     if kernel_takes(query, dropout, scaling, _KERNEL):
         return _vision_varlen(query[0], key[0], value[0], cu_seq_lens_q, max_length_q, scaling), None
-    bounds = image_bounds if image_bounds is not None else tuple(cu_seq_lens_q.tolist())  # (a sync on a GPU)
-    return _vision_per_image(query, key, value, bounds, dropout, scaling), None
+    return _vision_per_image(query, key, value, image_bounds, cu_seq_lens_q, dropout, scaling), None
 
 
 def use_vision_varlen(model) -> bool:
