@@ -258,6 +258,13 @@ case $GROUP in
           (cd bench && timeout $((560 - SECONDS + t0)) python3 train.py --preset qwen3vl-2b --method full --mixed --steps 10 \
             --warmup 5 --samples 32 --paths peer,ours,packed --ours precision.compile=true 2>"$OUT/err-mixed.txt" \
             | tail -6 > "$OUT/mixed2b.txt") ;;
+  mixed19) # the mixed set (1-4 images a sample) after the image-bounds fix (compiled vision blocks hit torch's recompile
+          # limit in final18b); each of ours twice; recompiles logged; then the gpu tests of the vision attention
+          (cd bench && TORCH_LOGS=recompiles timeout 330 python3 train.py --preset qwen3vl-2b --method full --mixed --steps 10 \
+            --warmup 5 --samples 32 --paths peer,ours,packed,ours,packed --ours precision.compile=true --json "$OUT/mixed2b.json" \
+            2>"$OUT/err-mixed.txt" | tail -8 > "$OUT/mixed2b.txt")
+          timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_vision_attention.py tests/test_packing.py \
+            --tb=short > "$OUT/pytest.txt" 2>&1 ;;
   mixed17) # issue 13: peer vs ours on the mixed set (answers 8-1024 words, 1-4 images of 224-448 px), same process
           (cd bench && timeout 480 python3 train.py --preset qwen3vl-2b --method full --mixed --steps 10 --samples 32 \
             --paths peer,ours,packed --ours precision.compile=true 2>"$OUT/err-mixed.txt" | tail -6 > "$OUT/mixed2b.txt") ;;
