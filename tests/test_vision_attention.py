@@ -102,6 +102,38 @@ def test_compiled_vision_blocks_do_not_compile_again_for_each_number_of_images()
     torch._dynamo.reset()
 
 
+def test_a_compiled_block_keeps_a_graph_for_every_variant_a_training_step_makes(monkeypatch):
+    """One vision block's code, compiled as the recipe compiles it (engine/trainable.compile_decoder_layers),
+    called as a training step calls its blocks: weights in fp32 (trainable) or bf16 (frozen), an input
+    that requires grad or not, a view (the tower's reshape; a graph made for a view guards on its base)
+    or not, lengths and image counts that change (static, then dynamic): 9 graphs of one code object,
+    the H200's mixed-image step's pattern. With torch's default limit (8) dynamo would run the last
+    eager; fail_on_recompile_limit_hit turns that into an error here."""
+    from vlforge.engine.trainable import compile_decoder_layers
+
+    model, _ = load_model(ModelConfig(preset="tiny"))
+    compile_ = torch.nn.Module.compile
+    monkeypatch.setattr(torch.nn.Module, "compile", lambda self, **kw: compile_(self, backend="eager"))
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 8)
+    torch._dynamo.reset()
+    compile_decoder_layers(model, vision=True)
+    config = model.model.visual.config
+    blocks = {torch.float32: model.model.visual.blocks[0], torch.bfloat16: model.model.visual.blocks[1].bfloat16()}
+    head = config.hidden_size // config.num_heads
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        for dtype, block in blocks.items():
+            for grad in (False, True):
+                for view in (True, False):
+                    for n, images in ((16, 1), (24, 2), (40, 1)):
+                        x = torch.randn(2 * n if view else n, config.hidden_size, dtype=dtype)
+                        x = (x[:n] if view else x).requires_grad_(grad)
+                        rope = (torch.ones(n, head), torch.zeros(n, head))
+                        cu_seqlens = torch.tensor([0, 8, n][-images - 1:] if images == 2 else [0, n], dtype=torch.int32)
+                        out = block(x, cu_seqlens=cu_seqlens, position_embeddings=rope)
+                        assert out.shape == (n, config.hidden_size)
+    torch._dynamo.reset()
+
+
 def tower_outputs_with(model, pixels, grid, kwargs):
     out = model.model.visual(pixels, grid_thw=grid, return_dict=True, **kwargs)
     return [out.pooler_output, *out.deepstack_features]

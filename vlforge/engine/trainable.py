@@ -87,11 +87,21 @@ def checkpoint_selected_blocks(model: torch.nn.Module, every: int) -> int:
     return count
 
 
+# Compiled graphs kept per block type (dynamo's recompile_limit, a code object's). torch's default, 8,
+# is below the set of variants one training step makes of a block: weight dtype (frozen blocks stored in
+# bf16 beside trainable fp32 ones) x whether its input requires grad x whether the input is a view (the
+# tower's first block gets a reshape) x a static, then a dynamic, length. Past the limit dynamo runs
+# the block eager for every input no graph matches: the 2B full step on the mixed-image set hit it on
+# the H200 (docs/benchmarks.md, seventeenth session). The set is bounded: one compile per variant, once.
+COMPILED_VARIANTS = 32
+
+
 def compile_decoder_layers(model: torch.nn.Module, vision: bool = False) -> int:
     """torch.compile each language-model decoder layer in place (parameter names unchanged), and with
     `vision` each vision block; returns the number compiled."""
     core = unwrap(model).model
     blocks = [*core.language_model.layers, *(core.visual.blocks if vision else [])]
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, COMPILED_VARIANTS)
     for block in blocks:
         block.compile()
     return len(blocks)
