@@ -108,8 +108,8 @@ class ImageBounds:
     """The images' cu_seqlens on the host (model/host_inputs.VisionGrid computes them with the tower's
     other inputs), for the per-image fallback. Not a plain tuple: dynamo guards on the length of a
     tuple argument, so a compiled vision block would compile again for every new number of images in
-    a batch, and past torch's recompile limit (8) run eager for the rest of the run (measured: the
-    mixed-image set hit the limit). An object passed through untouched costs one type guard."""
+    a batch, and past torch's recompile limit run eager on every input no graph matches (the 2B
+    mixed-image step hit it on the H200). An object passed through untouched costs one type guard."""
 
     __slots__ = ("offsets",)
 
