@@ -56,16 +56,16 @@
 #   vs ours fed by the recipe's loader). Next: next16 (the clip inside fused AdamW; 8B three-tier LoRA vs peft).
 #   Sixteenth session ran next16; then host16 (guard skipping and the C++ wrapper at 2B; the 8B three-tier LoRA profile),
 #   var16 and lora16 (at 5d71fbe/d259ab1: the aten flash op called directly vs torch's varlen_attn, reverted), full16.
-#   Next: group17 (decoder layers and vision blocks 6 to a compiled region vs 1, one process), mixed17 (peer vs ours on the mixed set),
-#   recipes17 (the shipped SFT recipes with data.packing=auto, 3 steps each; carry .whl/ao for the FP8 one), grpo17
-#   (GRPO's update without the log-prob forward's syncs vs before, bench/ab.sh).
+#   Seventeenth session ran group17 (no gain; the grouping since removed), ratio18, final18, final18b, mixed19; loans then
+#   paused. Next: mixed19 again (the raised recompile limit: no recompile_limit line expected), grpo17 (GRPO's update
+#   without the log-prob forward's syncs vs before, bench/ab.sh).
 #   OUT=/some/dir GROUP=moe   bash bench/gpu_pending.sh  # 30B-A3B: peft peer vs ours same process; NF4 memory/decode
 #   OUT=/some/dir GROUP=mem   bash bench/gpu_pending.sh  # selective checkpointing and the activation memory budget
 # (carry .whl/train, and .whl/ao (torchao) for GROUP=tests, .whl/bnb (bitsandbytes) for moe and mem)
 source "$(dirname "$0")/gpu_env.sh"
 for w in .whl/ao/*.whl .whl/bnb/*.whl; do
   [ -f "$w" ] && python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "$w" \
-    && case :$PYTHONPATH: in *:/tmp/site:*) ;; *) export PYTHONPATH=$PYTHONPATH:/tmp/site ;; esac
+    && case :${PYTHONPATH:-}: in *:/tmp/site:*) ;; *) export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}/tmp/site ;; esac
 done
 GROUP=${GROUP:-tests}
 r() { n=$1; shift; echo "+ $*" >&2; timeout ${LIMIT:-110} python3 bench/sft_throughput.py "$@" 2>"$OUT/err-$GROUP-$n.txt" | tail -1 \

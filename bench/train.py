@@ -37,6 +37,7 @@ import argparse
 import gc
 import json
 import random
+import statistics
 import tempfile
 import time
 
@@ -229,7 +230,8 @@ def summarize(name: str, losses, times, tokens_per_step, flops_per_step, args) -
     n = len(times)
     return {"path": name, "preset": args.preset, "method": args.method, "batch": args.batch, "timed_steps": n,
             "tokens_per_s": sum(tokens_per_step[:n]) / sum(times) if tokens_per_step else None,
-            "step_s": sum(times) / n, "step_median_s": sorted(times)[n // 2], "step_max_s": max(times), "mfu": sum(flops_per_step[:n]) / sum(times) / PEAK_FLOPS if flops_per_step else None,
+            "step_s": sum(times) / n, "step_median_s": statistics.median(times),
+            "step_max_s": max(times), "mfu": sum(flops_per_step[:n]) / sum(times) / PEAK_FLOPS if flops_per_step else None,
             "peak_gb": torch.cuda.max_memory_allocated() / 1e9 if DEVICE == "cuda" else None, "loss_first": losses[0],
             "loss_last5": sum(losses[-5:]) / len(losses[-5:]), "losses": losses}
 

@@ -9,7 +9,7 @@ import sys
 
 from vlforge.config import ConfigError, GRPOConfig, SFTConfig, dump_config, load_config
 from vlforge.data.jsonl import DataError
-from vlforge.engine.checkpoint import CheckpointWriteError
+from vlforge.engine.errors import CheckpointWriteError
 from vlforge.engine.health import TrainingDiverged
 from vlforge.rl.rewards import RewardError
 

@@ -25,6 +25,7 @@ GRPO resume on any world size continues exactly.
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
 import json
 import os
@@ -37,6 +38,7 @@ import torch
 from safetensors.torch import load_file
 
 from vlforge.config import ConfigError
+from vlforge.engine.errors import CheckpointWriteError
 from vlforge.engine.fp8 import fp8_state, load_fp8_state
 from vlforge.model.export import SHARDED_DIR, is_sharded
 
@@ -98,22 +100,18 @@ def fresh_rng(seed: int, step: int, rank: int) -> None:
     random.seed(fresh)
 
 
-class CheckpointWriteError(RuntimeError):
-    """A checkpoint could not be written; its torn copy is removed, the finished ones are kept."""
-
-
-def checkpoint_bytes(model, optimizer_name: str, sharded: bool = False) -> int:
+def checkpoint_bytes(model, optimizer_name: str) -> int:
     """About how many bytes one checkpoint of this run takes on disk: the weights (a LoRA run's
-    adapters; a full run's whole model as save_pretrained writes it, or with FSDP2 its trainable
-    weights) and the optimizer's moments (AdamW: two per parameter in its dtype; 8-bit: one byte
-    each plus block scales). The tokenizer, schedule and RNG files are a few MB and left out."""
+    adapters; a full run's whole model, as save_pretrained and the sharded save both write it) and
+    the optimizer's moments (AdamW: two per parameter in its dtype; 8-bit: one byte each plus block
+    scales). The tokenizer, schedule and RNG files are a few MB and left out."""
     from peft import PeftModel
 
     from vlforge.engine.optim import state_bytes
 
     params = list(model.parameters())  # a tied weight once, as save_pretrained writes it
     trainable = [p for p in params if p.requires_grad]
-    weights = trainable if isinstance(model, PeftModel) or sharded else params
+    weights = trainable if isinstance(model, PeftModel) else params
     moments = sum(2 * p.numel() * p.element_size() if optimizer_name == "adamw" else state_bytes(p.numel(), optimizer_name)
                   for p in trainable)
     return sum(p.numel() * p.element_size() for p in weights) + moments
@@ -144,18 +142,42 @@ def space_problem(free: int, per_checkpoint: int, held: int, out: Path) -> str |
 
 
 def _write_failure(out: Path, step: int, error: BaseException) -> str:
+    """The message of a save that failed, read before its partial copy is removed (free space then
+    is what the failed write saw)."""
     finished = list_checkpoints(out)
-    free = shutil.disk_usage(out).free if out.is_dir() else None
-    full = getattr(error, "errno", None) in (28, 122) or (free is not None and free < 64 * 2**20)  # ENOSPC, EDQUOT
-    cause = (f"the disk is full ({free / GB:.2f} GB free)" if full and free is not None else
+    if not out.is_dir():
+        return (f"could not write checkpoint-{step}: the run's directory {out} no longer exists (its checkpoints went "
+                "with it)")
+    failures = list((getattr(error, "failures", None) or {}).values())  # DCP: each failed rank's (exception, trace)
+    if failures and isinstance(failures[0], tuple) and isinstance(failures[0][0], BaseException):
+        error = failures[0][0]  # its own text, not DCP's, which carries every rank's traceback
+    chain, e = [], error
+    while e is not None and len(chain) < 8:  # the zip writer and DCP wrap the OSError, if they keep it at all
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    codes = {getattr(x, "errno", None) for x in chain if isinstance(x, BaseException)}
+    text = " ".join(str(x) for x in chain)
+    free = shutil.disk_usage(out).free
+    quota = errno.EDQUOT in codes or "quota" in text.lower()
+    full = not quota and (errno.ENOSPC in codes or "No space left" in text or "os error 28" in text
+                          or free < 64 * 2**20)
+    cause = ("the disk quota is exceeded" if quota else f"the disk is full ({free / GB:.2f} GB free)" if full else
              f"{type(error).__name__}: {error}".strip())
-    if not full and "inline_container" in str(error):  # torch.save's zip writer says no more than this
-        cause += " (torch.save's writer: the file system refused the bytes, e.g. a quota or a size limit)"
+    if not (full or quota) and "inline_container" in text:  # torch.save's zip writer says no more than this
+        cause += " (torch.save's writer: the file system refused the bytes, e.g. a size limit)"
     resume = (f"the finished checkpoint {finished[-1]} is kept: fix the cause and rerun with train.resume=auto to go "
               "on from it" if finished else "no checkpoint of this run was finished yet")
     advice = (" Free space, point train.output_dir at a larger disk (copying the run's directory), or lower "
-              "train.keep_last." if full else "")
+              "train.keep_last." if full or quota else "")
     return f"could not write checkpoint-{step} in {out}: {cause}; its partial copy was removed, and {resume}.{advice}"
+
+
+def _is_write_failure(error: BaseException) -> bool:
+    """What a failed write raises: an OSError, torch.save's zip writer (RuntimeError), safetensors'
+    SafetensorError, DCP's CheckpointException (a BaseException carrying each rank's failure). Other
+    errors are bugs and keep their traceback."""
+    return isinstance(error, (OSError, RuntimeError)) or type(error).__name__ in ("SafetensorError",
+                                                                                  "CheckpointException")
 
 
 def list_checkpoints(output_dir: str | Path) -> list[Path]:
@@ -233,10 +255,13 @@ def _removed_on_failure(tmp: Path, out: Path, step: int, remove: bool = True):
     that owns it) and becomes CheckpointWriteError with the cause and the checkpoint to resume from."""
     try:
         yield
-    except Exception as e:  # noqa: BLE001 - whatever broke the write: the message carries it
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        if not _is_write_failure(e):
+            raise
+        message = _write_failure(out, step, e)
         if remove:
             shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointWriteError(_write_failure(out, step, e)) from e
+        raise CheckpointWriteError(message) from e
 
 
 def _other_run(path: Path, what: str) -> str:
@@ -330,8 +355,7 @@ def save_sharded_checkpoint(output_dir: str | Path, step: int, model, processor,
     world.barrier()
     model_state = _trainable_only(model, get_model_state_dict(model))
     optim_state = get_optimizer_state_dict(model, optimizer)  # collectives: every rank, outside the guard below
-    # a rank whose write fails raises here; torchrun then stops the others (a collective save has no
-    # way to tell them), and the next save's sweep removes what this one left
+    # DCP gathers every rank's write outcome, so a failed shard raises CheckpointException on all ranks
     with _removed_on_failure(tmp, out, step, remove=world.main):
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp / SHARDED_DIR))
         torch.save(rng_state(), tmp / f"rng-{world.rank}.pt")

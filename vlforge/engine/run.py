@@ -89,12 +89,10 @@ class Run:
     @classmethod
     def start(cls, cfg: RunConfig, t: Trainable, total_steps: int, val_data: ChatDataset | None,
               resume_from: Path | None, *, spikes: bool, state: dict | None = None, shared_rng: bool = False) -> "Run":
-        """Write config.yaml (only now, when the run can start), build the optimizer set, resume.
+        """Build the optimizer set, resume, write config.yaml (only now, when the run can start).
         `shared_rng`: the recipe keeps one RNG stream in lockstep on every rank (GRPO), so a resume
         gives every rank rank 0's; otherwise each rank its own (engine.checkpoint.restore_rng)."""
         out, world = Path(cfg.train.output_dir), t.world
-        if world.main:  # paths stored absolute: the run's checkpoints then export, infer and serve anywhere
-            (out / "config.yaml").write_text(dump_config(resolve_paths(cfg)))
         optimizer = build_optimizer(param_groups(t.model, t.plan, cfg.optim.weight_decay), cfg.optim, t.device.type)
         scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
         scaler = t.policy.grad_scaler()
@@ -119,11 +117,15 @@ class Run:
             # here each rank > 0 draws its own stream (its dropout masks), rank 0 goes on with the
             # one-process run's
             fresh_rng(cfg.train.seed, 0, world.rank)
+        # after the resume: a checkpoint refused as another config's leaves the config.yaml it was saved with;
+        # paths stored absolute, so the run's checkpoints export, infer and serve anywhere
+        if world.main:
+            (out / "config.yaml").write_text(dump_config(resolve_paths(cfg)))
         step = state.get("step", 0)
         if world.main:  # before hours of training, not at the first save: will the checkpoints fit?
             saves_left = sum(due(cfg.train.save_every, s, total_steps) for s in range(step + 1, total_steps + 1))
             held = checkpoints_held(saves_left, len(list_checkpoints(out)), cfg.train.keep_last)
-            per = checkpoint_bytes(t.model, cfg.optim.name, sharded=world.sharded)
+            per = checkpoint_bytes(t.model, cfg.optim.name)
             if problem := space_problem(shutil.disk_usage(out).free, per, held, out):
                 print(f"warning: {problem}")
         # every rank evaluates (a sharded forward needs them all; DDP's ranks would wait for rank 0 anyway); rank 0 writes

@@ -101,7 +101,9 @@ def compile_decoder_layers(model: torch.nn.Module, vision: bool = False) -> int:
     `vision` each vision block; returns the number compiled."""
     core = unwrap(model).model
     blocks = [*core.language_model.layers, *(core.visual.blocks if vision else [])]
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, COMPILED_VARIANTS)
+    config = torch._dynamo.config  # recompile_limit, named cache_size_limit before torch 2.7 (kept as an alias)
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, name, max(getattr(config, name), COMPILED_VARIANTS))
     for block in blocks:
         block.compile()
     return len(blocks)

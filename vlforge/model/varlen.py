@@ -119,6 +119,9 @@ class ImageBounds:
     def __eq__(self, other) -> bool:
         return isinstance(other, ImageBounds) and self.offsets == other.offsets
 
+    def __hash__(self) -> int:
+        return hash(self.offsets)
+
     def __repr__(self) -> str:
         return f"ImageBounds{self.offsets}"
 
