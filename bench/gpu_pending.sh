@@ -56,8 +56,8 @@
 #   vs ours fed by the recipe's loader). Next: next16 (the clip inside fused AdamW; 8B three-tier LoRA vs peft).
 #   Sixteenth session ran next16; then host16 (guard skipping and the C++ wrapper at 2B; the 8B three-tier LoRA profile),
 #   var16 and lora16 (at 5d71fbe/d259ab1: the aten flash op called directly vs torch's varlen_attn, reverted), full16.
-#   Seventeenth session ran group17 (no gain; the grouping since removed), ratio18, final18, final18b, mixed19; loans then
-#   paused. Next: mixed19 again (the raised recompile limit: no recompile_limit line expected), grpo17 (GRPO's update
+#   Seventeenth session ran group17 (no gain; the grouping since removed), ratio18, final18 and final18b (the shipped
+#   recipes and the mixed set; now recipes18 and mixed19), mixed19; loans then paused. Next: mixed19 again (the raised recompile limit: no recompile_limit line expected), grpo17 (GRPO's update
 #   without the log-prob forward's syncs vs before, bench/ab.sh).
 #   OUT=/some/dir GROUP=moe   bash bench/gpu_pending.sh  # 30B-A3B: peft peer vs ours same process; NF4 memory/decode
 #   OUT=/some/dir GROUP=mem   bash bench/gpu_pending.sh  # selective checkpointing and the activation memory budget
@@ -231,33 +231,16 @@ case $GROUP in
           (cd bench && TORCH_LOGS=recompiles timeout 290 python3 train.py --preset qwen3vl-8b --method lora --lora-tiers three \
             --steps 10 --warmup 5 --samples 32 --paths peer,ours,packed --ours precision.compile=true --json "$OUT/lora8b.json" \
             2>"$OUT/err-8b.txt" | tail -6 > "$OUT/lora8b.txt") ;;
-  final18) # the shipped SFT recipes as users run them (recipes17: data.packing=auto must say "packed rows"; FP8 and the
-          # 8B LoRA tiers packed through the recipe), then mixed17 (peer vs ours on the mixed set) in the time left
-          t0=$SECONDS
+  recipes18) # the shipped SFT recipes as users run them, 3 steps each on synthetic 448x448 shapes: data.packing=auto
+          # must say "packed rows"; each run's directory removed after it (the 8B FP8 checkpoint alone is ~50 GB of the
+          # 64 GB disk: the seventeenth session's final18 filled it). Carry .whl/ao for the FP8 recipe
           [ -f /tmp/sh448/train.jsonl ] || python3 -m vlforge data synth shapes --n 72 --out /tmp/sh448 --size 448 --val-fraction 0.12
           for c in qwen3vl-8b-fp8 qwen3vl-8b-lora qwen3vl-2b-full; do
             timeout 150 python3 -m vlforge sft configs/$c.yaml data.train=/tmp/sh448/train.jsonl data.val=null eval.every=0 \
               train.output_dir=/tmp/$c train.max_steps=3 log.progress=false train.overwrite=true > "$OUT/$c.log" 2>&1 \
               || echo "$c: exit $?" >> "$OUT/fail.txt"
-            cp /tmp/$c/metrics.jsonl "$OUT/$c-metrics.jsonl" 2>/dev/null || echo "$c: no metrics" >> "$OUT/fail.txt"
-          done
-          (cd bench && timeout $((560 - SECONDS + t0)) python3 train.py --preset qwen3vl-2b --method full --mixed --steps 10 \
-            --warmup 5 --samples 32 --paths peer,ours,packed --ours precision.compile=true 2>"$OUT/err-mixed.txt" \
-            | tail -6 > "$OUT/mixed2b.txt") ;;
-  final18b) # final18 again without its disk filling (each recipe's checkpoints removed after it): the 2B full recipe
-          # and the 8B LoRA one, then peer vs ours on the mixed set
-          t0=$SECONDS
-          [ -f /tmp/sh448/train.jsonl ] || python3 -m vlforge data synth shapes --n 72 --out /tmp/sh448 --size 448 --val-fraction 0.12
-          for c in qwen3vl-2b-full qwen3vl-8b-lora; do
-            timeout 150 python3 -m vlforge sft configs/$c.yaml data.train=/tmp/sh448/train.jsonl data.val=null eval.every=0 \
-              train.output_dir=/tmp/$c train.max_steps=3 log.progress=false train.overwrite=true > "$OUT/$c.log" 2>&1 \
-              || echo "$c: exit $?" >> "$OUT/fail.txt"
             ls -la /tmp/$c >> "$OUT/$c.log"; tail -2 /tmp/$c/metrics.jsonl >> "$OUT/$c.log"; rm -rf /tmp/$c
-          done
-          df -h /tmp > "$OUT/df.txt"
-          (cd bench && timeout $((560 - SECONDS + t0)) python3 train.py --preset qwen3vl-2b --method full --mixed --steps 10 \
-            --warmup 5 --samples 32 --paths peer,ours,packed --ours precision.compile=true 2>"$OUT/err-mixed.txt" \
-            | tail -6 > "$OUT/mixed2b.txt") ;;
+          done ;;
   mixed19) # the mixed set (1-4 images a sample) after the image-bounds fix (compiled vision blocks hit torch's recompile
           # limit in final18b); each of ours twice; recompiles logged; then the gpu tests of the vision attention
           (cd bench && TORCH_LOGS=recompiles timeout 330 python3 train.py --preset qwen3vl-2b --method full --mixed --steps 10 \
@@ -265,22 +248,10 @@ case $GROUP in
             2>"$OUT/err-mixed.txt" | tail -8 > "$OUT/mixed2b.txt")
           timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_vision_attention.py tests/test_packing.py \
             --tb=short > "$OUT/pytest.txt" 2>&1 ;;
-  mixed17) # issue 13: peer vs ours on the mixed set (answers 8-1024 words, 1-4 images of 224-448 px), same process
-          (cd bench && timeout 480 python3 train.py --preset qwen3vl-2b --method full --mixed --steps 10 --samples 32 \
-            --paths peer,ours,packed --ours precision.compile=true 2>"$OUT/err-mixed.txt" | tail -6 > "$OUT/mixed2b.txt") ;;
   grpo17) # GRPO's update with the log-prob forward's layout read from the rollout's host copy (4090292) against the
           # commit before it, in one call: here `bash bench/ab.sh prepare acfe487` first (side "main" = this checkout's
           # main, "branch" = acfe487), carry [".whl/ab"]; the recipe's update, padded and packed modes alternating
           LIMIT=280 bash bench/ab.sh run grpo_update.py --recipe qwen3vl-2b-grpo > "$OUT/ab-grpo2b.jsonl" ;;
-  recipes17) # the shipped SFT recipes as users run them, 3 steps each on synthetic 448x448 shapes: data.packing=auto
-          # must say "packed rows" on the GPU (first packed runs with FP8 and the 8B LoRA tiers through the recipe)
-          [ -f /tmp/sh448/train.jsonl ] || python3 -m vlforge data synth shapes --n 72 --out /tmp/sh448 --size 448 --val-fraction 0.12
-          for c in qwen3vl-2b-full qwen3vl-8b-lora qwen3vl-8b-fp8; do
-            timeout 170 python3 -m vlforge sft configs/$c.yaml data.train=/tmp/sh448/train.jsonl data.val=null eval.every=0 \
-              train.output_dir=/tmp/$c train.max_steps=3 log.progress=false train.overwrite=true > "$OUT/$c.log" 2>&1 \
-              || echo "$c: exit $?" >> "$OUT/fail.txt"
-            cp /tmp/$c/metrics.jsonl "$OUT/$c-metrics.jsonl" 2>/dev/null || echo "$c: no metrics" >> "$OUT/fail.txt"
-          done ;;
   visprof) b="--preset qwen3vl-2b --method full --steps 6 --warmup 3 --override precision.compile=true precision.compile_vision=false"
            LIMIT=120; r 1 $b model.vision_attention=varlen --profile "$OUT/prof-varlen.txt"
            r 2 $b model.vision_attention=sdpa --profile "$OUT/prof-loop.txt" ;;  # why eager varlen vision blocks train slower

@@ -133,12 +133,11 @@ def space_problem(free: int, per_checkpoint: int, held: int, out: Path) -> str |
     if free >= need:
         return None
     what = ("not even the first save fits" if free < per_checkpoint else
-            f"a save needs room for up to {held} checkpoints at once (train.keep_last finished ones plus the one "
-            "being written)")
+            f"the run needs room for {held} more (a save holds train.keep_last finished ones plus the one being "
+            "written)")
     return (f"{out} has {free / GB:.1f} GB free and this run's checkpoints take ~{per_checkpoint / GB:.1f} GB each: "
             f"{what}, ~{need / GB:.1f} GB. A save that finds the disk full stops the run (finished checkpoints are "
-            "kept). Free space, point train.output_dir at a larger disk, or lower train.keep_last / raise "
-            "train.save_every")
+            "kept). Free space, point train.output_dir at a larger disk, or lower train.keep_last")
 
 
 def _write_failure(out: Path, step: int, error: BaseException) -> str:
