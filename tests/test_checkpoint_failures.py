@@ -103,10 +103,13 @@ def test_a_save_the_disk_refuses_stops_the_run_clearly_and_keeps_the_finished_ch
     assert (out / "checkpoint-3" / "trainer_state.json").is_file()
 
 
+@pytest.mark.parametrize("strategy", ["none", "fsdp2"])  # fsdp2: one process, DCP's sharded checkpoint
 @pytest.mark.parametrize("method, change", [("full", "tiers.vision.train=false"),
                                             ("lora", "tiers.vision.last_n_blocks=1")])
-def test_resuming_under_a_config_that_trains_other_parameters_is_refused_clearly(shapes_dir, tmp_path, method, change):
-    common = [f"tiers.method={method}", "eval.every=0", "data.val=null", "train.max_steps=1"]
+def test_resuming_under_a_config_that_trains_other_parameters_is_refused_clearly(shapes_dir, tmp_path, method, change,
+                                                                                strategy):
+    common = [f"tiers.method={method}", "eval.every=0", "data.val=null", "train.max_steps=1",
+              f"distributed.strategy={strategy}"]
     run_sft(tiny_sft_config(shapes_dir, tmp_path, *common))
     saved_with = (tmp_path / "config.yaml").read_text()
     with pytest.raises(ConfigError, match=r"cannot resume from .*checkpoint-1: .*trained other parameters.*config\.yaml"):

@@ -29,11 +29,12 @@ COMMON = ["model.preset=tiny", "precision.mode=fp32", "train.device=cpu", "log.p
           "tiers.vision.dropout=0"]  # dropout masks are drawn per rank: no dropout in a parity test
 
 
-def launch(args: list[str], cwd, nproc: int = 2) -> subprocess.CompletedProcess:
+def launch(args: list[str], cwd, nproc: int = 2, preexec_fn=None) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "-m", "vlforge", "sft", *args] if nproc else [sys.executable, "-m", "vlforge", "sft", *args]
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT_S,
+                          preexec_fn=preexec_fn)
 
 
 def losses(run_dir, key: str = "loss") -> list[float]:
@@ -355,6 +356,36 @@ def test_ddp_equals_one_process_and_resumes_on_other_world_sizes(shapes_dir, tmp
         close = torch.isclose(ours[name], theirs[name], rtol=1e-5, atol=1e-5)
         assert close.float().mean() > 0.999, name
         torch.testing.assert_close(ours[name], theirs[name], rtol=1e-5, atol=1e-4, msg=name)
+
+
+def test_a_save_that_fails_on_rank_0_alone_stops_every_rank_clearly(shapes_dir, tmp_path):
+    """DDP: rank 0 writes the weights and optimizer state, rank 1 only its RNG state. Under a file-size
+    limit that stops rank 0's big files alone, both ranks stop with the cause (rank 1 naming rank 0's
+    failure) instead of rank 1 waiting at a barrier, the torn copy is removed, checkpoint-2 is kept."""
+    import resource
+    import signal
+
+    out = tmp_path / "run"
+    args = [config_file(tmp_path, shapes_dir / "train.jsonl"), *COMMON, DDP, "tiers.method=full",
+            "train.batch_size=2", "train.save_every=1", f"train.output_dir={out}", "train.resume=auto"]
+    first = launch(args + ["train.max_steps=2"], tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    kept = {f: f.read_bytes() for f in (out / "checkpoint-2").iterdir()}
+    rng = (out / "checkpoint-2" / "rng-1.pt").stat().st_size
+    model = (out / "checkpoint-2" / "model.safetensors").stat().st_size
+    assert 4 * rng < model
+
+    def limit():  # in torchrun before exec, inherited by both ranks: a write past the limit fails with EFBIG
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (2 * rng, 2 * rng))
+
+    second = launch(args + ["train.max_steps=3"], tmp_path, preexec_fn=limit)
+    assert second.returncode != 0
+    assert f"[rank 0 of 2] error: could not write checkpoint-3 in {out}" in second.stderr, second.stderr[-3000:]
+    assert "[rank 1 of 2] error: rank 0 of 2 failed: could not write checkpoint-3" in second.stderr, second.stderr[-3000:]
+    assert f"the finished checkpoint {out / 'checkpoint-2'} is kept" in second.stderr
+    assert not list(out.glob(".tmp-checkpoint-*")), "the torn copy is removed"
+    assert {f: f.read_bytes() for f in (out / "checkpoint-2").iterdir()} == kept
 
 
 def test_ddp_lora_with_text_only_rows_on_one_rank_and_precision_overrides(shapes_dir, tmp_path):

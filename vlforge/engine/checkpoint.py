@@ -203,18 +203,13 @@ def save_checkpoint(output_dir: str | Path, step: int, model, processor, optimiz
     # one name every rank can compute when several write into it; a pid otherwise
     tmp = out / (f"{TMP_PREFIX}{step}" if several else f"{TMP_PREFIX}{step}-{os.getpid()}")
     main = world is None or world.main
-    if main:
-        # Torn leftovers of a crashed save. Never another live run's save in progress: a run holds
-        # output_dir's lock (engine/runtime.py) for its whole life.
-        for stale in out.glob(f"{TMP_PREFIX}*"):
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    if several:
-        world.barrier()  # the directory exists
-        if not world.main:
+    with _all_ranks_or_none(tmp, out, step, world):  # also the barrier: the directory exists
+        if main:
+            _start_directory(out, tmp)
+    with _all_ranks_or_none(tmp, out, step, world):  # also the barrier: every rank's RNG state is on disk
+        if not main:
             torch.save(rng_state(), tmp / f"rng-{world.rank}.pt")
-    if main:
-        with _removed_on_failure(tmp, out, step):
+        else:
             if isinstance(model, PeftModel):
                 model.save_pretrained(tmp)
             else:
@@ -228,39 +223,64 @@ def save_checkpoint(output_dir: str | Path, step: int, model, processor, optimiz
                 torch.save(fp8, tmp / "fp8_state.pt")
             (tmp / "trainer_state.json").write_text(json.dumps({**state, "step": step,
                                                                 "world_size": world.size if world else 1}, indent=2))
-    if several:
-        world.barrier()  # every rank's RNG state is on disk
-    if main:
-        with _removed_on_failure(tmp, out, step):
-            for f in tmp.iterdir():  # make the bytes durable before the rename makes them visible
-                with open(f, "rb") as fh:
-                    os.fsync(fh.fileno())
-            _fsync_dir(tmp)
-        if final.exists():  # re-saving a step after a resume: replace the old copy
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        _fsync_dir(out)
-        for old in list_checkpoints(out)[:-keep_last] if keep_last > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
-    if several:
-        world.barrier()  # no rank runs ahead to the next save (and its stale-directory sweep)
+    with _all_ranks_or_none(tmp, out, step, world):  # also the barrier: no rank runs ahead to the next save
+        if main:
+            _finish_directory(out, tmp, final, keep_last)
     return final
 
 
+def _start_directory(out: Path, tmp: Path) -> None:
+    # Torn leftovers of a crashed save. Never another live run's save in progress: a run holds
+    # output_dir's lock (engine/runtime.py) for its whole life.
+    for stale in out.glob(f"{TMP_PREFIX}*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp.mkdir(parents=True)
+
+
+def _finish_directory(out: Path, tmp: Path, final: Path, keep_last: int) -> None:
+    """Make the written bytes durable, then visible under the final name; drop the oldest beyond keep_last."""
+    for f in tmp.rglob("*"):
+        if f.is_file():
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+    _fsync_dir(tmp)
+    if final.exists():  # re-saving a step after a resume: replace the old copy
+        shutil.rmtree(final)
+    os.rename(tmp, final)
+    _fsync_dir(out)
+    for old in list_checkpoints(out)[:-keep_last] if keep_last > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+
+
 @contextlib.contextmanager
-def _removed_on_failure(tmp: Path, out: Path, step: int, remove: bool = True):
-    """A write into the save's temporary directory that fails (an OSError, or torch.save's
-    RuntimeError from its zip writer on a full disk) removes the torn copy (`remove`: the process
-    that owns it) and becomes CheckpointWriteError with the cause and the checkpoint to resume from."""
+def _all_ranks_or_none(tmp: Path, out: Path, step: int, world=None):
+    """One phase of a save, run by every rank. Its outcome is collective: when a write fails on any
+    rank the save fails on all (one rank stopping alone would leave the others waiting at the next
+    collective until a timeout), rank 0 removes the torn copy once every rank has stopped writing,
+    and each rank raises CheckpointWriteError with the cause and the checkpoint to resume from. An
+    error that is not a write failure (a bug) keeps its traceback on its rank; the others name it."""
+    failure = None
     try:
         yield
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
     except BaseException as e:  # DCP's CheckpointException is a BaseException
-        if not _is_write_failure(e):
-            raise
-        message = _write_failure(out, step, e)
-        if remove:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointWriteError(message) from e
+        failure = e
+    # each rank's outcome, read before anything is removed (free space then is what the failed write saw)
+    mine = None if failure is None else (_write_failure(out, step, failure) if _is_write_failure(failure)
+                                         else f"{type(failure).__name__}: {failure}")
+    outcomes = world.gather_objects(mine) if world is not None else [mine]
+    failed = [(rank, message) for rank, message in enumerate(outcomes) if message is not None]
+    if not failed:
+        return
+    if world is None or world.main:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if failure is not None and not _is_write_failure(failure):
+        raise failure
+    if mine is None:
+        rank, message = failed[0]
+        mine = f"rank {rank} of {len(outcomes)} failed: {message}"
+    raise CheckpointWriteError(mine) from failure
 
 
 def _other_run(path: Path, what: str) -> str:
@@ -333,8 +353,23 @@ def _trainable_only(model, state: dict) -> dict:
 
     if not isinstance(model, PeftModel):
         return state
-    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    trainable = _trained_here(model)
     return {k: v for k, v in state.items() if k in trainable}
+
+
+def _trained_here(model) -> set[str]:
+    """The names of the parameters this run trains (FSDP2 keeps the module's names: they are DCP's keys)."""
+    return {n for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _trained_by(dcp_dir: Path) -> set[str]:
+    """The parameters a sharded checkpoint's optimizer holds state for (optim.state.NAME.exp_avg, ...):
+    what its run trained. Read from DCP's metadata, before anything is loaded."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    prefix = "optim.state."
+    keys = FileSystemReader(str(dcp_dir)).read_metadata().state_dict_metadata
+    return {k[len(prefix):].rsplit(".", 1)[0] for k in keys if k.startswith(prefix)}
 
 
 def save_sharded_checkpoint(output_dir: str | Path, step: int, model, processor, optimizer, scheduler, scaler,
@@ -347,15 +382,12 @@ def save_sharded_checkpoint(output_dir: str | Path, step: int, model, processor,
     out = Path(output_dir)
     final = out / f"checkpoint-{step}"
     tmp = out / f"{TMP_PREFIX}{step}"
-    if world.main:
-        for stale in out.glob(f"{TMP_PREFIX}*"):
-            shutil.rmtree(stale, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    world.barrier()
+    with _all_ranks_or_none(tmp, out, step, world):  # also the barrier: the directory exists
+        if world.main:
+            _start_directory(out, tmp)
     model_state = _trainable_only(model, get_model_state_dict(model))
-    optim_state = get_optimizer_state_dict(model, optimizer)  # collectives: every rank, outside the guard below
-    # DCP gathers every rank's write outcome, so a failed shard raises CheckpointException on all ranks
-    with _removed_on_failure(tmp, out, step, remove=world.main):
+    optim_state = get_optimizer_state_dict(model, optimizer)  # collectives: every rank, outside the phases
+    with _all_ranks_or_none(tmp, out, step, world):  # also the barrier: every rank's shards are on disk
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp / SHARDED_DIR))
         torch.save(rng_state(), tmp / f"rng-{world.rank}.pt")
         if world.main:
@@ -364,21 +396,9 @@ def save_sharded_checkpoint(output_dir: str | Path, step: int, model, processor,
             torch.save(scaler.state_dict(), tmp / "scaler.pt")
             (tmp / "trainer_state.json").write_text(json.dumps({**state, "step": step, "world_size": world.size},
                                                                indent=2))
-    world.barrier()  # every rank's shards are on disk
-    if world.main:
-        with _removed_on_failure(tmp, out, step):
-            for f in tmp.rglob("*"):
-                if f.is_file():
-                    with open(f, "rb") as fh:
-                        os.fsync(fh.fileno())
-            _fsync_dir(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.rename(tmp, final)
-        _fsync_dir(out)
-        for old in list_checkpoints(out)[:-keep_last] if keep_last > 0 else []:
-            shutil.rmtree(old, ignore_errors=True)
-    world.barrier()
+    with _all_ranks_or_none(tmp, out, step, world):
+        if world.main:
+            _finish_directory(out, tmp, final, keep_last)
     return final
 
 
@@ -395,6 +415,13 @@ def load_sharded_checkpoint(path: str | Path, model, optimizer, scheduler, scale
     if not is_sharded(path):
         raise FileNotFoundError(f"{path} is a one-process (or DDP) checkpoint; resume it with "
                                 "distributed.strategy=none (one process) or ddp, or start the sharded run afresh")
+    # DCP loads a subset without complaint, and the optimizer then fails at its first step: compare first
+    saved, here = _trained_by(path / SHARDED_DIR), _trained_here(model)
+    if saved != here:
+        differ = [f"{n} (trained there only)" for n in sorted(saved - here)[:2]] + \
+                 [f"{n} (trained here only)" for n in sorted(here - saved)[:2]]
+        raise ConfigError(_other_run(path, f"it trained {len(saved)} tensors, this config trains {len(here)}: "
+                                           f"{', '.join(differ)}"))
     model_state = _trainable_only(model, get_model_state_dict(model))
     optim_state = get_optimizer_state_dict(model, optimizer)
     loaded = {"model": model_state, "optim": optim_state}
