@@ -59,6 +59,9 @@
 #   Seventeenth session ran group17 (no gain; the grouping since removed), ratio18, final18 and final18b (the shipped
 #   recipes and the mixed set; now recipes18 and mixed19), mixed19; loans then paused. Next: mixed19 again (the raised recompile limit: no recompile_limit line expected), grpo17 (GRPO's update
 #   without the log-prob forward's syncs vs before, bench/ab.sh).
+#   Eighteenth session ran mixed19 (no recompile_limit), grpo17 (no difference), prof19 (the packed 2B step's kernels),
+#   cg19 (CUDA graphs per decoder layer: 1.10-1.15x), graphs19 and graphs19b (precision.cuda_graphs as built: 2B 1.05-
+#   1.08x, 8B LoRA 0.98x; its gpu tests). Next: a long run with cuda_graphs on varied data (how many lengths, memory).
 #   OUT=/some/dir GROUP=moe   bash bench/gpu_pending.sh  # 30B-A3B: peft peer vs ours same process; NF4 memory/decode
 #   OUT=/some/dir GROUP=mem   bash bench/gpu_pending.sh  # selective checkpointing and the activation memory budget
 # (carry .whl/train, and .whl/ao (torchao) for GROUP=tests, .whl/bnb (bitsandbytes) for moe and mem)
@@ -248,6 +251,36 @@ case $GROUP in
             2>"$OUT/err-mixed.txt" | tail -8 > "$OUT/mixed2b.txt")
           timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_vision_attention.py tests/test_packing.py \
             --tb=short > "$OUT/pytest.txt" 2>&1 ;;
+  prof19) # where the 2B packed compiled step's GPU time goes, kernel by kernel (issue 13: the ~149 ms of GPU work is
+          # ~62 ms of GEMMs; which of the rest could be less?): the profile's per-kernel table, and its timeline
+          b="--preset qwen3vl-2b --method full --steps 8 --warmup 5 --override precision.compile=true"
+          r 1 $b --packing --profile "$OUT/prof-2b-packed.txt" ;;
+  cg19)  # CUDA graphs of each decoder layer (cudagraph trees, mode reduce-overhead) on packed rows, 2B full: four row
+          # lengths cycle, so each layer records four graphs in the 12 warmup steps; alternating with the shipped compile
+          b="--preset qwen3vl-2b --method full --packing --steps 8 --warmup 12 --override precision.compile=true"
+          r 1 $b
+          TORCH_LOGS=perf_hints,recompiles r 2 $b --layer-compile-mode reduce-overhead
+          r 3 $b
+          r 4 $b --layer-compile-mode reduce-overhead --profile "$OUT/prof-cg.txt" ;;
+  graphs19) # precision.cuda_graphs (built after cg19): its gpu tests, then peer vs packed vs graphs in one process on
+          # 8 batches (64 samples, rows padded to 256 for graphs: ~2-4 lengths), 10 warmup steps (a new length is
+          # warmed up once, recorded at its second visit), alternating
+          timeout 200 python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_cuda_graphs.py --tb=short \
+            > "$OUT/pytest.txt" 2>&1
+          (cd bench && timeout 330 python3 train.py --preset qwen3vl-2b --method full --steps 12 --warmup 10 --samples 64 \
+            --paths peer,packed,graphs,packed,graphs --ours precision.compile=true --json "$OUT/graphs2b.json" \
+            2>"$OUT/err-graphs2b.txt" | tail -8 > "$OUT/graphs2b.txt") ;;
+  graphs19b) # its gpu tests again, once more without the gradient buffers made before a step's first micro-batch
+          # (the test must fail then), and peer vs packed vs graphs at 8B three-tier LoRA (GPU-bound to ~85%)
+          timeout 150 python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_cuda_graphs.py --tb=short \
+            > "$OUT/pytest.txt" 2>&1
+          timeout 90 python3 -c "import sys, torch, pytest, vlforge.recipes.sft as sft
+sft.cuda_graph_step_begin = lambda t, n: torch.compiler.cudagraph_mark_step_begin() if t.cuda_graphs else None
+sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', '--tb=line', '-k', 'weights and 2',
+                      'tests/test_cuda_graphs.py']))" > "$OUT/pytest-without-buffers.txt" 2>&1
+          (cd bench && timeout 330 python3 train.py --preset qwen3vl-8b --method lora --lora-tiers three --steps 8 \
+            --warmup 10 --samples 64 --paths peer,graphs,packed,graphs --ours precision.compile=true --json "$OUT/graphs8b.json" \
+            2>"$OUT/err-graphs8b.txt" | tail -8 > "$OUT/graphs8b.txt") ;;
   grpo17) # GRPO's update with the log-prob forward's layout read from the rollout's host copy (4090292) against the
           # commit before it, in one call: here `bash bench/ab.sh prepare acfe487` first (side "main" = this checkout's
           # main, "branch" = acfe487), carry [".whl/ab"]; the recipe's update, padded and packed modes alternating

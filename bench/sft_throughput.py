@@ -254,15 +254,22 @@ def main() -> None:
     step_s = sum(times) / len(times)
     if args.profile:  # where a step's time goes (not part of the timed steps above)
         from torch.profiler import ProfilerActivity, profile
+        # fed as the timed steps were (HostPrep in the loader's workers, pinned): the main thread's work only
+        profiled = list(torch.utils.data.DataLoader(Steps(batches, 2), batch_size=None, num_workers=workers,
+                                                    collate_fn=prepare or as_is, pin_memory=prepare is not None))
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            for step in range(2):
-                train_step(t, [batches[step % len(batches)]], optimizer, scaler, health, 1.0, cfg.loss)
+            for batch in profiled:
+                if args.layer_compile_mode == "reduce-overhead":
+                    torch.compiler.cudagraph_mark_step_begin()
+                train_step(t, [batch], optimizer, scaler, health, 1.0, cfg.loss)
             torch.cuda.synchronize()
         table = prof.key_averages()
         with open(args.profile, "w") as f:
             f.write(table.table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=60))
             f.write(table.table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60))
             f.write(table.table(sort_by="self_cpu_time_total", row_limit=40, max_name_column_width=60))
+            # the kernels themselves (self device time): which non-GEMM kernels the GPU's time goes to
+            f.write(table.table(sort_by="self_cuda_time_total", row_limit=120, max_name_column_width=110))
         write_trace(prof, args.profile + ".trace.json.gz")
     pad_fraction = 1 - sum(count_tokens(b) for b in batches) / sum(b["input_ids"].numel() for b in batches)
     result = {

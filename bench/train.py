@@ -14,7 +14,9 @@ where padding is ~36% and packing matters most), random weights of the published
 initial weights for every path (one seed), bf16 autocast, fp32 master weights for full fine-tuning,
 fused AdamW at one learning rate, gradient clipping at 1.0, no dropout. `packed` is our path on the
 same micro-batches packed into one row each (data.packing); its FLOPs and tokens are the padded
-batches' (the same samples), so its tokens/s and MFU compare directly. LoRA: r=16, alpha=32 on the
+batches' (the same samples), so its tokens/s and MFU compare directly. `graphs` is `packed` with
+precision.cuda_graphs (each decoder layer replayed as CUDA graphs; rows padded up to a multiple of
+256 tokens as the recipe pads them then, the filler counted as overhead). LoRA: r=16, alpha=32 on the
 language model's attention projections (the peer baseline's setup); with `--lora-tiers three` also on
 the projector and the last two vision blocks' attention (three tiers; the peer's peft config adapts the
 same modules, listed by our plan). Each path runs `--warmup`
@@ -50,7 +52,7 @@ from vlforge.engine.health import GradHealth
 from vlforge.engine.losses import HostPrep
 from vlforge.engine.optim import build_optimizer
 from vlforge.engine.runtime import resolve_num_workers
-from vlforge.engine.trainable import setup_model
+from vlforge.engine.trainable import CUDA_GRAPH_ROW_MULTIPLE, setup_model
 from vlforge.model.load import load_model, load_processor
 from vlforge.model.presets import MOE_PRESETS
 from vlforge.model.tiers import build_plan, param_groups
@@ -152,14 +154,14 @@ def lora_tiers(args) -> SFTConfig:
     return load_config(SFTConfig, None, [f"model.preset={args.preset}", "tiers.method=lora", *lora_tier_overrides(args)])
 
 
-def run_ours(args, batches, packed: bool = False) -> dict:
+def run_ours(args, batches, packed: bool = False, graphs: bool = False) -> dict:
     lora = args.method == "lora"
     tiers = lora_tier_overrides(args) if lora else ["tiers.vision.train=true"]
     tiers += ["precision.gradient_checkpointing=true"] if args.grad_ckpt else []
     cfg = load_config(SFTConfig, None, [
         f"model.preset={args.preset}", f"model.seed={args.seed}", f"tiers.method={args.method}", "precision.mode=bf16",
         f"train.device={DEVICE}", *tiers, *(f"tiers.{t}.lr={args.lr}" for t in ("language", "projector", "vision")),
-        *(["data.packing=true"] if packed else []), *args.ours])
+        *(["data.packing=true"] if packed else []), *(["precision.cuda_graphs=true"] if graphs else []), *args.ours])
     t = setup_model(cfg)
     optimizer = build_optimizer(param_groups(t.model, t.plan, 0.0), cfg.optim, DEVICE)
     scaler, health = t.policy.grad_scaler(), GradHealth(t.model, t.plan, cfg.health, cfg.precision.mode)
@@ -240,7 +242,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--preset", default="qwen3vl-2b")
     ap.add_argument("--method", default="full", choices=["full", "lora"])
-    ap.add_argument("--paths", default="peer,trl,ours,packed", help="peer, trl, ours, packed (ours with data.packing); a path may repeat (alternating runs in one process)")
+    ap.add_argument("--paths", default="peer,trl,ours,packed", help="peer, trl, ours, packed (ours with data.packing), "
+                    "graphs (packed with precision.cuda_graphs); a path may repeat (alternating runs in one process)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=3)
@@ -258,8 +261,8 @@ def main() -> None:
                          "blocks' attention (the same modules for the peer's peft config)")
     args = ap.parse_args()
     args.lr = args.lr or (1e-4 if args.method == "lora" else 1e-5)
-    if unknown := [name for name in args.paths.split(",") if name not in ("peer", "trl", "ours", "packed")]:
-        ap.error(f"unknown path(s) {', '.join(unknown)}: peer, trl, ours, packed")
+    if unknown := [name for name in args.paths.split(",") if name not in ("peer", "trl", "ours", "packed", "graphs")]:
+        ap.error(f"unknown path(s) {', '.join(unknown)}: peer, trl, ours, packed, graphs")
     torch.backends.cuda.matmul.allow_tf32 = True
 
     encoder = Encoder(load_processor(ModelConfig(preset=args.preset)), ImageLimits(3136, args.image * args.image))
@@ -272,6 +275,8 @@ def main() -> None:
     batches = [collate(items[i:i + args.batch], encoder.pad_id) for i in range(0, len(items), args.batch)]
     # the same samples per micro-batch, each batch's samples back to back in one row (data.packing)
     packed = [pack(items[i:i + args.batch], encoder.pad_id) for i in range(0, len(items), args.batch)]
+    graph_rows = [pack(items[i:i + args.batch], encoder.pad_id, multiple=CUDA_GRAPH_ROW_MULTIPLE)
+                  for i in range(0, len(items), args.batch)]
     total = args.warmup + args.steps
     order = [batches[i % len(batches)] for i in range(args.warmup, total)]
     tokens = [int(b["attention_mask"].sum()) for b in order]
@@ -288,7 +293,8 @@ def main() -> None:
                 results.append(summarize(name, r["losses"], r["times"], r["tokens"], None, args))
             else:
                 path = (run_peer(args, batches) if name == "peer" else run_ours(args, batches) if name == "ours" else
-                        run_ours(args, packed, packed=True))
+                        run_ours(args, packed, packed=True) if name == "packed" else
+                        run_ours(args, graph_rows, packed=True, graphs=True))
                 losses, times = timed(args.steps, args.warmup, path["run"])
                 from vlforge.model.tiers import unwrap
 

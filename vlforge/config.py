@@ -303,6 +303,13 @@ class PrecisionConfig:
     # call with model.vision_attention varlen/auto, so no host loop splits the graph); auto = on
     # with compiled decoder layers and the varlen vision attention (measured faster: 2B full SFT)
     compile_vision: bool | Literal["auto"] = "auto"
+    # SFT with packed rows on one CUDA GPU: replay each compiled decoder layer's forward and backward
+    # as CUDA graphs (torch.compile's reduce-overhead mode), which takes the host's kernel launches off
+    # a step that waits for them. Rows are padded up to a multiple of 256 tokens so that few row
+    # lengths, each recorded once, recur (~3% more tokens at 2B and batch 8); evaluation runs eager.
+    # Measured (one H200, docs/benchmarks.md): 2B full 1.05-1.08x, 8B three-tier LoRA 0.98x (GPU-bound);
+    # off by default: the gain is small and a run with many row lengths holds many recordings.
+    cuda_graphs: bool = False
 
     def __post_init__(self):
         _require(not (self.fp8.enabled and self.mode == "fp16"),
@@ -324,6 +331,11 @@ class PrecisionConfig:
         _require(self.compile_vision is not True or self.compile is True,
                  "precision.compile_vision compiles the vision blocks along with the decoder layers: set "
                  "precision.compile=true too")
+        _require(not self.cuda_graphs or self.compile is True,
+                 "precision.cuda_graphs replays the compiled decoder layers as CUDA graphs: set precision.compile=true")
+        _require(not (self.cuda_graphs and (self.gradient_checkpointing or self.fp8.enabled)),
+                 "precision.cuda_graphs is built and measured for bf16/fp32 layers without recomputation: turn off "
+                 "precision.gradient_checkpointing and precision.fp8.enabled, or precision.cuda_graphs")
         for o in self.overrides:
             _require(o.compute != "fp16" or self.mode == "fp16",
                      f"precision.overrides: {o.pattern!r} computes in fp16 but precision.mode={self.mode} has no "

@@ -21,6 +21,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from vlforge.config import ConfigError, RunConfig, dump_config, resolve_paths
 from vlforge.data.dataset import ChatDataset
 from vlforge.engine.checkpoint import (checkpoint_bytes, checkpoints_held, fresh_rng, list_checkpoints, load_checkpoint,
@@ -143,7 +145,10 @@ class Run:
         """Evaluate now (at self.step) when there is validation data."""
         if self.recorder is None:
             return None
-        with gathered(self.t.root):  # sharded: every rank evaluates, the root unit gathered for generate
+        # CUDA graphs (precision.cuda_graphs) are recorded per shape: the evaluation's padded batches and
+        # generation would record graphs of their own for every length, so it runs eager
+        eager = torch.compiler.set_stance("force_eager") if self.t.cuda_graphs else contextlib.nullcontext()
+        with gathered(self.t.root), eager:  # sharded: every rank evaluates, the root unit gathered for generate
             self.last_eval = self.recorder(self.t.model, self.step, self.t.policy, self.t.device)
         return self.last_eval
 

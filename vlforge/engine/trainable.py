@@ -47,6 +47,7 @@ class Trainable:
     routing: Routing | None = None  # MoE: router hooks for the aux loss and expert-load metrics (engine/moe.py)
     activation_memory_budget: float | None = None  # precision.activation_memory_budget (compiled layers)
     compiled: tuple[str, ...] = ()  # what torch.compile wraps: "decoder layers", "vision blocks" (precision.compile*)
+    cuda_graphs: bool = False  # precision.cuda_graphs: the compiled decoder layers replay as CUDA graphs
 
     def forward(self, fn, *args, **kwargs):
         """`fn(model, *args)`, entered through the FSDP2 root unit when the run is sharded (losses.Root).
@@ -57,8 +58,15 @@ class Trainable:
 
     @property
     def token_multiple(self) -> int:
-        """Pad batches to this many tokens per row: FP8 GEMMs want aligned row counts."""
-        return token_multiple(self.fp8_plan)
+        """Pad batches to this many tokens per row: FP8 GEMMs want aligned row counts; CUDA graphs
+        are recorded once per row length, so rows then come in steps of CUDA_GRAPH_ROW_MULTIPLE."""
+        return max(token_multiple(self.fp8_plan), CUDA_GRAPH_ROW_MULTIPLE if self.cuda_graphs else 1)
+
+
+# precision.cuda_graphs: a packed row's length rounded up to this, so that a run's rows come in few
+# lengths (each records one graph per layer, forward and backward, kept for the run). At the 2B
+# recipe's batch of 8 (~4,300 tokens a row) 256 adds ~3% filler tokens and leaves ~10-20 lengths.
+CUDA_GRAPH_ROW_MULTIPLE = 256
 
 
 def memory_budget(budget: float | None):
@@ -96,17 +104,47 @@ def checkpoint_selected_blocks(model: torch.nn.Module, every: int) -> int:
 COMPILED_VARIANTS = 32
 
 
-def compile_decoder_layers(model: torch.nn.Module, vision: bool = False) -> int:
+def compile_decoder_layers(model: torch.nn.Module, vision: bool = False, cuda_graphs: bool = False) -> int:
     """torch.compile each language-model decoder layer in place (parameter names unchanged), and with
-    `vision` each vision block; returns the number compiled."""
+    `vision` each vision block; returns the number compiled. `cuda_graphs`: the decoder layers in
+    torch's reduce-overhead mode (CUDA graph trees: each layer's forward and backward recorded per
+    input shape, then replayed; the caller marks each micro-batch's start, `cuda_graph_step_begin`).
+    The vision blocks stay plain compiled: the tower keeps earlier blocks' outputs for the deepstack
+    mergers, which a later block's replay would overwrite (measured: the trees refuse it)."""
     core = unwrap(model).model
-    blocks = [*core.language_model.layers, *(core.visual.blocks if vision else [])]
     config = torch._dynamo.config  # recompile_limit, named cache_size_limit before torch 2.7 (kept as an alias)
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     setattr(config, name, max(getattr(config, name), COMPILED_VARIANTS))
-    for block in blocks:
+    for layer in core.language_model.layers:
+        layer.compile(mode="reduce-overhead" if cuda_graphs else None)
+    for block in core.visual.blocks if vision else []:
         block.compile()
-    return len(blocks)
+    return len(core.language_model.layers) + (len(core.visual.blocks) if vision else 0)
+
+
+def cuda_graph_step_begin(t: Trainable, micro_batches: int) -> None:
+    """Before each micro-batch's forward when the layers replay as CUDA graphs: a new generation for
+    the graph trees (the last micro-batch's outputs may be overwritten now). With several
+    micro-batches a step, every trainable parameter gets its gradient buffer first: autograd would
+    otherwise keep the first backward's graph output as `.grad` and the next replay would overwrite
+    it (torch's trees then accumulate wrongly: pytorch#169545); an existing buffer is added to in place."""
+    if not t.cuda_graphs:
+        return
+    if micro_batches > 1:
+        for p in t.model.parameters():
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+    torch.compiler.cudagraph_mark_step_begin()
+
+
+def cuda_graphs_problem(cfg: RunConfig, device: torch.device, strategy: str) -> str | None:
+    """Why precision.cuda_graphs cannot run here (from the config and the device, before loading)."""
+    if not cfg.precision.cuda_graphs:
+        return None
+    where = ("device " + str(device) if device.type != "cuda" else f"distributed.strategy={strategy}"
+             if strategy != "none" else "quant (QLoRA's 4-bit layers)" if cfg.quant.enabled else None)
+    return where and (f"precision.cuda_graphs runs on one CUDA GPU with plain bf16/fp32 layers, not with {where}: "
+                      "turn precision.cuda_graphs off")
 
 
 def vision_attention_for_training(core, model_cfg: ModelConfig, precision: PrecisionConfig, layers_compiled: bool) -> bool:
@@ -171,6 +209,8 @@ def setup_model(cfg: RunConfig, compile_blocks: bool | None = None, world: World
     policy = PrecisionPolicy(cfg.precision, device.type)
     refuse_bad_combinations(cfg, device, sharded=world.sharded)
     refuse_unsupported(cfg, world)
+    if problem := cuda_graphs_problem(cfg, device, world.strategy):
+        raise ConfigError(problem)
     fp8 = fp8_backend(cfg.precision.fp8, device) if cfg.precision.fp8.enabled else None  # fails before loading
     # Full fine-tuning loads straight into the master dtype; LoRA loads the frozen base in the
     # compute dtype (peft creates the adapters in fp32). policy.apply then settles every tensor.
@@ -212,8 +252,12 @@ def setup_model(cfg: RunConfig, compile_blocks: bool | None = None, world: World
                     or is_moe(unwrap(model).config))
     compiled = default_compile(cfg.precision, device, measured) if compile_blocks is None else compile_blocks
     vision_compiled = vision_attention_for_training(unwrap(model), cfg.model, cfg.precision, compiled)
+    cuda_graphs = cfg.precision.cuda_graphs and compiled
+    if cfg.precision.cuda_graphs and is_moe(unwrap(model).config):
+        raise ConfigError("precision.cuda_graphs is built for dense models: the MoE router's hooks run between a "
+                          "layer's kernels; turn precision.cuda_graphs off")
     if compiled:
-        compile_decoder_layers(model, vision=vision_compiled)
+        compile_decoder_layers(model, vision=vision_compiled, cuda_graphs=cuda_graphs)
     elif cfg.precision.activation_memory_budget is not None:  # config requires compile=true: a caller said no
         raise ConfigError("precision.activation_memory_budget acts on compiled layers, and this run compiles none")
     # sharded last: FSDP2 takes the parameters in their storage dtypes (fp32 masters) and gathers
@@ -224,8 +268,10 @@ def setup_model(cfg: RunConfig, compile_blocks: bool | None = None, world: World
     routing = Routing.of(model, cfg.train.router_aux_loss_coef)
     compiled_parts = ("decoder layers", "vision blocks") if compiled and vision_compiled else \
         ("decoder layers",) if compiled else ()
+    if cuda_graphs:
+        compiled_parts = ("decoder layers (CUDA graphs)", *compiled_parts[1:])
     return Trainable(model, processor, plan, policy, device, fp8_plan, world, root, routing,
-                     cfg.precision.activation_memory_budget, compiled_parts)
+                     cfg.precision.activation_memory_budget, compiled_parts, cuda_graphs)
 
 
 def _meta_model(cfg: RunConfig, load_dtype: torch.dtype, world: World):

@@ -434,6 +434,8 @@ def run_grpo(cfg: GRPOConfig) -> dict:
     """Train; returns {"output_dir", "final_step", "eval", "first_eval"}."""
     if cfg.rollout.temperature <= 0:
         raise ConfigError("rollout.temperature must be > 0 for GRPO: it needs sampled responses and their log-probs")
+    if cfg.precision.cuda_graphs:  # its update's rows change length with every rollout, and rollouts run between
+        raise ConfigError("precision.cuda_graphs is built for SFT's packed rows, not GRPO's update: turn it off")
     if not cfg.data.train:
         raise ConfigError("data.train is not set: give a JSONL of prompts with reference answers")
     if cfg.data.packing is True or cfg.data.max_tokens_per_batch:

@@ -31,7 +31,7 @@ from vlforge.engine.moe import aux_term, capture
 from vlforge.engine.packed_attention import packing_pays
 from vlforge.engine.run import Run, begin_run
 from vlforge.engine.runtime import resolve_num_workers
-from vlforge.engine.trainable import Trainable, setup_model
+from vlforge.engine.trainable import Trainable, cuda_graph_step_begin, setup_model
 from vlforge.model.tiers import plan_summary, unwrap
 
 
@@ -101,6 +101,7 @@ def train_step(t: Trainable, micro: list[dict], optimizer, scaler, health: GradH
                 "tokens": sum(count_tokens(b) for b in micro)}
     loss_total = None  # fp64 on the device, read once after the last backward (a read per micro-batch is a sync)
     for i, batch in enumerate(micro):
+        cuda_graph_step_begin(t, len(micro))
         # positions, counts and label indices from the CPU copy, then the batch to the device (no sync).
         # The recipe's loader computed them in its workers (HostPrep, pinned by its pin_memory), so here
         # only copies are queued. Workers rather than a one-ahead pipeline here (micro-batch i+1's host
@@ -156,6 +157,9 @@ def run_sft(cfg: SFTConfig) -> dict:
         raise ConfigError("data.train is not set: give a JSONL file (data.train=path/to/train.jsonl)")
     for path in filter(None, (cfg.data.train, cfg.data.val)):  # a bad file fails now, not after the model loads
         check_readable(path, cfg.data.on_error, cfg.data.max_image_pixels)
+    if cfg.precision.cuda_graphs and cfg.data.packing is False:
+        raise ConfigError("precision.cuda_graphs is built for packed rows (few row lengths, each recorded once): set "
+                          "data.packing=true or auto, or turn precision.cuda_graphs off")
     with begin_run(cfg) as (world, resume_from):
         t = setup_model(cfg, world=world)
         train_data = load_dataset(cfg.data.train, t.processor, cfg.data)
@@ -164,6 +168,10 @@ def run_sft(cfg: SFTConfig) -> dict:
         # rows padded for FP8 count against the token budget as padded (the tokens the step computes)
         packed = (packing_pays(unwrap(t.model), t.device, cfg.precision.mode) if cfg.data.packing == "auto"
                   else cfg.data.packing)
+        if t.cuda_graphs and not packed:
+            raise ConfigError(f"precision.cuda_graphs is built for packed rows, and data.packing=auto does not pack on "
+                              f"{t.device} in precision.mode={cfg.precision.mode} (`vlforge doctor --config` says "
+                              "why): turn precision.cuda_graphs off")
         batching = Batching.of(cfg.data, tc.batch_size, t.token_multiple, packed)
         per_epoch = [micro_batches_per_epoch(train_data.lengths, batching, tc.seed, e, world.size)
                      for e in range(1 if tc.max_steps else tc.epochs)]  # global micro-batches
