@@ -275,12 +275,20 @@ case $GROUP in
           timeout 150 python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_cuda_graphs.py --tb=short \
             > "$OUT/pytest.txt" 2>&1
           timeout 90 python3 -c "import sys, torch, pytest, vlforge.recipes.sft as sft
-sft.cuda_graph_step_begin = lambda t, n: torch.compiler.cudagraph_mark_step_begin() if t.cuda_graphs else None
+sft.cuda_graph_step_begin = lambda t, n, batch: torch.compiler.cudagraph_mark_step_begin() if t.cuda_graphs else None
 sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', '--tb=line', '-k', 'weights and 2',
                       'tests/test_cuda_graphs.py']))" > "$OUT/pytest-without-buffers.txt" 2>&1
           (cd bench && timeout 330 python3 train.py --preset qwen3vl-8b --method lora --lora-tiers three --steps 8 \
             --warmup 10 --samples 64 --paths peer,graphs,packed,graphs --ours precision.compile=true --json "$OUT/graphs8b.json" \
             2>"$OUT/err-graphs8b.txt" | tail -8 > "$OUT/graphs8b.txt") ;;
+  visg19) # the vision blocks as CUDA graphs too (precision.cuda_graphs_vision; ran as the bench flag it came from),
+          # 2B full packed, alternating with the decoder layers' graphs alone
+          b="--preset qwen3vl-2b --method full --packing --steps 8 --warmup 12 --override precision.compile=true
+             precision.cuda_graphs=true"
+          r 1 $b
+          TORCH_LOGS=perf_hints r 2 $b precision.cuda_graphs_vision=true
+          r 3 $b
+          r 4 $b precision.cuda_graphs_vision=true ;;
   grpo17) # GRPO's update with the log-prob forward's layout read from the rollout's host copy (4090292) against the
           # commit before it, in one call: here `bash bench/ab.sh prepare acfe487` first (side "main" = this checkout's
           # main, "branch" = acfe487), carry [".whl/ab"]; the recipe's update, padded and packed modes alternating

@@ -16,7 +16,8 @@ fused AdamW at one learning rate, gradient clipping at 1.0, no dropout. `packed`
 same micro-batches packed into one row each (data.packing); its FLOPs and tokens are the padded
 batches' (the same samples), so its tokens/s and MFU compare directly. `graphs` is `packed` with
 precision.cuda_graphs (each decoder layer replayed as CUDA graphs; rows padded up to a multiple of
-256 tokens as the recipe pads them then, the filler counted as overhead). LoRA: r=16, alpha=32 on the
+256 tokens as the recipe pads them then, the filler counted as overhead); `graphs+vision` also replays
+the vision blocks as CUDA graphs (precision.cuda_graphs_vision). LoRA: r=16, alpha=32 on the
 language model's attention projections (the peer baseline's setup); with `--lora-tiers three` also on
 the projector and the last two vision blocks' attention (three tiers; the peer's peft config adapts the
 same modules, listed by our plan). Each path runs `--warmup`
@@ -154,14 +155,17 @@ def lora_tiers(args) -> SFTConfig:
     return load_config(SFTConfig, None, [f"model.preset={args.preset}", "tiers.method=lora", *lora_tier_overrides(args)])
 
 
-def run_ours(args, batches, packed: bool = False, graphs: bool = False) -> dict:
+GRAPHS = {"graphs": ("cuda_graphs",), "graphs+vision": ("cuda_graphs", "cuda_graphs_vision")}
+
+
+def run_ours(args, batches, packed: bool = False, graphs: tuple[str, ...] = ()) -> dict:
     lora = args.method == "lora"
     tiers = lora_tier_overrides(args) if lora else ["tiers.vision.train=true"]
     tiers += ["precision.gradient_checkpointing=true"] if args.grad_ckpt else []
     cfg = load_config(SFTConfig, None, [
         f"model.preset={args.preset}", f"model.seed={args.seed}", f"tiers.method={args.method}", "precision.mode=bf16",
         f"train.device={DEVICE}", *tiers, *(f"tiers.{t}.lr={args.lr}" for t in ("language", "projector", "vision")),
-        *(["data.packing=true"] if packed else []), *(["precision.cuda_graphs=true"] if graphs else []), *args.ours])
+        *(["data.packing=true"] if packed else []), *(f"precision.{g}=true" for g in graphs), *args.ours])
     t = setup_model(cfg)
     optimizer = build_optimizer(param_groups(t.model, t.plan, 0.0), cfg.optim, DEVICE)
     scaler, health = t.policy.grad_scaler(), GradHealth(t.model, t.plan, cfg.health, cfg.precision.mode)
@@ -243,7 +247,7 @@ def main() -> None:
     ap.add_argument("--preset", default="qwen3vl-2b")
     ap.add_argument("--method", default="full", choices=["full", "lora"])
     ap.add_argument("--paths", default="peer,trl,ours,packed", help="peer, trl, ours, packed (ours with data.packing), "
-                    "graphs (packed with precision.cuda_graphs); a path may repeat (alternating runs in one process)")
+                    "graphs (packed with precision.cuda_graphs), graphs+vision (and cuda_graphs_vision); a path may repeat (alternating runs in one process)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=3)
@@ -261,8 +265,8 @@ def main() -> None:
                          "blocks' attention (the same modules for the peer's peft config)")
     args = ap.parse_args()
     args.lr = args.lr or (1e-4 if args.method == "lora" else 1e-5)
-    if unknown := [name for name in args.paths.split(",") if name not in ("peer", "trl", "ours", "packed", "graphs")]:
-        ap.error(f"unknown path(s) {', '.join(unknown)}: peer, trl, ours, packed, graphs")
+    if unknown := [name for name in args.paths.split(",") if name not in ("peer", "trl", "ours", "packed", *GRAPHS)]:
+        ap.error(f"unknown path(s) {', '.join(unknown)}: peer, trl, ours, packed, graphs, graphs+vision")
     torch.backends.cuda.matmul.allow_tf32 = True
 
     encoder = Encoder(load_processor(ModelConfig(preset=args.preset)), ImageLimits(3136, args.image * args.image))
@@ -294,7 +298,7 @@ def main() -> None:
             else:
                 path = (run_peer(args, batches) if name == "peer" else run_ours(args, batches) if name == "ours" else
                         run_ours(args, packed, packed=True) if name == "packed" else
-                        run_ours(args, graph_rows, packed=True, graphs=True))
+                        run_ours(args, graph_rows, packed=True, graphs=GRAPHS[name]))
                 losses, times = timed(args.steps, args.warmup, path["run"])
                 from vlforge.model.tiers import unwrap
 

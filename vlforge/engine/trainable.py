@@ -48,6 +48,8 @@ class Trainable:
     activation_memory_budget: float | None = None  # precision.activation_memory_budget (compiled layers)
     compiled: tuple[str, ...] = ()  # what torch.compile wraps: "decoder layers", "vision blocks" (precision.compile*)
     cuda_graphs: bool = False  # precision.cuda_graphs: the compiled decoder layers replay as CUDA graphs
+    cuda_graphs_vision: bool = False  # precision.cuda_graphs_vision: the compiled vision blocks too
+    vision_shapes: set = field(default_factory=set)  # image patch totals the vision graphs were recorded for
 
     def forward(self, fn, *args, **kwargs):
         """`fn(model, *args)`, entered through the FSDP2 root unit when the run is sharded (losses.Root).
@@ -62,6 +64,10 @@ class Trainable:
         are recorded once per row length, so rows then come in steps of CUDA_GRAPH_ROW_MULTIPLE."""
         return max(token_multiple(self.fp8_plan), CUDA_GRAPH_ROW_MULTIPLE if self.cuda_graphs else 1)
 
+
+# precision.cuda_graphs_vision: after this many different image patch totals a run warns that its
+# data's image sizes vary (each new total records the tower's graphs again: a slow step)
+VISION_SHAPES_WARN = 8
 
 # precision.cuda_graphs: a packed row's length rounded up to this, so that a run's rows come in few
 # lengths (each records one graph per layer, forward and backward, kept for the run). At the 2B
@@ -104,13 +110,13 @@ def checkpoint_selected_blocks(model: torch.nn.Module, every: int) -> int:
 COMPILED_VARIANTS = 32
 
 
-def compile_decoder_layers(model: torch.nn.Module, vision: bool = False, cuda_graphs: bool = False) -> int:
+def compile_decoder_layers(model: torch.nn.Module, vision: bool = False, cuda_graphs: bool = False,
+                           cuda_graphs_vision: bool = False) -> int:
     """torch.compile each language-model decoder layer in place (parameter names unchanged), and with
-    `vision` each vision block; returns the number compiled. `cuda_graphs`: the decoder layers in
-    torch's reduce-overhead mode (CUDA graph trees: each layer's forward and backward recorded per
-    input shape, then replayed; the caller marks each micro-batch's start, `cuda_graph_step_begin`).
-    The vision blocks stay plain compiled: the tower keeps earlier blocks' outputs for the deepstack
-    mergers, which a later block's replay would overwrite (measured: the trees refuse it)."""
+    `vision` each vision block; returns the number compiled. `cuda_graphs` (`cuda_graphs_vision`): the
+    decoder layers (the vision blocks) in torch's reduce-overhead mode (CUDA graph trees: each block's
+    forward and backward recorded per input shape, then replayed; the caller marks each micro-batch's
+    start, `cuda_graph_step_begin`)."""
     core = unwrap(model).model
     config = torch._dynamo.config  # recompile_limit, named cache_size_limit before torch 2.7 (kept as an alias)
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
@@ -118,23 +124,32 @@ def compile_decoder_layers(model: torch.nn.Module, vision: bool = False, cuda_gr
     for layer in core.language_model.layers:
         layer.compile(mode="reduce-overhead" if cuda_graphs else None)
     for block in core.visual.blocks if vision else []:
-        block.compile()
+        block.compile(mode="reduce-overhead" if cuda_graphs_vision else None)
     return len(core.language_model.layers) + (len(core.visual.blocks) if vision else 0)
 
 
-def cuda_graph_step_begin(t: Trainable, micro_batches: int) -> None:
-    """Before each micro-batch's forward when the layers replay as CUDA graphs: a new generation for
-    the graph trees (the last micro-batch's outputs may be overwritten now). With several
-    micro-batches a step, every trainable parameter gets its gradient buffer first: autograd would
-    otherwise keep the first backward's graph output as `.grad` and the next replay would overwrite
-    it (torch's trees then accumulate wrongly: pytorch#169545); an existing buffer is added to in place."""
+def cuda_graph_step_begin(t: Trainable, micro_batches: int, batch: dict) -> str | None:
+    """Before each micro-batch's forward when blocks replay as CUDA graphs: a new generation for the
+    graph trees (the last micro-batch's outputs may be overwritten now). With several micro-batches
+    a step, every trainable parameter gets its gradient buffer first: autograd would otherwise keep
+    the first backward's graph output as `.grad` and the next replay would overwrite it (torch's
+    trees then accumulate wrongly: pytorch#169545); an existing buffer is added to in place. Returns
+    a warning, once, when the vision graphs have met VISION_SHAPES_WARN image patch totals."""
     if not t.cuda_graphs:
-        return
+        return None
     if micro_batches > 1:
         for p in t.model.parameters():
             if p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
     torch.compiler.cudagraph_mark_step_begin()
+    if not t.cuda_graphs_vision or batch.get("pixel_values") is None or len(t.vision_shapes) >= VISION_SHAPES_WARN:
+        return None
+    t.vision_shapes.add(len(batch["pixel_values"]))
+    if len(t.vision_shapes) < VISION_SHAPES_WARN:
+        return None
+    return (f"warning: precision.cuda_graphs_vision: the vision tower has met {VISION_SHAPES_WARN} different image "
+            "patch totals in a micro-batch; each records its CUDA graphs again (a step several times slower). "
+            "For data whose image sizes vary, turn precision.cuda_graphs_vision off")
 
 
 def cuda_graphs_problem(cfg: RunConfig, device: torch.device, strategy: str) -> str | None:
@@ -253,11 +268,16 @@ def setup_model(cfg: RunConfig, compile_blocks: bool | None = None, world: World
     compiled = default_compile(cfg.precision, device, measured) if compile_blocks is None else compile_blocks
     vision_compiled = vision_attention_for_training(unwrap(model), cfg.model, cfg.precision, compiled)
     cuda_graphs = cfg.precision.cuda_graphs and compiled
+    if cfg.precision.cuda_graphs_vision and not vision_compiled:
+        raise ConfigError("precision.cuda_graphs_vision replays the compiled vision blocks, and this run compiles "
+                          "none (they compile with model.vision_attention varlen/auto on a GPU with precision."
+                          "compile_vision auto/true): turn precision.cuda_graphs_vision off")
     if cfg.precision.cuda_graphs and is_moe(unwrap(model).config):
         raise ConfigError("precision.cuda_graphs is built for dense models: the MoE router's hooks run between a "
                           "layer's kernels; turn precision.cuda_graphs off")
     if compiled:
-        compile_decoder_layers(model, vision=vision_compiled, cuda_graphs=cuda_graphs)
+        compile_decoder_layers(model, vision=vision_compiled, cuda_graphs=cuda_graphs,
+                               cuda_graphs_vision=cfg.precision.cuda_graphs_vision)
     elif cfg.precision.activation_memory_budget is not None:  # config requires compile=true: a caller said no
         raise ConfigError("precision.activation_memory_budget acts on compiled layers, and this run compiles none")
     # sharded last: FSDP2 takes the parameters in their storage dtypes (fp32 masters) and gathers
@@ -269,9 +289,12 @@ def setup_model(cfg: RunConfig, compile_blocks: bool | None = None, world: World
     compiled_parts = ("decoder layers", "vision blocks") if compiled and vision_compiled else \
         ("decoder layers",) if compiled else ()
     if cuda_graphs:
-        compiled_parts = ("decoder layers (CUDA graphs)", *compiled_parts[1:])
+        vision_graphs = cfg.precision.cuda_graphs_vision
+        compiled_parts = ("decoder layers (CUDA graphs)",
+                          *(("vision blocks (CUDA graphs)",) if vision_graphs else compiled_parts[1:]))
     return Trainable(model, processor, plan, policy, device, fp8_plan, world, root, routing,
-                     cfg.precision.activation_memory_budget, compiled_parts, cuda_graphs)
+                     cfg.precision.activation_memory_budget, compiled_parts, cuda_graphs,
+                     cuda_graphs and cfg.precision.cuda_graphs_vision)
 
 
 def _meta_model(cfg: RunConfig, load_dtype: torch.dtype, world: World):

@@ -101,7 +101,9 @@ def train_step(t: Trainable, micro: list[dict], optimizer, scaler, health: GradH
                 "tokens": sum(count_tokens(b) for b in micro)}
     loss_total = None  # fp64 on the device, read once after the last backward (a read per micro-batch is a sync)
     for i, batch in enumerate(micro):
-        cuda_graph_step_begin(t, len(micro))
+        warning = cuda_graph_step_begin(t, len(micro), batch)  # CUDA graphs: a new generation (else nothing)
+        if warning and world.main:
+            print(warning)
         # positions, counts and label indices from the CPU copy, then the batch to the device (no sync).
         # The recipe's loader computed them in its workers (HostPrep, pinned by its pin_memory), so here
         # only copies are queued. Workers rather than a one-ahead pipeline here (micro-batch i+1's host
