@@ -275,7 +275,7 @@ case $GROUP in
           timeout 150 python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_cuda_graphs.py --tb=short \
             > "$OUT/pytest.txt" 2>&1
           timeout 90 python3 -c "import sys, torch, pytest, vlforge.recipes.sft as sft
-sft.cuda_graph_step_begin = lambda t, n, batch: torch.compiler.cudagraph_mark_step_begin() if t.cuda_graphs else None
+sft.cuda_graph_step_begin = lambda t, micro, i: torch.compiler.cudagraph_mark_step_begin() if t.cuda_graphs else None
 sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', '--tb=line', '-k', 'weights and 2',
                       'tests/test_cuda_graphs.py']))" > "$OUT/pytest-without-buffers.txt" 2>&1
           (cd bench && timeout 330 python3 train.py --preset qwen3vl-8b --method lora --lora-tiers three --steps 8 \

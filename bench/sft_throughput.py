@@ -188,7 +188,7 @@ def main() -> None:
         import vlforge.engine.trainable as trainable
         from vlforge.model.tiers import unwrap
 
-        def compile_layers(model, vision: bool = False) -> int:  # trainable.compile_decoder_layers, another mode
+        def compile_layers(model, vision: bool = False, **graphs) -> int:  # compile_decoder_layers, another mode
             core = unwrap(model).model
             options = {k: {"true": True, "false": False}.get(v, int(v) if v.isdigit() else v) for k, v in
                        (kv.split("=") for kv in args.layer_compile_options.split(","))} if args.layer_compile_options else None

@@ -115,3 +115,27 @@ def test_resuming_under_a_config_that_trains_other_parameters_is_refused_clearly
     with pytest.raises(ConfigError, match=r"cannot resume from .*checkpoint-1: .*trained other parameters.*config\.yaml"):
         run_sft(tiny_sft_config(shapes_dir, tmp_path, *common, change, "train.max_steps=2", "train.resume=auto"))
     assert (tmp_path / "config.yaml").read_text() == saved_with  # the one the message names: the checkpoint's
+
+
+def test_a_sharded_resume_of_the_same_config_goes_on_when_a_tier_had_no_gradient_yet(tmp_path):
+    """Text-only rows with the vision tier trained: its parameters have no optimizer state when the
+    checkpoint is written (no image reached them), which is not another config: the resume goes on,
+    their moments fresh as in the uninterrupted run, and the losses are the uninterrupted run's."""
+    import json
+
+    data = tmp_path / "text.jsonl"
+    data.write_text("".join(json.dumps({"text": f"What is {i} plus {i}?", "answer": str(2 * i)}) + "\n"
+                            for i in range(16)))
+    common = ["model.preset=tiny", f"data.train={data}", "data.val=null", "precision.mode=fp32", "train.device=cpu",
+              "train.batch_size=4", "log.progress=false", "optim.warmup_steps=0", "optim.schedule=constant",
+              "tiers.method=full", "tiers.vision.train=true", "distributed.strategy=fsdp2", "eval.every=0",
+              "train.save_every=1"]
+    from vlforge.config import SFTConfig, load_config
+
+    straight, split = tmp_path / "straight", tmp_path / "split"
+    run_sft(load_config(SFTConfig, None, [*common, f"train.output_dir={straight}", "train.max_steps=3"]))
+    run_sft(load_config(SFTConfig, None, [*common, f"train.output_dir={split}", "train.max_steps=1"]))
+    run_sft(load_config(SFTConfig, None, [*common, f"train.output_dir={split}", "train.max_steps=3",
+                                          "train.resume=auto"]))
+    losses = lambda d: [json.loads(x)["loss"] for x in (d / "metrics.jsonl").read_text().splitlines() if "loss" in x]
+    assert losses(split)[-2:] == pytest.approx(losses(straight)[-2:], rel=1e-5)

@@ -47,31 +47,46 @@ def test_rows_come_in_steps_of_the_graph_multiple():
 
 
 def test_the_vision_graphs_warn_once_when_image_sizes_vary(monkeypatch):
-    """Every new image patch total records the tower's graphs again: after VISION_SHAPES_WARN of them
-    the run says so, once; the decoder layers' graphs alone (rows padded to few lengths) never warn."""
+    """Every new image layout (patches per image in a micro-batch) records the tower's graphs again:
+    after VISION_SHAPES_WARN of them the run says so, once; the decoder layers' graphs alone (rows
+    padded to few lengths) never warn."""
     monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: None)  # no CUDA here
-    batch = lambda patches: {"pixel_values": torch.zeros(patches, 4)}
+    images = lambda *sides: {"pixel_values": torch.zeros(sum(s * s for s in sides), 4),
+                             "image_grid_thw": torch.tensor([[1, s, s] for s in sides])}
     both = Trainable(torch.nn.Linear(2, 2), None, [], None, torch.device("cpu"), cuda_graphs=True,
                      cuda_graphs_vision=True)
-    said = [cuda_graph_step_begin(both, 1, batch(16 * (i % 3 + 1))) for i in range(20)]  # three sizes
+    said = [cuda_graph_step_begin(both, [images(*sides)], 0) for sides in [(4,), (4, 4), (8,)] * 5]
     assert not any(said)
-    said = [cuda_graph_step_begin(both, 1, batch(16 * i)) for i in range(1, 20)]
-    assert sum(map(bool, said)) == 1 and said.index(next(filter(None, said))) == VISION_SHAPES_WARN - 1  # 16, 32, 48 already met
+    said = [cuda_graph_step_begin(both, [images(2, side)], 0) for side in range(2, 12)]  # 3 layouts, then new
+    assert sum(map(bool, said)) == 1 and said.index(next(filter(None, said))) == VISION_SHAPES_WARN - 3 - 1
     assert "precision.cuda_graphs_vision off" in next(filter(None, said))
-    assert cuda_graph_step_begin(both, 1, {"pixel_values": None}) is None  # a text-only micro-batch
+    assert cuda_graph_step_begin(both, [{"pixel_values": None}], 0) is None  # a text-only micro-batch
     layers_only = Trainable(torch.nn.Linear(2, 2), None, [], None, torch.device("cpu"), cuda_graphs=True)
-    assert not any(cuda_graph_step_begin(layers_only, 1, batch(16 * i)) for i in range(1, 20))
+    assert not any(cuda_graph_step_begin(layers_only, [images(side)], 0) for side in range(2, 20))
 
 
-def test_several_micro_batches_get_their_gradient_buffers_first(monkeypatch):
+@pytest.mark.parametrize("vision_graphs", [False, True])
+def test_several_micro_batches_give_the_graphed_blocks_gradient_buffers_first(tiny, monkeypatch, vision_graphs):
+    """Only the parameters whose gradients graphs produce, and only those the step reaches: the vision
+    blocks when graphed and a micro-batch has images; everything else keeps autograd's own buffers."""
+    import copy
+
     monkeypatch.setattr(torch.compiler, "cudagraph_mark_step_begin", lambda: None)
-    model = torch.nn.Linear(2, 2)
-    model.bias.requires_grad_(False)
-    t = Trainable(model, None, [], None, torch.device("cpu"), cuda_graphs=True)
-    cuda_graph_step_begin(t, 1, {})
-    assert model.weight.grad is None  # one micro-batch: autograd's own buffer is read before the next replay
-    cuda_graph_step_begin(t, 2, {})
-    assert torch.equal(model.weight.grad, torch.zeros(2, 2)) and model.bias.grad is None
+    model = copy.deepcopy(tiny[0])
+    t = Trainable(model, None, [], None, torch.device("cpu"), cuda_graphs=True, cuda_graphs_vision=vision_graphs)
+    text, image = {"input_ids": torch.zeros(1, 4)}, {"pixel_values": torch.zeros(4, 4),
+                                                     "image_grid_thw": torch.tensor([[1, 2, 2]])}
+    layer = model.model.language_model.layers[0].self_attn.q_proj.weight
+    block = model.model.visual.blocks[0].attn.qkv.weight
+    cuda_graph_step_begin(t, [image], 0)
+    assert layer.grad is None and block.grad is None  # one micro-batch: read before the next replay
+    cuda_graph_step_begin(t, [text, text], 0)
+    assert torch.equal(layer.grad, torch.zeros_like(layer)) and block.grad is None  # the tower is not reached
+    assert model.model.language_model.embed_tokens.weight.grad is None  # not graphed
+    layer.grad = None
+    cuda_graph_step_begin(t, [text, image], 0)
+    assert layer.grad is not None and (block.grad is not None) == vision_graphs
+    assert model.model.visual.merger.linear_fc1.weight.grad is None  # the merger is outside the blocks
 
 
 def _losses(run_dir) -> list[float]:

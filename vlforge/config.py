@@ -340,8 +340,11 @@ class PrecisionConfig:
         _require(not self.cuda_graphs_vision or self.cuda_graphs,
                  "precision.cuda_graphs_vision graphs the vision blocks along with the decoder layers: set "
                  "precision.cuda_graphs=true too")
+        _require(not (self.cuda_graphs_vision and self.compile_vision is False),
+                 "precision.cuda_graphs_vision replays the compiled vision blocks: set precision.compile_vision "
+                 "auto or true")
         _require(not (self.cuda_graphs and (self.gradient_checkpointing or self.fp8.enabled)),
-                 "precision.cuda_graphs is built and measured for bf16/fp32 layers without recomputation: turn off "
+                 "precision.cuda_graphs is built and measured for non-FP8 layers without recomputation: turn off "
                  "precision.gradient_checkpointing and precision.fp8.enabled, or precision.cuda_graphs")
         for o in self.overrides:
             _require(o.compute != "fp16" or self.mode == "fp16",

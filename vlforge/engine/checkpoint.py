@@ -262,13 +262,17 @@ def _all_ranks_or_none(tmp: Path, out: Path, step: int, world=None):
     failure = None
     try:
         yield
-    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):  # the launcher stops every rank: nothing to gather
         raise
     except BaseException as e:  # DCP's CheckpointException is a BaseException
         failure = e
     # each rank's outcome, read before anything is removed (free space then is what the failed write saw)
-    mine = None if failure is None else (_write_failure(out, step, failure) if _is_write_failure(failure)
-                                         else f"{type(failure).__name__}: {failure}")
+    mine = None if failure is None else f"{type(failure).__name__}: {failure}"
+    if failure is not None and _is_write_failure(failure):
+        try:
+            mine = _write_failure(out, step, failure)
+        except Exception:  # reading the disk's state failed too: the plain cause, and this rank still joins below
+            mine = f"could not write checkpoint-{step} in {out}: {mine}"
     outcomes = world.gather_objects(mine) if world is not None else [mine]
     failed = [(rank, message) for rank, message in enumerate(outcomes) if message is not None]
     if not failed:
@@ -279,7 +283,8 @@ def _all_ranks_or_none(tmp: Path, out: Path, step: int, world=None):
         raise failure
     if mine is None:
         rank, message = failed[0]
-        mine = f"rank {rank} of {len(outcomes)} failed: {message}"
+        mine = (f"rank {rank} of {len(outcomes)} failed: {message}" if message.startswith("could not write") else
+                f"could not write checkpoint-{step} in {out}: rank {rank} of {len(outcomes)} failed: {message}")
     raise CheckpointWriteError(mine) from failure
 
 
@@ -362,14 +367,29 @@ def _trained_here(model) -> set[str]:
     return {n for n, p in model.named_parameters() if p.requires_grad}
 
 
-def _trained_by(dcp_dir: Path) -> set[str]:
-    """The parameters a sharded checkpoint's optimizer holds state for (optim.state.NAME.exp_avg, ...):
-    what its run trained. Read from DCP's metadata, before anything is loaded."""
+def _trained_record(names: set[str]) -> dict:
+    """What a sharded checkpoint records of the parameters its run trained (trainer_state.json): their
+    count and a digest of their names, so a resume tells another config from parameters that merely
+    had no gradient yet (no optimizer state: a vision tier before the first image)."""
+    return {"tensors": len(names), "sha256": hashlib.sha256("\n".join(sorted(names)).encode()).hexdigest()}
+
+
+def _with_optimizer_state(dcp_dir: Path, names: set[str]) -> set[str]:
+    """Of `names`, those a sharded checkpoint holds optimizer state for (optim.state.NAME.exp_avg, ...:
+    DCP flattens nested state further, so a key is matched to the longest name it starts with). Read
+    from DCP's metadata, before anything is loaded."""
     from torch.distributed.checkpoint import FileSystemReader
 
     prefix = "optim.state."
-    keys = FileSystemReader(str(dcp_dir)).read_metadata().state_dict_metadata
-    return {k[len(prefix):].rsplit(".", 1)[0] for k in keys if k.startswith(prefix)}
+    found = set()
+    for key in FileSystemReader(str(dcp_dir)).read_metadata().state_dict_metadata:
+        if key.startswith(prefix):
+            name = key[len(prefix):]
+            while name and name not in names:
+                name = name.rpartition(".")[0]
+            if name:
+                found.add(name)
+    return found
 
 
 def save_sharded_checkpoint(output_dir: str | Path, step: int, model, processor, optimizer, scheduler, scaler,
@@ -394,8 +414,9 @@ def save_sharded_checkpoint(output_dir: str | Path, step: int, model, processor,
             processor.save_pretrained(tmp)
             torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
             torch.save(scaler.state_dict(), tmp / "scaler.pt")
-            (tmp / "trainer_state.json").write_text(json.dumps({**state, "step": step, "world_size": world.size},
-                                                               indent=2))
+            (tmp / "trainer_state.json").write_text(json.dumps(
+                {**state, "step": step, "world_size": world.size, "trained": _trained_record(_trained_here(model))},
+                indent=2))
     with _all_ranks_or_none(tmp, out, step, world):
         if world.main:
             _finish_directory(out, tmp, final, keep_last)
@@ -415,21 +436,28 @@ def load_sharded_checkpoint(path: str | Path, model, optimizer, scheduler, scale
     if not is_sharded(path):
         raise FileNotFoundError(f"{path} is a one-process (or DDP) checkpoint; resume it with "
                                 "distributed.strategy=none (one process) or ddp, or start the sharded run afresh")
-    # DCP loads a subset without complaint, and the optimizer then fails at its first step: compare first
-    saved, here = _trained_by(path / SHARDED_DIR), _trained_here(model)
-    if saved != here:
-        differ = [f"{n} (trained there only)" for n in sorted(saved - here)[:2]] + \
-                 [f"{n} (trained here only)" for n in sorted(here - saved)[:2]]
-        raise ConfigError(_other_run(path, f"it trained {len(saved)} tensors, this config trains {len(here)}: "
-                                           f"{', '.join(differ)}"))
+    # Another config's checkpoint: DCP loads a subset without complaint and the optimizer then fails at
+    # its first step, so compare first (the record; a checkpoint from before it: what has optimizer state)
+    state = json.loads((path / "trainer_state.json").read_text())
+    here = _trained_here(model)
+    with_state = _with_optimizer_state(path / SHARDED_DIR, {n for n, _ in model.named_parameters()})
+    if state["trained"] != _trained_record(here) if "trained" in state else with_state - here:
+        differ = [f"{n} (trained there only)" for n in sorted(with_state - here)[:2]] + \
+                 [f"{n} (trained here only)" for n in sorted(here - with_state)[:2]]
+        saved = state["trained"]["tensors"] if "trained" in state else len(with_state)
+        raise ConfigError(_other_run(path, f"it trained {saved} tensors, this config trains {len(here)}"
+                                           + (f": {', '.join(differ)}" if differ else "")))
     model_state = _trainable_only(model, get_model_state_dict(model))
     optim_state = get_optimizer_state_dict(model, optimizer)
+    for name in here - with_state:  # trained, but no gradient had reached it yet: fresh moments, as in the run
+        optim_state["state"].pop(name, None)
     loaded = {"model": model_state, "optim": optim_state}
     dcp.load(loaded, checkpoint_id=str(path / SHARDED_DIR))
     set_model_state_dict(model, loaded["model"], options=StateDictOptions(strict=False))
-    set_optimizer_state_dict(model, optimizer, loaded["optim"])
+    # strict: every trained parameter has saved state; not so for those without a gradient yet (above)
+    set_optimizer_state_dict(model, optimizer, loaded["optim"],
+                             options=StateDictOptions(strict=not (here - with_state)))
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
     scaler.load_state_dict(torch.load(path / "scaler.pt", weights_only=True))
-    state = json.loads((path / "trainer_state.json").read_text())
     restore_rng(path, world.rank, seed, state["step"], shared_rng)
     return state

@@ -147,8 +147,8 @@ class Run:
             return None
         # CUDA graphs (precision.cuda_graphs) are recorded per shape: the evaluation's padded batches and
         # generation would record graphs of their own for every length, so it runs eager
-        eager = torch.compiler.set_stance("force_eager") if self.t.cuda_graphs else contextlib.nullcontext()
-        with gathered(self.t.root), eager:  # sharded: every rank evaluates, the root unit gathered for generate
+        with gathered(self.t.root), (torch.compiler.set_stance("force_eager") if self.t.cuda_graphs
+                                     else contextlib.nullcontext()):  # sharded: every rank evaluates, gathered
             self.last_eval = self.recorder(self.t.model, self.step, self.t.policy, self.t.device)
         return self.last_eval
 

@@ -26,7 +26,7 @@ from vlforge.engine.packed_attention import keep_mask_attention
 from vlforge.engine.precision import PrecisionPolicy
 from vlforge.engine.runtime import resolve_device
 from vlforge.model.load import build_meta_model, host_dtype, load_model, load_on_host
-from vlforge.model.presets import is_moe
+from vlforge.model.presets import MOE_PRESETS, is_moe
 from vlforge.model.quant import format_report, keep_trainable, verify
 from vlforge.model.tiers import apply_plan, build_plan, unwrap
 from vlforge.model.varlen import use_vision_varlen
@@ -49,7 +49,7 @@ class Trainable:
     compiled: tuple[str, ...] = ()  # what torch.compile wraps: "decoder layers", "vision blocks" (precision.compile*)
     cuda_graphs: bool = False  # precision.cuda_graphs: the compiled decoder layers replay as CUDA graphs
     cuda_graphs_vision: bool = False  # precision.cuda_graphs_vision: the compiled vision blocks too
-    vision_shapes: set = field(default_factory=set)  # image patch totals the vision graphs were recorded for
+    vision_shapes: set = field(default_factory=set)  # image layouts the vision graphs were recorded for
 
     def forward(self, fn, *args, **kwargs):
         """`fn(model, *args)`, entered through the FSDP2 root unit when the run is sharded (losses.Root).
@@ -65,8 +65,8 @@ class Trainable:
         return max(token_multiple(self.fp8_plan), CUDA_GRAPH_ROW_MULTIPLE if self.cuda_graphs else 1)
 
 
-# precision.cuda_graphs_vision: after this many different image patch totals a run warns that its
-# data's image sizes vary (each new total records the tower's graphs again: a slow step)
+# precision.cuda_graphs_vision: after this many different image layouts (patches per image in a
+# micro-batch) a run warns that its data's image sizes vary (each records the tower's graphs again)
 VISION_SHAPES_WARN = 8
 
 # precision.cuda_graphs: a packed row's length rounded up to this, so that a run's rows come in few
@@ -128,28 +128,34 @@ def compile_decoder_layers(model: torch.nn.Module, vision: bool = False, cuda_gr
     return len(core.language_model.layers) + (len(core.visual.blocks) if vision else 0)
 
 
-def cuda_graph_step_begin(t: Trainable, micro_batches: int, batch: dict) -> str | None:
-    """Before each micro-batch's forward when blocks replay as CUDA graphs: a new generation for the
+def cuda_graph_step_begin(t: Trainable, micro: list[dict], i: int) -> str | None:
+    """Before micro-batch `i`'s forward when blocks replay as CUDA graphs: a new generation for the
     graph trees (the last micro-batch's outputs may be overwritten now). With several micro-batches
-    a step, every trainable parameter gets its gradient buffer first: autograd would otherwise keep
-    the first backward's graph output as `.grad` and the next replay would overwrite it (torch's
-    trees then accumulate wrongly: pytorch#169545); an existing buffer is added to in place. Returns
-    a warning, once, when the vision graphs have met VISION_SHAPES_WARN image patch totals."""
+    a step, the parameters of the graphed blocks the step reaches get their gradient buffers first:
+    autograd would otherwise keep the first backward's graph output as `.grad` and the next replay
+    would overwrite it (torch's trees then accumulate wrongly: pytorch#169545), while an existing
+    buffer is added to in place. (Parameters the step does not reach, the vision blocks on text-only
+    micro-batches, keep no gradient, as without graphs.) Returns a warning, once, when the vision
+    graphs have met VISION_SHAPES_WARN image layouts."""
     if not t.cuda_graphs:
         return None
-    if micro_batches > 1:
-        for p in t.model.parameters():
-            if p.requires_grad and p.grad is None:
-                p.grad = torch.zeros_like(p)
+    if i == 0 and len(micro) > 1:
+        core = unwrap(t.model).model
+        vision = t.cuda_graphs_vision and any(b.get("pixel_values") is not None for b in micro)
+        for block in [*core.language_model.layers, *(core.visual.blocks if vision else [])]:
+            for p in block.parameters():
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
     torch.compiler.cudagraph_mark_step_begin()
-    if not t.cuda_graphs_vision or batch.get("pixel_values") is None or len(t.vision_shapes) >= VISION_SHAPES_WARN:
+    grid = micro[i].get("image_grid_thw")
+    if not t.cuda_graphs_vision or grid is None or len(t.vision_shapes) >= VISION_SHAPES_WARN:
         return None
-    t.vision_shapes.add(len(batch["pixel_values"]))
+    t.vision_shapes.add(tuple(grid.prod(-1).tolist()))  # each image's patches: the tower's shapes and bounds
     if len(t.vision_shapes) < VISION_SHAPES_WARN:
         return None
     return (f"warning: precision.cuda_graphs_vision: the vision tower has met {VISION_SHAPES_WARN} different image "
-            "patch totals in a micro-batch; each records its CUDA graphs again (a step several times slower). "
-            "For data whose image sizes vary, turn precision.cuda_graphs_vision off")
+            "layouts (patches per image) in a micro-batch; each records its CUDA graphs again (a step several "
+            "times slower). For data whose image sizes vary, turn precision.cuda_graphs_vision off")
 
 
 def cuda_graphs_problem(cfg: RunConfig, device: torch.device, strategy: str) -> str | None:
@@ -157,9 +163,10 @@ def cuda_graphs_problem(cfg: RunConfig, device: torch.device, strategy: str) -> 
     if not cfg.precision.cuda_graphs:
         return None
     where = ("device " + str(device) if device.type != "cuda" else f"distributed.strategy={strategy}"
-             if strategy != "none" else "quant (QLoRA's 4-bit layers)" if cfg.quant.enabled else None)
-    return where and (f"precision.cuda_graphs runs on one CUDA GPU with plain bf16/fp32 layers, not with {where}: "
-                      "turn precision.cuda_graphs off")
+             if strategy != "none" else "quant (QLoRA's 4-bit layers)" if cfg.quant.enabled else
+             f"the MoE model {cfg.model.preset} (its router's hooks)" if cfg.model.preset in MOE_PRESETS else None)
+    return where and (f"precision.cuda_graphs runs on one CUDA GPU with a dense model's plain layers, not with "
+                      f"{where}: turn precision.cuda_graphs off")
 
 
 def vision_attention_for_training(core, model_cfg: ModelConfig, precision: PrecisionConfig, layers_compiled: bool) -> bool:
