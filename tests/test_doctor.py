@@ -179,6 +179,37 @@ def test_packing_auto_says_what_the_recipe_will_do(monkeypatch):
     assert recipe_from_config(load_recipe_config(None, ["rl.kl_beta=0.1"]), None, False, 0).packing is False
 
 
+def test_cuda_graphs_are_checked_as_the_recipe_refuses_them(monkeypatch):
+    """precision.cuda_graphs: doctor fails where setup_model would refuse it before loading (the same
+    function), and says what it graphs where it runs."""
+    import vlforge.engine.packed_attention as packed_attention
+
+    monkeypatch.setattr(packed_attention, "flash_capable", lambda index: True)
+    monkeypatch.setattr(packed_attention, "varlen_kernel", lambda: object())  # a torch with the varlen kernel
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # no GPU here: train.device=cuda is device 0
+    on = ["precision.compile=true", "precision.cuda_graphs=true"]
+
+    def check(*overrides, cuda=True, grpo=False):
+        cfg = load_recipe_config(None, [*on, *overrides, *(["rl.kl_beta=0.1"] if grpo else [])])
+        recipe = recipe_from_config(cfg, None, cuda_available=cuda, gpu_count=int(cuda))
+        return [c for c in recipe_checks(recipe, _libs()) if c.name == "recipe cuda graphs"]
+
+    (ok,) = check("train.device=cuda", "precision.cuda_graphs_vision=true")
+    assert ok.status == "ok" and "decoder layers and vision blocks replay as CUDA graphs" in ok.detail
+    (cpu,) = check("train.device=cpu", cuda=False)
+    assert cpu.status == "fail" and "not with device cpu" in cpu.detail
+    (padded,) = check("train.device=cuda", "data.packing=false")
+    assert padded.status == "fail" and "data.packing=true or auto" in padded.detail
+    (fp32,) = check("train.device=cuda", "precision.mode=fp32")  # auto would pad: the flash kernel is half-only
+    assert fp32.status == "fail" and "data.packing=auto pads here" in fp32.detail
+    (moe,) = check("train.device=cuda", "model.preset=qwen3vl-30b-a3b")
+    assert moe.status == "fail" and "MoE" in moe.detail
+    (grpo,) = check("train.device=cuda", grpo=True)
+    assert grpo.status == "fail" and "not GRPO's update" in grpo.detail
+    assert not [c for c in recipe_checks(recipe_from_config(load_recipe_config(None, []), None, True, 1), _libs())
+                if c.name == "recipe cuda graphs"]
+
+
 def test_flash_attention_recipe_needs_flash_attn():
     recipe = _recipe(flash_attn=True)
     (ok,) = [c for c in recipe_checks(recipe, _libs("flash_attn")) if c.name == "recipe flash_attn"]

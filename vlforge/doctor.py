@@ -290,6 +290,8 @@ class Recipe:
     precision_mode: str = "bf16"
     attn_implementation: str = "sdpa"
     packed_attention: str = "per_sample"
+    cuda_graphs: str | None = None  # precision.cuda_graphs: what it graphs here, or why it is refused
+    cuda_graphs_ok: bool = True
 
     @property
     def needs(self) -> list[str]:
@@ -312,6 +314,15 @@ class Recipe:
 def recipe_from_config(cfg: SFTConfig | GRPOConfig, config: str | None, cuda_available: bool,
                        gpu_count: int) -> Recipe:
     device, problem = choose_device(cfg.train.device, cuda_available, gpu_count)
+    graphs, graphs_ok = None, True
+    if cfg.precision.cuda_graphs and device is not None:  # the refusal setup_model makes before loading
+        from vlforge.engine.trainable import cuda_graphs_problem
+
+        graphs = cuda_graphs_problem(cfg, device)
+        graphs_ok = graphs is None
+        graphs = graphs or ("precision.cuda_graphs: the compiled decoder layers"
+                            + (" and vision blocks" if cfg.precision.cuda_graphs_vision else "")
+                            + " replay as CUDA graphs, on packed rows padded to multiples of 256 tokens")
     return Recipe(
         config=config,
         device_spec=cfg.train.device,
@@ -328,6 +339,8 @@ def recipe_from_config(cfg: SFTConfig | GRPOConfig, config: str | None, cuda_ava
         attn_implementation=cfg.model.attn_implementation,
         packed_attention=cfg.model.packed_attention,
         precision_mode=cfg.precision.mode,
+        cuda_graphs=graphs,
+        cuda_graphs_ok=graphs_ok,
     )
 
 
@@ -843,6 +856,10 @@ def recipe_checks(recipe: Recipe, libs: dict[str, dict[str, Any]]) -> list[Check
         problem = packing_problem(device, recipe.attn_implementation, recipe.packed_attention, recipe.precision_mode)
         checks.append(Check("recipe packing", "ok", f"data.packing=auto -> padded rows: {problem}" if problem else
                             f"data.packing=auto -> packed rows on {device} (torch's varlen flash kernel)"))
+
+    if recipe.cuda_graphs:
+        checks.append(Check("recipe cuda graphs", "ok", recipe.cuda_graphs) if recipe.cuda_graphs_ok else
+                      Check("recipe cuda graphs", "fail", recipe.cuda_graphs, "set precision.cuda_graphs=false"))
 
     if recipe.model_path:
         checks.append(_model_path_check(recipe.model_path))

@@ -15,14 +15,14 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vlforge.config import ConfigError, ModelConfig, PrecisionConfig, RunConfig
+from vlforge.config import ConfigError, GRPOConfig, ModelConfig, PrecisionConfig, RunConfig
 from vlforge.engine.distributed import World, meta_init, outside_state_dict, refuse_unsupported, wrap
 from vlforge.engine.fp8 import fp8_backend, fp8_layer_plan, token_multiple
 from vlforge.engine.hardware import bf16_problem, quant_problem
 from vlforge.engine.losses import loss_impl_problem
 from vlforge.engine.moe import Routing
 from vlforge.engine.optim import optimizer_problem
-from vlforge.engine.packed_attention import keep_mask_attention
+from vlforge.engine.packed_attention import keep_mask_attention, packing_problem
 from vlforge.engine.precision import PrecisionPolicy
 from vlforge.engine.runtime import resolve_device
 from vlforge.model.load import build_meta_model, host_dtype, load_model, load_on_host
@@ -158,15 +158,28 @@ def cuda_graph_step_begin(t: Trainable, micro: list[dict], i: int) -> str | None
             "times slower). For data whose image sizes vary, turn precision.cuda_graphs_vision off")
 
 
-def cuda_graphs_problem(cfg: RunConfig, device: torch.device, strategy: str) -> str | None:
-    """Why precision.cuda_graphs cannot run here (from the config and the device, before loading)."""
+def cuda_graphs_problem(cfg: RunConfig, device: torch.device, strategy: str = "none") -> str | None:
+    """Why precision.cuda_graphs cannot run here, from the config and the device (before loading;
+    `vlforge doctor --config` asks the same). Graphs are recorded per row length, so the rows must be
+    packed (few lengths); the blocks' kernels must run without hooks between them."""
     if not cfg.precision.cuda_graphs:
         return None
+    if isinstance(cfg, GRPOConfig):  # its update's rows change length with every rollout, and rollouts run between
+        return "precision.cuda_graphs is built for SFT's packed rows, not GRPO's update: turn it off"
+    if cfg.data.packing is False:
+        return ("precision.cuda_graphs is built for packed rows (few row lengths, each recorded once): set "
+                "data.packing=true or auto, or turn precision.cuda_graphs off")
     where = ("device " + str(device) if device.type != "cuda" else f"distributed.strategy={strategy}"
              if strategy != "none" else "quant (QLoRA's 4-bit layers)" if cfg.quant.enabled else
              f"the MoE model {cfg.model.preset} (its router's hooks)" if cfg.model.preset in MOE_PRESETS else None)
-    return where and (f"precision.cuda_graphs runs on one CUDA GPU with a dense model's plain layers, not with "
-                      f"{where}: turn precision.cuda_graphs off")
+    if where:
+        return (f"precision.cuda_graphs runs on one CUDA GPU with a dense model's plain layers, not with {where}: "
+                "turn precision.cuda_graphs off")
+    if cfg.data.packing == "auto" and (problem := packing_problem(device, cfg.model.attn_implementation,
+                                                                  cfg.model.packed_attention, cfg.precision.mode)):
+        return (f"precision.cuda_graphs is built for packed rows, and data.packing=auto pads here ({problem}): set "
+                "data.packing=true, or turn precision.cuda_graphs off")
+    return None
 
 
 def vision_attention_for_training(core, model_cfg: ModelConfig, precision: PrecisionConfig, layers_compiled: bool) -> bool:

@@ -32,7 +32,7 @@ from vlforge.engine.packed_attention import keep_mask_attention
 from vlforge.engine.metrics import plot_metric, read_metrics
 from vlforge.engine.moe import aux_term, capture, follow
 from vlforge.engine.run import Run, begin_run
-from vlforge.engine.trainable import Trainable, setup_model
+from vlforge.engine.trainable import Trainable, cuda_graphs_problem, setup_model
 from vlforge.generate.engine import engine_for
 from vlforge.model.host_inputs import host_to_device
 from vlforge.model.load import build_meta_model, dir_config
@@ -434,8 +434,8 @@ def run_grpo(cfg: GRPOConfig) -> dict:
     """Train; returns {"output_dir", "final_step", "eval", "first_eval"}."""
     if cfg.rollout.temperature <= 0:
         raise ConfigError("rollout.temperature must be > 0 for GRPO: it needs sampled responses and their log-probs")
-    if cfg.precision.cuda_graphs:  # its update's rows change length with every rollout, and rollouts run between
-        raise ConfigError("precision.cuda_graphs is built for SFT's packed rows, not GRPO's update: turn it off")
+    if cfg.precision.cuda_graphs:
+        raise ConfigError(cuda_graphs_problem(cfg, torch.device("cpu")))  # GRPO's refusal, whatever the device
     if not cfg.data.train:
         raise ConfigError("data.train is not set: give a JSONL of prompts with reference answers")
     if cfg.data.packing is True or cfg.data.max_tokens_per_batch:

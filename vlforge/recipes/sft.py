@@ -28,10 +28,10 @@ from vlforge.engine.losses import (HostPrep, count_supervised, count_tokens, dro
                                    sft_loss_sum, step_inputs)
 from vlforge.engine.metrics import plot_metric, read_metrics
 from vlforge.engine.moe import aux_term, capture
-from vlforge.engine.packed_attention import packing_pays, packing_problem
+from vlforge.engine.packed_attention import packing_pays
 from vlforge.engine.run import Run, begin_run
 from vlforge.engine.runtime import resolve_device, resolve_num_workers
-from vlforge.engine.trainable import Trainable, cuda_graph_step_begin, setup_model
+from vlforge.engine.trainable import Trainable, cuda_graph_step_begin, cuda_graphs_problem, setup_model
 from vlforge.model.tiers import plan_summary, unwrap
 
 
@@ -153,27 +153,15 @@ def check_resumed_packing(state: dict, packed: bool, batching: Batching, say=pri
     state["packed"] = packed
 
 
-def refuse_unpacked_graphs(cfg: SFTConfig) -> None:
-    """precision.cuda_graphs records per row length, so it is built for packed rows (few lengths):
-    refused, before anything loads, when the rows will be padded."""
-    if cfg.data.packing is False:
-        raise ConfigError("precision.cuda_graphs is built for packed rows (few row lengths, each recorded once): set "
-                          "data.packing=true or auto, or turn precision.cuda_graphs off")
-    device = resolve_device(cfg.train.device)  # not CUDA: setup_model refuses it, naming the device
-    if cfg.data.packing == "auto" and device.type == "cuda" and (problem := packing_problem(
-            device, cfg.model.attn_implementation, cfg.model.packed_attention, cfg.precision.mode)):
-        raise ConfigError(f"precision.cuda_graphs is built for packed rows, and data.packing=auto pads here "
-                          f"({problem}): set data.packing=true, or turn precision.cuda_graphs off")
-
-
 def run_sft(cfg: SFTConfig) -> dict:
     """Train; returns {"output_dir", "final_step", "eval", "plan"}."""
     if not cfg.data.train:
         raise ConfigError("data.train is not set: give a JSONL file (data.train=path/to/train.jsonl)")
     for path in filter(None, (cfg.data.train, cfg.data.val)):  # a bad file fails now, not after the model loads
         check_readable(path, cfg.data.on_error, cfg.data.max_image_pixels)
-    if cfg.precision.cuda_graphs:
-        refuse_unpacked_graphs(cfg)
+    # before the run begins (its directory, the model): what can be told from the config and the device
+    if cfg.precision.cuda_graphs and (problem := cuda_graphs_problem(cfg, resolve_device(cfg.train.device))):
+        raise ConfigError(problem)
     with begin_run(cfg) as (world, resume_from):
         t = setup_model(cfg, world=world)
         train_data = load_dataset(cfg.data.train, t.processor, cfg.data)
