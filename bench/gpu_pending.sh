@@ -61,7 +61,8 @@
 #   without the log-prob forward's syncs vs before, bench/ab.sh).
 #   Eighteenth session ran mixed19 (no recompile_limit), grpo17 (no difference), prof19 (the packed 2B step's kernels),
 #   cg19 (CUDA graphs per decoder layer: 1.10-1.15x), graphs19 and graphs19b (precision.cuda_graphs as built: 2B 1.05-
-#   1.08x, 8B LoRA 0.98x; its gpu tests). Next: a long run with cuda_graphs on varied data (how many lengths, memory).
+#   1.08x, 8B LoRA 0.98x; its gpu tests), visg19 (the vision blocks graphed too: 1.04x more). Next: final19 (the gpu
+#   tests again, peer vs both graph options in one process), then a long run with cuda_graphs on varied data.
 #   OUT=/some/dir GROUP=moe   bash bench/gpu_pending.sh  # 30B-A3B: peft peer vs ours same process; NF4 memory/decode
 #   OUT=/some/dir GROUP=mem   bash bench/gpu_pending.sh  # selective checkpointing and the activation memory budget
 # (carry .whl/train, and .whl/ao (torchao) for GROUP=tests, .whl/bnb (bitsandbytes) for moe and mem)
@@ -289,6 +290,14 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', '--tb=line', 
           TORCH_LOGS=perf_hints r 2 $b precision.cuda_graphs_vision=true
           r 3 $b
           r 4 $b precision.cuda_graphs_vision=true ;;
+  final19) # prepared, not run (device time spent): cuda_graphs' gpu tests after the review's narrower gradient-buffer
+          # rule, the vision-graphs case among them; then issue 13's 2B full, peer vs packed vs both graph options in
+          # one process (visg19 measured ~2.5x against another call's peer)
+          timeout 200 python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_cuda_graphs.py --tb=short \
+            > "$OUT/pytest.txt" 2>&1
+          (cd bench && timeout 330 python3 train.py --preset qwen3vl-2b --method full --steps 12 --warmup 10 --samples 64 \
+            --paths peer,graphs+vision,packed,graphs+vision,packed --ours precision.compile=true \
+            --json "$OUT/final2b.json" 2>"$OUT/err-final2b.txt" | tail -8 > "$OUT/final2b.txt") ;;
   grpo17) # GRPO's update with the log-prob forward's layout read from the rollout's host copy (4090292) against the
           # commit before it, in one call: here `bash bench/ab.sh prepare acfe487` first (side "main" = this checkout's
           # main, "branch" = acfe487), carry [".whl/ab"]; the recipe's update, padded and packed modes alternating
