@@ -441,7 +441,11 @@ def load_sharded_checkpoint(path: str | Path, model, optimizer, scheduler, scale
     state = json.loads((path / "trainer_state.json").read_text())
     here = _trained_here(model)
     with_state = _with_optimizer_state(path / SHARDED_DIR, {n for n, _ in model.named_parameters()})
-    if state["trained"] != _trained_record(here) if "trained" in state else with_state - here:
+    if "trained" in state:
+        other = state["trained"] != _trained_record(here)
+    else:  # a checkpoint from before the record: whatever has optimizer state must be trained here
+        other = bool(with_state - here)
+    if other:
         differ = [f"{n} (trained there only)" for n in sorted(with_state - here)[:2]] + \
                  [f"{n} (trained here only)" for n in sorted(here - with_state)[:2]]
         saved = state["trained"]["tensors"] if "trained" in state else len(with_state)
