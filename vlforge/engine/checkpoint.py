@@ -247,7 +247,11 @@ def _finish_directory(out: Path, tmp: Path, final: Path, keep_last: int) -> None
     if final.exists():  # re-saving a step after a resume: replace the old copy
         shutil.rmtree(final)
     os.rename(tmp, final)
-    _fsync_dir(out)
+    try:
+        _fsync_dir(out)
+    except OSError as e:  # the checkpoint is complete and in place: not a failed save, said all the same
+        print(f"warning: {final} is written, but syncing its directory entry to disk failed ({e}): a power loss "
+              "now could lose it")
     for old in list_checkpoints(out)[:-keep_last] if keep_last > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
 
