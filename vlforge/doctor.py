@@ -290,7 +290,7 @@ class Recipe:
     precision_mode: str = "bf16"
     attn_implementation: str = "sdpa"
     packed_attention: str = "per_sample"
-    cuda_graphs: str | None = None  # precision.cuda_graphs: what it graphs here, or why it is refused
+    cuda_graphs_detail: str | None = None  # precision.cuda_graphs: what it graphs here, or why it is refused
     cuda_graphs_ok: bool = True
 
     @property
@@ -339,7 +339,7 @@ def recipe_from_config(cfg: SFTConfig | GRPOConfig, config: str | None, cuda_ava
         attn_implementation=cfg.model.attn_implementation,
         packed_attention=cfg.model.packed_attention,
         precision_mode=cfg.precision.mode,
-        cuda_graphs=graphs,
+        cuda_graphs_detail=graphs,
         cuda_graphs_ok=graphs_ok,
     )
 
@@ -857,9 +857,9 @@ def recipe_checks(recipe: Recipe, libs: dict[str, dict[str, Any]]) -> list[Check
         checks.append(Check("recipe packing", "ok", f"data.packing=auto -> padded rows: {problem}" if problem else
                             f"data.packing=auto -> packed rows on {device} (torch's varlen flash kernel)"))
 
-    if recipe.cuda_graphs:
-        checks.append(Check("recipe cuda graphs", "ok", recipe.cuda_graphs) if recipe.cuda_graphs_ok else
-                      Check("recipe cuda graphs", "fail", recipe.cuda_graphs, "set precision.cuda_graphs=false"))
+    if recipe.cuda_graphs_detail:
+        checks.append(Check("recipe cuda graphs", "ok", recipe.cuda_graphs_detail) if recipe.cuda_graphs_ok else
+                      Check("recipe cuda graphs", "fail", recipe.cuda_graphs_detail, "set precision.cuda_graphs=false"))
 
     if recipe.model_path:
         checks.append(_model_path_check(recipe.model_path))

@@ -170,10 +170,6 @@ def run_sft(cfg: SFTConfig) -> dict:
         # rows padded for FP8 count against the token budget as padded (the tokens the step computes)
         packed = (packing_pays(unwrap(t.model), t.device, cfg.precision.mode) if cfg.data.packing == "auto"
                   else cfg.data.packing)
-        if t.cuda_graphs and not packed:
-            raise ConfigError(f"precision.cuda_graphs is built for packed rows, and data.packing=auto does not pack on "
-                              f"{t.device} in precision.mode={cfg.precision.mode} (`vlforge doctor --config` says "
-                              "why): turn precision.cuda_graphs off")
         batching = Batching.of(cfg.data, tc.batch_size, t.token_multiple, packed)
         per_epoch = [micro_batches_per_epoch(train_data.lengths, batching, tc.seed, e, world.size)
                      for e in range(1 if tc.max_steps else tc.epochs)]  # global micro-batches
