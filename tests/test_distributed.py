@@ -139,6 +139,81 @@ def test_fsdp2_on_one_process_reduces_bf16_gradients_to_the_same_weights(shapes_
         assert torch.equal(ours[name], theirs[name]), name
 
 
+def _tied_tiny(path) -> Path:
+    """The tiny model with lm_head tied to the embeddings (as the 2B and 4B), saved to `path`."""
+    from vlforge.config import ModelConfig
+    from vlforge.model.load import load_model
+
+    model, processor = load_model(ModelConfig(preset="tiny"), dtype=torch.float32)
+    model.config.tie_word_embeddings = model.config.text_config.tie_word_embeddings = True
+    model.tie_weights()
+    for part in (model, processor):
+        part.save_pretrained(path)
+    return path
+
+
+def test_precision_overrides_under_fsdp2_gather_each_module_in_its_compute_dtype(shapes_dir, tmp_path, monkeypatch):
+    """precision.overrides under FSDP2 (one process, bf16): every module an override makes compute
+    in fp32 is a unit of its own, gathered as stored (fp32); the vision blocks, grouped on one
+    process, are split where one of them computes in fp32; lm_head, tied to the embeddings, cannot
+    be a unit of its own and stays in the root, which is then gathered in fp32. It trains as the
+    unsharded run does, within bf16's noise (sharded gathers give a bf16 residual stream)."""
+    import torch.distributed.fsdp as fsdp
+
+    shard, units = fsdp.fully_shard, []
+    monkeypatch.setattr(fsdp, "fully_shard", lambda module, **kw: units.append(
+        (type(module).__name__ if isinstance(module, torch.nn.Module) else "group", kw["mp_policy"].param_dtype))
+        or shard(module, **kw))
+    overrides = (r"precision.overrides=[{pattern: 'norm$', compute: fp32}, {pattern: 'visual\.blocks\.1($|\.)', "
+                 "compute: fp32}, {pattern: lm_head, compute: fp32}]")
+    model = f"model.path={_tied_tiny(tmp_path / 'tied')}"
+    runs = {}
+    for name, extra in (("plain", []), ("fsdp", ["distributed.strategy=fsdp2"])):
+        runs[name] = tmp_path / name
+        run_sft(tiny_sft_config(shapes_dir, runs[name], *COMMON, model, overrides, "precision.mode=bf16",
+                                "tiers.method=full", "train.max_steps=3", *extra))
+    gathered = {}
+    for kind, dtype in units:
+        gathered.setdefault(kind, []).append(dtype)
+    assert gathered["Qwen3VLTextRMSNorm"] == [None] * 9, "fp32 norms (4 a layer, the final one): gathered as stored"
+    assert gathered["LayerNorm"] == [None, None], "the vision mergers' norms"
+    assert gathered["group"] == [torch.bfloat16], "the 2 decoder layers: one unit, as without overrides"
+    assert gathered["Qwen3VLVisionBlock"] == [torch.bfloat16, None], "the block group split, block 1 in fp32"
+    assert gathered["Qwen3VLVisionModel"] == [torch.bfloat16]
+    assert len(units) == 9 + 2 + 1 + 2 + 1 + 1, "no other unit (the fp32 block's parts compute with it)"
+    assert "Linear" not in gathered, "lm_head is tied: no unit of its own"
+    assert gathered["Root"] == [None], "the root holds the fp32 lm_head's weight: gathered in fp32"
+    assert losses(runs["fsdp"]) == pytest.approx(losses(runs["plain"]), rel=2e-3)
+
+
+def test_fp16_with_precision_overrides_on_two_ranks_equals_one_process(shapes_dir, tmp_path):
+    """fp16 with loss scaling and precision.overrides (norms fp32, a vision block bf16) under FSDP2:
+    2 ranks x batch 2 == 1 process x batch 4. The first step's scale (1e9) overflows: both skip it
+    and back off alike (the scaler's inf check runs on each rank's shards and is reduced over the
+    ranks by DTensor), then train to the same losses, gradient norms and weights."""
+    config = tmp_path / "fp16.yaml"
+    config.write_text(f"data: {{train: {shapes_dir / 'train.jsonl'}}}\n"
+                      r"precision: {overrides: [{pattern: 'norm$', compute: fp32}, "
+                      r"{pattern: 'visual\.blocks\.1($|\.)', compute: bf16}]}" "\n")
+    args = [str(config), *COMMON, "precision.mode=fp16", "tiers.method=full", "train.max_steps=4",
+            "distributed.strategy=fsdp2", "precision.loss_scale.init_scale=1e9",
+            "precision.loss_scale.backoff_factor=1e-6"]
+    one = launch(args + ["train.batch_size=4", f"train.output_dir={tmp_path / 'one'}"], tmp_path, nproc=0)
+    assert one.returncode == 0, one.stderr[-3000:]
+    two = launch(args + ["train.batch_size=2", f"train.output_dir={tmp_path / 'two'}"], tmp_path)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert losses(tmp_path / "two", "skipped") == losses(tmp_path / "one", "skipped") == [True, False, False, False]
+    assert losses(tmp_path / "two", "loss_scale") == losses(tmp_path / "one", "loss_scale") == [1e9, 1e3, 1e3, 1e3]
+    assert losses(tmp_path / "two") == pytest.approx(losses(tmp_path / "one"), rel=1e-4)
+    for key in ("grad_norm/language", "grad_norm/projector", "grad_norm/vision"):
+        assert losses(tmp_path / "two", key)[1:] == pytest.approx(losses(tmp_path / "one", key)[1:], rel=1e-3), key
+    for name in ("one", "two"):
+        export(tmp_path / name / "checkpoint-4", tmp_path / f"{name}-hf", dtype=torch.float32)
+    ours, theirs = (load_file(tmp_path / f"{n}-hf" / "model.safetensors") for n in ("two", "one"))
+    for key in theirs:  # Adam's first steps are about lr x sign(g): a few tiny fp16 gradient entries flip sign
+        diff = (ours[key] - theirs[key]).abs()
+        assert diff.mean() < 2e-6 and (diff > 1e-5).float().mean() < 0.01, (key, diff.max(), diff.mean())
+
 def _mixed_modality_data(shapes_dir, tmp_path) -> tuple:
     """Rows where, in every global batch of 4, rank 1's two rows are text-only."""
     rows = [json.loads(line) for line in (shapes_dir / "train.jsonl").read_text().splitlines()][:32]
@@ -467,13 +542,16 @@ def test_grpo_dynamic_sampling_and_skipped_prompts_on_two_ranks_equal_one_proces
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
 def test_grpo_full_fine_tuning_with_kl_equals_one_process(shapes_dir, tmp_path, strategy):
     """Full fine-tuning GRPO with KL to a frozen copy of the starting policy (DDP: each rank holds its
-    own; FSDP2: a copy sharded as the policy, each rank copying its own shards): 2 ranks == 1 process."""
+    own; FSDP2: a copy sharded as the policy, each rank copying its own shards, with the policy's
+    precision.overrides: a vision block computing in bf16 is a unit of its own in both): 2 ranks ==
+    1 process."""
     data, _ = _mixed_modality_data(shapes_dir, tmp_path)
     (tmp_path / "reward.py").write_text("def varied(completion, answer, **row):\n"
                                         "    return float(len(completion) % 3)\n")
     runs = _grpo_one_and_two(tmp_path, f"data: {{train: {data}}}\n"
                              f"rl: {{kl_beta: 0.1, mini_batch_size: 8, rewards: [{{name: '{tmp_path / 'reward.py'}:varied'}}]}}\n"
-                             "rollout: {group_size: 4, prompts_per_step: 2, max_new_tokens: 5}\n",
+                             "rollout: {group_size: 4, prompts_per_step: 2, max_new_tokens: 5}\n"
+                             r"precision: {overrides: [{pattern: 'visual\.blocks\.1($|\.)', compute: bf16}]}" "\n",
                              ["tiers.method=full", "train.max_steps=2", "optim.max_grad_norm=null"], strategy)
     _assert_same_grpo(runs, tmp_path, merge=strategy == "fsdp2")  # a sharded checkpoint: exported to compare
 

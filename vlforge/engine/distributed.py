@@ -177,10 +177,8 @@ def refuse_unsupported(cfg, world: World) -> None:
     if not world.sharded:
         return
     why = {
-        "precision.mode=fp16": cfg.precision.mode == "fp16",  # GradScaler does not unscale DTensor shards
         "precision.fp8.enabled": cfg.precision.fp8.enabled,
         "quant (QLoRA)": cfg.quant.enabled,
-        "precision.overrides": bool(cfg.precision.overrides),
     }
     bad = [k for k, v in why.items() if v]
     if bad:
@@ -239,30 +237,27 @@ def _set_outside_state(model: torch.nn.Module, extras: dict[str, torch.Tensor], 
 
 
 def wrap(model: torch.nn.Module, world: World, cfg: DistributedConfig, compute_dtype: torch.dtype,
-         master_dtype: torch.dtype, source: tuple[dict, dict] | None = None) -> torch.nn.Module | None:
+         master_dtype: torch.dtype, source: tuple[dict, dict] | None = None,
+         computes: dict[torch.nn.Module, torch.dtype] | None = None) -> torch.nn.Module | None:
     """FSDP2 (fully_shard) or DDP over a model whose parameters are already in their storage dtypes.
     Returns the root (a losses.Root the step calls, wrapped), or None on one process without either.
     A model on the meta device (meta_init, FSDP2 only) is filled once sharded, from rank 0's `source`
-    (materialize).
+    (materialize). `computes`: each module's compute dtype where precision.overrides change it
+    (PrecisionPolicy.computes); absent modules compute in `compute_dtype`.
 
     Units: the language decoder layers and the vision blocks (the memory peaks), `layers_per_unit`
     consecutive ones a unit (one each with several processes), the rest of the vision tower (called on its own by losses.vision_keepalive), and the root, which holds the
-    embeddings, final norm and lm_head (tied weights stay one parameter). Each unit is gathered
+    embeddings, final norm and lm_head (tied weights stay one parameter); with precision.overrides,
+    also each module an override makes compute in another dtype (_shard_units). Each unit is gathered
     when its forward starts; generation gathers the root explicitly (`gathered`).
     """
     if world.strategy == "none":
         return None
     if world.replicated:
         return _wrap_ddp(model, world)
-    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
+    from torch.distributed.fsdp import CPUOffloadPolicy
 
-    # bf16 compute with fp32 masters: gather parameters in bf16, reduce gradients in fp32. On one
-    # process nothing is summed, so the bf16 gradients are "reduced" as they are and FSDP2 casts the
-    # result to the fp32 shard: the same values, without the fp32 copy-in of every unit's gradients
-    param_dtype = compute_dtype if master_dtype != compute_dtype else None
-    mp = MixedPrecisionPolicy(param_dtype=param_dtype,
-                              reduce_dtype=torch.float32 if world.size > 1 or param_dtype is None else None)
-    kwargs = {"mp_policy": mp, "reshard_after_forward": cfg.reshard_after_forward}
+    kwargs = {"reshard_after_forward": cfg.reshard_after_forward}
     if cfg.cpu_offload:
         # pinned host memory speeds the copies to a GPU; a CPU run (tests) has none to pin
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=world.device.type == "cuda")
@@ -270,7 +265,8 @@ def wrap(model: torch.nn.Module, world: World, cfg: DistributedConfig, compute_d
     # language model at several layers (deepstack), so a rank with images reaches its backward in
     # the middle of the layers' backward, a text-only rank (vision_keepalive) at the end; gathering
     # again in backward would then put the ranks' collectives out of order. It is small (~0.6B at 32B).
-    root = _shard_units(model, kwargs, {**kwargs, "reshard_after_forward": False}, layers_per_unit(cfg, world.size))
+    root = _shard_units(model, kwargs, {**kwargs, "reshard_after_forward": False}, layers_per_unit(cfg, world.size),
+                        _GatherPolicy(compute_dtype, master_dtype, world.size), computes or {})
     if any(p.is_meta for p in model.parameters()):
         materialize(root, model, world, cfg.cpu_offload, source)
     _enter_root(root)
@@ -279,6 +275,41 @@ def wrap(model: torch.nn.Module, world: World, cfg: DistributedConfig, compute_d
     # first step would then leave the embeddings, final norm and lm_head untouched (tested).
     reshard_all(root)
     return root
+
+
+class _GatherPolicy:
+    """A unit's FSDP2 MixedPrecisionPolicy, from the dtype the unit computes in and its own
+    parameters' storage dtypes. One policy object per distinct setting."""
+
+    def __init__(self, compute_dtype: torch.dtype, master_dtype: torch.dtype, world_size: int):
+        self.compute_dtype, self.master_dtype, self.world_size = compute_dtype, master_dtype, world_size
+        self._made: dict = {}
+
+    def __call__(self, dtype: torch.dtype, params: list[torch.nn.Parameter], override: bool = False):
+        """`override`: the unit is a module precision.overrides wrapped. Its forward sets its own
+        compute dtype (a nested autocast, or autocast off with its inputs upcast), so FSDP2 gathers
+        its weights as stored (in fp32 where they mix dtypes: FSDP2 gathers one dtype a unit) and
+        leaves its inputs as they come: the module computes as on one process. (Cast to a half
+        override's dtype, a bf16 block's output would reach fp32 modules that run without autocast,
+        and an fp16 input would meet its bf16 norm weights.)"""
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        if override:
+            param_dtype = torch.float32 if len({p.dtype for p in params}) > 1 else None
+        else:
+            # bf16 compute with fp32 masters: gather parameters in bf16, reduce gradients in fp32. On
+            # one process nothing is summed, so the bf16 gradients are "reduced" as they are and FSDP2
+            # casts the result to the fp32 shard: the same values, without the fp32 copy-in of every
+            # unit's gradients. A unit whose parameters mix storage dtypes (LoRA's fp32 adapters on a
+            # bf16 base) is gathered in its compute dtype; one stored as it computes, as stored.
+            widened = dtype == self.compute_dtype and self.master_dtype != self.compute_dtype
+            param_dtype = dtype if widened or any(p.dtype != dtype for p in params) else None
+        reduce_dtype = torch.float32 if self.world_size > 1 or param_dtype is None else None
+        key = (param_dtype, reduce_dtype, not override)
+        if key not in self._made:
+            self._made[key] = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype,
+                                                   cast_forward_inputs=not override)
+        return self._made[key]
 
 
 def layers_per_unit(cfg: DistributedConfig, world_size: int) -> int:
@@ -295,26 +326,71 @@ def layers_per_unit(cfg: DistributedConfig, world_size: int) -> int:
     return 4 if world_size == 1 else 1
 
 
-def _shard_units(model: torch.nn.Module, kwargs: dict, vision: dict, per_unit: int) -> torch.nn.Module:
+def _shard_units(model: torch.nn.Module, kwargs: dict, vision: dict, per_unit: int, gather: _GatherPolicy,
+                 computes: dict[torch.nn.Module, torch.dtype]) -> torch.nn.Module:
     """fully_shard the vision blocks and the language decoder layers, `per_unit` consecutive ones a
     unit (one FSDP2 state over a list of modules), and the vision tower, then the root
     (losses.Root(model)); `vision`: the vision units' settings. Returns the root, which keeps every
-    sharded module's reshard_after_forward in `reshard_settings` (fully_gathered restores them)."""
+    sharded module's reshard_after_forward in `reshard_settings` (fully_gathered restores them).
+
+    precision.overrides: FSDP2 gathers a unit's parameters in one dtype, and a module computing in
+    fp32 (autocast off) needs its weights in fp32. So each module an override makes compute in a
+    dtype other than its parent's is a unit of its own, gathered as stored (_GatherPolicy), and a
+    group of layers whose members compute differently is split into one unit a layer. A module sharing a weight
+    with modules outside it (lm_head tied to the embeddings) cannot be a unit of its own (FSDP2
+    gathers a parameter only inside the unit holding it): it stays in the unit around it, which is
+    then gathered in fp32 where its modules' dtypes differ (autocast still casts each matmul to its
+    module's dtype). Units are sharded deepest first (FSDP2 shards bottom-up: a unit takes the
+    parameters no unit inside it has taken)."""
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
 
     from vlforge.engine.losses import Root
 
     core = unwrap(model)
-    blocks, layers = list(core.model.visual.blocks), list(core.model.language_model.layers)
-    units = [(blocks[i:i + per_unit], vision) for i in range(0, len(blocks), per_unit)]
-    units += [(layers[i:i + per_unit], kwargs) for i in range(0, len(layers), per_unit)]
-    units += [([core.model.visual], vision)]
+    visual = core.model.visual
+    blocks, layers = list(visual.blocks), list(core.model.language_model.layers)
+    default = gather.compute_dtype
+    groups = [(blocks[i:i + per_unit], vision) for i in range(0, len(blocks), per_unit)]
+    groups += [(layers[i:i + per_unit], kwargs) for i in range(0, len(layers), per_unit)]
+    units = []
+    for members, how in groups:
+        mixed = len({computes.get(m, default) for m in members}) > 1
+        units += [([m], how) for m in members] if mixed else [(members, how)]
+    units.append(([visual], vision))
+    taken = {m for unit, _ in units for m in unit}
+    in_vision = set(visual.modules())
+    users: dict[int, set[torch.dtype]] = {}  # parameter -> the compute dtypes of the modules holding it
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            users.setdefault(id(p), set()).add(computes.get(module, default))
+    names = {m: name for name, m in model.named_modules()}
+    for module in names:
+        if hasattr(module, "_vlforge_compute") and module not in taken and _holds_own_weights(model, module):
+            units.append(([module], vision if module in in_vision else kwargs))
+    units.sort(key=lambda unit: -names[unit[0][0]].count("."))  # stable: equal depths keep their order
+
+    def policy(modules: list[torch.nn.Module]):
+        own = [p for m in modules for p in m.parameters() if not isinstance(p, DTensor)]  # deeper units took theirs
+        dtypes = set().union(*(users[id(p)] for p in own)) or {computes.get(modules[0], default)}
+        return gather(dtypes.pop() if len(dtypes) == 1 else torch.float32, own,
+                      override=hasattr(modules[0], "_vlforge_compute"))
+
     for unit, how in units:
-        fully_shard(unit if len(unit) > 1 else unit[0], **how)
-    root = fully_shard(Root(model), **kwargs)
+        fully_shard(unit if len(unit) > 1 else unit[0], **how, mp_policy=policy(unit))
+    top = Root(model)
+    root = fully_shard(top, **kwargs, mp_policy=policy([top]))
     root.reshard_settings = [(m, how["reshard_after_forward"]) for unit, how in units for m in unit] + \
         [(root, kwargs["reshard_after_forward"])]  # the root last
     return root
+
+
+def _holds_own_weights(model: torch.nn.Module, module: torch.nn.Module) -> bool:
+    """Whether `module` has parameters and no module outside it uses any of them (tied weights)."""
+    inside = set(module.modules())
+    mine = {id(p) for p in module.parameters()}
+    return bool(mine) and not any(id(p) in mine for other in model.modules() if other not in inside
+                                  for p in other.parameters(recurse=False))
 
 
 def _enter_root(root: torch.nn.Module) -> None:
@@ -325,11 +401,13 @@ def _enter_root(root: torch.nn.Module) -> None:
 
 
 def frozen_sharded_copy(model: torch.nn.Module, empty: torch.nn.Module, world: World, cfg: DistributedConfig,
-                        dtype: torch.dtype) -> torch.nn.Module:
-    """A frozen copy of the FSDP2-sharded `model`, sharded the same way, stored in `dtype`: GRPO's KL
-    reference for full fine-tuning. `empty`: the same architecture built on the meta device
-    (model.load.build_meta_model). Returns its root (losses.Root: `root(fn, *args)` runs
-    `fn(copy, *args)`, gathering each unit as its forward starts and freeing it after).
+                        policy) -> torch.nn.Module:
+    """A frozen copy of the FSDP2-sharded `model`, sharded the same way, its weights stored as the
+    precision `policy` (engine/precision.PrecisionPolicy) stores frozen ones (the compute dtype, an
+    override's storage) and computing as it says: GRPO's KL reference for full fine-tuning. `empty`:
+    the same architecture built on the meta device (model.load.build_meta_model). Returns its root
+    (losses.Root: `root(fn, *args)` runs `fn(copy, *args)`, gathering each unit as its forward
+    starts and freeing it after).
 
     Each rank copies its own shards of the policy into the copy's (the same units over the same
     mesh give the same local shards): no rank gathers the full weights, which a deepcopy of the
@@ -340,15 +418,14 @@ def frozen_sharded_copy(model: torch.nn.Module, empty: torch.nn.Module, world: W
     if cfg.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=world.device.type == "cuda")
     empty.requires_grad_(False).eval()
-    root = _shard_units(empty, kwargs, kwargs, layers_per_unit(cfg, world.size))
+    policy.apply(empty)  # frozen: no fp32 master weights
+    root = _shard_units(empty, kwargs, kwargs, layers_per_unit(cfg, world.size),
+                        _GatherPolicy(policy.compute_dtype, policy.compute_dtype, world.size), policy.computes(empty))
     root.to_empty(device=torch.device("cpu") if cfg.cpu_offload else world.device)
     own = dict(model.named_parameters())
     with torch.no_grad():
         for name, p in empty.named_parameters():
-            p.to_local().copy_(own[name].to_local())  # a DTensor shard each; cast to `dtype` by copy_
-    for p in empty.parameters():
-        if p.dtype != dtype:
-            raise RuntimeError(f"frozen copy: a parameter in {p.dtype}, expected {dtype}")
+            p.to_local().copy_(own[name].to_local())  # a DTensor shard each; cast to its storage dtype by copy_
     _set_outside_state(empty, outside_state_dict(model), world.device)
     _enter_root(root)
     reshard_all(root)

@@ -129,6 +129,17 @@ class PrecisionPolicy:
                 module._vlforge_compute = compute  # never wrap twice (apply on a model twice)
                 wrapped.append((module_name, compute))
 
+    def computes(self, model: nn.Module) -> dict[nn.Module, torch.dtype]:
+        """Every module of `model` (after `apply`) -> the dtype its arithmetic runs in: that of the
+        nearest module `apply` wrapped in an override (itself or an ancestor), else the compute dtype.
+        What FSDP2 must gather a module's weights in (engine/distributed.py)."""
+        out: dict[nn.Module, torch.dtype] = {}
+        by_name: dict[str, torch.dtype] = {}
+        for name, module in model.named_modules():  # pre-order: a parent before its children
+            parent = by_name.get(name.rpartition(".")[0], self.compute_dtype) if name else self.compute_dtype
+            by_name[name] = out[module] = getattr(module, "_vlforge_compute", parent)
+        return out
+
     def autocast(self):
         if self.mode == "fp32":
             return contextlib.nullcontext()

@@ -302,7 +302,8 @@ def setup_model(cfg: RunConfig, compile_blocks: bool | None = None, world: World
         raise ConfigError("precision.activation_memory_budget acts on compiled layers, and this run compiles none")
     # sharded last: FSDP2 takes the parameters in their storage dtypes (fp32 masters) and gathers
     # them in the compute dtype; `t.model` stays the (peft / HF) model, its parameters now sharded
-    root = wrap(model, world, cfg.distributed, policy.compute_dtype, policy.master_dtype, source)
+    root = wrap(model, world, cfg.distributed, policy.compute_dtype, policy.master_dtype, source,
+                computes=policy.computes(model))
     del source  # rank 0's host copy of the whole model
     model.train()
     routing = Routing.of(model, cfg.train.router_aux_loss_coef)

@@ -469,7 +469,7 @@ def run_grpo(cfg: GRPOConfig) -> dict:
             empty, _ = build_meta_model(cfg.model, dtype=t.policy.compute_dtype, device=world.device)
             if cfg.model.packed_attention == "mask":  # as setup_model sets the policy's
                 keep_mask_attention(empty)
-            ref_model = frozen_sharded_copy(t.model, empty, world, cfg.distributed, t.policy.compute_dtype)
+            ref_model = frozen_sharded_copy(t.model, empty, world, cfg.distributed, t.policy)
         elif cfg.rl.kl_beta > 0 and cfg.tiers.method == "full":  # a frozen copy of the starting policy (DDP: each rank's)
             ref_model = copy.deepcopy(t.model).requires_grad_(False).eval()
             t.policy.apply(ref_model)  # frozen: stored in the compute dtype, not as fp32 master weights
