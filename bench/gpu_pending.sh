@@ -293,9 +293,10 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', '--tb=line', 
   final19) # prepared, not run (device time spent): cuda_graphs' gpu tests after the review's narrower gradient-buffer
           # rule, the vision-graphs case among them; then issue 13's 2B full, peer vs packed vs both graph options in
           # one process (visg19 measured ~2.5x against another call's peer)
-          timeout 200 python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_cuda_graphs.py --tb=short \
-            > "$OUT/pytest.txt" 2>&1
-          (cd bench && timeout 330 python3 train.py --preset qwen3vl-2b --method full --steps 12 --warmup 10 --samples 64 \
+          # (and, from session 19, FSDP2 with fp16 / precision.overrides under CUDA autocast: tests/test_distributed.py)
+          timeout 240 python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_cuda_graphs.py \
+            tests/test_distributed.py --tb=short > "$OUT/pytest.txt" 2>&1
+          (cd bench && timeout 300 python3 train.py --preset qwen3vl-2b --method full --steps 12 --warmup 10 --samples 64 \
             --paths peer,graphs+vision,packed,graphs+vision,packed --ours precision.compile=true \
             --json "$OUT/final2b.json" 2>"$OUT/err-final2b.txt" | tail -8 > "$OUT/final2b.txt") ;;
   grpo17) # GRPO's update with the log-prob forward's layout read from the rollout's host copy (4090292) against the

@@ -186,16 +186,18 @@ def test_precision_overrides_under_fsdp2_gather_each_module_in_its_compute_dtype
     assert losses(runs["fsdp"]) == pytest.approx(losses(runs["plain"]), rel=2e-3)
 
 
-def test_fp16_with_precision_overrides_on_two_ranks_equals_one_process(shapes_dir, tmp_path):
-    """fp16 with loss scaling and precision.overrides (norms fp32, a vision block bf16) under FSDP2:
-    2 ranks x batch 2 == 1 process x batch 4. The first step's scale (1e9) overflows: both skip it
-    and back off alike (the scaler's inf check runs on each rank's shards and is reduced over the
-    ranks by DTensor), then train to the same losses, gradient norms and weights."""
+@pytest.mark.parametrize("method", ["full", "lora"])
+def test_fp16_with_precision_overrides_on_two_ranks_equals_one_process(shapes_dir, tmp_path, method):
+    """fp16 with loss scaling and precision.overrides (fp32 norms and attention, a bf16 vision block)
+    under FSDP2: 2 ranks x batch 2 == 1 process x batch 4, full fine-tuning and LoRA (whose frozen
+    bf16 block meets fp16 inputs). The first step's scale (1e9) overflows: both skip it and back off
+    alike (the scaler's inf check runs on each rank's shards and is reduced over the ranks by
+    DTensor), then train to the same losses, gradient norms and weights."""
     config = tmp_path / "fp16.yaml"
     config.write_text(f"data: {{train: {shapes_dir / 'train.jsonl'}}}\n"
-                      r"precision: {overrides: [{pattern: 'norm$', compute: fp32}, "
-                      r"{pattern: 'visual\.blocks\.1($|\.)', compute: bf16}]}" "\n")
-    args = [str(config), *COMMON, "precision.mode=fp16", "tiers.method=full", "train.max_steps=4",
+                      r"precision: {overrides: [{pattern: 'norm$', compute: fp32}, {pattern: 'self_attn$', "
+                      r"compute: fp32}, {pattern: 'visual\.blocks\.1$', compute: bf16}]}" "\n")
+    args = [str(config), *COMMON, "precision.mode=fp16", f"tiers.method={method}", "train.max_steps=4",
             "distributed.strategy=fsdp2", "precision.loss_scale.init_scale=1e9",
             "precision.loss_scale.backoff_factor=1e-6"]
     one = launch(args + ["train.batch_size=4", f"train.output_dir={tmp_path / 'one'}"], tmp_path, nproc=0)
@@ -208,11 +210,31 @@ def test_fp16_with_precision_overrides_on_two_ranks_equals_one_process(shapes_di
     for key in ("grad_norm/language", "grad_norm/projector", "grad_norm/vision"):
         assert losses(tmp_path / "two", key)[1:] == pytest.approx(losses(tmp_path / "one", key)[1:], rel=1e-3), key
     for name in ("one", "two"):
-        export(tmp_path / name / "checkpoint-4", tmp_path / f"{name}-hf", dtype=torch.float32)
+        export(tmp_path / name / "checkpoint-4", tmp_path / f"{name}-hf", merge=True, dtype=torch.float32)
     ours, theirs = (load_file(tmp_path / f"{n}-hf" / "model.safetensors") for n in ("two", "one"))
     for key in theirs:  # Adam's first steps are about lr x sign(g): a few tiny fp16 gradient entries flip sign
         diff = (ours[key] - theirs[key]).abs()
-        assert diff.mean() < 2e-6 and (diff > 1e-5).float().mean() < 0.01, (key, diff.max(), diff.mean())
+        flipped = int((diff > 1e-5).sum())
+        assert diff.mean() < 2e-6 and flipped <= max(2, diff.numel() // 100), (key, flipped, diff.max(), diff.mean())
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["fp16", "bf16"])
+def test_fsdp2_with_precision_overrides_trains_like_one_process_on_cuda(shapes_dir, tmp_path, mode):
+    """On a GPU (CUDA autocast's own op lists), FSDP2 at world size 1 with fp32 norms and attention
+    and a vision block in the other half dtype, LoRA: the unsharded run's losses, within half
+    precision's noise."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    other = "bf16" if mode == "fp16" else "fp16"
+    overrides = (r"precision.overrides=[{pattern: 'norm$', compute: fp32}, {pattern: 'self_attn$', compute: fp32}, "
+                 rf"{{pattern: 'visual\.blocks\.1$', compute: {other}}}]")
+    runs = {}
+    for name, extra in (("plain", []), ("fsdp", ["distributed.strategy=fsdp2"])):
+        runs[name] = tmp_path / name
+        run_sft(tiny_sft_config(shapes_dir, runs[name], *COMMON, overrides, f"precision.mode={mode}",
+                                "train.device=cuda", "tiers.method=lora", "train.max_steps=3", *extra))
+    assert losses(runs["fsdp"]) == pytest.approx(losses(runs["plain"]), rel=5e-3)
 
 def _mixed_modality_data(shapes_dir, tmp_path) -> tuple:
     """Rows where, in every global batch of 4, rank 1's two rows are text-only."""
@@ -294,16 +316,19 @@ def test_vision_keepalive_changes_no_loss_and_no_gradient(tiny):
             assert torch.equal(g, kept_grads[n]), n
 
 
-def test_what_is_not_built_sharded_is_refused_before_loading(shapes_dir, tmp_path):
+def test_what_is_not_built_sharded_is_refused_before_loading(shapes_dir, tmp_path, monkeypatch):
     from vlforge.config import ConfigError, GRPOConfig, load_config
+    from vlforge.engine import trainable
     from vlforge.recipes.grpo import run_grpo
 
+    monkeypatch.setattr(trainable, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
+    monkeypatch.setattr(trainable, "_meta_model", lambda *a, **k: pytest.fail("built a model"))
     cfg = load_config(GRPOConfig, "configs/demo-grpo.yaml", [f"data.train={shapes_dir / 'train.jsonl'}",
-                                                             "distributed.strategy=fsdp2", "model.preset=tiny-moe",
-                                                             "tiers.method=full", "rl.kl_beta=0.1",
-                                                             "rollout.router_replay=true"])
-    with pytest.raises(ConfigError, match=r"GRPO \(fsdp2\) does not support rollout.router_replay=true with full"):
-        run_grpo(cfg)  # before anything loads
+                                                             f"train.output_dir={tmp_path / 'run'}",
+                                                             "distributed.strategy=fsdp2", "quant.language=nf4",
+                                                             "tiers.method=lora"])
+    with pytest.raises(ConfigError, match=r"distributed.strategy=fsdp2 does not support quant \(QLoRA\)"):
+        run_grpo(cfg)
     with pytest.raises(ConfigError, match="cpu_offload needs strategy fsdp2"):
         load_config(GRPOConfig, None, ["distributed.strategy=none", "distributed.cpu_offload=true"])
 
@@ -500,7 +525,7 @@ def _grpo_one_and_two(tmp_path, config_text: str, args: list[str], strategy: str
     return runs
 
 
-def _assert_same_grpo(runs: dict, tmp_path, merge: bool) -> None:
+def _assert_same_grpo(runs: dict, tmp_path, merge: bool, atol: float = 2e-5) -> None:
     for one, two in zip(runs["one"], runs["two"], strict=True):
         for key in ("reward_mean", "groups_trained", "zero_var_group_frac", "accuracy"):
             assert two[key] == one[key], key
@@ -512,7 +537,7 @@ def _assert_same_grpo(runs: dict, tmp_path, merge: bool) -> None:
     files = [tmp_path / (f"{n}-merged" if merge else f"{n}/checkpoint-2") / "model.safetensors" for n in ("two", "one")]
     ours, theirs = (load_file(f) for f in files)
     for key in theirs:  # Adam's first steps are about lr x sign(g): see test_grpo_on_two_ranks_equals_one_process
-        torch.testing.assert_close(ours[key], theirs[key], rtol=1e-4, atol=2e-5, msg=key)
+        torch.testing.assert_close(ours[key], theirs[key], rtol=1e-4, atol=atol, msg=key)
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
@@ -555,6 +580,24 @@ def test_grpo_full_fine_tuning_with_kl_equals_one_process(shapes_dir, tmp_path, 
                              ["tiers.method=full", "train.max_steps=2", "optim.max_grad_norm=null"], strategy)
     _assert_same_grpo(runs, tmp_path, merge=strategy == "fsdp2")  # a sharded checkpoint: exported to compare
 
+
+
+def test_grpo_moe_full_fine_tuning_with_kl_and_router_replay_under_fsdp2_equals_one_process(shapes_dir, tmp_path):
+    """MoE, full fine-tuning, KL to the frozen reference, rollout.router_replay=true: FSDP2's
+    sharded reference copy gets the policy's router hooks (Routing.attach), so its forward takes the
+    rollout's experts as one process's deepcopy does: 2 ranks == 1 process, KL included (the
+    language lr is high enough that the second step's rollout routes differently from the starting
+    weights: without the hooks the sharded reference's KL there was 0.01690 against 0.01721)."""
+    data, _ = _mixed_modality_data(shapes_dir, tmp_path)
+    (tmp_path / "reward.py").write_text("def varied(completion, answer, **row):\n"
+                                        "    return float(len(completion) % 3)\n")
+    runs = _grpo_one_and_two(tmp_path, f"data: {{train: {data}}}\n"
+                             f"rl: {{kl_beta: 0.1, mini_batch_size: 8, rewards: [{{name: '{tmp_path / 'reward.py'}:varied'}}]}}\n"
+                             "rollout: {group_size: 4, prompts_per_step: 2, max_new_tokens: 5, router_replay: true}\n",
+                             ["model.preset=tiny-moe", "tiers.method=full", "train.max_steps=2", "tiers.language.lr=0.01",
+                              "optim.max_grad_norm=null"], "fsdp2")
+    _assert_same_grpo(runs, tmp_path, merge=True, atol=1e-4)  # lr 0.01: 1% of one step's size
+    assert [row["moe/route_flip"] for row in runs["two"]] == pytest.approx([row["moe/route_flip"] for row in runs["one"]])
 
 # ----------------------------------------------------------------------------- sharded loading (meta init)
 

@@ -149,8 +149,17 @@ class Routing:
         self._counts: torch.Tensor | None = None  # [L, E] on the model's device: no host sync per micro-batch
         self._flips: torch.Tensor | None = None  # [2] like Routed.flips, since the last step_metrics
         self._aux: list[torch.Tensor] = []
-        position = {layer: p for p, layer in enumerate(layers)}  # the row of the layer in recorded routes
-        self._handles = [m.register_forward_hook(self._hook(i, position[i])) for i, m in routers]
+        self._position = {layer: p for p, layer in enumerate(layers)}  # the row of the layer in recorded routes
+        self._handles = [m.register_forward_hook(self._hook(i, self._position[i])) for i, m in routers]
+
+    def attach(self, model: nn.Module) -> None:
+        """Run another copy of the model's routers (GRPO's FSDP2-sharded KL reference, the same layers)
+        through these hooks too, as a deepcopy of the policy carries them: inside `follow` it takes
+        the rollout's experts as well."""
+        routers = router_modules(model)
+        if [i for i, _ in routers] != [i for i, _ in self.routers]:
+            raise RuntimeError("router hooks: the copy's MoE layers differ from the policy's")
+        self._handles += [m.register_forward_hook(self._hook(i, self._position[i])) for i, m in routers]
 
     def _hook(self, layer: int, p: int):
         # torch.compile must not trace the hook: the layer index it closes over would be a guard, and

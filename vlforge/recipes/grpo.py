@@ -207,7 +207,7 @@ def reference_logprobs(t: Trainable, ref_model, batch: Batch, temperature: float
     """`replay` (rollout.router_replay: true, MoE): the reference runs the rollout's experts too, as
     the policy does, so the KL compares the weights and not two routings (0 before the first update).
     The full fine-tuning copy (one process, DDP) is a deepcopy of the policy: its routers carry the
-    same hooks; FSDP2's sharded copy has none (replay with it is refused before loading)."""
+    same hooks; FSDP2's sharded copy gets them from the policy's Routing (Routing.attach)."""
     routes = route_rows(batch.rollout, batch.seqs, packing) if replay else None
     with torch.no_grad(), t.policy.autocast(), follow(t.routing, routes, replay=True):
         if ref_model is None:  # LoRA: the base model is the reference, no second copy
@@ -413,12 +413,9 @@ def step_metrics(stats: dict, batches: list[Batch], train_logs: dict, t_rollout:
 
 def refuse_unsupported_sharded(cfg: GRPOConfig, world_size: int, strategy: str = "fsdp2") -> None:
     """What GRPO does not do on several processes (each rank then holds B / N whole groups and
-    takes equal shares of every mini-batch) or under FSDP2, refused before anything starts."""
+    takes equal shares of every mini-batch), refused before anything starts."""
     rl, rollout = cfg.rl, cfg.rollout
     problems = [
-        (strategy == "fsdp2" and rl.kl_beta > 0 and cfg.tiers.method == "full" and rollout.router_replay is True,
-         "rollout.router_replay=true with full fine-tuning and a KL reference (the sharded frozen copy's routers "
-         "carry no replay hooks; LoRA's adapter-disabled reference replays, and so does distributed.strategy=ddp)"),
         (rollout.prompts_per_step % world_size != 0, f"rollout.prompts_per_step={rollout.prompts_per_step} not a "
                                                      f"multiple of the {world_size} processes"),
         (rl.mini_batch_size % world_size != 0, f"rl.mini_batch_size={rl.mini_batch_size} not a multiple of the "
@@ -470,6 +467,8 @@ def run_grpo(cfg: GRPOConfig) -> dict:
             if cfg.model.packed_attention == "mask":  # as setup_model sets the policy's
                 keep_mask_attention(empty)
             ref_model = frozen_sharded_copy(t.model, empty, world, cfg.distributed, t.policy)
+            if t.routing is not None:  # MoE: its routers follow the rollout's experts as the policy's do
+                t.routing.attach(empty)
         elif cfg.rl.kl_beta > 0 and cfg.tiers.method == "full":  # a frozen copy of the starting policy (DDP: each rank's)
             ref_model = copy.deepcopy(t.model).requires_grad_(False).eval()
             t.policy.apply(ref_model)  # frozen: stored in the compute dtype, not as fp32 master weights
