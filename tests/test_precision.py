@@ -324,3 +324,15 @@ def test_inference_weights_leave_compute_dtype_masters_alone(shapes_dir, tmp_pat
     before = {n: p.data_ptr() for n, p in t.model.named_parameters()}
     with t.policy.inference_weights(t.model):
         assert all(p.data_ptr() == before[n] for n, p in t.model.named_parameters())  # nothing to swap
+
+
+def test_an_override_that_matches_no_module_is_a_config_error(shapes_dir, tmp_path):
+    """A typo in a pattern ('vision' for 'visual') would change nothing, silently: refused, at --plan
+    too (on the meta model), naming the rule."""
+    from vlforge.cli import main
+    from vlforge.config import ConfigError
+
+    overrides = "precision.overrides=[{pattern: norm, compute: fp32}, {pattern: vision, compute: fp32}]"
+    with pytest.raises(ConfigError, match=r"precision.overrides\[1\].pattern 'vision' matches no module"):
+        setup_model(tiny_sft_config(shapes_dir, tmp_path, "precision.mode=bf16", overrides))
+    assert main(["sft", "configs/demo-sft.yaml", f"data.train={shapes_dir / 'train.jsonl'}", overrides, "--plan"]) == 2

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves, tree_map
 
-from vlforge.config import PrecisionConfig, QuantConfig
+from vlforge.config import ConfigError, PrecisionConfig, QuantConfig
 from vlforge.generate.fused import FUSABLE
 from vlforge.model.load import DTYPES
 from vlforge.model.tiers import canonical_name, fsdp_sharded
@@ -137,6 +137,7 @@ class PrecisionPolicy:
 
     def apply(self, model: nn.Module) -> None:
         """Cast parameters in place to their storage dtypes and install per-module compute overrides."""
+        self.check_patterns(model)
         wrapped: list[tuple[str, torch.dtype]] = []  # pre-order: ancestors come first
         for module_name, module in model.named_modules():
             for p in module.parameters(recurse=False):
@@ -152,6 +153,16 @@ class PrecisionPolicy:
                 _run_forward_in(module, compute, self.device_type)
                 module._vlforge_compute = compute  # never wrap twice (apply on a model twice)
                 wrapped.append((module_name, compute))
+
+    def check_patterns(self, model: nn.Module) -> None:
+        """An override whose pattern matches no module of `model` is a ConfigError: a typo would
+        otherwise change nothing, silently."""
+        names = [canonical_name(n) for n, _ in model.named_modules() if n]
+        for i, (pattern, o) in enumerate(self._overrides):
+            if not any(pattern.search(n) for n in names):
+                raise ConfigError(f"precision.overrides[{i}].pattern {o.pattern!r} matches no module of this model; "
+                                  "names look like 'model.language_model.layers.0.self_attn.q_proj', "
+                                  "'model.visual.blocks.0.attn.qkv', 'model.visual.merger', 'lm_head'")
 
     def computes(self, model: nn.Module) -> dict[nn.Module, torch.dtype]:
         """Every module of `model` (after `apply`) -> the dtype its arithmetic runs in: that of the
@@ -270,6 +281,7 @@ def precision_plan(model: nn.Module, plan: list, cfg: PrecisionConfig, quant: Qu
     decisions = fp8_layer_plan(model, cfg.fp8) if cfg.fp8.enabled else {}
     fp8_layers = {name: d.reason for name, d in decisions.items() if d.convert}
     policy = PrecisionPolicy(cfg, "cpu")
+    policy.check_patterns(model)
     out = {"mode": cfg.mode, "master_weights": NAMES[policy.master_dtype],
            "table": policy.table(model, trainable, {e.owner for e in plan if e.kind == "lora"}, fp8_layers,
                                  quantized={n: m for n, m in quant_plan(model, quant).items() if m != "none"}
