@@ -176,3 +176,22 @@ def test_resolve_paths_makes_run_paths_absolute(tmp_path, monkeypatch):
     assert resolve_paths(resolved) == resolved
     assert resolve_paths(SFTConfig()).model.path is None
     assert os.path.isabs(resolve_paths(load_config(SFTConfig, None, ["model.path=x"])).model.path)
+
+
+def test_grpo_relatives_settings_resolve_per_loss_and_refuse_what_does_not_apply():
+    """rl.clip_low / clip_high null and rl.agg auto take each policy loss's own (GSPO's paper values);
+    a partial `rl` section keeps them unresolved (they follow a later policy_loss); PPO's dual clip
+    and GRPO's adv_scale are refused where they do not apply, naming the key."""
+    cfg = load_config(GRPOConfig, None, ["rl.policy_loss=gspo"])
+    assert cfg.rl.clip_low is None and cfg.rl.agg == "auto"
+    assert cfg.rl.clip_range == (3e-4, 4e-4) and cfg.rl.aggregation == "seq-mean-token-mean"
+    cfg = load_config(GRPOConfig, None, ["rl.policy_loss=cispo", "rl.clip_high=2.0"])
+    assert cfg.rl.clip_range == (1.0, 2.0) and cfg.rl.aggregation == "token-mean"
+    assert load_config(GRPOConfig, None, ["rl.policy_loss=cispo", "rl.clip_low=1"]).rl.clip_range[0] == 1.0
+    assert load_config(GRPOConfig, None, []).rl.clip_range == (0.2, 0.2)
+    with pytest.raises(ConfigError, match="rl.dual_clip bounds PPO's"):
+        load_config(GRPOConfig, None, ["rl.policy_loss=gspo", "rl.dual_clip=3"])
+    with pytest.raises(ConfigError, match="rl.adv_scale=none scales GRPO's"):
+        load_config(GRPOConfig, None, ["rl.advantage=rloo", "rl.adv_scale=none"])
+    with pytest.raises(ConfigError, match="rl.policy_loss"):
+        load_config(GRPOConfig, None, ["rl.policy_loss=ppo2"])

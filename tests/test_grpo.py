@@ -1,5 +1,6 @@
 import copy
 import json
+import math
 
 import pytest
 import torch
@@ -66,6 +67,24 @@ def test_one_grpo_step_changes_exactly_the_trainable_params(shapes_dir, tmp_path
         assert key in row, key
     assert (tmp_path / "run" / "reward.png").exists()
 
+
+@pytest.mark.parametrize("loss,advantage", [("gspo", "rloo"), ("cispo", "reinforce++"), ("ppo", "reinforce++-baseline")])
+def test_grpo_relatives_train_through_the_recipe(shapes_dir, tmp_path, loss, advantage):
+    """rl.policy_loss (GSPO, CISPO) and rl.advantage (RLOO, REINFORCE++) through the whole recipe:
+    the first mini-batch is on-policy (every ratio 1), the LoRA weights move, and the logged
+    advantages follow the estimator (RLOO's sum to 0 in every group; whitened ones have unit spread)."""
+    cfg = grpo_config(shapes_dir, tmp_path / "run", tmp_path, "tiers.method=lora", f"rl.policy_loss={loss}",
+                      f"rl.advantage={advantage}", "rl.mini_batch_size=8", "train.seed=1")
+    assert cfg.rl.aggregation == ("seq-mean-token-mean" if loss == "gspo" else "token-mean")
+    assert cfg.rl.clip_range == {"gspo": (3e-4, 4e-4), "cispo": (1.0, 0.2), "ppo": (0.2, 0.2)}[loss]
+    run_grpo(cfg)
+    row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert row["groups_trained"] > 0 and math.isfinite(row["loss"]) and row["grad_norm"] > 0
+    assert row["ratio_mean"] == pytest.approx(1.0, abs=1e-5) and row["clip_frac"] == 0.0
+    if advantage == "rloo":
+        assert row["adv_mean"] == pytest.approx(0.0, abs=1e-6)
+    else:
+        assert row["adv_std"] == pytest.approx(1.0, rel=0.5)  # token-weighted whitening: about 1 per sequence
 
 def test_adapter_disabled_reference_equals_the_base_model(tiny, shapes_dir, tmp_path):
     from vlforge.data.dataset import load_dataset
@@ -214,7 +233,9 @@ def test_a_mini_batch_spanning_rollout_rounds_equals_one_batch(shapes_dir, tmp_p
 def test_batch_std_is_pooled_over_rollout_rounds():
     import statistics
 
-    from vlforge.recipes.grpo import Batch, pool_batch_std
+    from types import SimpleNamespace
+
+    from vlforge.recipes.grpo import Batch, pool_batch_statistics
     from vlforge.rl import grpo_advantages
 
     r1 = [0.0, 1.0, 0.0, 3.0, 9.0, 9.0, 1.0, 2.0]  # round 1: 4 groups of 2, all kept
@@ -222,7 +243,9 @@ def test_batch_std_is_pooled_over_rollout_rounds():
     b1 = Batch(None, list(range(8)), grpo_advantages(torch.tensor(r1), 2, scale="batch"), None)
     b2 = Batch(None, [0, 1], grpo_advantages(torch.tensor(r2), 2, scale="batch"), None)
     round1_adv = b1.advantages.clone()
-    pool_batch_std([b1, b2], [torch.tensor(r1), torch.tensor(r2[:2])], 2)
+    lengths = [torch.ones(8), torch.ones(2)]
+    pool_batch_statistics([b1, b2], [torch.tensor(r1), torch.tensor(r2[:2])], lengths, 2,
+                          SimpleNamespace(advantage="grpo", adv_scale="batch"))
 
     # adv_scale=batch by hand: (r - its group's mean) / (std over every kept reward + eps), with
     # grpo_advantages' conventions: the unbiased (n - 1) std, as torch.std, and eps = 1e-6

@@ -260,3 +260,98 @@ def test_kl_kinds_match_formulas():
     assert torch.equal(kl_penalty(logp, logp, "k3"), torch.zeros_like(logp))
     with pytest.raises(ValueError, match="k1, k2, k3"):
         kl_penalty(logp, ref, "k4")
+
+
+# ----------------------------------------------------------------------------- RLOO, REINFORCE++, GSPO, CISPO
+
+
+def _masked_whiten(values_NT: torch.Tensor, mask_NT: torch.Tensor) -> torch.Tensor:
+    """verl.utils.torch_functional.masked_whiten written out: token-level mean and unbiased variance."""
+    mean = (values_NT * mask_NT).sum() / mask_NT.sum()
+    var = (((values_NT - mean) ** 2) * mask_NT).sum() / mask_NT.sum()
+    var = var * mask_NT.sum() / (mask_NT.sum() - 1)
+    return (values_NT - mean) * torch.rsqrt(var + 1e-8)
+
+
+def test_rloo_is_the_leave_one_out_baseline():
+    from vlforge.rl import outcome_advantages
+
+    r = torch.tensor([1.0, 0.0, 0.0, 3.0, 2.0, 2.0, 2.0, 2.0, 0.5, 4.0, 1.0, 1.5])  # 3 groups of 4
+    expected = [r[i] - (r[i - i % 4:i - i % 4 + 4].sum() - r[i]) / 3 for i in range(12)]
+    torch.testing.assert_close(outcome_advantages(r, 4, "rloo"), torch.stack(expected))
+    assert torch.equal(outcome_advantages(r, 4, "rloo")[4:8], torch.zeros(4))  # equal rewards: exactly 0
+    torch.testing.assert_close(outcome_advantages(r, 4, "rloo"), 4 / 3 * outcome_advantages(r, 4, "grpo", "none"))
+    assert torch.equal(outcome_advantages(r, 1, "rloo"), r)  # no other response: no baseline
+
+
+@pytest.mark.parametrize("estimator", ["reinforce++", "reinforce++-baseline"])
+def test_reinforce_plus_plus_whitens_over_the_batch_tokens_as_verl(estimator):
+    """The outcome reward broadcast over each response's tokens, whitened over every token of the
+    batch (verl's masked_whiten): longer responses weigh more in the mean and variance."""
+    from vlforge.rl import outcome_advantages
+
+    g = torch.Generator().manual_seed(0)
+    r = torch.randint(0, 3, (12,), generator=g).float()
+    lengths = torch.randint(1, 9, (12,), generator=g)
+    mask_NT = (torch.arange(8) < lengths[:, None]).float()
+    scores = r - r.view(-1, 4).mean(1).repeat_interleave(4) if estimator == "reinforce++-baseline" else r
+    expected = _masked_whiten(scores[:, None] * mask_NT, mask_NT)  # every token of a row holds its value
+    adv = outcome_advantages(r, 4, estimator, lengths=lengths)
+    torch.testing.assert_close(adv[:, None].expand(-1, 8)[mask_NT.bool()], expected[mask_NT.bool()])
+    unweighted = outcome_advantages(r, 4, estimator)
+    assert not torch.allclose(adv, unweighted)  # the lengths matter
+    torch.testing.assert_close(unweighted.mean(), torch.tensor(0.0), atol=1e-6, rtol=0)
+
+
+def test_gspo_uses_one_ratio_per_sequence_and_its_gradient():
+    """GSPO-token: every token of a row carries s_i = exp(mean log-ratio of the row); unclipped, a
+    token's gradient is -A_i s_i / |o_i| / N under seq-mean-token-mean (the paper's objective); a
+    row whose s_i is clipped gets none. On-policy it is GRPO's loss under the same aggregation."""
+    g = torch.Generator().manual_seed(1)
+    old = -torch.rand(3, 5, generator=g) * 2
+    shift = torch.tensor([[1e-4], [5e-3], [-1e-4]])  # rows 0, 2 inside [1 - 3e-4, 1 + 4e-4]; row 1 outside
+    logp = (old + shift).clone().requires_grad_(True)
+    mask = torch.tensor([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0]]).float()
+    adv = torch.tensor([1.0, 2.0, -1.0])
+    loss, stats = policy_loss(logp, old, adv, mask, clip_low=3e-4, clip_high=4e-4, agg="seq-mean-token-mean",
+                              kind="gspo")
+    loss.backward()
+    s = torch.exp(shift.squeeze(1))
+    lengths = mask.sum(1)
+    expected = -adv[:, None] * s[:, None] / lengths[:, None] / 3 * mask
+    expected[1] = 0.0  # positive advantage, s above 1 + clip_high: the clipped branch, constant
+    torch.testing.assert_close(logp.grad, expected)
+    torch.testing.assert_close(stats["ratio_mean"], (s[:, None] * mask).sum() / mask.sum())
+    assert stats["clip_frac"] == pytest.approx(5 / 10)
+    same = old.clone().requires_grad_(True)
+    on_policy, _ = policy_loss(same, old, adv, mask, agg="seq-mean-token-mean", kind="gspo")
+    grpo, _ = policy_loss(old.clone().requires_grad_(True), old, adv, mask, agg="seq-mean-token-mean")
+    torch.testing.assert_close(on_policy, grpo)
+
+
+def test_cispo_keeps_the_gradient_of_tokens_ppo_clips():
+    """CISPO: loss = -sg(clamp(ratio, 1 - low, 1 + high)) * A * logp. A token whose ratio is past
+    1 + high with A > 0 gets no gradient from PPO's clipped surrogate but keeps CISPO's, weighted by
+    the truncated ratio; inside the range both give -A * ratio / n."""
+    old = torch.log(torch.tensor([[0.5, 0.5, 0.2]]))
+    logp = torch.log(torch.tensor([[0.5, 0.8, 0.2]])).requires_grad_(True)  # token 1: ratio 1.6
+    mask, adv = torch.ones(1, 3), torch.tensor([2.0])
+    loss, stats = policy_loss(logp, old, adv, mask, clip_low=1.0, clip_high=0.2, kind="cispo")
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[-2.0 / 3, -2.0 * 1.2 / 3, -2.0 / 3]]))
+    assert stats["clip_frac"] == pytest.approx(1 / 3)
+    ppo_logp = logp.detach().clone().requires_grad_(True)
+    ppo, _ = policy_loss(ppo_logp, old, adv, mask, clip_low=0.2, clip_high=0.2)
+    ppo.backward()
+    assert ppo_logp.grad[0, 1] == 0 and logp.grad[0, 1] != 0
+
+
+def test_policy_loss_kinds_validation():
+    logp = torch.zeros(1, 2)
+    with pytest.raises(ValueError, match="unknown policy loss"):
+        policy_loss(logp, logp, torch.ones(1), torch.ones(1, 2), kind="ppo2")
+    with pytest.raises(ValueError, match="dual_clip is PPO's"):
+        policy_loss(logp, logp, torch.ones(1), torch.ones(1, 2), dual_clip=3.0, kind="cispo")
+    from vlforge.rl import outcome_advantages
+    with pytest.raises(ValueError, match="unknown advantage estimator"):
+        outcome_advantages(torch.ones(4), 2, "ppo")

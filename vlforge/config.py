@@ -623,11 +623,23 @@ class RewardConfig:
 @dataclass
 class RLConfig:
     rewards: list[RewardConfig] = field(default_factory=lambda: [RewardConfig()])
-    adv_scale: Literal["group", "batch", "none"] = "group"
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    dual_clip: float | None = None
-    agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = "token-mean"
+    # Outcome advantages (rl/core.outcome_advantages): grpo (rewards centred on the group's mean,
+    # scaled by adv_scale), rloo (the mean of the group's other responses as baseline), reinforce++
+    # (rewards whitened over the batch), reinforce++-baseline (centred on the group, then whitened)
+    advantage: Literal["grpo", "rloo", "reinforce++", "reinforce++-baseline"] = "grpo"
+    adv_scale: Literal["group", "batch", "none"] = "group"  # grpo's: group std, batch std, none (Dr. GRPO)
+    # The policy-gradient loss (rl/core.policy_loss): ppo (the clipped surrogate of GRPO; DAPO with
+    # clip_high > clip_low; Dr. GRPO with adv_scale none and agg seq-mean-token-sum-norm), gspo (one
+    # importance ratio a sequence), cispo (a truncated, detached importance weight on every token's
+    # log-prob gradient: clipped tokens still learn)
+    policy_loss: Literal["ppo", "gspo", "cispo"] = "ppo"
+    # The ratio's bounds [1 - clip_low, 1 + clip_high]; null: each loss's own (ppo 0.2 / 0.2; gspo
+    # 3e-4 / 4e-4, the paper's; cispo 1 / 0.2: no lower truncation, as MiniMax-M1)
+    clip_low: float | None = None
+    clip_high: float | None = None
+    dual_clip: float | None = None  # ppo only
+    # auto: seq-mean-token-mean with gspo (its objective: a mean over sequences), else token-mean
+    agg: Literal["auto", "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = "auto"
     kl_beta: float = 0.0  # 0: no KL term and no reference forward
     kl_kind: Literal["k1", "k2", "k3"] = "k3"
     epochs: int = 1  # mu: optimisation passes over each rollout batch
@@ -646,10 +658,34 @@ class RLConfig:
             _range(self, key, ge=1)
         _require(bool(self.rewards), "rl.rewards needs at least one reward function")
         _range(self, "kl_beta", ge=0)
-        _range(self, "clip_low", ge=0, lt=1, why="the ratio's lower bound is 1 - clip_low")
+        if self.policy_loss == "cispo":  # a weight, not a ratio PPO's max() acts on: 0 is a valid lower bound
+            _range(self, "clip_low", ge=0, le=1, why="the importance weight's lower bound is 1 - clip_low")
+        else:
+            _range(self, "clip_low", ge=0, lt=1, why="the ratio's lower bound is 1 - clip_low")
         _range(self, "clip_high", ge=0)
         _range(self, "dual_clip", gt=1)  # or null
+        _require(self.dual_clip is None or self.policy_loss == "ppo",
+                 f"rl.dual_clip bounds PPO's clipped surrogate; rl.policy_loss={self.policy_loss} has none: remove it")
+        _require(self.adv_scale == "group" or self.advantage == "grpo",
+                 f"rl.adv_scale={self.adv_scale} scales GRPO's advantages; rl.advantage={self.advantage} has its own "
+                 "scaling: remove rl.adv_scale")
         _range(self, "overlong_penalty", ge=0, why="it is subtracted from the reward")
+
+    # The loss's settings with null / auto resolved (the config keeps them as written: a partial `rl`
+    # section is merged over these defaults, so they must not be resolved when the section is built)
+    @property
+    def clip_range(self) -> tuple[float, float]:
+        """(clip_low, clip_high), each null taking rl.policy_loss's own."""
+        low = {"ppo": 0.2, "gspo": 3e-4, "cispo": 1.0}[self.policy_loss]
+        high = {"ppo": 0.2, "gspo": 4e-4, "cispo": 0.2}[self.policy_loss]
+        return (low if self.clip_low is None else self.clip_low, high if self.clip_high is None else self.clip_high)
+
+    @property
+    def aggregation(self) -> str:
+        """rl.agg with auto resolved: seq-mean-token-mean for gspo, else token-mean."""
+        if self.agg != "auto":
+            return self.agg
+        return "seq-mean-token-mean" if self.policy_loss == "gspo" else "token-mean"
 
 
 @dataclass

@@ -37,7 +37,7 @@ from vlforge.generate.engine import engine_for
 from vlforge.model.host_inputs import host_to_device
 from vlforge.model.load import build_meta_model, dir_config
 from vlforge.model.presets import MOE_PRESETS, is_moe
-from vlforge.rl import RewardSpec, agg_loss, build_rewards, exact_match, grpo_advantages, kl_penalty, policy_loss
+from vlforge.rl import RewardSpec, agg_loss, build_rewards, exact_match, kl_penalty, outcome_advantages, policy_loss
 from vlforge.rollout.engine import (PackedLayout, Rollout, generate_groups, packing_enabled, rollout_seed,
                                     route_rows, sequence_logprobs, token_mask)
 
@@ -130,7 +130,8 @@ def collect(t: Trainable, data, stream, state: dict, cfg: GRPOConfig, rewards
     trains those of its own prompts, so the ranks' shares may differ (update pads them)."""
     B, G, world = cfg.rollout.prompts_per_step, cfg.rollout.group_size, t.world
     batches, stats = [], {"reward": [], "correct": [], "per_fn": {}, "zero_var": [], "lengths": [], "finished": []}
-    kept_groups, kept_rewards, spare = 0, [], None  # kept_rewards: each round's kept sequences, every rank's
+    # kept_rewards / kept_lengths: each round's kept sequences' rewards and response lengths, every rank's
+    kept_groups, kept_rewards, kept_lengths, spare = 0, [], [], None
     for _ in range(cfg.rl.max_sampling_tries if cfg.rl.dynamic_sampling else 1):
         idx, state["epoch"], state["position"] = next(stream)
         rollout, scored = rollout_round(t, data, idx, cfg, rewards)
@@ -153,20 +154,22 @@ def collect(t: Trainable, data, stream, state: dict, cfg: GRPOConfig, rewards
         kept = [b * G + g for b in groups for g in range(G)]  # the round's kept sequences, all ranks'
         mine = [(row, s - lo) for row, s in enumerate(kept) if lo <= s < lo + sizes[world.rank]]
         if mine:
-            adv = grpo_advantages(scored["reward"], G, scale=cfg.rl.adv_scale)[lo:lo + sizes[world.rank]]
+            adv = outcome_advantages(scored["reward"], G, cfg.rl.advantage, cfg.rl.adv_scale,
+                                     lengths=scored["lengths"])[lo:lo + sizes[world.rank]]
             offset = sum(len(r) for r in kept_rewards)
             batches.append(Batch(rollout, [s for _, s in mine], adv.to(t.device), None,
                                  kept_rows=[offset + row for row, _ in mine]))
         if kept:
             kept_rewards.append(scored["reward"][kept])
+            kept_lengths.append(scored["lengths"][kept])
         kept_groups += len(groups)
         if kept_groups >= B:
             break
     if not stats["reward"]:
         raise DataError(f"every prompt of this step's rollout rounds failed to decode (data.on_error=skip); "
                         f"run `vlforge data check {cfg.data.train}` and fix or drop those rows")
-    if cfg.rl.adv_scale == "batch" and len(kept_rewards) > 1:
-        pool_batch_std(batches, kept_rewards, G)
+    if batch_statistics(cfg.rl) and len(kept_rewards) > 1:
+        pool_batch_statistics(batches, kept_rewards, kept_lengths, G, cfg.rl)
     return batches, stats, spare
 
 
@@ -189,11 +192,19 @@ def gather_round(world: World, rollout: Rollout | None, scored: dict) -> tuple[d
             "finished": torch.cat([p["finished"] for p in every])}, sizes
 
 
-def pool_batch_std(batches: list[Batch], kept_rewards: list[torch.Tensor], group_size: int) -> None:
-    """adv_scale=batch over several rollout rounds: one std over every kept group, not each round's.
-    `kept_rewards`: each round's kept rewards (every rank's); a batch's kept_rows (or, without them,
-    the batches in turn) say which are its own."""
-    adv = grpo_advantages(torch.cat(kept_rewards), group_size, scale="batch")
+def batch_statistics(rl) -> bool:
+    """Whether the advantages use statistics of the whole batch (not only of each group)."""
+    return rl.advantage in ("reinforce++", "reinforce++-baseline") or (rl.advantage == "grpo" and rl.adv_scale == "batch")
+
+
+def pool_batch_statistics(batches: list[Batch], kept_rewards: list[torch.Tensor], kept_lengths: list[torch.Tensor],
+                          group_size: int, rl) -> None:
+    """Advantages with batch statistics (batch_statistics) over several rollout rounds: one mean and
+    std over every kept group, not each round's. `kept_rewards` / `kept_lengths`: each round's kept
+    rewards and response lengths (every rank's); a batch's kept_rows (or, without them, the batches
+    in turn) say which are its own."""
+    adv = outcome_advantages(torch.cat(kept_rewards), group_size, rl.advantage, rl.adv_scale,
+                             lengths=torch.cat(kept_lengths))
     start = 0
     for b in batches:
         rows = b.kept_rows if b.kept_rows is not None else list(range(start, start + len(b.seqs)))
@@ -326,7 +337,7 @@ def update(t: Trainable, ref_model, batches: list[Batch], optimizer, scaler, hea
         for parts in plan:
             real = [(b, part) for b, part in parts if part is not None]
             masks = [b.rollout.response_mask[[b.seqs[i] for i in part]].float() for b, part in real]
-            weights, tokens = part_weights(masks, rl.agg, world), [float(m.sum()) for m in masks]
+            weights, tokens = part_weights(masks, rl.aggregation, world), [float(m.sum()) for m in masks]
             all_tokens = world.sum(sum(tokens))  # the mini-batch's response tokens on every rank
             # MoE: the router loss is the mini-batch's mean over its sequences, whatever rl.agg does
             all_seqs = world.sum(sum(len(part) for _, part in real)) if t.routing is not None else 1.0
@@ -350,13 +361,13 @@ def update(t: Trainable, ref_model, batches: list[Batch], optimizer, scaler, hea
                                                   chunk_size=cfg.loss.chunk_size, packing=packing)
                     # norm_length: Dr. GRPO's constant divisor is the length cap, not this batch's longest
                     loss, stats = policy_loss(logp, b.rollout.logprobs[seqs], b.advantages[seqs], mask,
-                                              clip_low=rl.clip_low, clip_high=rl.clip_high, dual_clip=rl.dual_clip,
-                                              agg=rl.agg, norm_length=cfg.rollout.max_new_tokens)
+                                              *rl.clip_range, dual_clip=rl.dual_clip, agg=rl.aggregation,
+                                              norm_length=cfg.rollout.max_new_tokens, kind=rl.policy_loss)
                     share = n_tok / max(all_tokens, 1.0)  # token-weighted statistics
                     if rl.kl_beta > 0:
                         kl = kl_penalty(logp, b.ref_logp[part], rl.kl_kind)
                         # both terms are fp32 (log-probs are); the sum is scaled once, for fp16 only
-                        loss = loss + rl.kl_beta * agg_loss(kl, mask, rl.agg, cfg.rollout.max_new_tokens)
+                        loss = loss + rl.kl_beta * agg_loss(kl, mask, rl.aggregation, cfg.rollout.max_new_tokens)
                         step["kl"] += share * float((kl.detach() * mask).sum() / mask.sum().clamp(min=1))
                     # gradients of the parts add up to the mini-batch's; x world size: FSDP2 and DDP average
                     # over ranks; MoE: + train.router_aux_loss_coef x the router load-balancing loss (0 by default)
@@ -438,6 +449,11 @@ def run_grpo(cfg: GRPOConfig) -> dict:
     if cfg.data.packing is True or cfg.data.max_tokens_per_batch:
         raise ConfigError("data.packing / data.max_tokens_per_batch are SFT batching keys: GRPO batches prompts by "
                           "rollout.prompts_per_step (its update packs responses by rl.packing); remove them")
+    low, high = cfg.rl.clip_range
+    if cfg.rl.policy_loss == "gspo" and max(low, high) > 0.01:
+        print(f"warning: rl.policy_loss=gspo with the ratio clipped to [1 - {low:g}, 1 + {high:g}]: a sequence's ratio "
+              "(the geometric mean of its tokens') stays near 1, so this bound rarely acts; the GSPO paper clips at "
+              "3e-4 / 4e-4 (rl.clip_low and rl.clip_high null give those)", file=sys.stderr)
     if cfg.loss.impl == "liger":
         raise ConfigError("loss.impl=liger: GRPO's log-probs need banned vision tokens and the entropy, which "
                           "liger's fused op cannot give; GRPO always uses the chunked computation (loss.chunk_size)")

@@ -1,13 +1,16 @@
 """GRPO reinforcement learning: advantage / loss / KL math (``core``) and reward functions (``rewards``)."""
 
 from vlforge.rl.core import (
+    ADV_ESTIMATORS,
     ADV_SCALES,
     AGG_MODES,
     KL_KINDS,
+    POLICY_LOSSES,
     agg_loss,
     grpo_advantages,
     kl_penalty,
     masked_mean,
+    outcome_advantages,
     policy_loss,
 )
 from vlforge.rl.rewards import (
@@ -25,11 +28,14 @@ from vlforge.rl.rewards import (
 )
 
 __all__ = [
+    "ADV_ESTIMATORS",
     "ADV_SCALES",
     "AGG_MODES",
     "KL_KINDS",
+    "POLICY_LOSSES",
     "agg_loss",
     "grpo_advantages",
+    "outcome_advantages",
     "kl_penalty",
     "masked_mean",
     "policy_loss",

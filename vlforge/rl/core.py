@@ -1,7 +1,10 @@
-"""GRPO math as small pure functions: group advantages, clipped policy loss, KL estimators.
+"""GRPO math as small pure functions: outcome advantages (GRPO, RLOO, REINFORCE++), policy losses
+(PPO's clipped surrogate as in GRPO/DAPO, GSPO, CISPO), loss aggregation, KL estimators.
 
 Formulas follow verl ``verl/trainer/ppo/core_algos.py`` (compute_grpo_outcome_advantage,
-compute_policy_loss_vanilla, agg_loss, kl_penalty); deviations are listed per function.
+compute_rloo_outcome_advantage, compute_reinforce_plus_plus_outcome_advantage,
+compute_rf_baseline_outcome_advantage, compute_policy_loss_vanilla / _gspo, agg_loss, kl_penalty)
+and the papers named per function; deviations are listed per function.
 
 Shape suffixes (torchtitan style), the legend of the whole package:
     B  prompts, one group of responses each
@@ -18,6 +21,8 @@ import torch
 from torch import Tensor
 
 ADV_SCALES = ("group", "batch", "none")
+ADV_ESTIMATORS = ("grpo", "rloo", "reinforce++", "reinforce++-baseline")
+POLICY_LOSSES = ("ppo", "gspo", "cispo")
 AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 KL_KINDS = ("k1", "k2", "k3")
 
@@ -89,6 +94,57 @@ def grpo_advantages(rewards: Tensor, group_size: int, scale: str = "group", eps:
     return adv_BG.reshape(-1)
 
 
+def outcome_advantages(rewards: Tensor, group_size: int, estimator: str = "grpo", scale: str = "group",
+                       lengths: Tensor | None = None, eps: float = 1e-6) -> Tensor:
+    """Outcome advantages, one scalar per response, by `estimator`:
+
+    - ``"grpo"``: :func:`grpo_advantages` with `scale`.
+    - ``"rloo"`` (Ahmadian et al. 2024, "Back to Basics"; verl compute_rloo_outcome_advantage): each
+      response's reward minus the mean of the other G - 1 in its group, r_i - (sum_g r - r_i) / (G - 1);
+      no std scaling. G == 1: the raw reward (no baseline), as GRPO's singleton.
+    - ``"reinforce++"`` (Hu 2025; verl compute_reinforce_plus_plus_outcome_advantage with an outcome
+      reward and no KL in the reward): the rewards whitened over the whole batch, no group baseline.
+    - ``"reinforce++-baseline"`` (verl compute_rf_baseline_outcome_advantage): r - the group mean,
+      then whitened over the whole batch.
+
+    Whitening is verl's ``masked_whiten`` over the batch's response tokens: each response counts
+    `lengths[i]` times (its tokens; all 1 without `lengths`), mean and unbiased variance token-weighted,
+    (x - mean) / sqrt(var + 1e-8). `scale` applies to ``"grpo"`` only. No grad; float32 for integer input.
+    """
+    if estimator == "grpo":
+        return grpo_advantages(rewards, group_size, scale, eps)
+    if estimator not in ADV_ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {estimator!r}; valid: {', '.join(ADV_ESTIMATORS)}")
+    if rewards.dim() != 1 or group_size < 1 or rewards.numel() % group_size != 0:
+        raise ValueError(f"rewards must be 1-D with a positive multiple of group_size ({group_size}) entries, got "
+                         f"shape {tuple(rewards.shape)}")
+    r_N = rewards.detach() if rewards.is_floating_point() else rewards.detach().float()
+    r_BG = r_N.view(-1, group_size)
+    if estimator == "rloo":
+        if group_size == 1:
+            return r_N.clone()
+        others_BG = (r_BG.sum(dim=1, keepdim=True) - r_BG) / (group_size - 1)
+        all_equal_B1 = (r_BG == r_BG[:, :1]).all(dim=1, keepdim=True)  # exactly 0, as grpo_advantages
+        return torch.where(all_equal_B1, torch.zeros_like(r_BG), r_BG - others_BG).reshape(-1)
+    x_N = r_N
+    if estimator == "reinforce++-baseline" and group_size > 1:
+        x_N = (r_BG - r_BG.mean(dim=1, keepdim=True)).reshape(-1)
+    w_N = torch.ones_like(x_N) if lengths is None else lengths.detach().to(x_N)
+    if w_N.shape != x_N.shape:
+        raise ValueError(f"lengths must be [N] = {tuple(x_N.shape)}, got {tuple(w_N.shape)}")
+    return _whiten(x_N, w_N)
+
+
+def _whiten(x_N: Tensor, w_N: Tensor) -> Tensor:
+    """verl's masked_whiten of x broadcast over w_N tokens each: token-weighted mean, unbiased
+    (Bessel over the token count) variance, (x - mean) * rsqrt(var + 1e-8). One token in all: 0."""
+    total = w_N.sum()
+    mean = (w_N * x_N).sum() / total.clamp(min=1e-12)
+    var = (w_N * (x_N - mean).square()).sum() / total.clamp(min=1e-12)
+    var = var * total / (total - 1) if total > 1 else torch.zeros_like(var)
+    return (x_N - mean) * torch.rsqrt(var + 1e-8)
+
+
 def agg_loss(loss_NT: Tensor, mask_NT: Tensor, agg: str = "token-mean", norm_length: int | None = None) -> Tensor:
     """Reduce a per-token loss matrix to a scalar, as verl's ``agg_loss`` (single process).
 
@@ -130,8 +186,10 @@ def policy_loss(
     dual_clip: float | None = None,
     agg: str = "token-mean",
     norm_length: int | None = None,
+    kind: str = "ppo",
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """PPO/GRPO clipped surrogate loss (verl ``compute_policy_loss_vanilla``).
+    """The policy-gradient loss: by `kind` (rl.policy_loss), PPO/GRPO's clipped surrogate (verl
+    ``compute_policy_loss_vanilla``), GSPO's sequence-level one or CISPO's clipped-weight REINFORCE.
 
     Args:
         logp: ``logp_NT`` current-policy token log-probs (carries the gradient).
@@ -143,8 +201,18 @@ def policy_loss(
             Deviation: verl always applies it (``clip_ratio_c`` default 3.0); here None disables it.
         agg, norm_length: see :func:`agg_loss`.
 
-    Per token: ratio = exp(clamp(logp - old_logp, -20, 20));
+    ``"ppo"`` (GRPO, DAPO, Dr. GRPO), per token: ratio = exp(clamp(logp - old_logp, -20, 20));
     loss = max(-A * ratio, -A * clamp(ratio, 1 - clip_low, 1 + clip_high)).
+
+    ``"gspo"`` (Zheng et al. 2025, GSPO-token; verl ``compute_policy_loss_gspo``): the ratio of a row is
+    its sequence's, s_i = exp(mean over its tokens of (logp - old_logp)), carried per token as
+    s_i * pi(y_t) / sg(pi(y_t)) (clamped at exp(10)), so a token's gradient is s_i grad log pi(y_t);
+    then PPO's clipped max with clip_low/clip_high on s_i (the paper: 3e-4 / 4e-4) and, as the
+    paper's objective, agg ``seq-mean-token-mean``.
+
+    ``"cispo"`` (MiniMax-M1, 2025): loss = -sg(clamp(ratio, 1 - clip_low, 1 + clip_high)) * A * logp:
+    the importance weight is truncated and detached, and every token keeps its gradient (PPO's
+    clipped tokens get none). clip_frac is the share of tokens whose weight was truncated.
 
     Returns:
         ``(loss, stats)``: loss is a scalar with grad. stats holds 0-dim *detached tensors* (no host
@@ -160,6 +228,10 @@ def policy_loss(
         )
     if dual_clip is not None and dual_clip <= 1.0:
         raise ValueError(f"dual_clip must be > 1 (or None to disable), got {dual_clip}")
+    if kind not in POLICY_LOSSES:
+        raise ValueError(f"unknown policy loss {kind!r}; valid: {', '.join(POLICY_LOSSES)}")
+    if dual_clip is not None and kind != "ppo":
+        raise ValueError(f"dual_clip is PPO's (kind='ppo'), not {kind!r}'s")
     if agg not in AGG_MODES:
         raise ValueError(f"unknown loss aggregation {agg!r}; valid: {', '.join(AGG_MODES)}")
     adv = advantages.detach().to(logp.dtype)
@@ -170,6 +242,15 @@ def policy_loss(
 
     log_ratio_NT = torch.clamp(logp - old_logp.detach(), -20.0, 20.0)
     ratio_NT = torch.exp(log_ratio_NT)
+    if kind == "cispo":
+        weight_NT = torch.clamp(ratio_NT, 1.0 - clip_low, 1.0 + clip_high).detach()
+        loss_NT = -adv_NT * weight_NT * logp
+        clip_frac = masked_mean((weight_NT != ratio_NT.detach()).to(logp.dtype), mask_NT)
+        return agg_loss(loss_NT, mask_NT, agg, norm_length), _stats(clip_frac, logp.new_zeros(()), log_ratio_NT,
+                                                                   ratio_NT, mask_NT)
+    if kind == "gspo":
+        seq_log_ratio_N = masked_mean(logp.detach() - old_logp.detach(), mask_NT, dim=-1)
+        ratio_NT = torch.exp(torch.clamp(logp - logp.detach() + seq_log_ratio_N.unsqueeze(-1), max=10.0))
     unclipped_NT = -adv_NT * ratio_NT
     clipped_NT = -adv_NT * torch.clamp(ratio_NT, 1.0 - clip_low, 1.0 + clip_high)
     loss_NT = torch.maximum(unclipped_NT, clipped_NT)
@@ -181,14 +262,18 @@ def policy_loss(
         clip_frac_lower = masked_mean(((loss_NT > cap_NT) & neg_NT).to(logp.dtype), mask_NT)
         loss_NT = torch.where(neg_NT, torch.minimum(loss_NT, cap_NT), loss_NT)
 
-    loss = agg_loss(loss_NT, mask_NT, agg, norm_length)
-    stats = {
+    return agg_loss(loss_NT, mask_NT, agg, norm_length), _stats(clip_frac, clip_frac_lower, log_ratio_NT, ratio_NT,
+                                                               mask_NT)
+
+
+def _stats(clip_frac: Tensor, clip_frac_lower: Tensor, log_ratio_NT: Tensor, ratio_NT: Tensor,
+           mask_NT: Tensor) -> dict[str, Tensor]:
+    return {
         "clip_frac": clip_frac.detach(),
         "clip_frac_lower": clip_frac_lower.detach(),
         "approx_kl": masked_mean(-log_ratio_NT, mask_NT).detach(),
         "ratio_mean": masked_mean(ratio_NT, mask_NT).detach(),
     }
-    return loss, stats
 
 
 def kl_penalty(logp: Tensor, ref_logp: Tensor, kind: str = "k3") -> Tensor:
