@@ -12,6 +12,7 @@ With LoRA the reference is the same model with adapters disabled; with full fine
 from __future__ import annotations
 
 import copy
+import functools
 import sys
 import time
 from dataclasses import dataclass
@@ -40,6 +41,7 @@ from vlforge.model.presets import MOE_PRESETS, is_moe
 from vlforge.rl import RewardSpec, agg_loss, build_rewards, exact_match, kl_penalty, outcome_advantages, policy_loss
 from vlforge.rollout.engine import (PackedLayout, Rollout, generate_groups, packing_enabled, rollout_seed,
                                     route_rows, sequence_logprobs, token_mask)
+from vlforge.serve.judge import ModelJudge
 
 
 @dataclass
@@ -112,7 +114,7 @@ def rollout_round(t: Trainable, data: ChatDataset, idx: list[int], cfg: GRPOConf
              for ids, m in zip(rollout.response_ids.cpu(), rollout.response_mask.cpu())]
     answers = [s.answer for s in samples for _ in range(G)]
     fields = [s.fields for s in samples for _ in range(G)]
-    scored = rewards(texts, answers, fields)
+    scored = rewards(texts, answers, fields, prompts=[s.prompt_messages for s in samples for _ in range(G)])
     reward_N = torch.tensor(scored.total, dtype=torch.float32)
     reward_N -= cfg.rl.overlong_penalty * (~rollout.finished).float().cpu()
     return rollout, {"reward": reward_N, "per_fn": scored.per_fn,
@@ -395,6 +397,18 @@ def update(t: Trainable, ref_model, batches: list[Batch], optimizer, scaler, hea
     return row
 
 
+def judge_metrics(rewards, world: World) -> dict:
+    """`reward/<key>/unparsed_frac` of each judge reward (serve/judge.py): the share of the step's
+    replies, every rank's, that gave no score (and scored 0)."""
+    row = {}
+    for key, fn in zip(rewards.keys, rewards.fns):
+        if isinstance(fn, ModelJudge):
+            unparsed, scored = world.sums(*fn.take_counts())
+            if scored:
+                row[f"reward/{key}/unparsed_frac"] = unparsed / scored
+    return row
+
+
 def step_metrics(stats: dict, batches: list[Batch], train_logs: dict, t_rollout: float, t_train: float,
                  world: World = World(), group_size: int | None = None) -> dict:
     """The step's row; `stats` already hold every rank's rollouts, `batches` this rank's."""
@@ -457,8 +471,13 @@ def run_grpo(cfg: GRPOConfig) -> dict:
     if cfg.loss.impl == "liger":
         raise ConfigError("loss.impl=liger: GRPO's log-probs need banned vision tokens and the entropy, which "
                           "liger's fused op cannot give; GRPO always uses the chunked computation (loss.chunk_size)")
+    specs = [RewardSpec(r.name, r.weight, dict(r.kwargs)) for r in cfg.rl.rewards]
     try:  # before any model loading: a typo in a reward spec should fail in a second, not after minutes
-        rewards = build_rewards([RewardSpec(r.name, r.weight, dict(r.kwargs)) for r in cfg.rl.rewards])
+        for spec in specs:
+            if spec.name == "judge":  # its model loads once the run's device is known (below)
+                ModelJudge.validate(**spec.kwargs)
+        if others := [s for s in specs if s.name != "judge"]:
+            build_rewards(others)
     except (ValueError, FileNotFoundError, AttributeError, TypeError, ImportError) as e:
         raise ConfigError(f"rl.rewards: {e}") from e
     for path in filter(None, (cfg.data.train, cfg.data.val)):  # a bad file fails now, not after the model loads
@@ -473,6 +492,8 @@ def run_grpo(cfg: GRPOConfig) -> dict:
     if strategy != "none":
         refuse_unsupported_sharded(cfg, world_size, strategy)
     with begin_run(cfg) as (world, resume_from):
+        # a judge model loads on this rank's device, beside the policy (serve/judge.py)
+        rewards = build_rewards(specs, factories={"judge": functools.partial(ModelJudge, device=str(world.device))})
         # compile only when asked: rollout decode shapes change every step and would keep recompiling
         t = setup_model(cfg, compile_blocks=cfg.precision.compile is True, world=world)
         disable_dropout(t.model)
@@ -521,7 +542,8 @@ def run_grpo(cfg: GRPOConfig) -> dict:
                 if trained else {}
             t_train = time.perf_counter() - start - t_rollout
             row = {**step_metrics(stats, batches, train_logs, t_rollout, t_train, world, G), "lr": lr,
-                   **(t.routing.step_metrics(world) if t.routing else {})}  # MoE: the update's expert load
+                   **(t.routing.step_metrics(world) if t.routing else {}),  # MoE: the update's expert load
+                   **judge_metrics(rewards, world)}
             run.finish_step(row, always_log=bool(row.get("skipped")))  # bad steps always logged
             bar.update(1)
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}", acc=f"{row['accuracy']:.2f}")

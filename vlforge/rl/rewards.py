@@ -15,6 +15,12 @@ Built-ins (``BUILTIN_REWARDS``): ``exact_match``, ``choice``, ``numeric``, ``for
 Custom functions are loaded with ``load_reward("path/to/file.py:function_name")``; extra keyword
 arguments are bound with ``functools.partial`` (e.g. ``load_reward("numeric", tol=1e-3)``).
 :class:`CombinedReward` scores a batch with several weighted functions.
+
+A batched reward (decorated with :func:`batched`, or any callable with ``batched = True``) scores
+the whole batch in one call, ``fn(completions, answers, fields, prompts) -> list of numbers``:
+``prompts[i]`` is sample i's prompt messages (chat messages; image parts carry the image path), so
+a reward that runs a model (serve/judge.py's ModelJudge) can batch its work. Names the recipe
+builds itself (``judge``) come in as ``factories``.
 """
 
 from __future__ import annotations
@@ -166,6 +172,17 @@ def load_reward(spec: str, **kwargs: Any) -> RewardFn:
     return functools.partial(fn, **kwargs) if kwargs else fn
 
 
+def batched(fn: Callable) -> Callable:
+    """Mark ``fn(completions, answers, fields, prompts) -> list[float]`` as a batched reward."""
+    fn.batched = True
+    return fn
+
+
+def is_batched(fn: Any) -> bool:
+    """Whether a reward callable scores whole batches (also through functools.partial)."""
+    return bool(getattr(fn, "batched", False) or getattr(getattr(fn, "func", None), "batched", False))
+
+
 def _check_score(value: Any) -> float:
     if not isinstance(value, numbers.Real):
         raise TypeError(f"returned {value!r} of type {type(value).__name__}, expected a number")
@@ -211,11 +228,13 @@ class CombinedReward:
     are the spec names; a repeated name gets a ``#2``, ``#3`` ... suffix.
     """
 
-    def __init__(self, specs: Sequence[RewardSpec | str]):
+    def __init__(self, specs: Sequence[RewardSpec | str], factories: Mapping[str, Callable[..., RewardFn]] | None = None):
         if not specs:
             raise ValueError("CombinedReward needs at least one reward spec")
         self.specs = [RewardSpec(s) if isinstance(s, str) else s for s in specs]
-        self.fns = [load_reward(s.name, **s.kwargs) for s in self.specs]
+        factories = factories or {}
+        self.fns = [factories[s.name](**s.kwargs) if s.name in factories else load_reward(s.name, **s.kwargs)
+                    for s in self.specs]
         self.keys: list[str] = []
         for s in self.specs:
             n = sum(1 for k in self.keys if k == s.name or k.startswith(s.name + "#"))
@@ -226,15 +245,19 @@ class CombinedReward:
         completions: Sequence[str],
         answers: Sequence[str],
         fields: Sequence[Mapping[str, Any]] | None = None,
+        prompts: Sequence[list[dict]] | None = None,
     ) -> RewardResult:
-        """Score sample i = (completions[i], answers[i], fields[i]) with every function."""
-        fields = fields if fields is not None else [{}] * len(completions)
-        if not (len(completions) == len(answers) == len(fields)):
-            raise ValueError(
-                f"completions, answers, fields lengths differ: {len(completions)}, {len(answers)}, {len(fields)}"
-            )
+        """Score sample i = (completions[i], answers[i], fields[i]) with every function; batched ones
+        also get `prompts` (each sample's prompt messages; empty lists when not given)."""
+        n = len(completions)
+        fields = fields if fields is not None else [{}] * n
+        prompts = prompts if prompts is not None else [[] for _ in range(n)]
+        if not (n == len(answers) == len(fields) == len(prompts)):
+            raise ValueError(f"completions, answers, fields, prompts lengths differ: {n}, {len(answers)}, "
+                             f"{len(fields)}, {len(prompts)}")
         per_fn = {
-            key: [score_sample(fn, key, i, c, a, f) for i, (c, a, f) in enumerate(zip(completions, answers, fields))]
+            key: _score_batch(fn, key, completions, answers, fields, prompts) if is_batched(fn) else
+            [score_sample(fn, key, i, c, a, f) for i, (c, a, f) in enumerate(zip(completions, answers, fields))]
             for key, fn in zip(self.keys, self.fns)
         }
         total = [
@@ -243,6 +266,25 @@ class CombinedReward:
         return RewardResult(per_fn=per_fn, total=total)
 
 
-def build_rewards(specs: Sequence[RewardSpec | str]) -> CombinedReward:
-    """Shorthand for ``CombinedReward(specs)``."""
-    return CombinedReward(specs)
+def _score_batch(fn: RewardFn, name: str, completions: Sequence[str], answers: Sequence[str],
+                 fields: Sequence[Mapping[str, Any]], prompts: Sequence[list[dict]]) -> list[float]:
+    """A batched reward's scores, checked like score_sample's; any failure a RewardError naming it."""
+    try:
+        scores = list(fn(list(completions), list(answers), list(fields), list(prompts)))
+    except Exception as e:
+        raise RewardError(f"reward {name!r} failed on a batch of {len(completions)}: {type(e).__name__}: {e}") from e
+    if len(scores) != len(completions):
+        raise RewardError(f"reward {name!r} returned {len(scores)} scores for {len(completions)} samples")
+    out = []
+    for i, value in enumerate(scores):
+        try:
+            out.append(_check_score(value))
+        except (TypeError, ValueError) as e:
+            raise RewardError(f"reward {name!r} on sample {i} (completion={completions[i][:80]!r}): {e}") from e
+    return out
+
+
+def build_rewards(specs: Sequence[RewardSpec | str],
+                  factories: Mapping[str, Callable[..., RewardFn]] | None = None) -> CombinedReward:
+    """Shorthand for ``CombinedReward(specs, factories)``."""
+    return CombinedReward(specs, factories)
