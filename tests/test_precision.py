@@ -100,43 +100,6 @@ def test_policy_resolves_per_module_overrides_last_match_wins():
     assert PrecisionPolicy(PrecisionConfig(master_weights="compute"), "cpu").master_dtype == torch.bfloat16
 
 
-def test_an_override_holds_for_everything_inside_the_module_it_matches():
-    """A rule anchored on a block (`blocks\.0$`) holds for the block's layers too, unless a rule
-    matches something nearer; frozen weights are stored as their module computes (a bf16 block in an
-    fp16 run keeps bf16 weights) unless a storage rule says otherwise."""
-    from vlforge.config import ModuleOverride
-
-    cfg = PrecisionConfig(mode="fp16", overrides=[ModuleOverride(r"visual\.blocks\.0$", compute="bf16"),
-                                                  ModuleOverride(r"blocks\.0\.norm1$", compute="fp32"),
-                                                  ModuleOverride(r"blocks\.0\.mlp$", storage="fp32")])
-    policy = PrecisionPolicy(cfg, "cpu")
-    assert policy.module_compute("model.visual.blocks.0") == torch.bfloat16
-    assert policy.module_compute("base_model.model.model.visual.blocks.0.attn.qkv.base_layer") == torch.bfloat16
-    assert policy.frozen_storage("model.visual.blocks.0.attn.qkv") == torch.bfloat16  # as it computes
-    assert policy.module_compute("model.visual.blocks.0.norm1") == torch.float32  # the nearer rule
-    assert policy.frozen_storage("model.visual.blocks.0.mlp.linear_fc1") == torch.float32  # storage, inherited
-    assert policy.module_compute("model.visual.blocks.1.attn.qkv") == torch.float16  # not inside block 0
-    assert policy.frozen_storage("model.visual.blocks.1.attn.qkv") == torch.float16
-
-
-def test_a_half_override_takes_the_other_half_dtype_in_and_gives_it_back():
-    """A bf16 module inside an fp16 run: an fp16 input is cast to bf16 (the CPU's layer norm refuses
-    an fp16 input with bf16 weights) and its output cast back to fp16 for the fp16 modules after
-    it."""
-    from vlforge.config import ModuleOverride
-
-    block = torch.nn.Sequential(torch.nn.LayerNorm(8), torch.nn.Linear(8, 8))
-    model = torch.nn.Sequential(block)
-    policy = PrecisionPolicy(PrecisionConfig(mode="fp16", overrides=[ModuleOverride("^0$", compute="bf16")]), "cpu")
-    model.requires_grad_(False)
-    policy.apply(model)
-    assert {p.dtype for p in block.parameters()} == {torch.bfloat16}
-    with policy.autocast():
-        out = model(torch.randn(3, 8, dtype=torch.float16, requires_grad=True))
-    assert out.dtype == torch.float16
-    out.float().sum().backward()  # the casts differentiate
-
-
 def test_overrides_change_storage_and_compute_of_the_matching_modules(shapes_dir, tmp_path):
     from vlforge.engine.losses import sft_loss_sum
 

@@ -179,6 +179,10 @@ def refuse_unsupported(cfg, world: World) -> None:
     why = {
         "precision.fp8.enabled": cfg.precision.fp8.enabled,
         "quant (QLoRA)": cfg.quant.enabled,
+        # the loss scaler's inf check on gradient shards in host memory would be reduced over NCCL,
+        # which takes CUDA tensors only (gloo, the CPU tests' backend, does; not run on GPUs)
+        "precision.mode=fp16 with distributed.cpu_offload": (cfg.precision.mode == "fp16" and cfg.distributed.cpu_offload
+                                                             and world.device.type == "cuda"),
     }
     bad = [k for k, v in why.items() if v]
     if bad:
@@ -336,12 +340,12 @@ def _shard_units(model: torch.nn.Module, kwargs: dict, vision: dict, per_unit: i
     precision.overrides: FSDP2 gathers a unit's parameters in one dtype, and a module computing in
     fp32 (autocast off) needs its weights in fp32. So each module an override makes compute in a
     dtype other than its parent's is a unit of its own, gathered as stored (_GatherPolicy), and a
-    group of layers whose members compute differently is split into one unit a layer. A module sharing a weight
-    with modules outside it (lm_head tied to the embeddings) cannot be a unit of its own (FSDP2
-    gathers a parameter only inside the unit holding it): it stays in the unit around it, which is
+    group of layers whose members compute differently is split into one unit a layer. A module that
+    cannot be a unit of its own (_own_unit_possible: lm_head tied to the embeddings; the language
+    model or `model`, which hold other units) leaves its parameters to the unit around it, which is
     then gathered in fp32 where its modules' dtypes differ (autocast still casts each matmul to its
-    module's dtype). Units are sharded deepest first (FSDP2 shards bottom-up: a unit takes the
-    parameters no unit inside it has taken)."""
+    module's dtype); the units inside it compute as it does. Units are sharded deepest first (FSDP2
+    shards bottom-up: a unit takes the parameters no unit inside it has taken)."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
@@ -366,12 +370,18 @@ def _shard_units(model: torch.nn.Module, kwargs: dict, vision: dict, per_unit: i
             users.setdefault(id(p), set()).add(computes.get(module, default))
     names = {m: name for name, m in model.named_modules()}
     for module in names:
-        if hasattr(module, "_vlforge_compute") and module not in taken and _holds_own_weights(model, module):
+        if hasattr(module, "_vlforge_compute") and module not in taken and _own_unit_possible(model, module, taken):
             units.append(([module], vision if module in in_vision else kwargs))
     units.sort(key=lambda unit: -names[unit[0][0]].count("."))  # stable: equal depths keep their order
 
     def policy(modules: list[torch.nn.Module]):
         own = [p for m in modules for p in m.parameters() if not isinstance(p, DTensor)]  # deeper units took theirs
+        if len({p.dtype for p in own if p.requires_grad}) > 1:  # FSDP2 shards a unit's trainable weights as one
+            raise ConfigError(f"precision.overrides leave the trainable weights of {names.get(modules[0], 'the root')!r} "
+                              f"in several dtypes ({sorted(str(d) for d in {p.dtype for p in own if p.requires_grad})}), "
+                              "which FSDP2 cannot shard as one unit (with master_weights=compute an fp32 override "
+                              "on a module that cannot be a unit of its own, e.g. a tied lm_head): use "
+                              "precision.master_weights=fp32, drop that override, or distributed.strategy=ddp")
         dtypes = set().union(*(users[id(p)] for p in own)) or {computes.get(modules[0], default)}
         return gather(dtypes.pop() if len(dtypes) == 1 else torch.float32, own,
                       override=hasattr(modules[0], "_vlforge_compute"))
@@ -385,9 +395,16 @@ def _shard_units(model: torch.nn.Module, kwargs: dict, vision: dict, per_unit: i
     return root
 
 
-def _holds_own_weights(model: torch.nn.Module, module: torch.nn.Module) -> bool:
-    """Whether `module` has parameters and no module outside it uses any of them (tied weights)."""
+def _own_unit_possible(model: torch.nn.Module, module: torch.nn.Module, taken: set) -> bool:
+    """Whether an overridden `module` can be an FSDP2 unit of its own: FSDP2 gathers a unit's weights
+    when the unit's forward starts, so the module must hold parameters that only its own forward
+    uses. Not so for a module sharing a weight with one outside it (lm_head tied to the
+    embeddings), nor for one holding other units (the language model, `model`): the embeddings
+    inside it run before its forward (HF's model calls them), and generation calls its parts
+    directly."""
     inside = set(module.modules())
+    if any(m in taken for m in inside if m is not module):
+        return False
     mine = {id(p) for p in module.parameters()}
     return bool(mine) and not any(id(p) in mine for other in model.modules() if other not in inside
                                   for p in other.parameters(recurse=False))

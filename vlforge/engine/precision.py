@@ -26,7 +26,7 @@ from collections import Counter
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_map
 
 from vlforge.config import ConfigError, PrecisionConfig, QuantConfig
 from vlforge.generate.fused import FUSABLE
@@ -36,24 +36,15 @@ from vlforge.model.tiers import canonical_name, fsdp_sharded
 NAMES = {v: k for k, v in DTYPES.items()}
 
 
-def _floating(x) -> bool:
-    return isinstance(x, torch.Tensor) and x.is_floating_point()
-
-
 def _upcast(x):
-    return x.float() if _floating(x) else x
+    return x.float() if isinstance(x, torch.Tensor) and x.is_floating_point() else x
 
 
 def _run_forward_in(module: nn.Module, dtype: torch.dtype, device_type: str) -> None:
     """Make `module` compute in `dtype` whatever the surrounding autocast says.
 
     fp32 means autocast off and floating inputs upcast (so the module's own weights must be fp32);
-    a half dtype means the module is an island of that dtype: a nested autocast, its floating inputs
-    cast to it (its frozen weights are stored in it: PrecisionPolicy.frozen_storage) and its outputs
-    in that dtype cast back to the dtype of its first floating input, so the modules after it see
-    what they would without the override (a bf16 vision block in an fp16 run takes and gives fp16).
-    Autocast alone is not enough: it leaves ops such as the CPU's layer norm alone, and those refuse
-    an input of another dtype than their weights (fp32 or fp16 into bf16).
+    a half dtype means a nested autocast of that dtype.
     """
     forward = module.forward
 
@@ -63,13 +54,8 @@ def _run_forward_in(module: nn.Module, dtype: torch.dtype, device_type: str) -> 
             args, kwargs = tree_map(_upcast, (args, kwargs))
             with torch.autocast(device_type, enabled=False):
                 return forward(*args, **kwargs)
-        came = next((x.dtype for x in tree_leaves((args, kwargs)) if _floating(x)), dtype)
-        args, kwargs = tree_map(lambda x: x.to(dtype) if _floating(x) else x, (args, kwargs))
         with torch.autocast(device_type, dtype=dtype):
-            out = forward(*args, **kwargs)
-        if came == dtype:
-            return out
-        return tree_map(lambda y: y.to(came) if isinstance(y, torch.Tensor) and y.dtype == dtype else y, out)
+            return forward(*args, **kwargs)
 
     module.forward = forward_in_dtype
 
@@ -101,32 +87,22 @@ class PrecisionPolicy:
 
     # ------------------------------------------------------------------ per-module resolution
 
-    def _nearest(self, name: str, key: str) -> torch.dtype | None:
-        """The `key` ("compute" or "storage") of the last override matching the module `name`, else
-        of the nearest ancestor some override matches (a rule on a block holds for all inside it),
-        else None."""
-        parts = canonical_name(name).split(".")
-        for end in range(len(parts), 0, -1):
-            found = None
-            for pattern, o in self._overrides:
-                if getattr(o, key) and pattern.search(".".join(parts[:end])):
-                    found = DTYPES[getattr(o, key)]
-            if found is not None:
-                return found
-        return None
-
     def module_compute(self, name: str) -> torch.dtype:
         """The dtype a module's arithmetic runs in (before FP8, which engine/fp8.py layers on top)."""
-        return self._nearest(name, "compute") or self.compute_dtype
+        dtype = self.compute_dtype
+        for pattern, o in self._overrides:
+            if o.compute and pattern.search(canonical_name(name)):
+                dtype = DTYPES[o.compute]
+        return dtype
 
     def frozen_storage(self, name: str) -> torch.dtype:
-        """dtype of a frozen parameter owned by module `name` (a trainable one uses master_dtype): the
-        dtype the module computes in, unless an override sets its storage. (Stored in the run's
-        compute dtype instead, a bf16-computing vision tower in an fp16 run would keep fp16 weights:
-        fp16's range, and on the CPU its layer norms refuse a bf16 input with fp16 weights.)"""
-        compute = self.module_compute(name)
+        """dtype of a frozen parameter owned by module `name` (a trainable one uses master_dtype)."""
+        dtype, compute = self.compute_dtype, self.module_compute(name)
+        for pattern, o in self._overrides:
+            if o.storage and pattern.search(canonical_name(name)):
+                dtype = DTYPES[o.storage]
         # an fp32-compute module runs with autocast off, so its weights must be fp32 too
-        return torch.float32 if compute == torch.float32 else self._nearest(name, "storage") or compute
+        return torch.float32 if compute == torch.float32 else dtype
 
     def param_dtype(self, module_name: str, trainable: bool) -> torch.dtype:
         if trainable:  # an fp32-compute module runs with autocast off: its own weights must be fp32
