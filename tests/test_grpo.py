@@ -69,15 +69,23 @@ def test_one_grpo_step_changes_exactly_the_trainable_params(shapes_dir, tmp_path
 
 
 @pytest.mark.parametrize("loss,advantage", [("gspo", "rloo"), ("cispo", "reinforce++"), ("ppo", "reinforce++-baseline")])
-def test_grpo_relatives_train_through_the_recipe(shapes_dir, tmp_path, loss, advantage):
+def test_grpo_relatives_train_through_the_recipe(shapes_dir, tmp_path, loss, advantage, monkeypatch):
     """rl.policy_loss (GSPO, CISPO) and rl.advantage (RLOO, REINFORCE++) through the whole recipe:
     the first mini-batch is on-policy (every ratio 1), the LoRA weights move, and the logged
     advantages follow the estimator (RLOO's sum to 0 in every group; whitened ones have unit spread)."""
+    from vlforge.recipes import grpo as recipe
+
     cfg = grpo_config(shapes_dir, tmp_path / "run", tmp_path, "tiers.method=lora", f"rl.policy_loss={loss}",
                       f"rl.advantage={advantage}", "rl.mini_batch_size=8", "train.seed=1")
+    seen = {"kind": set(), "estimator": set()}
+    real_loss, real_adv = recipe.policy_loss, recipe.outcome_advantages
+    monkeypatch.setattr(recipe, "policy_loss", lambda *a, **k: seen["kind"].add(k["kind"]) or real_loss(*a, **k))
+    monkeypatch.setattr(recipe, "outcome_advantages",
+                        lambda r, g, estimator, *a, **k: seen["estimator"].add(estimator) or real_adv(r, g, estimator, *a, **k))
     assert cfg.rl.aggregation == ("seq-mean-token-mean" if loss == "gspo" else "token-mean")
     assert cfg.rl.clip_range == {"gspo": (3e-4, 4e-4), "cispo": (1.0, 0.2), "ppo": (0.2, 0.2)}[loss]
     run_grpo(cfg)
+    assert seen == {"kind": {loss}, "estimator": {advantage}}
     row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert row["groups_trained"] > 0 and math.isfinite(row["loss"]) and row["grad_norm"] > 0
     assert row["ratio_mean"] == pytest.approx(1.0, abs=1e-5) and row["clip_frac"] == 0.0
@@ -260,6 +268,41 @@ def test_batch_std_is_pooled_over_rollout_rounds():
     round2_std = statistics.stdev(r2)
     torch.testing.assert_close(b2.advantages[2:], torch.tensor([(2.0 - 3.0) / (round2_std + eps),
                                                                 (4.0 - 3.0) / (round2_std + eps)]))
+
+
+def test_batch_statistics_are_over_the_kept_groups_token_weighted():
+    """reinforce++ over two rounds (and one round whose other groups dynamic sampling dropped):
+    whitened over the kept responses only, each weighted by its length, as verl whitens the batch it
+    trains after filtering."""
+    from types import SimpleNamespace
+
+    from vlforge.recipes.grpo import Batch, pool_batch_statistics
+    from vlforge.rl import outcome_advantages
+
+    r1, r2 = torch.tensor([0.0, 1.0, 1.0, 1.0]), torch.tensor([2.0, 0.0])
+    l1, l2 = torch.tensor([1.0, 5.0, 2.0, 2.0]), torch.tensor([7.0, 3.0])
+    b1 = Batch(None, list(range(4)), torch.zeros(4), None)
+    b2 = Batch(None, [0, 1], torch.zeros(4), None)  # round 2 also held a dropped group (rows 2, 3)
+    pool_batch_statistics([b1, b2], [r1, r2], [l1, l2], 2, SimpleNamespace(advantage="reinforce++", adv_scale="group"))
+    r, w = torch.cat([r1, r2]), torch.cat([l1, l2])
+    mean = (w * r).sum() / w.sum()
+    var = (w * (r - mean) ** 2).sum() / w.sum() * w.sum() / (w.sum() - 1)
+    expected = (r - mean) / torch.sqrt(var + 1e-8)
+    torch.testing.assert_close(torch.cat([b1.advantages, b2.advantages[:2]]), expected)
+    assert torch.equal(b2.advantages[2:], torch.zeros(2))
+    assert torch.equal(outcome_advantages(torch.ones(4), 2, "reinforce++"), torch.zeros(4))  # no spread: no signal
+
+
+def test_policy_loss_settings_left_from_a_ppo_config_are_warned_about():
+    from vlforge.recipes.grpo import loss_setting_warnings
+
+    shipped = ["rl.clip_low=0.2", "rl.clip_high=0.28", "rl.agg=token-mean"]  # as configs/*-grpo.yaml
+    warned = loss_setting_warnings(load_config(GRPOConfig, None, ["rl.policy_loss=gspo", *shipped]).rl)
+    assert len(warned) == 2 and "3e-4 / 4e-4" in warned[0] and "mean over sequences" in warned[1]
+    assert "truncates above only" in loss_setting_warnings(
+        load_config(GRPOConfig, None, ["rl.policy_loss=cispo", *shipped]).rl)[0]
+    for loss in ("ppo", "gspo", "cispo"):
+        assert loss_setting_warnings(load_config(GRPOConfig, None, [f"rl.policy_loss={loss}"]).rl) == []
 
 
 def test_a_round_with_no_prompt_left_still_draws_its_rollout_seed(shapes_dir, tmp_path):

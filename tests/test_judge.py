@@ -52,11 +52,19 @@ def test_parse_score(reply, score, expected):
 
 def test_bad_judge_settings_fail_before_loading(tmp_path):
     with pytest.raises(ConfigError, match="is not a directory"):
-        ModelJudge.validate(str(tmp_path / "nowhere"))
+        ModelJudge.validate(model=str(tmp_path / "nowhere"))
+    with pytest.raises(ConfigError, match="is not a directory"):  # a random-weight preset is no judge
+        ModelJudge.validate(model="qwen3vl-8b")
     with pytest.raises(ConfigError, match="a placeholder other than"):
-        ModelJudge.validate("tiny", prompt="Grade {response}")
+        ModelJudge.validate(model="tiny", prompt="Grade {response}")
     with pytest.raises(ConfigError, match="score 'stars'"):
-        ModelJudge.validate("tiny", score="stars")
+        ModelJudge.validate(model="tiny", score="stars")
+    with pytest.raises(ConfigError, match="unexpected keyword argument 'max_tokens'.*valid keys: model, prompt"):
+        ModelJudge.validate(model="tiny", max_tokens=3)
+    with pytest.raises(ConfigError, match="--quant nf5"):
+        ModelJudge.validate(model="tiny", quant="nf5")
+    with pytest.raises(ConfigError, match="missing a required argument: 'model'"):
+        ModelJudge.validate(score="number")
 
 
 def test_the_judge_asks_its_model_with_the_samples_images_and_parses_its_greedy_replies(shapes_dir):

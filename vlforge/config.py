@@ -888,6 +888,8 @@ def resolve_paths(cfg: Any) -> Any:
         file, sep, fn = reward.name.rpartition(":")
         if sep and file.endswith(".py"):  # path/to/file.py:function (load_reward expands ~); builtins are names
             reward.name = f"{absolute(os.path.expanduser(file))}:{fn}"
+        if reward.name == "judge" and reward.kwargs.get("model") not in (None, "tiny"):  # a judge model directory
+            reward.kwargs = {**reward.kwargs, "model": absolute(os.path.expanduser(str(reward.kwargs["model"])))}
     return cfg
 
 

@@ -170,7 +170,7 @@ def collect(t: Trainable, data, stream, state: dict, cfg: GRPOConfig, rewards
     if not stats["reward"]:
         raise DataError(f"every prompt of this step's rollout rounds failed to decode (data.on_error=skip); "
                         f"run `vlforge data check {cfg.data.train}` and fix or drop those rows")
-    if batch_statistics(cfg.rl) and len(kept_rewards) > 1:
+    if batch_statistics(cfg.rl) and kept_rewards:  # over the kept groups only, as verl filters first
         pool_batch_statistics(batches, kept_rewards, kept_lengths, G, cfg.rl)
     return batches, stats, spare
 
@@ -201,8 +201,8 @@ def batch_statistics(rl) -> bool:
 
 def pool_batch_statistics(batches: list[Batch], kept_rewards: list[torch.Tensor], kept_lengths: list[torch.Tensor],
                           group_size: int, rl) -> None:
-    """Advantages with batch statistics (batch_statistics) over several rollout rounds: one mean and
-    std over every kept group, not each round's. `kept_rewards` / `kept_lengths`: each round's kept
+    """Advantages with batch statistics (batch_statistics) over the kept groups of every rollout
+    round: one mean and std over what trains, not each round's (dropped groups left out). `kept_rewards` / `kept_lengths`: each round's kept
     rewards and response lengths (every rank's); a batch's kept_rows (or, without them, the batches
     in turn) say which are its own."""
     adv = outcome_advantages(torch.cat(kept_rewards), group_size, rl.advantage, rl.adv_scale,
@@ -436,6 +436,24 @@ def step_metrics(stats: dict, batches: list[Batch], train_logs: dict, t_rollout:
     return {**row, **train_logs}
 
 
+def loss_setting_warnings(rl) -> list[str]:
+    """Settings that run but are likely a PPO config's leftovers under another policy loss (the
+    shipped configs set DAPO's clip range and token-mean)."""
+    low, high = rl.clip_range
+    out = []
+    if rl.policy_loss == "gspo" and max(low, high) > 0.01:
+        out.append(f"rl.policy_loss=gspo with the ratio clipped to [1 - {low:g}, 1 + {high:g}]: a sequence's ratio (the "
+                   "geometric mean of its tokens') stays near 1, so this bound rarely acts; the GSPO paper clips at "
+                   "3e-4 / 4e-4 (rl.clip_low and rl.clip_high null give those)")
+    if rl.policy_loss == "gspo" and rl.aggregation != "seq-mean-token-mean":
+        out.append(f"rl.policy_loss=gspo with rl.agg={rl.aggregation}: GSPO's objective is a mean over sequences "
+                   "(rl.agg auto or seq-mean-token-mean)")
+    if rl.policy_loss == "cispo" and low < 1:
+        out.append(f"rl.policy_loss=cispo with rl.clip_low={low:g}: the importance weight is truncated below at "
+                   f"{1 - low:g}; MiniMax-M1's CISPO truncates above only (rl.clip_low null)")
+    return out
+
+
 def refuse_unsupported_sharded(cfg: GRPOConfig, world_size: int, strategy: str = "fsdp2") -> None:
     """What GRPO does not do on several processes (each rank then holds B / N whole groups and
     takes equal shares of every mini-batch), refused before anything starts."""
@@ -463,11 +481,9 @@ def run_grpo(cfg: GRPOConfig) -> dict:
     if cfg.data.packing is True or cfg.data.max_tokens_per_batch:
         raise ConfigError("data.packing / data.max_tokens_per_batch are SFT batching keys: GRPO batches prompts by "
                           "rollout.prompts_per_step (its update packs responses by rl.packing); remove them")
-    low, high = cfg.rl.clip_range
-    if cfg.rl.policy_loss == "gspo" and max(low, high) > 0.01:
-        print(f"warning: rl.policy_loss=gspo with the ratio clipped to [1 - {low:g}, 1 + {high:g}]: a sequence's ratio "
-              "(the geometric mean of its tokens') stays near 1, so this bound rarely acts; the GSPO paper clips at "
-              "3e-4 / 4e-4 (rl.clip_low and rl.clip_high null give those)", file=sys.stderr)
+    for problem in loss_setting_warnings(cfg.rl):
+        if torchrun_env() is None or torchrun_env()[0] == 0:  # once, not once per rank
+            print(f"warning: {problem}", file=sys.stderr)
     if cfg.loss.impl == "liger":
         raise ConfigError("loss.impl=liger: GRPO's log-probs need banned vision tokens and the entropy, which "
                           "liger's fused op cannot give; GRPO always uses the chunked computation (loss.chunk_size)")

@@ -137,7 +137,10 @@ def outcome_advantages(rewards: Tensor, group_size: int, estimator: str = "grpo"
 
 def _whiten(x_N: Tensor, w_N: Tensor) -> Tensor:
     """verl's masked_whiten of x broadcast over w_N tokens each: token-weighted mean, unbiased
-    (Bessel over the token count) variance, (x - mean) * rsqrt(var + 1e-8). One token in all: 0."""
+    (Bessel over the token count) variance, (x - mean) * rsqrt(var + 1e-8). Deviation: all values
+    equal give exactly 0 (verl's float rounding of the mean can leave ~1e-4 after the rsqrt)."""
+    if bool((x_N == x_N[:1]).all()):
+        return torch.zeros_like(x_N)
     total = w_N.sum()
     mean = (w_N * x_N).sum() / total.clamp(min=1e-12)
     var = (w_N * (x_N - mean).square()).sum() / total.clamp(min=1e-12)

@@ -16,6 +16,7 @@ without gradients; its memory is the model's weights and the KV of `batch_size` 
 
 from __future__ import annotations
 
+import inspect
 import re
 from pathlib import Path
 
@@ -63,21 +64,33 @@ class ModelJudge:
     def __init__(self, model: str, prompt: str = DEFAULT_PROMPT, score: str = "yes_no", scale: float = 10.0,
                  max_new_tokens: int = 8, batch_size: int = 32, images: bool = True, device: str = "auto",
                  quant: str | None = None):
-        self.validate(model, prompt, score, scale, max_new_tokens, batch_size)
+        self.validate(model=model, prompt=prompt, score=score, scale=scale, max_new_tokens=max_new_tokens,
+                      batch_size=batch_size, images=images, device=device, quant=quant)
         self.prompt, self.score, self.scale = prompt, score, scale
         self.max_new_tokens, self.batch_size, self.images = max_new_tokens, batch_size, images
+        model = model if model == "tiny" else str(Path(model).expanduser())
         self.engine = InferenceEngine.load(model, device=device, quant=QuantConfig.from_flag(quant) if quant else None)
         self.scored = self.unparsed = 0  # replies since the recipe last read them
 
-    @staticmethod
-    def validate(model: str, prompt: str = DEFAULT_PROMPT, score: str = "yes_no", scale: float = 10.0,
-                 max_new_tokens: int = 8, batch_size: int = 32, **_) -> None:
-        """The settings checked without loading anything (the recipe calls it before any model loads)."""
-        from vlforge.model.presets import PRESETS
-
-        if model not in PRESETS and not Path(str(model)).expanduser().is_dir():
+    @classmethod
+    def validate(cls, **kwargs) -> None:
+        """The `kwargs` of a judge reward checked without loading anything (the recipe calls it before
+        any model loads): known keys, the model a directory (or the test preset `tiny`: the other
+        presets are random weights, no judge), the template, the score kind, the quant method."""
+        try:
+            bound = inspect.signature(cls.__init__).bind(None, **kwargs)
+        except TypeError as e:
+            keys = [k for k in inspect.signature(cls.__init__).parameters if k != "self"]
+            raise ConfigError(f"rl.rewards judge kwargs: {e}; valid keys: {', '.join(keys)}") from None
+        bound.apply_defaults()
+        a = bound.arguments
+        model, prompt, score, scale = a["model"], a["prompt"], a["score"], a["scale"]
+        max_new_tokens, batch_size = a["max_new_tokens"], a["batch_size"]
+        if model != "tiny" and not Path(str(model)).expanduser().is_dir():
             raise ConfigError(f"rl.rewards judge: model {model!r} is not a directory: give a local model directory "
-                              "(released weights, `vlforge export` output, a checkpoint) or the preset 'tiny'")
+                              "(released weights, `vlforge export` output, a checkpoint), or 'tiny' for tests")
+        if a["quant"] is not None:
+            QuantConfig.from_flag(a["quant"])  # nf4 | int8 | fp8 | none, else a ConfigError
         if score not in SCORES:
             raise ConfigError(f"rl.rewards judge: score {score!r}: one of {', '.join(SCORES)}")
         try:
