@@ -232,6 +232,23 @@ def test_fp16_with_precision_overrides_on_two_ranks_equals_one_process(shapes_di
         assert diff.mean() < 2e-6 and flipped <= max(2, diff.numel() // 100), (key, flipped, diff.max(), diff.mean())
 
 
+def test_fp16_loss_scaling_on_fsdp2_shards_skips_on_every_rank_when_one_rank_overflows(tmp_path):
+    """An inf in rank 1's gradient shard only: the scaler's inf check (torch's DTensor rule reduces it
+    over the ranks) and the gradient-health monitor's global norm make both ranks skip the step and
+    back off the scale alike; the next step moves both ranks' weights alike. (Without the reduction
+    rank 0 would step on its finite shards and the replicas of the gathered weights would part.)"""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                             str(Path(__file__).parent / "fsdp2_scaler_probe.py"), str(tmp_path)], env=env,
+                            capture_output=True, text=True, timeout=TIMEOUT_S)
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [json.loads((tmp_path / f"scaler-{r}.json").read_text()) for r in (0, 1)]
+    for r in ranks:
+        assert [row["skipped"] for row in r["rows"]] == [True, False]
+        assert r["moved"] == [False, True]
+        assert r["rows"][0]["loss_scale"] == 65536.0 and r["scale"] == 32768.0  # backed off once
+    assert ranks[0]["weights"] == ranks[1]["weights"]
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["fp16", "bf16"])
 def test_fsdp2_with_precision_overrides_trains_like_one_process_on_cuda(shapes_dir, tmp_path, mode):
