@@ -181,8 +181,8 @@ def refuse_unsupported(cfg, world: World) -> None:
         "quant (QLoRA)": cfg.quant.enabled,
         # the loss scaler's inf check on gradient shards in host memory would be reduced over NCCL,
         # which takes CUDA tensors only (gloo, the CPU tests' backend, does; not run on GPUs)
-        "precision.mode=fp16 with distributed.cpu_offload": (cfg.precision.mode == "fp16" and cfg.distributed.cpu_offload
-                                                             and world.device.type == "cuda"),
+        "precision.mode=fp16 with distributed.cpu_offload": (
+            cfg.precision.mode == "fp16" and cfg.distributed.cpu_offload and world.device.type == "cuda"),
     }
     bad = [k for k, v in why.items() if v]
     if bad:
@@ -376,9 +376,10 @@ def _shard_units(model: torch.nn.Module, kwargs: dict, vision: dict, per_unit: i
 
     def policy(modules: list[torch.nn.Module]):
         own = [p for m in modules for p in m.parameters() if not isinstance(p, DTensor)]  # deeper units took theirs
-        if len({p.dtype for p in own if p.requires_grad}) > 1:  # FSDP2 shards a unit's trainable weights as one
-            raise ConfigError(f"precision.overrides leave the trainable weights of {names.get(modules[0], 'the root')!r} "
-                              f"in several dtypes ({sorted(str(d) for d in {p.dtype for p in own if p.requires_grad})}), "
+        trained = sorted({str(p.dtype) for p in own if p.requires_grad})
+        if len(trained) > 1:  # FSDP2 shards a unit's trainable weights as one
+            raise ConfigError(f"precision.overrides leave the trainable weights of "
+                              f"{names.get(modules[0], 'the root')!r} in several dtypes ({', '.join(trained)}), "
                               "which FSDP2 cannot shard as one unit (with master_weights=compute an fp32 override "
                               "on a module that cannot be a unit of its own, e.g. a tied lm_head): use "
                               "precision.master_weights=fp32, drop that override, or distributed.strategy=ddp")

@@ -196,15 +196,16 @@ def gather_round(world: World, rollout: Rollout | None, scored: dict) -> tuple[d
 
 def batch_statistics(rl) -> bool:
     """Whether the advantages use statistics of the whole batch (not only of each group)."""
-    return rl.advantage in ("reinforce++", "reinforce++-baseline") or (rl.advantage == "grpo" and rl.adv_scale == "batch")
+    return rl.advantage in ("reinforce++", "reinforce++-baseline") or (rl.advantage == "grpo"
+                                                                       and rl.adv_scale == "batch")
 
 
 def pool_batch_statistics(batches: list[Batch], kept_rewards: list[torch.Tensor], kept_lengths: list[torch.Tensor],
                           group_size: int, rl) -> None:
     """Advantages with batch statistics (batch_statistics) over the kept groups of every rollout
-    round: one mean and std over what trains, not each round's (dropped groups left out). `kept_rewards` / `kept_lengths`: each round's kept
-    rewards and response lengths (every rank's); a batch's kept_rows (or, without them, the batches
-    in turn) say which are its own."""
+    round: one mean and std over what trains, not each round's (dropped groups left out).
+    `kept_rewards` / `kept_lengths`: each round's kept rewards and response lengths (every rank's);
+    a batch's kept_rows (or, without them, the batches in turn) say which are its own."""
     adv = outcome_advantages(torch.cat(kept_rewards), group_size, rl.advantage, rl.adv_scale,
                              lengths=torch.cat(kept_lengths))
     start = 0
@@ -442,9 +443,9 @@ def loss_setting_warnings(rl) -> list[str]:
     low, high = rl.clip_range
     out = []
     if rl.policy_loss == "gspo" and max(low, high) > 0.01:
-        out.append(f"rl.policy_loss=gspo with the ratio clipped to [1 - {low:g}, 1 + {high:g}]: a sequence's ratio (the "
-                   "geometric mean of its tokens') stays near 1, so this bound rarely acts; the GSPO paper clips at "
-                   "3e-4 / 4e-4 (rl.clip_low and rl.clip_high null give those)")
+        out.append(f"rl.policy_loss=gspo with the ratio clipped to [1 - {low:g}, 1 + {high:g}]: a sequence's "
+                   "ratio (the geometric mean of its tokens') stays near 1, so this bound rarely acts; the GSPO "
+                   "paper clips at 3e-4 / 4e-4 (rl.clip_low and rl.clip_high null give those)")
     if rl.policy_loss == "gspo" and rl.aggregation != "seq-mean-token-mean":
         out.append(f"rl.policy_loss=gspo with rl.agg={rl.aggregation}: GSPO's objective is a mean over sequences "
                    "(rl.agg auto or seq-mean-token-mean)")

@@ -228,7 +228,8 @@ class CombinedReward:
     are the spec names; a repeated name gets a ``#2``, ``#3`` ... suffix.
     """
 
-    def __init__(self, specs: Sequence[RewardSpec | str], factories: Mapping[str, Callable[..., RewardFn]] | None = None):
+    def __init__(self, specs: Sequence[RewardSpec | str],
+                 factories: Mapping[str, Callable[..., RewardFn]] | None = None):
         if not specs:
             raise ValueError("CombinedReward needs at least one reward spec")
         self.specs = [RewardSpec(s) if isinstance(s, str) else s for s in specs]

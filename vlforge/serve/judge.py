@@ -10,8 +10,9 @@ download). Its reply becomes the score:
     score: number   the first number of the reply / `scale`, clipped to [0, 1]
 
 A reply that parses as neither scores 0.0 and is counted (logged by the recipe as
-`reward/judge/unparsed_frac`, every rank's replies). The judge is loaded once, beside the policy on the same device, and runs
-without gradients; its memory is the model's weights and the KV of `batch_size` prompts.
+`reward/judge/unparsed_frac`, every rank's replies). The judge is loaded once, beside the policy on
+the same device, and runs without gradients; its memory is the model's weights and the KV of
+`batch_size` prompts.
 """
 
 from __future__ import annotations
