@@ -104,10 +104,13 @@ class ModelJudge:
 
     def requests(self, completions: list[str], answers: list[str], prompts: list[list[dict]]) -> list[Request]:
         """One greedy request a response: its sample's images, then the filled-in template."""
-        out = []
+        out, decoded = [], {}  # a prompt's G responses share its decoded images
         for completion, answer, messages in zip(completions, answers, prompts):
             paths = image_paths(messages) if self.images else []
-            images = [self.engine.encoder.decode_image(Path(p), "judge") for p in paths]
+            for p in paths:
+                if p not in decoded:
+                    decoded[p] = self.engine.encoder.decode_image(Path(p), "judge")
+            images = [decoded[p] for p in paths]
             text = self.prompt.format(question=question_of(messages), answer=answer, completion=completion)
             content = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
             out.append(Request([{"role": "user", "content": content}], images, max_new_tokens=self.max_new_tokens))
