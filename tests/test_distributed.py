@@ -576,7 +576,9 @@ def test_grpo_dynamic_sampling_and_skipped_prompts_on_two_ranks_equal_one_proces
     """LoRA GRPO with KL, rl.dynamic_sampling and data.on_error=skip on 2 ranks: rank 1's prompts
     (text-only, answer 'red') always score 0 and are dropped, and one of rank 0's images is
     broken, so the ranks keep unequal shares (rank 1 none: its updates are zero-gradient pads).
-    The kept groups, rewards, advantages and the update are one process's."""
+    The kept groups, rewards, advantages and the update are one process's. With
+    rl.old_logprobs=trainer: the recomputed old log-probs' forwards, collectives under FSDP2, line
+    up with the KL reference's and rank 1's padding ones."""
     data, _ = _mixed_modality_data(shapes_dir, tmp_path)
     rows = [json.loads(line) for line in data.read_text().splitlines()]
     first = epoch_order(len(rows), 0, 0)[0]  # rank 0's first prompt of step 1
@@ -587,7 +589,7 @@ def test_grpo_dynamic_sampling_and_skipped_prompts_on_two_ranks_equal_one_proces
     (tmp_path / "reward.py").write_text("def varied(completion, answer, **row):\n"
                                         "    return 0.0 if answer == 'red' else float(len(completion) % 3)\n")
     runs = _grpo_one_and_two(tmp_path, f"data: {{train: {data}, on_error: skip}}\n"
-                             f"rl: {{kl_beta: 0.1, mini_batch_size: 16, dynamic_sampling: true, "
+                             f"rl: {{kl_beta: 0.1, mini_batch_size: 16, dynamic_sampling: true, old_logprobs: trainer, "
                              f"rewards: [{{name: '{tmp_path / 'reward.py'}:varied'}}]}}\n"
                              "rollout: {group_size: 4, prompts_per_step: 4, max_new_tokens: 5}\n",
                              ["tiers.method=lora", "train.max_steps=2", "optim.max_grad_norm=null"], strategy)

@@ -270,6 +270,30 @@ def test_batch_std_is_pooled_over_rollout_rounds():
                                                                 (4.0 - 3.0) / (round2_std + eps)]))
 
 
+@pytest.mark.parametrize("old", ["rollout", "trainer"])
+def test_old_logprobs_recomputed_by_the_trainer_make_the_first_ratio_exactly_one(shapes_dir, tmp_path, old,
+                                                                                 monkeypatch):
+    """rl.old_logprobs=trainer: the ratio's denominator is the trainer's own no-grad forward, so a
+    rollout engine whose log-probs are off (here shifted by 0.05 a token) no longer shows in the
+    first mini-batch's ratio; with the rollout's, the ratio is exp(-0.05)."""
+    from vlforge.recipes import grpo as recipe
+
+    real = recipe.generate_groups
+
+    def shifted(*args, **kwargs):
+        rollout = real(*args, **kwargs)
+        rollout.logprobs.add_(0.05 * rollout.response_mask.to(rollout.logprobs.dtype))
+        return rollout
+
+    monkeypatch.setattr(recipe, "generate_groups", shifted)
+    cfg = grpo_config(shapes_dir, tmp_path / "run", tmp_path, "tiers.method=lora", f"rl.old_logprobs={old}",
+                      "rl.mini_batch_size=8", "rl.kl_beta=0.1", "train.seed=1")
+    run_grpo(cfg)
+    row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    expected = 1.0 if old == "trainer" else math.exp(-0.05)
+    assert row["ratio_mean"] == pytest.approx(expected, abs=1e-5)
+    assert row["kl"] == pytest.approx(0.0, abs=1e-6)  # the reference forward ran too, before any update
+
 def test_batch_statistics_are_over_the_kept_groups_token_weighted():
     """reinforce++ over two rounds (and one round whose other groups dynamic sampling dropped):
     whitened over the kept responses only, each weighted by its length, as verl whitens the batch it

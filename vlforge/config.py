@@ -638,6 +638,10 @@ class RLConfig:
     clip_low: float | None = None
     clip_high: float | None = None
     dual_clip: float | None = None  # ppo only
+    # The ratio's old log-probs: rollout (the rollout engine's, free) or trainer (one more no-grad forward
+    # a step, as the KL reference's, verl's recompute: for a clip band as narrow as gspo's, where the
+    # engine's and the trainer's numerics already differ by about as much)
+    old_logprobs: Literal["rollout", "trainer"] = "rollout"
     # auto: seq-mean-token-mean with gspo (its objective: a mean over sequences), else token-mean
     agg: Literal["auto", "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = "auto"
     kl_beta: float = 0.0  # 0: no KL term and no reference forward

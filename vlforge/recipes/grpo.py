@@ -51,8 +51,9 @@ class Batch:
     rollout: Rollout
     seqs: list[int]  # sequence indices (of kept groups) in the rollout
     advantages: torch.Tensor  # [N] per sequence of the rollout
-    ref_logp: torch.Tensor | None  # [N, R]
+    ref_logp: torch.Tensor | None  # [len(seqs), R]
     kept_rows: list[int] | None = None  # seqs' positions among the step's kept sequences of every rank
+    old_logp: torch.Tensor | None = None  # [len(seqs), R]: rl.old_logprobs=trainer's, else the rollout's
 
 
 def disable_dropout(model) -> None:
@@ -237,6 +238,19 @@ def reference_logprobs(t: Trainable, ref_model, batch: Batch, temperature: float
         return sequence_logprobs(ref_model, batch.rollout, temperature, seq_index=batch.seqs, packing=packing)[0]
 
 
+def trainer_logprobs(t: Trainable, batch: Batch, temperature: float, packing: bool = False,
+                     replay: bool = False) -> torch.Tensor:
+    """The trainer's own log-probs of `batch`'s responses before the step's first update
+    (rl.old_logprobs=trainer, verl's recomputed old log-probs): the importance ratio's denominator in
+    place of the rollout engine's, whose numerics differ (bf16 weight copies, another attention
+    kernel, CUDA graphs) by as much as GSPO's clip band. No gradient; MoE routes as in the update.
+    [len(seqs), R]"""
+    routes = route_rows(batch.rollout, batch.seqs, packing)
+    with torch.no_grad(), t.policy.autocast(), follow(t.routing, routes, replay):
+        return t.forward(sequence_logprobs, batch.rollout, temperature, seq_index=batch.seqs,
+                         keep_vision=t.world.sharded, packing=packing)[0]
+
+
 def token_rows(rollout: Rollout, seqs: list[int], packing: bool = False) -> torch.Tensor:
     """[n, P + R] mask of the token rows sequence_logprobs runs for `seqs` (prompt + response):
     the rows an MoE router sees, padding left out of the load-balancing loss and the load metrics.
@@ -321,15 +335,17 @@ def update(t: Trainable, ref_model, batches: list[Batch], optimizer, scaler, hea
     rl, temperature, world = cfg.rl, cfg.rollout.temperature, t.world
     packing = packing_enabled(t.model, rl.packing)  # the log-prob forwards on real tokens only (one row)
     replay = cfg.rollout.router_replay is True  # MoE: the rollout's experts in every forward (engine/moe.py)
-    if rl.kl_beta > 0:
-        # sharded, each of these forwards is a collective: as many on every rank (counted first)
+    recompute = rl.old_logprobs == "trainer"
+    if rl.kl_beta > 0 or recompute:
+        # sharded, each of these forwards is a collective: as many on every rank, in one order (counted first)
         pads = max(world.gather_objects(len(batches))) - len(batches) if world.sharded else 0
         if world.sharded:  # before any forward: a collective between forwards would cross the others' all-gathers
             check_spare(world, bool(pads) and spare is None)
-        for b in batches:
-            b.ref_logp = reference_logprobs(t, ref_model, b, temperature, packing, replay)  # [len(seqs), R]
-        for _ in range(pads):
-            reference_logprobs(t, ref_model, spare, temperature, packing, replay)
+        for b in [*batches, *[spare] * pads]:
+            old = trainer_logprobs(t, b, temperature, packing, replay) if recompute else None
+            ref = reference_logprobs(t, ref_model, b, temperature, packing, replay) if rl.kl_beta > 0 else None
+            if b is not spare:  # [len(seqs), R] each
+                b.old_logp, b.ref_logp = old, ref
     # ratio_mean is exactly 1 until the step's first update (a check that rollout and trainer agree);
     # clip_frac_lower is the share of tokens where the dual clip binds
     logged = ["loss", "clip_frac", "ratio_mean", "approx_kl", "entropy"] + (["kl"] if rl.kl_beta > 0 else []) \
@@ -363,7 +379,8 @@ def update(t: Trainable, ref_model, batches: list[Batch], optimizer, scaler, hea
                                                   with_entropy=True, keep_vision=world.wrapped,
                                                   chunk_size=cfg.loss.chunk_size, packing=packing)
                     # norm_length: Dr. GRPO's constant divisor is the length cap, not this batch's longest
-                    loss, stats = policy_loss(logp, b.rollout.logprobs[seqs], b.advantages[seqs], mask,
+                    old = b.old_logp[part] if b.old_logp is not None else b.rollout.logprobs[seqs]
+                    loss, stats = policy_loss(logp, old, b.advantages[seqs], mask,
                                               *rl.clip_range, dual_clip=rl.dual_clip, agg=rl.aggregation,
                                               norm_length=cfg.rollout.max_new_tokens, kind=rl.policy_loss)
                     share = n_tok / max(all_tokens, 1.0)  # token-weighted statistics
