@@ -292,6 +292,10 @@ def test_old_logprobs_recomputed_by_the_trainer_make_the_first_ratio_exactly_one
     row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     expected = 1.0 if old == "trainer" else math.exp(-0.05)
     assert row["ratio_mean"] == pytest.approx(expected, abs=1e-5)
+    if old == "trainer":  # the engine's shift, seen by the recompute
+        assert row["rollout_approx_kl"] == pytest.approx(0.05, abs=1e-5)
+    else:
+        assert "rollout_approx_kl" not in row
     assert row["kl"] == pytest.approx(0.0, abs=1e-6)  # the reference forward ran too, before any update
 
 def test_batch_statistics_are_over_the_kept_groups_token_weighted():

@@ -336,6 +336,7 @@ def update(t: Trainable, ref_model, batches: list[Batch], optimizer, scaler, hea
     packing = packing_enabled(t.model, rl.packing)  # the log-prob forwards on real tokens only (one row)
     replay = cfg.rollout.router_replay is True  # MoE: the rollout's experts in every forward (engine/moe.py)
     recompute = rl.old_logprobs == "trainer"
+    gap = [0.0, 0.0]  # recompute: sum over response tokens of (rollout - trainer) log-prob, and their count
     if rl.kl_beta > 0 or recompute:
         # sharded, each of these forwards is a collective: as many on every rank, in one order (counted first)
         pads = max(world.gather_objects(len(batches))) - len(batches) if world.sharded else 0
@@ -346,6 +347,10 @@ def update(t: Trainable, ref_model, batches: list[Batch], optimizer, scaler, hea
             ref = reference_logprobs(t, ref_model, b, temperature, packing, replay) if rl.kl_beta > 0 else None
             if b is not spare:  # [len(seqs), R] each
                 b.old_logp, b.ref_logp = old, ref
+                if recompute:
+                    mask = b.rollout.response_mask[b.seqs].to(old.dtype)
+                    gap[0] += float(((b.rollout.logprobs[b.seqs] - old) * mask).sum())
+                    gap[1] += float(mask.sum())
     # ratio_mean is exactly 1 until the step's first update (a check that rollout and trainer agree);
     # clip_frac_lower is the share of tokens where the dual clip binds
     logged = ["loss", "clip_frac", "ratio_mean", "approx_kl", "entropy"] + (["kl"] if rl.kl_beta > 0 else []) \
@@ -410,6 +415,9 @@ def update(t: Trainable, ref_model, batches: list[Batch], optimizer, scaler, hea
                 logs[k].append(v)
     row = {k: sum(v) / len(v) for k, v in logs.items() if v and k not in ("skipped", "nonfinite_groups")}
     row["skipped"] = sum(logs.get("skipped", []))  # mini-batch updates skipped this step
+    if recompute:  # how far the rollout engine's log-probs are from the trainer's (approx_kl's estimator)
+        total, tokens = world.sums(*gap)
+        row["rollout_approx_kl"] = total / max(tokens, 1.0)
     if bad := sorted({g for groups in logs.get("nonfinite_groups", []) for g in groups}):
         row["nonfinite_groups"] = bad
     return row
