@@ -62,7 +62,8 @@
 #   Eighteenth session ran mixed19 (no recompile_limit), grpo17 (no difference), prof19 (the packed 2B step's kernels),
 #   cg19 (CUDA graphs per decoder layer: 1.10-1.15x), graphs19 and graphs19b (precision.cuda_graphs as built: 2B 1.05-
 #   1.08x, 8B LoRA 0.98x; its gpu tests), visg19 (the vision blocks graphed too: 1.04x more). Next: final19 (the gpu
-#   tests again, peer vs both graph options in one process), then a long run with cuda_graphs on varied data.
+#   tests again, peer vs both graph options in one process), then a long run with cuda_graphs on varied data;
+#   rl19 (session 19, prepared: GSPO / CISPO / RLOO through the 2B recipe, the engine's log-prob gap).
 #   OUT=/some/dir GROUP=moe   bash bench/gpu_pending.sh  # 30B-A3B: peft peer vs ours same process; NF4 memory/decode
 #   OUT=/some/dir GROUP=mem   bash bench/gpu_pending.sh  # selective checkpointing and the activation memory budget
 # (carry .whl/train, and .whl/ao (torchao) for GROUP=tests, .whl/bnb (bitsandbytes) for moe and mem)
@@ -335,6 +336,16 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', '--tb=line', 
   serve) timeout 200 python3 bench/serve_load.py --preset qwen3vl-2b --out "$OUT/serve-new.json" > /dev/null 2>"$OUT/err-s1.txt"
          timeout 300 python3 bench/serve_load.py --preset qwen3vl-2b --serve-arg "--engine hf" --out "$OUT/serve-old.json" \
            > /dev/null 2>"$OUT/err-s2.txt" ;;
+  rl19) # prepared, not run (no GPU lent in session 19): GSPO against the rollout engine's log-probs on a GPU. The
+         # 2B recipe, 3 steps each: gspo with the engine's old log-probs (first mini-batch clip_frac: does the
+         # 3e-4 band clip on-policy tokens?), then gspo + rl.old_logprobs=trainer (rollout_approx_kl: the gap;
+         # clip_frac should be 0 at the first mini-batch), then cispo + rloo. Prediction: the engine's gap is
+         # ~8e-4 per token at 2B (docs/benchmarks.md's first-step approx_kl), above 3e-4: gspo clips there
+         g="rl.policy_loss=gspo rl.clip_low=null rl.clip_high=null rl.agg=auto"
+         OUT=$OUT LIMIT=170 bash bench/gpu_grpo_smoke.sh qwen3vl-2b-grpo $g train.max_steps=3
+         OUT=$OUT LIMIT=170 bash bench/gpu_grpo_smoke.sh qwen3vl-2b-grpo $g rl.old_logprobs=trainer train.max_steps=3
+         OUT=$OUT LIMIT=170 bash bench/gpu_grpo_smoke.sh qwen3vl-2b-grpo rl.policy_loss=cispo rl.clip_low=null \
+           rl.advantage=rloo train.max_steps=3 ;;
   grpo)  OUT=$OUT LIMIT=270 STACKS=20 bash bench/gpu_grpo_smoke.sh "qwen3vl-2b-grpo qwen3vl-8b-grpo" rollout.prompts_per_step=8 \
            rollout.group_size=8 rollout.max_new_tokens=256 rl.mini_batch_size=16 train.max_steps=3 ;;
   moe) timeout 300 python3 bench/train.py --preset qwen3vl-30b-a3b --method lora --paths peer,ours --grad-ckpt --steps 6 \
