@@ -74,7 +74,7 @@ def test_the_judge_asks_its_model_with_the_samples_images_and_parses_its_greedy_
     from vlforge.data.jsonl import read_jsonl
 
     samples = read_jsonl(shapes_dir / "train.jsonl")[:3]
-    judge = ModelJudge("tiny", score="number", max_new_tokens=4, batch_size=2, device="cpu")
+    judge = ModelJudge.from_kwargs(model="tiny", score="number", max_new_tokens=4, batch_size=2, device="cpu")
     completions, answers = ["red", "a blue circle", "3"], [s.answer for s in samples]
     prompts = [s.prompt_messages for s in samples]
     requests = judge.requests(completions, answers, prompts)
@@ -97,4 +97,5 @@ def test_a_grpo_step_scored_by_a_judge_model(shapes_dir, tmp_path):
     cfg.rl.rewards[0].name, cfg.rl.rewards[0].kwargs = "judge", {"model": "tiny", "max_new_tokens": 3}
     run_grpo(cfg)
     row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
-    assert "reward/judge" in row and 0.0 <= row["reward/judge/unparsed_frac"] <= 1.0
+    assert row["reward_mean"] == pytest.approx(row["reward/judge"])  # the judge's scores are the step's rewards
+    assert 0.0 <= row["reward/judge/unparsed_frac"] <= 1.0

@@ -620,6 +620,11 @@ class RewardConfig:
         _range(self, "weight")
 
 
+# Each policy loss's (clip_low, clip_high) when the config leaves them null: PPO's usual 0.2; GSPO's paper
+# (v2, section 5.1); CISPO without lower truncation, as MiniMax-M1
+LOSS_CLIP_RANGES = {"ppo": (0.2, 0.2), "gspo": (3e-4, 4e-4), "cispo": (1.0, 0.2)}
+
+
 @dataclass
 class RLConfig:
     rewards: list[RewardConfig] = field(default_factory=lambda: [RewardConfig()])
@@ -679,9 +684,8 @@ class RLConfig:
     # section is merged over these defaults, so they must not be resolved when the section is built)
     @property
     def clip_range(self) -> tuple[float, float]:
-        """(clip_low, clip_high), each null taking rl.policy_loss's own."""
-        low = {"ppo": 0.2, "gspo": 3e-4, "cispo": 1.0}[self.policy_loss]
-        high = {"ppo": 0.2, "gspo": 4e-4, "cispo": 0.2}[self.policy_loss]
+        """(clip_low, clip_high), each null taking rl.policy_loss's own (LOSS_CLIP_RANGES)."""
+        low, high = LOSS_CLIP_RANGES[self.policy_loss]
         return (low if self.clip_low is None else self.clip_low, high if self.clip_high is None else self.clip_high)
 
     @property

@@ -157,10 +157,11 @@ class Run:
         """After a recipe's optimizer step(s): advance the schedule and the step, log the row (every
         log.every steps, the last step, and whenever `always_log`: bad steps are never hidden),
         evaluate and checkpoint when due."""
-        with warnings.catch_warnings():
-            # a step the fp16 loss scaler skipped (an overflow) never called optimizer.step(); the
-            # schedule advances all the same (steps count batches), which torch warns about once
-            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+        # a step the fp16 loss scaler skipped (an overflow) never called optimizer.step(); the schedule
+        # advances all the same (steps count batches), which torch warns about: quiet, for fp16 only
+        with warnings.catch_warnings() if self.scaler.is_enabled() else contextlib.nullcontext():
+            if self.scaler.is_enabled():
+                warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
             self.scheduler.step()
         self.step += 1
         if due(self.cfg.log.every, self.step, self.total_steps) or always_log:

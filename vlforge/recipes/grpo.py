@@ -12,7 +12,6 @@ With LoRA the reference is the same model with adapters disabled; with full fine
 from __future__ import annotations
 
 import copy
-import functools
 import sys
 import time
 from dataclasses import dataclass
@@ -513,13 +512,10 @@ def run_grpo(cfg: GRPOConfig) -> dict:
     if cfg.loss.impl == "liger":
         raise ConfigError("loss.impl=liger: GRPO's log-probs need banned vision tokens and the entropy, which "
                           "liger's fused op cannot give; GRPO always uses the chunked computation (loss.chunk_size)")
-    specs = [RewardSpec(r.name, r.weight, dict(r.kwargs)) for r in cfg.rl.rewards]
     try:  # before any model loading: a typo in a reward spec should fail in a second, not after minutes
-        for spec in specs:
-            if spec.name == "judge":  # its model loads once the run's device is known (below)
-                ModelJudge.validate(**spec.kwargs)
-        if others := [s for s in specs if s.name != "judge"]:
-            build_rewards(others)
+        # (a judge's model loads at its first use, on the device set below)
+        rewards = build_rewards([RewardSpec(r.name, r.weight, dict(r.kwargs)) for r in cfg.rl.rewards],
+                                factories={"judge": ModelJudge.from_kwargs})
     except (ValueError, FileNotFoundError, AttributeError, TypeError, ImportError) as e:
         raise ConfigError(f"rl.rewards: {e}") from e
     for path in filter(None, (cfg.data.train, cfg.data.val)):  # a bad file fails now, not after the model loads
@@ -534,8 +530,9 @@ def run_grpo(cfg: GRPOConfig) -> dict:
     if strategy != "none":
         refuse_unsupported_sharded(cfg, world_size, strategy)
     with begin_run(cfg) as (world, resume_from):
-        # a judge model loads on this rank's device, beside the policy (serve/judge.py)
-        rewards = build_rewards(specs, factories={"judge": functools.partial(ModelJudge, device=str(world.device))})
+        for fn in rewards.fns:  # a judge model loads on this rank's device, beside the policy (serve/judge.py)
+            if isinstance(fn, ModelJudge) and fn.device == "auto":
+                fn.device = str(world.device)
         # compile only when asked: rollout decode shapes change every step and would keep recompiling
         t = setup_model(cfg, compile_blocks=cfg.precision.compile is True, world=world)
         disable_dropout(t.model)

@@ -17,6 +17,7 @@ the same device, and runs without gradients; its memory is the model's weights a
 
 from __future__ import annotations
 
+import functools
 import inspect
 import re
 from pathlib import Path
@@ -65,13 +66,24 @@ class ModelJudge:
     def __init__(self, model: str, prompt: str = DEFAULT_PROMPT, score: str = "yes_no", scale: float = 10.0,
                  max_new_tokens: int = 8, batch_size: int = 32, images: bool = True, device: str = "auto",
                  quant: str | None = None):
-        self.validate(model=model, prompt=prompt, score=score, scale=scale, max_new_tokens=max_new_tokens,
-                      batch_size=batch_size, images=images, device=device, quant=quant)
+        """Settings only: the model loads at the first use of `engine`, so that the recipe can build its
+        rewards (and fail on a bad spec) before any model loads and set `device` once the run knows it."""
+        self.model = model if model == "tiny" else str(Path(model).expanduser())
         self.prompt, self.score, self.scale = prompt, score, scale
         self.max_new_tokens, self.batch_size, self.images = max_new_tokens, batch_size, images
-        model = model if model == "tiny" else str(Path(model).expanduser())
-        self.engine = InferenceEngine.load(model, device=device, quant=QuantConfig.from_flag(quant) if quant else None)
+        self.device, self.quant = device, quant
         self.scored = self.unparsed = 0  # replies since the recipe last read them
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "ModelJudge":
+        """A judge from a reward spec's kwargs, checked first (validate)."""
+        cls.validate(**kwargs)
+        return cls(**kwargs)
+
+    @functools.cached_property
+    def engine(self) -> InferenceEngine:
+        return InferenceEngine.load(self.model, device=self.device,
+                                    quant=QuantConfig.from_flag(self.quant) if self.quant else None)
 
     @classmethod
     def validate(cls, **kwargs) -> None:
