@@ -550,6 +550,7 @@ def _step_metrics_on_rank(rank: int, init_file: str, out_dir: str) -> None:
         row = routing.step_metrics(world)
         after = world.sums(float(rank + 1))  # the next collective must pair with its own kind
         torch.save((row, after), f"{out_dir}/{rank}.pt")
+        dist.barrier()  # leave together (engine/distributed.World.close says why)
     finally:
         dist.destroy_process_group()
 

@@ -111,8 +111,14 @@ class World:
         if self.active and self.size > 1:
             dist.barrier()
 
-    def close(self) -> None:
+    def close(self, together: bool = True) -> None:
+        """Leave the process group. `together` (a run that ended normally on every rank): wait for
+        the peers first; a rank tearing gloo down while a peer still holds its connection can abort
+        that peer at exit ("terminate called without an active exception", torch 2.14). After an
+        error the peers may never arrive, so a failing run leaves at once."""
         if self.owns_group and self.active:
+            if together:
+                self.barrier()
             dist.destroy_process_group()
 
     @property

@@ -53,6 +53,7 @@ def begin_run(cfg: RunConfig) -> Iterator[tuple[World, Path | None]]:
 
     hf_logging.disable_progress_bar()  # our own bar is the progress display; no per-save shard bars
     world = init_world(cfg.distributed, cfg.train.device)
+    ended_normally = False
     try:
         claim: tuple[Path | None, str | None] = (None, None)
         if world.main:  # one process claims the directory; the others learn the outcome from it
@@ -69,8 +70,9 @@ def begin_run(cfg: RunConfig) -> Iterator[tuple[World, Path | None]]:
         finally:
             if world.main:
                 release_output_dir(cfg.train.output_dir)
+        ended_normally = True
     finally:
-        world.close()
+        world.close(together=ended_normally)
 
 
 @dataclass
