@@ -590,8 +590,24 @@ class RolloutConfig:
     # Off by default: replay makes the trainer run experts its router would not pick (and routes its
     # gradient through them); turn it on when moe/route_flip and the ratio's spread say the mismatch matters
     router_replay: bool | Literal["record"] = False
+    # Multi-turn tool rollouts (rollout/multiturn.py, README "Tools in GRPO"): tools the model may call,
+    # builtins (calculator) or path/to/file.py:function (type hints + a docstring with Args: its schema).
+    # The chat template lists them in the prompt; an assistant turn with <tool_call> blocks gets their
+    # results back as a tool message and the rollout continues. Results and headers are read, not trained.
+    tools: list[str] = field(default_factory=list)
+    tool_turns: int = 4  # assistant turns whose tool calls run, at most; a later turn's calls end the response
+    tool_result_tokens: int = 256  # each tool result cut to this many tokens
+    tool_timeout_s: float = 30.0  # a round of tool calls (all sequences' at once) waits this long for them
 
     def __post_init__(self):
+        if self.tools and self.engine == "hf":
+            raise ConfigError("rollout.tools needs rollout.engine=vlforge (multi-turn rollouts run on the engine)")
+        if self.tools and self.router_replay is not False:
+            raise ConfigError(f"rollout.tools with rollout.router_replay={self.router_replay}: the experts of a "
+                              "multi-turn rollout's later turns are not recorded; remove one of the two")
+        _range(self, "tool_turns", ge=1)
+        _range(self, "tool_result_tokens", ge=1)
+        _range(self, "tool_timeout_s", gt=0)
         if self.router_replay is not False and self.engine == "hf":
             raise ConfigError(f"rollout.router_replay={self.router_replay} needs rollout.engine=vlforge "
                               "(the plain hf decode loop records no routes)")

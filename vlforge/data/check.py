@@ -26,7 +26,7 @@ def check_file(path: str, processor, cfg: DataConfig) -> dict:
     over, images = 0, 0
     tasks = Counter()
     for s in samples:
-        ids = encoder.token_ids(s.messages, image_sizes(s, cfg.max_image_pixels))
+        ids = encoder.token_ids(s.messages, image_sizes(s, cfg.max_image_pixels), tools=s.tools)
         labels = encoder.assistant_labels(ids)
         lengths.append(len(ids))
         answer_tokens.append(sum(t != IGNORE_INDEX for t in labels))

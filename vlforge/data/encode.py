@@ -61,8 +61,12 @@ class Encoder:
         h, w = self.resized(width, height)
         return (h // self.patch) * (w // self.patch) // (self.merge**2)
 
-    def token_ids(self, messages: list[dict], image_sizes: list[tuple[int, int]], add_generation_prompt=False) -> list[int]:
-        text = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    def token_ids(self, messages: list[dict], image_sizes: list[tuple[int, int]], add_generation_prompt=False,
+                  tools: list[dict] | None = None) -> list[int]:
+        """The conversation's token ids, image placeholders expanded; `tools` (function schemas) are
+        rendered by the chat template (Qwen's: a system block listing them)."""
+        text = self.processor.apply_chat_template(messages, tools=tools or None, tokenize=False,
+                                                  add_generation_prompt=add_generation_prompt)
         pieces = text.split(IMAGE_PAD)
         if len(pieces) - 1 != len(image_sizes):
             raise ValueError(f"chat template produced {len(pieces) - 1} image placeholders for {len(image_sizes)} images")
@@ -70,6 +74,27 @@ class Encoder:
         for (w, h), rest in zip(image_sizes, pieces[1:]):
             expanded += IMAGE_PAD * self.image_tokens(w, h) + rest
         return self.tokenizer(expanded, add_special_tokens=False)["input_ids"]
+
+    def tool_turn_ids(self, results: list[str], max_tokens: int = 0) -> list[int]:
+        """The tokens between an assistant turn that called tools (its <|im_end|> included, as the
+        rollout generated it) and the next assistant turn's content: each result as a tool message
+        and the assistant header, as the chat template renders them (Qwen's: one user turn of
+        <tool_response> blocks). `max_tokens` > 0 cuts each result to that many tokens."""
+        tok = self.tokenizer
+        if max_tokens > 0:
+            cut = [tok(r, add_special_tokens=False)["input_ids"] for r in results]
+            results = [r if len(ids) <= max_tokens else tok.decode(ids[:max_tokens]) + " ... (cut)"
+                       for r, ids in zip(results, cut)]
+        before = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "!"}]
+        rendered = self.processor.apply_chat_template(before, tokenize=False)
+        after = self.processor.apply_chat_template(before + [{"role": "tool", "content": r} for r in results],
+                                                   tokenize=False, add_generation_prompt=True)
+        end = rendered.rfind("<|im_end|>")
+        if end < 0 or not after.startswith(rendered):
+            raise ValueError("this chat template does not render tool messages after an assistant turn as an "
+                             "addition to the conversation; multi-turn tool rollouts need one that does (Qwen3-VL's)")
+        # what follows the assistant's <|im_end|> (the generated stop token) up to the next turn's content
+        return tok(rendered[end + len("<|im_end|>"):] + after[len(rendered):], add_special_tokens=False)["input_ids"]
 
     def assistant_labels(self, ids: list[int]) -> list[int]:
         """Copy of `ids` with IGNORE_INDEX everywhere but assistant content and its <|im_end|>."""
@@ -161,7 +186,7 @@ class SampleTokens:
 
 def tokenize_sample(encoder: Encoder, sample: Sample, max_length: int, too_long: str) -> SampleTokens | str:
     """Returns a SampleTokens, or the reason the sample is dropped. Raises DataError when too_long == "fail"."""
-    ids = encoder.token_ids(sample.messages, image_sizes(sample, encoder.limits.max_image_pixels))
+    ids = encoder.token_ids(sample.messages, image_sizes(sample, encoder.limits.max_image_pixels), tools=sample.tools)
     labels = encoder.assistant_labels(ids)
     if len(ids) <= max_length:
         return SampleTokens(ids, labels, len(ids))
@@ -195,10 +220,12 @@ def encode(encoder: Encoder, sample: Sample, tokens: SampleTokens) -> dict:
     return out
 
 
-def encode_prompt(encoder: Encoder, sample: Sample) -> dict:
-    """Inputs for generation: the conversation up to (and including) the assistant header."""
+def encode_prompt(encoder: Encoder, sample: Sample, tools: list[dict] | None = None) -> dict:
+    """Inputs for generation: the conversation up to (and including) the assistant header, with
+    `tools` (default: the sample's own) rendered by the chat template."""
     images = encoder.decode_images(sample)
-    ids = encoder.token_ids(sample.prompt_messages, [im.size for im in images], add_generation_prompt=True)
+    ids = encoder.token_ids(sample.prompt_messages, [im.size for im in images], add_generation_prompt=True,
+                            tools=tools if tools is not None else sample.tools)
     out = {"input_ids": torch.tensor(ids)}
     out["mm_token_type_ids"] = (out["input_ids"] == encoder.image_token_id).long()
     if images:

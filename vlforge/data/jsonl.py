@@ -7,6 +7,11 @@ Two row schemas (image paths are relative to the JSONL file unless absolute):
                                                {"type": "text", "text": "..."}]},
                   {"role": "assistant", "content": "..."}]}
 
+A chat row may be a tool-use trajectory: "tool" messages (a tool's result, after the assistant turn
+that called it) and a "tools" key, the OpenAI-style function schemas the chat template shows the
+model ([{"type": "function", "function": {"name": ..., "description": ..., "parameters": {...}}}]).
+Only assistant turns are trained on; tool messages are context.
+
 Extra keys (e.g. "task") are kept in `Sample.fields` for metrics and reward functions.
 """
 
@@ -24,7 +29,7 @@ from PIL import Image, UnidentifiedImageError
 
 from vlforge.config import DataConfig
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 MAX_IMAGE_PIXELS = DataConfig.max_image_pixels  # the default limit, also for infer/chat
 MAX_ASPECT = 200  # Qwen's image processor refuses a longer side over 200x the shorter one
 # what PIL raises on a corrupt or truncated file, at open or at decode
@@ -41,6 +46,7 @@ class Sample:
     images: list[Path]  # in order of appearance
     source: str  # "file:line", for error messages
     fields: dict = field(default_factory=dict)  # extra row keys (task, ...)
+    tools: list[dict] | None = None  # function schemas the chat template renders (a chat row's "tools")
 
     @property
     def answer(self) -> str:
@@ -169,6 +175,11 @@ def _from_chat(row: dict, image_at: Callable, where: str) -> tuple[list[dict], l
             content = parts
         elif not isinstance(content, str):
             raise DataError(f"{at}: content must be a string or a list of parts")
+        if msg["role"] == "tool" and (not messages or messages[-1]["role"] not in ("assistant", "tool")):
+            raise DataError(f"{at}: a tool message answers a tool call: it must follow an assistant message (or "
+                            "another tool message)")
+        if msg["role"] == "tool" and isinstance(content, list) and any(p["type"] == "image" for p in content):
+            raise DataError(f"{at}: tool messages are text (images from tools are not supported)")
         if msg["role"] == "assistant" and any(p["type"] == "image" for p in (content if isinstance(content, list) else [])):
             raise DataError(f"{at}: assistant messages cannot contain images")
         messages.append({"role": msg["role"], "content": content})
@@ -187,13 +198,28 @@ def parse_row(line: str, base: Path, where: str, max_image_pixels: int = MAX_IMA
         raise DataError(f"{where}: malformed JSON ({e.msg} at column {e.colno}); each line must be one JSON object") from e
     if not isinstance(row, dict):
         raise DataError(f"{where}: each line must be a JSON object, got {type(row).__name__}")
+    tools = None
     if "messages" in row:
         messages, images = _from_chat(row, image_at, where)
-        extra = {k: v for k, v in row.items() if k != "messages"}
+        tools = _tool_schemas(row.get("tools"), where)
+        extra = {k: v for k, v in row.items() if k not in ("messages", "tools")}
     else:
         messages, images = _from_simple(row, image_at, where)
         extra = {k: v for k, v in row.items() if k not in ("image", "images", "text", "prompt", "answer", "system")}
-    return Sample(messages=messages, images=images, source=where, fields=extra)
+    return Sample(messages=messages, images=images, source=where, fields=extra, tools=tools)
+
+
+def _tool_schemas(tools, where: str) -> list[dict] | None:
+    """A chat row's "tools": None, or a list of function schemas (as transformers' get_json_schema makes)."""
+    if tools is None:
+        return None
+    ok = isinstance(tools, list) and all(
+        isinstance(t, dict) and isinstance(t.get("function"), dict) and isinstance(t["function"].get("name"), str)
+        for t in tools)
+    if not ok:
+        raise DataError(f"{where}: 'tools' must be a list of function schemas, each "
+                        '{"type": "function", "function": {"name": ..., "description": ..., "parameters": {...}}}')
+    return tools
 
 
 def _text_line(raw: bytes, where: str, first: bool) -> str:

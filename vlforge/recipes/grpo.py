@@ -38,8 +38,10 @@ from vlforge.model.host_inputs import host_to_device
 from vlforge.model.load import build_meta_model, dir_config
 from vlforge.model.presets import MOE_PRESETS, is_moe
 from vlforge.rl import RewardSpec, agg_loss, build_rewards, exact_match, kl_penalty, outcome_advantages, policy_loss
+from vlforge.rl.tools import Tool, load_tools
 from vlforge.rollout.engine import (PackedLayout, Rollout, generate_groups, packing_enabled, rollout_seed,
                                     route_rows, sequence_logprobs, token_mask)
+from vlforge.rollout.multiturn import generate_with_tools
 from vlforge.serve.judge import ModelJudge
 
 
@@ -74,13 +76,16 @@ def prompt_stream(data: ChatDataset, batch_size: int, seed: int, epoch: int, pos
         epoch, position = epoch + 1, 0
 
 
-def encode_prompts(data: ChatDataset, idx: list[int], on_error: str) -> tuple[list, list[dict]]:
-    """(samples, prompt inputs) of these prompts; with data.on_error=skip, a prompt whose image
-    fails to decode is left out of the round (a warning names its file:line)."""
+def encode_prompts(data: ChatDataset, idx: list[int], on_error: str,
+                   tools: dict[str, Tool] | None = None) -> tuple[list, list[dict]]:
+    """(samples, prompt inputs) of these prompts, `tools` (rollout.tools) listed by the chat template;
+    with data.on_error=skip, a prompt whose image fails to decode is left out of the round (a warning
+    names its file:line)."""
+    schemas = [tool.schema for tool in tools.values()] if tools else []  # only the tools the rollout runs
     samples, prompts = [], []
     for i in idx:
         try:
-            prompts.append(encode_prompt(data.encoder, data.samples[i]))
+            prompts.append(encode_prompt(data.encoder, data.samples[i], tools=schemas))
             samples.append(data.samples[i])
         except DataError as e:
             if on_error == "fail":
@@ -90,8 +95,8 @@ def encode_prompts(data: ChatDataset, idx: list[int], on_error: str) -> tuple[li
 
 
 def rollout_round(t: Trainable, data: ChatDataset, idx: list[int], cfg: GRPOConfig,
-                  rewards) -> tuple[Rollout | None, dict]:
-    samples, encoded = encode_prompts(data, idx, cfg.data.on_error)
+                  rewards, tools: dict[str, Tool] | None = None) -> tuple[Rollout | None, dict]:
+    samples, encoded = encode_prompts(data, idx, cfg.data.on_error, tools)
     G = cfg.rollout.group_size
     # every rank's prompts left after data.on_error=skip: this rank's rows of the global batch are
     # the ones one process would give these prompts (its rollout noise, tested)
@@ -106,22 +111,31 @@ def rollout_round(t: Trainable, data: ChatDataset, idx: list[int], cfg: GRPOConf
     # sharded: the whole model gathered for the rollout, so that ranks decoding for different
     # numbers of steps issue no collectives
     # (fp32 masters: the linears' weights read in bf16 during the rollout, PrecisionPolicy.inference_weights)
+    images = [len(s.images) for s in samples]
+    tool_stats = None
     with t.policy.autocast(), t.policy.inference_weights(t.model), fully_gathered(t.root):
-        rollout = generate_groups(t.model, data.encoder, prompts, [len(s.images) for s in samples], cfg.rollout,
-                                  first_row=first_row, all_rows=all_rows, seed=seed)
-    tok = data.encoder.tokenizer  # decode only each response's own tokens (not the padding after EOS)
-    texts = [tok.decode(ids[m.bool()], skip_special_tokens=True)
-             for ids, m in zip(rollout.response_ids.cpu(), rollout.response_mask.cpu())]
+        if tools:  # multi-turn: the rewards score each response's last assistant turn
+            multi = generate_with_tools(t.model, data.encoder, prompts, images, cfg.rollout, tools,
+                                        first_row=first_row, seed=seed)
+            rollout, texts = multi.rollout, multi.completions
+            tool_stats = {"calls": multi.calls, "failed_calls": multi.failed_calls, "turns": multi.turns}
+        else:
+            rollout = generate_groups(t.model, data.encoder, prompts, images, cfg.rollout,
+                                      first_row=first_row, all_rows=all_rows, seed=seed)
+    if not tools:
+        tok = data.encoder.tokenizer  # decode only each response's own tokens (not the padding after EOS)
+        texts = [tok.decode(ids[m.bool()], skip_special_tokens=True)
+                 for ids, m in zip(rollout.response_ids.cpu(), rollout.response_mask.cpu())]
     answers = [s.answer for s in samples for _ in range(G)]
     fields = [s.fields for s in samples for _ in range(G)]
     scored = rewards(texts, answers, fields, prompts=[s.prompt_messages for s in samples for _ in range(G)])
     reward_N = torch.tensor(scored.total, dtype=torch.float32)
     reward_N -= cfg.rl.overlong_penalty * (~rollout.finished).float().cpu()
     return rollout, {"reward": reward_N, "per_fn": scored.per_fn,
-                     "correct": [exact_match(c, a) for c, a in zip(texts, answers)]}
+                     "correct": [exact_match(c, a) for c, a in zip(texts, answers)], "tools": tool_stats}
 
 
-def collect(t: Trainable, data, stream, state: dict, cfg: GRPOConfig, rewards
+def collect(t: Trainable, data, stream, state: dict, cfg: GRPOConfig, rewards, tools: dict[str, Tool] | None = None
             ) -> tuple[list[Batch], dict, Batch | None]:
     """Rollout rounds until B groups with non-zero reward variance (dynamic sampling) or one round.
     Returns (this rank's kept groups, every rank's statistics, a spare sequence of this rank's for
@@ -131,12 +145,13 @@ def collect(t: Trainable, data, stream, state: dict, cfg: GRPOConfig, rewards
     would keep (the first B with reward variance, in prompt order) with its advantages; each rank
     trains those of its own prompts, so the ranks' shares may differ (update pads them)."""
     B, G, world = cfg.rollout.prompts_per_step, cfg.rollout.group_size, t.world
-    batches, stats = [], {"reward": [], "correct": [], "per_fn": {}, "zero_var": [], "lengths": [], "finished": []}
+    batches, stats = [], {"reward": [], "correct": [], "per_fn": {}, "zero_var": [], "lengths": [], "finished": [],
+                          "tools": {"calls": [], "failed_calls": [], "turns": []}}
     # kept_rewards / kept_lengths: each round's kept sequences' rewards and response lengths, every rank's
     kept_groups, kept_rewards, kept_lengths, spare = 0, [], [], None
     for _ in range(cfg.rl.max_sampling_tries if cfg.rl.dynamic_sampling else 1):
         idx, state["epoch"], state["position"] = next(stream)
-        rollout, scored = rollout_round(t, data, idx, cfg, rewards)
+        rollout, scored = rollout_round(t, data, idx, cfg, rewards, tools)
         scored, sizes = gather_round(world, rollout, scored)  # the global batch, in one-process order
         if scored is None:  # every prompt of the round was skipped (data.on_error=skip), on every rank
             continue
@@ -152,6 +167,8 @@ def collect(t: Trainable, data, stream, state: dict, cfg: GRPOConfig, rewards
         stats["finished"].append(scored["finished"])
         for k, v in scored["per_fn"].items():
             stats["per_fn"].setdefault(k, []).extend(v)
+        for k, v in (scored["tools"] or {}).items():
+            stats["tools"][k].extend(v)
         groups = [b for b in range(len(reward_BG)) if not (cfg.rl.dynamic_sampling and zero_var[b])][:B - kept_groups]
         kept = [b * G + g for b in groups for g in range(G)]  # the round's kept sequences, all ranks'
         mine = [(row, s - lo) for row, s in enumerate(kept) if lo <= s < lo + sizes[world.rank]]
@@ -181,7 +198,8 @@ def gather_round(world: World, rollout: Rollout | None, scored: dict) -> tuple[d
     when every rank skipped all its prompts); and each rank's number of sequences."""
     mine = None if rollout is None else {
         "reward": scored["reward"], "per_fn": scored["per_fn"], "correct": scored["correct"],
-        "lengths": rollout.response_mask.sum(1).float().cpu(), "finished": rollout.finished.float().cpu()}
+        "lengths": rollout.loss_mask.sum(1).float().cpu(), "finished": rollout.finished.float().cpu(),
+        "tools": scored.get("tools")}
     every = world.gather_objects(mine)  # one collective for all of it (ranks may hold different counts)
     sizes = [0 if p is None else len(p["reward"]) for p in every]
     every = [p for p in every if p is not None]
@@ -191,7 +209,9 @@ def gather_round(world: World, rollout: Rollout | None, scored: dict) -> tuple[d
             "per_fn": {k: [v for p in every for v in p["per_fn"][k]] for k in every[0]["per_fn"]},
             "correct": [c for p in every for c in p["correct"]],
             "lengths": torch.cat([p["lengths"] for p in every]),
-            "finished": torch.cat([p["finished"] for p in every])}, sizes
+            "finished": torch.cat([p["finished"] for p in every]),
+            "tools": None if every[0]["tools"] is None else {k: [v for p in every for v in p["tools"][k]]
+                                                             for k in every[0]["tools"]}}, sizes
 
 
 def batch_statistics(rl) -> bool:
@@ -347,7 +367,7 @@ def update(t: Trainable, ref_model, batches: list[Batch], optimizer, scaler, hea
             if b is not spare:  # [len(seqs), R] each
                 b.old_logp, b.ref_logp = old, ref
                 if recompute:
-                    mask = b.rollout.response_mask[b.seqs].to(old.dtype)
+                    mask = b.rollout.loss_mask[b.seqs].to(old.dtype)
                     gap[0] += float(((b.rollout.logprobs[b.seqs] - old) * mask).sum())
                     gap[1] += float(mask.sum())
     # ratio_mean is exactly 1 until the step's first update (a check that rollout and trainer agree);
@@ -359,7 +379,7 @@ def update(t: Trainable, ref_model, batches: list[Batch], optimizer, scaler, hea
     for _ in range(rl.epochs):
         for parts in plan:
             real = [(b, part) for b, part in parts if part is not None]
-            masks = [b.rollout.response_mask[[b.seqs[i] for i in part]].float() for b, part in real]
+            masks = [b.rollout.loss_mask[[b.seqs[i] for i in part]].float() for b, part in real]
             weights, tokens = part_weights(masks, rl.aggregation, world), [float(m.sum()) for m in masks]
             all_tokens = world.sum(sum(tokens))  # the mini-batch's response tokens on every rank
             # MoE: the router loss is the mini-batch's mean over its sequences, whatever rl.agg does
@@ -458,6 +478,11 @@ def step_metrics(stats: dict, batches: list[Batch], train_logs: dict, t_rollout:
         "time_rollout_s": t_rollout, "time_train_s": t_train,
         "tokens_per_s": tokens / max(t_rollout + t_train, 1e-9),
     }
+    tool_stats = stats.get("tools") or {}
+    if calls := tool_stats.get("calls"):  # multi-turn tool rollouts (rollout.tools): every rank's responses
+        row["tool/calls_mean"] = sum(calls) / len(calls)
+        row["tool/failed_frac"] = sum(tool_stats["failed_calls"]) / max(sum(calls), 1)
+        row["tool/turns_mean"] = sum(tool_stats["turns"]) / len(tool_stats["turns"])
     return {**row, **train_logs}
 
 
@@ -518,6 +543,10 @@ def run_grpo(cfg: GRPOConfig) -> dict:
                                 factories={"judge": ModelJudge.from_kwargs})
     except (ValueError, FileNotFoundError, AttributeError, TypeError, ImportError) as e:
         raise ConfigError(f"rl.rewards: {e}") from e
+    try:
+        tools = load_tools(cfg.rollout.tools)
+    except ValueError as e:
+        raise ConfigError(f"rollout.tools: {e}") from e
     for path in filter(None, (cfg.data.train, cfg.data.val)):  # a bad file fails now, not after the model loads
         check_readable(path, cfg.data.on_error, cfg.data.max_image_pixels)
     if cfg.rollout.router_replay is not False and not (
@@ -570,7 +599,7 @@ def run_grpo(cfg: GRPOConfig) -> dict:
         while run.step < total_steps:
             start = time.perf_counter()
             t.model.eval()  # rollouts sample from the policy without dropout
-            batches, stats, spare = collect(t, data, stream, run.state, cfg, rewards)
+            batches, stats, spare = collect(t, data, stream, run.state, cfg, rewards, tools)
             if not cfg.rollout.keep_kv and cfg.rollout.engine == "vlforge":
                 engine_for(t.model).release()  # the update gets the KV slots' memory (rollout.keep_kv)
             t_rollout = time.perf_counter() - start

@@ -50,6 +50,15 @@ class Rollout:
     # response token, in the columns of cat(prompt_ids, response_ids); NO_ROUTE (-1) where none was recorded
     # (padding, each response's last token: the rollout never ran it)
     routes: torch.Tensor | None = None
+    # multi-turn tool rollouts (rollout/multiturn.py): [N, R] 1 on the tokens the policy generated, 0 on
+    # the tool results and chat headers between its turns (in response_mask: attended, not trained);
+    # None: every response token was generated
+    generated_mask: torch.Tensor | None = None
+
+    @property
+    def loss_mask(self) -> torch.Tensor:
+        """[N, R] the response tokens the policy generated: the ones its loss and log-probs are of."""
+        return self.response_mask if self.generated_mask is None else self.generated_mask
 
     @property
     def prompt_of_seq(self) -> list[int]:
@@ -63,7 +72,7 @@ class Rollout:
         value. The rollout's tensors are not changed after it is made (a change would not reach here)."""
         cpu = lambda t: None if t is None else t.to("cpu", copy=True)  # noqa: E731  (a copy on the CPU too)
         return RolloutHost(cpu(self.prompt_ids), cpu(self.prompt_mask), cpu(self.response_ids),
-                           cpu(self.response_mask), cpu(self.image_grid_thw))
+                           cpu(self.response_mask), cpu(self.image_grid_thw), cpu(self.loss_mask))
 
 
 @dataclass(frozen=True)
@@ -75,6 +84,7 @@ class RolloutHost:
     response_ids: torch.Tensor
     response_mask: torch.Tensor
     image_grid_thw: torch.Tensor | None
+    loss_mask: torch.Tensor
 
 
 @torch.no_grad()
@@ -294,8 +304,9 @@ def _packed_hidden(core, ids_1T: torch.Tensor, host_ids_1T: torch.Tensor, grid: 
 def sequence_logprobs(model, rollout: Rollout, temperature: float, seq_index: list[int] | None = None,
                       with_entropy: bool = False, keep_vision: bool = False, chunk_size: int = 1024,
                       packing: bool = False):
-    """Log-probs [n, R] of the response tokens of sequences `seq_index` (default all), recomputed
-    by teacher forcing with gradients; the images of the prompts those sequences belong to (only
+    """Log-probs [n, R] of the generated response tokens of sequences `seq_index` (default all; 0 at
+    a multi-turn rollout's tool results, which are read but not scored), recomputed by teacher
+    forcing with gradients; the images of the prompts those sequences belong to (only
     those) are encoded once for all their sequences. `keep_vision`: run the vision tower even
     when those prompts have no image (sharded runs: engine.losses.vision_keepalive).
     `packing`: the forward runs on the sequences' real tokens only, one row (PackedLayout), with
@@ -319,9 +330,9 @@ def sequence_logprobs(model, rollout: Rollout, temperature: float, seq_index: li
         starts = [sum(rollout.images_per_prompt[:b]) for b in range(len(rollout.images_per_prompt))]
         grid = torch.cat([host.image_grid_thw[starts[b]:starts[b] + rollout.images_per_prompt[b]] for b in prompt_of])
     P, R = rollout.prompt_ids.shape[1], resp.shape[1]
-    # the response tokens (row, column), in a boolean mask's row-major order; the state before each
-    # response token predicts it: padded position P - 1 + column
-    rows_N, cols_N = host.response_mask[seq_index].bool().nonzero().unbind(1)
+    # the generated response tokens (row, column), in a boolean mask's row-major order; the state
+    # before each predicts it: padded position P - 1 + column
+    rows_N, cols_N = host.loss_mask[seq_index].bool().nonzero().unbind(1)  # generated tokens (no tool results)
     rows_d, cols_d = host_to_device(torch.stack([rows_N, cols_N]), device)
     if packing:
         layout_h = PackedLayout.of(mask_h)

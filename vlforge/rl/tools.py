@@ -1,0 +1,188 @@
+"""Tools for multi-turn GRPO rollouts: what a tool is, how the model calls one, how a call runs.
+
+A tool is a Python function with type hints and a Google-style docstring; transformers'
+`get_json_schema` turns it into the JSON schema the chat template shows the model::
+
+    def calculator(expression: str) -> str:
+        \"\"\"Evaluate an arithmetic expression.
+
+        Args:
+            expression: The expression, e.g. "(2 + 3) * 4".
+        \"\"\"
+
+`rollout.tools` names builtins (``BUILTIN_TOOLS``: ``calculator``) or ``path/to/file.py:function``.
+The model calls tools as Qwen3-VL's chat template teaches it: one or more
+``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` blocks in an assistant turn. Each
+call's result (the function's return value as text, or an error the model can read: unknown tool,
+bad arguments, an exception, a timeout) goes back to it as a tool message. Pure functions and a
+thread pool; the rollout loop that uses them is rollout/multiturn.py.
+"""
+
+from __future__ import annotations
+
+import ast
+import concurrent.futures
+import json
+import math
+import operator
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from vlforge.rl.rewards import load_callable
+
+# Qwen's tool-call format (its chat template's "For each function call ..." instruction). Parsed by
+# hand: transformers' response parsing needs a response schema the Qwen3-VL tokenizers do not ship.
+_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+TOOL_SIGNATURE = "fn(**arguments) -> str (type hints and a docstring with an Args section)"
+
+
+@dataclass(frozen=True)
+class Tool:
+    name: str
+    fn: Callable[..., Any]
+    schema: dict  # {"type": "function", "function": {name, description, parameters}}: what the template renders
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str | None
+    arguments: dict
+    error: str | None = None  # a block that is not a call: the model is told why
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    text: str
+    ok: bool
+
+
+def _calculator_value(node: ast.AST) -> float:
+    ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
+    if isinstance(node, ast.Expression):
+        return _calculator_value(node.body)
+    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+        return node.value
+    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
+        value = _calculator_value(node.operand)
+        return value if isinstance(node.op, ast.UAdd) else -value
+    if isinstance(node, ast.BinOp) and type(node.op) in ops:
+        left, right = _calculator_value(node.left), _calculator_value(node.right)
+        if isinstance(node.op, ast.Pow) and abs(right) > 64:  # no 10**10**10 from a sampled response
+            raise ValueError("exponent too large (at most 64)")
+        return ops[type(node.op)](left, right)
+    raise ValueError(f"unsupported element {ast.unparse(node)!r}: numbers, + - * / // % ** and parentheses only")
+
+
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression.
+
+    Args:
+        expression: Numbers, + - * / // % ** and parentheses, e.g. "(2 + 3) * 4".
+    """
+    try:
+        tree = ast.parse(expression.strip(), mode="eval")
+    except SyntaxError as e:
+        raise ValueError(f"not an arithmetic expression: {expression!r}") from e
+    value = _calculator_value(tree)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError("the result is not finite")
+    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
+        value = int(value)
+    return str(value) if isinstance(value, int) else format(value, ".12g")
+
+
+BUILTIN_TOOLS: dict[str, Callable[..., Any]] = {"calculator": calculator}
+
+
+def load_tools(specs: Sequence[str]) -> dict[str, Tool]:
+    """The tools of `specs` (builtin names or ``path.py:function``) by name, each with its schema;
+    a spec that is not a usable tool raises a ValueError naming it and what to fix."""
+    from transformers.utils import get_json_schema
+
+    tools: dict[str, Tool] = {}
+    for spec in specs:
+        if spec in BUILTIN_TOOLS:
+            fn = BUILTIN_TOOLS[spec]
+        elif ":" in spec:
+            try:
+                fn = load_callable(spec, "tool", TOOL_SIGNATURE)
+            except (FileNotFoundError, ImportError, AttributeError, TypeError) as e:
+                raise ValueError(str(e)) from e
+        else:
+            raise ValueError(f"unknown tool {spec!r}: use a builtin ({', '.join(BUILTIN_TOOLS)}) or "
+                             "'path/to/file.py:function_name'")
+        try:
+            schema = get_json_schema(fn)
+        except Exception as e:  # transformers raises its own TypeError / DocstringParsingException
+            raise ValueError(f"tool {spec!r}: no JSON schema from its signature and docstring ({e}); give every "
+                             "argument a type hint and document it in an 'Args:' section") from e
+        name = schema["function"]["name"]
+        if name in tools:
+            raise ValueError(f"tool {spec!r}: a second tool named {name!r}; tool names must be unique")
+        tools[name] = Tool(name, fn, schema)
+    return tools
+
+
+def parse_tool_calls(text: str) -> list[ToolCall]:
+    """The tool calls of one assistant turn, in order. A block whose body is not a JSON object with
+    a string "name" and an object "arguments" becomes a call with an `error` (the model is told)."""
+    calls = []
+    for body in _TOOL_CALL.findall(text):
+        try:
+            call = json.loads(body.strip())
+        except json.JSONDecodeError as e:
+            calls.append(ToolCall(None, {}, f"the tool call is not valid JSON ({e.msg} at column {e.colno})"))
+            continue
+        arguments = call.get("arguments", {}) if isinstance(call, dict) else None
+        if isinstance(arguments, str):  # some models write the arguments as a JSON string
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                arguments = None
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not isinstance(arguments, dict):
+            calls.append(ToolCall(None, {}, 'a tool call must be {"name": <function-name>, "arguments": {...}}'))
+            continue
+        calls.append(ToolCall(call["name"], arguments))
+    return calls
+
+
+def _run_one(call: ToolCall, tools: dict[str, Tool]) -> ToolResult:
+    if call.error is not None:
+        return ToolResult(f"error: {call.error}", False)
+    tool = tools.get(call.name)
+    if tool is None:
+        return ToolResult(f"error: unknown tool {call.name!r}; available: {', '.join(tools)}", False)
+    try:
+        value = tool.fn(**call.arguments)
+    except Exception as e:  # the model reads what went wrong, as it would from a real API
+        return ToolResult(f"error: {type(e).__name__}: {e}", False)
+    if isinstance(value, str):
+        return ToolResult(value, True)
+    try:
+        return ToolResult(json.dumps(value), True)
+    except (TypeError, ValueError):
+        return ToolResult(str(value), True)
+
+
+def run_tool_calls(calls: Sequence[Sequence[ToolCall]], tools: dict[str, Tool], timeout_s: float,
+                   max_workers: int = 16) -> list[list[ToolResult]]:
+    """Every sequence's calls, all at once on a thread pool (tools that wait on I/O overlap); a call
+    still running after `timeout_s` (from the batch's start) gets a timeout error. Python cannot stop
+    a thread: a tool that never returns keeps its thread, so tools should bound their own work."""
+    flat = [(i, j, call) for i, seq in enumerate(calls) for j, call in enumerate(seq)]
+    results: list[list[ToolResult | None]] = [[None] * len(seq) for seq in calls]
+    if not flat:
+        return results  # type: ignore[return-value]
+    pool = concurrent.futures.ThreadPoolExecutor(max_workers=min(max_workers, len(flat)),
+                                                 thread_name_prefix="vlforge-tool")
+    try:
+        futures = {pool.submit(_run_one, call, tools): (i, j) for i, j, call in flat}
+        done, _ = concurrent.futures.wait(futures, timeout=timeout_s)
+        for future, (i, j) in futures.items():
+            results[i][j] = future.result() if future in done else \
+                ToolResult(f"error: the tool did not answer within {timeout_s:g} s", False)
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+    return results  # type: ignore[return-value]

@@ -1,0 +1,145 @@
+"""Multi-turn tool rollouts: GRPO's G samples per prompt, each a conversation with tools.
+
+    result = generate_with_tools(model, encoder, prompts, images_per_prompt, cfg, tools)
+    result.rollout       # a Rollout whose responses are every turn and tool result, one after another
+    result.completions   # each response's last assistant turn, as text: what the rewards score
+
+A round of turns on generate/'s engine: every sequence's turn decodes in one engine call (the first
+turn shares each prompt's prefill across its G samples); the turns that end in <tool_call> blocks
+(rl/tools.parse_tool_calls) have their calls run together on a thread pool; each such sequence
+continues with the results as a tool message and the assistant header (Encoder.tool_turn_ids, the
+chat template's own rendering) in the next engine call, prefilled from its whole conversation so
+far. A sequence ends at a turn without a tool call, after `rollout.tool_turns` turns with calls, or
+when the next turn would not fit `rollout.max_new_tokens` (the budget of the whole response, tool
+results included: the update's sequences stay within it); only that last way counts as truncated.
+
+The response keeps every token (response_mask: the trainer reads them all); generated_mask marks the
+policy's own, the only ones with log-probs and loss. A sequence's turn t samples with the noise of
+(turn seed, its global row, step): N ranks sample what one process samples, as generate_groups does.
+Turns are rounds (every sequence's turn t before any turn t + 1) rather than continuations fed into
+the running engine call: a round is deterministic whatever the tools' latency, and its tool calls
+overlap one another. The cost is the re-prefill of each continuing conversation (the engine keeps
+no KV across calls).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from vlforge.config import RolloutConfig
+from vlforge.data.encode import Encoder
+from vlforge.generate.engine import GenRequest, Prompt, engine_for, prompts_of_batch
+from vlforge.generate.forward import never_generated
+from vlforge.rl.tools import Tool, parse_tool_calls, run_tool_calls
+from vlforge.rollout.engine import Rollout, rollout_seed
+
+_TURN_SEED_STRIDE = 0x9E3779B97F4A7C15  # a turn's seed: far from the others' (odd, so turns never collide)
+
+
+@dataclass
+class _Conversation:
+    """One sequence's response so far: every token, which the policy generated, its log-probs."""
+
+    tokens: list[int] = field(default_factory=list)
+    generated: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    last_turn: int = 0  # where the latest assistant turn starts in `tokens`
+    finished: bool = False  # ended at a stop token (False: out of budget)
+    calls: int = 0
+    failed_calls: int = 0
+    turns: int = 0
+
+    def add_turn(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+        self.last_turn = len(self.tokens)
+        self.tokens += tokens.tolist()
+        self.generated += [1] * len(tokens)
+        self.logprobs += logprobs.tolist()
+        self.turns += 1
+
+    def add_context(self, tokens: list[int]) -> None:
+        self.tokens += tokens
+        self.generated += [0] * len(tokens)
+        self.logprobs += [0.0] * len(tokens)
+
+
+@dataclass
+class ToolRollout:
+    rollout: Rollout
+    completions: list[str]  # [N] each response's last assistant turn (special tokens skipped)
+    calls: list[int]  # [N] tool calls made
+    failed_calls: list[int]  # [N] of them, the ones answered with an error (unknown tool, bad arguments, raised)
+    turns: list[int]  # [N] assistant turns
+
+
+def turn_seed(seed: int, turn: int) -> int:
+    return (seed + turn * _TURN_SEED_STRIDE) % 2**62
+
+
+@torch.no_grad()
+def generate_with_tools(model, encoder: Encoder, prompts: dict, images_per_prompt: list[int], cfg: RolloutConfig,
+                        tools: dict[str, Tool], first_row: int = 0, seed: int | None = None) -> ToolRollout:
+    """`cfg.group_size` multi-turn responses for each prompt of a left-padded prompt batch (whose
+    prompts were encoded with the tools' schemas), the tools run between turns (module docstring)."""
+    seed = rollout_seed() if seed is None else seed
+    G, device, tok = cfg.group_size, prompts["input_ids"].device, encoder.tokenizer
+    base = prompts_of_batch(prompts, images_per_prompt)
+    convs = [_Conversation() for _ in range(len(base) * G)]
+    sample = dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
+    generate = dict(stop_ids=encoder.end_ids, banned_ids=never_generated(encoder, model),
+                    image_token_id=encoder.image_token_id, pad_id=encoder.pad_id, compile=cfg.compile,
+                    slots=cfg.max_slots or None)
+    engine = engine_for(model)
+    # turn 0: each prompt prefilled once for its G samples
+    requests = [GenRequest(p, n=G, max_new_tokens=cfg.max_new_tokens, seed=seed, first_row=first_row + b * G, **sample)
+                for b, p in enumerate(base)]
+    running = list(range(len(convs)))  # the sequences of this turn's results, in order
+    for turn in range(cfg.tool_turns + 1):
+        results = engine.generate(requests, **generate)
+        calling, calls = [], []
+        for n, r in zip(running, results):
+            conv = convs[n]
+            conv.add_turn(r.tokens, r.logprobs)
+            conv.finished = bool(r.stopped)
+            found = parse_tool_calls(tok.decode(r.tokens, skip_special_tokens=False)) if r.stopped else []
+            if found and turn < cfg.tool_turns:  # the last turn's calls (past tool_turns) are not run
+                calling.append(n)
+                calls.append(found)
+        if not calling:
+            break
+        answers = run_tool_calls(calls, tools, cfg.tool_timeout_s)
+        requests, running = [], []
+        for n, found, results_n in zip(calling, calls, answers):
+            conv = convs[n]
+            conv.calls += len(found)
+            conv.failed_calls += sum(not a.ok for a in results_n)
+            context = encoder.tool_turn_ids([a.text for a in results_n], cfg.tool_result_tokens)
+            if len(conv.tokens) + len(context) >= cfg.max_new_tokens:  # no room for another turn
+                conv.finished = False
+                continue
+            conv.add_context(context)
+            p = base[n // G]
+            history = torch.cat([p.input_ids, torch.tensor(conv.tokens, dtype=p.input_ids.dtype)])
+            requests.append(GenRequest(Prompt(history, p.pixel_values, p.image_grid_thw), n=1,
+                                       max_new_tokens=cfg.max_new_tokens - len(conv.tokens),
+                                       seed=turn_seed(seed, turn + 1), first_row=first_row + n, **sample))
+            running.append(n)
+        if not requests:
+            break
+    R = max(len(c.tokens) for c in convs)
+    ids_NR = torch.full((len(convs), R), encoder.pad_id, dtype=torch.long)
+    mask_NR = torch.zeros(len(convs), R, dtype=torch.long)
+    generated_NR = torch.zeros(len(convs), R, dtype=torch.long)
+    logp_NR = torch.zeros(len(convs), R)
+    for n, c in enumerate(convs):
+        k = len(c.tokens)
+        ids_NR[n, :k], mask_NR[n, :k] = torch.tensor(c.tokens), 1
+        generated_NR[n, :k], logp_NR[n, :k] = torch.tensor(c.generated), torch.tensor(c.logprobs)
+    rollout = Rollout(prompts["input_ids"], prompts["attention_mask"], prompts.get("pixel_values"),
+                      prompts.get("image_grid_thw"), images_per_prompt, ids_NR.to(device), mask_NR.to(device),
+                      logp_NR.to(device), torch.tensor([c.finished for c in convs], device=device), G,
+                      generate["banned_ids"], generated_mask=generated_NR.to(device))
+    completions = [tok.decode(c.tokens[c.last_turn:], skip_special_tokens=True) for c in convs]
+    return ToolRollout(rollout, completions, [c.calls for c in convs], [c.failed_calls for c in convs],
+                       [c.turns for c in convs])
