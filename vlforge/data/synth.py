@@ -126,3 +126,42 @@ def synth_shapes(out_dir: str | Path, n: int, *, seed: int = 0, val_fraction: fl
             for row in part:
                 f.write(json.dumps(row) + "\n")
     return paths
+
+
+TOOL_QUESTION = "Count the shapes, then use the calculator to multiply the count by {factor}."
+
+
+def synth_tool_use(out_dir: str | Path, n: int, *, seed: int = 0, size: int = 64) -> dict[str, Path]:
+    """Tool-use data on shapes images: "count the shapes, multiply by k with the calculator".
+
+    Writes out_dir/tools_sft.jsonl (chat rows: the calculator call, its result as a tool message, the
+    final `<answer>`; the calculator's schema in "tools": SFT teaches the format), out_dir/tools_prompts.jsonl
+    (the same questions with the final answer, for GRPO with rollout.tools=[calculator]) and the images.
+    Returns {"sft": path, "prompts": path}."""
+    from vlforge.rl.tools import calculator, load_tools
+
+    schemas = [tool.schema for tool in load_tools(["calculator"]).values()]
+    out = Path(out_dir)
+    (out / "images").mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    sft, prompts = [], []
+    for i in range(n):
+        count, factor = rng.randint(1, 4), rng.randint(2, 9)
+        name = f"images/tool-{i:06d}.png"
+        draw(_scattered_shapes(rng, size, count), size).save(out / name)
+        question = TOOL_QUESTION.format(factor=factor)
+        expression = f"{count} * {factor}"
+        call = json.dumps({"name": "calculator", "arguments": {"expression": expression}})
+        result = calculator(expression)
+        user = {"role": "user", "content": [{"type": "image", "image": name}, {"type": "text", "text": question}]}
+        sft.append({"messages": [user, {"role": "assistant", "content": f"<tool_call>\n{call}\n</tool_call>"},
+                                 {"role": "tool", "content": result},
+                                 {"role": "assistant", "content": f"<answer>{result}</answer>"}],
+                    "tools": schemas})
+        prompts.append({"image": name, "text": question, "answer": result})
+    paths = {"sft": out / "tools_sft.jsonl", "prompts": out / "tools_prompts.jsonl"}
+    for key, rows in (("sft", sft), ("prompts", prompts)):
+        with open(paths[key], "w") as f:
+            for row in rows:
+                f.write(json.dumps(row) + "\n")
+    return paths

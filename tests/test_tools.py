@@ -1,0 +1,254 @@
+"""Multi-turn tool rollouts: rl/tools (tools, calls, results), tool messages in the data and the
+chat template, rollout/multiturn on a tiny model taught the calculator by SFT, GRPO with tools."""
+
+import json
+import time
+
+import pytest
+import torch
+
+from vlforge.config import ConfigError, DataConfig, GRPOConfig, RolloutConfig, SFTConfig, load_config
+from vlforge.data.dataset import load_dataset
+from vlforge.data.encode import collate, encode_prompt
+from vlforge.data.jsonl import DataError, read_jsonl
+from vlforge.data.synth import synth_tool_use
+from vlforge.rl.tools import ToolCall, calculator, load_tools, parse_tool_calls, run_tool_calls
+from vlforge.rollout.engine import sequence_logprobs
+from vlforge.rollout.multiturn import generate_with_tools
+
+CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "%s"}}\n</tool_call>'
+
+
+def test_calculator_evaluates_arithmetic_and_nothing_else():
+    assert calculator("(2 + 3) * 4") == "20"
+    assert calculator("7 / 2") == "3.5" and calculator("6 / 3") == "2" and calculator("-2 ** 3") == "-8"
+    assert calculator("1 / 3") == "0.333333333333"
+    for bad in ("__import__('os').system('true')", "x + 1", "2 ** 1000", "[1, 2]", "1 +"):
+        with pytest.raises(ValueError):
+            calculator(bad)
+
+
+def test_tool_calls_are_parsed_in_qwen_format_and_malformed_ones_say_why():
+    text = "I will compute.\n" + CALL % "2+3" + "\n" + \
+        '<tool_call>\n{"name": "calculator", "arguments": "{\\"expression\\": \\"4\\"}"}\n</tool_call>' + \
+        "<tool_call>\n{not json}\n</tool_call><tool_call>\n[1]\n</tool_call><tool_call>\n{\"name\": \"x\""
+    calls = parse_tool_calls(text)
+    assert calls[:2] == [ToolCall("calculator", {"expression": "2+3"}), ToolCall("calculator", {"expression": "4"})]
+    assert "not valid JSON" in calls[2].error and "must be" in calls[3].error
+    assert len(calls) == 4  # the unterminated block at the end is no call
+    assert parse_tool_calls("no tools here") == []
+
+
+def test_tools_load_from_builtins_and_files_with_their_schemas(tmp_path):
+    (tmp_path / "mytools.py").write_text(
+        "def lookup(city: str, metric: bool = True) -> str:\n"
+        "    '''Weather of a city.\n\n    Args:\n        city: The city.\n        metric: Celsius if true.\n    '''\n"
+        "    return city.upper()\n\n"
+        "def undocumented(x):\n    return x\n")
+    tools = load_tools(["calculator", f"{tmp_path / 'mytools.py'}:lookup"])
+    assert list(tools) == ["calculator", "lookup"]
+    fn = tools["lookup"].schema["function"]
+    assert fn["parameters"]["required"] == ["city"] and fn["description"] == "Weather of a city."
+    with pytest.raises(ValueError, match="undocumented.*type hint"):
+        load_tools([f"{tmp_path / 'mytools.py'}:undocumented"])
+    with pytest.raises(ValueError, match="unknown tool 'nope'"):
+        load_tools(["nope"])
+    with pytest.raises(ValueError, match="missing.py.*not found"):
+        load_tools([f"{tmp_path / 'missing.py'}:f"])
+    with pytest.raises(ValueError, match="second tool named 'calculator'"):
+        load_tools(["calculator", "calculator"])
+
+
+def test_tool_results_report_every_failure_to_the_model_and_slow_tools_time_out(tmp_path):
+    (tmp_path / "t.py").write_text(
+        "import time\n"
+        "def slow(seconds: float) -> str:\n    '''Sleep.\n\n    Args:\n        seconds: How long.\n    '''\n"
+        "    time.sleep(seconds)\n    return 'woke'\n\n"
+        "def data(key: str) -> dict:\n    '''A record.\n\n    Args:\n        key: The key.\n    '''\n"
+        "    return {'key': key, 'n': 1}\n")
+    tools = load_tools(["calculator", f"{tmp_path / 't.py'}:slow", f"{tmp_path / 't.py'}:data"])
+    calls = [[ToolCall("calculator", {"expression": "6*7"}), ToolCall("search", {"q": "x"})],
+             [ToolCall("calculator", {"expr": "1"}), ToolCall("calculator", {"expression": "1/0"})],
+             [ToolCall(None, {}, "the tool call is not valid JSON"), ToolCall("data", {"key": "a"})],
+             [ToolCall("slow", {"seconds": 0.05}), ToolCall("slow", {"seconds": 5.0})]]
+    start = time.perf_counter()
+    results = run_tool_calls(calls, tools, timeout_s=1.0)
+    assert time.perf_counter() - start < 3.0  # the 5 s call did not hold the round
+    assert [[r.ok for r in seq] for seq in results] == [[True, False], [False, False], [False, True], [True, False]]
+    assert results[0][0].text == "42" and "unknown tool 'search'" in results[0][1].text
+    assert "TypeError" in results[1][0].text and "ZeroDivisionError" in results[1][1].text
+    assert "not valid JSON" in results[2][0].text and json.loads(results[2][1].text) == {"key": "a", "n": 1}
+    assert results[3][0].text == "woke" and "within 1 s" in results[3][1].text
+
+
+@pytest.fixture(scope="module")
+def tool_data(tmp_path_factory):
+    return synth_tool_use(tmp_path_factory.mktemp("tools"), 32, seed=0)
+
+
+def test_tool_turn_tokens_continue_the_conversation_as_the_template_renders_it(tiny, tool_data):
+    """Prompt + a generated call (ending at <|im_end|>) + tool_turn_ids + the final answer are the
+    token ids of the whole tool conversation rendered by the chat template (the SFT row's)."""
+    _, processor = tiny
+    data = load_dataset(str(tool_data["sft"]), processor, DataConfig(max_length=1024))
+    sample, enc = data.samples[0], data.encoder
+    user, call, result, answer = sample.messages
+    sizes = [(64, 64)]
+    full = enc.token_ids(sample.messages, sizes, tools=sample.tools)
+    prompt = enc.token_ids([user], sizes, add_generation_prompt=True, tools=sample.tools)
+    turn = lambda text: enc.tokenizer(text + "<|im_end|>", add_special_tokens=False)["input_ids"]  # noqa: E731
+    context = enc.tool_turn_ids([result["content"]])
+    assert full == prompt + turn(call["content"]) + context + turn(answer["content"]) + enc.tokenizer("\n")["input_ids"]
+    assert "<tool_response>" in enc.tokenizer.decode(context)
+    long = enc.tool_turn_ids(["word " * 200], max_tokens=5)
+    assert len(long) < len(context) + 20 and "(cut)" in enc.tokenizer.decode(long)
+
+
+def test_chat_rows_with_tools_train_only_the_assistant_turns(tiny, tool_data, tmp_path):
+    _, processor = tiny
+    data = load_dataset(str(tool_data["sft"]), processor, DataConfig(max_length=1024))
+    item = data[0]
+    enc, sample = data.encoder, data.samples[0]
+    trained = enc.tokenizer.decode(item["labels"][item["labels"] >= 0])
+    assert trained.count("<|im_end|>") == 2 and "<tool_call>" in trained and "<answer>" in trained
+    assert "<tool_response>" not in trained and "calculator" in enc.tokenizer.decode(item["input_ids"])
+    assert sample.tools[0]["function"]["name"] == "calculator"
+    rows = {"early": {"messages": [{"role": "tool", "content": "5"}, {"role": "assistant", "content": "5"}]},
+            "schema": {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+                       "tools": [{"name": "f"}]}}
+    for name, row in rows.items():
+        path = tmp_path / f"{name}.jsonl"
+        path.write_text(json.dumps(row) + "\n")
+        with pytest.raises(DataError, match=rf"{name}.jsonl:1: .*(must follow an assistant|function schemas)"):
+            read_jsonl(path)
+
+
+@pytest.fixture(scope="module")
+def tool_model(tool_data, tmp_path_factory):
+    """The tiny preset taught by SFT (80 steps on the tool-use set, ~25 s) to call the calculator
+    and answer after its result: (model dir, the prompts' dataset, tools)."""
+    from vlforge.recipes.sft import run_sft
+
+    out = tmp_path_factory.mktemp("tool-sft")
+    cfg = load_config(SFTConfig, None, [
+        "model.preset=tiny", f"data.train={tool_data['sft']}", "data.max_length=1024", "precision.mode=fp32",
+        "train.device=cpu", f"train.output_dir={out}", "train.batch_size=8", "train.max_steps=80",
+        "log.progress=false", "optim.warmup_steps=0", "optim.schedule=constant", "tiers.method=full",
+        "tiers.language.lr=1e-2", "eval.every=0", "eval.at_start=false", "train.save_every=80"])
+    run_sft(cfg)
+    losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert losses[-1] < 0.25 * losses[0]
+    return out / "checkpoint-80"
+
+
+def _rollout_setup(tool_model, prompts_path, n_prompts=3):
+    from vlforge.config import ModelConfig
+    from vlforge.model.load import load_model
+
+    model, processor = load_model(ModelConfig(path=str(tool_model)), dtype=torch.float32, device="cpu")
+    data = load_dataset(str(prompts_path), processor, DataConfig(max_length=1024))
+    tools = load_tools(["calculator"])
+    schemas = [t.schema for t in tools.values()]
+    encoded = [encode_prompt(data.encoder, data.samples[i], tools=schemas) for i in range(n_prompts)]
+    return model.eval(), data.encoder, tools, encoded
+
+
+def test_multi_turn_rollout_runs_the_calls_and_the_trainer_scores_only_generated_tokens(tool_model, tool_data):
+    model, enc, tools, encoded = _rollout_setup(tool_model, tool_data["prompts"])
+    prompts = collate(encoded, enc.pad_id, left_pad=True)
+    cfg = RolloutConfig(group_size=4, max_new_tokens=200, temperature=0.7, tools=["calculator"])
+    out = generate_with_tools(model, enc, prompts, [1, 1, 1], cfg, tools, seed=11)
+    r = out.rollout
+    assert sum(c > 0 for c in out.calls) >= 8 and bool(r.finished.all())
+    context_tokens = 0
+    for n in range(12):
+        real = r.response_ids[n][r.response_mask[n].bool()].tolist()
+        generated = r.generated_mask[n][r.response_mask[n].bool()].tolist()
+        if out.calls[n] == 0:
+            assert all(generated) and out.turns[n] == 1
+            continue
+        # turn 1 (the call, generated) + the call's result as the template renders it (read) + turn 2
+        first = generated.index(0)
+        end = first + generated[first:].index(1)
+        calls = parse_tool_calls(enc.tokenizer.decode(real[:first], skip_special_tokens=False))
+        results = [res.text for res in run_tool_calls([calls], tools, 5.0)[0]]
+        assert real[first:end] == enc.tool_turn_ids(results) and all(generated[end:]) and out.turns[n] == 2
+        assert enc.tokenizer.decode(real[end:], skip_special_tokens=True) == out.completions[n]
+        assert bool((r.logprobs[n][first:end] == 0).all())
+        context_tokens += end - first
+    assert context_tokens > 0
+    # the trainer's log-probs of the generated tokens are the rollout's, padded and packed; 0 at the tool results
+    gen = r.generated_mask.bool()
+    with torch.no_grad():
+        for packing in (False, True):
+            logp, _ = sequence_logprobs(model, r, cfg.temperature, packing=packing)
+            torch.testing.assert_close(logp[gen], r.logprobs[gen], atol=1e-4, rtol=1e-4)
+            assert bool((logp[r.response_mask.bool() & ~gen] == 0).all())
+        # the tool results are read: another result changes the later turn's log-probs
+        n = next(i for i in range(12) if out.calls[i])
+        first = r.generated_mask[n].tolist().index(0)
+        r.response_ids[n, first + 4] = enc.tokenizer("7", add_special_tokens=False)["input_ids"][0]
+        r.__dict__.pop("host", None)  # the host copy is made once: drop it after the change
+        changed, _ = sequence_logprobs(model, r, cfg.temperature)
+        later = gen[n].clone()
+        later[:first] = False
+        assert not torch.allclose(changed[n][later], logp[n][later], atol=1e-4)
+
+
+def test_multi_turn_rollout_samples_the_same_split_over_ranks(tool_model, tool_data):
+    """Each sequence's noise is its global row's in every turn: prompts 0-1 as rows 0-7 and prompt 2
+    as rows 8-11 (two ranks) sample what the three prompts do in one call."""
+    model, enc, tools, encoded = _rollout_setup(tool_model, tool_data["prompts"])
+    cfg = RolloutConfig(group_size=4, max_new_tokens=200, temperature=1.0, tools=["calculator"])
+    whole = generate_with_tools(model, enc, collate(encoded, enc.pad_id, left_pad=True), [1, 1, 1], cfg, tools,
+                                seed=5)
+    parts = [generate_with_tools(model, enc, collate(encoded[a:b], enc.pad_id, left_pad=True), [1] * (b - a), cfg,
+                                 tools, first_row=a * 4, seed=5) for a, b in ((0, 2), (2, 3))]
+    seqs = lambda o: [ids[m.bool()].tolist() for ids, m in zip(o.rollout.response_ids, o.rollout.response_mask)]  # noqa: E731
+    assert seqs(whole) == seqs(parts[0]) + seqs(parts[1])
+    assert whole.calls == parts[0].calls + parts[1].calls and sum(whole.turns) > 12
+
+
+def test_a_call_that_leaves_no_room_for_the_next_turn_ends_the_response_truncated(tool_model, tool_data):
+    model, enc, tools, encoded = _rollout_setup(tool_model, tool_data["prompts"], 2)
+    cfg = RolloutConfig(group_size=4, max_new_tokens=72, temperature=0.7, tools=["calculator"])
+    out = generate_with_tools(model, enc, collate(encoded, enc.pad_id, left_pad=True), [1, 1], cfg, tools, seed=11)
+    r = out.rollout
+    called = [n for n in range(8) if out.calls[n]]
+    assert called and r.response_mask.sum(1).max() <= 72
+    for n in called:  # the call's result (~36 tokens) did not fit after a ~60-token call: no second turn
+        assert not bool(r.finished[n]) and out.turns[n] == 1 and bool(r.generated_mask[n].eq(r.response_mask[n]).all())
+
+
+def test_grpo_with_tools_scores_the_last_turn_and_logs_tool_use(tool_model, tool_data, tmp_path):
+    (tmp_path / "rewards.py").write_text(
+        "def last_turn(completion, answer, **row):\n"
+        "    assert '<tool_response>' not in completion and '<|im_start|>' not in completion, completion\n"
+        "    return float(completion.strip().startswith('<answer>'))\n")
+    from vlforge.recipes.grpo import run_grpo
+
+    common = [f"model.path={tool_model}", f"data.train={tool_data['prompts']}", "data.max_length=1024",
+              "precision.mode=fp32", "train.device=cpu", "log.progress=false", "rollout.group_size=4",
+              "rollout.prompts_per_step=2", "rollout.max_new_tokens=160", "rollout.temperature=1.0",
+              "rollout.tools=[calculator]", "rl.mini_batch_size=8", "tiers.method=full", "eval.every=0",
+              "eval.at_start=false", f"rl.rewards=[{{name: '{tmp_path / 'rewards.py'}:last_turn'}}]"]
+    run_grpo(load_config(GRPOConfig, None, [*common, f"train.output_dir={tmp_path / 'run'}", "train.max_steps=2",
+                                            "rl.kl_beta=0.05"]))
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2
+    for row in rows:
+        assert row["tool/calls_mean"] > 0.5 and 1.5 < row["tool/turns_mean"] <= 2 and row["tool/failed_frac"] < 0.5
+        assert row["reward_mean"] > 0 and row["loss"] == row["loss"]
+    assert rows[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-5) and abs(rows[0]["approx_kl"]) < 1e-5
+    with pytest.raises(ConfigError, match="rollout.tools: unknown tool 'nope'"):
+        run_grpo(load_config(GRPOConfig, None, [*common, f"train.output_dir={tmp_path / 'bad'}",
+                                                "rollout.tools=[nope]"]))
+    assert not (tmp_path / "bad").exists()  # refused before the run claimed a directory
+
+
+@pytest.mark.parametrize("extra,match", [("rollout.engine=hf", "needs rollout.engine=vlforge"),
+                                         ("rollout.router_replay=record", "not recorded"),
+                                         ("rollout.tool_turns=0", "tool_turns")])
+def test_tool_settings_that_cannot_run_are_refused(extra, match):
+    with pytest.raises(ConfigError, match=match):
+        load_config(GRPOConfig, None, ["rollout.tools=[calculator]", extra])
