@@ -83,7 +83,16 @@ def test_tool_results_report_every_failure_to_the_model_and_slow_tools_time_out(
 
 @pytest.fixture(scope="module")
 def tool_data(tmp_path_factory):
-    return synth_tool_use(tmp_path_factory.mktemp("tools"), 32, seed=0)
+    """`vlforge data synth tools`: 32 conversations (SFT) and their prompts (GRPO), checked by `data check`."""
+    from vlforge.cli import main
+
+    out = tmp_path_factory.mktemp("tools")
+    assert main(["data", "synth", "tools", "--n", "32", "--out", str(out)]) == 0
+    assert main(["data", "check", str(out / "tools_sft.jsonl"), "data.max_length=1024"]) == 0
+    paths = {"sft": out / "tools_sft.jsonl", "prompts": out / "tools_prompts.jsonl"}
+    # deterministic for a seed (image paths are relative to the file)
+    assert paths["sft"].read_text() == synth_tool_use(tmp_path_factory.mktemp("again"), 32, seed=0)["sft"].read_text()
+    return paths
 
 
 def test_tool_turn_tokens_continue_the_conversation_as_the_template_renders_it(tiny, tool_data):
@@ -125,20 +134,17 @@ def test_chat_rows_with_tools_train_only_the_assistant_turns(tiny, tool_data, tm
 
 @pytest.fixture(scope="module")
 def tool_model(tool_data, tmp_path_factory):
-    """The tiny preset taught by SFT (80 steps on the tool-use set, ~25 s) to call the calculator
-    and answer after its result: (model dir, the prompts' dataset, tools)."""
+    """The tiny preset taught by SFT (the shipped configs/demo-tools-sft.yaml, ~30 s) to call the
+    calculator and answer after its result: its checkpoint."""
+    from vlforge.demo import packaged_config
     from vlforge.recipes.sft import run_sft
 
     out = tmp_path_factory.mktemp("tool-sft")
-    cfg = load_config(SFTConfig, None, [
-        "model.preset=tiny", f"data.train={tool_data['sft']}", "data.max_length=1024", "precision.mode=fp32",
-        "train.device=cpu", f"train.output_dir={out}", "train.batch_size=8", "train.max_steps=80",
-        "log.progress=false", "optim.warmup_steps=0", "optim.schedule=constant", "tiers.method=full",
-        "tiers.language.lr=1e-2", "eval.every=0", "eval.at_start=false", "train.save_every=80"])
-    run_sft(cfg)
+    run_sft(load_config(SFTConfig, packaged_config("demo-tools-sft.yaml"),
+                        [f"data.train={tool_data['sft']}", f"train.output_dir={out}", "log.progress=false"]))
     losses = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert losses[-1] < 0.25 * losses[0]
-    return out / "checkpoint-80"
+    return out / "checkpoint-120"
 
 
 def _rollout_setup(tool_model, prompts_path, n_prompts=3):
@@ -227,13 +233,14 @@ def test_grpo_with_tools_scores_the_last_turn_and_logs_tool_use(tool_model, tool
         "    return float(completion.strip().startswith('<answer>'))\n")
     from vlforge.recipes.grpo import run_grpo
 
-    common = [f"model.path={tool_model}", f"data.train={tool_data['prompts']}", "data.max_length=1024",
-              "precision.mode=fp32", "train.device=cpu", "log.progress=false", "rollout.group_size=4",
-              "rollout.prompts_per_step=2", "rollout.max_new_tokens=160", "rollout.temperature=1.0",
-              "rollout.tools=[calculator]", "rl.mini_batch_size=8", "tiers.method=full", "eval.every=0",
-              "eval.at_start=false", f"rl.rewards=[{{name: '{tmp_path / 'rewards.py'}:last_turn'}}]"]
-    run_grpo(load_config(GRPOConfig, None, [*common, f"train.output_dir={tmp_path / 'run'}", "train.max_steps=2",
-                                            "rl.kl_beta=0.05"]))
+    from vlforge.demo import packaged_config
+
+    shipped = packaged_config("demo-tools-grpo.yaml")  # tools: [calculator], 160 tokens, group 8
+    common = [f"model.path={tool_model}", f"data.train={tool_data['prompts']}", "log.progress=false",
+              "rollout.group_size=4", "rollout.prompts_per_step=2", "rl.mini_batch_size=8",
+              "rl.dynamic_sampling=false", f"rl.rewards=[{{name: '{tmp_path / 'rewards.py'}:last_turn'}}]"]
+    run_grpo(load_config(GRPOConfig, shipped, [*common, f"train.output_dir={tmp_path / 'run'}", "train.max_steps=2",
+                                               "rl.kl_beta=0.05"]))
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2
     for row in rows:
@@ -241,8 +248,8 @@ def test_grpo_with_tools_scores_the_last_turn_and_logs_tool_use(tool_model, tool
         assert row["reward_mean"] > 0 and row["loss"] == row["loss"]
     assert rows[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-5) and abs(rows[0]["approx_kl"]) < 1e-5
     with pytest.raises(ConfigError, match="rollout.tools: unknown tool 'nope'"):
-        run_grpo(load_config(GRPOConfig, None, [*common, f"train.output_dir={tmp_path / 'bad'}",
-                                                "rollout.tools=[nope]"]))
+        run_grpo(load_config(GRPOConfig, shipped, [*common, f"train.output_dir={tmp_path / 'bad'}",
+                                                   "rollout.tools=[nope]"]))
     assert not (tmp_path / "bad").exists()  # refused before the run claimed a directory
 
 

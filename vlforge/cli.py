@@ -108,8 +108,13 @@ def cmd_demo(args) -> int:
 
 
 def cmd_data_synth(args) -> int:
-    from vlforge.data.synth import synth_shapes
+    from vlforge.data.synth import synth_shapes, synth_tool_use
 
+    if args.kind == "tools":
+        paths = synth_tool_use(args.out, args.n, seed=args.seed, size=args.size)
+        print(f"wrote {paths['sft']} (tool-use conversations, for SFT) and {paths['prompts']} (prompts and answers, "
+              "for GRPO with rollout.tools=[calculator])")
+        return 0
     tasks = tuple(t.strip() for t in args.tasks.split(",")) if args.tasks else None
     kwargs = {"tasks": tasks} if tasks else {}
     paths = synth_shapes(args.out, args.n, seed=args.seed, val_fraction=args.val_fraction, size=args.size, **kwargs)
@@ -325,7 +330,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     data = sub.add_parser("data", help="dataset tools").add_subparsers(dest="data_command", required=True)
     synth = data.add_parser("synth", help="generate a synthetic dataset")
-    synth.add_argument("kind", choices=["shapes"])
+    synth.add_argument("kind", choices=["shapes", "tools"],
+                       help="shapes: questions about coloured shapes; tools: count the shapes, multiply with the "
+                            "calculator tool (SFT conversations + GRPO prompts)")
     synth.add_argument("--n", type=int, required=True, help="number of samples (train + val)")
     synth.add_argument("--out", required=True, help="output folder")
     synth.add_argument("--seed", type=int, default=0)
