@@ -259,3 +259,37 @@ def test_grpo_with_tools_scores_the_last_turn_and_logs_tool_use(tool_model, tool
 def test_tool_settings_that_cannot_run_are_refused(extra, match):
     with pytest.raises(ConfigError, match=match):
         load_config(GRPOConfig, None, ["rollout.tools=[calculator]", extra])
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+def test_grpo_with_tools_on_two_ranks_equals_one_process(tool_model, tool_data, tmp_path, strategy):
+    """Multi-turn tool rollouts under torchrun: the ranks run different numbers of turns (engine calls
+    on the gathered model: no collectives inside), and the rollouts, rewards, tool use and the
+    update (one mini-batch a step: every rank takes its share of it) are one process's."""
+    import os
+    import subprocess
+    import sys
+
+    from vlforge.demo import packaged_config
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    (tmp_path / "reward.py").write_text("def varied(completion, answer, **row):\n    return float(len(completion) % 3)\n")
+    args = [str(packaged_config("demo-tools-grpo.yaml")), f"model.path={tool_model}",
+            f"rl.rewards=[{{name: '{tmp_path / 'reward.py'}:varied'}}]",
+            f"data.train={tool_data['prompts']}", "log.progress=false", "rollout.group_size=4",
+            "rollout.prompts_per_step=4", "rl.mini_batch_size=16", "rl.dynamic_sampling=false", "rl.kl_beta=0.05",
+            "train.max_steps=2", "tiers.language.lr=1e-3", "optim.max_grad_norm=null"]
+    rows = {}
+    for name, prefix in (("one", [sys.executable]), ("two", [sys.executable, "-m", "torch.distributed.run",
+                                                              "--standalone", "--nproc_per_node=2"])):
+        extra = [f"distributed.strategy={strategy}"] if name == "two" else []
+        result = subprocess.run([*prefix, "-m", "vlforge", "grpo", *args, *extra, f"train.output_dir={tmp_path / name}"],
+                                cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stderr[-3000:]
+        rows[name] = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    for one, two in zip(rows["one"], rows["two"], strict=True):
+        for key in ("reward_mean", "tool/calls_mean", "tool/turns_mean", "tool/failed_frac", "truncated_frac"):
+            assert two[key] == one[key], key
+        for key in ("response_length_mean", "loss", "grad_norm", "kl", "entropy"):
+            assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-7), key
+    assert rows["one"][0]["tool/calls_mean"] > 0.5 and rows["one"][1]["kl"] > 1e-6  # tools used; the policy moved
