@@ -293,3 +293,69 @@ def test_grpo_with_tools_on_two_ranks_equals_one_process(tool_model, tool_data, 
         for key in ("response_length_mean", "loss", "grad_norm", "kl", "entropy"):
             assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-7), key
     assert rows["one"][0]["tool/calls_mean"] > 0.5 and rows["one"][1]["kl"] > 1e-6  # tools used; the policy moved
+
+
+def test_served_model_calls_tools_openai_style(tool_model, tool_data):
+    """`vlforge serve` with tools (a real server on loopback, httpx): the reply's call comes back as
+    OpenAI's tool_calls; sent back with the tool's result, the conversation is the tokens the model
+    generated plus the chat template's tool turn, and the model answers."""
+    import base64
+
+    httpx = pytest.importorskip("httpx")
+    from test_serve import LiveServer, sse_events
+
+    from vlforge.serve.app import create_app
+    from vlforge.serve.config import ServeConfig
+    from vlforge.serve.engine import InferenceEngine
+
+    engine = InferenceEngine.load(str(tool_model), device="cpu", dtype=torch.float32)  # as it was trained
+    row = json.loads(tool_data["prompts"].read_text().splitlines()[0])
+    png = (tool_data["prompts"].parent / row["image"]).read_bytes()
+    question = [{"role": "user", "content": [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(png).decode()}},
+        {"type": "text", "text": row["text"]}]}]
+    tools = [t.schema for t in load_tools(["calculator"]).values()]
+    ask = {"model": engine.name, "temperature": 0, "max_tokens": 120, "tools": tools}
+    cfg = ServeConfig(max_prompt_tokens=2048, max_tokens=256)
+    with LiveServer(create_app(engine, cfg)) as server, httpx.Client(base_url=server.url, timeout=120) as client:
+        first = client.post("/v1/chat/completions", json={**ask, "messages": question}).json()
+        choice = first["choices"][0]
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None, choice
+        (call,) = choice["message"]["tool_calls"]
+        assert call["type"] == "function" and call["function"]["name"] == "calculator" and call["id"].startswith("call_")
+        expression = json.loads(call["function"]["arguments"])["expression"]
+        # the prompt is the SFT conversation's (the tools listed by the chat template)
+        data = load_dataset(str(tool_data["sft"]), engine.processor, DataConfig(max_length=1024))
+        sample = data.samples[0]
+        assert first["usage"]["prompt_tokens"] == len(data.encoder.token_ids(
+            sample.messages[:1], [(64, 64)], add_generation_prompt=True, tools=sample.tools))
+        # streamed: the same call, whole, with its index
+        with client.stream("POST", "/v1/chat/completions", json={**ask, "messages": question, "stream": True}) as r:
+            events = [e for e in sse_events(r) if e != "[DONE]"]
+        streamed = [d["tool_calls"] for e in events for d in [e["choices"][0]["delta"]] if "tool_calls" in d]
+        assert [[{k: c[k] for k in ("index", "type", "function")} for c in streamed[0]]] == \
+            [[{"index": 0, "type": "function", "function": call["function"]}]]
+        assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+        # the result sent back: the history is the generated tokens and the template's tool turn
+        result = calculator(expression)
+        second = client.post("/v1/chat/completions", json={**ask, "messages": [
+            *question, {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": call["id"], "content": result}]}).json()
+        # (+ 1: the <|im_end|> that ended the reply, which usage does not count)
+        assert second["usage"]["prompt_tokens"] == first["usage"]["prompt_tokens"] + \
+            first["usage"]["completion_tokens"] + 1 + len(data.encoder.tool_turn_ids([result]))
+        answer = second["choices"][0]
+        assert answer["finish_reason"] == "stop" and answer["message"]["content"].startswith("<answer>")
+        assert "tool_calls" not in answer["message"]
+        # tool_choice none: no tools listed, the reply is text
+        plain = client.post("/v1/chat/completions", json={**ask, "messages": question, "tool_choice": "none"}).json()
+        assert "tool_calls" not in plain["choices"][0]["message"]
+        assert plain["usage"]["prompt_tokens"] < first["usage"]["prompt_tokens"]
+        bad = {"tool_choice required": {"tool_choice": "required"},
+               "arguments not JSON": {"messages": [*question, {"role": "assistant", "tool_calls": [
+                   {**call, "function": {"name": "calculator", "arguments": "{oops"}}]}]},
+               "assistant without content or calls": {"messages": [*question, {"role": "assistant"}]},
+               "legacy functions": {"functions": [{"name": "f"}]}}
+        for name, change in bad.items():
+            r = client.post("/v1/chat/completions", json={**ask, "messages": question, **change})
+            assert r.status_code == 400 and r.json()["error"]["message"], name

@@ -118,6 +118,9 @@ def load_tools(specs: Sequence[str]) -> dict[str, Tool]:
         except Exception as e:  # transformers raises its own TypeError / DocstringParsingException
             raise ValueError(f"tool {spec!r}: no JSON schema from its signature and docstring ({e}); give every "
                              "argument a type hint and document it in an 'Args:' section") from e
+        # OpenAI's function schema has no return type: the prompts of training are then the ones an
+        # OpenAI client's `tools` give the served model (vlforge serve renders those)
+        schema["function"].pop("return", None)
         name = schema["function"]["name"]
         if name in tools:
             raise ValueError(f"tool {spec!r}: a second tool named {name!r}; tool names must be unique")
@@ -146,6 +149,30 @@ def parse_tool_calls(text: str) -> list[ToolCall]:
             continue
         calls.append(ToolCall(call["name"], arguments))
     return calls
+
+
+def split_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
+    """(the text outside the well-formed tool-call blocks, stripped; those calls) of an assistant
+    reply: what an OpenAI-style server answers as `content` and `tool_calls`. A malformed block
+    stays in the text, where the client can see it."""
+    calls, kept = [], []
+    for match in _TOOL_CALL.finditer(text):
+        (call,) = parse_tool_calls(match.group(0))
+        if call.error is None:
+            calls.append(call)
+            kept.append(match.span())
+    rest, at = [], 0
+    for start, end in kept:
+        rest.append(text[at:start])
+        at = end
+    return "".join(rest + [text[at:]]).strip(), calls
+
+
+def format_tool_calls(calls: Sequence[ToolCall]) -> str:
+    """Calls as an assistant turn writes them in Qwen's format (the inverse of parse_tool_calls):
+    how a conversation's earlier calls are given back to the model."""
+    return "\n".join("<tool_call>\n" + json.dumps({"name": c.name, "arguments": c.arguments}) + "\n</tool_call>"
+                     for c in calls)
 
 
 def _run_one(call: ToolCall, tools: dict[str, Tool]) -> ToolResult:

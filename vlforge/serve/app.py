@@ -44,6 +44,7 @@ from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HTTPRequest
 
 from vlforge.config import ConfigError
+from vlforge.rl.tools import ToolCall, format_tool_calls, split_tool_calls
 from vlforge.serve.batcher import Batcher, Job, ShuttingDown
 from vlforge.serve.config import ServeConfig
 from vlforge.serve.engine import Completion, Request
@@ -112,20 +113,33 @@ class _Server:
             batcher.abort()
             await _until(lambda: not batcher.unfinished or give_up(), ABORT_GRACE_S)
 
-    def prepare(self, body: bytearray) -> tuple[Request, bool, bool]:
-        """(the engine's request, stream?, include usage?). Nothing of the body or of the parsed JSON
-        outlives this call: the engine's request holds the text and the decoded (shrunk) images."""
+    def prepare(self, body: bytearray) -> tuple[Request, bool, bool, int]:
+        """(the engine's request, stream?, include usage?, tool calls the answer may carry: 0 when the
+        request has no tools or tool_choice none, 1 with parallel_tool_calls false, else -1 for all).
+        Nothing of the body or of the parsed JSON outlives this call: the engine's request holds the
+        text and the decoded (shrunk) images."""
         try:
             req = parse_chat_request(body, self.cfg)
         finally:
             body.clear()  # the caller's reference too: a large body is freed now, not when the answer is done
-        return self.build(req), bool(req.stream), bool(req.stream_options and req.stream_options.include_usage)
+        calls = 0 if not req.tools or req.tool_choice == "none" else 1 if req.parallel_tool_calls is False else -1
+        return (self.build(req), bool(req.stream), bool(req.stream_options and req.stream_options.include_usage),
+                calls)
 
     def build(self, req: ChatRequest) -> Request:
-        """The engine's request: prompt length bounded, images decoded, prompt tokens counted."""
+        """The engine's request: prompt length bounded, images decoded, prompt tokens counted. An
+        assistant message's tool calls become its text in the model's own format (rl/tools.py's
+        format_tool_calls: what the model generated), a tool message the chat template's tool turn."""
         messages, image_urls = [], []
         for i, m in enumerate(req.messages):
             role = "system" if m.role == "developer" else m.role
+            if m.tool_calls:
+                calls = format_tool_calls([ToolCall(c.function.name, json.loads(c.function.arguments))
+                                           for c in m.tool_calls])
+                text = m.content if isinstance(m.content, str) else "".join(
+                    p.text for p in m.content or [] if p.type == "text")
+                messages.append({"role": role, "content": f"{text}\n{calls}" if text else calls})
+                continue
             if isinstance(m.content, str):
                 messages.append({"role": role, "content": m.content})
                 continue
@@ -150,7 +164,9 @@ class _Server:
         # greedy ignores top_p: normalise it so greedy requests share a generate call (the engine groups
         # a batch by its sampling settings)
         top_p = 1.0 if req.top_p is None or temperature == 0 else req.top_p
-        request = Request(messages=messages, images=images,
+        tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and req.tool_choice != "none" \
+            else None
+        request = Request(messages=messages, images=images, tools=tools,
                           max_new_tokens=req.asked_tokens or min(self.cfg.default_max_tokens, self.cfg.max_tokens),
                           temperature=temperature, top_p=top_p, stop=req.stops, min_new_tokens=req.min_tokens or 0,
                           image_limits=limits, seed=req.seed)
@@ -249,20 +265,20 @@ def create_app(engine, cfg: ServeConfig | None = None) -> FastAPI:
         batcher.check_room()  # again (a large body takes a while): refuse before decoding anything
         # JSON parsing, image decoding and token counting run in a worker thread, off the event loop
         async with preparing:
-            request, stream, include_usage = await asyncio.to_thread(state.prepare, body)
+            request, stream, include_usage, tool_calls = await asyncio.to_thread(state.prepare, body)
         job = Job(request, stream, asyncio.get_running_loop(), asyncio.Queue(), arrived=arrived)
         batcher.submit(job)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if job.stream:
-            return StreamingResponse(_sse(job, rid, created, state.model_name, include_usage),
+            return StreamingResponse(_sse(job, rid, created, state.model_name, include_usage, tool_calls),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         c = await _wait(job, http_request)
         if c is None:  # the client went away; nobody reads this
             return JSONResponse(error_body("client disconnected", "invalid_request_error"), status_code=499)
+        message, finish = _answer(c, tool_calls)
         return {"id": rid, "object": "chat.completion", "created": created, "model": state.model_name,
-                "choices": [{"index": 0, "message": {"role": "assistant", "content": c.text},
-                             "finish_reason": c.finish_reason}],
+                "choices": [{"index": 0, "message": message, "finish_reason": finish}],
                 "usage": _usage(c)}
 
     return app
@@ -367,7 +383,27 @@ async def _until(condition, timeout: float) -> bool:
     return True
 
 
-async def _sse(job: Job, rid: str, created: int, model: str, include_usage: bool):
+def _answer(c: Completion, tool_calls: int) -> tuple[dict, str]:
+    """(the assistant message, finish_reason) of a completion; with tools (`tool_calls` != 0, see
+    prepare), the reply's well-formed <tool_call> blocks as OpenAI's tool_calls (at most the first
+    with `tool_calls` 1), finish_reason "tool_calls" and the rest of the text as the content (None
+    when empty)."""
+    if not tool_calls:
+        return {"role": "assistant", "content": c.text}, c.finish_reason
+    content, calls = split_tool_calls(c.text)
+    if not calls:
+        return {"role": "assistant", "content": c.text}, c.finish_reason
+    calls = calls[:1] if tool_calls == 1 else calls
+    return {"role": "assistant", "content": content or None,
+            "tool_calls": [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                            "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}
+                           for call in calls]}, "tool_calls" if c.finish_reason == "stop" else c.finish_reason
+
+
+async def _sse(job: Job, rid: str, created: int, model: str, include_usage: bool, tool_calls: int = 0):
+    """The answer as server-sent events. With tools the text is held until the answer ends (a
+    <tool_call> block is only a call once it is whole), then sent as one content delta and one
+    tool_calls delta (OpenAI's chunk shape, each call with its index)."""
     def chunk(delta: dict, finish: str | None) -> str:
         body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
@@ -379,9 +415,18 @@ async def _sse(job: Job, rid: str, created: int, model: str, include_usage: bool
         while True:
             kind, payload = await job.events.get()
             if kind == "text":
-                yield chunk({"content": payload}, None)
+                if not tool_calls:
+                    yield chunk({"content": payload}, None)
             elif kind == "done" and not _aborted(job, payload):
-                yield chunk({}, payload.finish_reason)
+                finish = payload.finish_reason
+                if tool_calls:
+                    message, finish = _answer(payload, tool_calls)
+                    if message["content"]:
+                        yield chunk({"content": message["content"]}, None)
+                    if "tool_calls" in message:
+                        yield chunk({"tool_calls": [{"index": k, **call}
+                                                    for k, call in enumerate(message["tool_calls"])]}, None)
+                yield chunk({}, finish)
                 if include_usage:
                     body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                             "choices": [], "usage": _usage(payload)}

@@ -62,6 +62,7 @@ class Request:
     seed: int | None = None  # sampling noise (generate/'s engine); None: a fresh one per request
     # this request's image resize bounds (the server's per-request min_pixels/max_pixels); None: the engine's
     image_limits: ImageLimits | None = None
+    tools: list[dict] | None = None  # function schemas the chat template lists (the client's `tools`)
     # set from another thread (the server, when the client disconnects): the request's row stops at the
     # next token, the rest of its batch goes on
     cancelled: threading.Event = field(default_factory=threading.Event, repr=False, compare=False)
@@ -446,7 +447,7 @@ class InferenceEngine:
     def _item(self, r: Request) -> dict:
         """The request's prompt ids and (at its own image limits) pixels, on the CPU."""
         encoder = self.encoder_for(r)
-        ids = encoder.token_ids(r.messages, [im.size for im in r.images], add_generation_prompt=True)
+        ids = encoder.token_ids(r.messages, [im.size for im in r.images], add_generation_prompt=True, tools=r.tools)
         item = {"input_ids": torch.tensor(ids)}
         item["mm_token_type_ids"] = (item["input_ids"] == encoder.image_token_id).long()
         if r.images:
@@ -463,7 +464,7 @@ class InferenceEngine:
 
     def prompt_tokens(self, request: Request) -> int:
         return len(self.encoder_for(request).token_ids(request.messages, [im.size for im in request.images],
-                                                       add_generation_prompt=True))
+                                                       add_generation_prompt=True, tools=request.tools))
 
     def min_prompt_tokens(self, messages: list[dict]) -> int:
         """A lower bound of the prompt's tokens from its length in characters, without tokenizing (0

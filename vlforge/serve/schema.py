@@ -77,9 +77,35 @@ class _ImagePart(_Schema):
 _Part = Annotated[Union[_TextPart, _ImagePart], Field(discriminator="type")]
 
 
+class _FunctionCall(_Schema):
+    name: str
+    arguments: str  # a JSON object, as text (OpenAI's shape)
+
+
+class _ToolCall(_Schema):
+    id: str
+    type: Literal["function"] = "function"
+    function: _FunctionCall
+
+
 class _Message(_Schema):
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[_Part]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # None only for an assistant message that made tool calls (checked in parse_chat_request)
+    content: str | list[_Part] | None = None
+    tool_calls: list[_ToolCall] | None = None  # an assistant message's earlier calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+
+
+class _FunctionDef(_Schema):
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class _Tool(_Schema):
+    type: Literal["function"]
+    function: _FunctionDef
 
 
 class _StreamOptions(_Schema):
@@ -106,9 +132,13 @@ class ChatRequest(_Schema):
     # the server's own (--min-pixels/--max-pixels); an image is resized as the processor would at these
     min_pixels: _Int | None = Field(None, ge=1)
     max_pixels: _Int | None = Field(None, ge=1)
+    # function calling: the tools' schemas go to the chat template (Qwen's lists them in the system
+    # prompt); a reply's <tool_call> blocks come back as message.tool_calls (finish_reason "tool_calls")
+    tools: list[_Tool] | None = None
+    tool_choice: str | dict | None = None  # "auto" (the default with tools) or "none"
+    parallel_tool_calls: bool | None = None  # false: only a reply's first call is returned
     # accepted only when empty/off: features this server does not have (refused, not ignored: each
     # changes what a client gets back, e.g. json_object mode promises parseable JSON)
-    tools: list | None = None
     functions: list | None = None
     logprobs: bool | None = None
     top_logprobs: _Int | None = None
@@ -194,9 +224,35 @@ def parse_chat_request(body: bytes | bytearray, cfg: ServeConfig) -> ChatRequest
                        param="model", code="model_not_found")
     if (req.n or 1) != 1:
         raise APIError(400, "only n=1 is supported", param="n", code="invalid_value")
-    for name in ("tools", "functions"):
-        if getattr(req, name):
-            raise APIError(400, f"{name} are not supported by this server", param=name, code="unsupported")
+    if req.functions:
+        raise APIError(400, "functions (OpenAI's deprecated form) are not supported by this server: send tools",
+                       param="functions", code="unsupported")
+    if req.tool_choice not in (None, "auto", "none"):
+        raise APIError(400, f"tool_choice={req.tool_choice!r} is not supported by this server (it cannot force a "
+                            "call): use 'auto' or 'none'", param="tool_choice", code="unsupported")
+    names = [t.function.name for t in req.tools or []]
+    if len(set(names)) != len(names):
+        raise APIError(400, "tools: two tools with one name", param="tools", code="invalid_value")
+    for i, m in enumerate(req.messages):
+        if m.content is None and not (m.role == "assistant" and m.tool_calls):
+            raise APIError(400, f"messages.{i}.content is missing (only an assistant message with tool_calls may "
+                                "leave it out)", param=f"messages.{i}.content", code="invalid_value")
+        if m.tool_calls and m.role != "assistant":
+            raise APIError(400, f"messages.{i}: only assistant messages carry tool_calls",
+                           param=f"messages.{i}.tool_calls", code="invalid_value")
+        if m.role == "tool" and not isinstance(m.content, str) and \
+                any(p.type != "text" for p in m.content or []):
+            raise APIError(400, f"messages.{i}: a tool message is text (no images)", param=f"messages.{i}.content",
+                           code="invalid_value")
+        for j, call in enumerate(m.tool_calls or []):
+            try:
+                ok = isinstance(json.loads(call.function.arguments), dict)
+            except ValueError:
+                ok = False
+            if not ok:
+                raise APIError(400, f"messages.{i}.tool_calls.{j}.function.arguments must be a JSON object (as "
+                                    "text)", param=f"messages.{i}.tool_calls.{j}.function.arguments",
+                               code="invalid_value")
     off = {"logprobs": not req.logprobs, "top_logprobs": not req.top_logprobs, "logit_bias": not req.logit_bias,
            "response_format": (req.response_format or {}).get("type", "text") == "text",
            "presence_penalty": not req.presence_penalty, "frequency_penalty": not req.frequency_penalty}
