@@ -79,22 +79,31 @@ class Encoder:
         """The tokens between an assistant turn that called tools (its <|im_end|> included, as the
         rollout generated it) and the next assistant turn's content: each result as a tool message
         and the assistant header, as the chat template renders them (Qwen's: one user turn of
-        <tool_response> blocks). `max_tokens` > 0 cuts each result to that many tokens."""
+        <tool_response> blocks). A result is tokenized as plain text: a special token's text in it
+        (an <|im_end|>, an image placeholder) stays text, never a control token. `max_tokens` > 0
+        cuts each result to that many tokens."""
         tok = self.tokenizer
+        ids = [tok(r, add_special_tokens=False, split_special_tokens=True)["input_ids"] for r in results]
         if max_tokens > 0:
-            cut = [tok(r, add_special_tokens=False)["input_ids"] for r in results]
-            results = [r if len(ids) <= max_tokens else tok.decode(ids[:max_tokens]) + " ... (cut)"
-                       for r, ids in zip(results, cut)]
-        before = [{"role": "user", "content": "?"}, {"role": "assistant", "content": "!"}]
-        rendered = self.processor.apply_chat_template(before, tokenize=False)
-        after = self.processor.apply_chat_template(before + [{"role": "tool", "content": r} for r in results],
-                                                   tokenize=False, add_generation_prompt=True)
-        end = rendered.rfind("<|im_end|>")
-        if end < 0 or not after.startswith(rendered):
-            raise ValueError("this chat template does not render tool messages after an assistant turn as an "
-                             "addition to the conversation; multi-turn tool rollouts need one that does (Qwen3-VL's)")
-        # what follows the assistant's <|im_end|> (the generated stop token) up to the next turn's content
-        return tok(rendered[end + len("<|im_end|>"):] + after[len(rendered):], add_special_tokens=False)["input_ids"]
+            ids = [x if len(x) <= max_tokens else
+                   x[:max_tokens] + tok(" ... (cut)", add_special_tokens=False)["input_ids"] for x in ids]
+        # the template renders markers in the results' places; what it writes around them is tokenized
+        # as the template's text (its tags special), each result's ids go in between
+        marks = [f"\x00vlforge-tool-result-{k}\x00" for k in range(len(results))]
+        turn = "\x00vlforge-assistant-turn\x00"
+        rendered = self.processor.apply_chat_template(
+            [{"role": "user", "content": "?"}, {"role": "assistant", "content": turn},
+             *({"role": "tool", "content": m} for m in marks)], tokenize=False, add_generation_prompt=True)
+        at = rendered.find(turn)
+        end = rendered.find("<|im_end|>", at + len(turn)) if at >= 0 else -1
+        if end < 0 or any(m not in rendered[end:] for m in marks):
+            raise ValueError("the chat template does not render tool messages after an assistant turn ending in "
+                             "<|im_end|>; multi-turn tool rollouts need one that does (Qwen3-VL's)")
+        text, out = rendered[end + len("<|im_end|>"):], []  # from the assistant's <|im_end|> (generated) on
+        for mark, result_ids in zip(marks, ids):
+            before, text = text.split(mark, 1)
+            out += tok(before, add_special_tokens=False)["input_ids"] + result_ids
+        return out + tok(text, add_special_tokens=False)["input_ids"]
 
     def assistant_labels(self, ids: list[int]) -> list[int]:
         """Copy of `ids` with IGNORE_INDEX everywhere but assistant content and its <|im_end|>."""

@@ -156,6 +156,12 @@ def _from_chat(row: dict, image_at: Callable, where: str) -> tuple[list[dict], l
         raise DataError(f"{where}: 'messages' must be a non-empty list of {{role, content}}")
     for i, msg in enumerate(row["messages"]):
         at = f"{where}: messages[{i}]"
+        calls = _openai_tool_calls(msg, at) if isinstance(msg, dict) and msg.get("role") == "assistant" else ""
+        if calls:  # OpenAI's shape: the calls written into the turn as the model writes them (as serve does)
+            text = msg.get("content") or ""
+            if not isinstance(text, str):
+                raise DataError(f"{at}: an assistant message with tool_calls needs a string content (or none)")
+            msg = {**msg, "content": f"{text}\n{calls}" if text else calls}
         if not isinstance(msg, dict) or msg.get("role") not in ROLES or "content" not in msg:
             raise DataError(f"{at} needs 'role' (one of {', '.join(ROLES)}) and 'content'")
         content = msg["content"]
@@ -175,9 +181,10 @@ def _from_chat(row: dict, image_at: Callable, where: str) -> tuple[list[dict], l
             content = parts
         elif not isinstance(content, str):
             raise DataError(f"{at}: content must be a string or a list of parts")
-        if msg["role"] == "tool" and (not messages or messages[-1]["role"] not in ("assistant", "tool")):
-            raise DataError(f"{at}: a tool message answers a tool call: it must follow an assistant message (or "
-                            "another tool message)")
+        if msg["role"] == "tool" and not (messages and (messages[-1]["role"] == "tool" or (
+                messages[-1]["role"] == "assistant" and "<tool_call>" in _text_of(messages[-1]["content"])))):
+            raise DataError(f"{at}: a tool message answers a tool call: it must follow an assistant message that "
+                            "calls a tool (a <tool_call> block, or OpenAI's tool_calls) or another tool message")
         if msg["role"] == "tool" and isinstance(content, list) and any(p["type"] == "image" for p in content):
             raise DataError(f"{at}: tool messages are text (images from tools are not supported)")
         if msg["role"] == "assistant" and any(p["type"] == "image" for p in (content if isinstance(content, list) else [])):
@@ -207,6 +214,30 @@ def parse_row(line: str, base: Path, where: str, max_image_pixels: int = MAX_IMA
         messages, images = _from_simple(row, image_at, where)
         extra = {k: v for k, v in row.items() if k not in ("image", "images", "text", "prompt", "answer", "system")}
     return Sample(messages=messages, images=images, source=where, fields=extra, tools=tools)
+
+
+def _openai_tool_calls(msg: dict, at: str) -> str:
+    """An assistant message's OpenAI-style "tool_calls" ([{"type": "function", "function": {"name",
+    "arguments" (a JSON object, as text or as an object)}}]) in Qwen's <tool_call> format; "" without."""
+    from vlforge.rl.tools import ToolCall, format_tool_calls
+
+    raw = msg.get("tool_calls")
+    if not raw:
+        return ""
+    calls = []
+    for j, call in enumerate(raw if isinstance(raw, list) else [None]):
+        fn = call.get("function") if isinstance(call, dict) else None
+        args = fn.get("arguments", {}) if isinstance(fn, dict) else None
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError:
+                args = None
+        if not (isinstance(fn, dict) and isinstance(fn.get("name"), str) and isinstance(args, dict)):
+            raise DataError(f"{at}.tool_calls[{j}]: must be {{\"type\": \"function\", \"function\": {{\"name\": str, "
+                            "\"arguments\": a JSON object}}}")
+        calls.append(ToolCall(fn["name"], args))
+    return format_tool_calls(calls)
 
 
 def _tool_schemas(tools, where: str) -> list[dict] | None:

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from vlforge.config import ConfigError, GRPOConfig
 from vlforge.data.dataset import ChatDataset, batches_from, load_dataset
-from vlforge.data.encode import collate, encode_prompt
+from vlforge.data.encode import Encoder, ImageLimits, collate, encode_prompt
 from vlforge.data.jsonl import DataError, check_readable
 from vlforge.engine.distributed import (World, frozen_sharded_copy, fully_gathered, no_sync, planned_strategy,
                                        reshard_all, torchrun_env)
@@ -35,7 +35,7 @@ from vlforge.engine.run import Run, begin_run
 from vlforge.engine.trainable import Trainable, cuda_graphs_problem, setup_model
 from vlforge.generate.engine import engine_for
 from vlforge.model.host_inputs import host_to_device
-from vlforge.model.load import build_meta_model, dir_config
+from vlforge.model.load import build_meta_model, dir_config, load_processor
 from vlforge.model.presets import MOE_PRESETS, is_moe
 from vlforge.rl import RewardSpec, agg_loss, build_rewards, exact_match, kl_penalty, outcome_advantages, policy_loss
 from vlforge.rl.tools import Tool, load_tools
@@ -545,6 +545,9 @@ def run_grpo(cfg: GRPOConfig) -> dict:
         raise ConfigError(f"rl.rewards: {e}") from e
     try:
         tools = load_tools(cfg.rollout.tools)
+        if tools:  # a chat template that cannot render tool turns fails now, not at the first call
+            Encoder(load_processor(cfg.model), ImageLimits(cfg.data.min_pixels, cfg.data.max_pixels,
+                                                           cfg.data.max_image_pixels)).tool_turn_ids(["0"])
     except ValueError as e:
         raise ConfigError(f"rollout.tools: {e}") from e
     for path in filter(None, (cfg.data.train, cfg.data.val)):  # a bad file fails now, not after the model loads

@@ -3,7 +3,10 @@
 A tool is a Python function with type hints and a Google-style docstring; transformers'
 `get_json_schema` turns it into the JSON schema the chat template shows the model::
 
-    def calculator(expression: str) -> str:
+    _MAX_BITS = 4096
+
+
+def calculator(expression: str) -> str:
         \"\"\"Evaluate an arithmetic expression.
 
         Args:
@@ -21,11 +24,12 @@ thread pool; the rollout loop that uses them is rollout/multiturn.py.
 from __future__ import annotations
 
 import ast
-import concurrent.futures
 import json
 import math
 import operator
 import re
+import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -69,10 +73,20 @@ def _calculator_value(node: ast.AST) -> float:
         return value if isinstance(node.op, ast.UAdd) else -value
     if isinstance(node, ast.BinOp) and type(node.op) in ops:
         left, right = _calculator_value(node.left), _calculator_value(node.right)
-        if isinstance(node.op, ast.Pow) and abs(right) > 64:  # no 10**10**10 from a sampled response
-            raise ValueError("exponent too large (at most 64)")
-        return ops[type(node.op)](left, right)
+        # a sampled response must not hold the process (and the GIL) in one huge big-integer power
+        if isinstance(node.op, ast.Pow) and (abs(right) > 64 or abs(left) > 1 and
+                                             math.log2(abs(left)) * abs(right) > _MAX_BITS):
+            raise ValueError(f"the power is too large (results of at most {_MAX_BITS} bits)")
+        value = ops[type(node.op)](left, right)
+        if isinstance(value, complex):  # (-8) ** 0.5
+            raise ValueError("the result is not a real number")
+        if isinstance(value, int) and value.bit_length() > _MAX_BITS:
+            raise ValueError(f"the result is too large (at most {_MAX_BITS} bits)")
+        return value
     raise ValueError(f"unsupported element {ast.unparse(node)!r}: numbers, + - * / // % ** and parentheses only")
+
+
+_MAX_BITS = 4096
 
 
 def calculator(expression: str) -> str:
@@ -193,23 +207,28 @@ def _run_one(call: ToolCall, tools: dict[str, Tool]) -> ToolResult:
         return ToolResult(str(value), True)
 
 
-def run_tool_calls(calls: Sequence[Sequence[ToolCall]], tools: dict[str, Tool], timeout_s: float,
-                   max_workers: int = 16) -> list[list[ToolResult]]:
-    """Every sequence's calls, all at once on a thread pool (tools that wait on I/O overlap); a call
-    still running after `timeout_s` (from the batch's start) gets a timeout error. Python cannot stop
-    a thread: a tool that never returns keeps its thread, so tools should bound their own work."""
+def run_tool_calls(calls: Sequence[Sequence[ToolCall]], tools: dict[str, Tool],
+                   timeout_s: float) -> list[list[ToolResult]]:
+    """Every sequence's calls, each on a thread of its own, all started at once (tools that wait on
+    I/O overlap; none waits in a queue, so each has the whole `timeout_s`); a call still running then
+    gets a timeout error. Python cannot stop a thread: a tool that never returns keeps running, but
+    on a daemon thread, so it does not hold the process at exit (concurrent.futures' pools join
+    their threads at exit, hence plain threads here). A tool that holds the GIL in one long C call
+    delays everything: tools should bound their own work."""
     flat = [(i, j, call) for i, seq in enumerate(calls) for j, call in enumerate(seq)]
     results: list[list[ToolResult | None]] = [[None] * len(seq) for seq in calls]
-    if not flat:
-        return results  # type: ignore[return-value]
-    pool = concurrent.futures.ThreadPoolExecutor(max_workers=min(max_workers, len(flat)),
-                                                 thread_name_prefix="vlforge-tool")
-    try:
-        futures = {pool.submit(_run_one, call, tools): (i, j) for i, j, call in flat}
-        done, _ = concurrent.futures.wait(futures, timeout=timeout_s)
-        for future, (i, j) in futures.items():
-            results[i][j] = future.result() if future in done else \
-                ToolResult(f"error: the tool did not answer within {timeout_s:g} s", False)
-    finally:
-        pool.shutdown(wait=False, cancel_futures=True)
+    box: dict[tuple[int, int], ToolResult] = {}
+
+    def run(i: int, j: int, call: ToolCall) -> None:
+        box[i, j] = _run_one(call, tools)
+
+    threads = [threading.Thread(target=run, args=(i, j, call), name="vlforge-tool", daemon=True)
+               for i, j, call in flat]
+    for thread in threads:
+        thread.start()
+    deadline = time.monotonic() + timeout_s
+    for thread in threads:
+        thread.join(max(0.0, deadline - time.monotonic()))
+    for i, j, _ in flat:
+        results[i][j] = box.get((i, j)) or ToolResult(f"error: the tool did not answer within {timeout_s:g} s", False)
     return results  # type: ignore[return-value]

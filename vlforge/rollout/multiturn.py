@@ -9,21 +9,25 @@ turn shares each prompt's prefill across its G samples); the turns that end in <
 (rl/tools.parse_tool_calls) have their calls run together on a thread pool; each such sequence
 continues with the results as a tool message and the assistant header (Encoder.tool_turn_ids, the
 chat template's own rendering) in the next engine call, prefilled from its whole conversation so
-far. A sequence ends at a turn without a tool call, after `rollout.tool_turns` turns with calls, or
-when the next turn would not fit `rollout.max_new_tokens` (the budget of the whole response, tool
-results included: the update's sequences stay within it); only that last way counts as truncated.
+far. A sequence ends at a turn without a tool call (or one ended by <|endoftext|> rather than
+<|im_end|>), after `rollout.tool_turns` turns with calls, or when the next turn would not fit
+`rollout.max_new_tokens` (the budget of the whole response, tool results included: the update's
+sequences stay within it; checked before the calls run with empty results, and after with theirs);
+only that last way counts as truncated.
 
 The response keeps every token (response_mask: the trainer reads them all); generated_mask marks the
 policy's own, the only ones with log-probs and loss. A sequence's turn t samples with the noise of
 (turn seed, its global row, step): N ranks sample what one process samples, as generate_groups does.
 Turns are rounds (every sequence's turn t before any turn t + 1) rather than continuations fed into
-the running engine call: a round is deterministic whatever the tools' latency, and its tool calls
-overlap one another. The cost is the re-prefill of each continuing conversation (the engine keeps
-no KV across calls).
+the running engine call: a round's tokens do not depend on the tools' latency (as long as no call
+exceeds `rollout.tool_timeout_s`), and its tool calls overlap one another. The cost is the
+re-prefill of each continuing conversation (the engine keeps no KV across calls; a prompt's images
+go through the vision tower again for each of its continuing samples).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -91,6 +95,7 @@ def generate_with_tools(model, encoder: Encoder, prompts: dict, images_per_promp
                     image_token_id=encoder.image_token_id, pad_id=encoder.pad_id, compile=cfg.compile,
                     slots=cfg.max_slots or None)
     engine = engine_for(model)
+    empty_turn = functools.cache(lambda k: len(encoder.tool_turn_ids([""] * k)))  # k calls' context, at least
     # turn 0: each prompt prefilled once for its G samples
     requests = [GenRequest(p, n=G, max_new_tokens=cfg.max_new_tokens, seed=seed, first_row=first_row + b * G, **sample)
                 for b, p in enumerate(base)]
@@ -102,10 +107,16 @@ def generate_with_tools(model, encoder: Encoder, prompts: dict, images_per_promp
             conv = convs[n]
             conv.add_turn(r.tokens, r.logprobs)
             conv.finished = bool(r.stopped)
-            found = parse_tool_calls(tok.decode(r.tokens, skip_special_tokens=False)) if r.stopped else []
-            if found and turn < cfg.tool_turns:  # the last turn's calls (past tool_turns) are not run
-                calling.append(n)
-                calls.append(found)
+            # a turn the model ended with <|im_end|> continues (one ended by <|endoftext|> is over)
+            ended_turn = bool(r.stopped) and int(r.tokens[-1]) == encoder.im_end_id
+            found = parse_tool_calls(tok.decode(r.tokens, skip_special_tokens=False)) if ended_turn else []
+            if not found or turn == cfg.tool_turns:  # the last turn's calls (past tool_turns) are not run
+                continue
+            if len(conv.tokens) + empty_turn(len(found)) >= cfg.max_new_tokens:
+                conv.finished = False  # not even empty results would leave room for another turn: none run
+                continue
+            calling.append(n)
+            calls.append(found)
         if not calling:
             break
         answers = run_tool_calls(calls, tools, cfg.tool_timeout_s)
