@@ -7,6 +7,8 @@ Per step: B prompts x G sampled responses (each prompt's image encoded once, its
 -> rewards -> group-normalised advantages -> `rl.epochs` passes of mini-batch updates with the
 clipped policy loss on the rollout's log-probs (+ beta * KL to the reference on response tokens).
 With LoRA the reference is the same model with adapters disabled; with full fine-tuning, a frozen copy.
+With rollout.tools each response is a conversation: its tool calls run between turns and their
+results are read but not trained (rollout/multiturn.py; the loss masks are Rollout.loss_mask).
 """
 
 from __future__ import annotations
@@ -122,10 +124,9 @@ def rollout_round(t: Trainable, data: ChatDataset, idx: list[int], cfg: GRPOConf
         else:
             rollout = generate_groups(t.model, data.encoder, prompts, images, cfg.rollout,
                                       first_row=first_row, all_rows=all_rows, seed=seed)
-    if not tools:
-        tok = data.encoder.tokenizer  # decode only each response's own tokens (not the padding after EOS)
-        texts = [tok.decode(ids[m.bool()], skip_special_tokens=True)
-                 for ids, m in zip(rollout.response_ids.cpu(), rollout.response_mask.cpu())]
+            tok = data.encoder.tokenizer  # decode only each response's own tokens (not the padding after EOS)
+            texts = [tok.decode(ids[m.bool()], skip_special_tokens=True)
+                     for ids, m in zip(rollout.response_ids.cpu(), rollout.response_mask.cpu())]
     answers = [s.answer for s in samples for _ in range(G)]
     fields = [s.fields for s in samples for _ in range(G)]
     scored = rewards(texts, answers, fields, prompts=[s.prompt_messages for s in samples for _ in range(G)])
