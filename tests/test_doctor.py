@@ -453,3 +453,30 @@ def test_under_torchrun_other_ranks_print_only_their_failures(monkeypatch, capsy
     assert main(["doctor"]) == 1
     out, err = capsys.readouterr()
     assert out == "" and err.startswith("[rank 1 of 2] [FAIL] torchrun: MASTER_ADDR not set")
+
+
+def test_grpo_tools_are_checked_as_the_run_checks_them(tmp_path):
+    """rollout.tools: doctor loads them and renders a tool turn with the model's chat template, as
+    run_grpo does before any model loads; a bad spec or a template without tool messages fails."""
+    tools = lambda *o: [c for c in recipe_checks(recipe_from_config(  # noqa: E731
+        load_recipe_config(None, ["model.preset=tiny", *o]), None, False, 0), _libs()) if c.name == "recipe tools"]
+    (ok,) = tools("rollout.tools=[calculator]")
+    assert ok.status == "ok" and "calculator" in ok.detail
+    (bad,) = tools("rollout.tools=[calculator, nope]")
+    assert bad.status == "fail" and "unknown tool 'nope'" in bad.detail
+    from vlforge.config import ModelConfig
+    from vlforge.model.load import load_model
+    from vlforge.model.presets import TOKENIZER_DIR
+
+    plain = tmp_path / "plain-template"  # a model whose chat template knows no tool messages
+    model, processor = load_model(ModelConfig(preset="tiny"))
+    tool_branch = "{%- elif message['role'] == 'tool' -%}"  # renders nothing for a tool message
+    processor.chat_template = (TOKENIZER_DIR / "chat_template.jinja").read_text().replace(
+        tool_branch, tool_branch + "{%- elif false -%}")
+    model.save_pretrained(plain)
+    processor.save_pretrained(plain)
+    (none,) = tools(f"model.path={plain}", "model.preset=null", "rollout.tools=[calculator]")
+    assert none.status == "fail" and "does not render tool messages" in none.detail
+    (unchecked,) = tools(f"model.path={tmp_path / 'missing'}", "model.preset=null", "rollout.tools=[calculator]")
+    assert unchecked.status == "skip" and "not checked" in unchecked.detail
+    assert not tools()

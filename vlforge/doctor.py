@@ -292,6 +292,8 @@ class Recipe:
     packed_attention: str = "per_sample"
     cuda_graphs_detail: str | None = None  # precision.cuda_graphs: what it graphs here, or why it is refused
     cuda_graphs_ok: bool = True
+    tools: str | None = None  # GRPO rollout.tools: the tools loaded, or why they cannot run
+    tools_ok: bool | None = True  # None: not checked (the model's processor did not load)
 
     @property
     def needs(self) -> list[str]:
@@ -323,6 +325,17 @@ def recipe_from_config(cfg: SFTConfig | GRPOConfig, config: str | None, cuda_ava
         graphs = graphs or ("precision.cuda_graphs: the compiled decoder layers"
                             + (" and vision blocks" if cfg.precision.cuda_graphs_vision else "")
                             + " replay as CUDA graphs, on packed rows padded to multiples of 256 tokens")
+    tools, tools_ok = None, True
+    if isinstance(cfg, GRPOConfig) and cfg.rollout.tools:  # run_grpo's check, before any model loads
+        from vlforge.rollout.multiturn import rollout_tools
+
+        try:
+            tools = f"rollout.tools: {', '.join(rollout_tools(cfg))} (the chat template renders their turns)"
+        except ConfigError as e:
+            if not str(e).startswith("rollout.tools"):  # the model's processor did not load: "recipe model.path" says why
+                tools, tools_ok = f"rollout.tools: the chat template not checked ({e})", None
+            else:
+                tools, tools_ok = str(e), False
     return Recipe(
         config=config,
         device_spec=cfg.train.device,
@@ -341,6 +354,8 @@ def recipe_from_config(cfg: SFTConfig | GRPOConfig, config: str | None, cuda_ava
         precision_mode=cfg.precision.mode,
         cuda_graphs_detail=graphs,
         cuda_graphs_ok=graphs_ok,
+        tools=tools,
+        tools_ok=tools_ok,
     )
 
 
@@ -860,6 +875,11 @@ def recipe_checks(recipe: Recipe, libs: dict[str, dict[str, Any]]) -> list[Check
     if recipe.cuda_graphs_detail:
         checks.append(Check("recipe cuda graphs", "ok", recipe.cuda_graphs_detail) if recipe.cuda_graphs_ok else
                       Check("recipe cuda graphs", "fail", recipe.cuda_graphs_detail, "set precision.cuda_graphs=false"))
+
+    if recipe.tools:
+        checks.append(Check("recipe tools", "ok", recipe.tools) if recipe.tools_ok else
+                      Check("recipe tools", "skip", recipe.tools) if recipe.tools_ok is None else
+                      Check("recipe tools", "fail", recipe.tools, "fix rollout.tools (README: Tools: multi-turn rollouts)"))
 
     if recipe.model_path:
         checks.append(_model_path_check(recipe.model_path))

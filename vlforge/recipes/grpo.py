@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from vlforge.config import ConfigError, GRPOConfig
 from vlforge.data.dataset import ChatDataset, batches_from, load_dataset
-from vlforge.data.encode import Encoder, ImageLimits, collate, encode_prompt
+from vlforge.data.encode import collate, encode_prompt
 from vlforge.data.jsonl import DataError, check_readable
 from vlforge.engine.distributed import (World, frozen_sharded_copy, fully_gathered, no_sync, planned_strategy,
                                        reshard_all, torchrun_env)
@@ -37,13 +37,13 @@ from vlforge.engine.run import Run, begin_run
 from vlforge.engine.trainable import Trainable, cuda_graphs_problem, setup_model
 from vlforge.generate.engine import engine_for
 from vlforge.model.host_inputs import host_to_device
-from vlforge.model.load import build_meta_model, dir_config, load_processor
+from vlforge.model.load import build_meta_model, dir_config
 from vlforge.model.presets import MOE_PRESETS, is_moe
 from vlforge.rl import RewardSpec, agg_loss, build_rewards, exact_match, kl_penalty, outcome_advantages, policy_loss
-from vlforge.rl.tools import Tool, load_tools
+from vlforge.rl.tools import Tool
 from vlforge.rollout.engine import (PackedLayout, Rollout, generate_groups, packing_enabled, rollout_seed,
                                     route_rows, sequence_logprobs, token_mask)
-from vlforge.rollout.multiturn import generate_with_tools
+from vlforge.rollout.multiturn import generate_with_tools, rollout_tools
 from vlforge.serve.judge import ModelJudge
 
 
@@ -544,13 +544,7 @@ def run_grpo(cfg: GRPOConfig) -> dict:
                                 factories={"judge": ModelJudge.from_kwargs})
     except (ValueError, FileNotFoundError, AttributeError, TypeError, ImportError) as e:
         raise ConfigError(f"rl.rewards: {e}") from e
-    try:
-        tools = load_tools(cfg.rollout.tools)
-        if tools:  # a chat template that cannot render tool turns fails now, not at the first call
-            Encoder(load_processor(cfg.model), ImageLimits(cfg.data.min_pixels, cfg.data.max_pixels,
-                                                           cfg.data.max_image_pixels)).tool_turn_ids(["0"])
-    except ValueError as e:
-        raise ConfigError(f"rollout.tools: {e}") from e
+    tools = rollout_tools(cfg)  # a tool or chat template that cannot work fails now, not at the first call
     for path in filter(None, (cfg.data.train, cfg.data.val)):  # a bad file fails now, not after the model loads
         check_readable(path, cfg.data.on_error, cfg.data.max_image_pixels)
     if cfg.rollout.router_replay is not False and not (

@@ -32,11 +32,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vlforge.config import RolloutConfig
-from vlforge.data.encode import Encoder
+from vlforge.config import ConfigError, GRPOConfig, RolloutConfig
+from vlforge.data.encode import Encoder, ImageLimits
 from vlforge.generate.engine import GenRequest, Prompt, engine_for, prompts_of_batch
 from vlforge.generate.forward import never_generated
-from vlforge.rl.tools import Tool, parse_tool_calls, run_tool_calls
+from vlforge.model.load import load_processor
+from vlforge.rl.tools import Tool, load_tools, parse_tool_calls, run_tool_calls
 from vlforge.rollout.engine import Rollout, rollout_seed
 
 _TURN_SEED_STRIDE = 0x9E3779B97F4A7C15  # a turn's seed: far from the others' (odd, so turns never collide)
@@ -75,6 +76,24 @@ class ToolRollout:
     calls: list[int]  # [N] tool calls made
     failed_calls: list[int]  # [N] of them, the ones answered with an error (unknown tool, bad arguments, raised)
     turns: list[int]  # [N] assistant turns
+
+
+def rollout_tools(cfg: GRPOConfig) -> dict[str, Tool]:
+    """rollout.tools loaded, and the model's chat template checked to render a tool turn: a typo in
+    a tool spec or a template without tool messages fails before any model loads (run_grpo, and
+    `vlforge doctor --config`); ConfigError naming the key."""
+    try:
+        tools = load_tools(cfg.rollout.tools)
+    except ValueError as e:
+        raise ConfigError(f"rollout.tools: {e}") from e
+    if tools:
+        processor = load_processor(cfg.model)  # a model.path problem raises its own error
+        try:
+            Encoder(processor, ImageLimits(cfg.data.min_pixels, cfg.data.max_pixels, cfg.data.max_image_pixels)
+                    ).tool_turn_ids(["0"])
+        except ValueError as e:
+            raise ConfigError(f"rollout.tools: {e}") from e
+    return tools
 
 
 def turn_seed(seed: int, turn: int) -> int:
