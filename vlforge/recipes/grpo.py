@@ -532,7 +532,11 @@ def run_grpo(cfg: GRPOConfig) -> dict:
     if cfg.data.packing is True or cfg.data.max_tokens_per_batch:
         raise ConfigError("data.packing / data.max_tokens_per_batch are SFT batching keys: GRPO batches prompts by "
                           "rollout.prompts_per_step (its update packs responses by rl.packing); remove them")
-    for problem in loss_setting_warnings(cfg.rl):
+    problems = loss_setting_warnings(cfg.rl)
+    if cfg.rollout.tools and cfg.data.val:
+        problems.append("rollout.tools with data.val: the evaluation answers single-turn, without the tools (its "
+                        "accuracy does not show tool use); the step rows' reward and tool/* metrics do")
+    for problem in problems:
         if torchrun_env() is None or torchrun_env()[0] == 0:  # once, not once per rank
             print(f"warning: {problem}", file=sys.stderr)
     if cfg.loss.impl == "liger":
