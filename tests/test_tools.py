@@ -243,7 +243,7 @@ def test_a_call_that_leaves_no_room_for_the_next_turn_ends_the_response_truncate
         assert bool(r.generated_mask[n].eq(r.response_mask[n]).all())
 
 
-def test_grpo_with_tools_scores_the_last_turn_and_logs_tool_use(tool_model, tool_data, tmp_path, monkeypatch, capsys):
+def test_grpo_with_tools_scores_the_last_turn_and_logs_tool_use(tool_model, tool_data, tmp_path, monkeypatch):
     """The recipe with the shipped tools config: rewards see the last turn; the policy loss, the KL
     and the lengths are over the generated tokens only (spies on the real functions: the masks the
     update passes are the rollouts' generated masks, which leave the tool results out)."""
@@ -281,10 +281,13 @@ def test_grpo_with_tools_scores_the_last_turn_and_logs_tool_use(tool_model, tool
         r = multi.rollout
         assert torch.equal(mask, r.generated_mask.float()) and not torch.equal(mask, r.response_mask.float())
     assert rows[0]["response_length_mean"] == pytest.approx(float(rollouts[0].rollout.generated_mask.sum(1).float().mean()))
-    capsys.readouterr()
-    run_grpo(load_config(GRPOConfig, shipped, [*common, f"train.output_dir={tmp_path / 'val'}", "train.max_steps=1",
-                                               f"data.val={tool_data['prompts']}", "eval.max_samples=2"]))
-    assert "evaluation answers single-turn, without the tools" in capsys.readouterr().err
+    # the evaluation answers as conversations with the tools too: greedy, the last turn scored
+    out = run_grpo(load_config(GRPOConfig, shipped, [*common, f"train.output_dir={tmp_path / 'val'}",
+                                                     "train.max_steps=1", f"data.val={tool_data['prompts']}",
+                                                     "eval.max_samples=4", "eval.at_start=true"]))
+    examples = json.loads((tmp_path / "val" / "eval.json").read_text())["examples"]
+    assert out["first_eval"]["n"] == 4 and len(examples) == 4
+    assert all(e["generated"].startswith("<answer>") and "<tool" not in e["generated"] for e in examples), examples
     with pytest.raises(ConfigError, match="rollout.tools: unknown tool 'nope'"):
         run_grpo(load_config(GRPOConfig, shipped, [*common, f"train.output_dir={tmp_path / 'bad'}",
                                                    "rollout.tools=[nope]"]))

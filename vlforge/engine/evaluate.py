@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -85,9 +86,11 @@ def _generate_answers_synced(model, encoder: Encoder, samples, *, batch_size: in
 
 @torch.no_grad()
 def evaluate(model, data: ChatDataset, *, batch_size: int, max_new_tokens: int, max_samples: int | None,
-             policy: PrecisionPolicy, device: torch.device, loss: LossConfig = LossConfig()) -> dict:
+             policy: PrecisionPolicy, device: torch.device, loss: LossConfig = LossConfig(),
+             answer: Callable | None = None) -> dict:
     """{"loss", "accuracy", "n", "by_task"} on the first `max_samples` samples of `data`; the
-    held-out loss computed as the run computes its training loss (`loss`: the run's loss.impl)."""
+    held-out loss computed as the run computes its training loss (`loss`: the run's loss.impl).
+    `answer`: generate_answers' stand-in (same signature), e.g. GRPO's answers with its tools."""
     was_training = model.training
     model.eval()
     n = len(data) if max_samples is None else min(max_samples, len(data))
@@ -100,8 +103,8 @@ def evaluate(model, data: ChatDataset, *, batch_size: int, max_new_tokens: int, 
         loss_sum += float(batch_loss)
         tokens += count
     samples = data.samples[:n]
-    answers = generate_answers(model, data.encoder, samples, batch_size=batch_size,
-                               max_new_tokens=max_new_tokens, policy=policy, device=device)
+    answers = (answer or generate_answers)(model, data.encoder, samples, batch_size=batch_size,
+                                           max_new_tokens=max_new_tokens, policy=policy, device=device)
     hits = [exact_match(a, s.answer) for a, s in zip(answers, samples)]
     by_task: dict[str, list[float]] = defaultdict(list)
     for h, s in zip(hits, samples):
@@ -124,10 +127,10 @@ class EvalRecorder:
     """
 
     def __init__(self, out_dir: Path, data: ChatDataset, cfg: EvalConfig, metrics: MetricsLog, resume_step: int,
-                 write: bool = True, loss: LossConfig = LossConfig()):
+                 write: bool = True, loss: LossConfig = LossConfig(), answer: Callable | None = None):
         self.path = Path(out_dir) / "eval.json"
         self.data, self.cfg, self.metrics, self.write = data, cfg, metrics, write  # write: rank 0 of a run
-        self.loss = loss
+        self.loss, self.answer = loss, answer
         previous = json.loads(self.path.read_text()).get("history", []) if write and self.path.exists() else []
         self.history = [h for h in previous if h["step"] <= resume_step]
 
@@ -135,7 +138,7 @@ class EvalRecorder:
         rng = torch.get_rng_state()
         result = {"step": step, **evaluate(model, self.data, batch_size=self.cfg.batch_size,
                                            max_new_tokens=self.cfg.max_new_tokens, max_samples=self.cfg.max_samples,
-                                           policy=policy, device=device, loss=self.loss)}
+                                           policy=policy, device=device, loss=self.loss, answer=self.answer)}
         torch.set_rng_state(rng)
         self.history.append({k: v for k, v in result.items() if k != "examples"})
         if self.write:

@@ -18,7 +18,7 @@ from __future__ import annotations
 import contextlib
 import shutil
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -93,10 +93,13 @@ class Run:
 
     @classmethod
     def start(cls, cfg: RunConfig, t: Trainable, total_steps: int, val_data: ChatDataset | None,
-              resume_from: Path | None, *, spikes: bool, state: dict | None = None, shared_rng: bool = False) -> "Run":
+              resume_from: Path | None, *, spikes: bool, state: dict | None = None, shared_rng: bool = False,
+              answer: Callable | None = None) -> "Run":
         """Build the optimizer set, resume, write config.yaml (only now, when the run can start).
         `shared_rng`: the recipe keeps one RNG stream in lockstep on every rank (GRPO), so a resume
-        gives every rank rank 0's; otherwise each rank its own (engine.checkpoint.restore_rng)."""
+        gives every rank rank 0's; otherwise each rank its own (engine.checkpoint.restore_rng).
+        `answer`: how the evaluation answers its prompts (engine.evaluate.generate_answers' signature;
+        GRPO with tools: as conversations with them)."""
         out, world = Path(cfg.train.output_dir), t.world
         optimizer = build_optimizer(param_groups(t.model, t.plan, cfg.optim.weight_decay), cfg.optim, t.device.type)
         scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
@@ -136,8 +139,8 @@ class Run:
         # every rank evaluates (a sharded forward needs them all; DDP's ranks would wait for rank 0 anyway); rank 0 writes
         metrics = MetricsLog(out, cfg.log.tensorboard, resume_step=step if resume_from else 0) if world.main \
             else NullMetrics()
-        recorder = EvalRecorder(out, val_data, cfg.eval, metrics, step, write=world.main, loss=cfg.loss) \
-            if val_data is not None else None
+        recorder = EvalRecorder(out, val_data, cfg.eval, metrics, step, write=world.main, loss=cfg.loss,
+                                answer=answer) if val_data is not None else None
         return cls(cfg, t, out, total_steps, optimizer, scheduler, scaler, health, metrics, recorder, state, step)
 
     @property

@@ -14,6 +14,7 @@ results are read but not trained (rollout/multiturn.py; the loss masks are Rollo
 from __future__ import annotations
 
 import copy
+import dataclasses
 import sys
 import time
 from dataclasses import dataclass
@@ -443,6 +444,29 @@ def update(t: Trainable, ref_model, batches: list[Batch], optimizer, scaler, hea
     return row
 
 
+def tool_answers(t: Trainable, cfg: GRPOConfig, tools: dict[str, Tool]):
+    """The evaluation's answers with rollout.tools (engine.evaluate.generate_answers' signature):
+    each held-out prompt answered greedily as a conversation with the tools, one sample a prompt,
+    within rollout.max_new_tokens (the budget of a whole response, as in training; eval.max_new_tokens
+    is for single-turn answers); the answer is the last assistant turn, scored as rollouts are."""
+    greedy = dataclasses.replace(cfg.rollout, temperature=0.0)
+    schemas = [tool.schema for tool in tools.values()]
+
+    def answer(model, encoder, samples, *, batch_size: int, max_new_tokens: int, policy, device) -> list[str]:
+        out = []
+        for s in range(0, len(samples), batch_size):
+            chunk = samples[s:s + batch_size]
+            prompts = to_device(collate([encode_prompt(encoder, x, tools=schemas) for x in chunk], encoder.pad_id,
+                                        left_pad=True), device)
+            # compiled layers eager (the decode shapes change every call); sharded: gathered as for rollouts
+            with policy.autocast(), torch.compiler.set_stance("force_eager"), fully_gathered(t.root):
+                multi = generate_with_tools(model, encoder, prompts, [len(x.images) for x in chunk], greedy, tools,
+                                            seed=0, samples_per_prompt=1)
+            out += [c.strip() for c in multi.completions]
+        return out
+    return answer
+
+
 def judge_metrics(rewards, world: World) -> dict:
     """`reward/<key>/unparsed_frac` of each judge reward (serve/judge.py): the share of the step's
     replies, every rank's, that gave no score (and scored 0)."""
@@ -532,11 +556,7 @@ def run_grpo(cfg: GRPOConfig) -> dict:
     if cfg.data.packing is True or cfg.data.max_tokens_per_batch:
         raise ConfigError("data.packing / data.max_tokens_per_batch are SFT batching keys: GRPO batches prompts by "
                           "rollout.prompts_per_step (its update packs responses by rl.packing); remove them")
-    problems = loss_setting_warnings(cfg.rl)
-    if cfg.rollout.tools and cfg.data.val:
-        problems.append("rollout.tools with data.val: the evaluation answers single-turn, without the tools (its "
-                        "accuracy does not show tool use); the step rows' reward and tool/* metrics do")
-    for problem in problems:
+    for problem in loss_setting_warnings(cfg.rl):
         if torchrun_env() is None or torchrun_env()[0] == 0:  # once, not once per rank
             print(f"warning: {problem}", file=sys.stderr)
     if cfg.loss.impl == "liger":
@@ -588,7 +608,8 @@ def run_grpo(cfg: GRPOConfig) -> dict:
         # the lr schedule advances once per GRPO step, however many mini-batch updates it makes
         # shared_rng: every rank draws each rollout's seed from the global RNG, which stays in lockstep
         # (dropout off), so a resume on any number of ranks gives every rank rank 0's stream
-        run = Run.start(cfg, t, total_steps, val, resume_from, spikes=False, shared_rng=True)
+        run = Run.start(cfg, t, total_steps, val, resume_from, spikes=False, shared_rng=True,
+                        answer=tool_answers(t, cfg, tools) if tools else None)
         B, G = cfg.rollout.prompts_per_step, cfg.rollout.group_size
         if world.main:
             print(f"GRPO: {len(data)} prompts, {B} x {G} rollouts per step, {total_steps} steps, device {t.device}"

@@ -102,11 +102,13 @@ def turn_seed(seed: int, turn: int) -> int:
 
 @torch.no_grad()
 def generate_with_tools(model, encoder: Encoder, prompts: dict, images_per_prompt: list[int], cfg: RolloutConfig,
-                        tools: dict[str, Tool], first_row: int = 0, seed: int | None = None) -> ToolRollout:
-    """`cfg.group_size` multi-turn responses for each prompt of a left-padded prompt batch (whose
-    prompts were encoded with the tools' schemas), the tools run between turns (module docstring)."""
+                        tools: dict[str, Tool], first_row: int = 0, seed: int | None = None,
+                        samples_per_prompt: int | None = None) -> ToolRollout:
+    """`cfg.group_size` (or `samples_per_prompt`) multi-turn responses for each prompt of a
+    left-padded prompt batch (whose prompts were encoded with the tools' schemas), the tools run
+    between turns (module docstring)."""
     seed = rollout_seed() if seed is None else seed
-    G, device, tok = cfg.group_size, prompts["input_ids"].device, encoder.tokenizer
+    G, device, tok = samples_per_prompt or cfg.group_size, prompts["input_ids"].device, encoder.tokenizer
     base = prompts_of_batch(prompts, images_per_prompt)
     convs = [_Conversation() for _ in range(len(base) * G)]
     sample = dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
