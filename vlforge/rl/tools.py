@@ -18,7 +18,7 @@ The model calls tools as Qwen3-VL's chat template teaches it: one or more
 ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` blocks in an assistant turn. Each
 call's result (the function's return value as text, or an error the model can read: unknown tool,
 bad arguments, an exception, a timeout) goes back to it as a tool message. Pure functions and a
-thread pool; the rollout loop that uses them is rollout/multiturn.py.
+thread per call; the rollout loop that uses them is rollout/multiturn.py.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@
 
 A round of turns on generate/'s engine: every sequence's turn decodes in one engine call (the first
 turn shares each prompt's prefill across its G samples); the turns that end in <tool_call> blocks
-(rl/tools.parse_tool_calls) have their calls run together on a thread pool; each such sequence
+(rl/tools.parse_tool_calls) have their calls run together (a thread each); each such sequence
 continues with the results as a tool message and the assistant header (Encoder.tool_turn_ids, the
 chat template's own rendering) in the next engine call, prefilled from its whole conversation so
 far. A sequence ends at a turn without a tool call (or one ended by <|endoftext|> rather than
