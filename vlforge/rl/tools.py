@@ -3,10 +3,7 @@
 A tool is a Python function with type hints and a Google-style docstring; transformers'
 `get_json_schema` turns it into the JSON schema the chat template shows the model::
 
-    _MAX_BITS = 4096
-
-
-def calculator(expression: str) -> str:
+    def calculator(expression: str) -> str:
         \"\"\"Evaluate an arithmetic expression.
 
         Args:
@@ -61,6 +58,9 @@ class ToolResult:
     ok: bool
 
 
+_MAX_BITS = 4096  # the calculator's largest integer result
+
+
 def _calculator_value(node: ast.AST) -> float:
     ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
            ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
@@ -84,9 +84,6 @@ def _calculator_value(node: ast.AST) -> float:
             raise ValueError(f"the result is too large (at most {_MAX_BITS} bits)")
         return value
     raise ValueError(f"unsupported element {ast.unparse(node)!r}: numbers, + - * / // % ** and parentheses only")
-
-
-_MAX_BITS = 4096
 
 
 def calculator(expression: str) -> str:
@@ -216,7 +213,6 @@ def run_tool_calls(calls: Sequence[Sequence[ToolCall]], tools: dict[str, Tool],
     their threads at exit, hence plain threads here). A tool that holds the GIL in one long C call
     delays everything: tools should bound their own work."""
     flat = [(i, j, call) for i, seq in enumerate(calls) for j, call in enumerate(seq)]
-    results: list[list[ToolResult | None]] = [[None] * len(seq) for seq in calls]
     box: dict[tuple[int, int], ToolResult] = {}
 
     def run(i: int, j: int, call: ToolCall) -> None:
@@ -229,6 +225,5 @@ def run_tool_calls(calls: Sequence[Sequence[ToolCall]], tools: dict[str, Tool],
     deadline = time.monotonic() + timeout_s
     for thread in threads:
         thread.join(max(0.0, deadline - time.monotonic()))
-    for i, j, _ in flat:
-        results[i][j] = box.get((i, j)) or ToolResult(f"error: the tool did not answer within {timeout_s:g} s", False)
-    return results  # type: ignore[return-value]
+    late = ToolResult(f"error: the tool did not answer within {timeout_s:g} s", False)
+    return [[box.get((i, j), late) for j in range(len(seq))] for i, seq in enumerate(calls)]
