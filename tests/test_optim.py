@@ -1,6 +1,9 @@
 """optim.name: torch AdamW vs bitsandbytes' 8-bit AdamW: refusals, state, resume, numerics."""
 
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,14 +36,13 @@ def straight(shapes_dir, tmp_path_factory):
 
 
 def test_optimizer_problem_refuses_before_loading(monkeypatch):
-    assert optimizer_problem(OptimConfig(), "mps", sharded=True) is None  # torch AdamW runs everywhere
-    assert optimizer_problem(OptimConfig(name="adamw8bit"), "cpu", sharded=False) is None
-    assert optimizer_problem(OptimConfig(name="paged_adamw8bit"), "cuda", sharded=False) is None
-    assert "needs CUDA" in optimizer_problem(OptimConfig(name="paged_adamw8bit"), "cpu", sharded=False)
-    assert "no 8-bit optimizer kernels for mps" in optimizer_problem(OptimConfig(name="adamw8bit"), "mps", False)
-    assert "FSDP2" in optimizer_problem(OptimConfig(name="adamw8bit"), "cuda", sharded=True)
+    assert optimizer_problem(OptimConfig(), "mps") is None  # torch AdamW runs everywhere
+    assert optimizer_problem(OptimConfig(name="adamw8bit"), "cpu") is None
+    assert optimizer_problem(OptimConfig(name="paged_adamw8bit"), "cuda") is None
+    assert "needs CUDA" in optimizer_problem(OptimConfig(name="paged_adamw8bit"), "cpu")
+    assert "no 8-bit optimizer kernels for mps" in optimizer_problem(OptimConfig(name="adamw8bit"), "mps")
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # what an environment without it looks like
-    assert "pip install 'vlforge[quant]'" in optimizer_problem(OptimConfig(name="adamw8bit"), "cpu", False)
+    assert "pip install 'vlforge[quant]'" in optimizer_problem(OptimConfig(name="adamw8bit"), "cpu")
 
 
 def test_paged_on_cpu_is_refused_before_the_model_loads(shapes_dir, tmp_path, monkeypatch):
@@ -123,24 +125,77 @@ def test_adamw8bit_moves_the_weights_like_adamw(shapes_dir, tmp_path, straight):
     assert not torch.equal(d8, d32)  # ...but quantized moments, so not the same numbers
 
 
-def test_8bit_adamw_refuses_fsdp2_parameters(tmp_path):
-    """The fact the FSDP2 refusal rests on: bitsandbytes' 8-bit step fails on DTensor parameters.
-    If a bitsandbytes release lifts that, this test fails: then allow optim.name=adamw8bit with FSDP2."""
+def test_8bit_adamw_on_fsdp2_shards_resumes_exactly_on_any_world_size(tmp_path):
+    """bitsandbytes' 8-bit AdamW on FSDP2's shards (optim.sharded_8bit; torchrun, gloo): tensors whose
+    rows are whole 256-value blocks keep 8-bit moments, quantized as bitsandbytes quantizes them on
+    one unsharded process (one of them a single row, which rank 1 holds none of); the rest keep fp32
+    moments. The state saved through DCP on 2 ranks resumes exactly on 2, and on 1 (resharded) to
+    the 2-rank run within float noise; 1 rank trains as 2 do."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": os.pathsep.join(sys.path)}
+    probe = str(Path(__file__).parent / "fsdp2_8bit_probe.py")
+
+    def launch(nproc: int, tag: str, *args) -> dict:
+        result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                 f"--nproc_per_node={nproc}", probe, str(tmp_path), tag, *map(str, args)],
+                                env=env, capture_output=True, text=True, timeout=240)
+        assert result.returncode == 0, result.stderr[-3000:]
+        return torch.load(tmp_path / f"{tag}.pt", weights_only=True)
+
+    two = launch(2, "two", 4, 2)
+    saved = str(tmp_path / "two-dcp")
+    runs = {"two-resumed": launch(2, "two-resumed", 4, 0, saved), "one-resumed": launch(1, "one-resumed", 4, 0, saved),
+            "one": launch(1, "one", 4), "plain": launch(1, "plain", 2)}
+    eight_bit = {"0.weight", "3.weight"}  # 256- and 4096-wide rows; 1.weight's are 37 wide
+    assert two["moments"] == {n: torch.uint8 if n in eight_bit else torch.float32 for n in two["moments"]}
+    assert runs["plain"]["moments"]["1.weight"] == torch.uint8  # bitsandbytes quantizes it unsharded
+
+    final = two["weights"][-1]
+    for name, w in final.items():
+        assert torch.equal(runs["two-resumed"]["weights"][-1][name], w), name  # the same shards: exact
+        torch.testing.assert_close(runs["one-resumed"]["weights"][-1][name], w, rtol=0, atol=1e-6, msg=name)
+        torch.testing.assert_close(runs["one"]["weights"][-1][name], w, rtol=0, atol=1e-5, msg=name)
+    # after 2 steps (the first step's update does not depend on how the moments are stored): the
+    # 8-bit tensors as bitsandbytes unsharded, the fp32-moment one not
+    plain, one = runs["plain"]["weights"][1], runs["one"]["weights"][1]
+    for name in eight_bit:
+        torch.testing.assert_close(one[name], plain[name], rtol=0, atol=1e-6, msg=name)
+    assert (one["1.weight"] - plain["1.weight"]).abs().max() > 1e-3
+
+
+def test_8bit_state_of_a_sharded_tensor_is_saved_as_dtensors_shaped_like_it(tmp_path):
+    """What DCP sees of the 8-bit state under FSDP2: the codes shaped and placed as the parameter, the
+    block scales as (rows, blocks per row), the step a plain tensor; loaded back, the same state."""
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
 
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
         torch.manual_seed(0)
-        model = torch.nn.Linear(128, 64)
+        model = torch.nn.Linear(512, 24)
         fully_shard(model)
-        with pytest.raises(ConfigError, match="does not work under FSDP2"):
-            build_optimizer([{"params": list(model.parameters()), "lr": 1e-3, "weight_decay": 0.0}],
-                            OptimConfig(name="adamw8bit"), "cpu")
-        raw = bnb.optim.AdamW8bit(model.parameters(), lr=1e-3)
-        model(torch.randn(4, 128)).sum().backward()
-        with pytest.raises(RuntimeError, match="DTensor"):
-            raw.step()
+        opt = build_optimizer([{"params": list(model.parameters()), "lr": 1e-3, "weight_decay": 0.0}],
+                              OptimConfig(name="adamw8bit"), "cpu")
+        assert type(opt).__name__ == "ShardedAdamW8bit" and isinstance(opt, bnb.optim.AdamW8bit)
+        for _ in range(2):
+            model(torch.randn(4, 512)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+        saved = opt.state_dict()
+        weight, bias = saved["state"][0], saved["state"][1]
+        assert isinstance(weight["state1"], DTensor) and weight["state1"].shape == (24, 512)
+        assert weight["state1"].dtype == torch.uint8 and weight["state1"].placements == model.weight.placements
+        assert weight["absmax2"].shape == (24, 2) and weight["absmax2"].dtype == torch.float32
+        assert float(weight["step"]) == 2 and "qmap1" not in weight
+        assert bias["state1"].dtype == torch.float32 and "absmax1" not in bias  # 24 values: fp32 moments
+        before = {k: v.clone() for k, v in opt.state[model.weight].items() if torch.is_tensor(v)}
+        opt.state.clear()
+        opt.load_state_dict(saved)
+        after = opt.state[model.weight]
+        assert after["step"] == 2 and before.keys() <= after.keys()
+        for key, value in before.items():
+            assert torch.equal(after[key], value), key
+        assert optimizer_problem(OptimConfig(name="adamw8bit"), "cuda") is None  # FSDP2 or not
     finally:
         dist.destroy_process_group()
 

@@ -359,7 +359,8 @@ class OptimConfig:
     # `adamw8bit` (bitsandbytes) keeps them in uint8 with one fp32 scale per 256 values: ~2
     # bytes/param (tensors under 4096 values, i.e. biases and norms, stay fp32). `paged_adamw8bit`
     # also lets CUDA page that state out to host memory under GPU memory pressure (CUDA only).
-    # Both 8-bit ones need `pip install 'vlforge[quant]'` and plain (not FSDP2-sharded) parameters.
+    # Both 8-bit ones need `pip install 'vlforge[quant]'`. Under FSDP2 they step each rank's shards,
+    # with uint8 moments where a tensor's rows are whole 256-value blocks (engine/optim.sharded_8bit).
     name: Literal["adamw", "adamw8bit", "paged_adamw8bit"] = "adamw"
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)

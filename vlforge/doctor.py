@@ -770,7 +770,7 @@ def distributed_recipe_checks(cfg: SFTConfig | GRPOConfig, env: dict[str, Any], 
             checks.append(Check("recipe fsdp2", "ok", "nothing this recipe uses is refused under FSDP2"))
     if recipe.device is None:
         checks.append(Check("recipe optimizer", "skip", "train.device is unusable (see recipe device)"))
-    elif opt := optimizer_problem(cfg.optim, recipe.device.type, sharded=sharded):
+    elif opt := optimizer_problem(cfg.optim, recipe.device.type):
         checks.append(Check("recipe optimizer", "fail", *_split(opt), {"optimizer": cfg.optim.name}))
     else:
         checks.append(Check("recipe optimizer", "ok", f"optim.name={cfg.optim.name} runs on {recipe.device}"

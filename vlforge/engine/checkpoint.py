@@ -107,12 +107,15 @@ def checkpoint_bytes(model, optimizer_name: str) -> int:
     scales). The tokenizer, schedule and RNG files are a few MB and left out."""
     from peft import PeftModel
 
+    from torch.distributed.tensor import DTensor
+
     from vlforge.engine.optim import state_bytes
 
     params = list(model.parameters())  # a tied weight once, as save_pretrained writes it
     trainable = [p for p in params if p.requires_grad]
     weights = trainable if isinstance(model, PeftModel) else params
-    moments = sum(2 * p.numel() * p.element_size() if optimizer_name == "adamw" else state_bytes(p.numel(), optimizer_name)
+    moments = sum(2 * p.numel() * p.element_size() if optimizer_name == "adamw" else
+                  state_bytes(p.numel(), optimizer_name, tuple(p.shape) if isinstance(p, DTensor) else None)
                   for p in trainable)
     return sum(p.numel() * p.element_size() for p in weights) + moments
 
@@ -293,8 +296,8 @@ def _all_ranks_or_none(tmp: Path, out: Path, step: int, world=None):
 
 
 def _other_run(path: Path, what: str) -> str:
-    return (f"cannot resume from {path}: {what}. It was saved by a run that trained other parameters (other "
-            f"tiers or model); resume with the config it was saved with ({path.parent / 'config.yaml'}), or "
+    return (f"cannot resume from {path}: {what}. It was saved by a run with another config (other tiers, "
+            f"model or optimizer); resume with the config it was saved with ({path.parent / 'config.yaml'}), or "
             "start this config in a new train.output_dir")
 
 
@@ -378,22 +381,28 @@ def _trained_record(names: set[str]) -> dict:
     return {"tensors": len(names), "sha256": hashlib.sha256("\n".join(sorted(names)).encode()).hexdigest()}
 
 
-def _with_optimizer_state(dcp_dir: Path, names: set[str]) -> set[str]:
+def _with_optimizer_state(dcp_dir: Path, names: set[str]) -> dict[str, set[str]]:
     """Of `names`, those a sharded checkpoint holds optimizer state for (optim.state.NAME.exp_avg, ...:
-    DCP flattens nested state further, so a key is matched to the longest name it starts with). Read
-    from DCP's metadata, before anything is loaded."""
+    DCP flattens nested state further, so a key is matched to the longest name it starts with), each
+    with the state's keys (exp_avg, ...: AdamW; state1, absmax1, ...: 8-bit). Read from DCP's
+    metadata, before anything is loaded."""
     from torch.distributed.checkpoint import FileSystemReader
 
     prefix = "optim.state."
-    found = set()
+    found: dict[str, set[str]] = {}
     for key in FileSystemReader(str(dcp_dir)).read_metadata().state_dict_metadata:
         if key.startswith(prefix):
             name = key[len(prefix):]
             while name and name not in names:
                 name = name.rpartition(".")[0]
             if name:
-                found.add(name)
+                found.setdefault(name, set()).add(key[len(prefix) + len(name) + 1:])
     return found
+
+
+def _optimizer_kind(state_keys: set[str]) -> str:
+    return "8-bit AdamW (optim.name=adamw8bit or paged_adamw8bit)" if "state1" in state_keys else \
+        "AdamW (optim.name=adamw)"
 
 
 def save_sharded_checkpoint(output_dir: str | Path, step: int, model, processor, optimizer, scheduler, scaler,
@@ -448,23 +457,27 @@ def load_sharded_checkpoint(path: str | Path, model, optimizer, scheduler, scale
     if "trained" in state:
         other = state["trained"] != _trained_record(here)
     else:  # a checkpoint from before the record: whatever has optimizer state must be trained here
-        other = bool(with_state - here)
+        other = bool(set(with_state) - here)
     if other:
-        differ = [f"{n} (trained there only)" for n in sorted(with_state - here)[:2]] + \
-                 [f"{n} (trained here only)" for n in sorted(here - with_state)[:2]]
+        differ = [f"{n} (trained there only)" for n in sorted(set(with_state) - here)[:2]] + \
+                 [f"{n} (trained here only)" for n in sorted(here - set(with_state))[:2]]
         saved = state["trained"]["tensors"] if "trained" in state else len(with_state)
         raise ConfigError(_other_run(path, f"it trained {saved} tensors, this config trains {len(here)}"
                                            + (f": {', '.join(differ)}" if differ else "")))
     model_state = _trainable_only(model, get_model_state_dict(model))
     optim_state = get_optimizer_state_dict(model, optimizer)
-    for name in here - with_state:  # trained, but no gradient had reached it yet: fresh moments, as in the run
+    for name in here - set(with_state):  # trained, but no gradient had reached it yet: fresh moments, as in the run
         optim_state["state"].pop(name, None)
+    saved_keys = set().union(*with_state.values())
+    if wanted := {k for state in optim_state["state"].values() for k in state} - saved_keys:
+        raise ConfigError(_other_run(path, f"its optimizer state is {_optimizer_kind(saved_keys)}'s, this config's "
+                                           f"optimizer keeps {_optimizer_kind(wanted)} state ({', '.join(sorted(wanted))})"))
     loaded = {"model": model_state, "optim": optim_state}
     dcp.load(loaded, checkpoint_id=str(path / SHARDED_DIR))
     set_model_state_dict(model, loaded["model"], options=StateDictOptions(strict=False))
     # strict: every trained parameter has saved state; not so for those without a gradient yet (above)
     set_optimizer_state_dict(model, optimizer, loaded["optim"],
-                             options=StateDictOptions(strict=not (here - with_state)))
+                             options=StateDictOptions(strict=not (here - set(with_state))))
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
     scaler.load_state_dict(torch.load(path / "scaler.pt", weights_only=True))
     restore_rng(path, world.rank, seed, state["step"], shared_rng)

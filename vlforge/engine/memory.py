@@ -7,7 +7,7 @@
 Counted, per process: parameters in their storage dtypes (fp32 masters of what trains, the frozen
 rest in the compute dtype, quantized linears at their packed size), gradients of the trainable
 parameters (in their own dtype), optimizer state (AdamW: two moments in the parameter's dtype;
-8-bit: optim.state_bytes), each tensor split over the processes under FSDP2 (dim 0, padded as
+8-bit: optim.state_bytes, which FSDP2 changes for tensors whose rows are not whole 8-bit blocks), each tensor split over the processes under FSDP2 (dim 0, padded as
 FSDP2 pads it), and the FSDP2 units gathered for compute. With distributed.cpu_offload the
 sharded parameters, gradients and optimizer state live in host memory; only the gathered units
 stay on the GPU. MoE models count every expert (all are resident, whichever few a token uses),
@@ -114,9 +114,9 @@ def _layout(tensors: list[_Tensor], world_size: int, sharded: bool, offload: boo
     trainable = [t for t in tensors if t.trainable]
     params = sum(held(t) * t.dtype_bytes for t in tensors)
     grads = sum(held(t) * t.dtype_bytes for t in trainable)
-    # 8-bit blocks are per tensor (8-bit is refused under FSDP2, so these tensors are whole)
-    state = sum(state_bytes(held(t), optim) if optim != "adamw" else 2 * held(t) * t.dtype_bytes
-                for t in trainable)
+    # 8-bit: bitsandbytes' blocks per tensor, or per row of each shard under FSDP2 (optim.sharded_8bit)
+    state = sum(state_bytes(held(t), optim, t.shape if sharded else None) if optim != "adamw"
+                else 2 * held(t) * t.dtype_bytes for t in trainable)
     gathered = 0.0
     if sharded:
         # units gathered at once in the compute dtype: the root (all forward and backward), the
@@ -274,16 +274,15 @@ def rollout_weight_copies(model: nn.Module, plan: list, cfg, sharded: bool) -> f
 
 def fsdp2_problem(cfg, world_size: int) -> str | None:
     """Why the run would refuse `cfg` under FSDP2 (and so cpu_offload), or None: the refusals
-    engine/distributed.refuse_unsupported and engine/optim.optimizer_problem raise before loading."""
+    engine/distributed.refuse_unsupported raises before loading."""
     from vlforge.config import ConfigError
     from vlforge.engine.distributed import World, refuse_unsupported
-    from vlforge.engine.optim import optimizer_problem
 
     try:
         refuse_unsupported(cfg, World(size=world_size, strategy="fsdp2"))
     except ConfigError as e:
         return str(e)
-    return optimizer_problem(cfg.optim, "cuda", sharded=True)
+    return None
 
 
 def _gb(value: float) -> str:

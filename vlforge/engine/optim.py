@@ -3,8 +3,10 @@ learning-rate schedule."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
+from itertools import chain
 
 import torch
 
@@ -30,20 +32,11 @@ def lr_factor(step: int, total: int, warmup: int, schedule: str, min_ratio: floa
     return min_ratio + (1.0 - min_ratio) * decay
 
 
-def optimizer_problem(cfg: OptimConfig, device_type: str, sharded: bool) -> str | None:
-    """Why `cfg.name` cannot run here (None: it can). Pure; called before any model loads.
-
-    `sharded`: parameters are FSDP2 DTensors. bitsandbytes (0.50) 8-bit AdamW refuses them: its update
-    kernel is a custom op with no DTensor rule ("got mixed torch.Tensor and DTensor"), checked with a
-    2-process gloo `fully_shard` run. Running it on the local shards instead would quantize blocks per
-    shard, so the state would depend on the world size and could not be resumed on another one."""
+def optimizer_problem(cfg: OptimConfig, device_type: str) -> str | None:
+    """Why `cfg.name` cannot run here (None: it can). Pure; called before any model loads. FSDP2
+    makes no difference: the 8-bit AdamW then updates each rank's shards (sharded_8bit)."""
     if cfg.name == "adamw":
         return None
-    if sharded:
-        return (f"optim.name={cfg.name} does not work under FSDP2: bitsandbytes' 8-bit update takes plain "
-                "tensors, not FSDP2's sharded (DTensor) parameters. Use optim.name=adamw (sharding already "
-                "splits its state across GPUs; distributed.cpu_offload moves it to host memory), or "
-                "train on one process (distributed.strategy=none)")
     if cfg.name == "paged_adamw8bit" and device_type != "cuda":
         return (f"optim.name=paged_adamw8bit pages optimizer state between GPU and host memory, which needs "
                 f"CUDA; this run is on {device_type}: use optim.name=adamw8bit (or adamw)")
@@ -55,9 +48,20 @@ def optimizer_problem(cfg: OptimConfig, device_type: str, sharded: bool) -> str 
     return None
 
 
-def state_bytes(numel: int, name: str) -> int:
-    """Bytes of optimizer state one parameter tensor of `numel` values gets (the step count aside)."""
-    if name == "adamw" or numel < MIN_8BIT_SIZE:
+def eight_bit_rows(shape: tuple[int, ...]) -> bool:
+    """Whether an FSDP2-sharded tensor of `shape` gets 8-bit moments (sharded_8bit): 4096 values or
+    more, in dim-0 rows of whole 256-value blocks, so that no block crosses from one rank's rows
+    into the next's."""
+    numel = math.prod(shape)
+    return len(shape) >= 2 and numel >= MIN_8BIT_SIZE and (numel // shape[0]) % BLOCK == 0
+
+
+def state_bytes(numel: int, name: str, shard_of: tuple[int, ...] | None = None) -> int:
+    """Bytes of optimizer state `numel` values of one parameter tensor get (the step count aside).
+    `shard_of`: the whole tensor's shape when they are FSDP2 shards of it (where the 8-bit state
+    follows eight_bit_rows); None: an unsharded tensor of `numel` values."""
+    eight_bit = name != "adamw" and (numel >= MIN_8BIT_SIZE if shard_of is None else eight_bit_rows(shard_of))
+    if not eight_bit:
         return 8 * numel  # two fp32 moments
     return 2 * numel + 2 * 4 * -(-numel // BLOCK)  # two uint8 moments + their fp32 block scales
 
@@ -89,17 +93,122 @@ def build_optimizer(groups: list[dict], cfg: OptimConfig, device_type: str) -> t
         # fused AdamW on CUDA: one kernel for all params (the peer baseline uses it too).
         fused = device_type == "cuda"
         return ShardLocalAdamW(groups, betas=cfg.betas, eps=cfg.eps, fused=fused)  # lr: per tier group
-    from torch.distributed.tensor import DTensor
-
-    # also checked here, not only before loading: a caller that shards without saying so is still refused
-    sharded = any(isinstance(p, DTensor) for g in groups for p in g["params"])
-    if problem := optimizer_problem(cfg, device_type, sharded):
+    if problem := optimizer_problem(cfg, device_type):
         raise ConfigError(problem)
     import bitsandbytes as bnb
+    from torch.distributed.tensor import DTensor
 
     cls = bnb.optim.PagedAdamW8bit if cfg.name == "paged_adamw8bit" else bnb.optim.AdamW8bit
+    if any(isinstance(p, DTensor) for g in groups for p in g["params"]):
+        cls = sharded_8bit(cls)
     # min_8bit_size stated so state_bytes stays true; lr and weight_decay: per tier group
     return cls(groups, betas=cfg.betas, eps=cfg.eps, min_8bit_size=MIN_8BIT_SIZE)
+
+
+@functools.cache
+def sharded_8bit(base: type) -> type:
+    """bitsandbytes' 8-bit AdamW (`base`: AdamW8bit or PagedAdamW8bit) on FSDP2's DTensor parameters.
+
+    bitsandbytes (0.50) cannot step DTensors: its update kernel is a custom op with no DTensor rule
+    ("got mixed torch.Tensor and DTensor"). AdamW is elementwise, so each rank updates its own shard
+    (the parameter's local tensor, as ShardLocalAdamW does) with bitsandbytes' own update, and the
+    state lives per shard. What bitsandbytes does not offer is state that DCP can save and reshard:
+    its 256-value blocks run over the flat tensor, and a rank's block scales are not a slice of
+    anything global. So here the blocks follow rows (eight_bit_rows): a tensor whose rows are whole
+    blocks quantizes as it does on one process on any number of ranks, and its state is saved as
+    DTensors sharded like the parameter (the codes shaped as it, the scales as rows x blocks-per-row):
+    exact on resume, and resharded by DCP onto another world size. The few tensors whose rows are
+    not whole blocks (norms, biases, the 1152-wide vision tower of the 8B/32B models, LoRA's B)
+    keep fp32 moments, like bitsandbytes' tensors under 4096 values. Plain tensors pass through."""
+    from torch.distributed.tensor import DTensor
+
+    class Sharded8bit(base):
+        @torch.no_grad()
+        def init_state(self, group, p, gindex, pindex):
+            if not isinstance(p, DTensor):
+                return super().init_state(group, p, gindex, pindex)
+            local = p._local_tensor
+            state = self.state[p]
+            state["step"] = 0
+            if self.get_config(gindex, pindex, group)["optim_bits"] == 8 and eight_bit_rows(p.shape):
+                for i, qmap in ((1, "dynamic"), (2, "udynamic")):
+                    state[f"state{i}"] = self.get_state_buffer(local, dtype=torch.uint8)
+                    state[f"qmap{i}"] = self.name2qmap[qmap].to(local.device)
+                    state[f"absmax{i}"] = torch.zeros(local.numel() // BLOCK, dtype=torch.float32,
+                                                      device=local.device)
+            else:
+                state["state1"] = self.get_state_buffer(local, dtype=torch.float32)
+                state["state2"] = self.get_state_buffer(local, dtype=torch.float32)
+
+        @torch.no_grad()
+        def update_step(self, group, p, gindex, pindex):
+            if not isinstance(p, DTensor):
+                return super().update_step(group, p, gindex, pindex)
+            state, local = self.state[p], p._local_tensor
+            if local.numel() == 0:  # a rank past the last row of a small tensor holds no shard of it
+                state["step"] += 1
+                return
+            # bitsandbytes' own update on the shard: it reads the state under the tensor it steps
+            # (the same dict, aliased for the call) and the gradient from its .grad
+            local.grad = p.grad._local_tensor
+            self.state[local] = state
+            try:
+                super().update_step(group, local, gindex, pindex)
+            finally:
+                del self.state[local]
+                local.grad = None
+
+        def state_dict(self):
+            """bitsandbytes' state dict, with each DTensor parameter's state as DTensors (DCP's
+            sharded save) and its scalar step; the quantization maps are constants, left out."""
+            out = super().state_dict()
+            params = list(chain.from_iterable(g["params"] for g in self.param_groups))
+            for index in list(out["state"]):
+                p = params[index]
+                if isinstance(p, DTensor):
+                    out["state"][index] = _sharded_entry(p, self.state[p])
+            return out
+
+        def load_state_dict(self, state_dict, move_to_device=True):
+            params = list(chain.from_iterable(g["params"] for g in self.param_groups))
+            saved = dict(zip(chain.from_iterable(g["params"] for g in state_dict["param_groups"]), params))
+            sharded = {k: v for k, v in state_dict["state"].items() if isinstance(saved.get(k), DTensor)}
+            rest = {k: v for k, v in state_dict["state"].items() if k not in sharded}
+            super().load_state_dict({**state_dict, "state": rest}, move_to_device)
+            for key, entry in sharded.items():
+                self.state[saved[key]] = self._local_state(saved[key], entry)
+
+        def _local_state(self, p, entry: dict) -> dict:
+            device = p._local_tensor.device
+            local = lambda t: (t.to_local() if isinstance(t, DTensor) else t).to(device).contiguous()
+            state = {"step": int(entry["step"])}
+            for i, qmap in ((1, "dynamic"), (2, "udynamic")):
+                state[f"state{i}"] = local(entry[f"state{i}"])
+                if f"absmax{i}" in entry:
+                    state[f"absmax{i}"] = local(entry[f"absmax{i}"]).reshape(-1)
+                    state[f"qmap{i}"] = self.name2qmap[qmap].to(device)
+            return state
+
+    Sharded8bit.__name__ = Sharded8bit.__qualname__ = f"Sharded{base.__name__}"
+    return Sharded8bit
+
+
+def _sharded_entry(p, state: dict) -> dict:
+    """One DTensor parameter's 8-bit AdamW state as DTensors placed as the parameter is: the moments
+    (uint8 codes or fp32) shaped as it, the block scales as (rows, blocks per row)."""
+    from torch.distributed.tensor import DTensor
+
+    def like(local: torch.Tensor, shape: tuple[int, ...]) -> DTensor:
+        stride = tuple(math.prod(shape[i + 1:]) for i in range(len(shape)))
+        return DTensor.from_local(local, p.device_mesh, p.placements, run_check=False, shape=shape, stride=stride)
+
+    entry = {"step": torch.tensor(float(state["step"]))}
+    for i in (1, 2):
+        entry[f"state{i}"] = like(state[f"state{i}"], tuple(p.shape))
+        if f"absmax{i}" in state:
+            per_row = p.numel() // p.shape[0] // BLOCK
+            entry[f"absmax{i}"] = like(state[f"absmax{i}"].view(-1, per_row), (p.shape[0], per_row))
+    return entry
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int):

@@ -215,11 +215,11 @@ def default_compile(precision: PrecisionConfig, device: torch.device, measured_s
     return bool(precision.compile)
 
 
-def refuse_bad_combinations(cfg: RunConfig, device: torch.device, sharded: bool = False) -> None:
+def refuse_bad_combinations(cfg: RunConfig, device: torch.device) -> None:
     """Everything that can be refused from the config and the device alone, before loading weights."""
     if cfg.precision.mode == "bf16" and (problem := bf16_problem(device)):
         raise ConfigError(problem)
-    if problem := optimizer_problem(cfg.optim, device.type, sharded=sharded):
+    if problem := optimizer_problem(cfg.optim, device.type):
         raise ConfigError(problem)
     if problem := loss_impl_problem(cfg.loss, device):  # else it would fail at the first step, after loading
         raise ConfigError(problem)
@@ -242,7 +242,7 @@ def setup_model(cfg: RunConfig, compile_blocks: bool | None = None, world: World
     world = world or World(device=resolve_device(cfg.train.device))
     device = world.device
     policy = PrecisionPolicy(cfg.precision, device.type)
-    refuse_bad_combinations(cfg, device, sharded=world.sharded)
+    refuse_bad_combinations(cfg, device)
     refuse_unsupported(cfg, world)
     if problem := cuda_graphs_problem(cfg, device, world.strategy):
         raise ConfigError(problem)
