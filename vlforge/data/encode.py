@@ -12,6 +12,8 @@ grid: token counts are unchanged, the processor just never sees the full-size pi
 
 from __future__ import annotations
 
+import functools
+import re
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +24,28 @@ from vlforge.data.jsonl import MAX_IMAGE_PIXELS, DataError, Sample, load_pixels,
 
 IGNORE_INDEX = -100
 IMAGE_PAD = "<|image_pad|>"
+
+
+_TEXT_MARK = re.compile("\x00vlforge-text-(\\d+)\x00")  # stands in for a message's text while the template renders
+
+
+def _mark_texts(message: dict, holds_special, escaped: list[str]) -> dict:
+    """`message` with each of its texts for which `holds_special` is true replaced by a marker
+    (appended to `escaped`, the marker naming its index); other texts and parts as they are."""
+    def mark(text: str) -> str:
+        if not holds_special(text):
+            return text
+        escaped.append(text)
+        return f"\x00vlforge-text-{len(escaped) - 1}\x00"
+
+    content = message.get("content")
+    if isinstance(content, str):
+        return {**message, "content": mark(content)}
+    if isinstance(content, list):
+        return {**message, "content": [{**part, "text": mark(part["text"])}
+                                       if isinstance(part, dict) and isinstance(part.get("text"), str) else part
+                                       for part in content]}
+    return message
 
 
 @dataclass(frozen=True)
@@ -64,16 +88,51 @@ class Encoder:
     def token_ids(self, messages: list[dict], image_sizes: list[tuple[int, int]], add_generation_prompt=False,
                   tools: list[dict] | None = None) -> list[int]:
         """The conversation's token ids, image placeholders expanded; `tools` (function schemas) are
-        rendered by the chat template (Qwen's: a system block listing them)."""
-        text = self.processor.apply_chat_template(messages, tools=tools or None, tokenize=False,
-                                                  add_generation_prompt=add_generation_prompt)
-        pieces = text.split(IMAGE_PAD)
-        if len(pieces) - 1 != len(image_sizes):
-            raise ValueError(f"chat template produced {len(pieces) - 1} image placeholders for {len(image_sizes)} images")
-        expanded = pieces[0]
-        for (w, h), rest in zip(image_sizes, pieces[1:]):
-            expanded += IMAGE_PAD * self.image_tokens(w, h) + rest
-        return self.tokenizer(expanded, add_special_tokens=False)["input_ids"]
+        rendered by the chat template (Qwen's: a system block listing them).
+
+        The messages' text is text: a special token's text inside it (an <|im_end|> or <|im_start|>
+        that would end the turn and open another role, an <|image_pad|> without an image) is
+        tokenized as plain characters, as OpenAI's API treats message content. Text without any is
+        tokenized with the template around it, exactly as transformers' processor does; text with
+        some is tokenized on its own (split_special_tokens), the template's pieces around it as usual."""
+        render = lambda msgs: self.processor.apply_chat_template(  # noqa: E731
+            msgs, tools=tools or None, tokenize=False, add_generation_prompt=add_generation_prompt)
+        text = render(messages)
+        escaped: list[str] = []  # the texts holding a special token's text, in marker order
+        marked = [_mark_texts(m, self._has_special_text, escaped) for m in messages]
+        if not escaped:
+            pieces = [text]
+        else:
+            rendered = render(marked)
+            pieces = _TEXT_MARK.split(rendered)  # template, index, template, index, ..., template
+            if "".join(escaped[int(x)] if i % 2 else x for i, x in enumerate(pieces)) != text:
+                raise ValueError("a message's text holds a special token's text "
+                                 f"({next(t for t in self.special_texts if any(t in e for e in escaped))!r}), "
+                                 "and this chat template changes message text as it renders it, so that text "
+                                 "cannot be kept apart from the template's own tokens; remove it from the message")
+        template = pieces[::2]
+        if sum(p.count(IMAGE_PAD) for p in template) != len(image_sizes):
+            raise ValueError(f"chat template produced {sum(p.count(IMAGE_PAD) for p in template)} image placeholders "
+                             f"for {len(image_sizes)} images")
+        sizes, ids = iter(image_sizes), []
+        for i, piece in enumerate(pieces):
+            if i % 2:
+                ids += self.tokenizer(escaped[int(piece)], add_special_tokens=False,
+                                      split_special_tokens=True)["input_ids"]
+                continue
+            first, *rest = piece.split(IMAGE_PAD)
+            expanded = first + "".join(IMAGE_PAD * self.image_tokens(*next(sizes)) + r for r in rest)
+            ids += self.tokenizer(expanded, add_special_tokens=False)["input_ids"]
+        return ids
+
+    @functools.cached_property
+    def special_texts(self) -> list[str]:
+        """The text of every special token (Qwen's <|im_start|>, <|image_pad|>, ...; not <think>,
+        which the tokenizer does not mark special and models write as text)."""
+        return [t.content for t in self.tokenizer.added_tokens_decoder.values() if t.special]
+
+    def _has_special_text(self, text: str) -> bool:
+        return "<|" in text and any(t in text for t in self.special_texts)  # "<|": Qwen's; a cheap first look
 
     def tool_turn_ids(self, results: list[str], max_tokens: int = 0) -> list[int]:
         """The tokens between an assistant turn that called tools (its <|im_end|> included, as the
