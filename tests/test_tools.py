@@ -188,6 +188,7 @@ def test_multi_turn_rollout_runs_the_calls_and_the_trainer_scores_only_generated
         generated = r.generated_mask[n][r.response_mask[n].bool()].tolist()
         if out.calls[n] == 0:
             assert all(generated) and out.turns[n] == 1
+            assert out.transcripts[n] == [{"role": "assistant", "content": out.completions[n]}]
             continue
         # turn 1 (the call, generated) + the call's result as the template renders it (read) + turn 2
         first = generated.index(0)
@@ -196,6 +197,11 @@ def test_multi_turn_rollout_runs_the_calls_and_the_trainer_scores_only_generated
         results = [res.text for res in run_tool_calls([calls], tools, 5.0)[0]]
         assert real[first:end] == enc.tool_turn_ids(results) and all(generated[end:]) and out.turns[n] == 2
         assert enc.tokenizer.decode(real[end:], skip_special_tokens=True) == out.completions[n]
+        # the transcript: the calling turn, its results, the last turn
+        assert out.transcripts[n] == [
+            {"role": "assistant", "content": enc.tokenizer.decode(real[:first], skip_special_tokens=True)},
+            *({"role": "tool", "name": c.name, "content": res, "ok": True} for c, res in zip(calls, results)),
+            {"role": "assistant", "content": out.completions[n]}]
         assert bool((r.logprobs[n][first:end] == 0).all())
         context_tokens += end - first
     assert context_tokens > 0
@@ -255,9 +261,12 @@ def test_grpo_with_tools_scores_the_last_turn_and_logs_tool_use(tool_model, tool
                         lambda *a, **k: rollouts.append(real_rollout(*a, **k)) or rollouts[-1])
     monkeypatch.setattr(recipe, "policy_loss",
                         lambda logp, old, adv, mask, *a, **k: losses.append(mask) or real_loss(logp, old, adv, mask, *a, **k))
+    seen = tmp_path / "seen.jsonl"  # what the reward was given besides the completion
     (tmp_path / "rewards.py").write_text(
-        "def last_turn(completion, answer, **row):\n"
+        "import json\n"
+        "def last_turn(completion, answer, transcript, tool_calls, failed_tool_calls, **row):\n"
         "    assert '<tool_response>' not in completion and '<|im_start|>' not in completion, completion\n"
+        f"    open({str(seen)!r}, 'a').write(json.dumps([completion, transcript, tool_calls, failed_tool_calls]) + '\\n')\n"
         "    return float(completion.strip().startswith('<answer>'))\n")
     from vlforge.recipes.grpo import run_grpo
 
@@ -281,6 +290,12 @@ def test_grpo_with_tools_scores_the_last_turn_and_logs_tool_use(tool_model, tool
         r = multi.rollout
         assert torch.equal(mask, r.generated_mask.float()) and not torch.equal(mask, r.response_mask.float())
     assert rows[0]["response_length_mean"] == pytest.approx(float(rollouts[0].rollout.generated_mask.sum(1).float().mean()))
+    # each reward call got its response's transcript and tool counts: the rollouts' own
+    given = [json.loads(line) for line in seen.read_text().splitlines()]
+    assert given == [[c, tr, k, f] for multi in rollouts for c, tr, k, f in
+                     zip(multi.completions, multi.transcripts, multi.calls, multi.failed_calls)]
+    assert any(any(m["role"] == "tool" for m in tr) for _, tr, _, _ in given)
+    assert all(tr[-1] == {"role": "assistant", "content": c} for c, tr, _, _ in given)
     # the evaluation answers as conversations with the tools too: greedy, the last turn scored
     out = run_grpo(load_config(GRPOConfig, shipped, [*common, f"train.output_dir={tmp_path / 'val'}",
                                                      "train.max_steps=1", f"data.val={tool_data['prompts']}",

@@ -115,13 +115,14 @@ def rollout_round(t: Trainable, data: ChatDataset, idx: list[int], cfg: GRPOConf
     # numbers of steps issue no collectives
     # (fp32 masters: the linears' weights read in bf16 during the rollout, PrecisionPolicy.inference_weights)
     images = [len(s.images) for s in samples]
-    tool_stats = None
+    tool_stats, transcripts = None, None
     with t.policy.autocast(), t.policy.inference_weights(t.model), fully_gathered(t.root):
         if tools:  # multi-turn: the rewards score each response's last assistant turn
             multi = generate_with_tools(t.model, data.encoder, prompts, images, cfg.rollout, tools,
                                         first_row=first_row, seed=seed)
             rollout, texts = multi.rollout, multi.completions
             tool_stats = {"calls": multi.calls, "failed_calls": multi.failed_calls, "turns": multi.turns}
+            transcripts = multi.transcripts
         else:
             rollout = generate_groups(t.model, data.encoder, prompts, images, cfg.rollout,
                                       first_row=first_row, all_rows=all_rows, seed=seed)
@@ -130,6 +131,9 @@ def rollout_round(t: Trainable, data: ChatDataset, idx: list[int], cfg: GRPOConf
                      for ids, m in zip(rollout.response_ids.cpu(), rollout.response_mask.cpu())]
     answers = [s.answer for s in samples for _ in range(G)]
     fields = [s.fields for s in samples for _ in range(G)]
+    if transcripts is not None:  # what the response did with the tools, for rewards that shape tool use
+        fields = [{**f, "transcript": tr, "tool_calls": calls, "failed_tool_calls": failed}
+                  for f, tr, calls, failed in zip(fields, transcripts, tool_stats["calls"], tool_stats["failed_calls"])]
     scored = rewards(texts, answers, fields, prompts=[s.prompt_messages for s in samples for _ in range(G)])
     reward_N = torch.tensor(scored.total, dtype=torch.float32)
     reward_N -= cfg.rl.overlong_penalty * (~rollout.finished).float().cpu()

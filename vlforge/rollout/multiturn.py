@@ -3,6 +3,7 @@
     result = generate_with_tools(model, encoder, prompts, images_per_prompt, cfg, tools)
     result.rollout       # a Rollout whose responses are every turn and tool result, one after another
     result.completions   # each response's last assistant turn, as text: what the rewards score
+    result.transcripts   # each response as chat messages: its assistant turns and tool results
 
 A round of turns on generate/'s engine: every sequence's turn decodes in one engine call (the first
 turn shares each prompt's prefill across its G samples); the turns that end in <tool_call> blocks
@@ -55,18 +56,23 @@ class _Conversation:
     calls: int = 0
     failed_calls: int = 0
     turns: int = 0
+    transcript: list[dict] = field(default_factory=list)  # the response as chat messages
 
-    def add_turn(self, tokens: torch.Tensor, logprobs: torch.Tensor) -> None:
+    def add_turn(self, tokens: torch.Tensor, logprobs: torch.Tensor, text: str) -> None:
         self.last_turn = len(self.tokens)
         self.tokens += tokens.tolist()
         self.generated += [1] * len(tokens)
         self.logprobs += logprobs.tolist()
         self.turns += 1
+        self.transcript.append({"role": "assistant", "content": text})
 
-    def add_context(self, tokens: list[int]) -> None:
+    def add_context(self, tokens: list[int], calls: list, results: list) -> None:
+        """The tool turn the model reads next: `tokens`, the results of `calls` as the template renders them."""
         self.tokens += tokens
         self.generated += [0] * len(tokens)
         self.logprobs += [0.0] * len(tokens)
+        self.transcript += [{"role": "tool", "name": call.name, "content": result.text, "ok": result.ok}
+                            for call, result in zip(calls, results)]
 
 
 @dataclass
@@ -76,6 +82,10 @@ class ToolRollout:
     calls: list[int]  # [N] tool calls made
     failed_calls: list[int]  # [N] of them, the ones answered with an error (unknown tool, bad arguments, raised)
     turns: list[int]  # [N] assistant turns
+    # [N] each response as chat messages: {"role": "assistant", "content": a turn's text (its
+    # <tool_call> blocks included)}, and after a turn whose calls ran, {"role": "tool", "name", "content":
+    # the result (uncut), "ok": False for an error} per call; GRPO's rewards get it as `transcript`
+    transcripts: list[list[dict]]
 
 
 def rollout_tools(cfg: GRPOConfig) -> dict[str, Tool]:
@@ -126,7 +136,7 @@ def generate_with_tools(model, encoder: Encoder, prompts: dict, images_per_promp
         calling, calls = [], []
         for n, r in zip(running, results):
             conv = convs[n]
-            conv.add_turn(r.tokens, r.logprobs)
+            conv.add_turn(r.tokens, r.logprobs, tok.decode(r.tokens, skip_special_tokens=True))
             conv.finished = bool(r.stopped)
             # a turn the model ended with <|im_end|> continues (one ended by <|endoftext|> is over)
             ended_turn = bool(r.stopped) and int(r.tokens[-1]) == encoder.im_end_id
@@ -150,7 +160,7 @@ def generate_with_tools(model, encoder: Encoder, prompts: dict, images_per_promp
             if len(conv.tokens) + len(context) >= cfg.max_new_tokens:  # no room for another turn
                 conv.finished = False
                 continue
-            conv.add_context(context)
+            conv.add_context(context, found, results_n)
             p = base[n // G]
             history = torch.cat([p.input_ids, torch.tensor(conv.tokens, dtype=p.input_ids.dtype)])
             requests.append(GenRequest(Prompt(history, p.pixel_values, p.image_grid_thw), n=1,
@@ -174,4 +184,4 @@ def generate_with_tools(model, encoder: Encoder, prompts: dict, images_per_promp
                       generate["banned_ids"], generated_mask=generated_NR.to(device))
     completions = [tok.decode(c.tokens[c.last_turn:], skip_special_tokens=True) for c in convs]
     return ToolRollout(rollout, completions, [c.calls for c in convs], [c.failed_calls for c in convs],
-                       [c.turns for c in convs])
+                       [c.turns for c in convs], [c.transcript for c in convs])
