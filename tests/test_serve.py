@@ -443,6 +443,59 @@ def test_stream_text_arrives_while_generating(scripted):
         engine.release.set()
 
 
+class ScriptedToolEngine(ScriptedEngine):
+    """Streams a reply with text around two tool calls, split mid-tag, and waits to be released after
+    the first piece."""
+
+    name = "scripted-tools"
+    PIECES = ["Let me check", " both.\n<tool_", 'call>\n{"name": "calculator", "arguments": {"expression": "2*3"}}\n'
+              "</tool_call>\n<tool_call>", '{"name": "calculator", "arguments": {"expression": "4+4"}}</tool_call>\n']
+
+    def generate(self, requests, on_text=None):
+        self.in_generate.set()
+        try:
+            for k, piece in enumerate(self.PIECES):
+                for i in range(len(requests)):
+                    on_text and on_text(i, piece)
+                if k == 0:
+                    assert self.release.wait(30)
+            return [Completion("".join(self.PIECES), 3, 30, "stop") for _ in requests]
+        finally:
+            self.in_generate.clear()
+
+
+def test_streamed_tool_calls_send_text_as_it_comes_and_add_up_to_the_answer():
+    """With tools, streamed text goes out before the reply ends (only what may be a <tool_call> block
+    is held), each call once its block closes; the deltas add up to the non-streamed answer, and
+    parallel_tool_calls: false keeps the first call in both."""
+    engine = ScriptedToolEngine()
+    tools = [{"type": "function", "function": {"name": "calculator", "parameters": {"type": "object"}}}]
+    ask = {"messages": [{"role": "user", "content": "2*3 and 4+4?"}], "max_tokens": 40, "tools": tools}
+    with LiveServer(create_app(engine)) as server, httpx.Client(base_url=server.url, timeout=60) as client:
+        for parallel in (True, False):
+            whole = client.post("/v1/chat/completions", json={**ask, "parallel_tool_calls": parallel}).json()
+            message = whole["choices"][0]["message"]
+            assert message["content"] == "Let me check both." and len(message["tool_calls"]) == (2 if parallel else 1)
+            engine.release.clear()
+            try:
+                with client.stream("POST", "/v1/chat/completions",
+                                   json={**ask, "parallel_tool_calls": parallel, "stream": True}) as r:
+                    lines = r.iter_lines()
+                    first = next(json.loads(x[6:]) for x in lines if x.startswith("data: ") and '"content"' in x)
+                    assert first["choices"][0]["delta"]["content"] == "Let me check"
+                    assert engine.in_generate.is_set()  # sent while the reply was still being generated
+                    engine.release.set()
+                    rest = [json.loads(x[6:]) for x in lines if x.startswith("data: ") and x != "data: [DONE]"]
+            finally:
+                engine.release.set()
+            deltas = [first["choices"][0]["delta"], *(e["choices"][0]["delta"] for e in rest)]
+            assert "".join(d.get("content", "") for d in deltas) == message["content"]
+            streamed = [c for d in deltas for c in d.get("tool_calls", [])]
+            assert [c["index"] for c in streamed] == list(range(len(message["tool_calls"])))
+            assert [c["function"] for c in streamed] == [c["function"] for c in message["tool_calls"]]
+            assert rest[-1]["choices"][0]["finish_reason"] == whole["choices"][0]["finish_reason"] == "tool_calls"
+
+
 def test_generation_error_is_reported_and_server_recovers(scripted):
     engine, client = scripted
     payload = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}

@@ -12,7 +12,8 @@ from vlforge.data.dataset import load_dataset
 from vlforge.data.encode import collate, encode_prompt
 from vlforge.data.jsonl import DataError, read_jsonl
 from vlforge.data.synth import synth_tool_use
-from vlforge.rl.tools import ToolCall, calculator, load_tools, parse_tool_calls, run_tool_calls
+from vlforge.rl.tools import (ToolCall, ToolCallStream, calculator, load_tools, parse_tool_calls, run_tool_calls,
+                              split_tool_calls)
 from vlforge.rollout.engine import sequence_logprobs
 from vlforge.rollout.multiturn import generate_with_tools
 
@@ -38,6 +39,35 @@ def test_tool_calls_are_parsed_in_qwen_format_and_malformed_ones_say_why():
     assert "not valid JSON" in calls[2].error and "must be" in calls[3].error
     assert len(calls) == 4  # the unterminated block at the end is no call
     assert parse_tool_calls("no tools here") == []
+
+
+@pytest.mark.parametrize("max_calls", [0, 1])
+def test_a_streamed_reply_splits_into_the_content_and_calls_of_the_whole(max_calls):
+    """ToolCallStream (serve's streaming with tools): fed a reply in pieces, split at every point and
+    at random points, its events add up to split_tool_calls of the whole reply: the same content,
+    stripped, and the same calls (the first only with max_calls 1); malformed and unclosed blocks and
+    a held "<tool_c" at the end stay content; text goes out before the reply ends."""
+    import random
+
+    call = lambda name, args: f'<tool_call>\n{json.dumps({"name": name, "arguments": args})}\n</tool_call>'  # noqa: E731
+    replies = [f"Let me compute.\n{call('calculator', {'expression': '2*3'})}",
+               f"  {call('a', {})}\n\n{call('b', {'y': 1})}  tail <tool_c",
+               "no calls < tool <tool_ <toolx>\n\n", f"<tool_call>bad json</tool_call> and {call('z', {})}",
+               'unclosed <tool_call>{"name": ', "", "   ", f"a {call('q', {})} b\n{call('r', {})}\n c"]
+    rng = random.Random(0)
+    for reply in replies:
+        content, calls = split_tool_calls(reply)
+        calls = calls[:max_calls] if max_calls else calls
+        splits = [list(range(len(reply) + 1))] + [sorted(rng.sample(range(len(reply) + 1), min(len(reply) + 1, k)))
+                                                  for k in range(1, 6) for _ in range(20)]
+        for cuts in splits:
+            stream = ToolCallStream(max_calls)
+            pieces = [reply[a:b] for a, b in zip([0, *cuts], [*cuts, len(reply)])]
+            events = [e for piece in pieces for e in stream.feed(piece)] + stream.finish()
+            assert "".join(v for k, v in events if k == "content") == content, (reply, pieces)
+            assert [v for k, v in events if k == "call"] == calls, (reply, pieces)
+    stream = ToolCallStream()
+    assert stream.feed("Sure, ") == [("content", "Sure,")] and stream.feed("<tool") == []  # the space waits
 
 
 def test_tools_load_from_builtins_and_files_with_their_schemas(tmp_path):

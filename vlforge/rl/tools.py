@@ -179,6 +179,69 @@ def split_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
     return "".join(rest + [text[at:]]).strip(), calls
 
 
+class ToolCallStream:
+    """split_tool_calls for a reply that arrives in pieces (serve's streaming): `feed` each piece,
+    then `finish`; each returns events, ("content", text) or ("call", ToolCall), in order. Text
+    goes out as soon as it cannot be part of a call: only a possible start of "<tool_call>" is held,
+    a block until it closes, and whitespace until more content follows it (split_tool_calls strips
+    the content). The content and calls of all events together are split_tool_calls' for the whole
+    text (tested at every split); `max_calls` > 0 keeps only the first that many calls (the other
+    well-formed blocks are dropped, as the one-call answer drops them)."""
+
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+
+    def __init__(self, max_calls: int = 0):
+        self.max_calls, self.calls = max_calls, 0
+        self.pending = ""  # text not yet sent: a possible "<tool_call>" start, or an open block
+        self.spaces = ""  # whitespace held until content follows it
+        self.started = False  # content sent already (leading whitespace is dropped before that)
+
+    def feed(self, text: str) -> list[tuple[str, Any]]:
+        self.pending += text
+        events = []
+        while self.pending:
+            if self.pending.startswith(self.OPEN):
+                end = self.pending.find(self.CLOSE)
+                if end < 0:
+                    break  # an open block: held until it closes (or the reply ends)
+                end += len(self.CLOSE)
+                block, self.pending = self.pending[:end], self.pending[end:]
+                (call,) = parse_tool_calls(block)
+                if call.error is not None:
+                    events += self._content(block)  # malformed: stays in the text, as split_tool_calls keeps it
+                elif not self.max_calls or self.calls < self.max_calls:
+                    self.calls += 1
+                    events.append(("call", call))
+                else:
+                    self.calls += 1  # past max_calls: dropped
+                continue
+            at = self.pending.find(self.OPEN)
+            if at < 0:  # hold the longest end that could begin "<tool_call>"
+                at = next((len(self.pending) - k for k in range(min(len(self.OPEN) - 1, len(self.pending)), 0, -1)
+                           if self.OPEN.startswith(self.pending[-k:])), len(self.pending))
+                if at == 0:
+                    break
+            text, self.pending = self.pending[:at], self.pending[at:]
+            events += self._content(text)
+        return events
+
+    def finish(self) -> list[tuple[str, Any]]:
+        """The rest: an unclosed block or a held "<tool_c" is content; trailing whitespace is dropped."""
+        rest, self.pending = self.pending, ""
+        return self._content(rest)
+
+    def _content(self, text: str) -> list[tuple[str, Any]]:
+        text = self.spaces + text
+        body = text.rstrip()
+        self.spaces = text[len(body):]
+        if not self.started:
+            body = body.lstrip()
+        if not body:
+            return []
+        self.started = True
+        return [("content", body)]
+
+
 def format_tool_calls(calls: Sequence[ToolCall]) -> str:
     """Calls as an assistant turn writes them in Qwen's format (the inverse of parse_tool_calls):
     how a conversation's earlier calls are given back to the model."""

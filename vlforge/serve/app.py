@@ -44,7 +44,7 @@ from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HTTPRequest
 
 from vlforge.config import ConfigError
-from vlforge.rl.tools import ToolCall, format_tool_calls, split_tool_calls
+from vlforge.rl.tools import ToolCall, ToolCallStream, format_tool_calls, split_tool_calls
 from vlforge.serve.batcher import Batcher, Job, ShuttingDown
 from vlforge.serve.config import ServeConfig
 from vlforge.serve.engine import Completion, Request
@@ -394,20 +394,38 @@ def _answer(c: Completion, tool_calls: int) -> tuple[dict, str]:
     if not calls:
         return {"role": "assistant", "content": c.text}, c.finish_reason
     calls = calls[:1] if tool_calls == 1 else calls
-    return {"role": "assistant", "content": content or None,
-            "tool_calls": [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-                            "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}
-                           for call in calls]}, "tool_calls" if c.finish_reason == "stop" else c.finish_reason
+    return {"role": "assistant", "content": content or None, "tool_calls": [_call_json(call) for call in calls]}, \
+        "tool_calls" if c.finish_reason == "stop" else c.finish_reason
+
+
+def _call_json(call: ToolCall) -> dict:
+    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+            "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}
 
 
 async def _sse(job: Job, rid: str, created: int, model: str, include_usage: bool, tool_calls: int = 0):
-    """The answer as server-sent events. With tools the text is held until the answer ends (a
-    <tool_call> block is only a call once it is whole), then sent as one content delta and one
-    tool_calls delta (OpenAI's chunk shape, each call with its index)."""
+    """The answer as server-sent events. With tools (`tool_calls` != 0) the text goes out as it
+    comes, but for what may be a <tool_call> block (rl/tools.ToolCallStream); each block becomes a
+    call once it closes, sent as a tool_calls delta with its index (OpenAI's chunk shape): the
+    deltas add up to the non-streamed answer (_answer)."""
     def chunk(delta: dict, finish: str | None) -> str:
         body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+    calls = ToolCallStream(max_calls=1 if tool_calls == 1 else 0) if tool_calls else None
+    sent_calls = 0
+
+    def deltas(events) -> list[str]:
+        nonlocal sent_calls
+        out = []
+        for kind, value in events:
+            if kind == "content":
+                out.append(chunk({"content": value}, None))
+            else:
+                out.append(chunk({"tool_calls": [{"index": sent_calls, **_call_json(value)}]}, None))
+                sent_calls += 1
+        return out
 
     finished = False
     try:
@@ -415,17 +433,15 @@ async def _sse(job: Job, rid: str, created: int, model: str, include_usage: bool
         while True:
             kind, payload = await job.events.get()
             if kind == "text":
-                if not tool_calls:
-                    yield chunk({"content": payload}, None)
+                for line in deltas(calls.feed(payload)) if calls else [chunk({"content": payload}, None)]:
+                    yield line
             elif kind == "done" and not _aborted(job, payload):
                 finish = payload.finish_reason
-                if tool_calls:
-                    message, finish = _answer(payload, tool_calls)
-                    if message["content"]:
-                        yield chunk({"content": message["content"]}, None)
-                    if "tool_calls" in message:
-                        yield chunk({"tool_calls": [{"index": k, **call}
-                                                    for k, call in enumerate(message["tool_calls"])]}, None)
+                if calls:
+                    for line in deltas(calls.finish()):
+                        yield line
+                    if sent_calls and finish == "stop":
+                        finish = "tool_calls"
                 yield chunk({}, finish)
                 if include_usage:
                     body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
