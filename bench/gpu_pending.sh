@@ -64,6 +64,7 @@
 #   1.08x, 8B LoRA 0.98x; its gpu tests), visg19 (the vision blocks graphed too: 1.04x more). Next: final19 (the gpu
 #   tests again, peer vs both graph options in one process), then a long run with cuda_graphs on varied data;
 #   rl19 (session 19, prepared: GSPO / CISPO / RLOO through the 2B recipe, the engine's log-prob gap).
+#   Sessions 19-21 got no machine (session 21: three refusals): final19 and rl19 still first, then opt21.
 #   OUT=/some/dir GROUP=moe   bash bench/gpu_pending.sh  # 30B-A3B: peft peer vs ours same process; NF4 memory/decode
 #   OUT=/some/dir GROUP=mem   bash bench/gpu_pending.sh  # selective checkpointing and the activation memory budget
 # (carry .whl/train, and .whl/ao (torchao) for GROUP=tests, .whl/bnb (bitsandbytes) for moe and mem)
@@ -336,6 +337,12 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', '--tb=line', 
   serve) timeout 200 python3 bench/serve_load.py --preset qwen3vl-2b --out "$OUT/serve-new.json" > /dev/null 2>"$OUT/err-s1.txt"
          timeout 300 python3 bench/serve_load.py --preset qwen3vl-2b --serve-arg "--engine hf" --out "$OUT/serve-old.json" \
            > /dev/null 2>"$OUT/err-s2.txt" ;;
+  opt21) # session 21 (carry .whl/bnb): bitsandbytes' CUDA 8-bit AdamW on FSDP2 shards (tests/test_optim.py -m gpu:
+         # exact resume, paged too, against the unsharded run), then rl19's first run (GSPO, the engine's old log-probs)
+         timeout 200 python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_optim.py --tb=short \
+           > "$OUT/pytest-optim.txt" 2>&1
+         OUT=$OUT LIMIT=170 bash bench/gpu_grpo_smoke.sh qwen3vl-2b-grpo rl.policy_loss=gspo rl.clip_low=null \
+           rl.clip_high=null rl.agg=auto train.max_steps=3 ;;
   rl19) # prepared, not run (no GPU lent in session 19): GSPO against the rollout engine's log-probs on a GPU. The
          # 2B recipe, 3 steps each: gspo with the engine's old log-probs (first mini-batch clip_frac: does the
          # 3e-4 band clip on-policy tokens?), then gspo + rl.old_logprobs=trainer (rollout_approx_kl: the gap;

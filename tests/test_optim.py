@@ -1,5 +1,6 @@
 """optim.name: torch AdamW vs bitsandbytes' 8-bit AdamW: refusals, state, resume, numerics."""
 
+import json
 import os
 import subprocess
 import sys
@@ -160,6 +161,28 @@ def test_8bit_adamw_on_fsdp2_shards_resumes_exactly_on_any_world_size(tmp_path):
     for name in eight_bit:
         torch.testing.assert_close(one[name], plain[name], rtol=0, atol=1e-6, msg=name)
     assert (one["1.weight"] - plain["1.weight"]).abs().max() > 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["adamw8bit", "paged_adamw8bit"])
+def test_8bit_adamw_under_fsdp2_on_cuda_resumes_exactly(shapes_dir, tmp_path, name):
+    """bitsandbytes' CUDA kernels on FSDP2 shards (one process), bf16 compute: 2 steps, saved, resumed
+    to 3 give the uninterrupted 3 steps' losses exactly, and train as the unsharded 8-bit run does
+    (the mergers' 8-bit moments quantized alike; the fp32-moment tensors differ within 8-bit noise)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    run = lambda out, steps, *extra: run_sft(tiny_sft_config(  # noqa: E731
+        shapes_dir, out, *COMMON, f"optim.name={name}", "train.device=cuda", "precision.mode=bf16",
+        f"train.max_steps={steps}", *extra))
+    losses = lambda out: [json.loads(x)["loss"] for x in (out / "metrics.jsonl").read_text().splitlines()  # noqa: E731
+                          if "loss" in json.loads(x)]
+    sharded = "distributed.strategy=fsdp2"
+    run(tmp_path / "straight", 3, sharded)
+    run(tmp_path / "resumed", 2, sharded)
+    run(tmp_path / "resumed", 3, sharded, "train.resume=auto")
+    assert losses(tmp_path / "resumed") == losses(tmp_path / "straight")
+    run(tmp_path / "plain", 3)
+    assert losses(tmp_path / "plain") == pytest.approx(losses(tmp_path / "straight"), rel=2e-2)
 
 
 def test_8bit_state_of_a_sharded_tensor_is_saved_as_dtensors_shaped_like_it(tmp_path):
