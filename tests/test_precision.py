@@ -122,6 +122,46 @@ def test_overrides_change_storage_and_compute_of_the_matching_modules(shapes_dir
     assert seen["model.language_model.layers.0.self_attn.q_proj.base_layer"] == (torch.bfloat16, torch.bfloat16)
 
 
+def test_an_fp32_attention_override_trains_and_generates_in_fp32(shapes_dir, tmp_path):
+    """An override on a module holding others (`self_attn$`, compute fp32) runs all of it in fp32: its
+    projections and norms are stored and computed in fp32 as the plan says (they inherit it; an own
+    rule still wins), and a rollout keeps those layers' KV cache in fp32, so the engine's log-probs
+    of its tokens are the trainer's (bf16 everywhere else). Both crashed before: q/k in fp32 met a
+    bf16 v_proj in training, an fp32 query met the bf16 cache in decoding."""
+    from vlforge.config import ModuleOverride, RolloutConfig
+    from vlforge.data.encode import encode_prompt
+    from vlforge.engine.losses import sft_loss_sum
+    from vlforge.generate.engine import engine_for
+    from vlforge.rollout.engine import generate_groups, sequence_logprobs
+
+    policy = PrecisionPolicy(PrecisionConfig(mode="bf16", overrides=[ModuleOverride(r"self_attn$", compute="fp32"),
+                                                                     ModuleOverride(r"o_proj$", compute="bf16")]), "cpu")
+    attn = "model.language_model.layers.1.self_attn"
+    assert policy.module_compute(f"{attn}.k_proj") == policy.module_compute(f"{attn}.q_norm") == torch.float32
+    assert policy.frozen_storage(f"{attn}.v_proj") == torch.float32
+    assert policy.module_compute(f"{attn}.o_proj") == torch.bfloat16  # its own rule wins over the parent's
+    assert policy.module_compute("model.language_model.layers.1.mlp.up_proj") == torch.bfloat16
+
+    cfg = tiny_sft_config(shapes_dir, tmp_path, "precision.mode=bf16", "tiers.method=lora",
+                          "precision.overrides=[{pattern: 'self_attn$', compute: fp32}]")
+    t = setup_model(cfg)
+    data = load_dataset(cfg.data.train, t.processor, cfg.data)
+    with t.policy.autocast():
+        loss, _ = sft_loss_sum(t.model, collate([data[i] for i in range(4)], data.encoder.pad_id))
+    loss.backward()
+    prompts = collate([encode_prompt(data.encoder, data.samples[i]) for i in range(2)], data.encoder.pad_id,
+                      left_pad=True)
+    rollout_cfg = RolloutConfig(group_size=3, max_new_tokens=6, temperature=1.0)
+    with torch.no_grad(), t.policy.autocast(), t.policy.inference_weights(t.model):
+        rollout = generate_groups(t.model, data.encoder, prompts, [len(data.samples[i].images) for i in range(2)],
+                                  rollout_cfg, seed=3)
+        logp, _ = sequence_logprobs(t.model, rollout, rollout_cfg.temperature)
+    cache = engine_for(t.model).cache
+    assert {k.dtype for k in cache.keys} == {torch.float32}  # every layer's attention is fp32 here
+    real = rollout.response_mask.bool()
+    torch.testing.assert_close(logp[real], rollout.logprobs[real], atol=1e-5, rtol=0)  # measured: 5e-7
+
+
 def test_master_weights_in_compute_dtype(shapes_dir, tmp_path):
     cfg = tiny_sft_config(shapes_dir, tmp_path, "precision.mode=bf16", "precision.master_weights=compute",
                           "tiers.method=full")

@@ -88,12 +88,20 @@ class PrecisionPolicy:
     # ------------------------------------------------------------------ per-module resolution
 
     def module_compute(self, name: str) -> torch.dtype:
-        """The dtype a module's arithmetic runs in (before FP8, which engine/fp8.py layers on top)."""
-        dtype = self.compute_dtype
-        for pattern, o in self._overrides:
-            if o.compute and pattern.search(canonical_name(name)):
-                dtype = DTYPES[o.compute]
-        return dtype
+        """The dtype a module's arithmetic runs in (before FP8, which engine/fp8.py layers on top):
+        the last override with a compute dtype that matches the module's own name, else that of its
+        nearest ancestor with one (apply's wrapper runs an fp32 module's whole forward with autocast
+        off and fp32 inputs, a half one in a nested autocast: what is inside computes so too), else
+        the compute dtype."""
+        parts = canonical_name(name).split(".")
+        for end in range(len(parts), 0, -1):  # the module itself, then each ancestor
+            prefix, dtype = ".".join(parts[:end]), None
+            for pattern, o in self._overrides:
+                if o.compute and pattern.search(prefix):
+                    dtype = DTYPES[o.compute]
+            if dtype is not None:
+                return dtype
+        return self.compute_dtype
 
     def frozen_storage(self, name: str) -> torch.dtype:
         """dtype of a frozen parameter owned by module `name` (a trainable one uses master_dtype)."""

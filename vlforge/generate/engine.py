@@ -213,6 +213,12 @@ class Feed:
             return done
 
 
+def _mask_for(mask, query):
+    """The step mask as SDPA takes it for `query`: boolean, or additive in the query's dtype (the
+    engine builds one additive mask in the usual dtype; a layer an override runs in fp32 casts it)."""
+    return mask if mask is None or mask.dtype in (torch.bool, query.dtype) else mask.to(query.dtype)
+
+
 def _decode_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """One query token per row: the query heads of a KV head attend as one group ([S, kv heads,
     q heads / kv heads, D]), so grouped-query attention reads the KV cache once instead of
@@ -222,7 +228,7 @@ def _decode_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     if q != 1:
         raise RuntimeError("the decode attention takes one query token per row")
     out = F.scaled_dot_product_attention(query.reshape(S, Hkv, Hq // Hkv, D), key, value,
-                                         attn_mask=attention_mask, scale=scaling)
+                                         attn_mask=_mask_for(attention_mask, query), scale=scaling)
     return out.reshape(S, Hq, 1, D).transpose(1, 2), None
 
 
@@ -259,7 +265,7 @@ def _decode_attention_grouped(module, query, key, value, attention_mask, dropout
     if q != 1:
         raise RuntimeError("the decode attention takes one query token per row")
     q_PHQD = query.reshape(P, G, Hkv, Hq // Hkv, D).transpose(1, 2).reshape(P, Hkv, G * (Hq // Hkv), D)
-    out = F.scaled_dot_product_attention(q_PHQD, key, value, attn_mask=attention_mask, scale=scaling)
+    out = F.scaled_dot_product_attention(q_PHQD, key, value, attn_mask=_mask_for(attention_mask, query), scale=scaling)
     return out.reshape(P, Hkv, G, Hq // Hkv, D).transpose(1, 2).reshape(S, 1, Hq, D), None
 
 
@@ -284,10 +290,11 @@ class SlotCache:
         # compiled step's Lb never meets a contiguity check that holds (which would specialize Lb on
         # the longest bucket and break _compiled_once's one compile)
         shape = (slots, kv_heads, length + 1, head_dim)
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
+        dtypes = _per_layer(dtype, layers)  # a layer whose attention an override runs in fp32 keeps fp32 keys
+        self.keys = [torch.zeros(shape, dtype=d, device=device) for d in dtypes]
+        self.values = [torch.zeros(shape, dtype=d, device=device) for d in dtypes]
         self.rows = torch.arange(slots, device=device)
-        self.slots, self.length, self.dtype = slots, length, dtype
+        self.slots, self.length, self.dtype = slots, length, dtypes
         self.write_S = self.span_L = None
 
     def bind(self, write_S: torch.Tensor, span_L: torch.Tensor) -> None:
@@ -349,6 +356,11 @@ class GroupCache(SlotCache):
         K[group_S, :, write_S] = key_states[:, :, 0].to(K.dtype)
         V[group_S, :, write_S] = value_states[:, :, 0].to(V.dtype)
         return K[:P, :, :Lk], V[:P, :, :Lk]
+
+
+def _per_layer(dtype, layers: int) -> tuple[torch.dtype, ...]:
+    """A KV dtype per layer: `dtype` itself when it is one (a tuple), else `dtype` for every layer."""
+    return tuple(dtype) if isinstance(dtype, (tuple, list)) else (dtype,) * layers
 
 
 def _layer_kv(cache, layer: int):
@@ -624,7 +636,7 @@ class Engine:
         slots = max(slots, 2 * max(group, 1) if self.compile else 1)  # compiled steps run at least 2 slots (groups)
         rows = group * _bucket(math.ceil(slots / group)) if group else _bucket(slots)
         self._ensure_buffers(rows, LENGTH_BUCKET * math.ceil(length / LENGTH_BUCKET),
-                             dtype or self._kv_dtype(device), device, group=group)
+                             dtype or self._kv_dtypes(device), device, group=group)
 
     # -- buffers ------------------------------------------------------------------------------
 
@@ -633,6 +645,7 @@ class Engine:
         GroupCache of slots / G groups (reused while large enough and of the same kind and G)."""
         c = self.cache
         kind = getattr(c, "group", 0)
+        dtype = _per_layer(dtype, self.text_config.num_hidden_layers)
         if c is not None and c.slots * max(kind, 1) >= slots and c.length >= length and c.dtype == dtype and \
                 c.keys[0].device == device and kind == group:
             return
@@ -907,8 +920,9 @@ class Engine:
         if max(r.n for r in requests.values()) > n_slots:
             raise ValueError(f"a request asks for {max(r.n for r in requests.values())} samples; the engine has "
                              f"{n_slots} slots (raise slots / max_slots)")
-        kv_dtype = self._kv_dtype(device)
-        self._mask_dtype = kv_dtype if self.additive_mask else None
+        kv_dtype = self._kv_dtypes(device)
+        # the additive step mask in the usual KV dtype (a layer computing in another casts it: _decode_attention)
+        self._mask_dtype = self._kv_dtype(device) if self.additive_mask else None
         use_graphs = self._graphs_on(device)
         compiled = use_graphs and (compile if compile is not None else self.compile)
         # torch.compile specializes a dimension of size 1 (dynamic=True or not): a one-row step would
@@ -1193,6 +1207,19 @@ class Engine:
                                    "were not in the compiled step); generate with compile=False "
                                    "(rollout.compile=false)")
         return routes, read
+
+    def _kv_dtypes(self, device) -> tuple[torch.dtype, ...]:
+        """Each layer's key dtype: the usual one (_kv_dtype), or the dtype a precision override runs
+        the layer's attention in (engine/precision.py marks each module it wraps with
+        `_vlforge_compute`; the innermost of the model, the language model, the layer and its
+        attention decides): an fp32 attention's keys are fp32 as in training, not rounded to bf16."""
+        usual, out = self._kv_dtype(device), []
+        outer = [getattr(m, "_vlforge_compute", None) for m in (self.core, self.core.model, self.lm)]
+        for layer in self.lm.layers:
+            marks = [d for d in (*outer, getattr(layer, "_vlforge_compute", None),
+                                 getattr(layer.self_attn, "_vlforge_compute", None)) if d is not None]
+            out.append(marks[-1] if marks else usual)
+        return tuple(out)
 
     def _kv_dtype(self, device) -> torch.dtype:
         """The dtype the layers' keys come out in (the compute dtype under autocast)."""
