@@ -441,7 +441,17 @@ def test_served_model_calls_tools_openai_style(tool_model, tool_data):
                "arguments not JSON": {"messages": [*question, {"role": "assistant", "tool_calls": [
                    {**call, "function": {"name": "calculator", "arguments": "{oops"}}]}]},
                "assistant without content or calls": {"messages": [*question, {"role": "assistant"}]},
-               "legacy functions": {"functions": [{"name": "f"}]}}
+               "legacy functions": {"functions": [{"name": "f"}]},
+               # OpenAI's rules: a result answers a call of the assistant message before it, by its id,
+               # and every call is answered before the conversation goes on
+               "result of no call": {"messages": [*question, {"role": "tool", "tool_call_id": "x", "content": "6"}]},
+               "result of another id": {"messages": [*question, {"role": "assistant", "content": None, "tool_calls":
+                                                                  [call]},
+                                                     {"role": "tool", "tool_call_id": "call_other", "content": "6"}]},
+               "call without a result": {"messages": [*question, {"role": "assistant", "content": None, "tool_calls":
+                                                                   [call]}, {"role": "user", "content": "and?"}]}}
+        said = {"result of no call": "answers none of no calls", "result of another id": "'call_other'",
+                "call without a result": "have no tool messages with their results"}
         for name, change in bad.items():
             r = client.post("/v1/chat/completions", json={**ask, "messages": question, **change})
-            assert r.status_code == 400 and r.json()["error"]["message"], name
+            assert r.status_code == 400 and said.get(name, "") in r.json()["error"]["message"], (name, r.text)

@@ -205,6 +205,38 @@ def validation_message(err: ValidationError | RequestValidationError) -> tuple[s
     return (f"{loc}: {message}" if loc else message), (loc or None)
 
 
+def _check_tool_turns(messages: list[_Message]) -> None:
+    """OpenAI's rules for a conversation with tool calls: a tool message answers a call of the
+    assistant message before it (by tool_call_id), and every such call is answered before the
+    conversation goes on. The model reads each result as the answer to a call: a result matched
+    to no call, or a call left without one, would be a conversation it never had."""
+    open_calls: dict[str, int] = {}  # the last assistant message's unanswered calls -> that message
+    for i, m in enumerate(messages):
+        if m.role == "tool":
+            if m.tool_call_id not in open_calls:
+                said = f"tool_call_id {m.tool_call_id!r}" if m.tool_call_id else "no tool_call_id"
+                raise APIError(400, f"messages.{i}: a tool message must answer a call of the assistant message before "
+                                    f"it, by its id; this one has {said}, which answers none of "
+                                    f"{sorted(open_calls) or 'no calls'}", param=f"messages.{i}.tool_call_id",
+                               code="invalid_value")
+            del open_calls[m.tool_call_id]
+            continue
+        if open_calls:
+            raise APIError(400, f"messages.{i}: the assistant message {next(iter(open_calls.values()))}'s tool calls "
+                                f"{sorted(open_calls)} have no tool messages with their results before it",
+                           param=f"messages.{i}", code="invalid_value")
+        if m.tool_calls:
+            ids = [c.id for c in m.tool_calls]
+            if len(set(ids)) != len(ids):
+                raise APIError(400, f"messages.{i}.tool_calls: two calls with one id", param=f"messages.{i}.tool_calls",
+                               code="invalid_value")
+            open_calls = dict.fromkeys(ids, i)
+    if open_calls:
+        raise APIError(400, f"the assistant message {next(iter(open_calls.values()))}'s tool calls "
+                            f"{sorted(open_calls)} have no tool messages with their results",
+                       param="messages", code="invalid_value")
+
+
 def parse_chat_request(body: bytes | bytearray, cfg: ServeConfig) -> ChatRequest:
     """The request body as a ChatRequest, checked against what this server supports and its limits
     (`cfg.model_name` is the served model's id)."""
@@ -253,6 +285,7 @@ def parse_chat_request(body: bytes | bytearray, cfg: ServeConfig) -> ChatRequest
                 raise APIError(400, f"messages.{i}.tool_calls.{j}.function.arguments must be a JSON object (as "
                                     "text)", param=f"messages.{i}.tool_calls.{j}.function.arguments",
                                code="invalid_value")
+    _check_tool_turns(req.messages)
     off = {"logprobs": not req.logprobs, "top_logprobs": not req.top_logprobs, "logit_bias": not req.logit_bias,
            "response_format": (req.response_format or {}).get("type", "text") == "text",
            "presence_penalty": not req.presence_penalty, "frequency_penalty": not req.frequency_penalty}
