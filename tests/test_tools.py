@@ -12,7 +12,7 @@ from vlforge.data.dataset import load_dataset
 from vlforge.data.encode import collate, encode_prompt
 from vlforge.data.jsonl import DataError, read_jsonl
 from vlforge.data.synth import synth_tool_use
-from vlforge.rl.tools import (ToolCall, ToolCallStream, calculator, load_tools, parse_tool_calls, run_tool_calls,
+from vlforge.rl.tools import (ToolCall, ToolCallStream, ToolProcesses, calculator, load_tools, parse_tool_calls, run_tool_calls,
                               split_tool_calls)
 from vlforge.rollout.engine import sequence_logprobs
 from vlforge.rollout.multiturn import generate_with_tools
@@ -113,6 +113,46 @@ def test_tool_results_report_every_failure_to_the_model_and_slow_tools_time_out(
     # every call starts at once (none waits for a free worker): 40 calls of 0.3 s all answer within 1 s
     many = run_tool_calls([[ToolCall("slow", {"seconds": 0.3})] for _ in range(40)], tools, timeout_s=1.0)
     assert all(seq[0].ok for seq in many)
+
+
+def test_tool_processes_give_the_threads_results_and_stop_what_hangs_or_crashes(tmp_path):
+    """rollout.tool_processes: the same results as threads in the trainer; a call past the timeout
+    is stopped (its worker killed: it never writes its file), a worker that dies (os._exit) answers
+    its call with an error and is replaced, a tool's print does not break the channel, and more calls
+    than workers wait for a free one, each timed from its own start. A tool a worker cannot load
+    stops the run with the reason."""
+    (tmp_path / "t.py").write_text(
+        "import os, time\n"
+        "def slow(seconds: float, mark: str = '') -> str:\n    '''Sleep.\n\n    Args:\n        seconds: How long.\n"
+        "        mark: A file written after the sleep.\n    '''\n"
+        "    print('sleeping', seconds)\n    time.sleep(seconds)\n"
+        "    if mark:\n        open(mark, 'w').write('done')\n    return 'woke'\n\n"
+        "def crash(code: int) -> str:\n    '''Exit at once.\n\n    Args:\n        code: The exit code.\n    '''\n"
+        "    os._exit(code)\n")
+    tools = load_tools(["calculator", f"{tmp_path / 't.py'}:slow", f"{tmp_path / 't.py'}:crash"])
+    calls = [[ToolCall("calculator", {"expression": "6*7"}), ToolCall("search", {"q": "x"})],
+             [ToolCall("calculator", {"expression": "1/0"}), ToolCall(None, {}, "the tool call is not valid JSON")],
+             [ToolCall("slow", {"seconds": 0.05})]]
+    mark = tmp_path / "hung-finished"
+    with ToolProcesses(tools, 3) as run:
+        assert run(calls, tools, 30.0) == run_tool_calls(calls, tools, 30.0)
+        start = time.perf_counter()
+        [[hung], [died], [fine]] = run([[ToolCall("slow", {"seconds": 3.0, "mark": str(mark)})],
+                                        [ToolCall("crash", {"code": 3})], [ToolCall("calculator", {"expression": "2"})]],
+                                       tools, 1.0)
+        assert time.perf_counter() - start < 2.9  # the 3 s call did not hold the round
+        assert not hung.ok and "within 1 s (stopped)" in hung.text
+        assert not died.ok and "exit code 3" in died.text and fine.text == "2"
+        assert [r.text for [r] in run([[ToolCall("calculator", {"expression": "3"})]] * 5, tools, 5.0)] == ["3"] * 5
+        # 6 calls of 0.4 s on 3 workers: two waves, every call inside its own 1 s
+        start = time.perf_counter()
+        waves = run([[ToolCall("slow", {"seconds": 0.4})]] * 6, tools, 1.0)
+        assert all(r.ok for [r] in waves) and time.perf_counter() - start >= 0.8  # waited, then ran in time
+    time.sleep(3.5)
+    assert not mark.exists()  # the hung call's worker was killed, not left running
+    (tmp_path / "t.py").write_text("raise ImportError('gone')\n")  # changed after the trainer loaded it
+    with ToolProcesses(tools, 1) as run, pytest.raises(ConfigError, match="worker process .* could not load .*gone"):
+        run([[ToolCall("calculator", {"expression": "1"})]], tools, 5.0)
 
 
 @pytest.fixture(scope="module")
@@ -326,10 +366,15 @@ def test_grpo_with_tools_scores_the_last_turn_and_logs_tool_use(tool_model, tool
                      zip(multi.completions, multi.transcripts, multi.calls, multi.failed_calls)]
     assert any(any(m["role"] == "tool" for m in tr) for _, tr, _, _ in given)
     assert all(tr[-1] == {"role": "assistant", "content": c} for c, tr, _, _ in given)
-    # the evaluation answers as conversations with the tools too: greedy, the last turn scored
+    # the evaluation answers as conversations with the tools too: greedy, the last turn scored (here
+    # with the calls in worker processes, rollout.tool_processes, which the rollouts use as well)
     out = run_grpo(load_config(GRPOConfig, shipped, [*common, f"train.output_dir={tmp_path / 'val'}",
                                                      "train.max_steps=1", f"data.val={tool_data['prompts']}",
-                                                     "eval.max_samples=4", "eval.at_start=true"]))
+                                                     "eval.max_samples=4", "eval.at_start=true",
+                                                     "rollout.tool_processes=2"]))
+    [step] = [row for line in (tmp_path / "val" / "metrics.jsonl").read_text().splitlines()
+              for row in [json.loads(line)] if "tool/calls_mean" in row]
+    assert step["tool/calls_mean"] > 0.5 and step["tool/failed_frac"] < 0.5
     examples = json.loads((tmp_path / "val" / "eval.json").read_text())["examples"]
     assert out["first_eval"]["n"] == 4 and len(examples) == 4
     assert all(e["generated"].startswith("<answer>") and "<tool" not in e["generated"] for e in examples), examples

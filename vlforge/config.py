@@ -599,6 +599,9 @@ class RolloutConfig:
     tool_turns: int = 4  # assistant turns whose tool calls run, at most; a later turn's calls end the response
     tool_result_tokens: int = 256  # each tool result cut to this many tokens
     tool_timeout_s: float = 30.0  # a round of tool calls (all sequences' at once) waits this long for them
+    # 0: each call on a thread of the trainer's process; N > 0: in up to N worker processes, where a
+    # call past tool_timeout_s is stopped (for tools that may hang, hold the GIL or crash)
+    tool_processes: int = 0
 
     def __post_init__(self):
         if self.tools and self.engine == "hf":
@@ -609,6 +612,7 @@ class RolloutConfig:
         _range(self, "tool_turns", ge=1)
         _range(self, "tool_result_tokens", ge=1)
         _range(self, "tool_timeout_s", gt=0)
+        _range(self, "tool_processes", ge=0)
         if self.router_replay is not False and self.engine == "hf":
             raise ConfigError(f"rollout.router_replay={self.router_replay} needs rollout.engine=vlforge "
                               "(the plain hf decode loop records no routes)")

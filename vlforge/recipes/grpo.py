@@ -41,10 +41,10 @@ from vlforge.model.host_inputs import host_to_device
 from vlforge.model.load import build_meta_model, dir_config
 from vlforge.model.presets import MOE_PRESETS, is_moe
 from vlforge.rl import RewardSpec, agg_loss, build_rewards, exact_match, kl_penalty, outcome_advantages, policy_loss
-from vlforge.rl.tools import Tool
+from vlforge.rl.tools import Tool, run_tool_calls
 from vlforge.rollout.engine import (PackedLayout, Rollout, generate_groups, packing_enabled, rollout_seed,
                                     route_rows, sequence_logprobs, token_mask)
-from vlforge.rollout.multiturn import generate_with_tools, rollout_tools
+from vlforge.rollout.multiturn import generate_with_tools, rollout_tools, tool_runner
 from vlforge.serve.judge import ModelJudge
 
 
@@ -98,7 +98,8 @@ def encode_prompts(data: ChatDataset, idx: list[int], on_error: str,
 
 
 def rollout_round(t: Trainable, data: ChatDataset, idx: list[int], cfg: GRPOConfig,
-                  rewards, tools: dict[str, Tool] | None = None) -> tuple[Rollout | None, dict]:
+                  rewards, tools: dict[str, Tool] | None = None,
+                  run_calls=run_tool_calls) -> tuple[Rollout | None, dict]:
     samples, encoded = encode_prompts(data, idx, cfg.data.on_error, tools)
     G = cfg.rollout.group_size
     # every rank's prompts left after data.on_error=skip: this rank's rows of the global batch are
@@ -119,7 +120,7 @@ def rollout_round(t: Trainable, data: ChatDataset, idx: list[int], cfg: GRPOConf
     with t.policy.autocast(), t.policy.inference_weights(t.model), fully_gathered(t.root):
         if tools:  # multi-turn: the rewards score each response's last assistant turn
             multi = generate_with_tools(t.model, data.encoder, prompts, images, cfg.rollout, tools,
-                                        first_row=first_row, seed=seed)
+                                        first_row=first_row, seed=seed, run_calls=run_calls)
             rollout, texts = multi.rollout, multi.completions
             tool_stats = {"calls": multi.calls, "failed_calls": multi.failed_calls, "turns": multi.turns}
             transcripts = multi.transcripts
@@ -141,8 +142,8 @@ def rollout_round(t: Trainable, data: ChatDataset, idx: list[int], cfg: GRPOConf
                      "correct": [exact_match(c, a) for c, a in zip(texts, answers)], "tools": tool_stats}
 
 
-def collect(t: Trainable, data, stream, state: dict, cfg: GRPOConfig, rewards, tools: dict[str, Tool] | None = None
-            ) -> tuple[list[Batch], dict, Batch | None]:
+def collect(t: Trainable, data, stream, state: dict, cfg: GRPOConfig, rewards, tools: dict[str, Tool] | None = None,
+            run_calls=run_tool_calls) -> tuple[list[Batch], dict, Batch | None]:
     """Rollout rounds until B groups with non-zero reward variance (dynamic sampling) or one round.
     Returns (this rank's kept groups, every rank's statistics, a spare sequence of this rank's for
     padding updates, or None).
@@ -157,7 +158,7 @@ def collect(t: Trainable, data, stream, state: dict, cfg: GRPOConfig, rewards, t
     kept_groups, kept_rewards, kept_lengths, spare = 0, [], [], None
     for _ in range(cfg.rl.max_sampling_tries if cfg.rl.dynamic_sampling else 1):
         idx, state["epoch"], state["position"] = next(stream)
-        rollout, scored = rollout_round(t, data, idx, cfg, rewards, tools)
+        rollout, scored = rollout_round(t, data, idx, cfg, rewards, tools, run_calls)
         scored, sizes = gather_round(world, rollout, scored)  # the global batch, in one-process order
         if scored is None:  # every prompt of the round was skipped (data.on_error=skip), on every rank
             continue
@@ -448,7 +449,7 @@ def update(t: Trainable, ref_model, batches: list[Batch], optimizer, scaler, hea
     return row
 
 
-def tool_answers(t: Trainable, cfg: GRPOConfig, tools: dict[str, Tool]):
+def tool_answers(t: Trainable, cfg: GRPOConfig, tools: dict[str, Tool], run_calls):
     """The evaluation's answers with rollout.tools (engine.evaluate.generate_answers' signature):
     each held-out prompt answered greedily as a conversation with the tools, one sample a prompt,
     within rollout.max_new_tokens (the budget of a whole response, as in training; eval.max_new_tokens
@@ -465,7 +466,7 @@ def tool_answers(t: Trainable, cfg: GRPOConfig, tools: dict[str, Tool]):
             # compiled layers eager (the decode shapes change every call); sharded: gathered as for rollouts
             with policy.autocast(), torch.compiler.set_stance("force_eager"), fully_gathered(t.root):
                 multi = generate_with_tools(model, encoder, prompts, [len(x.images) for x in chunk], greedy, tools,
-                                            seed=0, samples_per_prompt=1)
+                                            seed=0, samples_per_prompt=1, run_calls=run_calls)
             out += [c.strip() for c in multi.completions]
         return out
     return answer
@@ -584,7 +585,7 @@ def run_grpo(cfg: GRPOConfig) -> dict:
     strategy, _ = planned_strategy(cfg.distributed.strategy, world_size, cfg.train.device)
     if strategy != "none":
         refuse_unsupported_sharded(cfg, world_size, strategy)
-    with begin_run(cfg) as (world, resume_from):
+    with begin_run(cfg) as (world, resume_from), tool_runner(tools, cfg.rollout) as run_calls:
         for fn in rewards.fns:  # a judge model loads on this rank's device, beside the policy (serve/judge.py)
             if isinstance(fn, ModelJudge) and fn.device == "auto":
                 fn.device = str(world.device)
@@ -613,7 +614,7 @@ def run_grpo(cfg: GRPOConfig) -> dict:
         # shared_rng: every rank draws each rollout's seed from the global RNG, which stays in lockstep
         # (dropout off), so a resume on any number of ranks gives every rank rank 0's stream
         run = Run.start(cfg, t, total_steps, val, resume_from, spikes=False, shared_rng=True,
-                        answer=tool_answers(t, cfg, tools) if tools else None)
+                        answer=tool_answers(t, cfg, tools, run_calls) if tools else None)
         B, G = cfg.rollout.prompts_per_step, cfg.rollout.group_size
         if world.main:
             print(f"GRPO: {len(data)} prompts, {B} x {G} rollouts per step, {total_steps} steps, device {t.device}"
@@ -626,7 +627,7 @@ def run_grpo(cfg: GRPOConfig) -> dict:
         while run.step < total_steps:
             start = time.perf_counter()
             t.model.eval()  # rollouts sample from the policy without dropout
-            batches, stats, spare = collect(t, data, stream, run.state, cfg, rewards, tools)
+            batches, stats, spare = collect(t, data, stream, run.state, cfg, rewards, tools, run_calls)
             if not cfg.rollout.keep_kv and cfg.rollout.engine == "vlforge":
                 engine_for(t.model).release()  # the update gets the KV slots' memory (rollout.keep_kv)
             t_rollout = time.perf_counter() - start

@@ -14,8 +14,9 @@ A tool is a Python function with type hints and a Google-style docstring; transf
 The model calls tools as Qwen3-VL's chat template teaches it: one or more
 ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` blocks in an assistant turn. Each
 call's result (the function's return value as text, or an error the model can read: unknown tool,
-bad arguments, an exception, a timeout) goes back to it as a tool message. Pure functions and a
-thread per call; the rollout loop that uses them is rollout/multiturn.py.
+bad arguments, an exception, a timeout) goes back to it as a tool message. Pure functions, and a
+call runs on a thread (run_tool_calls) or in a worker process (ToolProcesses, rl/tool_worker.py);
+the rollout loop that uses them is rollout/multiturn.py.
 """
 
 from __future__ import annotations
@@ -24,11 +25,16 @@ import ast
 import json
 import math
 import operator
+import pickle
 import re
+import selectors
+import struct
+import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, BinaryIO, Callable, Sequence
 
 from vlforge.rl.rewards import load_callable
 
@@ -43,6 +49,7 @@ class Tool:
     name: str
     fn: Callable[..., Any]
     schema: dict  # {"type": "function", "function": {name, description, parameters}}: what the template renders
+    spec: str = ""  # the rollout.tools entry it came from (a worker process loads it again from this)
 
 
 @dataclass(frozen=True)
@@ -114,16 +121,7 @@ def load_tools(specs: Sequence[str]) -> dict[str, Tool]:
 
     tools: dict[str, Tool] = {}
     for spec in specs:
-        if spec in BUILTIN_TOOLS:
-            fn = BUILTIN_TOOLS[spec]
-        elif ":" in spec:
-            try:
-                fn = load_callable(spec, "tool", TOOL_SIGNATURE)
-            except (FileNotFoundError, ImportError, AttributeError, TypeError) as e:
-                raise ValueError(str(e)) from e
-        else:
-            raise ValueError(f"unknown tool {spec!r}: use a builtin ({', '.join(BUILTIN_TOOLS)}) or "
-                             "'path/to/file.py:function_name'")
+        fn = tool_function(spec)
         try:
             schema = get_json_schema(fn)
         except Exception as e:  # transformers raises its own TypeError / DocstringParsingException
@@ -135,8 +133,22 @@ def load_tools(specs: Sequence[str]) -> dict[str, Tool]:
         name = schema["function"]["name"]
         if name in tools:
             raise ValueError(f"tool {spec!r}: a second tool named {name!r}; tool names must be unique")
-        tools[name] = Tool(name, fn, schema)
+        tools[name] = Tool(name, fn, schema, spec)
     return tools
+
+
+def tool_function(spec: str) -> Callable[..., Any]:
+    """The function of one rollout.tools entry: a builtin name or ``path.py:function`` (ValueError
+    naming what to fix)."""
+    if spec in BUILTIN_TOOLS:
+        return BUILTIN_TOOLS[spec]
+    if ":" in spec:
+        try:
+            return load_callable(spec, "tool", TOOL_SIGNATURE)
+        except (FileNotFoundError, ImportError, AttributeError, TypeError) as e:
+            raise ValueError(str(e)) from e
+    raise ValueError(f"unknown tool {spec!r}: use a builtin ({', '.join(BUILTIN_TOOLS)}) or "
+                     "'path/to/file.py:function_name'")
 
 
 def parse_tool_calls(text: str) -> list[ToolCall]:
@@ -290,3 +302,130 @@ def run_tool_calls(calls: Sequence[Sequence[ToolCall]], tools: dict[str, Tool],
         thread.join(max(0.0, deadline - time.monotonic()))
     late = ToolResult(f"error: the tool did not answer within {timeout_s:g} s", False)
     return [[box.get((i, j), late) for j in range(len(seq))] for i, seq in enumerate(calls)]
+
+
+_FRAME_HEADER = struct.Struct("<Q")  # a frame between the trainer and a tool worker: its length, then a pickle
+
+
+def write_frame(stream: BinaryIO, value) -> None:
+    data = pickle.dumps(value)
+    stream.write(_FRAME_HEADER.pack(len(data)) + data)
+    stream.flush()
+
+
+def read_frame(stream: BinaryIO):
+    """The next frame's value; EOFError at the end of the stream (also in the middle of a frame)."""
+    header = stream.read(_FRAME_HEADER.size)
+    if len(header) < _FRAME_HEADER.size:
+        raise EOFError
+    (size,) = _FRAME_HEADER.unpack(header)
+    data = stream.read(size)
+    if len(data) < size:
+        raise EOFError
+    return pickle.loads(data)
+
+
+class ToolProcesses:
+    """Tool calls in worker processes (rollout.tool_processes = N > 0), for tools that must not run in
+    the trainer: a call still running at the timeout is stopped (its worker killed, a new one
+    started when needed), and a tool that holds the GIL, leaks memory or crashes its interpreter (a
+    C extension's segfault) affects its worker only. Workers are `python -m vlforge.rl.tool_worker`
+    (rl/tool_worker.py) subprocesses: a fresh interpreter, none of the trainer's CUDA state or
+    threads, and no multiprocessing start method that would import the trainer's __main__ again.
+    Each loads the tools from their specs once and is reused across rounds. Up to N calls run at
+    once; the others wait for a free worker, and each call has `timeout_s` from its own start.
+
+        with ToolProcesses(tools, 8) as run:
+            results = run(calls, tools, timeout_s)   # run_tool_calls' signature and results
+    """
+
+    def __init__(self, tools: dict[str, Tool], processes: int):
+        missing = [t.name for t in tools.values() if not t.spec]
+        if missing:
+            raise ValueError(f"tools {missing} have no spec to load in a worker process (load them with load_tools)")
+        self.specs = [(t.name, t.spec) for t in tools.values()]
+        self.processes = processes
+        self.idle: list = []  # started workers waiting for a call
+
+    def _start(self):
+        proc = subprocess.Popen([sys.executable, "-m", "vlforge.rl.tool_worker"], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE)
+        write_frame(proc.stdin, self.specs)
+        try:  # loaded and ready (a call's timeout does not pay for the interpreter's start)
+            problem = read_frame(proc.stdout)
+        except EOFError:
+            problem = f"it ended (exit code {proc.wait()})"
+        if problem is not None:
+            self._stop(proc)
+            from vlforge.config import ConfigError  # the run stops with the reason, as for a bad key
+
+            raise ConfigError(f"rollout.tools: a worker process (rollout.tool_processes) could not load "
+                              f"{[spec for _, spec in self.specs]}: {problem}")
+        return proc
+
+    @staticmethod
+    def _stop(proc) -> None:
+        proc.kill()
+        proc.wait()
+        for stream in (proc.stdin, proc.stdout):
+            stream.close()
+
+    def __call__(self, calls: Sequence[Sequence[ToolCall]], tools: dict[str, Tool],
+                 timeout_s: float) -> list[list[ToolResult]]:
+        waiting = [(i, j, call) for i, seq in enumerate(calls) for j, call in enumerate(seq)][::-1]
+        box: dict[tuple[int, int], ToolResult] = {}
+        busy = {}  # worker -> (call's key, deadline)
+        with selectors.DefaultSelector() as selector:
+            while waiting or busy:
+                while waiting and len(busy) < self.processes:
+                    i, j, call = waiting.pop()
+                    proc = self.idle.pop() if self.idle else self._start()
+                    try:
+                        write_frame(proc.stdin, call)
+                    except (BrokenPipeError, OSError):  # the worker ended while idle: another one takes it
+                        self._stop(proc)
+                        waiting.append((i, j, call))
+                        continue
+                    busy[proc] = ((i, j), time.monotonic() + timeout_s)
+                    selector.register(proc.stdout, selectors.EVENT_READ, proc)
+                first_deadline = min(deadline for _, deadline in busy.values())
+                for key, _ in selector.select(max(0.0, first_deadline - time.monotonic())):
+                    proc = key.data
+                    selector.unregister(proc.stdout)
+                    where, _ = busy.pop(proc)
+                    try:
+                        box[where] = read_frame(proc.stdout)
+                        self.idle.append(proc)
+                    except (EOFError, OSError, pickle.UnpicklingError):
+                        try:
+                            code = proc.wait(timeout=1.0)  # its stdout closed as it ended: the exit code follows
+                        except subprocess.TimeoutExpired:
+                            code = None
+                        self._stop(proc)
+                        box[where] = ToolResult(f"error: the tool's process ended without an answer (exit code "
+                                                f"{code})", False)
+                now = time.monotonic()
+                for proc, (where, deadline) in list(busy.items()):
+                    if deadline <= now:  # stopped: its worker killed, the call answered with the timeout
+                        selector.unregister(proc.stdout)
+                        busy.pop(proc)
+                        self._stop(proc)
+                        box[where] = ToolResult(f"error: the tool did not answer within {timeout_s:g} s (stopped)",
+                                                False)
+        return [[box[i, j] for j in range(len(seq))] for i, seq in enumerate(calls)]
+
+    def close(self) -> None:
+        for proc in self.idle:
+            try:
+                proc.stdin.close()  # the worker's read ends: it exits
+                proc.wait(timeout=5)
+            except Exception:  # noqa: BLE001 - a worker that does not leave is killed
+                pass
+            self._stop(proc)
+        self.idle = []
+
+    def __enter__(self) -> "ToolProcesses":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -29,6 +29,7 @@ go through the vision tower again for each of its continuing samples).
 from __future__ import annotations
 
 import functools
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -38,7 +39,7 @@ from vlforge.data.encode import Encoder, ImageLimits
 from vlforge.generate.engine import GenRequest, Prompt, engine_for, prompts_of_batch
 from vlforge.generate.forward import never_generated
 from vlforge.model.load import load_processor
-from vlforge.rl.tools import Tool, load_tools, parse_tool_calls, run_tool_calls
+from vlforge.rl.tools import Tool, ToolProcesses, load_tools, parse_tool_calls, run_tool_calls
 from vlforge.rollout.engine import Rollout, rollout_seed
 
 _TURN_SEED_STRIDE = 0x9E3779B97F4A7C15  # a turn's seed: far from the others' (odd, so turns never collide)
@@ -106,6 +107,17 @@ def rollout_tools(cfg: GRPOConfig) -> dict[str, Tool]:
     return tools
 
 
+@contextmanager
+def tool_runner(tools: dict[str, Tool], cfg: RolloutConfig):
+    """What runs a round of calls (run_tool_calls' signature): threads in this process, or with
+    rollout.tool_processes worker processes (rl/tools.ToolProcesses), stopped after the block."""
+    if not tools or cfg.tool_processes <= 0:
+        yield run_tool_calls
+        return
+    with ToolProcesses(tools, cfg.tool_processes) as run:
+        yield run
+
+
 def turn_seed(seed: int, turn: int) -> int:
     return (seed + turn * _TURN_SEED_STRIDE) % 2**62
 
@@ -113,10 +125,10 @@ def turn_seed(seed: int, turn: int) -> int:
 @torch.no_grad()
 def generate_with_tools(model, encoder: Encoder, prompts: dict, images_per_prompt: list[int], cfg: RolloutConfig,
                         tools: dict[str, Tool], first_row: int = 0, seed: int | None = None,
-                        samples_per_prompt: int | None = None) -> ToolRollout:
+                        samples_per_prompt: int | None = None, run_calls=run_tool_calls) -> ToolRollout:
     """`cfg.group_size` (or `samples_per_prompt`) multi-turn responses for each prompt of a
     left-padded prompt batch (whose prompts were encoded with the tools' schemas), the tools run
-    between turns (module docstring)."""
+    between turns (module docstring) by `run_calls` (tool_runner's)."""
     seed = rollout_seed() if seed is None else seed
     G, device, tok = samples_per_prompt or cfg.group_size, prompts["input_ids"].device, encoder.tokenizer
     base = prompts_of_batch(prompts, images_per_prompt)
@@ -150,7 +162,7 @@ def generate_with_tools(model, encoder: Encoder, prompts: dict, images_per_promp
             calls.append(found)
         if not calling:
             break
-        answers = run_tool_calls(calls, tools, cfg.tool_timeout_s)
+        answers = run_calls(calls, tools, cfg.tool_timeout_s)
         requests, running = [], []
         for n, found, results_n in zip(calling, calls, answers):
             conv = convs[n]

@@ -1,0 +1,40 @@
+"""One tool worker process (rl/tools.ToolProcesses starts it): `python -m vlforge.rl.tool_worker`.
+
+It reads frames from stdin and writes frames to the stdout it was started with; a frame is an
+8-byte length and a pickle. The first frame holds the tools as (name, spec) pairs, loaded here from
+their specs (a builtin name or ``path.py:function``, as rollout.tools names them); each next frame
+is answered with None once they are loaded (or with the error that stopped it); each next frame
+holds one ToolCall, answered with its ToolResult (rl/tools._run_one: an error the model can read
+when the call fails). A None frame or the end of stdin ends it. A tool's own prints go to stderr:
+stdout carries only frames. Imports no torch (rl/__init__.py loads its names lazily): a worker
+starts in well under a second.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from vlforge.rl.tools import Tool, _run_one, read_frame, tool_function, write_frame
+
+
+def main() -> None:
+
+    frames = os.fdopen(os.dup(sys.stdout.fileno()), "wb")  # the protocol's channel
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # a tool's print() goes to stderr
+    inbox = sys.stdin.buffer
+    try:
+        try:
+            tools = {name: Tool(name, tool_function(spec), {}, spec) for name, spec in read_frame(inbox)}
+        except Exception as e:  # noqa: BLE001 - said to the trainer, which stops the run with it
+            write_frame(frames, f"{type(e).__name__}: {e}")
+            return
+        write_frame(frames, None)  # ready: a call's timeout starts after this, not with the interpreter
+        while (call := read_frame(inbox)) is not None:
+            write_frame(frames, _run_one(call, tools))
+    except EOFError:
+        pass  # the trainer closed our stdin (or died): nothing left to answer
+
+
+if __name__ == "__main__":
+    main()
