@@ -249,9 +249,19 @@ def test_multi_turn_rollout_runs_the_calls_and_the_trainer_scores_only_generated
     model, enc, tools, encoded = _rollout_setup(tool_model, tool_data["prompts"])
     prompts = collate(encoded, enc.pad_id, left_pad=True)
     cfg = RolloutConfig(group_size=4, max_new_tokens=200, temperature=0.7, tools=["calculator"])
-    out = generate_with_tools(model, enc, prompts, [1, 1, 1], cfg, tools, seed=11)
+    patches = []  # the vision tower's patch rows per call
+    hook = model.model.visual.register_forward_pre_hook(lambda m, args: patches.append(args[0].shape[0]))
+    try:
+        out = generate_with_tools(model, enc, prompts, [1, 1, 1], cfg, tools, seed=11)
+    finally:
+        hook.remove()
     r = out.rollout
     assert sum(c > 0 for c in out.calls) >= 8 and bool(r.finished.all())
+    # each turn's prefill encodes a prompt's image once, however many of its samples continue (8 of 12
+    # here: some prompt has several), as the first turn does for its G samples
+    per_image = int(prompts["image_grid_thw"][0].prod())
+    continuing = {n // 4 for n in range(12) if out.calls[n]}
+    assert patches[0] == 3 * per_image and patches[1] == len(continuing) * per_image
     context_tokens = 0
     for n in range(12):
         real = r.response_ids[n][r.response_mask[n].bool()].tolist()

@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
 from transformers import AttentionInterface
 
-from vlforge.generate.forward import cache_of, encode_images, forward_shared, rope_positions
+from vlforge.generate.forward import ImageFeatures, cache_of, encode_images, forward_shared, rope_positions
 from vlforge.generate.fused import FusedProjections
 from vlforge.generate.routes import NO_ROUTE, ROUTE_DTYPE, recorder_of, router_modules
 from vlforge.generate.sampling import row_key, sample
@@ -812,10 +812,7 @@ class Engine:
         pos_3BP = rope_positions(self.core, ids_BP, mask_BP, image_token_id, grid)  # on the host
         next_pos_B = pos_3BP.amax(dim=(0, 2)) + 1
         ids_BP, mask_BP, pos_3BP = (host_to_device(t, device) for t in (ids_BP, mask_BP, pos_3BP))
-        # the pixels in the dtype the tower's patch embedding casts them to (the same values), cast on the host
-        pixels = joined_to_device([p.pixel_values for p in with_images], device, self._pixel_dtype) if with_images \
-            else None
-        feats = encode_images(self.core, pixels, grid, [p.images for p in prompts])
+        feats = self._image_features(prompts, device)
         with self.recorder.keep() if self._recording else nullcontext({}) as kept, self._fusion():
             out = forward_shared(self.core, ids_BP, mask_BP, pos_3BP, feats, list(range(len(prompts))), use_cache=True)
         slots, rows, keys, reqs = [], [], [], []
@@ -1207,6 +1204,24 @@ class Engine:
                                    "were not in the compiled step); generate with compile=False "
                                    "(rollout.compile=false)")
         return routes, read
+
+    def _image_features(self, prompts: list[Prompt], device) -> ImageFeatures | None:
+        """The vision tower over the prompts' images, each pixel tensor once: prompts that share one
+        (a multi-turn rollout's continuing conversations of one prompt, its G samples) read the same
+        feature rows, as a request's n samples do."""
+        distinct, source = {}, []  # id(pixel tensor) -> its prompt among the distinct ones; each prompt's
+        for p in prompts:
+            source.append(distinct.setdefault(id(p.pixel_values), len(distinct)) if p.images else None)
+        if not distinct:
+            return None
+        firsts = [next(p for p, s in zip(prompts, source) if s == k) for k in range(len(distinct))]
+        # the pixels in the dtype the tower's patch embedding casts them to (the same values), cast on the host
+        pixels = joined_to_device([p.pixel_values for p in firsts], device, self._pixel_dtype)
+        grid = torch.cat([p.image_grid_thw.cpu() for p in firsts])
+        feats = encode_images(self.core, pixels, grid, [p.images for p in firsts])
+        none = torch.zeros(0, dtype=torch.long, device=device)
+        feats.rows_per_prompt = [none if s is None else feats.rows_per_prompt[s] for s in source]
+        return feats
 
     def _kv_dtypes(self, device) -> tuple[torch.dtype, ...]:
         """Each layer's key dtype: the usual one (_kv_dtype), or the dtype a precision override runs

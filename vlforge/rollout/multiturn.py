@@ -22,8 +22,9 @@ policy's own, the only ones with log-probs and loss. A sequence's turn t samples
 Turns are rounds (every sequence's turn t before any turn t + 1) rather than continuations fed into
 the running engine call: a round's tokens do not depend on the tools' latency (as long as no call
 exceeds `rollout.tool_timeout_s`), and its tool calls overlap one another. The cost is the
-re-prefill of each continuing conversation (the engine keeps no KV across calls; a prompt's images
-go through the vision tower again for each of its continuing samples).
+re-prefill of each continuing conversation (the engine keeps no KV across calls); a prompt's images
+go through the vision tower once a turn, however many of its samples continue (the engine encodes
+each pixel tensor of a call once, and a prompt's continuing samples share its tensor).
 """
 
 from __future__ import annotations
