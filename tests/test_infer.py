@@ -88,6 +88,24 @@ def test_infer_and_eval_commands(shapes_dir, tmp_path):
     for i, row in enumerate(rows):
         by_task.setdefault(row["task"], []).append(i % 2 == 0)
     assert report["by_task"] == {k: sum(v) / len(v) for k, v in sorted(by_task.items())}
+    # --reward: each answer scored as GRPO scores a rollout (its text, the reference, the row's fields)
+    (tmp_path / "rewards.py").write_text("def task_len(completion, answer, task, **row):\n"
+                                         "    return float(len(task)) + (completion.strip() == answer)\n")
+    scored = tmp_path / "scored.json"
+    with contextlib.redirect_stdout(io.StringIO()) as said:
+        assert main([*eval_args, "--data", str(tmp_path / "half.jsonl"), "--out", str(scored), "--reward",
+                     "exact_match", "--reward", f"{tmp_path / 'rewards.py'}:task_len"]) == 0
+    scored = json.loads(scored.read_text())
+    key = f"{tmp_path / 'rewards.py'}:task_len"
+    for i, (a, row) in enumerate(zip(scored["answers"], rows)):
+        assert a["rewards"] == {"exact_match": float(i % 2 == 0), key: len(row["task"]) + float(i % 2 == 0)}
+        assert a["reward"] == sum(a["rewards"].values())
+    assert scored["rewards"]["exact_match"] == 0.5 and scored["reward_mean"] == pytest.approx(
+        sum(a["reward"] for a in scored["answers"]) / 8)
+    assert "exact_match 0.500" in said.getvalue()
+    with contextlib.redirect_stderr(io.StringIO()) as err:  # refused before the model loads
+        assert main([*eval_args, "--data", str(tmp_path / "half.jsonl"), "--reward", "nope"]) != 0
+    assert "--reward: " in err.getvalue() and "nope" in err.getvalue()
 
 
 def test_chat_keeps_history_and_images(engine, shapes_dir):

@@ -221,12 +221,22 @@ def cmd_eval(args) -> int:
 
     if args.out:
         check_writable(args.out, "--out")  # before the model loads and every answer is computed
+    rewards = None
+    if args.reward:  # loaded before the model: a typo fails at once
+        from vlforge.rl.rewards import build_rewards
+
+        try:
+            rewards = build_rewards(args.reward)
+        except (ValueError, FileNotFoundError, AttributeError, TypeError, ImportError) as e:
+            raise ConfigError(f"--reward: {e}") from e
     report = evaluate_jsonl(_engine(args, slots=args.batch_size), args.data, batch_size=args.batch_size,
-                            max_new_tokens=args.max_new_tokens, max_samples=args.max_samples)
+                            max_new_tokens=args.max_new_tokens, max_samples=args.max_samples, rewards=rewards)
     if args.out:
         write_json_atomic(report, args.out)
     tasks = " ".join(f"{k} {v:.3f}" for k, v in report["by_task"].items())
-    print(f"accuracy {report['accuracy']:.3f} (n={report['n']}; {tasks})" + (f"; answers in {args.out}" if args.out else ""))
+    scores = "".join(f"; {k} {v:.3f}" for k, v in report.get("rewards", {}).items())
+    print(f"accuracy {report['accuracy']:.3f} (n={report['n']}; {tasks}){scores}"
+          + (f"; answers in {args.out}" if args.out else ""))
     return 0
 
 
@@ -379,6 +389,10 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--max-new-tokens", type=_at_least(1), default=16)
     ev.add_argument("--max-samples", type=_at_least(1), help="only the first N rows")
     ev.add_argument("--out", help="write the report with every answer to this JSON file")
+    ev.add_argument("--reward", action="append", default=[], metavar="SPEC",
+                    help="also score each answer with this reward function, as GRPO's rl.rewards (a builtin: "
+                         "exact_match, choice, numeric, format; or path/to/file.py:function); repeatable: "
+                         "the report gives each one's mean")
     ev.set_defaults(func=cmd_eval)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat completions, streaming, batching)")

@@ -14,7 +14,7 @@ from typing import Callable
 from PIL import Image
 
 from vlforge.data.jsonl import DataError, read_jsonl
-from vlforge.rl.rewards import exact_match
+from vlforge.rl.rewards import CombinedReward, exact_match
 from vlforge.serve.engine import MAX_NEW_TOKENS, InferenceEngine, Request
 
 
@@ -75,8 +75,10 @@ def chat(engine: InferenceEngine, read: Callable[[str], str] = input, write: Cal
 
 
 def evaluate_jsonl(engine: InferenceEngine, path: str | Path, *, batch_size: int = 16,
-                   max_new_tokens: int = MAX_NEW_TOKENS["classify"], max_samples: int | None = None) -> dict:
-    """Batched greedy answers on a JSONL's prompts; exact-match accuracy overall and by task."""
+                   max_new_tokens: int = MAX_NEW_TOKENS["classify"], max_samples: int | None = None,
+                   rewards: CombinedReward | None = None) -> dict:
+    """Batched greedy answers on a JSONL's prompts; exact-match accuracy overall and by task, and
+    with `rewards` (rl/rewards.py, as GRPO's rl.rewards) each answer's scores and their means."""
     samples = read_jsonl(path)[:max_samples]
     rows, hits, by_task = [], 0, defaultdict(lambda: [0, 0])
     for s in range(0, len(samples), batch_size):
@@ -84,16 +86,28 @@ def evaluate_jsonl(engine: InferenceEngine, path: str | Path, *, batch_size: int
         requests = [Request([_placeholders(m) for m in x.prompt_messages], engine.encoder.decode_images(x),
                             max_new_tokens=max_new_tokens)
                     for x in chunk]
-        for x, out in zip(chunk, engine.generate(requests)):
+        outs = engine.generate(requests)
+        # scored as GRPO scores a rollout: the answer's text, the reference, the row's other fields
+        scored = rewards([o.text for o in outs], [x.answer for x in chunk], [x.fields for x in chunk],
+                         prompts=[x.prompt_messages for x in chunk]) if rewards is not None else None
+        for i, (x, out) in enumerate(zip(chunk, outs)):
             ok = exact_match(out.text, x.answer) == 1.0
             hits += ok
             task = x.fields.get("task", "all")
             by_task[task][0] += ok
             by_task[task][1] += 1
-            rows.append({"source": x.source, "task": task, "answer": out.text.strip(), "reference": x.answer, "correct": ok})
+            row = {"source": x.source, "task": task, "answer": out.text.strip(), "reference": x.answer, "correct": ok}
+            if scored is not None:
+                row["reward"] = scored.total[i]
+                row["rewards"] = {k: v[i] for k, v in scored.per_fn.items()}
+            rows.append(row)
     n = len(rows)
-    return {"n": n, "accuracy": hits / max(n, 1), "by_task": {k: a / b for k, (a, b) in sorted(by_task.items())},
-            "model": engine.name, "quant": engine.quant_report, "answers": rows}
+    report = {"n": n, "accuracy": hits / max(n, 1), "by_task": {k: a / b for k, (a, b) in sorted(by_task.items())},
+              "model": engine.name, "quant": engine.quant_report}
+    if rewards is not None:
+        report["reward_mean"] = sum(r["reward"] for r in rows) / max(n, 1)
+        report["rewards"] = {k: sum(r["rewards"][k] for r in rows) / max(n, 1) for k in rewards.keys}
+    return {**report, "answers": rows}
 
 
 def _placeholders(message: dict) -> dict:
