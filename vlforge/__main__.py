@@ -2,4 +2,5 @@ import sys
 
 from vlforge.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # not when a spawned process (multiprocessing) imports the main module again
+    sys.exit(main())
