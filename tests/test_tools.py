@@ -406,7 +406,9 @@ def test_tool_settings_that_cannot_run_are_refused(extra, match):
 def test_grpo_with_tools_on_two_ranks_equals_one_process(tool_model, tool_data, tmp_path, strategy):
     """Multi-turn tool rollouts under torchrun: the ranks run different numbers of turns (engine calls
     on the gathered model: no collectives inside), and the rollouts, rewards, tool use and the
-    update (one mini-batch a step: every rank takes its share of it) are one process's."""
+    update (one mini-batch a step: every rank takes its share of it) are one process's; so is the
+    evaluation with the tools (greedy conversations on held-out prompts). The 2 ranks run their
+    calls in worker processes (rollout.tool_processes), the one process on threads."""
     import os
     import subprocess
     import sys
@@ -419,21 +421,27 @@ def test_grpo_with_tools_on_two_ranks_equals_one_process(tool_model, tool_data, 
             f"rl.rewards=[{{name: '{tmp_path / 'reward.py'}:varied'}}]",
             f"data.train={tool_data['prompts']}", "log.progress=false", "rollout.group_size=4",
             "rollout.prompts_per_step=4", "rl.mini_batch_size=16", "rl.dynamic_sampling=false", "rl.kl_beta=0.05",
-            "train.max_steps=2", "tiers.language.lr=1e-3", "optim.max_grad_norm=null"]
+            "train.max_steps=2", "tiers.language.lr=1e-3", "optim.max_grad_norm=null",
+            f"data.val={tool_data['prompts']}", "eval.max_samples=6"]
     rows = {}
     for name, prefix in (("one", [sys.executable]), ("two", [sys.executable, "-m", "torch.distributed.run",
                                                               "--standalone", "--nproc_per_node=2"])):
-        extra = [f"distributed.strategy={strategy}"] if name == "two" else []
+        extra = [f"distributed.strategy={strategy}", "rollout.tool_processes=2"] if name == "two" else []
         result = subprocess.run([*prefix, "-m", "vlforge", "grpo", *args, *extra, f"train.output_dir={tmp_path / name}"],
                                 cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stderr[-3000:]
-        rows[name] = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        rows[name] = [row for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+                      for row in [json.loads(line)] if "reward_mean" in row]  # the steps (not the eval's row)
+    assert len(rows["one"]) == 2
     for one, two in zip(rows["one"], rows["two"], strict=True):
         for key in ("reward_mean", "tool/calls_mean", "tool/turns_mean", "tool/failed_frac", "truncated_frac"):
             assert two[key] == one[key], key
         for key in ("response_length_mean", "loss", "grad_norm", "kl", "entropy"):
             assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-7), key
     assert rows["one"][0]["tool/calls_mean"] > 0.5 and rows["one"][1]["kl"] > 1e-6  # tools used; the policy moved
+    evals = {name: json.loads((tmp_path / name / "eval.json").read_text()) for name in rows}
+    assert evals["two"]["examples"] == evals["one"]["examples"] and evals["two"]["n"] == evals["one"]["n"] == 6
+    assert evals["two"]["accuracy"] == evals["one"]["accuracy"]
 
 
 def test_served_model_calls_tools_openai_style(tool_model, tool_data):

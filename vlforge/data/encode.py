@@ -132,7 +132,7 @@ class Encoder:
         return [t.content for t in self.tokenizer.added_tokens_decoder.values() if t.special]
 
     def _has_special_text(self, text: str) -> bool:
-        return "<|" in text and any(t in text for t in self.special_texts)  # "<|": Qwen's; a cheap first look
+        return any(t in text for t in self.special_texts)
 
     def tool_turn_ids(self, results: list[str], max_tokens: int = 0) -> list[int]:
         """The tokens between an assistant turn that called tools (its <|im_end|> included, as the

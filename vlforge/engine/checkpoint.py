@@ -470,8 +470,8 @@ def load_sharded_checkpoint(path: str | Path, model, optimizer, scheduler, scale
         optim_state["state"].pop(name, None)
     saved_keys = set().union(*with_state.values())
     if wanted := {k for state in optim_state["state"].values() for k in state} - saved_keys:
-        raise ConfigError(_other_run(path, f"its optimizer state is {_optimizer_kind(saved_keys)}'s, this config's "
-                                           f"optimizer keeps {_optimizer_kind(wanted)} state ({', '.join(sorted(wanted))})"))
+        raise ConfigError(_other_run(path, f"it holds the state of {_optimizer_kind(saved_keys)}; this config's "
+                                           f"optimizer is {_optimizer_kind(wanted)}, which keeps {', '.join(sorted(wanted))}"))
     loaded = {"model": model_state, "optim": optim_state}
     dcp.load(loaded, checkpoint_id=str(path / SHARDED_DIR))
     set_model_state_dict(model, loaded["model"], options=StateDictOptions(strict=False))
