@@ -347,21 +347,27 @@ class ToolProcesses:
         self.processes = processes
         self.idle: list = []  # started workers waiting for a call
 
-    def _start(self):
-        proc = subprocess.Popen([sys.executable, "-m", "vlforge.rl.tool_worker"], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE)
-        write_frame(proc.stdin, self.specs)
-        try:  # loaded and ready (a call's timeout does not pay for the interpreter's start)
-            problem = read_frame(proc.stdout)
-        except EOFError:
-            problem = f"it ended (exit code {proc.wait()})"
-        if problem is not None:
-            self._stop(proc)
+    def _start(self, count: int = 1) -> list:
+        """`count` new workers, started together, once each has loaded the tools (a call's timeout
+        does not pay for an interpreter's start)."""
+        procs = [subprocess.Popen([sys.executable, "-m", "vlforge.rl.tool_worker"], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE) for _ in range(count)]
+        problems = []
+        for proc in procs:
+            write_frame(proc.stdin, self.specs)
+        for proc in procs:
+            try:
+                problems.append(read_frame(proc.stdout))
+            except EOFError:
+                problems.append(f"it ended (exit code {proc.wait()})")
+        if problem := next((p for p in problems if p is not None), None):
+            for proc in procs:
+                self._stop(proc)
             from vlforge.config import ConfigError  # the run stops with the reason, as for a bad key
 
             raise ConfigError(f"rollout.tools: a worker process (rollout.tool_processes) could not load "
                               f"{[spec for _, spec in self.specs]}: {problem}")
-        return proc
+        return procs
 
     @staticmethod
     def _stop(proc) -> None:
@@ -375,11 +381,12 @@ class ToolProcesses:
         waiting = [(i, j, call) for i, seq in enumerate(calls) for j, call in enumerate(seq)][::-1]
         box: dict[tuple[int, int], ToolResult] = {}
         busy = {}  # worker -> (call's key, deadline)
+        self.idle += self._start(max(0, min(len(waiting), self.processes) - len(self.idle)))
         with selectors.DefaultSelector() as selector:
             while waiting or busy:
                 while waiting and len(busy) < self.processes:
                     i, j, call = waiting.pop()
-                    proc = self.idle.pop() if self.idle else self._start()
+                    proc = self.idle.pop() if self.idle else self._start()[0]
                     try:
                         write_frame(proc.stdin, call)
                     except (BrokenPipeError, OSError):  # the worker ended while idle: another one takes it
