@@ -444,6 +444,33 @@ def test_grpo_with_tools_on_two_ranks_equals_one_process(tool_model, tool_data, 
     assert evals["two"]["accuracy"] == evals["one"]["accuracy"]
 
 
+def test_eval_answers_as_conversations_with_the_tools(tool_model, tool_data, tmp_path):
+    """`vlforge eval --tool calculator`: each prompt answered greedily as a conversation with the tools
+    (GRPO's multi-turn rollout, one sample a prompt): the answers are the last turns, not the calls;
+    each row says its tool use, and rewards get the transcript and counts as GRPO's do."""
+    import contextlib
+    import io
+
+    from vlforge.cli import main
+
+    (tmp_path / "r.py").write_text("def tool_msgs(completion, answer, transcript, tool_calls, **row):\n"
+                                   "    return float(sum(m['role'] == 'tool' for m in transcript))\n")
+    out = tmp_path / "eval.json"
+    args = ["eval", str(tool_model), "--device", "cpu", "--data", str(tool_data["prompts"]), "--max-samples", "4",
+            "--max-new-tokens", "160", "--batch-size", "4", "--out", str(out)]
+    with contextlib.redirect_stdout(io.StringIO()) as said:
+        assert main([*args, "--tool", "calculator", "--reward", f"{tmp_path / 'r.py'}:tool_msgs",
+                     "--tool-processes", "2"]) == 0
+    report = json.loads(out.read_text())
+    assert report["n"] == 4 and report["tool_calls_mean"] > 0.5 and "tool calls an answer" in said.getvalue()
+    for row in report["answers"]:
+        assert "<tool_call>" not in row["answer"] and row["turns"] == 1 + (row["tool_calls"] > 0)
+        assert row["rewards"][f"{tmp_path / 'r.py'}:tool_msgs"] == row["tool_calls"]  # every result was read
+    with contextlib.redirect_stderr(io.StringIO()) as err:
+        assert main([*args, "--tool", "nope"]) != 0
+    assert "--tool: unknown tool 'nope'" in err.getvalue()
+
+
 def test_served_model_calls_tools_openai_style(tool_model, tool_data):
     """`vlforge serve` with tools (a real server on loopback, httpx): the reply's call comes back as
     OpenAI's tool_calls; sent back with the tool's result, the conversation is the tokens the model

@@ -221,7 +221,14 @@ def cmd_eval(args) -> int:
 
     if args.out:
         check_writable(args.out, "--out")  # before the model loads and every answer is computed
-    rewards = None
+    rewards = tools = None
+    if args.tool:  # loaded before the model, as GRPO's rollout.tools
+        from vlforge.rl.tools import load_tools
+
+        try:
+            tools = load_tools(args.tool)
+        except ValueError as e:
+            raise ConfigError(f"--tool: {e}") from e
     if args.reward:  # loaded before the model: a typo fails at once
         from vlforge.rl.rewards import build_rewards
 
@@ -229,12 +236,21 @@ def cmd_eval(args) -> int:
             rewards = build_rewards(args.reward)
         except (ValueError, FileNotFoundError, AttributeError, TypeError, ImportError) as e:
             raise ConfigError(f"--reward: {e}") from e
-    report = evaluate_jsonl(_engine(args, slots=args.batch_size), args.data, batch_size=args.batch_size,
-                            max_new_tokens=args.max_new_tokens, max_samples=args.max_samples, rewards=rewards)
+    engine = _engine(args, slots=args.batch_size)
+    if tools:
+        try:  # the model's chat template must render a tool turn (as rollout_tools checks for GRPO)
+            engine.encoder.tool_turn_ids(["0"])
+        except ValueError as e:
+            raise ConfigError(f"--tool: {e}") from e
+    report = evaluate_jsonl(engine, args.data, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
+                            max_samples=args.max_samples, rewards=rewards, tools=tools, tool_turns=args.tool_turns,
+                            tool_processes=args.tool_processes)
     if args.out:
         write_json_atomic(report, args.out)
     tasks = " ".join(f"{k} {v:.3f}" for k, v in report["by_task"].items())
     scores = "".join(f"; {k} {v:.3f}" for k, v in report.get("rewards", {}).items())
+    if "tool_calls_mean" in report:
+        scores += f"; {report['tool_calls_mean']:.2f} tool calls an answer"
     print(f"accuracy {report['accuracy']:.3f} (n={report['n']}; {tasks}){scores}"
           + (f"; answers in {args.out}" if args.out else ""))
     return 0
@@ -393,6 +409,13 @@ def build_parser() -> argparse.ArgumentParser:
                     help="also score each answer with this reward function, as GRPO's rl.rewards (a builtin: "
                          "exact_match, choice, numeric, format; or path/to/file.py:function); repeatable: "
                          "the report gives each one's mean")
+    ev.add_argument("--tool", action="append", default=[], metavar="SPEC",
+                    help="answer each prompt as a conversation with this tool, as GRPO's rollout.tools (a builtin: "
+                         "calculator; or path/to/file.py:function); repeatable; --max-new-tokens is then the whole "
+                         "response's budget, the answer its last assistant turn")
+    ev.add_argument("--tool-turns", type=_at_least(1), default=4, help="assistant turns whose calls run, at most")
+    ev.add_argument("--tool-processes", type=_at_least(0), default=0,
+                    help="0: tool calls on threads; N: in up to N worker processes (rollout.tool_processes)")
     ev.set_defaults(func=cmd_eval)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat completions, streaming, batching)")

@@ -2,7 +2,7 @@
 
     vlforge infer merged/ --image cat.png --prompt "What animal is this?" [--quant nf4] [--task classify]
     vlforge chat merged/ [--quant nf4]                 # /image PATH attaches an image, /reset, /quit
-    vlforge eval merged/ --data val.jsonl [--quant nf4] [--out answers.json]
+    vlforge eval merged/ --data val.jsonl [--quant nf4] [--out answers.json] [--reward SPEC] [--tool SPEC]
 """
 
 from __future__ import annotations
@@ -11,10 +11,16 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Callable
 
+import torch
 from PIL import Image
 
+from vlforge.config import RolloutConfig
+from vlforge.data.encode import collate, encode_prompt
 from vlforge.data.jsonl import DataError, read_jsonl
+from vlforge.engine.evaluate import to_device
 from vlforge.rl.rewards import CombinedReward, exact_match
+from vlforge.rl.tools import Tool
+from vlforge.rollout.multiturn import generate_with_tools, tool_runner
 from vlforge.serve.engine import MAX_NEW_TOKENS, InferenceEngine, Request
 
 
@@ -76,38 +82,76 @@ def chat(engine: InferenceEngine, read: Callable[[str], str] = input, write: Cal
 
 def evaluate_jsonl(engine: InferenceEngine, path: str | Path, *, batch_size: int = 16,
                    max_new_tokens: int = MAX_NEW_TOKENS["classify"], max_samples: int | None = None,
-                   rewards: CombinedReward | None = None) -> dict:
+                   rewards: CombinedReward | None = None, tools: dict[str, Tool] | None = None,
+                   tool_turns: int = 4, tool_processes: int = 0) -> dict:
     """Batched greedy answers on a JSONL's prompts; exact-match accuracy overall and by task, and
-    with `rewards` (rl/rewards.py, as GRPO's rl.rewards) each answer's scores and their means."""
+    with `rewards` (rl/rewards.py, as GRPO's rl.rewards) each answer's scores and their means.
+    With `tools` (rl/tools.load_tools) each prompt is answered as a conversation with them, as GRPO's
+    rollouts and evaluation do (rollout/multiturn.py; `max_new_tokens` the whole response's budget):
+    the answer is the last assistant turn, and rewards also get the transcript and call counts."""
     samples = read_jsonl(path)[:max_samples]
     rows, hits, by_task = [], 0, defaultdict(lambda: [0, 0])
-    for s in range(0, len(samples), batch_size):
-        chunk = samples[s:s + batch_size]
-        requests = [Request([_placeholders(m) for m in x.prompt_messages], engine.encoder.decode_images(x),
-                            max_new_tokens=max_new_tokens)
-                    for x in chunk]
-        outs = engine.generate(requests)
-        # scored as GRPO scores a rollout: the answer's text, the reference, the row's other fields
-        scored = rewards([o.text for o in outs], [x.answer for x in chunk], [x.fields for x in chunk],
-                         prompts=[x.prompt_messages for x in chunk]) if rewards is not None else None
-        for i, (x, out) in enumerate(zip(chunk, outs)):
-            ok = exact_match(out.text, x.answer) == 1.0
-            hits += ok
-            task = x.fields.get("task", "all")
-            by_task[task][0] += ok
-            by_task[task][1] += 1
-            row = {"source": x.source, "task": task, "answer": out.text.strip(), "reference": x.answer, "correct": ok}
-            if scored is not None:
-                row["reward"] = scored.total[i]
-                row["rewards"] = {k: v[i] for k, v in scored.per_fn.items()}
-            rows.append(row)
+    cfg = RolloutConfig(temperature=0.0, max_new_tokens=max_new_tokens, tool_turns=tool_turns, compile=False,
+                        tools=[t.spec for t in (tools or {}).values()], tool_processes=tool_processes)
+    with tool_runner(tools or {}, cfg) as run_calls:
+        for s in range(0, len(samples), batch_size):
+            chunk = samples[s:s + batch_size]
+            if tools:
+                texts, fields, used = _tool_answers(engine, chunk, tools, cfg, run_calls)
+            else:
+                requests = [Request([_placeholders(m) for m in x.prompt_messages], engine.encoder.decode_images(x),
+                                    max_new_tokens=max_new_tokens) for x in chunk]
+                texts, fields, used = [o.text for o in engine.generate(requests)], [x.fields for x in chunk], None
+            rows += _scored_rows(chunk, texts, fields, used, rewards)
+    for row in rows:
+        hits += row["correct"]
+        by_task[row["task"]][0] += row["correct"]
+        by_task[row["task"]][1] += 1
     n = len(rows)
     report = {"n": n, "accuracy": hits / max(n, 1), "by_task": {k: a / b for k, (a, b) in sorted(by_task.items())},
               "model": engine.name, "quant": engine.quant_report}
+    if tools:
+        report["tool_calls_mean"] = sum(r["tool_calls"] for r in rows) / max(n, 1)
     if rewards is not None:
         report["reward_mean"] = sum(r["reward"] for r in rows) / max(n, 1)
         report["rewards"] = {k: sum(r["rewards"][k] for r in rows) / max(n, 1) for k in rewards.keys}
     return {**report, "answers": rows}
+
+
+def _tool_answers(engine: InferenceEngine, chunk: list, tools: dict[str, Tool], cfg: RolloutConfig, run_calls):
+    """(the last assistant turns, the rows' fields with GRPO's tool fields, each answer's tool use) of a
+    chunk answered greedily as conversations with the tools, on the engine's model."""
+    schemas = [t.schema for t in tools.values()]
+    prompts = to_device(collate([encode_prompt(engine.encoder, x, tools=schemas) for x in chunk],
+                                engine.encoder.pad_id, left_pad=True), engine.device)
+    with engine.lock, torch.no_grad(), \
+            torch.autocast(engine.device.type, dtype=torch.bfloat16, enabled=engine.device.type == "cuda"):
+        multi = generate_with_tools(engine.model, engine.encoder, prompts, [len(x.images) for x in chunk], cfg,
+                                    tools, seed=0, samples_per_prompt=1, run_calls=run_calls)
+    fields = [{**x.fields, "transcript": tr, "tool_calls": k, "failed_tool_calls": f}
+              for x, tr, k, f in zip(chunk, multi.transcripts, multi.calls, multi.failed_calls)]
+    used = [{"tool_calls": k, "failed_tool_calls": f, "turns": t}
+            for k, f, t in zip(multi.calls, multi.failed_calls, multi.turns)]
+    return multi.completions, fields, used
+
+
+def _scored_rows(chunk: list, texts: list[str], fields: list[dict], used: list[dict] | None,
+                 rewards: CombinedReward | None) -> list[dict]:
+    # scored as GRPO scores a rollout: the answer's text, the reference, the row's other fields
+    scored = rewards(texts, [x.answer for x in chunk], fields, prompts=[x.prompt_messages for x in chunk]) \
+        if rewards is not None else None
+    rows = []
+    for i, (x, text) in enumerate(zip(chunk, texts)):
+        task = x.fields.get("task", "all")
+        row = {"source": x.source, "task": task, "answer": text.strip(), "reference": x.answer,
+               "correct": exact_match(text, x.answer) == 1.0}
+        if used is not None:
+            row.update(used[i])
+        if scored is not None:
+            row["reward"] = scored.total[i]
+            row["rewards"] = {k: v[i] for k, v in scored.per_fn.items()}
+        rows.append(row)
+    return rows
 
 
 def _placeholders(message: dict) -> dict:
