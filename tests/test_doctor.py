@@ -463,6 +463,15 @@ def test_grpo_tools_are_checked_as_the_run_checks_them(tmp_path):
     assert ok.status == "ok" and "calculator" in ok.detail
     (bad,) = tools("rollout.tools=[calculator, nope]")
     assert bad.status == "fail" and "unknown tool 'nope'" in bad.detail
+    # with rollout.tool_processes a worker process loads them too: a tool file it cannot import fails
+    good = "def f(x: int) -> str:\n    '''F.\n\n    Args:\n        x: X.\n    '''\n    return str(x)\n"
+    (tmp_path / "t.py").write_text(good)
+    (worker,) = tools(f"rollout.tools=['{tmp_path / 't.py'}:f']", "rollout.tool_processes=2")
+    assert worker.status == "ok" and "a worker process loads them" in worker.detail
+    in_worker = "import sys\nif getattr(sys.modules['__main__'].__spec__, 'name', '') == 'vlforge.rl.tool_worker':\n"
+    (tmp_path / "t.py").write_text(in_worker + "    raise ImportError('no')\n" + good)  # this process imports it
+    (broken,) = tools(f"rollout.tools=['{tmp_path / 't.py'}:f']", "rollout.tool_processes=2")
+    assert broken.status == "fail" and "worker process" in broken.detail and "ImportError('no')" in broken.detail
     from vlforge.config import ModelConfig
     from vlforge.model.load import load_model
     from vlforge.model.presets import TOKENIZER_DIR

@@ -327,10 +327,16 @@ def recipe_from_config(cfg: SFTConfig | GRPOConfig, config: str | None, cuda_ava
                             + " replay as CUDA graphs, on packed rows padded to multiples of 256 tokens")
     tools, tools_ok = None, True
     if isinstance(cfg, GRPOConfig) and cfg.rollout.tools:  # run_grpo's check, before any model loads
+        from vlforge.rl.tools import ToolCall, ToolProcesses
         from vlforge.rollout.multiturn import rollout_tools
 
         try:
-            tools = f"rollout.tools: {', '.join(rollout_tools(cfg))} (the chat template renders their turns)"
+            loaded = rollout_tools(cfg)
+            if cfg.rollout.tool_processes:  # a worker process loads them as the run's will (one call through it)
+                with ToolProcesses(loaded, 1) as run:
+                    run([[ToolCall(None, {}, "a doctor check")]], loaded, 60.0)
+            tools = (f"rollout.tools: {', '.join(loaded)} (the chat template renders their turns"
+                     + ("; a worker process loads them" if cfg.rollout.tool_processes else "") + ")")
         except ConfigError as e:
             if not str(e).startswith("rollout.tools"):  # the model's processor did not load: "recipe model.path" says why
                 tools, tools_ok = f"rollout.tools: the chat template not checked ({e})", None
