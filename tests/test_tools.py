@@ -12,8 +12,8 @@ from vlforge.data.dataset import load_dataset
 from vlforge.data.encode import collate, encode_prompt
 from vlforge.data.jsonl import DataError, read_jsonl
 from vlforge.data.synth import synth_tool_use
-from vlforge.rl.tools import (ToolCall, ToolCallStream, ToolProcesses, calculator, load_tools, parse_tool_calls, run_tool_calls,
-                              split_tool_calls)
+from vlforge.rl.tools import (ToolCall, ToolCallStream, ToolProcesses, calculator, load_tools, parse_tool_calls,
+                              run_tool_calls, split_tool_calls)
 from vlforge.rollout.engine import sequence_logprobs
 from vlforge.rollout.multiturn import generate_with_tools
 

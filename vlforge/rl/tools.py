@@ -382,43 +382,47 @@ class ToolProcesses:
         box: dict[tuple[int, int], ToolResult] = {}
         busy = {}  # worker -> (call's key, deadline)
         self.idle += self._start(max(0, min(len(waiting), self.processes) - len(self.idle)))
-        with selectors.DefaultSelector() as selector:
-            while waiting or busy:
-                while waiting and len(busy) < self.processes:
-                    i, j, call = waiting.pop()
-                    proc = self.idle.pop() if self.idle else self._start()[0]
-                    try:
-                        write_frame(proc.stdin, call)
-                    except (BrokenPipeError, OSError):  # the worker ended while idle: another one takes it
-                        self._stop(proc)
-                        waiting.append((i, j, call))
-                        continue
-                    busy[proc] = ((i, j), time.monotonic() + timeout_s)
-                    selector.register(proc.stdout, selectors.EVENT_READ, proc)
-                first_deadline = min(deadline for _, deadline in busy.values())
-                for key, _ in selector.select(max(0.0, first_deadline - time.monotonic())):
-                    proc = key.data
-                    selector.unregister(proc.stdout)
-                    where, _ = busy.pop(proc)
-                    try:
-                        box[where] = read_frame(proc.stdout)
-                        self.idle.append(proc)
-                    except (EOFError, OSError, pickle.UnpicklingError):
+        try:
+            with selectors.DefaultSelector() as selector:
+                while waiting or busy:
+                    while waiting and len(busy) < self.processes:
+                        i, j, call = waiting.pop()
+                        proc = self.idle.pop() if self.idle else self._start()[0]
                         try:
-                            code = proc.wait(timeout=1.0)  # its stdout closed as it ended: the exit code follows
-                        except subprocess.TimeoutExpired:
-                            code = None
-                        self._stop(proc)
-                        box[where] = ToolResult(f"error: the tool's process ended without an answer (exit code "
-                                                f"{code})", False)
-                now = time.monotonic()
-                for proc, (where, deadline) in list(busy.items()):
-                    if deadline <= now:  # stopped: its worker killed, the call answered with the timeout
+                            write_frame(proc.stdin, call)
+                        except (BrokenPipeError, OSError):  # the worker ended while idle: another one takes it
+                            self._stop(proc)
+                            waiting.append((i, j, call))
+                            continue
+                        busy[proc] = ((i, j), time.monotonic() + timeout_s)
+                        selector.register(proc.stdout, selectors.EVENT_READ, proc)
+                    first_deadline = min(deadline for _, deadline in busy.values())
+                    for key, _ in selector.select(max(0.0, first_deadline - time.monotonic())):
+                        proc = key.data
                         selector.unregister(proc.stdout)
-                        busy.pop(proc)
-                        self._stop(proc)
-                        box[where] = ToolResult(f"error: the tool did not answer within {timeout_s:g} s (stopped)",
-                                                False)
+                        where, _ = busy.pop(proc)
+                        try:
+                            box[where] = read_frame(proc.stdout)
+                            self.idle.append(proc)
+                        except (EOFError, OSError, pickle.UnpicklingError):
+                            try:
+                                code = proc.wait(timeout=1.0)  # its stdout closed as it ended: the exit code follows
+                            except subprocess.TimeoutExpired:
+                                code = None
+                            self._stop(proc)
+                            box[where] = ToolResult(f"error: the tool's process ended without an answer (exit code "
+                                                    f"{code})", False)
+                    now = time.monotonic()
+                    for proc, (where, deadline) in list(busy.items()):
+                        if deadline <= now:  # stopped: its worker killed, the call answered with the timeout
+                            selector.unregister(proc.stdout)
+                            busy.pop(proc)
+                            self._stop(proc)
+                            box[where] = ToolResult(f"error: the tool did not answer within {timeout_s:g} s (stopped)",
+                                                    False)
+        finally:  # an error or an interrupt mid-round: no worker is left running a call
+            for proc in busy:
+                self._stop(proc)
         return [[box[i, j] for j in range(len(seq))] for i, seq in enumerate(calls)]
 
     def close(self) -> None:
