@@ -334,6 +334,7 @@ class ToolProcesses:
     threads, and no multiprocessing start method that would import the trainer's __main__ again.
     Each loads the tools from their specs once and is reused across rounds. Up to N calls run at
     once; the others wait for a free worker, and each call has `timeout_s` from its own start.
+    Isolation from the trainer, not a sandbox: a worker runs as the trainer's user.
 
         with ToolProcesses(tools, 8) as run:
             results = run(calls, tools, timeout_s)   # run_tool_calls' signature and results
