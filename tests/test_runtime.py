@@ -1,9 +1,11 @@
 """Output-directory rules (overwrite, lock, resume), torn metrics and worker/device resolution: no model needed."""
 
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -100,12 +102,12 @@ def test_resume_auto_on_a_run_with_foreign_files_continues_it(tmp_path):
 
 # ----------------------------------------------------------------------------- the lock
 
-# Another process holding (or probing) the lock the way a second vlforge run would: flock on the
+# Another process holding (or probing) the lock the way a second vlforge run would: lockf on the
 # same file. Plain Python, so the test does not pay for a second torch import.
 _HOLDER = textwrap.dedent("""
     import fcntl, os, sys
     fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o644)
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     os.ftruncate(fd, 0); os.write(fd, f"{os.getpid()}\\n".encode())
     print("locked", flush=True)
     sys.stdin.read()  # hold until the test closes stdin
@@ -114,8 +116,8 @@ _PROBE = textwrap.dedent("""
     import fcntl, os, sys
     fd = os.open(sys.argv[1], os.O_RDWR)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
+        fcntl.lockf(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except (BlockingIOError, PermissionError):
         print("held by", os.read(fd, 64).decode().strip())
         sys.exit(1)
     print("free")
@@ -134,7 +136,7 @@ def test_a_second_run_is_refused_with_the_holders_pid_until_it_exits(tmp_path):
     finally:
         holder.stdin.close()
         holder.wait(timeout=30)
-    # the holder is dead: its pid is still in the file, but the kernel dropped its flock
+    # the holder is dead: its pid is still in the file, but the kernel dropped its lock
     assert (tmp_path / LOCK_NAME).read_text().strip() == str(holder.pid)
     assert prepare_output_dir(tmp_path, "never", overwrite=False) is None
     assert (tmp_path / LOCK_NAME).read_text().strip() == str(os.getpid())
@@ -149,6 +151,27 @@ def test_the_lock_is_held_for_the_run_and_released_on_request(tmp_path):
     assert prepare_output_dir(tmp_path, "auto", overwrite=False) is None
     release_output_dir(tmp_path)
     assert subprocess.run(probe, capture_output=True, text=True).stdout.strip() == "free"
+
+
+def test_a_forked_child_does_not_keep_the_lock_after_the_run_releases_it(tmp_path):
+    """A process forked while the run holds the lock (a DataLoader worker, which can outlive the run)
+    holds no share of it: once the run releases it, another process and a next run here take it.
+    (With flock the fork shared it: on CUDA, where the loader forks, a second run in one process on
+    the same directory was refused as in use by itself.)"""
+    prepare_output_dir(tmp_path, "never", overwrite=False)
+    child = os.fork()
+    if child == 0:  # the forked copy holds the lock file's descriptor, as a loader worker does
+        time.sleep(30)
+        os._exit(0)
+    try:
+        release_output_dir(tmp_path)
+        probe = [sys.executable, "-c", _PROBE, str(tmp_path / LOCK_NAME)]
+        assert subprocess.run(probe, capture_output=True, text=True).stdout.strip() == "free"
+        assert prepare_output_dir(tmp_path, "auto", overwrite=False) is None  # a next run in this process
+    finally:
+        os.kill(child, signal.SIGKILL)
+        os.waitpid(child, 0)
+        release_output_dir(tmp_path)
 
 
 # ----------------------------------------------------------------------------- unwritable output_dir

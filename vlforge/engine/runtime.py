@@ -105,11 +105,17 @@ def seed_everything(seed: int) -> None:
 
 
 class OutputDirLock:
-    """An exclusive `flock` on output_dir/.vlforge.lock, the holder's pid written in the file.
+    """An exclusive POSIX record lock (`lockf`) on output_dir/.vlforge.lock, the holder's pid written
+    in the file.
 
-    The kernel drops a flock when its process exits, however it exits (SIGKILL included), so a lock
-    file left by a dead process never blocks: only a live holder does. (flock is per machine: runs
-    on two hosts sharing a network filesystem are not kept apart.)
+    The kernel drops it when its process exits, however it exits (SIGKILL included), so a lock file
+    left by a dead process never blocks: only a live holder does. A record lock belongs to the
+    process: a forked child (a DataLoader worker, which can outlive the run that started it) does
+    not hold it, where a `flock`, shared with every forked copy of the descriptor, stayed held by
+    the workers after the run released it (found on CUDA, where the loader forks: the next run in
+    the same process on the same directory was refused as "in use"). This process never opens the
+    lock file twice, so the record lock's one caveat (closing any descriptor of the file drops it)
+    does not arise. (Per machine: runs on two hosts sharing a network filesystem are not kept apart.)
     """
 
     def __init__(self, out: Path):
@@ -121,8 +127,8 @@ class OutputDirLock:
             raise ConfigError(f"train.output_dir={out}: cannot write there ({e.strerror}); "
                               "choose a writable train.output_dir") from None
         try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+            fcntl.lockf(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except (BlockingIOError, PermissionError):  # EAGAIN or EACCES: another process holds it
             holder = os.read(self._fd, 64).decode(errors="replace").strip() or "unknown"
             os.close(self._fd)
             raise ConfigError(f"train.output_dir={out} is in use by another run (pid {holder}, see {self.path}): "
@@ -135,7 +141,7 @@ class OutputDirLock:
             return
         if remove:  # only for a lock file this run created in a directory it then refused
             self.path.unlink(missing_ok=True)
-        os.close(self._fd)  # closing drops the flock
+        os.close(self._fd)  # closing drops the lock
         self._fd = None
 
 
