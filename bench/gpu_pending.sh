@@ -64,7 +64,9 @@
 #   1.08x, 8B LoRA 0.98x; its gpu tests), visg19 (the vision blocks graphed too: 1.04x more). Next: final19 (the gpu
 #   tests again, peer vs both graph options in one process), then a long run with cuda_graphs on varied data;
 #   rl19 (session 19, prepared: GSPO / CISPO / RLOO through the 2B recipe, the engine's log-prob gap).
-#   Sessions 19-21 got no machine (session 21: three refusals): final19 and rl19 still first, then opt21.
+#   Sessions 19-20 got no machine; session 21 ran final19 (recorded) and opt21 late, whose gpu tests failed on the
+#   output-dir lock (fixed in 51bba4a). Next: opt21 again (carry .whl/bnb), then rl19 (its GSPO run is recorded),
+#   then test_distributed -m gpu alone (final19's 240 s cut its bf16 case).
 #   OUT=/some/dir GROUP=moe   bash bench/gpu_pending.sh  # 30B-A3B: peft peer vs ours same process; NF4 memory/decode
 #   OUT=/some/dir GROUP=mem   bash bench/gpu_pending.sh  # selective checkpointing and the activation memory budget
 # (carry .whl/train, and .whl/ao (torchao) for GROUP=tests, .whl/bnb (bitsandbytes) for moe and mem)
