@@ -238,10 +238,9 @@ def cmd_eval(args) -> int:
             raise ConfigError(f"--reward: {e}") from e
     engine = _engine(args, slots=args.batch_size)
     if tools:
-        try:  # the model's chat template must render a tool turn (as rollout_tools checks for GRPO)
-            engine.encoder.tool_turn_ids(["0"])
-        except ValueError as e:
-            raise ConfigError(f"--tool: {e}") from e
+        from vlforge.rollout.multiturn import check_tool_template
+
+        check_tool_template(engine.encoder, "--tool")  # the model's chat template renders a tool turn
     report = evaluate_jsonl(engine, args.data, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
                             max_samples=args.max_samples, rewards=rewards, tools=tools, tool_turns=args.tool_turns,
                             tool_processes=args.tool_processes)

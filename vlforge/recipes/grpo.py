@@ -44,7 +44,7 @@ from vlforge.rl import RewardSpec, agg_loss, build_rewards, exact_match, kl_pena
 from vlforge.rl.tools import Tool, run_tool_calls
 from vlforge.rollout.engine import (PackedLayout, Rollout, generate_groups, packing_enabled, rollout_seed,
                                     route_rows, sequence_logprobs, token_mask)
-from vlforge.rollout.multiturn import generate_with_tools, rollout_tools, tool_runner
+from vlforge.rollout.multiturn import answer_with_tools, generate_with_tools, rollout_tools, tool_runner
 from vlforge.serve.judge import ModelJudge
 
 
@@ -116,14 +116,14 @@ def rollout_round(t: Trainable, data: ChatDataset, idx: list[int], cfg: GRPOConf
     # numbers of steps issue no collectives
     # (fp32 masters: the linears' weights read in bf16 during the rollout, PrecisionPolicy.inference_weights)
     images = [len(s.images) for s in samples]
-    tool_stats, transcripts = None, None
+    tool_stats = tool_fields = None
     with t.policy.autocast(), t.policy.inference_weights(t.model), fully_gathered(t.root):
         if tools:  # multi-turn: the rewards score each response's last assistant turn
             multi = generate_with_tools(t.model, data.encoder, prompts, images, cfg.rollout, tools,
                                         first_row=first_row, seed=seed, run_calls=run_calls)
             rollout, texts = multi.rollout, multi.completions
             tool_stats = {"calls": multi.calls, "failed_calls": multi.failed_calls, "turns": multi.turns}
-            transcripts = multi.transcripts
+            tool_fields = multi.reward_fields
         else:
             rollout = generate_groups(t.model, data.encoder, prompts, images, cfg.rollout,
                                       first_row=first_row, all_rows=all_rows, seed=seed)
@@ -132,9 +132,8 @@ def rollout_round(t: Trainable, data: ChatDataset, idx: list[int], cfg: GRPOConf
                      for ids, m in zip(rollout.response_ids.cpu(), rollout.response_mask.cpu())]
     answers = [s.answer for s in samples for _ in range(G)]
     fields = [s.fields for s in samples for _ in range(G)]
-    if transcripts is not None:  # what the response did with the tools, for rewards that shape tool use
-        fields = [{**f, "transcript": tr, "tool_calls": calls, "failed_tool_calls": failed}
-                  for f, tr, calls, failed in zip(fields, transcripts, tool_stats["calls"], tool_stats["failed_calls"])]
+    if tool_fields is not None:  # what the response did with the tools, for rewards that shape tool use
+        fields = tool_fields(fields)
     scored = rewards(texts, answers, fields, prompts=[s.prompt_messages for s in samples for _ in range(G)])
     reward_N = torch.tensor(scored.total, dtype=torch.float32)
     reward_N -= cfg.rl.overlong_penalty * (~rollout.finished).float().cpu()
@@ -455,18 +454,13 @@ def tool_answers(t: Trainable, cfg: GRPOConfig, tools: dict[str, Tool], run_call
     within rollout.max_new_tokens (the budget of a whole response, as in training; eval.max_new_tokens
     is for single-turn answers); the answer is the last assistant turn, scored as rollouts are."""
     greedy = dataclasses.replace(cfg.rollout, temperature=0.0)
-    schemas = [tool.schema for tool in tools.values()]
 
     def answer(model, encoder, samples, *, batch_size: int, max_new_tokens: int, policy, device) -> list[str]:
         out = []
         for s in range(0, len(samples), batch_size):
-            chunk = samples[s:s + batch_size]
-            prompts = to_device(collate([encode_prompt(encoder, x, tools=schemas) for x in chunk], encoder.pad_id,
-                                        left_pad=True), device)
             # compiled layers eager (the decode shapes change every call); sharded: gathered as for rollouts
             with policy.autocast(), torch.compiler.set_stance("force_eager"), fully_gathered(t.root):
-                multi = generate_with_tools(model, encoder, prompts, [len(x.images) for x in chunk], greedy, tools,
-                                            seed=0, samples_per_prompt=1, run_calls=run_calls)
+                multi = answer_with_tools(model, encoder, samples[s:s + batch_size], greedy, tools, device, run_calls)
             out += [c.strip() for c in multi.completions]
         return out
     return answer

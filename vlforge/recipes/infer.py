@@ -15,12 +15,10 @@ import torch
 from PIL import Image
 
 from vlforge.config import RolloutConfig
-from vlforge.data.encode import collate, encode_prompt
 from vlforge.data.jsonl import DataError, read_jsonl
-from vlforge.engine.evaluate import to_device
 from vlforge.rl.rewards import CombinedReward, exact_match
 from vlforge.rl.tools import Tool
-from vlforge.rollout.multiturn import generate_with_tools, tool_runner
+from vlforge.rollout.multiturn import answer_with_tools, tool_runner
 from vlforge.serve.engine import MAX_NEW_TOKENS, InferenceEngine, Request
 
 
@@ -121,18 +119,12 @@ def evaluate_jsonl(engine: InferenceEngine, path: str | Path, *, batch_size: int
 def _tool_answers(engine: InferenceEngine, chunk: list, tools: dict[str, Tool], cfg: RolloutConfig, run_calls):
     """(the last assistant turns, the rows' fields with GRPO's tool fields, each answer's tool use) of a
     chunk answered greedily as conversations with the tools, on the engine's model."""
-    schemas = [t.schema for t in tools.values()]
-    prompts = to_device(collate([encode_prompt(engine.encoder, x, tools=schemas) for x in chunk],
-                                engine.encoder.pad_id, left_pad=True), engine.device)
     with engine.lock, torch.no_grad(), \
             torch.autocast(engine.device.type, dtype=torch.bfloat16, enabled=engine.device.type == "cuda"):
-        multi = generate_with_tools(engine.model, engine.encoder, prompts, [len(x.images) for x in chunk], cfg,
-                                    tools, seed=0, samples_per_prompt=1, run_calls=run_calls)
-    fields = [{**x.fields, "transcript": tr, "tool_calls": k, "failed_tool_calls": f}
-              for x, tr, k, f in zip(chunk, multi.transcripts, multi.calls, multi.failed_calls)]
+        multi = answer_with_tools(engine.model, engine.encoder, chunk, cfg, tools, engine.device, run_calls)
     used = [{"tool_calls": k, "failed_tool_calls": f, "turns": t}
             for k, f, t in zip(multi.calls, multi.failed_calls, multi.turns)]
-    return multi.completions, fields, used
+    return multi.completions, multi.reward_fields([x.fields for x in chunk]), used
 
 
 def _scored_rows(chunk: list, texts: list[str], fields: list[dict], used: list[dict] | None,

@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 import torch
 
 from vlforge.config import ConfigError, GRPOConfig, RolloutConfig
-from vlforge.data.encode import Encoder, ImageLimits
+from vlforge.data.encode import Encoder, ImageLimits, collate, encode_prompt
+from vlforge.engine.evaluate import to_device
 from vlforge.generate.engine import GenRequest, Prompt, engine_for, prompts_of_batch
 from vlforge.generate.forward import never_generated
 from vlforge.model.load import load_processor
@@ -53,7 +54,6 @@ class _Conversation:
     tokens: list[int] = field(default_factory=list)
     generated: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
-    last_turn: int = 0  # where the latest assistant turn starts in `tokens`
     finished: bool = False  # ended at a stop token (False: out of budget)
     calls: int = 0
     failed_calls: int = 0
@@ -61,7 +61,6 @@ class _Conversation:
     transcript: list[dict] = field(default_factory=list)  # the response as chat messages
 
     def add_turn(self, tokens: torch.Tensor, logprobs: torch.Tensor, text: str) -> None:
-        self.last_turn = len(self.tokens)
         self.tokens += tokens.tolist()
         self.generated += [1] * len(tokens)
         self.logprobs += logprobs.tolist()
@@ -89,6 +88,12 @@ class ToolRollout:
     # the result (uncut), "ok": False for an error} per call; GRPO's rewards get it as `transcript`
     transcripts: list[list[dict]]
 
+    def reward_fields(self, fields: list[dict]) -> list[dict]:
+        """Each response's dataset fields with what it did with the tools, as reward functions get
+        them (rl/rewards.py): `transcript`, `tool_calls`, `failed_tool_calls`."""
+        return [{**f, "transcript": tr, "tool_calls": k, "failed_tool_calls": failed}
+                for f, tr, k, failed in zip(fields, self.transcripts, self.calls, self.failed_calls)]
+
 
 def rollout_tools(cfg: GRPOConfig) -> dict[str, Tool]:
     """rollout.tools loaded, and the model's chat template checked to render a tool turn: a typo in
@@ -100,12 +105,18 @@ def rollout_tools(cfg: GRPOConfig) -> dict[str, Tool]:
         raise ConfigError(f"rollout.tools: {e}") from e
     if tools:
         processor = load_processor(cfg.model)  # a model.path problem raises its own error
-        try:
-            Encoder(processor, ImageLimits(cfg.data.min_pixels, cfg.data.max_pixels, cfg.data.max_image_pixels)
-                    ).tool_turn_ids(["0"])
-        except ValueError as e:
-            raise ConfigError(f"rollout.tools: {e}") from e
+        check_tool_template(Encoder(processor, ImageLimits(cfg.data.min_pixels, cfg.data.max_pixels,
+                                                           cfg.data.max_image_pixels)), "rollout.tools")
     return tools
+
+
+def check_tool_template(encoder: Encoder, key: str) -> None:
+    """ConfigError (naming `key`, the setting that asked for tools) if the model's chat template
+    does not render a tool turn after an assistant turn, as multi-turn tool conversations need."""
+    try:
+        encoder.tool_turn_ids(["0"])
+    except ValueError as e:
+        raise ConfigError(f"{key}: {e}") from e
 
 
 @contextmanager
@@ -117,6 +128,18 @@ def tool_runner(tools: dict[str, Tool], cfg: RolloutConfig):
         return
     with ToolProcesses(tools, cfg.tool_processes) as run:
         yield run
+
+
+def answer_with_tools(model, encoder: Encoder, samples: list, cfg: RolloutConfig, tools: dict[str, Tool],
+                      device, run_calls=run_tool_calls) -> ToolRollout:
+    """One response for each of `samples` (dataset rows), their prompts listing the tools, with the
+    noise of seed 0 (greedy when cfg.temperature is 0): the evaluations' answers (GRPO's held-out
+    prompts, `vlforge eval --tool`). The caller sets the autocast / gathering its model needs."""
+    schemas = [t.schema for t in tools.values()]
+    prompts = to_device(collate([encode_prompt(encoder, x, tools=schemas) for x in samples], encoder.pad_id,
+                                left_pad=True), device)
+    return generate_with_tools(model, encoder, prompts, [len(x.images) for x in samples], cfg, tools, seed=0,
+                               samples_per_prompt=1, run_calls=run_calls)
 
 
 def turn_seed(seed: int, turn: int) -> int:
@@ -195,6 +218,6 @@ def generate_with_tools(model, encoder: Encoder, prompts: dict, images_per_promp
                       prompts.get("image_grid_thw"), images_per_prompt, ids_NR.to(device), mask_NR.to(device),
                       logp_NR.to(device), torch.tensor([c.finished for c in convs], device=device), G,
                       generate["banned_ids"], generated_mask=generated_NR.to(device))
-    completions = [tok.decode(c.tokens[c.last_turn:], skip_special_tokens=True) for c in convs]
+    completions = [c.transcript[-1]["content"] for c in convs]  # the last turn (a transcript ends with one)
     return ToolRollout(rollout, completions, [c.calls for c in convs], [c.failed_calls for c in convs],
                        [c.turns for c in convs], [c.transcript for c in convs])
