@@ -67,6 +67,7 @@
 #   Sessions 19-20 got no machine; session 21 ran final19 (recorded) and opt21 late, whose gpu tests failed on the
 #   output-dir lock (fixed in 51bba4a). Next: opt21 again (carry .whl/bnb), then rl19 (its GSPO run is recorded),
 #   then test_distributed -m gpu alone (final19's 240 s cut its bf16 case).
+#   Session 22 got no machine; it built NF4 MoE experts on the CPU. Next: moeq (below), then opt21, rl19.
 #   OUT=/some/dir GROUP=moe   bash bench/gpu_pending.sh  # 30B-A3B: peft peer vs ours same process; NF4 memory/decode
 #   OUT=/some/dir GROUP=mem   bash bench/gpu_pending.sh  # selective checkpointing and the activation memory budget
 # (carry .whl/train, and .whl/ao (torchao) for GROUP=tests, .whl/bnb (bitsandbytes) for moe and mem)
@@ -357,6 +358,15 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', '--tb=line', 
            rl.advantage=rloo train.max_steps=3 ;;
   grpo)  OUT=$OUT LIMIT=270 STACKS=20 bash bench/gpu_grpo_smoke.sh "qwen3vl-2b-grpo qwen3vl-8b-grpo" rollout.prompts_per_step=8 \
            rollout.group_size=8 rollout.max_new_tokens=256 rl.mini_batch_size=16 train.max_steps=3 ;;
+  moeq) # session 22 (carry .whl/bnb): NF4 MoE experts. tests/test_moe_quant.py -m gpu (the staged load: host memory
+         # first, each expert stack quantized on the GPU; QLoRA trains on it), then 30B-A3B bf16 vs NF4 (experts
+         # included now): weights memory, prefill, decode at batch 1 and 8. Prediction: ~17 GB of weights vs ~61;
+         # decode slower than bf16 (every step dequantizes all 128 experts of each layer, ~29B values), but faster
+         # than session 8's attention-only NF4 (11.5 tok/s at batch 1)
+         timeout 150 python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_moe_quant.py --tb=short \
+           > "$OUT/pytest-moeq.txt" 2>&1
+         timeout 400 python3 bench/quant_inference.py --preset qwen3vl-30b-a3b --quant none nf4 --tmp /dev/shm \
+           > "$OUT/quant30.jsonl" 2>"$OUT/err-quant.txt" ;;
   moe) timeout 300 python3 bench/train.py --preset qwen3vl-30b-a3b --method lora --paths peer,ours --grad-ckpt --steps 6 \
          --samples 32 2>"$OUT/err-train.txt" | tail -8 > "$OUT/train30.txt"
        timeout 250 python3 bench/quant_inference.py --preset qwen3vl-30b-a3b --quant none nf4 --tmp /dev/shm \

@@ -136,9 +136,9 @@ def test_moe_keys_refused_where_they_mean_nothing(tiny, tiny_moe):
     with pytest.raises(ConfigError, match="full fine-tuning already trains the experts"):
         build_plan(tiny_moe[0], _tiers("tiers.method=full", "tiers.language.experts=true"))
     with pytest.raises(ConfigError, match="quant.experts"):
-        QuantConfig(language="nf4", experts="nf4")
+        QuantConfig(language="nf4", experts="int8")
     # the config's choices are only what works (--print-config, the Literal); a refused value says why
-    with pytest.raises(ConfigError, match=r"quant.experts: 'fp8' is not one of \['none'\]: .*nn.Linear layers only"):
+    with pytest.raises(ConfigError, match=r"quant.experts: 'fp8' is not one of \['auto', 'none', 'nf4'\]: .*NF4 only"):
         load_config(SFTConfig, None, ["quant.experts=fp8"])
 
 
@@ -427,16 +427,20 @@ def test_moe_merged_and_adapter_exports_load_with_the_unmerged_logits(moe_lora_r
     torch.testing.assert_close(_logits(adapter, batch), expected, rtol=0, atol=0)
 
 
-def test_quant_plan_quantizes_attention_and_keeps_experts_and_routers_plain(tiny_moe):
+def test_quant_plan_quantizes_attention_and_can_keep_experts_and_routers_plain(tiny_moe):
+    """quant.experts=none: the attention alone is NF4 (the experts and routers stay in the load
+    dtype); tests/test_moe_quant.py covers the NF4 experts that quant.language=nf4 gives by default."""
     from vlforge.model.quant import expert_plan, format_report, quant_plan, verify
 
-    q = QuantConfig(language="nf4")
+    q = QuantConfig(language="nf4", experts="none")
     meta, _ = build_meta_model(ModelConfig(preset="tiny-moe"))
     plan = quant_plan(meta, q)
     nf4 = {n for n, m in plan.items() if m == "nf4"}
     assert nf4 == {f"model.language_model.layers.{i}.self_attn.{p}_proj" for i in range(2) for p in "qkvo"}
-    assert set(expert_plan(meta, q)) == {f"model.language_model.layers.{i}.mlp.experts.{p}" for i in range(2)
-                                         for p in ("gate_up_proj", "down_proj")}
+    assert expert_plan(meta, q) == {f"model.language_model.layers.{i}.mlp.experts.{p}": "none" for i in range(2)
+                                    for p in ("gate_up_proj", "down_proj")}
+    assert set(expert_plan(meta, QuantConfig(language="nf4")).values()) == {"nf4"}  # auto follows the language
+    assert set(expert_plan(meta, QuantConfig(language="int8")).values()) == {"none"}  # NF4 experts only
     assert not any("mlp.gate" in n for n in plan)  # the router is no nn.Linear: never quantized
     model, _ = load_model(ModelConfig(preset="tiny-moe"), dtype=torch.bfloat16, quant=q)
     report = verify(model, q)

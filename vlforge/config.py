@@ -466,10 +466,9 @@ class LogConfig:
         _range(self, "every", ge=1)
 
 
-EXPERTS_NOT_QUANTIZED = (
-    "the fused 3-D MoE expert weights cannot be quantized with the pinned libraries: bitsandbytes quantizes "
-    "nn.Linear layers only, and transformers' torchao path converts nn.Linear weights unless given per-parameter "
-    "configs vlforge does not build; keep quant.experts=none (attention is quantized, experts stay bf16)")
+EXPERT_METHODS_WHY = (
+    "MoE expert weights are quantized by bitsandbytes' parametrization, in NF4 only (int8 and fp8 experts are not "
+    "built); auto: nf4 when quant.language is nf4, else none (bf16)")
 
 
 @dataclass
@@ -480,14 +479,13 @@ class QuantConfig:
     vision: Literal["none", "nf4", "int8", "fp8"] = "none"
     projector: Literal["none", "nf4", "int8", "fp8"] = "none"
     allow_4bit_vision: bool = False  # nf4 on the vision tower / projector only when forced
-    # MoE models' fused 3-D expert weights stay in the load dtype: "none" is the only value that works
-    # with the pinned libraries (EXPERTS_NOT_QUANTIZED says why); the key is there so a quantization
-    # report and verify() name the experts' method, and a later backend can add its value here
-    experts: Literal["none"] = field(default="none", metadata={"why": EXPERTS_NOT_QUANTIZED})
+    # MoE models' fused 3-D expert weights (model/quant.quantize_experts): auto follows quant.language
+    # where that is nf4 (an MoE's experts are ~95% of its weights: QLoRA without them saves ~2%)
+    experts: Literal["auto", "none", "nf4"] = field(default="auto", metadata={"why": EXPERT_METHODS_WHY})
 
     def __post_init__(self):
-        if self.experts != "none":  # a QuantConfig built in Python, past load_config's Literal check
-            raise ConfigError(f"quant.experts={self.experts}: {EXPERTS_NOT_QUANTIZED}")
+        if self.experts not in ("auto", "none", "nf4"):  # a QuantConfig built in Python, past load_config's check
+            raise ConfigError(f"quant.experts={self.experts}: {EXPERT_METHODS_WHY}")
         for group in ("vision", "projector"):
             if getattr(self, group) == "nf4" and not self.allow_4bit_vision:
                 raise ConfigError(f"quant.{group}=nf4: 4-bit vision weights lose fine visual detail for little "
@@ -501,8 +499,16 @@ class QuantConfig:
             raise ConfigError("quant: nf4 and int8 cannot be mixed in one model (one bitsandbytes config)")
 
     @property
+    def expert_method(self) -> str:
+        """What an MoE model's experts get: `experts`, with auto resolved (nf4 under an nf4 language model)."""
+        if self.experts == "auto":
+            return "nf4" if self.language == "nf4" else "none"
+        return self.experts
+
+    @property
     def enabled(self) -> bool:
-        return any(m != "none" for m in (self.language, self.vision, self.projector))
+        """Anything quantized (the experts count only on MoE models; a dense one has none to quantize)."""
+        return any(m != "none" for m in (self.language, self.vision, self.projector, self.expert_method))
 
     @classmethod
     def from_flag(cls, flag: str | None) -> "QuantConfig":

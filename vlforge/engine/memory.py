@@ -71,18 +71,21 @@ def _under(module: str, roots: list[str]) -> bool:
 
 def _tensors(model: nn.Module, plan: list, cfg) -> list[_Tensor]:
     """Every parameter of the trained model (LoRA adapters included) with its storage dtype."""
-    from vlforge.model.quant import quant_plan
+    from vlforge.model.quant import expert_plan, quant_plan
     from vlforge.model.tiers import expert_shape
 
     policy = PrecisionPolicy(cfg.precision, "cpu")
     full_roots = [e.module for e in plan if e.kind == "full"]
     quantized = {n: m for n, m in quant_plan(model, cfg.quant).items() if m != "none"} if cfg.quant.enabled else {}
+    experts = {n: m for n, m in expert_plan(model, cfg.quant).items() if m != "none"}  # NF4-parametrized stacks
     out = []
     for name, p in model.named_parameters():  # tied weights once, as named_parameters gives them
         module = name.rpartition(".")[0]
         trainable = _under(module, full_roots)
         if module in quantized and name.endswith(".weight"):
             size = QUANT_BYTES[quantized[module]]
+        elif name in experts:
+            size = QUANT_BYTES[experts[name]]
         else:
             size = policy.param_dtype(module, trainable).itemsize
         out.append(_Tensor(_unit(name), tuple(p.shape), size, trainable))
@@ -205,6 +208,11 @@ def _load(tensors: list[_Tensor], cfg, world_size: int, strategy: str) -> dict:
     whole = sum(t.numel for t in base) * load.itemsize + sum(t.numel for t in adapters) * 4
     if cfg.quant.enabled:  # QLoRA reads the weights straight into their packed form
         whole = sum(t.numel * t.dtype_bytes for t in base) + sum(t.numel for t in adapters) * 4
+        experts = [t for t in base if t.dtype_bytes == QUANT_BYTES["nf4"] and len(t.shape) == 3]
+        if experts:  # staged (model/load.py): all in host memory first, then one bf16 expert stack at a time
+            return {"meta_init": False, "staged_experts": True,
+                    "gpu": whole + max(t.numel for t in experts) * load.itemsize,
+                    "host_rank0": sum(t.numel for t in base) * load.itemsize + sum(t.numel for t in adapters) * 4}
     sharded = meta_init(cfg.distributed, World(size=world_size, strategy=strategy))
     if not sharded:
         return {"meta_init": False, "gpu": whole, "host_rank0": 0.0}
@@ -318,6 +326,9 @@ def format_memory(est: dict) -> str:
     if load["meta_init"]:
         lines.append(f"loading (meta_init): rank 0 reads the whole model into host memory, {_gb(load['host_rank0'])}; "
                      f"each GPU holds only its shards and one whole tensor at a time, {_gb(load['gpu'])}")
+    elif load.get("staged_experts"):
+        lines.append(f"loading (NF4 experts): the whole model is read into host memory first, {_gb(load['host_rank0'])}; "
+                     f"the GPU gets it quantized, one bf16 expert stack at a time, {_gb(load['gpu'])}")
     else:
         lines.append(f"loading: each process first holds the whole model, {_gb(load['gpu'])}"
                      + (" (distributed.meta_init=true: only rank 0, in host memory)" if strategy == "fsdp2" else ""))

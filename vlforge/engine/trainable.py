@@ -14,6 +14,7 @@ import contextlib
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from vlforge.config import ConfigError, GRPOConfig, ModelConfig, PrecisionConfig, RunConfig
 from vlforge.engine.distributed import World, meta_init, outside_state_dict, refuse_unsupported, wrap
@@ -227,6 +228,10 @@ def refuse_bad_combinations(cfg: RunConfig, device: torch.device) -> None:
         raise ConfigError("quant (QLoRA) needs tiers.method=lora: quantized base weights cannot be trained directly")
     if cfg.quant.enabled and (problem := quant_problem(cfg.quant, device)):
         raise ConfigError(problem)
+    if cfg.quant.expert_method != "none" and cfg.tiers.language.experts and cfg.tiers.expert_lora == "peft":
+        raise ConfigError("tiers.expert_lora=peft cannot run on NF4 experts: peft's forward adds its update as a "
+                          "parametrization after bitsandbytes' dequantizing one and does not remove it, so every "
+                          "call stacks one more; use tiers.expert_lora=fused (the default) or quant.experts=none")
     if cfg.precision.fp8.enabled and cfg.quant.enabled:
         raise ConfigError("precision.fp8 and quant cannot be combined: FP8 training converts plain bf16 linears, "
                           "a quantized base has none; use QLoRA (quant) or FP8, not both")
@@ -258,12 +263,17 @@ def setup_model(cfg: RunConfig, compile_blocks: bool | None = None, world: World
     if meta_init(cfg.distributed, world):
         model, processor, plan, source = _meta_model(cfg, load_dtype, world)
     else:
-        model, processor = load_model(cfg.model, dtype=load_dtype, device=device, quant=cfg.quant)
+        plans = []
+
+        def lora(base: nn.Module) -> nn.Module:  # before load_model quantizes any MoE experts (model/quant.py)
+            plans.append(build_plan(base, cfg.tiers))
+            return apply_plan(base, plans[0])
+
+        model, processor = load_model(cfg.model, dtype=load_dtype, device=device, quant=cfg.quant, wrap=lora)
+        plan = plans[0]
         if cfg.quant.enabled:
             print(format_report(verify(model, cfg.quant)))
             keep_trainable(model)  # evals and rollouts switch to eval mode mid-run
-        plan = build_plan(model, cfg.tiers)
-        model = apply_plan(model, plan)
     fp8_plan = {}
     if fp8 is not None:
         fp8_plan = fp8_layer_plan(unwrap(model), cfg.precision.fp8)

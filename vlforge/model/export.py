@@ -28,6 +28,7 @@ import torch
 from vlforge.config import (ConfigError, ModelConfig, PrecisionConfig, QuantConfig, RunConfig, SFTConfig,
                             load_recipe_config)
 from vlforge.model.load import DTYPES, load_model
+from vlforge.model.presets import is_moe
 
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
 BASE_FILE = "vlforge_base.json"
@@ -119,10 +120,11 @@ def load_lora_checkpoint(checkpoint: Path, dtype: torch.dtype = torch.bfloat16, 
     run = run_config(checkpoint)
     quant = run.quant if quant is None else quant
     base_dtype = DTYPES[run.precision.mode] if run.model.preset and not run.model.path else dtype
-    base, processor = load_model(run.model, dtype=base_dtype, device=device, quant=quant)
-    if not quant.enabled:
-        base = base.to(dtype)
-    model = PeftModel.from_pretrained(base, str(checkpoint), is_trainable=False)
+
+    def adapter(base):  # on the plain experts, before load_model quantizes them (model/quant.py)
+        return PeftModel.from_pretrained(base if quant.enabled else base.to(dtype), str(checkpoint), is_trainable=False)
+
+    model, processor = load_model(run.model, dtype=base_dtype, device=device, quant=quant, wrap=adapter)
     if run.tiers.expert_lora == "fused":  # expert LoRA served as the run trained it: no folded expert copies
         from vlforge.model.moe_lora import fuse_expert_lora
 
@@ -161,6 +163,10 @@ def export(checkpoint: str | Path, out: str | Path, *, merge: bool = False, quan
         return _export_adapter(checkpoint, out)
     _check_out(out, overwrite)
     model, processor = load_merged(checkpoint, dtype)
+    if quant.enabled and quant.expert_method != "none" and is_moe(model.config):
+        raise ConfigError(f"export --quant: {checkpoint} is an MoE model, whose NF4 experts are bitsandbytes "
+                          "parametrizations that a plain transformers load cannot read back; export without --quant "
+                          "(bf16) and load that with --quant nf4 (infer, serve), which quantizes the experts as it loads")
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".export-", dir=out.parent))  # renamed into place when complete
     try:

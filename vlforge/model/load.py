@@ -9,13 +9,14 @@ The architecture follows the config: `model_type` qwen3_vl is the dense
 from __future__ import annotations
 
 import importlib.util
-
 import os
 import tempfile
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
 import torch
+from torch import nn
 from transformers import AutoProcessor, Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration
 
 from vlforge.config import ConfigError, ModelConfig, QuantConfig
@@ -108,18 +109,20 @@ def _impl_kwargs(cfg: ModelConfig, config, device: torch.device) -> dict:
 
 
 def load_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               quant: QuantConfig | None = None):
+               quant: QuantConfig | None = None, wrap: Callable[[nn.Module], nn.Module] | None = None):
     """Returns (model, processor). `path` wins over `preset`; presets are randomly initialised from `cfg.seed`.
 
     With `quant` enabled the weights go through transformers' quantizer (bitsandbytes / torchao)
-    as they load, with exactly the modules of model/quant.py's plan quantized (checked). Callers
-    check first that the device can run it (engine.hardware.quant_problem).
+    as they load, and an MoE's experts through model/quant.quantize_experts, with exactly the
+    weights of model/quant.py's plan quantized (checked). Callers check first that the device can
+    run it (engine.hardware.quant_problem). `wrap` (peft's LoRA: returns the wrapped model) runs on
+    the loaded model before its experts are quantized, and the result is what comes back.
     """
     _offline()
     if not cfg.path and not cfg.preset:
         raise ConfigError(f"set model.path (a local Qwen3-VL directory) or model.preset ({', '.join(PRESETS)})")
     if quant is not None and quant.enabled:
-        return _load_quantized(cfg, quant, dtype, torch.device(device))
+        return _load_quantized(cfg, quant, dtype, torch.device(device), wrap)
     processor = load_processor(cfg)
     target = torch.device(device)
     if cfg.path:
@@ -136,7 +139,7 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: str
                 model = model_class(config)._from_config(config, dtype=dtype, **_impl_kwargs(cfg, config, target))
     _generation_tokens(model, processor)
     _vision_attention(cfg, model)
-    return model, processor
+    return (wrap(model) if wrap else model), processor
 
 
 def _vision_attention(cfg: ModelConfig, model) -> None:
@@ -149,8 +152,10 @@ def _generation_tokens(model, processor) -> None:
     model.generation_config.eos_token_id = processor.tokenizer.convert_tokens_to_ids("<|im_end|>")
 
 
-def _load_quantized(cfg: ModelConfig, quant: QuantConfig, dtype: torch.dtype, device: torch.device):
-    from vlforge.model.quant import from_pretrained_kwargs, quant_plan, verify
+def _load_quantized(cfg: ModelConfig, quant: QuantConfig, dtype: torch.dtype, device: torch.device,
+                    wrap: Callable[[nn.Module], nn.Module] | None):
+    from vlforge.model.quant import expert_modules, from_pretrained_kwargs, quant_plan, quantize_experts, verify
+    from vlforge.model.tiers import unwrap
 
     if cfg.path is None:  # quantizers act at from_pretrained: a preset goes through a directory
         model, processor = load_model(cfg, dtype=dtype, device=device)  # random init is fastest on the GPU
@@ -162,15 +167,31 @@ def _load_quantized(cfg: ModelConfig, quant: QuantConfig, dtype: torch.dtype, de
                 torch.cuda.empty_cache()
             return _load_quantized(ModelConfig(path=tmp, attn_implementation=cfg.attn_implementation,
                                                experts_implementation=cfg.experts_implementation,
-                                               vision_attention=cfg.vision_attention), quant, dtype, device)
+                                               vision_attention=cfg.vision_attention), quant, dtype, device, wrap)
     meta, processor = build_meta_model(cfg)
+    experts = quant.expert_method != "none" and bool(expert_modules(meta))
+    if quant.experts == "nf4" and not is_moe(meta.config):
+        raise ConfigError(f"quant.experts=nf4: {cfg.path} is a dense model, it has no experts to quantize; "
+                          "leave quant.experts at auto")
     kwargs = from_pretrained_kwargs(quant, quant_plan(meta, quant), compute_dtype=dtype)
+    # Quantized experts load staged: the whole model into host memory first, then one expert stack
+    # at a time to the GPU, quantized there (quantize_experts), so the GPU never holds the bf16
+    # experts (58 GB for 30B-A3B) that its NF4 ones replace (15 GB). transformers' loader cannot
+    # leave only the experts in host memory: a mixed device_map offloads them behind accelerate hooks.
+    staged = experts and device.type != "cpu"
+    device_map = "cpu" if staged else str(device) if device.type == "cuda" else None
     model = model_class(meta.config).from_pretrained(
-        str(check_model_dir(cfg.path)), dtype=dtype, local_files_only=True,
-        device_map=str(device) if device.type == "cuda" else None, **_impl_kwargs(cfg, meta.config, device), **kwargs)
-    verify(model, quant)  # the skip list must have been exact
+        str(check_model_dir(cfg.path)), dtype=dtype, local_files_only=True, device_map=device_map,
+        **_impl_kwargs(cfg, meta.config, device), **kwargs)
     _generation_tokens(model, processor)
     _vision_attention(cfg, model)
+    model = wrap(model) if wrap else model  # peft must see the experts plain (model/quant.py)
+    if experts:
+        quantize_experts(model, device)
+    if staged:
+        model.to(device)
+        unwrap(model).hf_device_map = {"": str(device)}
+    verify(model, quant)  # the skip list must have been exact, and every expert quantized
     return model, processor
 
 

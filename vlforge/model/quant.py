@@ -17,15 +17,17 @@ lm_head and the embeddings are never quantized (they are the most sensitive laye
 default to bf16; 4-bit there needs `allow_4bit_vision` (small vision GEMMs gain little memory and
 lose accuracy on fine visual detail).
 
-Mixture-of-experts models: the fused 3-D expert weights (`mlp.experts.gate_up_proj` / `down_proj`)
-and the routers (`mlp.gate`) are not nn.Linear, and both libraries quantize only nn.Linear
-through transformers: bitsandbytes swaps Linear for Linear4bit / Linear8bitLt (nothing handles a
-3-D weight), and transformers' torchao path converts Linear weights unless an FqnToConfig names
-other parameters, which vlforge neither builds nor verifies. So with `quant.language` the
-attention (and any dense MLP) is quantized and the experts and routers stay in the load dtype
-(bf16): `quant.experts` takes only none (config.EXPERTS_NOT_QUANTIZED), and `verify()` checks every expert weight
-is still a plain tensor. For 30B-A3B that is ~1B quantized attention weights beside ~29B bf16
-expert weights: weight memory stays close to bf16's.
+Mixture-of-experts models: the fused 3-D expert weights (`mlp.experts.gate_up_proj` / `down_proj`,
+~95% of 30B-A3B's weights) are no nn.Linear, and transformers' bitsandbytes integration swaps only
+nn.Linear for Linear4bit. `quant.experts` (auto: nf4 when `quant.language` is nf4) quantizes them
+with bitsandbytes' own tool for parameters outside nn.Linear, `nn.parametrize.replace_parameter_4bit`:
+the same NF4 blocks as Linear4bit (64 values, double-quantized scales), stored packed, and a
+parametrization that dequantizes the whole [E, out, in] stack when the experts read it (once per
+forward: bitsandbytes caches it for the module's call). So every experts kernel (eager,
+grouped_mm, batched_mm) and the fused expert LoRA (model/moe_lora.py) run unchanged on it. The
+routers stay in the load dtype. `quantize_experts` runs after peft has wrapped the experts
+(`load_model(wrap=...)`): peft nests its wrappers in another order on a parametrized module, which
+would rename an adapter's saved keys. int8 and fp8 experts are not built.
 
 Quantization goes through transformers' own quantizer integrations (`BitsAndBytesConfig`,
 `TorchAoConfig`) at `from_pretrained`, so a quantized model saves and loads with plain transformers.
@@ -38,6 +40,7 @@ import importlib.util
 import re
 
 import torch
+import torch.nn.utils.parametrize as P
 from torch import nn
 
 from vlforge.config import ConfigError, QuantConfig
@@ -57,7 +60,8 @@ def group_of(name: str) -> str | None:
     return None  # lm_head, embeddings, patch embedding: never quantized
 
 
-EXPERT_PARAM = re.compile(r"^model\.language_model\.layers\.\d+\.mlp\.experts\.(gate_up_proj|down_proj)$")
+EXPERT_WEIGHTS = ("gate_up_proj", "down_proj")
+EXPERT_BLOCKSIZE = 64  # values per NF4 scale: Linear4bit's (and QLoRA's) blocks
 
 
 def quant_plan(model: nn.Module, cfg: QuantConfig) -> dict[str, str]:
@@ -70,11 +74,61 @@ def quant_plan(model: nn.Module, cfg: QuantConfig) -> dict[str, str]:
     return plan
 
 
+def _holds(module: nn.Module, name: str) -> bool:
+    """`module` itself owns weight `name` (plain or parametrized), not through a peft wrapper's
+    attribute forwarding."""
+    return name in module._parameters or P.is_parametrized(module, name)
+
+
+def expert_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """Every fused-experts module of an MoE model by its plain HF name (under peft's wrappers too); {} if dense."""
+    return {canonical_name(name): m for name, m in model.named_modules()
+            if hasattr(m, "num_experts") and all(_holds(m, w) for w in EXPERT_WEIGHTS)}
+
+
 def expert_plan(model: nn.Module, cfg: QuantConfig) -> dict[str, str]:
-    """Method for every fused expert weight of an MoE model (parameter name -> quant.experts,
-    always none: see the module docstring); {} for a dense model."""
-    return {canonical_name(name): cfg.experts for name, p in model.named_parameters()
-            if EXPERT_PARAM.match(canonical_name(name)) and p.ndim == 3}
+    """Method for every fused expert weight of an MoE model (`module.gate_up_proj` -> quant.experts
+    resolved); {} for a dense model."""
+    return {f"{name}.{w}": cfg.expert_method for name in expert_modules(model) for w in EXPERT_WEIGHTS}
+
+
+def _nf4_state(module: nn.Module, name: str):
+    """bitsandbytes' QuantState of a parametrized expert weight, or None for a plain one."""
+    if not P.is_parametrized(module, name):
+        return None
+    return next((p.quant_state for p in module.parametrizations[name] if hasattr(p, "quant_state")), None)
+
+
+def quantize_experts(model: nn.Module, device: torch.device) -> int:
+    """NF4 for every plain fused expert weight of `model` (in place, one [E, out, in] tensor at a
+    time, each moved to `device` and quantized there, so a staged load never holds more than one
+    bf16 expert stack on the GPU); returns how many were quantized."""
+    from bitsandbytes.nn.parametrize import replace_parameter_4bit
+
+    n = 0
+    for experts in expert_modules(model).values():
+        for name in EXPERT_WEIGHTS:
+            if P.is_parametrized(experts, name):
+                continue
+            weight = experts._parameters[name]
+            experts._parameters[name] = nn.Parameter(weight.data.to(device), requires_grad=False)
+            del weight
+            replace_parameter_4bit(experts, name, compress_statistics=True, quant_type="nf4",
+                                   blocksize=EXPERT_BLOCKSIZE)
+            n += 1
+    return n
+
+
+def expert_state_bytes(model: nn.Module) -> int:
+    """Bytes of the experts' NF4 scales (absmax codes, their own scales, the code book): held by
+    bitsandbytes' QuantState, outside the module's parameters and buffers."""
+    total = 0
+    for experts in expert_modules(model).values():
+        for name in EXPERT_WEIGHTS:
+            if (state := _nf4_state(experts, name)) is not None:
+                total += sum(t.numel() * t.element_size() for key, t in state.as_dict(packed=True).items()
+                             if isinstance(t, torch.Tensor) and not key.startswith("quant_state"))
+    return total
 
 
 def _skip_modules(plan: dict[str, str], keep: str) -> list[str]:
@@ -147,6 +201,16 @@ def applied_method(module: nn.Module) -> str:
     return "none"
 
 
+def applied_expert_method(experts: nn.Module, name: str) -> str:
+    """What a fused expert weight actually is: nf4 (or fp4) | none (a plain floating tensor)."""
+    if (state := _nf4_state(experts, name)) is not None:
+        return state.quant_type
+    if P.is_parametrized(experts, name):
+        return "parametrized"
+    weight = experts._parameters[name]
+    return "none" if type(weight.data) is torch.Tensor and weight.is_floating_point() else type(weight.data).__name__
+
+
 def verify(model: nn.Module, cfg: QuantConfig) -> dict:
     """Check every linear (and MoE expert weight) got exactly its planned method; returns counts and memory.
 
@@ -164,20 +228,16 @@ def verify(model: nn.Module, cfg: QuantConfig) -> dict:
         counts[f"{group or 'other'}:{got}"] = counts.get(f"{group or 'other'}:{got}", 0) + 1
         if got != want:
             wrong.append(f"{name} is {got}, planned {want}")
-    planned = expert_plan(core, cfg)
-    for name, p in core.named_parameters():  # fused 3-D experts: must stay plain tensors
-        name = canonical_name(name)
-        if name not in planned:
-            continue
-        want = planned[name]
-        got = "none" if type(p.data) is torch.Tensor and p.dtype in (torch.bfloat16, torch.float16, torch.float32) \
-            else type(p.data).__name__
-        counts[f"experts:{got}"] = counts.get(f"experts:{got}", 0) + 1
-        if got != want:
-            wrong.append(f"{name} is {got}, planned {want}")
+    for name, experts in expert_modules(core).items():  # fused 3-D experts: NF4-parametrized or plain
+        for weight in EXPERT_WEIGHTS:
+            got = applied_expert_method(experts, weight)
+            counts[f"experts:{got}"] = counts.get(f"experts:{got}", 0) + 1
+            if got != cfg.expert_method:
+                wrong.append(f"{name}.{weight} is {got}, planned {cfg.expert_method}")
     if wrong:
         raise ConfigError(f"quantization plan not met for {len(wrong)} weights: {'; '.join(wrong[:5])}")
     weights_bytes = sum(t.numel() * t.element_size() for t in list(core.parameters()) + list(core.buffers()))
+    weights_bytes += expert_state_bytes(core)
     return {"linears": counts, "weights_gb": weights_bytes / 1e9}
 
 

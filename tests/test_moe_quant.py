@@ -1,0 +1,180 @@
+"""NF4 MoE experts (quant.experts, model/quant.quantize_experts) on CPU with the tiny-moe preset:
+bitsandbytes' own blocks, every experts kernel, expert LoRA on them, QLoRA training and serving."""
+
+import json
+
+import bitsandbytes.functional as bnb_functional
+import pytest
+import torch
+from peft import get_peft_model_state_dict
+
+from vlforge.config import ConfigError, DataConfig, ModelConfig, QuantConfig, SFTConfig, load_config
+from vlforge.data.dataset import load_dataset
+from vlforge.data.encode import collate
+from vlforge.model.load import load_model
+from vlforge.model.moe_lora import experts_base
+from vlforge.model.quant import EXPERT_WEIGHTS, expert_modules, expert_state_bytes, verify
+from vlforge.model.tiers import apply_plan, build_plan
+
+from helpers import tiny_sft_config
+
+
+@pytest.fixture(scope="module")
+def batch(tiny_moe, shapes_dir):
+    data = load_dataset(str(shapes_dir / "val.jsonl"), tiny_moe[1], DataConfig())
+    return {k: v for k, v in collate([data[i] for i in range(3)], data.encoder.pad_id).items() if k != "labels"}
+
+
+def _experts(model):
+    return list(expert_modules(model).values())
+
+
+@pytest.mark.parametrize("kernel", ["eager", "batched_mm", "grouped_mm"])
+def test_nf4_experts_are_bitsandbytes_blocks_and_run_every_kernel(batch, kernel):
+    """Each [E, out, in] stack holds exactly bitsandbytes' NF4 of the bf16 weight (64-value blocks,
+    double-quantized scales, as Linear4bit), packed two values a byte; the model computes exactly
+    what the bf16 model holding those values computes, on each of transformers' expert kernels."""
+    cfg = ModelConfig(preset="tiny-moe", experts_implementation=kernel)
+    q = QuantConfig(experts="nf4")  # the experts alone, so the rest is identical to the plain model
+    model, _ = load_model(cfg, dtype=torch.bfloat16, quant=q)
+    plain, _ = load_model(cfg, dtype=torch.bfloat16)
+    report = verify(model, q)
+    assert report["linears"]["experts:nf4"] == 4 and report["linears"]["language:none"] == 8
+    with torch.no_grad():
+        bf16 = plain(**batch).logits
+        for quantized, reference in zip(_experts(model), _experts(plain)):
+            for name in EXPERT_WEIGHTS:
+                weight = getattr(reference, name)
+                packed, state = bnb_functional.quantize_4bit(weight.data, blocksize=64, compress_statistics=True,
+                                                             quant_type="nf4")
+                nf4 = bnb_functional.dequantize_4bit(packed, state)
+                assert torch.equal(getattr(quantized, name), nf4)
+                stored = quantized.parametrizations[name].original
+                assert stored.dtype == torch.uint8 and stored.numel() == weight.numel() // 2
+                assert 0 < (nf4 - weight).norm() / weight.norm() < 0.2  # NF4: ~0.17 on a normal weight
+                weight.copy_(nf4)
+        torch.testing.assert_close(model(**batch).logits, plain(**batch).logits, rtol=0, atol=0)
+        assert (model(**batch).logits - bf16).abs().max() > 0  # quantization changed something
+    plain_bytes = sum(t.numel() * t.element_size() for t in [*plain.parameters(), *plain.buffers()])
+    expert_bf16 = sum(getattr(e, w).numel() * 2 for e in _experts(plain) for w in EXPERT_WEIGHTS)
+    assert round(report["weights_gb"] * 1e9) == plain_bytes - expert_bf16 // 4 * 3 + expert_state_bytes(model)
+    # the scales: an 8-bit absmax per 64 values and its fp32 scale per 256 absmaxes (+ two code books)
+    assert 0 < expert_state_bytes(model) - expert_bf16 / 2 / 64 < 2 * 4 * 16 * 4 + 4 * 256 * 4
+
+
+def _tiers(*overrides):
+    return load_config(SFTConfig, None, ["tiers.vision.train=true", *overrides]).tiers
+
+
+def _with_expert_lora(base):
+    torch.manual_seed(1)
+    peft_model = apply_plan(base, build_plan(base, _tiers("tiers.language.experts=true")))
+    with torch.no_grad():
+        for name, p in peft_model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)  # a trained adapter: B starts at zero
+    return peft_model
+
+
+@pytest.mark.parametrize("kernel", ["eager", "grouped_mm"])
+def test_expert_lora_on_nf4_experts_equals_lora_on_their_values(batch, kernel):
+    """The fused expert LoRA reads the dequantized stack: outputs and every adapter gradient equal
+    those of the same adapters on bf16 experts holding the NF4 values. The adapters are put on
+    before the experts are quantized (load_model's wrap), so their saved names are the bf16 run's."""
+    cfg = ModelConfig(preset="tiny-moe", experts_implementation=kernel)
+    model, _ = load_model(cfg, dtype=torch.bfloat16, quant=QuantConfig(experts="nf4"), wrap=_with_expert_lora)
+    reference, _ = load_model(cfg, dtype=torch.bfloat16, wrap=_with_expert_lora)
+    assert set(get_peft_model_state_dict(model)) == set(get_peft_model_state_dict(reference))
+    with torch.no_grad():
+        for quantized, plain in zip(_experts(model), _experts(reference)):
+            assert type(plain) is type(experts_base(plain))  # the transformers module under the wrappers
+            for name in EXPERT_WEIGHTS:
+                getattr(plain, name).copy_(getattr(quantized, name))
+    outputs = []
+    for m in (model, reference):
+        logits = m.eval()(**batch).logits  # no LoRA dropout: the same arithmetic in both
+        logits.float().square().mean().backward()
+        outputs.append((logits.detach(), {n: p.grad for n, p in m.named_parameters() if p.grad is not None}))
+    torch.testing.assert_close(outputs[0][0], outputs[1][0], rtol=0, atol=0)
+    assert outputs[0][1].keys() == outputs[1][1].keys()
+    assert sum("experts" in n for n in outputs[0][1]) == 8  # A and B of both stacks in both layers
+    for name, grad in outputs[0][1].items():
+        torch.testing.assert_close(grad, outputs[1][1][name], rtol=0, atol=0)
+        assert grad.abs().max() > 0, name
+
+
+def test_moe_qlora_trains_expert_adapters_on_nf4_experts_and_serves_them(shapes_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    from vlforge.model.export import export
+    from vlforge.recipes.sft import run_sft
+    from vlforge.serve.engine import InferenceEngine
+
+    run_sft(tiny_sft_config(shapes_dir, tmp_path / "run", "model.preset=tiny-moe", "precision.mode=bf16",
+                            "tiers.method=lora", "tiers.language.experts=true", "quant.language=nf4",
+                            "train.max_steps=2", "data.val=null"))
+    ckpt = tmp_path / "run" / "checkpoint-2"
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert all(torch.isfinite(torch.tensor(m["loss"])) for m in metrics if "loss" in m)
+    adapters = load_file(ckpt / "adapter_model.safetensors")
+    expert_b = [v for k, v in adapters.items() if "experts" in k and "lora_B" in k]
+    assert len(expert_b) == 4 and all(v.abs().max() > 0 for v in expert_b)  # trained from B = 0
+    engine = InferenceEngine.load(str(ckpt), device="cpu")  # the run's own base: NF4 attention and experts
+    assert engine.quant_report["linears"]["experts:nf4"] == 4 and engine.quant_report["linears"]["language:nf4"] == 8
+    with pytest.raises(ConfigError, match="MoE model.*export without --quant"):
+        export(ckpt, tmp_path / "nf4", merge=True, quant=QuantConfig.from_flag("nf4"))
+    assert not (tmp_path / "nf4").exists()
+    assert export(ckpt, tmp_path / "merged", merge=True)["quant"] == "none"  # merged into the bf16 base
+
+
+def test_nf4_expert_refusals(shapes_dir, tmp_path):
+    from vlforge.engine.trainable import setup_model
+
+    with pytest.raises(ConfigError, match="tiers.expert_lora=peft cannot run on NF4 experts: .* stacks one more"):
+        setup_model(tiny_sft_config(shapes_dir, tmp_path, "model.preset=tiny-moe", "tiers.method=lora",
+                                    "tiers.language.experts=true", "tiers.expert_lora=peft", "quant.language=nf4"))
+    with pytest.raises(ConfigError, match="dense model, it has no experts"):
+        load_model(ModelConfig(preset="tiny"), quant=QuantConfig(experts="nf4"))
+    assert QuantConfig.from_flag("nf4").expert_method == "nf4" and QuantConfig.from_flag("int8").expert_method == "none"
+
+
+def test_plan_counts_nf4_experts_and_the_staged_load_on_30b_a3b(capsys):
+    from vlforge.cli import main
+
+    memory = {}
+    for experts in ("auto", "none"):
+        assert main(["sft", "configs/qwen3vl-30b-a3b-lora.yaml", "quant.language=nf4", f"quant.experts={experts}",
+                     "--plan", "--json"]) == 0
+        memory[experts] = json.loads(capsys.readouterr().out)["memory"]
+    nf4, bf16 = memory["auto"], memory["none"]
+    # 29.0B expert weights: 2 bytes each in bf16, 0.516 in NF4 (4 bits + the scales)
+    saved = bf16["no_offload"]["parameters"]["gpu"] - nf4["no_offload"]["parameters"]["gpu"]
+    assert 42e9 < saved < 44e9
+    assert nf4["load"]["staged_experts"] and not bf16["load"].get("staged_experts")
+    # the GPU gets the packed model plus one bf16 [128, 1536, 2048] stack; host memory holds it all first
+    assert nf4["load"]["gpu"] - nf4["no_offload"]["parameters"]["gpu"] == pytest.approx(128 * 1536 * 2048 * 2, rel=0.01)
+    assert nf4["load"]["host_rank0"] > bf16["no_offload"]["parameters"]["gpu"]
+
+
+@pytest.mark.gpu
+def test_staged_nf4_expert_load_on_cuda_matches_the_cpu_load_and_trains(batch, shapes_dir, tmp_path):
+    """On a GPU the quantized MoE loads staged (host memory first, each expert stack quantized on
+    the GPU): everything ends on the GPU, the NF4 values are the CPU load's, and QLoRA trains on it."""
+    from vlforge.recipes.sft import run_sft
+
+    q = QuantConfig.from_flag("nf4")
+    cpu, _ = load_model(ModelConfig(preset="tiny-moe"), dtype=torch.bfloat16, quant=q)
+    gpu, _ = load_model(ModelConfig(preset="tiny-moe"), dtype=torch.bfloat16, device="cuda", quant=q)
+    assert verify(gpu, q)["linears"]["experts:nf4"] == 4
+    assert {t.device.type for t in [*gpu.parameters(), *gpu.buffers()]} == {"cuda"}
+    with torch.no_grad():
+        for on_gpu, on_cpu in zip(_experts(gpu), _experts(cpu)):
+            for name in EXPERT_WEIGHTS:
+                assert getattr(on_gpu, name).device.type == "cuda"
+                torch.testing.assert_close(getattr(on_gpu, name).cpu(), getattr(on_cpu, name), rtol=0, atol=1e-3)
+        logits = gpu(**{k: v.cuda() for k, v in batch.items()}).logits.float().cpu()
+        torch.testing.assert_close(logits, cpu(**batch).logits.float(), rtol=0.05, atol=0.05)
+    run_sft(tiny_sft_config(shapes_dir, tmp_path / "run", "model.preset=tiny-moe", "precision.mode=bf16",
+                            "train.device=cuda", "tiers.method=lora", "tiers.language.experts=true",
+                            "quant.language=nf4", "train.max_steps=2", "data.val=null"))
+    assert (tmp_path / "run" / "checkpoint-2" / "adapter_model.safetensors").is_file()
