@@ -7,6 +7,7 @@ import bitsandbytes.functional as bnb_functional
 import pytest
 import torch
 from peft import get_peft_model_state_dict
+from PIL import Image
 
 from vlforge.config import ConfigError, DataConfig, ModelConfig, QuantConfig, SFTConfig, load_config
 from vlforge.data.dataset import load_dataset
@@ -15,6 +16,7 @@ from vlforge.model.load import load_model
 from vlforge.model.moe_lora import experts_base
 from vlforge.model.quant import EXPERT_WEIGHTS, expert_modules, expert_state_bytes, verify
 from vlforge.model.tiers import apply_plan, build_plan
+from vlforge.serve.engine import Request
 
 from helpers import tiny_sft_config
 
@@ -121,6 +123,16 @@ def test_moe_qlora_trains_expert_adapters_on_nf4_experts_and_serves_them(shapes_
     assert len(expert_b) == 4 and all(v.abs().max() > 0 for v in expert_b)  # trained from B = 0
     engine = InferenceEngine.load(str(ckpt), device="cpu")  # the run's own base: NF4 attention and experts
     assert engine.quant_report["linears"]["experts:nf4"] == 4 and engine.quant_report["linears"]["language:nf4"] == 8
+
+    def requests():
+        red = Image.new("RGB", (64, 48), (200, 30, 30))
+        return [Request([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What shape?"}]}],
+                        [red], max_new_tokens=6, min_new_tokens=6),
+                Request([{"role": "user", "content": "hi"}], max_new_tokens=4, min_new_tokens=4)]
+
+    ours = [c.text for c in engine.generate(requests())]  # generate/'s engine on the NF4 experts + adapters
+    engine.engine_kind = "hf"  # transformers' generate on the same model
+    assert [c.text for c in engine.generate(requests())] == ours and all(ours)
     with pytest.raises(ConfigError, match="MoE model.*export without --quant"):
         export(ckpt, tmp_path / "nf4", merge=True, quant=QuantConfig.from_flag("nf4"))
     assert not (tmp_path / "nf4").exists()
@@ -178,3 +190,26 @@ def test_staged_nf4_expert_load_on_cuda_matches_the_cpu_load_and_trains(batch, s
                             "train.device=cuda", "tiers.method=lora", "tiers.language.experts=true",
                             "quant.language=nf4", "train.max_steps=2", "data.val=null"))
     assert (tmp_path / "run" / "checkpoint-2" / "adapter_model.safetensors").is_file()
+
+
+def test_grpo_on_nf4_experts_trains_expert_adapters_with_router_replay(shapes_dir, tmp_path):
+    """QLoRA GRPO on an MoE: rollouts decode on the NF4 experts (the generation engine reads them
+    through the parametrization), the trainer replays the rollout's experts, KL to the disabled
+    adapters, and every expert adapter moves."""
+    from safetensors.torch import load_file
+
+    from test_grpo import grpo_config
+    from vlforge.recipes.grpo import run_grpo
+
+    run_grpo(grpo_config(shapes_dir, tmp_path / "run", tmp_path, "model.preset=tiny-moe", "tiers.method=lora",
+                         "tiers.language.experts=true", "quant.language=nf4", "precision.mode=bf16",
+                         "rl.kl_beta=0.1", "rollout.router_replay=true", "train.seed=1", "train.max_steps=2"))
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in rows if "loss" in r]
+    assert trained and all(r["groups_trained"] > 0 for r in trained)
+    # rollout and trainer compute on the same NF4 weights: the log-probs agree and few routes differ
+    # (bf16 arithmetic, then the update)
+    assert trained[0]["approx_kl"] < 1e-2 and all(r["moe/route_flip"] < 0.1 for r in trained)
+    adapters = load_file(tmp_path / "run" / "checkpoint-2" / "adapter_model.safetensors")
+    expert_b = [v for k, v in adapters.items() if "experts" in k and "lora_B" in k]
+    assert len(expert_b) == 4 and all(v.abs().max() > 0 for v in expert_b)

@@ -351,7 +351,7 @@ def recipe_from_config(cfg: SFTConfig | GRPOConfig, config: str | None, cuda_ava
         fp8_backend=cfg.precision.fp8.backend if cfg.precision.fp8.enabled else None,
         flash_attn=cfg.model.attn_implementation == "flash_attention_2",
         model_path=cfg.model.path,
-        quant=frozenset({cfg.quant.language, cfg.quant.vision, cfg.quant.projector} - {"none"}),
+        quant=frozenset({cfg.quant.language, cfg.quant.vision, cfg.quant.projector, cfg.quant.expert_method} - {"none"}),
         loss_impl=cfg.loss.impl,
         grpo=isinstance(cfg, GRPOConfig),
         packing=False if isinstance(cfg, GRPOConfig) else cfg.data.packing,  # GRPO packs by rl.packing
