@@ -14,6 +14,7 @@ from vlforge.data.dataset import load_dataset
 from vlforge.data.encode import collate
 from vlforge.model.load import load_model
 from vlforge.model.moe_lora import experts_base
+from vlforge.model.nf4 import routed_expert_weights
 from vlforge.model.quant import EXPERT_WEIGHTS, expert_modules, expert_state_bytes, verify
 from vlforge.model.tiers import apply_plan, build_plan
 from vlforge.serve.engine import Request
@@ -47,13 +48,15 @@ def test_nf4_experts_are_bitsandbytes_blocks_and_run_every_kernel(batch, kernel)
         for quantized, reference in zip(_experts(model), _experts(plain)):
             for name in EXPERT_WEIGHTS:
                 weight = getattr(reference, name)
-                packed, state = bnb_functional.quantize_4bit(weight.data, blocksize=64, compress_statistics=True,
-                                                             quant_type="nf4")
-                nf4 = bnb_functional.dequantize_4bit(packed, state)
+                # flat: bitsandbytes 0.50's CPU kernel gets the blocks of a [..., 32] shape wrong (quant.dequantize_flat)
+                packed, state = bnb_functional.quantize_4bit(weight.data.flatten(), blocksize=64,
+                                                             compress_statistics=True, quant_type="nf4")
+                nf4 = bnb_functional.dequantize_4bit(packed, state).view(weight.shape)
                 assert torch.equal(getattr(quantized, name), nf4)
                 stored = quantized.parametrizations[name].original
                 assert stored.dtype == torch.uint8 and stored.numel() == weight.numel() // 2
-                assert 0 < (nf4 - weight).norm() / weight.norm() < 0.2  # NF4: ~0.17 on a normal weight
+                # NF4's error on a normal weight is ~0.092 (down_proj through the CPU kernel's shape bug: 0.40)
+                assert 0.05 < (nf4 - weight).float().norm() / weight.float().norm() < 0.1
                 weight.copy_(nf4)
         torch.testing.assert_close(model(**batch).logits, plain(**batch).logits, rtol=0, atol=0)
         assert (model(**batch).logits - bf16).abs().max() > 0  # quantization changed something
@@ -62,6 +65,34 @@ def test_nf4_experts_are_bitsandbytes_blocks_and_run_every_kernel(batch, kernel)
     assert round(report["weights_gb"] * 1e9) == plain_bytes - expert_bf16 // 4 * 3 + expert_state_bytes(model)
     # the scales: an 8-bit absmax per 64 values and its fp32 scale per 256 absmaxes (+ two code books)
     assert 0 < expert_state_bytes(model) - expert_bf16 / 2 / 64 < 2 * 4 * 16 * 4 + 4 * 256 * 4
+
+
+def test_decode_steps_dequantize_only_the_routed_experts(monkeypatch):
+    """At most half as many routed (token, expert) pairs as experts (a decode step): each NF4 stack dequantizes
+    the pairs' experts only, gathering their blocks and scales, and the output equals transformers'
+    forward on the whole dequantized stack; a prefill still dequantizes the stack once."""
+    cfg = ModelConfig(preset="tiny-moe", experts_implementation="batched_mm")
+    model, _ = load_model(cfg, dtype=torch.bfloat16, quant=QuantConfig(experts="nf4"))
+    experts = _experts(model)[1]
+    many = torch.tensor([3, 0, 7, 3, 5, 3])  # with repeats
+    for name in EXPERT_WEIGHTS:
+        assert torch.equal(routed_expert_weights(experts, name, many), getattr(experts, name)[many])
+    ids = torch.tensor([[3, 0], [7, 3]])  # 2 tokens, top-2: 4 pairs over 3 of the 8 experts
+    torch.manual_seed(0)
+    hidden, weights = torch.randn(2, 64, dtype=torch.bfloat16), torch.rand(2, 2, dtype=torch.bfloat16)
+    shapes = []
+    dequantize = bnb_functional.dequantize_4bit
+    monkeypatch.setattr(bnb_functional, "dequantize_4bit",
+                        lambda A, state, *a, **kw: shapes.append(tuple(state.shape)) or dequantize(A, state, *a, **kw))
+    routed = experts(hidden, ids, weights)
+    assert shapes == [(4 * 64 * 64,), (4 * 64 * 32,)]  # values of the pairs' experts, not all 8
+    shapes.clear()
+    whole = type(experts).forward(experts, hidden, ids, weights)  # transformers' batched_mm on the whole stacks
+    assert shapes == [(8 * 64 * 64,), (8 * 64 * 32,)]
+    torch.testing.assert_close(routed, whole, rtol=0, atol=0)
+    shapes.clear()
+    experts(torch.randn(3, 64, dtype=torch.bfloat16), torch.randint(0, 8, (3, 2)), torch.rand(3, 2, dtype=torch.bfloat16))
+    assert shapes == [(8 * 64 * 64,), (8 * 64 * 32,)]  # 6 pairs (> 8 / 2): the whole stacks, once each
 
 
 def _tiers(*overrides):
@@ -103,6 +134,57 @@ def test_expert_lora_on_nf4_experts_equals_lora_on_their_values(batch, kernel):
     for name, grad in outputs[0][1].items():
         torch.testing.assert_close(grad, outputs[1][1][name], rtol=0, atol=0)
         assert grad.abs().max() > 0, name
+
+
+def test_expert_lora_on_a_decode_step_of_nf4_experts_gathers_only_the_routed_ones(monkeypatch):
+    """A decode-sized call on the fused expert LoRA (2 tokens, 4 pairs of 8 experts): the NF4 model's
+    routed path (gathered weights and adapters) equals the bf16 model holding the NF4 values, whose
+    batched_mm gathers the same pairs, output and adapter gradients."""
+    cfg = ModelConfig(preset="tiny-moe", experts_implementation="batched_mm")
+    model, _ = load_model(cfg, dtype=torch.bfloat16, quant=QuantConfig(experts="nf4"), wrap=_with_expert_lora)
+    reference, _ = load_model(cfg, dtype=torch.bfloat16, wrap=_with_expert_lora)
+    wrappers = [m.base_model.model.model.language_model.layers[1].mlp.experts for m in (model, reference)]
+    with torch.no_grad():
+        for name in EXPERT_WEIGHTS:
+            getattr(experts_base(wrappers[1]), name).copy_(getattr(experts_base(wrappers[0]), name))
+    torch.manual_seed(0)
+    hidden, ids = torch.randn(2, 64, dtype=torch.bfloat16), torch.tensor([[3, 0], [7, 3]])
+    weights = torch.rand(2, 2, dtype=torch.bfloat16)
+    shapes = []
+    dequantize = bnb_functional.dequantize_4bit
+    monkeypatch.setattr(bnb_functional, "dequantize_4bit",
+                        lambda A, state, *a, **kw: shapes.append(tuple(state.shape)) or dequantize(A, state, *a, **kw))
+    outputs = []
+    for m, wrapper in zip((model, reference), wrappers):
+        y = wrapper.eval()(hidden, ids, weights)
+        y.float().square().sum().backward()
+        outputs.append((y.detach(), [p.grad for n, p in wrapper.named_parameters() if "lora" in n]))
+    assert shapes == [(4 * 64 * 64,), (4 * 64 * 32,)]  # the routed path: the 4 pairs' experts only
+    torch.testing.assert_close(outputs[0][0], outputs[1][0], rtol=0, atol=0)
+    assert len(outputs[0][1]) == 4 and all(g is not None for g in outputs[0][1])
+    for got, want in zip(*(o[1] for o in outputs)):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_delta_factors_are_peft_s_and_read_no_nf4_weight(monkeypatch):
+    from peft.tuners.lora.layer import ParamWrapper
+
+    from vlforge.model.moe_lora import delta_factors
+
+    plain, _ = load_model(ModelConfig(preset="tiny-moe"), dtype=torch.bfloat16, wrap=_with_expert_lora)
+    wrappers = [m for m in plain.modules() if isinstance(m, ParamWrapper)]
+    assert len(wrappers) == 4
+    for w in wrappers:
+        for got, want in zip(delta_factors(w, "default", torch.bfloat16), w.get_delta_factors("default")):
+            assert torch.equal(got, want) if isinstance(want, torch.Tensor) else got == want
+    nf4, _ = load_model(ModelConfig(preset="tiny-moe"), dtype=torch.bfloat16, quant=QuantConfig(experts="nf4"),
+                        wrap=_with_expert_lora)
+    reads = []
+    dequantize = bnb_functional.dequantize_4bit
+    monkeypatch.setattr(bnb_functional, "dequantize_4bit", lambda *a, **kw: reads.append(1) or dequantize(*a, **kw))
+    for w in (m for m in nf4.modules() if isinstance(m, ParamWrapper)):
+        assert delta_factors(w, "default", torch.bfloat16)[0].dtype == torch.bfloat16
+    assert not reads
 
 
 def test_moe_qlora_trains_expert_adapters_on_nf4_experts_and_serves_them(shapes_dir, tmp_path):

@@ -20,7 +20,8 @@ peft's wrappers stay in the model: state dict names, save, load, merge, `merge_a
 (`FusedExpertsLoRA`, a ParamWrapper subclass) so its forward reads every wrapper's lora_A/lora_B,
 scaling, dropout, active/disabled/merged state and the frozen base parameters directly, and never
 runs the parametrisation. The factor layout is peft's own (`ParamWrapper.get_delta_factors`: the
-update of expert e is `s * lhs[e] @ rhs[e]` in the parameter's layout).
+update of expert e is `s * lhs[e] @ rhs[e]` in the parameter's layout; `delta_factors` repeats
+its reshapes without its read of the base weight).
 
 Why not transformers' `ExpertsInterface` (integrations/moe.py: a registry of experts forwards
 picked by `config._experts_implementation`)? Its functions receive the experts module and the
@@ -42,6 +43,8 @@ import torch.nn.functional as F
 from peft.tuners.lora.layer import ParamWrapper
 from torch import nn
 
+from vlforge.model.nf4 import expert_weight_dtype, routed_expert_weights, routed_pays
+
 # kernels this forward mirrors (transformers' `experts_implementation` values)
 KERNELS = ("eager", "grouped_mm", "batched_mm")
 
@@ -56,8 +59,21 @@ class _Term:
     dropout: nn.Module
 
 
+def delta_factors(layer: ParamWrapper, adapter: str, dtype: torch.dtype):
+    """peft's `ParamWrapper.get_delta_factors` (the update of expert e is `scaling * lhs[e] @ rhs[e]`,
+    in the parameter's layout), without its read of the base parameter for the dtype: on NF4 experts
+    that read dequantizes the whole stack (model/nf4.py), which a decode step never needs. The
+    reshapes are peft's (tests/test_moe_quant.py checks they give its factors)."""
+    A, B = layer.lora_A[adapter].weight, layer.lora_B[adapter].weight
+    A = A.reshape(layer.num_experts, -1, A.shape[-1])  # [E, r, in]
+    B = B.reshape(B.shape[0], -1, layer.num_experts).permute(2, 0, 1)  # [E, out, r]
+    lhs, rhs = (B, A) if layer._did_swap_in_out_features else (A.transpose(-2, -1), B.transpose(-2, -1))
+    return lhs.to(dtype), rhs.to(dtype), layer.scaling[adapter]
+
+
 def _term(layer: ParamWrapper, adapter: str, transposed: bool) -> _Term:
-    lhs, rhs, scaling = layer.get_delta_factors(adapter)  # update of expert e = scaling * lhs[e] @ rhs[e]
+    dtype = expert_weight_dtype(experts_base(layer), layer.parameter_name)
+    lhs, rhs, scaling = delta_factors(layer, adapter, dtype)  # update of expert e = scaling * lhs[e] @ rhs[e]
     if transposed:  # parameter [E, in, out], used as x @ W: lhs [E, in, r], rhs [E, r, out]
         down, up = lhs, rhs
     else:  # [E, out, in] (transformers' default), used as x @ W^T: lhs = B [E, out, r], rhs = A [E, r, in]
@@ -132,6 +148,18 @@ class FusedExpertsLoRA(ParamWrapper):
 FusedExpertsLoRA.__name__ = ParamWrapper.__name__
 
 
+def _mlp(experts: nn.Module, weights: dict[str, torch.Tensor], terms: dict[str, list[_Term]], mm, x: torch.Tensor):
+    """gate_up -> gate -> down for rows x, each projection `mm(x, weight)` plus its LoRA terms."""
+
+    def linear(x, name):
+        y = mm(x, weights[name])
+        for t in terms.get(name, ()):
+            y = y + mm(mm(t.dropout(x), t.down) * t.scaling, t.up)
+        return y
+
+    return linear(experts._apply_gate(linear(x, "gate_up_proj")), "down_proj")
+
+
 def lora_experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                          top_k_weights: torch.Tensor, terms: dict[str, list[_Term]]) -> torch.Tensor:
     """transformers' experts forward (gate_up -> gate -> down, routing-weighted sum over the top-k)
@@ -143,19 +171,23 @@ def lora_experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_
         raise ValueError(f"experts implementation {kernel!r}: the low-rank expert LoRA forward runs on "
                          f"{', '.join(KERNELS)}; use one (model.experts_implementation) or tiers.expert_lora=peft")
     transposed = getattr(experts, "is_transposed", False)
-    weights = {name: (p if transposed else p.transpose(-2, -1))  # [E, in, out] views: y = x @ W[e]
-               for name in ("gate_up_proj", "down_proj") for p in [getattr(experts, name)]}
     T, k = top_k_index.shape
     S = T * k  # routed (token, expert) pairs
-
-    def linear(mm, x, name):
-        y = mm(x, weights[name])
-        for t in terms.get(name, ()):
-            y = y + mm(mm(t.dropout(x), t.down) * t.scaling, t.up)
-        return y
+    ids = top_k_index.reshape(-1)  # [S], pair s = (token s // k, its s % k-th expert)
+    if routed_pays(S, experts.num_experts) and not transposed:  # NF4 experts: dequantize only the routed ones
+        routed = {name: routed_expert_weights(experts, name, ids) for name in ("gate_up_proj", "down_proj")}
+        if all(w is not None for w in routed.values()):  # one bmm over the pairs, everything gathered per pair
+            weights = {name: w.transpose(-2, -1) for name, w in routed.items()}
+            terms = {name: [_Term(t.down[ids], t.up[ids], t.scaling, t.dropout) for t in ts]
+                     for name, ts in terms.items()}
+            y = _mlp(experts, weights, terms, lambda x, w: torch.bmm(x.unsqueeze(1), w).squeeze(1),
+                     hidden_states.repeat_interleave(k, dim=0))
+            return (y * top_k_weights.reshape(S, 1)).view(T, k, -1).sum(dim=1).to(hidden_states.dtype)
+    weights = {name: (p if transposed else p.transpose(-2, -1))  # [E, in, out] views: y = x @ W[e]
+               for name in ("gate_up_proj", "down_proj") for p in [getattr(experts, name)]}
 
     def mlp(mm, x):
-        return linear(mm, experts._apply_gate(linear(mm, x, "gate_up_proj")), "down_proj")
+        return _mlp(experts, weights, terms, mm, x)
 
     if kernel == "eager":  # transformers' reference loop over the experts that got tokens
         out = torch.zeros_like(hidden_states)
@@ -168,7 +200,6 @@ def lora_experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_
             out.index_add_(0, tok, y.to(out.dtype))
         return out
 
-    ids = top_k_index.reshape(-1)  # [S], pair s = (token s // k, its s % k-th expert)
     if kernel == "batched_mm":  # one bmm over the pairs, each with its expert's matrices gathered
         y = mlp(lambda x, w: torch.bmm(x.unsqueeze(1), w[ids]).squeeze(1), hidden_states.repeat_interleave(k, dim=0))
         y = y * top_k_weights.reshape(S, 1)
@@ -189,6 +220,17 @@ def lora_experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_
     inv = torch.empty_like(perm)
     inv[perm] = torch.arange(S, device=perm.device)
     return y[inv].view(T, k, -1).sum(dim=1).to(hidden_states.dtype)
+
+
+def nf4_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                        top_k_weights: torch.Tensor) -> torch.Tensor:
+    """The forward of an NF4 experts module without LoRA (model/quant.quantize_experts sets it): a
+    step routing few (token, expert) pairs (decoding a few sequences: model/nf4.routed_pays)
+    dequantizes only the routed experts (lora_experts_forward); otherwise transformers' own forward
+    runs on the whole dequantized stack, its kernel unchanged."""
+    if routed_pays(top_k_index.numel(), self.num_experts):
+        return lora_experts_forward(self, hidden_states, top_k_index, top_k_weights, {})
+    return type(self).forward(self, hidden_states, top_k_index, top_k_weights)
 
 
 def _outermost_wrappers(model: nn.Module):

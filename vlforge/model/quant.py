@@ -24,7 +24,9 @@ with bitsandbytes' own tool for parameters outside nn.Linear, `nn.parametrize.re
 the same NF4 blocks as Linear4bit (64 values, double-quantized scales), stored packed, and a
 parametrization that dequantizes the whole [E, out, in] stack when the experts read it (once per
 forward: bitsandbytes caches it for the module's call). So every experts kernel (eager,
-grouped_mm, batched_mm) and the fused expert LoRA (model/moe_lora.py) run unchanged on it. The
+grouped_mm, batched_mm) and the fused expert LoRA (model/moe_lora.py) run unchanged on it. A step
+routing fewer (token, expert) pairs than there are experts (decode) dequantizes only the routed
+experts' blocks instead (model/nf4.routed_expert_weights, through moe_lora's forward). The
 routers stay in the load dtype. `quantize_experts` runs after peft has wrapped the experts
 (`load_model(wrap=...)`): peft nests its wrappers in another order on a parametrized module, which
 would rename an adapter's saved keys. int8 and fp8 experts are not built.
@@ -38,12 +40,14 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import types
 
 import torch
 import torch.nn.utils.parametrize as P
 from torch import nn
 
 from vlforge.config import ConfigError, QuantConfig
+from vlforge.model.nf4 import flat_dequantization, nf4_state
 from vlforge.model.tiers import canonical_name
 
 GROUP_PATTERNS = {
@@ -92,18 +96,13 @@ def expert_plan(model: nn.Module, cfg: QuantConfig) -> dict[str, str]:
     return {f"{name}.{w}": cfg.expert_method for name in expert_modules(model) for w in EXPERT_WEIGHTS}
 
 
-def _nf4_state(module: nn.Module, name: str):
-    """bitsandbytes' QuantState of a parametrized expert weight, or None for a plain one."""
-    if not P.is_parametrized(module, name):
-        return None
-    return next((p.quant_state for p in module.parametrizations[name] if hasattr(p, "quant_state")), None)
-
-
 def quantize_experts(model: nn.Module, device: torch.device) -> int:
     """NF4 for every plain fused expert weight of `model` (in place, one [E, out, in] tensor at a
     time, each moved to `device` and quantized there, so a staged load never holds more than one
     bf16 expert stack on the GPU); returns how many were quantized."""
     from bitsandbytes.nn.parametrize import replace_parameter_4bit
+
+    from vlforge.model.moe_lora import nf4_experts_forward
 
     n = 0
     for experts in expert_modules(model).values():
@@ -115,7 +114,12 @@ def quantize_experts(model: nn.Module, device: torch.device) -> int:
             del weight
             replace_parameter_4bit(experts, name, compress_statistics=True, quant_type="nf4",
                                    blocksize=EXPERT_BLOCKSIZE)
+            parametrization = experts.parametrizations[name][0]
+            parametrization.__class__ = flat_dequantization(type(parametrization))
             n += 1
+        # decode steps dequantize only the routed experts (an instance attribute: torch's
+        # parametrization already swapped the module's class for its own subclass)
+        experts.forward = types.MethodType(nf4_experts_forward, experts)
     return n
 
 
@@ -125,7 +129,7 @@ def expert_state_bytes(model: nn.Module) -> int:
     total = 0
     for experts in expert_modules(model).values():
         for name in EXPERT_WEIGHTS:
-            if (state := _nf4_state(experts, name)) is not None:
+            if (state := nf4_state(experts, name)) is not None:
                 total += sum(t.numel() * t.element_size() for key, t in state.as_dict(packed=True).items()
                              if isinstance(t, torch.Tensor) and not key.startswith("quant_state"))
     return total
@@ -203,7 +207,7 @@ def applied_method(module: nn.Module) -> str:
 
 def applied_expert_method(experts: nn.Module, name: str) -> str:
     """What a fused expert weight actually is: nf4 (or fp4) | none (a plain floating tensor)."""
-    if (state := _nf4_state(experts, name)) is not None:
+    if (state := nf4_state(experts, name)) is not None:
         return state.quant_type
     if P.is_parametrized(experts, name):
         return "parametrized"
