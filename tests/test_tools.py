@@ -452,6 +452,7 @@ def test_eval_answers_as_conversations_with_the_tools(tool_model, tool_data, tmp
     import io
 
     from vlforge.cli import main
+    from vlforge.rl.rewards import numeric
 
     (tmp_path / "r.py").write_text("def tool_msgs(completion, answer, transcript, tool_calls, **row):\n"
                                    "    return float(sum(m['role'] == 'tool' for m in transcript))\n")
@@ -469,6 +470,34 @@ def test_eval_answers_as_conversations_with_the_tools(tool_model, tool_data, tmp
     with contextlib.redirect_stderr(io.StringIO()) as err:
         assert main([*args, "--tool", "nope"]) != 0
     assert "--tool: unknown tool 'nope'" in err.getvalue()
+
+    # --rewards-from: a GRPO run's rewards (weights, kwargs) and tools, from its config or a checkpoint of it;
+    # its rollout.max_new_tokens is the budget, as in the run's own evaluation
+    run = tmp_path / "run"
+    (run / "checkpoint-3").mkdir(parents=True)
+    (run / "config.yaml").write_text(
+        "rl:\n  rewards:\n"
+        f"    - {{name: '{tmp_path / 'r.py'}:tool_msgs', weight: 2.0}}\n"
+        "    - {name: numeric, weight: 0.5, kwargs: {tol: 1.0e+9}}\n"
+        "rollout: {tools: [calculator], max_new_tokens: 160, tool_processes: 2}\n")
+    for source in (run / "config.yaml", run / "checkpoint-3"):
+        weighted = tmp_path / "weighted.json"
+        with contextlib.redirect_stdout(io.StringIO()):
+            assert main([*args[:-1], str(weighted), "--rewards-from", str(source)]) == 0  # args[-1]: --out's file
+        again = json.loads(weighted.read_text())
+        assert [r["answer"] for r in again["answers"]] == [r["answer"] for r in report["answers"]]
+        for row, before in zip(again["answers"], report["answers"]):
+            assert row["rewards"][f"{tmp_path / 'r.py'}:tool_msgs"] == before["tool_calls"]
+            assert row["rewards"]["numeric"] == numeric(row["answer"], row["reference"], tol=1e9)  # the kwargs
+            assert row["reward"] == pytest.approx(2.0 * before["tool_calls"] + 0.5 * row["rewards"]["numeric"])
+        assert any(row["rewards"]["numeric"] for row in again["answers"])  # any number is near enough
+    with contextlib.redirect_stderr(io.StringIO()) as err:
+        assert main([*args, "--rewards-from", str(run / "config.yaml"), "--tool", "calculator"]) != 0
+    assert "leave out --reward and --tool" in err.getvalue()
+    (tmp_path / "sft.yaml").write_text("model: {preset: tiny}\n")
+    with contextlib.redirect_stderr(io.StringIO()) as err:
+        assert main([*args, "--rewards-from", str(tmp_path / "sft.yaml")]) != 0
+    assert "an SFT run, which has no rl.rewards" in err.getvalue()
 
 
 def test_served_model_calls_tools_openai_style(tool_model, tool_data):

@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import sys
+from pathlib import Path
 
 from vlforge.config import ConfigError, GRPOConfig, SFTConfig, dump_config, load_config
 from vlforge.data.jsonl import DataError
@@ -215,35 +216,63 @@ def cmd_chat(args) -> int:
     return 0
 
 
+def _grpo_run(source: str):
+    """The GRPO run config `--rewards-from` names: a run's config YAML, or one of its checkpoints."""
+    from vlforge.config import load_recipe_config
+    from vlforge.model.export import run_config
+
+    path = Path(source)
+    if not path.exists():
+        raise ConfigError(f"--rewards-from {source}: no such file or directory (a GRPO config YAML or checkpoint)")
+    run = run_config(path) if path.is_dir() else load_recipe_config(path)
+    if not isinstance(run, GRPOConfig):
+        raise ConfigError(f"--rewards-from {source}: an SFT run, which has no rl.rewards; name a GRPO run's config "
+                          "or checkpoint, or give --reward specs")
+    return run
+
+
 def cmd_eval(args) -> int:
+    from vlforge.config import RolloutConfig
     from vlforge.engine.metrics import check_writable, write_json_atomic
     from vlforge.recipes.infer import evaluate_jsonl
+    from vlforge.rl.rewards import RewardSpec
 
     if args.out:
         check_writable(args.out, "--out")  # before the model loads and every answer is computed
     rewards = tools = None
-    if args.tool:  # loaded before the model, as GRPO's rollout.tools
+    reward_specs, tool_specs, flag = args.reward, args.tool, "--reward"
+    rollout = RolloutConfig(tool_turns=args.tool_turns, tool_processes=args.tool_processes)
+    max_new_tokens = args.max_new_tokens or 16
+    if args.rewards_from:  # the GRPO run's rewards and tools, as its own evaluation scores and answers
+        if args.reward or args.tool:
+            raise ConfigError("--rewards-from takes the run's rl.rewards and rollout.tools: leave out --reward and "
+                              "--tool (or use those alone)")
+        run = _grpo_run(args.rewards_from)
+        reward_specs = [RewardSpec(r.name, r.weight, dict(r.kwargs)) for r in run.rl.rewards]
+        tool_specs, rollout, flag = run.rollout.tools, run.rollout, f"--rewards-from {args.rewards_from}"
+        # GRPO's evaluation: rollout.max_new_tokens for a conversation with tools, eval.max_new_tokens otherwise
+        max_new_tokens = args.max_new_tokens or (run.rollout.max_new_tokens if tool_specs else run.eval.max_new_tokens)
+    if tool_specs:  # loaded before the model, as GRPO's rollout.tools
         from vlforge.rl.tools import load_tools
 
         try:
-            tools = load_tools(args.tool)
+            tools = load_tools(tool_specs)
         except ValueError as e:
-            raise ConfigError(f"--tool: {e}") from e
-    if args.reward:  # loaded before the model: a typo fails at once
+            raise ConfigError(f"{'--tool' if args.tool else flag}: {e}") from e
+    if reward_specs:  # loaded before the model: a typo fails at once
         from vlforge.rl.rewards import build_rewards
 
         try:
-            rewards = build_rewards(args.reward)
+            rewards = build_rewards(reward_specs)
         except (ValueError, FileNotFoundError, AttributeError, TypeError, ImportError) as e:
-            raise ConfigError(f"--reward: {e}") from e
+            raise ConfigError(f"{flag}: {e}") from e
     engine = _engine(args, slots=args.batch_size)
     if tools:
         from vlforge.rollout.multiturn import check_tool_template
 
         check_tool_template(engine.encoder, "--tool")  # the model's chat template renders a tool turn
-    report = evaluate_jsonl(engine, args.data, batch_size=args.batch_size, max_new_tokens=args.max_new_tokens,
-                            max_samples=args.max_samples, rewards=rewards, tools=tools, tool_turns=args.tool_turns,
-                            tool_processes=args.tool_processes)
+    report = evaluate_jsonl(engine, args.data, batch_size=args.batch_size, max_new_tokens=max_new_tokens,
+                            max_samples=args.max_samples, rewards=rewards, tools=tools, tool_settings=rollout)
     if args.out:
         write_json_atomic(report, args.out)
     tasks = " ".join(f"{k} {v:.3f}" for k, v in report["by_task"].items())
@@ -401,7 +430,9 @@ def build_parser() -> argparse.ArgumentParser:
     _model_source_args(ev)
     ev.add_argument("--data", required=True, help="JSONL with reference answers (the training schemas)")
     ev.add_argument("--batch-size", type=_at_least(1), default=16)
-    ev.add_argument("--max-new-tokens", type=_at_least(1), default=16)
+    ev.add_argument("--max-new-tokens", type=_at_least(1),
+                    help="default 16; with --rewards-from, the run's (rollout.max_new_tokens with tools, "
+                         "else eval.max_new_tokens)")
     ev.add_argument("--max-samples", type=_at_least(1), help="only the first N rows")
     ev.add_argument("--out", help="write the report with every answer to this JSON file")
     ev.add_argument("--reward", action="append", default=[], metavar="SPEC",
@@ -415,6 +446,10 @@ def build_parser() -> argparse.ArgumentParser:
     ev.add_argument("--tool-turns", type=_at_least(1), default=4, help="assistant turns whose calls run, at most")
     ev.add_argument("--tool-processes", type=_at_least(0), default=0,
                     help="0: tool calls on threads; N: in up to N worker processes (rollout.tool_processes)")
+    ev.add_argument("--rewards-from", metavar="RUN",
+                    help="score with a GRPO run's rl.rewards (names, weights, kwargs) and answer with its "
+                         "rollout.tools and tool settings, as its own evaluation does: the run's config YAML or "
+                         "one of its checkpoints")
     ev.set_defaults(func=cmd_eval)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (chat completions, streaming, batching)")

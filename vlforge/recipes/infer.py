@@ -81,16 +81,19 @@ def chat(engine: InferenceEngine, read: Callable[[str], str] = input, write: Cal
 def evaluate_jsonl(engine: InferenceEngine, path: str | Path, *, batch_size: int = 16,
                    max_new_tokens: int = MAX_NEW_TOKENS["classify"], max_samples: int | None = None,
                    rewards: CombinedReward | None = None, tools: dict[str, Tool] | None = None,
-                   tool_turns: int = 4, tool_processes: int = 0) -> dict:
+                   tool_settings: RolloutConfig = RolloutConfig()) -> dict:
     """Batched greedy answers on a JSONL's prompts; exact-match accuracy overall and by task, and
     with `rewards` (rl/rewards.py, as GRPO's rl.rewards) each answer's scores and their means.
     With `tools` (rl/tools.load_tools) each prompt is answered as a conversation with them, as GRPO's
     rollouts and evaluation do (rollout/multiturn.py; `max_new_tokens` the whole response's budget):
-    the answer is the last assistant turn, and rewards also get the transcript and call counts."""
+    the answer is the last assistant turn, and rewards also get the transcript and call counts;
+    `tool_settings` gives the rollout.tool_* keys (turns, result tokens, timeout, processes)."""
     samples = read_jsonl(path)[:max_samples]
     rows, hits, by_task = [], 0, defaultdict(lambda: [0, 0])
-    cfg = RolloutConfig(temperature=0.0, max_new_tokens=max_new_tokens, tool_turns=tool_turns, compile=False,
-                        tools=[t.spec for t in (tools or {}).values()], tool_processes=tool_processes)
+    cfg = RolloutConfig(temperature=0.0, max_new_tokens=max_new_tokens, compile=False,
+                        tools=[t.spec for t in (tools or {}).values()], tool_turns=tool_settings.tool_turns,
+                        tool_result_tokens=tool_settings.tool_result_tokens,
+                        tool_timeout_s=tool_settings.tool_timeout_s, tool_processes=tool_settings.tool_processes)
     with tool_runner(tools or {}, cfg) as run_calls:
         for s in range(0, len(samples), batch_size):
             chunk = samples[s:s + batch_size]
