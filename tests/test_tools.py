@@ -545,7 +545,7 @@ def test_served_model_calls_tools_openai_style(tool_model, tool_data):
         result = calculator(expression)
         second = client.post("/v1/chat/completions", json={**ask, "messages": [
             *question, {"role": "assistant", "content": None, "tool_calls": [call]},
-            {"role": "tool", "tool_call_id": call["id"], "content": result}]}).json()
+            {"role": "tool", "tool_call_id": call["id"], "name": "calculator", "content": result}]}).json()
         # (+ 1: the <|im_end|> that ended the reply, which usage does not count)
         assert second["usage"]["prompt_tokens"] == first["usage"]["prompt_tokens"] + \
             first["usage"]["completion_tokens"] + 1 + len(data.encoder.tool_turn_ids([result]))
@@ -568,9 +568,13 @@ def test_served_model_calls_tools_openai_style(tool_model, tool_data):
                                                                   [call]},
                                                      {"role": "tool", "tool_call_id": "call_other", "content": "6"}]},
                "call without a result": {"messages": [*question, {"role": "assistant", "content": None, "tool_calls":
-                                                                   [call]}, {"role": "user", "content": "and?"}]}}
+                                                                   [call]}, {"role": "user", "content": "and?"}]},
+               "result named for another function": {"messages": [
+                   *question, {"role": "assistant", "content": None, "tool_calls": [call]},
+                   {"role": "tool", "tool_call_id": call["id"], "name": "weather", "content": "6"}]}}
         said = {"result of no call": "answers none of no calls", "result of another id": "'call_other'",
-                "call without a result": "have no tool messages with their results"}
+                "call without a result": "have no tool messages with their results",
+                "result named for another function": "named 'weather', but the call"}
         for name, change in bad.items():
             r = client.post("/v1/chat/completions", json={**ask, "messages": question, **change})
             assert r.status_code == 400 and said.get(name, "") in r.json()["error"]["message"], (name, r.text)

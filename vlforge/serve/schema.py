@@ -94,6 +94,9 @@ class _Message(_Schema):
     content: str | list[_Part] | None = None
     tool_calls: list[_ToolCall] | None = None  # an assistant message's earlier calls
     tool_call_id: str | None = None  # a tool message: the call it answers
+    # a participant's name (OpenAI: any role; unused by the chat template); a tool message's, if given,
+    # must be the function it answers (some clients send it)
+    name: str | None = None
 
 
 class _FunctionDef(_Schema):
@@ -209,8 +212,10 @@ def _check_tool_turns(messages: list[_Message]) -> None:
     """OpenAI's rules for a conversation with tool calls: a tool message answers a call of the
     assistant message before it (by tool_call_id), and every such call is answered before the
     conversation goes on. The model reads each result as the answer to a call: a result matched
-    to no call, or a call left without one, would be a conversation it never had."""
+    to no call, or a call left without one, would be a conversation it never had. A tool message's
+    `name`, where a client sends one, must be the function of the call it answers."""
     open_calls: dict[str, int] = {}  # the last assistant message's unanswered calls -> that message
+    functions: dict[str, str] = {}  # call id -> its function's name
     for i, m in enumerate(messages):
         if m.role == "tool":
             if m.tool_call_id not in open_calls:
@@ -219,6 +224,10 @@ def _check_tool_turns(messages: list[_Message]) -> None:
                                     f"it, by its id; this one has {said}, which answers none of "
                                     f"{sorted(open_calls) or 'no calls'}", param=f"messages.{i}.tool_call_id",
                                code="invalid_value")
+            if m.name is not None and m.name != functions[m.tool_call_id]:
+                raise APIError(400, f"messages.{i}: this tool message is named {m.name!r}, but the call "
+                                    f"{m.tool_call_id!r} it answers is to {functions[m.tool_call_id]!r}",
+                               param=f"messages.{i}.name", code="invalid_value")
             del open_calls[m.tool_call_id]
             continue
         if open_calls:
@@ -231,6 +240,7 @@ def _check_tool_turns(messages: list[_Message]) -> None:
                 raise APIError(400, f"messages.{i}.tool_calls: two calls with one id", param=f"messages.{i}.tool_calls",
                                code="invalid_value")
             open_calls = dict.fromkeys(ids, i)
+            functions = {c.id: c.function.name for c in m.tool_calls}
     if open_calls:
         raise APIError(400, f"the assistant message {next(iter(open_calls.values()))}'s tool calls "
                             f"{sorted(open_calls)} have no tool messages with their results",
