@@ -60,6 +60,15 @@ def test_nf4_experts_are_bitsandbytes_blocks_and_run_every_kernel(batch, kernel)
                 weight.copy_(nf4)
         torch.testing.assert_close(model(**batch).logits, plain(**batch).logits, rtol=0, atol=0)
         assert (model(**batch).logits - bf16).abs().max() > 0  # quantization changed something
+    # gradients reach the layers below through the NF4 experts (what attention-only QLoRA trains), as
+    # through bf16 experts holding the same values
+    grads = []
+    for m in (model, plain):
+        m.model.language_model.embed_tokens.weight.requires_grad_(True)
+        m(**batch).logits.float().square().mean().backward()
+        grads.append(m.model.language_model.embed_tokens.weight.grad)
+    assert grads[0].abs().max() > 0
+    torch.testing.assert_close(grads[0], grads[1], rtol=0, atol=0)
     plain_bytes = sum(t.numel() * t.element_size() for t in [*plain.parameters(), *plain.buffers()])
     expert_bf16 = sum(getattr(e, w).numel() * 2 for e in _experts(plain) for w in EXPERT_WEIGHTS)
     assert round(report["weights_gb"] * 1e9) == plain_bytes - expert_bf16 // 4 * 3 + expert_state_bytes(model)
