@@ -2,6 +2,7 @@
 bitsandbytes' own blocks, every experts kernel, expert LoRA on them, QLoRA training and serving."""
 
 import json
+from pathlib import Path
 
 import bitsandbytes.functional as bnb_functional
 import pytest
@@ -304,3 +305,27 @@ def test_grpo_on_nf4_experts_trains_expert_adapters_with_router_replay(shapes_di
     adapters = load_file(tmp_path / "run" / "checkpoint-2" / "adapter_model.safetensors")
     expert_b = [v for k, v in adapters.items() if "experts" in k and "lora_B" in k]
     assert len(expert_b) == 4 and all(v.abs().max() > 0 for v in expert_b)
+
+
+def test_the_staged_load_maps_the_checkpoint_instead_of_copying_it(tmp_path):
+    """What README's staged-load memory claim rests on: transformers, loading a checkpoint in its
+    stored dtype to the CPU (device_map="cpu", with the bitsandbytes config, as model/load.py's staged
+    load does), leaves the expert weights as views of the memory-mapped safetensors file."""
+    from vlforge.model.load import build_meta_model, model_class
+    from vlforge.model.quant import from_pretrained_kwargs, quant_plan
+
+    model, processor = load_model(ModelConfig(preset="tiny-moe"), dtype=torch.bfloat16)
+    model.save_pretrained(tmp_path)
+    processor.save_pretrained(tmp_path)
+    q = QuantConfig.from_flag("nf4")
+    meta, _ = build_meta_model(ModelConfig(path=str(tmp_path)))
+    loaded = model_class(meta.config).from_pretrained(tmp_path, dtype=torch.bfloat16, device_map="cpu",
+                                                      **from_pretrained_kwargs(q, quant_plan(meta, q)))
+    maps = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        span, *rest = line.split()
+        start, end = (int(x, 16) for x in span.split("-"))
+        maps.append((start, end, rest[-1] if len(rest) >= 5 else ""))
+    for experts in _experts(loaded):
+        pointer = experts.gate_up_proj.untyped_storage().data_ptr()
+        assert [name for start, end, name in maps if start <= pointer < end] == [str(tmp_path / "model.safetensors")]

@@ -327,8 +327,9 @@ def format_memory(est: dict) -> str:
         lines.append(f"loading (meta_init): rank 0 reads the whole model into host memory, {_gb(load['host_rank0'])}; "
                      f"each GPU holds only its shards and one whole tensor at a time, {_gb(load['gpu'])}")
     elif load.get("staged_experts"):
-        lines.append(f"loading (NF4 experts): the whole model is read into host memory first, {_gb(load['host_rank0'])}; "
-                     f"the GPU gets it quantized, one bf16 expert stack at a time, {_gb(load['gpu'])}")
+        lines.append(f"loading (NF4 experts): the whole model in host memory first, {_gb(load['host_rank0'])} (a "
+                     f"checkpoint in the load dtype: memory-mapped file pages); the GPU gets it quantized, one bf16 "
+                     f"expert stack at a time, {_gb(load['gpu'])}")
     else:
         lines.append(f"loading: each process first holds the whole model, {_gb(load['gpu'])}"
                      + (" (distributed.meta_init=true: only rank 0, in host memory)" if strategy == "fsdp2" else ""))

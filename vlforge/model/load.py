@@ -174,10 +174,11 @@ def _load_quantized(cfg: ModelConfig, quant: QuantConfig, dtype: torch.dtype, de
         raise ConfigError(f"quant.experts=nf4: {cfg.path} is a dense model, it has no experts to quantize; "
                           "leave quant.experts at auto")
     kwargs = from_pretrained_kwargs(quant, quant_plan(meta, quant), compute_dtype=dtype)
-    # Quantized experts load staged: the whole model into host memory first, then one expert stack
-    # at a time to the GPU, quantized there (quantize_experts), so the GPU never holds the bf16
-    # experts (58 GB for 30B-A3B) that its NF4 ones replace (15 GB). transformers' loader cannot
-    # leave only the experts in host memory: a mixed device_map offloads them behind accelerate hooks.
+    # Quantized experts load staged: the whole model into host memory first (a checkpoint stored in
+    # the load dtype stays views of the memory-mapped safetensors: file pages, no copy), then one
+    # expert stack at a time to the GPU, quantized there (quantize_experts), so the GPU never holds
+    # the bf16 experts (58 GB for 30B-A3B) that its NF4 ones replace (15 GB). transformers' loader
+    # cannot leave only the experts in host memory: a mixed device_map offloads them behind hooks.
     staged = experts and device.type != "cpu"
     device_map = "cpu" if staged else str(device) if device.type == "cuda" else None
     model = model_class(meta.config).from_pretrained(
