@@ -99,3 +99,26 @@ def test_a_grpo_step_scored_by_a_judge_model(shapes_dir, tmp_path):
     row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
     assert row["reward_mean"] == pytest.approx(row["reward/judge"])  # the judge's scores are the step's rewards
     assert 0.0 <= row["reward/judge/unparsed_frac"] <= 1.0
+
+
+def test_eval_rewards_from_a_grpo_run_scores_with_its_judge(shapes_dir, tmp_path):
+    """`vlforge eval --rewards-from` builds a run's judge reward as GRPO does (on eval's --device):
+    each answer's judge score is what the judge gives that answer."""
+    import contextlib
+    import io
+
+    from vlforge.cli import main
+    from vlforge.data.jsonl import read_jsonl
+
+    (tmp_path / "grpo.yaml").write_text(
+        "rl:\n  rewards:\n    - {name: judge, weight: 3.0, kwargs: {model: tiny, score: number, max_new_tokens: 4}}\n")
+    out = tmp_path / "eval.json"
+    with contextlib.redirect_stdout(io.StringIO()):
+        assert main(["eval", "tiny", "--device", "cpu", "--data", str(shapes_dir / "val.jsonl"), "--max-samples", "3",
+                     "--max-new-tokens", "3", "--rewards-from", str(tmp_path / "grpo.yaml"), "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["answers"]
+    judge = ModelJudge.from_kwargs(model="tiny", score="number", max_new_tokens=4, device="cpu")
+    samples = read_jsonl(shapes_dir / "val.jsonl")[:3]
+    want = judge([r["answer"] for r in rows], [s.answer for s in samples], [{}] * 3, [s.prompt_messages for s in samples])
+    assert [r["rewards"]["judge"] for r in rows] == want
+    assert [r["reward"] for r in rows] == [3.0 * w for w in want]

@@ -231,6 +231,28 @@ def test_moe_qlora_trains_expert_adapters_on_nf4_experts_and_serves_them(shapes_
     assert export(ckpt, tmp_path / "merged", merge=True)["quant"] == "none"  # merged into the bf16 base
 
 
+def test_a_peft_forward_expert_lora_checkpoint_is_served_fused_on_nf4_experts(shapes_dir, tmp_path):
+    """An adapter trained with tiers.expert_lora=peft (bf16 experts), loaded with --quant nf4: its
+    experts are NF4, so it is served through the fused forward (peft's would stack one more
+    parametrization on them every call), and the same request gives the same answer twice."""
+    from vlforge.model.moe_lora import FusedExpertsLoRA
+    from vlforge.recipes.sft import run_sft
+    from vlforge.serve.engine import InferenceEngine
+
+    run_sft(tiny_sft_config(shapes_dir, tmp_path / "run", "model.preset=tiny-moe", "precision.mode=bf16",
+                            "tiers.method=lora", "tiers.language.experts=true", "tiers.expert_lora=peft",
+                            "train.max_steps=1", "data.val=null"))
+    engine = InferenceEngine.load(str(tmp_path / "run" / "checkpoint-1"), quant=QuantConfig.from_flag("nf4"),
+                                  device="cpu")
+    assert engine.quant_report["linears"]["experts:nf4"] == 4
+    layers = engine.model.base_model.model.model.language_model.layers
+    assert all(type(layer.mlp.experts) is FusedExpertsLoRA for layer in layers)
+    ask = [Request([{"role": "user", "content": "hi"}], max_new_tokens=6, min_new_tokens=6)]
+    first = engine.generate(ask)[0].text
+    assert engine.generate(ask)[0].text == first
+    assert all(len(experts.parametrizations[name]) == 1 for experts in _experts(engine.model) for name in EXPERT_WEIGHTS)
+
+
 def test_nf4_expert_refusals(shapes_dir, tmp_path):
     from vlforge.engine.trainable import setup_model
 

@@ -261,16 +261,20 @@ def cmd_eval(args) -> int:
             raise ConfigError(f"{'--tool' if args.tool else flag}: {e}") from e
     if reward_specs:  # loaded before the model: a typo fails at once
         from vlforge.rl.rewards import build_rewards
+        from vlforge.serve.judge import ModelJudge
 
-        try:
-            rewards = build_rewards(reward_specs)
+        try:  # a judge reward (serve/judge.py) as GRPO builds it; its model loads at first use, on --device
+            rewards = build_rewards(reward_specs, factories={"judge": ModelJudge.from_kwargs})
         except (ValueError, FileNotFoundError, AttributeError, TypeError, ImportError) as e:
             raise ConfigError(f"{flag}: {e}") from e
+        for fn in rewards.fns:
+            if isinstance(fn, ModelJudge) and fn.device == "auto":
+                fn.device = args.device
     engine = _engine(args, slots=args.batch_size)
     if tools:
         from vlforge.rollout.multiturn import check_tool_template
 
-        check_tool_template(engine.encoder, "--tool")  # the model's chat template renders a tool turn
+        check_tool_template(engine.encoder, "--tool" if args.tool else flag)  # the chat template renders a tool turn
     report = evaluate_jsonl(engine, args.data, batch_size=args.batch_size, max_new_tokens=max_new_tokens,
                             max_samples=args.max_samples, rewards=rewards, tools=tools, tool_settings=rollout)
     if args.out:

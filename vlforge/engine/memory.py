@@ -184,6 +184,7 @@ def memory_estimate(model: nn.Module, plan: list, cfg, world_size: int = 1) -> d
         "no_offload": _layout(tensors, sharded=sharded, offload=False, **common),
         "cpu_offload": _layout(tensors, sharded=True, offload=True, **common),
         "expert_lora_copies": expert_lora_copies(model, plan, cfg, compute),
+        "nf4_expert_copies": nf4_expert_copies(model, cfg, compute),
         "rollout_weight_copies": rollout_copies,
         "fsdp2_problem": fsdp2_problem(cfg, world_size),
         "not_estimated": not_estimated,
@@ -233,6 +234,27 @@ def expert_lora_copies(model: nn.Module, plan: list, cfg, compute_bytes: int) ->
     for e in plan:
         if e.kind == "lora" and e.target == "parameter" and e.expert_lora != "fused":
             per_layer[_unit(e.module)] = per_layer.get(_unit(e.module), 0) + model.get_parameter(e.module).numel()
+    return _held_for_backward(per_layer, cfg, compute_bytes)
+
+
+def nf4_expert_copies(model: nn.Module, cfg, compute_bytes: int) -> float:
+    """GPU bytes of dequantized NF4 expert stacks (model/quant.quantize_experts) held for backward:
+    the expert GEMM keeps its weight operand to compute its input's gradient, and for NF4 experts
+    that operand is a dequantized compute-dtype copy of the layer's stacks (bitsandbytes' Linear4bit
+    dequantizes again in backward instead; its parametrization does not). Every MoE layer's copy
+    without gradient checkpointing, one recomputed layer's with it. 0 without NF4 experts."""
+    from vlforge.model.quant import expert_plan
+
+    per_layer: dict[str, int] = {}
+    for name, method in expert_plan(model, cfg.quant).items():
+        if method != "none":
+            per_layer[_unit(name)] = per_layer.get(_unit(name), 0) + model.get_parameter(name).numel()
+    return _held_for_backward(per_layer, cfg, compute_bytes)
+
+
+def _held_for_backward(per_layer: dict[str, int], cfg, compute_bytes: int) -> float:
+    """Bytes of per-layer tensors a layer's forward keeps for its backward: all layers' at once, or
+    under gradient checkpointing the kept layers' and one recomputed layer's at a time."""
     if not per_layer:
         return 0.0
     if not cfg.precision.gradient_checkpointing:
@@ -333,6 +355,9 @@ def format_memory(est: dict) -> str:
     else:
         lines.append(f"loading: each process first holds the whole model, {_gb(load['gpu'])}"
                      + (" (distributed.meta_init=true: only rank 0, in host memory)" if strategy == "fsdp2" else ""))
+    if est.get("nf4_expert_copies"):
+        lines.append(f"NF4 experts: + {_gb(est['nf4_expert_copies'])} of dequantized expert stacks held for backward "
+                     "(every MoE layer's without precision.gradient_checkpointing, one layer's with it)")
     if est.get("expert_lora_copies"):
         lines.append(f"expert LoRA: + {_gb(est['expert_lora_copies'])} of folded expert weights held for backward "
                      "(peft adds the update to a copy of each layer's experts; gradient checkpointing keeps one layer's)")

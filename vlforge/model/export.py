@@ -125,7 +125,9 @@ def load_lora_checkpoint(checkpoint: Path, dtype: torch.dtype = torch.bfloat16, 
         return PeftModel.from_pretrained(base if quant.enabled else base.to(dtype), str(checkpoint), is_trainable=False)
 
     model, processor = load_model(run.model, dtype=base_dtype, device=device, quant=quant, wrap=adapter)
-    if run.tiers.expert_lora == "fused":  # expert LoRA served as the run trained it: no folded expert copies
+    # expert LoRA served as the run trained it (no folded expert copies); on NF4 experts always fused:
+    # peft's own forward stacks its update on their parametrization and never removes it
+    if run.tiers.expert_lora == "fused" or quant.expert_method != "none":
         from vlforge.model.moe_lora import fuse_expert_lora
 
         fuse_expert_lora(model)
@@ -162,11 +164,11 @@ def export(checkpoint: str | Path, out: str | Path, *, merge: bool = False, quan
         _prepare_out(out, overwrite)
         return _export_adapter(checkpoint, out)
     _check_out(out, overwrite)
-    model, processor = load_merged(checkpoint, dtype)
-    if quant.enabled and quant.expert_method != "none" and is_moe(model.config):
+    if quant.enabled and quant.expert_method != "none" and is_moe(_checkpoint_config(checkpoint, kind)):
         raise ConfigError(f"export --quant: {checkpoint} is an MoE model, whose NF4 experts are bitsandbytes "
                           "parametrizations that a plain transformers load cannot read back; export without --quant "
                           "(bf16) and load that with --quant nf4 (infer, serve), which quantizes the experts as it loads")
+    model, processor = load_merged(checkpoint, dtype)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".export-", dir=out.parent))  # renamed into place when complete
     try:
@@ -187,6 +189,15 @@ def export(checkpoint: str | Path, out: str | Path, *, merge: bool = False, quan
     files = sorted(p.name for p in out.iterdir())
     name = {"lora": "merged", "sharded": "consolidated"}.get(kind, "full")
     return {"out": str(out), "kind": name, "quant": _quant_name(quant), "files": files}
+
+
+def _checkpoint_config(checkpoint: Path, kind: str):
+    """The model config of a checkpoint without loading weights: a full one's config.json, else its run's."""
+    from vlforge.model.load import build_meta_model, dir_config
+
+    if kind == "full":
+        return dir_config(checkpoint)
+    return build_meta_model(run_config(checkpoint).model)[0].config
 
 
 def _save(model, processor, out: Path) -> None:

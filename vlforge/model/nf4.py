@@ -82,7 +82,7 @@ def routed_expert_weights(experts: nn.Module, name: str, ids: torch.Tensor) -> t
     import bitsandbytes.functional as bnb_functional
 
     state = nf4_state(experts, name)
-    if state is None:
+    if state is None or len(experts.parametrizations[name]) > 1:  # something else changes the weight too
         return None
     E, rows, cols = state.shape
     per_expert = rows * cols
