@@ -169,11 +169,36 @@ def test_expert_lora_on_a_decode_step_of_nf4_experts_gathers_only_the_routed_one
         y = wrapper.eval()(hidden, ids, weights)
         y.float().square().sum().backward()
         outputs.append((y.detach(), [p.grad for n, p in wrapper.named_parameters() if "lora" in n]))
-    assert shapes == [(4 * 64 * 64,), (4 * 64 * 32,)]  # the routed path: the 4 pairs' experts only
+    # the routed path, the 4 pairs' experts only: forward both stacks; backward down_proj's once more
+    # (the gradient that reaches gate_up's adapter; the input needs none), nothing kept from forward
+    assert shapes == [(4 * 64 * 64,), (4 * 64 * 32,), (4 * 64 * 32,)]
     torch.testing.assert_close(outputs[0][0], outputs[1][0], rtol=0, atol=0)
     assert len(outputs[0][1]) == 4 and all(g is not None for g in outputs[0][1])
     for got, want in zip(*(o[1] for o in outputs)):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("kernel", ["grouped_mm", "batched_mm", "eager"])
+def test_training_keeps_no_dequantized_expert_stack_for_backward(batch, kernel):
+    """A training forward through NF4 experts (expert LoRA, and the layers below learning) saves no
+    [E, out, in]-shaped tensor for backward: backward dequantizes the stacks again (moe_lora's
+    _Redequantized). transformers' eager loop, kept as the reference, does keep them."""
+    cfg = ModelConfig(preset="tiny-moe", experts_implementation=kernel)
+    model, _ = load_model(cfg, dtype=torch.bfloat16, quant=QuantConfig(experts="nf4"), wrap=_with_expert_lora)
+    saved = []
+
+    def pack(t):  # a stack, or one expert's matrix viewing a whole stack's storage (the eager loop's w[e])
+        if tuple(t.shape[-2:]) in {(64, 64), (64, 32), (32, 64)} and t.untyped_storage().nbytes() in {8 * 64 * 64 * 2,
+                                                                                                     8 * 64 * 32 * 2}:
+            saved.append(tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model.eval()(**batch).logits.float().square().mean()
+    loss.backward()
+    kept = saved
+    assert (kept == []) == (kernel != "eager"), kept
+    assert all(p.grad is not None for n, p in model.named_parameters() if "experts" in n and "lora" in n)
 
 
 def test_delta_factors_are_peft_s_and_read_no_nf4_weight(monkeypatch):

@@ -238,13 +238,15 @@ def expert_lora_copies(model: nn.Module, plan: list, cfg, compute_bytes: int) ->
 
 
 def nf4_expert_copies(model: nn.Module, cfg, compute_bytes: int) -> float:
-    """GPU bytes of dequantized NF4 expert stacks (model/quant.quantize_experts) held for backward:
-    the expert GEMM keeps its weight operand to compute its input's gradient, and for NF4 experts
-    that operand is a dequantized compute-dtype copy of the layer's stacks (bitsandbytes' Linear4bit
-    dequantizes again in backward instead; its parametrization does not). Every MoE layer's copy
-    without gradient checkpointing, one recomputed layer's with it. 0 without NF4 experts."""
+    """GPU bytes of dequantized NF4 expert stacks (model/quant.quantize_experts) held for backward
+    under `model.experts_implementation=eager`: transformers' reference loop keeps each expert's
+    dequantized weight for its input's gradient (every MoE layer's without gradient checkpointing,
+    one recomputed layer's with it). The grouped and batched kernels (auto: grouped_mm on a GPU)
+    dequantize again in backward instead (model/moe_lora._Redequantized): 0, as without NF4 experts."""
     from vlforge.model.quant import expert_plan
 
+    if cfg.model.experts_implementation != "eager":
+        return 0.0
     per_layer: dict[str, int] = {}
     for name, method in expert_plan(model, cfg.quant).items():
         if method != "none":
@@ -357,7 +359,7 @@ def format_memory(est: dict) -> str:
                      + (" (distributed.meta_init=true: only rank 0, in host memory)" if strategy == "fsdp2" else ""))
     if est.get("nf4_expert_copies"):
         lines.append(f"NF4 experts: + {_gb(est['nf4_expert_copies'])} of dequantized expert stacks held for backward "
-                     "(every MoE layer's without precision.gradient_checkpointing, one layer's with it)")
+                     "by model.experts_implementation=eager (grouped_mm dequantizes again in backward instead)")
     if est.get("expert_lora_copies"):
         lines.append(f"expert LoRA: + {_gb(est['expert_lora_copies'])} of folded expert weights held for backward "
                      "(peft adds the update to a copy of each layer's experts; gradient checkpointing keeps one layer's)")

@@ -36,6 +36,7 @@ linear's input does.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -43,10 +44,11 @@ import torch.nn.functional as F
 from peft.tuners.lora.layer import ParamWrapper
 from torch import nn
 
-from vlforge.model.nf4 import expert_weight_dtype, routed_expert_weights, routed_pays
+from vlforge.model.nf4 import expert_weight_dtype, nf4_state, routable, routed_expert_weights, routed_pays
 
 # kernels this forward mirrors (transformers' `experts_implementation` values)
 KERNELS = ("eager", "grouped_mm", "batched_mm")
+WEIGHTS = ("gate_up_proj", "down_proj")
 
 
 @dataclass
@@ -148,16 +150,42 @@ class FusedExpertsLoRA(ParamWrapper):
 FusedExpertsLoRA.__name__ = ParamWrapper.__name__
 
 
-def _mlp(experts: nn.Module, weights: dict[str, torch.Tensor], terms: dict[str, list[_Term]], mm, x: torch.Tensor):
-    """gate_up -> gate -> down for rows x, each projection `mm(x, weight)` plus its LoRA terms."""
+class _Redequantized(torch.autograd.Function):
+    """y = mm(x, weight()) for an NF4 expert stack that `weight` dequantizes on each call: backward
+    dequantizes it again instead of autograd keeping the forward's dequantized copy (one bf16 copy of
+    every MoE layer's stacks until backward: 58 GB for 30B-A3B), as bitsandbytes' MatMul4Bit does for
+    Linear4bit (its expert parametrization runs outside autograd's view). Each kernel here computes
+    y_s = x_s @ W[e_s] for every row s (grouped GEMM, a bmm of gathered experts, or of the routed
+    pairs' own), so dx = the same kernel on dy with W transposed; W gets no gradient."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight, mm) -> torch.Tensor:
+        ctx.weight, ctx.mm = weight, mm
+        return mm(x, weight())
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor):
+        return ctx.mm(dy, ctx.weight().transpose(-2, -1)), None, None
+
+
+def _mlp(experts: nn.Module, weights: dict, terms: dict[str, list[_Term]], mm, x: torch.Tensor):
+    """gate_up -> gate -> down for rows x, each projection `mm(x, weight)` plus its LoRA terms; a
+    weight given as a callable (an NF4 stack's dequantization) goes through _Redequantized."""
 
     def linear(x, name):
-        y = mm(x, weights[name])
+        w = weights[name]
+        y = _Redequantized.apply(x, w, mm) if callable(w) else mm(x, w)
         for t in terms.get(name, ()):
             y = y + mm(mm(t.dropout(x), t.down) * t.scaling, t.up)
         return y
 
     return linear(experts._apply_gate(linear(x, "gate_up_proj")), "down_proj")
+
+
+def _stack(experts: nn.Module, name: str, transposed: bool) -> torch.Tensor:
+    """The weight as [E, in, out] (y = x @ W[e]); reading an NF4 stack dequantizes it."""
+    p = getattr(experts, name)
+    return p if transposed else p.transpose(-2, -1)
 
 
 def lora_experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -174,17 +202,24 @@ def lora_experts_forward(experts: nn.Module, hidden_states: torch.Tensor, top_k_
     T, k = top_k_index.shape
     S = T * k  # routed (token, expert) pairs
     ids = top_k_index.reshape(-1)  # [S], pair s = (token s // k, its s % k-th expert)
-    if routed_pays(S, experts.num_experts) and not transposed:  # NF4 experts: dequantize only the routed ones
-        routed = {name: routed_expert_weights(experts, name, ids) for name in ("gate_up_proj", "down_proj")}
-        if all(w is not None for w in routed.values()):  # one bmm over the pairs, everything gathered per pair
-            weights = {name: w.transpose(-2, -1) for name, w in routed.items()}
-            terms = {name: [_Term(t.down[ids], t.up[ids], t.scaling, t.dropout) for t in ts]
-                     for name, ts in terms.items()}
-            y = _mlp(experts, weights, terms, lambda x, w: torch.bmm(x.unsqueeze(1), w).squeeze(1),
-                     hidden_states.repeat_interleave(k, dim=0))
-            return (y * top_k_weights.reshape(S, 1)).view(T, k, -1).sum(dim=1).to(hidden_states.dtype)
-    weights = {name: (p if transposed else p.transpose(-2, -1))  # [E, in, out] views: y = x @ W[e]
-               for name in ("gate_up_proj", "down_proj") for p in [getattr(experts, name)]}
+    # NF4 stacks under autograd: dequantized in forward and again in backward (_Redequantized), never
+    # kept; the eager loop indexes one expert per call, so it keeps transformers' way
+    redequantize = torch.is_grad_enabled() and nf4_state(experts, "gate_up_proj") is not None
+    if routed_pays(S, experts.num_experts) and not transposed and all(routable(experts, n) for n in WEIGHTS):
+        # NF4 experts, a decode-sized step: dequantize only the routed ones, one bmm over the pairs
+
+        def routed(name):
+            return routed_expert_weights(experts, name, ids).transpose(-2, -1)
+
+        weights = {name: functools.partial(routed, name) if redequantize else routed(name) for name in WEIGHTS}
+        terms = {name: [_Term(t.down[ids], t.up[ids], t.scaling, t.dropout) for t in ts] for name, ts in terms.items()}
+        y = _mlp(experts, weights, terms, lambda x, w: torch.bmm(x.unsqueeze(1), w).squeeze(1),
+                 hidden_states.repeat_interleave(k, dim=0))
+        return (y * top_k_weights.reshape(S, 1)).view(T, k, -1).sum(dim=1).to(hidden_states.dtype)
+    if redequantize and kernel != "eager":
+        weights = {name: functools.partial(_stack, experts, name, transposed) for name in WEIGHTS}
+    else:
+        weights = {name: _stack(experts, name, transposed) for name in WEIGHTS}  # [E, in, out]: y = x @ W[e]
 
     def mlp(mm, x):
         return _mlp(experts, weights, terms, mm, x)
@@ -226,9 +261,11 @@ def nf4_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_inde
                         top_k_weights: torch.Tensor) -> torch.Tensor:
     """The forward of an NF4 experts module without LoRA (model/quant.quantize_experts sets it): a
     step routing few (token, expert) pairs (decoding a few sequences: model/nf4.routed_pays)
-    dequantizes only the routed experts (lora_experts_forward); otherwise transformers' own forward
-    runs on the whole dequantized stack, its kernel unchanged."""
-    if routed_pays(top_k_index.numel(), self.num_experts):
+    dequantizes only the routed experts, and a training step dequantizes the stacks again in
+    backward rather than keep them (both lora_experts_forward); otherwise (inference, or the eager
+    reference loop) transformers' own forward runs on the whole dequantized stack."""
+    kernel = self.config._experts_implementation
+    if routed_pays(top_k_index.numel(), self.num_experts) or (torch.is_grad_enabled() and kernel != "eager"):
         return lora_experts_forward(self, hidden_states, top_k_index, top_k_weights, {})
     return type(self).forward(self, hidden_states, top_k_index, top_k_weights)
 

@@ -67,6 +67,14 @@ def routed_pays(pairs: int, experts: int) -> bool:
     return 2 * pairs <= experts
 
 
+def routable(experts: nn.Module, name: str) -> bool:
+    """Weight `name` is an NF4 stack whose experts are whole blocks, and nothing else parametrizes it
+    (routed_expert_weights can gather its experts)."""
+    state = nf4_state(experts, name)
+    return (state is not None and len(experts.parametrizations[name]) == 1
+            and (state.shape[1] * state.shape[2]) % state.blocksize == 0)
+
+
 def routed_expert_weights(experts: nn.Module, name: str, ids: torch.Tensor) -> torch.Tensor | None:
     """[S, out, in]: the NF4 weight `name` of expert ids[s] for each routed (token, expert) pair s,
     dequantizing only those experts' blocks; None when the weight is not NF4 or its 64-value blocks
@@ -81,13 +89,11 @@ def routed_expert_weights(experts: nn.Module, name: str, ids: torch.Tensor) -> t
     """
     import bitsandbytes.functional as bnb_functional
 
-    state = nf4_state(experts, name)
-    if state is None or len(experts.parametrizations[name]) > 1:  # something else changes the weight too
+    if not routable(experts, name):
         return None
+    state = nf4_state(experts, name)
     E, rows, cols = state.shape
     per_expert = rows * cols
-    if per_expert % state.blocksize:
-        return None
     absmax = state.absmax
     if state.nested:
         absmax = bnb_functional.dequantize_blockwise(state.absmax, state.state2) + state.offset

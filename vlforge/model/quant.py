@@ -26,7 +26,8 @@ parametrization that dequantizes the whole [E, out, in] stack when the experts r
 forward: bitsandbytes caches it for the module's call). So every experts kernel (eager,
 grouped_mm, batched_mm) and the fused expert LoRA (model/moe_lora.py) run unchanged on it. A step
 routing at most half as many (token, expert) pairs as there are experts (decode) dequantizes only
-the routed experts' blocks instead (model/nf4.routed_expert_weights, through moe_lora's forward).
+the routed experts' blocks instead (model/nf4.routed_expert_weights, through moe_lora's forward),
+and training dequantizes the stacks again in backward rather than keep them (moe_lora._Redequantized).
 The routers stay in the load dtype. `quantize_experts` runs after peft has wrapped the experts
 (`load_model(wrap=...)`): peft nests its wrappers in another order on a parametrized module, which
 would rename an adapter's saved keys. int8 and fp8 experts are not built.
