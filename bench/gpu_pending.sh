@@ -363,9 +363,13 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', '--tb=line', 
          # included now): weights memory, prefill, decode at batch 1 and 8. Prediction: ~17 GB of weights vs ~61;
          # decode slower than bf16 (every step dequantizes all 128 experts of each layer, ~29B values), but faster
          # than session 8's attention-only NF4 (11.5 tok/s at batch 1)
+         # The gpu tests include the probe for CUDA graphs with NF4 experts (generate/engine excludes them until
+         # it passes). bench/nf4_experts.py: one 30B-A3B layer by tokens, to set model/nf4.routed_pays from GPU
+         # numbers (prediction: the routed path wins up to more pairs than on the CPU's 64 of 128)
          timeout 150 python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_moe_quant.py --tb=short \
            > "$OUT/pytest-moeq.txt" 2>&1
-         timeout 400 python3 bench/quant_inference.py --preset qwen3vl-30b-a3b --quant none nf4 --tmp /dev/shm \
+         timeout 120 python3 bench/nf4_experts.py > "$OUT/nf4_experts.jsonl" 2>"$OUT/err-nf4.txt"
+         timeout 300 python3 bench/quant_inference.py --preset qwen3vl-30b-a3b --quant none nf4 --tmp /dev/shm \
            > "$OUT/quant30.jsonl" 2>"$OUT/err-quant.txt" ;;
   moe) timeout 300 python3 bench/train.py --preset qwen3vl-30b-a3b --method lora --paths peer,ours --grad-ckpt --steps 6 \
          --samples 32 2>"$OUT/err-train.txt" | tail -8 > "$OUT/train30.txt"
