@@ -67,7 +67,7 @@
 #   Sessions 19-20 got no machine; session 21 ran final19 (recorded) and opt21 late, whose gpu tests failed on the
 #   output-dir lock (fixed in 51bba4a). Next: opt21 again (carry .whl/bnb), then rl19 (its GSPO run is recorded),
 #   then test_distributed -m gpu alone (final19's 240 s cut its bf16 case).
-#   Session 22 got no machine; it built NF4 MoE experts on the CPU. Next: moeq (below), then opt21, rl19.
+#   Session 22 got no machine; it built NF4 MoE experts on the CPU. Next: moeq and moeq2 (below), then opt21, rl19.
 #   OUT=/some/dir GROUP=moe   bash bench/gpu_pending.sh  # 30B-A3B: peft peer vs ours same process; NF4 memory/decode
 #   OUT=/some/dir GROUP=mem   bash bench/gpu_pending.sh  # selective checkpointing and the activation memory budget
 # (carry .whl/train, and .whl/ao (torchao) for GROUP=tests, .whl/bnb (bitsandbytes) for moe and mem)
@@ -366,11 +366,17 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', '--tb=line', 
          # The gpu tests include the probe for CUDA graphs with NF4 experts (generate/engine excludes them until
          # it passes). bench/nf4_experts.py: one 30B-A3B layer by tokens, to set model/nf4.routed_pays from GPU
          # numbers (prediction: the routed path wins up to more pairs than on the CPU's 64 of 128)
-         timeout 150 python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_moe_quant.py --tb=short \
+         timeout 200 python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_moe_quant.py --tb=short \
            > "$OUT/pytest-moeq.txt" 2>&1
-         timeout 120 python3 bench/nf4_experts.py > "$OUT/nf4_experts.jsonl" 2>"$OUT/err-nf4.txt"
+         timeout 150 python3 bench/nf4_experts.py > "$OUT/nf4_experts.jsonl" 2>"$OUT/err-nf4.txt" ;;
+  moeq2) # session 22 (carry .whl/bnb), after moeq: 30B-A3B served bf16 vs NF4 (experts included), then QLoRA
+         # training on NF4 experts with LoRA on attention and every expert (ours only: tokens/s, peak memory;
+         # prediction: peak well under the 75.6 GB of bf16 experts at batch 8 with checkpointing)
          timeout 300 python3 bench/quant_inference.py --preset qwen3vl-30b-a3b --quant none nf4 --tmp /dev/shm \
-           > "$OUT/quant30.jsonl" 2>"$OUT/err-quant.txt" ;;
+           > "$OUT/quant30.jsonl" 2>"$OUT/err-quant.txt"
+         timeout 250 python3 bench/train.py --preset qwen3vl-30b-a3b --method lora --paths ours --grad-ckpt --steps 6 \
+           --samples 32 --ours quant.language=nf4 tiers.language.experts=true 2>"$OUT/err-train.txt" | tail -8 \
+           > "$OUT/qlora30.txt" ;;
   moe) timeout 300 python3 bench/train.py --preset qwen3vl-30b-a3b --method lora --paths peer,ours --grad-ckpt --steps 6 \
          --samples 32 2>"$OUT/err-train.txt" | tail -8 > "$OUT/train30.txt"
        timeout 250 python3 bench/quant_inference.py --preset qwen3vl-30b-a3b --quant none nf4 --tmp /dev/shm \
