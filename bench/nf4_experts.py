@@ -7,8 +7,8 @@ transformers' own Qwen3-VL-MoE experts module with the published shapes and rand
 quantized by model/quant.quantize_experts. Each call routes `tokens` tokens to top-k experts drawn
 at random (a decode step of 1-8 tokens routes at most half as many (token, expert) pairs as there
 are experts and takes the routed path, model/nf4.routed_pays: only those experts' NF4 blocks are
-dequantized; more tokens dequantize the whole stacks). Times are medians of --repeats warm calls (one call first). Prints
-one JSON line per token count: bf16 ms, NF4 ms, NF4 through transformers' forward on the whole
+dequantized; more tokens dequantize the whole stacks). Times are medians of --repeats warm calls
+(one call first). Prints one JSON line per token count: bf16 ms, NF4 ms, NF4 through transformers' forward on the whole
 dequantized stacks (what the routed path replaces), and whether the routed path ran.
 """
 

@@ -49,7 +49,8 @@ def test_nf4_experts_are_bitsandbytes_blocks_and_run_every_kernel(batch, kernel)
         for quantized, reference in zip(_experts(model), _experts(plain)):
             for name in EXPERT_WEIGHTS:
                 weight = getattr(reference, name)
-                # flat: bitsandbytes 0.50's CPU kernel gets the blocks of a [..., 32] shape wrong (quant.dequantize_flat)
+                # flat: bitsandbytes 0.50's CPU kernel gets the blocks of a [..., 32] shape wrong
+                # (model/nf4.dequantize_flat)
                 packed, state = bnb_functional.quantize_4bit(weight.data.flatten(), blocksize=64,
                                                              compress_statistics=True, quant_type="nf4")
                 nf4 = bnb_functional.dequantize_4bit(packed, state).view(weight.shape)
@@ -101,7 +102,8 @@ def test_decode_steps_dequantize_only_the_routed_experts(monkeypatch):
     assert shapes == [(8 * 64 * 64,), (8 * 64 * 32,)]
     torch.testing.assert_close(routed, whole, rtol=0, atol=0)
     shapes.clear()
-    experts(torch.randn(3, 64, dtype=torch.bfloat16), torch.randint(0, 8, (3, 2)), torch.rand(3, 2, dtype=torch.bfloat16))
+    experts(torch.randn(3, 64, dtype=torch.bfloat16), torch.randint(0, 8, (3, 2)),
+            torch.rand(3, 2, dtype=torch.bfloat16))
     assert shapes == [(8 * 64 * 64,), (8 * 64 * 32,)]  # 6 pairs (> 8 / 2): the whole stacks, once each
 
 
@@ -275,7 +277,8 @@ def test_a_peft_forward_expert_lora_checkpoint_is_served_fused_on_nf4_experts(sh
     ask = [Request([{"role": "user", "content": "hi"}], max_new_tokens=6, min_new_tokens=6)]
     first = engine.generate(ask)[0].text
     assert engine.generate(ask)[0].text == first
-    assert all(len(experts.parametrizations[name]) == 1 for experts in _experts(engine.model) for name in EXPERT_WEIGHTS)
+    assert all(len(experts.parametrizations[name]) == 1
+               for experts in _experts(engine.model) for name in EXPERT_WEIGHTS)
 
 
 def test_nf4_expert_refusals(shapes_dir, tmp_path):

@@ -166,8 +166,9 @@ def export(checkpoint: str | Path, out: str | Path, *, merge: bool = False, quan
     _check_out(out, overwrite)
     if quant.enabled and quant.expert_method != "none" and is_moe(_checkpoint_config(checkpoint, kind)):
         raise ConfigError(f"export --quant: {checkpoint} is an MoE model, whose NF4 experts are bitsandbytes "
-                          "parametrizations that a plain transformers load cannot read back; export without --quant "
-                          "(bf16) and load that with --quant nf4 (infer, serve), which quantizes the experts as it loads")
+                          "parametrizations that a plain transformers load cannot read back; export without "
+                          "--quant (bf16) and load that with --quant nf4 (infer, serve), which quantizes the "
+                          "experts as it loads")
     model, processor = load_merged(checkpoint, dtype)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=".export-", dir=out.parent))  # renamed into place when complete
