@@ -160,7 +160,7 @@ def _load_quantized(cfg: ModelConfig, quant: QuantConfig, dtype: torch.dtype, de
     if cfg.path is None:  # quantizers act at from_pretrained: a preset goes through a directory
         model, processor = load_model(cfg, dtype=dtype, device=device)  # random init is fastest on the GPU
         with tempfile.TemporaryDirectory() as tmp:
-            model.save_pretrained(tmp)
+            _save_local(model, Path(tmp))
             processor.save_pretrained(tmp)
             del model
             if device.type == "cuda":
@@ -194,6 +194,17 @@ def _load_quantized(cfg: ModelConfig, quant: QuantConfig, dtype: torch.dtype, de
         unwrap(model).hf_device_map = {"": str(device)}
     verify(model, quant)  # the skip list must have been exact, and every expert quantized
     return model, processor
+
+
+def _save_local(model, out: Path) -> None:
+    """The model as an HF directory written by this process, whatever its rank: transformers' own
+    save_pretrained (5.2x) writes only on rank 0 once torch.distributed is initialized, which left
+    the other DDP ranks' private copy of a quantized preset empty."""
+    from safetensors.torch import save_model
+
+    model.config.save_pretrained(out)
+    model.generation_config.save_pretrained(out)
+    save_model(model, str(out / "model.safetensors"), metadata={"format": "pt"})  # tied weights once
 
 
 def build_meta_model(cfg: ModelConfig, dtype: torch.dtype | None = None, device: str | torch.device | None = None):
