@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -241,7 +242,7 @@ def cmd_eval(args) -> int:
         check_writable(args.out, "--out")  # before the model loads and every answer is computed
     rewards = tools = None
     reward_specs, tool_specs, flag = args.reward, args.tool, "--reward"
-    rollout = RolloutConfig(tool_turns=args.tool_turns, tool_processes=args.tool_processes)
+    rollout = RolloutConfig(tool_turns=args.tool_turns or 4, tool_processes=args.tool_processes or 0)
     max_new_tokens = args.max_new_tokens or 16
     if args.rewards_from:  # the GRPO run's rewards and tools, as its own evaluation scores and answers
         if args.reward or args.tool:
@@ -249,7 +250,10 @@ def cmd_eval(args) -> int:
                               "--tool (or use those alone)")
         run = _grpo_run(args.rewards_from)
         reward_specs = [RewardSpec(r.name, r.weight, dict(r.kwargs)) for r in run.rl.rewards]
-        tool_specs, rollout, flag = run.rollout.tools, run.rollout, f"--rewards-from {args.rewards_from}"
+        tool_specs, flag = run.rollout.tools, f"--rewards-from {args.rewards_from}"
+        rollout = dataclasses.replace(  # the run's tool settings, unless given here
+            run.rollout, tool_turns=args.tool_turns or run.rollout.tool_turns,
+            tool_processes=run.rollout.tool_processes if args.tool_processes is None else args.tool_processes)
         # GRPO's evaluation: rollout.max_new_tokens for a conversation with tools, eval.max_new_tokens otherwise
         max_new_tokens = args.max_new_tokens or (run.rollout.max_new_tokens if tool_specs else run.eval.max_new_tokens)
     if tool_specs:  # loaded before the model, as GRPO's rollout.tools
@@ -447,9 +451,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="answer each prompt as a conversation with this tool, as GRPO's rollout.tools (a builtin: "
                          "calculator; or path/to/file.py:function); repeatable; --max-new-tokens is then the whole "
                          "response's budget, the answer its last assistant turn")
-    ev.add_argument("--tool-turns", type=_at_least(1), default=4, help="assistant turns whose calls run, at most")
-    ev.add_argument("--tool-processes", type=_at_least(0), default=0,
-                    help="0: tool calls on threads; N: in up to N worker processes (rollout.tool_processes)")
+    ev.add_argument("--tool-turns", type=_at_least(1),
+                    help="assistant turns whose calls run, at most (default 4; with --rewards-from, the run's)")
+    ev.add_argument("--tool-processes", type=_at_least(0),
+                    help="0 (default): tool calls on threads; N: in up to N worker processes (rollout.tool_processes; "
+                         "with --rewards-from, the run's unless given)")
     ev.add_argument("--rewards-from", metavar="RUN",
                     help="score with a GRPO run's rl.rewards (names, weights, kwargs) and answer with its "
                          "rollout.tools and tool settings, as its own evaluation does: the run's config YAML or "
