@@ -131,8 +131,7 @@ def test_expert_lora_on_nf4_experts_equals_lora_on_their_values(batch, kernel):
     reference, _ = load_model(cfg, dtype=torch.bfloat16, wrap=_with_expert_lora)
     assert set(get_peft_model_state_dict(model)) == set(get_peft_model_state_dict(reference))
     with torch.no_grad():
-        for quantized, plain in zip(_experts(model), _experts(reference)):
-            assert type(plain) is type(experts_base(plain))  # the transformers module under the wrappers
+        for quantized, plain in zip(_experts(model), _experts(reference)):  # the modules under peft's wrappers
             for name in EXPERT_WEIGHTS:
                 getattr(plain, name).copy_(getattr(quantized, name))
     outputs = []
