@@ -160,7 +160,10 @@ def _load_quantized(cfg: ModelConfig, quant: QuantConfig, dtype: torch.dtype, de
     if cfg.path is None:  # quantizers act at from_pretrained: a preset goes through a directory
         model, processor = load_model(cfg, dtype=dtype, device=device)  # random init is fastest on the GPU
         with tempfile.TemporaryDirectory() as tmp:
-            _save_local(model, Path(tmp))
+            if torch.distributed.is_available() and torch.distributed.is_initialized():
+                _save_local(model, Path(tmp))  # this rank's own copy
+            else:  # in 5 GB shards: one shard's bytes in host memory at a time (a 30B preset is 62 GB)
+                model.save_pretrained(tmp)
             processor.save_pretrained(tmp)
             del model
             if device.type == "cuda":
@@ -199,7 +202,8 @@ def _load_quantized(cfg: ModelConfig, quant: QuantConfig, dtype: torch.dtype, de
 def _save_local(model, out: Path) -> None:
     """The model as an HF directory written by this process, whatever its rank: transformers' own
     save_pretrained (5.2x) writes only on rank 0 once torch.distributed is initialized, which left
-    the other DDP ranks' private copy of a quantized preset empty."""
+    the other DDP ranks' private copy of a quantized preset empty. One file, serialized whole in
+    host memory (safetensors' save_model; it keeps tied weights once)."""
     from safetensors.torch import save_model
 
     model.config.save_pretrained(out)
