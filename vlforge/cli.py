@@ -242,7 +242,7 @@ def cmd_eval(args) -> int:
         check_writable(args.out, "--out")  # before the model loads and every answer is computed
     rewards = tools = None
     reward_specs, tool_specs, flag = args.reward, args.tool, "--reward"
-    rollout = RolloutConfig(tool_turns=args.tool_turns or 4, tool_processes=args.tool_processes or 0)
+    rollout = RolloutConfig()  # the tool settings: rollout's defaults, or the run's; the flags given override
     max_new_tokens = args.max_new_tokens or 16
     if args.rewards_from:  # the GRPO run's rewards and tools, as its own evaluation scores and answers
         if args.reward or args.tool:
@@ -250,12 +250,11 @@ def cmd_eval(args) -> int:
                               "--tool (or use those alone)")
         run = _grpo_run(args.rewards_from)
         reward_specs = [RewardSpec(r.name, r.weight, dict(r.kwargs)) for r in run.rl.rewards]
-        tool_specs, flag = run.rollout.tools, f"--rewards-from {args.rewards_from}"
-        rollout = dataclasses.replace(  # the run's tool settings, unless given here
-            run.rollout, tool_turns=args.tool_turns or run.rollout.tool_turns,
-            tool_processes=run.rollout.tool_processes if args.tool_processes is None else args.tool_processes)
+        tool_specs, flag, rollout = run.rollout.tools, f"--rewards-from {args.rewards_from}", run.rollout
         # GRPO's evaluation: rollout.max_new_tokens for a conversation with tools, eval.max_new_tokens otherwise
         max_new_tokens = args.max_new_tokens or (run.rollout.max_new_tokens if tool_specs else run.eval.max_new_tokens)
+    given = {"tool_turns": args.tool_turns, "tool_processes": args.tool_processes}
+    rollout = dataclasses.replace(rollout, **{k: v for k, v in given.items() if v is not None})
     if tool_specs:  # loaded before the model, as GRPO's rollout.tools
         from vlforge.rl.tools import load_tools
 

@@ -60,7 +60,6 @@ from vlforge.generate.fused import FusedProjections
 from vlforge.generate.routes import NO_ROUTE, ROUTE_DTYPE, recorder_of, router_modules
 from vlforge.generate.sampling import row_key, sample
 from vlforge.model.host_inputs import host_to_device, joined_to_device
-from vlforge.model.nf4 import expert_weight_dtype
 from vlforge.model.quant import applied_expert_method, expert_modules
 from vlforge.model.tiers import fsdp_sharded, unwrap
 
@@ -522,12 +521,6 @@ def _pick_varying(logits_SV, banned_V, is_stop_V, *per_row_and_mode):
     return [(logits_SV, 0), *((t, 0) for t in per_row_and_mode[:-1])]  # the last one is the mode string
 
 
-def _expert_dtype(core) -> torch.dtype | None:
-    """The dtype the fused expert weights compute in (gate_up_proj [E, 2I, H]; NF4 ones: what they
-    dequantize to), None if there are none."""
-    return next((expert_weight_dtype(m, "gate_up_proj") for m in expert_modules(core).values()), None)
-
-
 class Engine:
     """Generation for one model: its KV slots, decode state and CUDA graphs live across calls.
 
@@ -690,11 +683,12 @@ class Engine:
                 # transformers' reference loop over experts asks the host which experts got tokens (a
                 # sync per layer): a CUDA graph cannot capture it (grouped_mm / batched_mm can)
                 return False
-            if any(applied_expert_method(m, "gate_up_proj") != "none" for m in expert_modules(self.core).values()):
+            experts = list(expert_modules(self.core).values())
+            if any(applied_expert_method(m, "gate_up_proj") != "none" for m in experts):
                 # NF4 experts (bitsandbytes' parametrization) have not run under capture on a GPU yet
                 # (bench/gpu_pending.sh GROUP=moeq); serve already decodes quantized models without graphs
                 return False
-            if impl == "grouped_mm" and _expert_dtype(self.core) not in (None, torch.bfloat16):
+            if impl == "grouped_mm" and experts and experts[0].gate_up_proj.dtype != torch.bfloat16:
                 # torch's grouped GEMM kernel is bf16; other dtypes take its fallback, which copies the
                 # group offsets to the host (capture fails: measured on the H200 with fp32 weights)
                 return False
