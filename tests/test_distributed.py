@@ -529,6 +529,36 @@ def test_ddp_equals_one_process_and_resumes_on_other_world_sizes(shapes_dir, tmp
         torch.testing.assert_close(ours[name], theirs[name], rtol=1e-5, atol=1e-4, msg=name)
 
 
+def test_ddp_on_video_and_image_rows_equals_one_process(shapes_dir, tmp_path):
+    """Rows with videos (frame lists), images and both, under DDP: a rank whose micro-batch has a
+    video and an image runs the vision tower twice, the other rank once; DDP reduces gradients
+    once in backward whatever ran, so 2 ranks x batch 2 == 1 process x batch 4."""
+    from vlforge.data.synth import synth_motion
+
+    synth_motion(tmp_path / "motion", 10, seed=0, val_fraction=0.1, frames=4)
+    rows = [json.loads(line) for line in (tmp_path / "motion" / "train.jsonl").read_text().splitlines()]
+    for row in rows:
+        row["video"] = [str(tmp_path / "motion" / p) for p in row["video"]]
+    shapes = [json.loads(line) for line in (shapes_dir / "train.jsonl").read_text().splitlines()][:8]
+    for row in shapes:
+        row["image"] = str(shapes_dir / row["image"])
+    rows[0]["image"] = shapes[0]["image"]  # a row with both
+    train = tmp_path / "train.jsonl"
+    train.write_text("".join(json.dumps(r) + "\n" for r in rows[:8] + shapes))
+    extra = ["tiers.method=full", "data.video_min_pixels=512", "data.video_max_pixels=20480"]
+    straight = tmp_path / "one"
+    run_sft(tiny_sft_config(shapes_dir, straight, *COMMON, *extra, f"data.train={train}", "train.batch_size=4",
+                            "train.max_steps=3"))
+    split = tmp_path / "split"
+    done = launch([config_file(tmp_path, train), *COMMON, *extra, DDP, f"train.output_dir={split}",
+                   "train.batch_size=2", "train.max_steps=3"], tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert losses(split) == pytest.approx(losses(straight), rel=1e-5)
+    ours, theirs = (load_file(d / "checkpoint-3" / "model.safetensors") for d in (split, straight))
+    for name in theirs:
+        torch.testing.assert_close(ours[name], theirs[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
 def test_a_save_that_fails_on_rank_0_alone_stops_every_rank_clearly(shapes_dir, tmp_path):
     """DDP: rank 0 writes the weights and optimizer state, rank 1 only its RNG state. Under a file-size
     limit that stops rank 0's big files alone, both ranks stop with the cause (rank 1 naming rank 0's

@@ -61,7 +61,7 @@ def test_json_report_schema_on_cpu():
     assert env_section["torch"] == torch.__version__ and env_section["cuda"] == torch.version.cuda
 
     libs = report["libraries"]
-    assert set(libs) == {"torchao", "bitsandbytes", "transformer_engine", "flash_attn", "liger_kernel"}
+    assert set(libs) == {"torchao", "bitsandbytes", "transformer_engine", "flash_attn", "liger_kernel", "av"}
     for info in libs.values():
         assert set(info) == {"available", "version", "error"} and isinstance(info["available"], bool)
         assert (info["error"] is None) == info["available"]

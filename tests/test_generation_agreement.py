@@ -13,7 +13,7 @@ import torch
 from vlforge.config import DataConfig, PrecisionConfig
 from vlforge.data.dataset import load_dataset
 from vlforge.data.encode import collate, encode_prompt
-from vlforge.engine.evaluate import _generate_answers_synced, generate_answers
+from vlforge.engine.evaluate import _generate_answers_hf, generate_answers
 from vlforge.engine.precision import PrecisionPolicy
 from vlforge.recipes.infer import evaluate_jsonl
 from vlforge.serve.engine import InferenceEngine
@@ -91,8 +91,8 @@ def test_eval_serve_and_rollouts_never_generate_the_same_tokens(tiny, shapes_dir
 
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
-        synced = _generate_answers_synced(model, encoder, samples, batch_size=4, max_new_tokens=8, policy=FP32,
-                                          device=torch.device("cpu"))
+        synced = _generate_answers_hf(model, encoder, samples, batch_size=4, max_new_tokens=8, policy=FP32,
+                                      device=torch.device("cpu"), synced=True)
     finally:
         dist.destroy_process_group()
     assert synced == answers

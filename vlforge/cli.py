@@ -110,8 +110,12 @@ def cmd_demo(args) -> int:
 
 
 def cmd_data_synth(args) -> int:
-    from vlforge.data.synth import synth_shapes, synth_tool_use
+    from vlforge.data.synth import synth_motion, synth_shapes, synth_tool_use
 
+    if args.kind == "motion":
+        paths = synth_motion(args.out, args.n, seed=args.seed, val_fraction=args.val_fraction, size=args.size)
+        print(f"wrote {paths['train']} and {paths['val']} (videos as frame lists: which way does the shape move?)")
+        return 0
     if args.kind == "tools":
         paths = synth_tool_use(args.out, args.n, seed=args.seed, size=args.size)
         print(f"wrote {paths['sft']} (tool-use conversations, for SFT) and {paths['prompts']} (prompts and answers, "
@@ -391,9 +395,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     data = sub.add_parser("data", help="dataset tools").add_subparsers(dest="data_command", required=True)
     synth = data.add_parser("synth", help="generate a synthetic dataset")
-    synth.add_argument("kind", choices=["shapes", "tools"],
+    synth.add_argument("kind", choices=["shapes", "tools", "motion"],
                        help="shapes: questions about coloured shapes; tools: count the shapes, multiply with the "
-                            "calculator tool (SFT conversations + GRPO prompts)")
+                            "calculator tool (SFT conversations + GRPO prompts); motion: videos (frame lists) of a "
+                            "shape moving left or right, for SFT")
     synth.add_argument("--n", type=int, required=True, help="number of samples (train + val)")
     synth.add_argument("--out", required=True, help="output folder")
     synth.add_argument("--seed", type=int, default=0)

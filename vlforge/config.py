@@ -105,6 +105,15 @@ class DataConfig:
     # Decompression-bomb guard: an image file with more pixels is refused from its header, before
     # decoding. PIL itself refuses more than 2 x Image.MAX_IMAGE_PIXELS = 178,956,970: the ceiling.
     max_image_pixels: int = 178_956_970
+    # Videos (a list of frames, or a file): a file is sampled at video_fps frames per second (at least
+    # 4 frames, as Qwen3-VL's video processor does), and any video cut to video_max_frames frames spread
+    # evenly over it. Every 2 frames make one temporal patch; the frames are resized so that all of a
+    # video's frames together hold video_min_pixels..video_max_pixels pixels (transformers' video
+    # processor's size): the defaults are Qwen3-VL's, at most 768 x 32 x 32 pixels = 384 tokens a video.
+    video_fps: float = 2.0
+    video_max_frames: int = 64
+    video_min_pixels: int = 128 * 32 * 32
+    video_max_pixels: int = 768 * 32 * 32
     num_workers: int | Literal["auto"] = "auto"  # DataLoader workers; auto: engine.runtime.resolve_num_workers
     # Padding-free packing: a micro-batch's samples concatenated into one row, attention kept inside
     # each sample (block-diagonal, from per-sample position ids) and M-RoPE computed per sample.
@@ -126,6 +135,11 @@ class DataConfig:
         _require(0 < self.max_image_pixels <= 178_956_970,
                  f"data.max_image_pixels must be in 1..178956970 (PIL refuses larger images), got {self.max_image_pixels}")
         _require(self.num_workers == "auto" or self.num_workers >= 0, "data.num_workers must be >= 0 or auto")
+        _require(self.video_fps > 0, f"data.video_fps must be > 0, got {self.video_fps}")
+        _require(self.video_max_frames >= 2, f"data.video_max_frames must be >= 2 (one temporal patch), "
+                                             f"got {self.video_max_frames}")
+        _require(0 < self.video_min_pixels <= self.video_max_pixels,
+                 "data.video_min_pixels must be > 0 and <= data.video_max_pixels")
 
 
 @dataclass

@@ -9,7 +9,7 @@ a person's patience. The doctor finds those problems up front, in one command:
 - every visible GPU (memory, compute capability, bf16/FP8 support) and a small real matmul on
   each in bf16 and, where supported, FP8, compared against fp32: an installed but broken CUDA
   stack shows up here rather than as NaN losses later;
-- the optional libraries (torchao, bitsandbytes, TransformerEngine, flash-attn, Liger), each
+- the optional libraries (torchao, bitsandbytes, TransformerEngine, flash-attn, Liger, PyAV), each
   actually imported, since an extension built against another torch installs fine and then
   fails at import;
 - multi-GPU plumbing (torch.distributed, NCCL, gloo) and the torchrun launch this process is in
@@ -99,6 +99,7 @@ LIBRARIES = (
     Library("flash_attn", ("flash-attn", "flash_attn"), "pip install flash-attn --no-build-isolation",
             "model.attn_implementation=flash_attention_2"),
     Library("liger_kernel", ("liger-kernel", "liger_kernel"), "pip install liger-kernel", "fused Triton kernels"),
+    Library("av", ("av",), 'pip install "vlforge[video]"', "video files in data rows (frame lists need nothing)"),
 )
 _LIBRARY = {lib.name: lib for lib in LIBRARIES}
 

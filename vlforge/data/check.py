@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 
 from vlforge.config import DataConfig
-from vlforge.data.encode import IGNORE_INDEX, Encoder, ImageLimits, image_sizes
+from vlforge.data.encode import IGNORE_INDEX, Encoder, ImageLimits, VideoLimits, image_sizes
 from vlforge.data.jsonl import DataError, LoadReport, read_jsonl
 
 
@@ -16,22 +16,25 @@ def _percentile(sorted_values: list[int], q: float) -> int:
 
 
 def check_file(path: str, processor, cfg: DataConfig) -> dict:
-    """Validate every row (never stops at the first error), decode every image in full (a truncated
-    file must fail here, not mid-run) and measure token lengths."""
+    """Validate every row (never stops at the first error), decode every image and video in full (a
+    truncated file must fail here, not mid-run) and measure token lengths."""
     report = LoadReport()
     samples = read_jsonl(path, on_error="skip", report=report, max_image_pixels=cfg.max_image_pixels,
                          decode_images=True)
-    encoder = Encoder(processor, ImageLimits(cfg.min_pixels, cfg.max_pixels, cfg.max_image_pixels))
-    lengths, answer_tokens, image_tokens = [], [], []
-    over, images = 0, 0
+    encoder = Encoder(processor, ImageLimits(cfg.min_pixels, cfg.max_pixels, cfg.max_image_pixels),
+                      VideoLimits.of(cfg))
+    lengths, answer_tokens, image_tokens, video_tokens = [], [], [], []
+    over, images, videos = 0, 0, 0
     tasks = Counter()
     for s in samples:
-        ids = encoder.token_ids(s.messages, image_sizes(s, cfg.max_image_pixels), tools=s.tools)
+        ids = encoder.token_ids(s.messages, image_sizes(s, cfg.max_image_pixels), tools=s.tools, videos=s.videos)
         labels = encoder.assistant_labels(ids)
         lengths.append(len(ids))
         answer_tokens.append(sum(t != IGNORE_INDEX for t in labels))
         image_tokens.append(sum(t == encoder.image_token_id for t in ids))
+        video_tokens.append(sum(t == encoder.video_token_id for t in ids))
         images += len(s.images)
+        videos += len(s.videos)
         over += len(ids) > cfg.max_length
         if "task" in s.fields:
             tasks[str(s.fields["task"])] += 1
@@ -45,9 +48,11 @@ def check_file(path: str, processor, cfg: DataConfig) -> dict:
         "errors_by_reason": dict(report.skipped),
         "first_errors": report.first_errors,
         "images": images,
+        "videos": videos,
         "tokens": {"p50": _percentile(lengths, 50), "p90": _percentile(lengths, 90), "p99": _percentile(lengths, 99),
                    "max": lengths[-1] if lengths else 0, "mean": sum(lengths) / max(1, len(lengths))},
         "image_tokens_mean": sum(image_tokens) / max(1, len(image_tokens)),
+        "video_tokens_mean": sum(video_tokens) / max(1, len(video_tokens)),
         "answer_tokens_mean": sum(answer_tokens) / max(1, len(answer_tokens)),
         "max_length": cfg.max_length,
         "over_max_length": over,
@@ -58,12 +63,15 @@ def check_file(path: str, processor, cfg: DataConfig) -> dict:
 
 def format_check(r: dict) -> str:
     t = r["tokens"]
+    videos = f", {r['videos']} videos" if r["videos"] else ""
+    video_tokens = f"; video tokens (mean) {r['video_tokens_mean']:.1f}" if r["videos"] else ""
     lines = [
-        f"{r['file']}: {r['rows']} rows, {r['valid_rows']} valid, {r['errors']} with errors, {r['images']} images "
-        "(each decoded in full)",
-        f"tokens per sample (images included): p50 {t['p50']}  p90 {t['p90']}  p99 {t['p99']}  max {t['max']}  "
-        f"mean {t['mean']:.1f}",
-        f"image tokens per sample (mean) {r['image_tokens_mean']:.1f}; answer tokens (mean) {r['answer_tokens_mean']:.1f}",
+        f"{r['file']}: {r['rows']} rows, {r['valid_rows']} valid, {r['errors']} with errors, {r['images']} images"
+        f"{videos} (each decoded in full)",
+        f"tokens per sample (images{' and videos' if videos else ''} included): p50 {t['p50']}  p90 {t['p90']}  "
+        f"p99 {t['p99']}  max {t['max']}  mean {t['mean']:.1f}",
+        f"image tokens per sample (mean) {r['image_tokens_mean']:.1f}{video_tokens}; answer tokens (mean) "
+        f"{r['answer_tokens_mean']:.1f}",
         f"over data.max_length={r['max_length']}: {r['over_max_length']} rows (data.too_long={r['over_max_length_action']})",
     ]
     if r["tasks"]:

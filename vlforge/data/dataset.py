@@ -9,7 +9,7 @@ import torch
 from tqdm import tqdm
 
 from vlforge.config import DataConfig
-from vlforge.data.encode import Encoder, ImageLimits, SampleTokens, SkippedRow, encode, tokenize_sample
+from vlforge.data.encode import Encoder, ImageLimits, SampleTokens, SkippedRow, VideoLimits, encode, tokenize_sample
 from vlforge.data.jsonl import DataError, LoadReport, Sample, read_jsonl
 
 
@@ -50,7 +50,8 @@ class ChatDataset(torch.utils.data.Dataset):
 
 def load_dataset(path: str, processor, cfg: DataConfig) -> ChatDataset:
     """Read + validate + tokenize every row. Bad rows raise (on_error=fail) or are counted (skip)."""
-    encoder = Encoder(processor, ImageLimits(cfg.min_pixels, cfg.max_pixels, cfg.max_image_pixels))
+    encoder = Encoder(processor, ImageLimits(cfg.min_pixels, cfg.max_pixels, cfg.max_image_pixels),
+                      VideoLimits.of(cfg))
     report = LoadReport()
     samples, tokenized = [], []
     for sample in read_jsonl(path, cfg.on_error, report, max_image_pixels=cfg.max_image_pixels):

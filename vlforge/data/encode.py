@@ -1,9 +1,14 @@
-"""Turn a `Sample` into model inputs: Qwen chat template, image tokens, labels on assistant tokens only.
+"""Turn a `Sample` into model inputs: Qwen chat template, image and video tokens, labels on assistant tokens only.
 
 Token ids are built the way transformers' Qwen3-VL processor builds them (render the chat template,
 expand each `<|image_pad|>` to the image's token count, tokenize), which a test checks against the
 processor itself. Doing it here lets us know every sequence's length from the image *headers*
 before decoding any pixels, so over-long samples are handled before a run starts.
+
+Videos are expanded as transformers' Qwen3-VL processor expands them (replace_video_token): each
+temporal patch (2 frames) becomes `<t seconds><|vision_start|>` its tokens `<|vision_end|>`, t the
+mean time of its frames, and their pixels come from transformers' video processor; a test checks
+both against the processor. A video file is sampled at data.video_fps (VideoLimits).
 
 Images far larger than the processor's `max_pixels` are decoded at a reduced size (JPEG's scaled
 decoding, then `Image.reduce`) chosen so that the processor's own resize still lands on the same
@@ -16,14 +21,20 @@ import functools
 import re
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from PIL import Image
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize as video_smart_resize
 
-from vlforge.data.jsonl import MAX_IMAGE_PIXELS, DataError, Sample, load_pixels, open_image
+from vlforge.config import DataConfig
+from vlforge.data.jsonl import MAX_IMAGE_PIXELS, DataError, Sample, Video, require_pyav, load_pixels, open_image
 
 IGNORE_INDEX = -100
 IMAGE_PAD = "<|image_pad|>"
+VIDEO_PAD = "<|video_pad|>"
+VIDEO_PLACEHOLDER = "<|vision_start|><|video_pad|><|vision_end|>"  # what the chat template writes for a video
+_VISUAL = re.compile(f"({re.escape(IMAGE_PAD)}|{re.escape(VIDEO_PLACEHOLDER)})")
 
 
 _TEXT_MARK = re.compile("\x00vlforge-text-(\\d+)\x00")  # stands in for a message's text while the template renders
@@ -55,16 +66,52 @@ class ImageLimits:
     max_image_pixels: int = MAX_IMAGE_PIXELS  # files over this are refused before decoding
 
 
+@dataclass(frozen=True)
+class VideoLimits:
+    """How videos are sampled and sized (DataConfig's video_* settings, which say more)."""
+
+    fps: float = 2.0  # a video file is sampled at this many frames per second
+    max_frames: int = 64
+    min_pixels: int = 128 * 32 * 32  # all of a video's frames together, as the video processor counts
+    max_pixels: int = 768 * 32 * 32
+
+    @classmethod
+    def of(cls, cfg: DataConfig) -> VideoLimits:
+        return cls(cfg.video_fps, cfg.video_max_frames, cfg.video_min_pixels, cfg.video_max_pixels)
+
+
+def sampled_frames(video: Video, limits: VideoLimits, min_frames: int = 4) -> list[int]:
+    """The indices of the frames a video is shown by, spread evenly over it (as transformers'
+    Qwen3-VL video processor samples): a file at limits.fps frames per second (at least
+    `min_frames`), a frame list all its frames; either at most limits.max_frames."""
+    n = video.frames
+    if video.is_file:
+        n = max(int(video.frames / video.fps * limits.fps), min_frames)
+    n = min(n, limits.max_frames, video.frames)
+    return np.linspace(0, video.frames - 1, n).round().astype(int).tolist()
+
+
+def frame_timestamps(indices: list[int], fps: float, temporal_patch: int) -> list[float]:
+    """Seconds into the video of each temporal patch: the mean time of its first and last frame (the
+    last frame repeated to fill the last patch), as Qwen3-VL's processor writes them in the prompt."""
+    indices = list(indices) + [indices[-1]] * (-len(indices) % temporal_patch)
+    seconds = [i / fps for i in indices]
+    return [(seconds[k] + seconds[k + temporal_patch - 1]) / 2 for k in range(0, len(seconds), temporal_patch)]
+
+
 class Encoder:
     """Holds the processor and the special-token ids; encodes samples and prompts."""
 
-    def __init__(self, processor, limits: ImageLimits):
+    def __init__(self, processor, limits: ImageLimits, video_limits: VideoLimits = VideoLimits()):
         self.processor = processor
         self.tokenizer = processor.tokenizer
         self.image_processor = processor.image_processor
+        self.video_processor = getattr(processor, "video_processor", None)
         self.limits = limits
+        self.video_limits = video_limits
         tok = self.tokenizer
         self.image_token_id = tok.convert_tokens_to_ids(IMAGE_PAD)
+        self.video_token_id = tok.convert_tokens_to_ids(VIDEO_PAD)
         self.im_end_id = tok.convert_tokens_to_ids("<|im_end|>")
         self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else tok.convert_tokens_to_ids("<|endoftext|>")
         # Generation ends at <|im_end|> (end of turn) or <|endoftext|> (the pad token), as in Qwen's
@@ -85,10 +132,38 @@ class Encoder:
         h, w = self.resized(width, height)
         return (h // self.patch) * (w // self.patch) // (self.merge**2)
 
+    def video_frames(self, video: Video) -> list[int]:
+        """The frames of `video` the model sees (sampled_frames under this encoder's VideoLimits)."""
+        return sampled_frames(video, self.video_limits, getattr(self.video_processor, "min_frames", 4))
+
+    def video_grid(self, video: Video) -> tuple[int, int, int]:
+        """(temporal patches, height patches, width patches) of `video`, as the video processor makes them."""
+        vp = self._video_processor()
+        frames = len(self.video_frames(video))
+        factor = vp.patch_size * vp.merge_size
+        h, w = video_smart_resize(frames, video.size[1], video.size[0], temporal_factor=vp.temporal_patch_size,
+                                  factor=factor, min_pixels=self.video_limits.min_pixels,
+                                  max_pixels=self.video_limits.max_pixels)
+        return -(-frames // vp.temporal_patch_size), h // vp.patch_size, w // vp.patch_size
+
+    def video_text(self, video: Video) -> str:
+        """What replaces a video's placeholder in the prompt: per temporal patch, its time and its tokens."""
+        vp = self._video_processor()
+        _, h, w = self.video_grid(video)
+        tokens = h * w // vp.merge_size**2
+        seconds = frame_timestamps(self.video_frames(video), video.fps, vp.temporal_patch_size)
+        return "".join(f"<{t:.1f} seconds><|vision_start|>{VIDEO_PAD * tokens}<|vision_end|>" for t in seconds)
+
+    def _video_processor(self):
+        if self.video_processor is None:
+            raise ValueError("this model's processor has no video processor: it cannot read videos")
+        return self.video_processor
+
     def token_ids(self, messages: list[dict], image_sizes: list[tuple[int, int]], add_generation_prompt=False,
-                  tools: list[dict] | None = None) -> list[int]:
-        """The conversation's token ids, image placeholders expanded; `tools` (function schemas) are
-        rendered by the chat template (Qwen's: a system block listing them).
+                  tools: list[dict] | None = None, videos: list[Video] = ()) -> list[int]:
+        """The conversation's token ids, image and video placeholders expanded (`image_sizes` and
+        `videos` in the order they appear); `tools` (function schemas) are rendered by the chat
+        template (Qwen's: a system block listing them).
 
         The messages' text is text: a special token's text inside it (an <|im_end|> or <|im_start|>
         that would end the turn and open another role, an <|image_pad|> without an image) is
@@ -111,17 +186,20 @@ class Encoder:
                                  "and this chat template changes message text as it renders it, so that text "
                                  "cannot be kept apart from the template's own tokens; remove it from the message")
         template = pieces[::2]
-        if sum(p.count(IMAGE_PAD) for p in template) != len(image_sizes):
-            raise ValueError(f"chat template produced {sum(p.count(IMAGE_PAD) for p in template)} image placeholders "
-                             f"for {len(image_sizes)} images")
-        sizes, ids = iter(image_sizes), []
+        for placeholder, what, given in ((IMAGE_PAD, "image", len(image_sizes)), (VIDEO_PLACEHOLDER, "video", len(videos))):
+            made = sum(p.count(placeholder) for p in template)
+            if made != given:
+                raise ValueError(f"chat template produced {made} {what} placeholders for {given} {what}s")
+        sizes, video_iter, ids = iter(image_sizes), iter(videos), []
         for i, piece in enumerate(pieces):
             if i % 2:
                 ids += self.tokenizer(escaped[int(piece)], add_special_tokens=False,
                                       split_special_tokens=True)["input_ids"]
                 continue
-            first, *rest = piece.split(IMAGE_PAD)
-            expanded = first + "".join(IMAGE_PAD * self.image_tokens(*next(sizes)) + r for r in rest)
+            # the placeholders in order: images and videos each take the next of their own list
+            expanded = "".join(IMAGE_PAD * self.image_tokens(*next(sizes)) if part == IMAGE_PAD
+                               else self.video_text(next(video_iter)) if part == VIDEO_PLACEHOLDER else part
+                               for part in _VISUAL.split(piece))
             ids += self.tokenizer(expanded, add_special_tokens=False)["input_ids"]
         return ids
 
@@ -223,6 +301,58 @@ class Encoder:
         out = self.image_processor(images=images, size=size, return_tensors="pt")
         return {"pixel_values": out["pixel_values"], "image_grid_thw": out["image_grid_thw"]}
 
+    # -- video side --------------------------------------------------------------------------
+
+    def decode_video(self, video: Video, where: str | None = None) -> np.ndarray:
+        """The frames of `video` the model sees (video_frames), decoded: uint8 [frames, H, W, 3]."""
+        indices = self.video_frames(video)
+        if not video.is_file:
+            frames = []
+            for i in indices:
+                path = video.source[i]
+                with open_image(path, where, self.limits.max_image_pixels) as im:
+                    load_pixels(im, path, where)
+                    frames.append(np.asarray(im.convert("RGB")))
+            if any(f.shape != frames[0].shape for f in frames):
+                raise DataError(f"{where}: the frames of {video} changed size since the row was read")
+            return np.stack(frames)
+        return _decode_file_frames(video, indices, where)
+
+    def video_pixels(self, videos: list[np.ndarray]) -> dict:
+        """transformers' video processor on decoded videos (their frames as sampled already)."""
+        vp = self._video_processor()
+        size = {"shortest_edge": self.video_limits.min_pixels, "longest_edge": self.video_limits.max_pixels}
+        # the video processor's resize with the budget over all of a video's frames, as `video_grid`
+        # computes it (transformers 5.2x asks to choose; its per-frame cap counts the budget per frame)
+        cap = {"cap_pixels_per_frame": False} if "cap_pixels_per_frame" in vp.valid_kwargs.__annotations__ else {}
+        out = vp(videos=list(videos), size=size, do_sample_frames=False, return_tensors="pt", **cap)
+        return {"pixel_values_videos": out["pixel_values_videos"], "video_grid_thw": out["video_grid_thw"]}
+
+
+def _decode_file_frames(video: Video, indices: list[int], where: str | None) -> np.ndarray:
+    """Frames `indices` of a video file, decoded in order with PyAV: one pass from the start keeping
+    the wanted frames (seeking lands on keyframes, and counting frames from there is not reliable in
+    every container). transformers' load_video(backend="pyav") decodes the same way, but re-reads the
+    header's frame count (0 in some containers, which read_video_header estimates) and leaves the
+    file open; the indices here were planned from the header when the dataset was read."""
+    av = require_pyav(where or str(video.source))
+    at = f"{where}: " if where else ""
+    wanted, frames = set(indices), []
+    try:
+        with av.open(str(video.source)) as container:
+            for i, frame in enumerate(container.decode(video=0)):
+                if i in wanted:
+                    frames.append(frame.to_ndarray(format="rgb24"))
+                if i >= indices[-1]:
+                    break
+    except av.FFmpegError as e:
+        raise DataError(f"{at}video file {video.source} cannot be decoded ({e}); re-encode it, "
+                        "or drop the row or set data.on_error=skip") from None
+    if len(frames) != len(indices) or any(f.shape[:2] != (video.size[1], video.size[0]) for f in frames):
+        raise DataError(f"{at}video file {video.source} decodes to {len(frames)} of the {len(indices)} frames its "
+                        f"header promised ({video.frames} frames of {video.size[0]}x{video.size[1]}); re-encode it")
+    return np.stack(frames)
+
 
 def open_images(sample: Sample, max_pixels: int = MAX_IMAGE_PIXELS) -> list[Image.Image]:
     """A sample's images at full size, as RGB (`Encoder.decode_images` is what training uses)."""
@@ -254,20 +384,23 @@ class SampleTokens:
 
 def tokenize_sample(encoder: Encoder, sample: Sample, max_length: int, too_long: str) -> SampleTokens | str:
     """Returns a SampleTokens, or the reason the sample is dropped. Raises DataError when too_long == "fail"."""
-    ids = encoder.token_ids(sample.messages, image_sizes(sample, encoder.limits.max_image_pixels), tools=sample.tools)
+    ids = encoder.token_ids(sample.messages, image_sizes(sample, encoder.limits.max_image_pixels), tools=sample.tools,
+                            videos=sample.videos)
     labels = encoder.assistant_labels(ids)
     if len(ids) <= max_length:
         return SampleTokens(ids, labels, len(ids))
     if too_long == "fail":
-        raise DataError(f"{sample.source}: {len(ids)} tokens (images included) exceed data.max_length={max_length}; "
-                        "raise data.max_length, lower data.max_pixels, or set data.too_long=drop|truncate")
+        lower = "data.max_pixels" + (" or data.video_max_pixels / data.video_max_frames" if sample.videos else "")
+        raise DataError(f"{sample.source}: {len(ids)} tokens (images and videos included) exceed "
+                        f"data.max_length={max_length}; raise data.max_length, lower {lower}, "
+                        "or set data.too_long=drop|truncate")
     if too_long == "truncate":
-        image_positions = [i for i, t in enumerate(ids) if t == encoder.image_token_id]
-        last_image = image_positions[-1] if image_positions else -1
+        visual = (encoder.image_token_id, encoder.video_token_id)
+        last_visual = max((i for i, t in enumerate(ids) if t in visual), default=-1)
         supervised = sum(1 for t in labels[:max_length] if t != IGNORE_INDEX)
-        if last_image < max_length - 1 and supervised > 0:
+        if last_visual < max_length - 1 and supervised > 0:
             return SampleTokens(ids, labels, max_length)
-        return "too long (cut would fall inside an image span or remove the whole answer)"
+        return "too long (cut would fall inside an image or video span or remove the whole answer)"
     return "too long"
 
 
@@ -277,15 +410,27 @@ def encode(encoder: Encoder, sample: Sample, tokens: SampleTokens) -> dict:
         "input_ids": torch.tensor(tokens.ids[:tokens.keep]),
         "labels": torch.tensor(tokens.labels[:tokens.keep]),
     }
-    out["mm_token_type_ids"] = (out["input_ids"] == encoder.image_token_id).long()
+    out["mm_token_type_ids"] = mm_token_types(out["input_ids"], encoder)
     if sample.images:
         pix = encoder.pixels(encoder.decode_images(sample))
-        expected = int(out["mm_token_type_ids"].sum())
+        expected = int((out["input_ids"] == encoder.image_token_id).sum())
         got = int((pix["image_grid_thw"].prod(-1) // encoder.merge**2).sum())
         if got != expected:  # keeps text and pixels provably in step
             raise DataError(f"{sample.source}: image processor gave {got} image tokens, text has {expected}")
         out.update(pix)
+    if sample.videos:
+        pix = encoder.video_pixels([encoder.decode_video(v, sample.source) for v in sample.videos])
+        expected = int((out["input_ids"] == encoder.video_token_id).sum())
+        got = int((pix["video_grid_thw"].prod(-1) // encoder.video_processor.merge_size**2).sum())
+        if got != expected:
+            raise DataError(f"{sample.source}: video processor gave {got} video tokens, text has {expected}")
+        out.update(pix)
     return out
+
+
+def mm_token_types(input_ids: torch.Tensor, encoder: Encoder) -> torch.Tensor:
+    """Qwen3-VL's mm_token_type_ids: 0 text, 1 image token, 2 video token (M-RoPE groups them by it)."""
+    return (input_ids == encoder.image_token_id).long() + 2 * (input_ids == encoder.video_token_id).long()
 
 
 def encode_prompt(encoder: Encoder, sample: Sample, tools: list[dict] | None = None) -> dict:
@@ -293,12 +438,26 @@ def encode_prompt(encoder: Encoder, sample: Sample, tools: list[dict] | None = N
     `tools` (default: the sample's own) rendered by the chat template."""
     images = encoder.decode_images(sample)
     ids = encoder.token_ids(sample.prompt_messages, [im.size for im in images], add_generation_prompt=True,
-                            tools=tools if tools is not None else sample.tools)
+                            tools=tools if tools is not None else sample.tools, videos=sample.videos)
     out = {"input_ids": torch.tensor(ids)}
-    out["mm_token_type_ids"] = (out["input_ids"] == encoder.image_token_id).long()
+    out["mm_token_type_ids"] = mm_token_types(out["input_ids"], encoder)
     if images:
         out.update(encoder.pixels(images))
+    if sample.videos:
+        out.update(encoder.video_pixels([encoder.decode_video(v, sample.source) for v in sample.videos]))
     return out
+
+
+VIDEO_PROMPTS_REFUSED = ("generate/'s engine (GRPO rollouts, `vlforge eval`, infer, serve) does not prefill videos "
+                         "yet: train on video rows with `vlforge sft` (its evaluation answers them with transformers' "
+                         "generate), and keep them out of GRPO and eval prompt files")
+
+
+def refuse_video_prompts(samples: list[Sample]) -> None:
+    """A clear error naming the first row with a video, for the paths that generate on generate/'s engine."""
+    for sample in samples:
+        if sample.videos:
+            raise DataError(f"{sample.source}: has a video; {VIDEO_PROMPTS_REFUSED}")
 
 
 @dataclass
@@ -343,12 +502,13 @@ def collate(items: list, pad_id: int, left_pad: bool = False, multiple: int = 1)
 
 
 def _with_images(out: dict, items: list, skipped: int) -> dict:
-    """A batch's images, concatenated in sample order (the order of their tokens), and its count
-    of skipped rows (collate and pack alike)."""
-    with_images = [x for x in items if "pixel_values" in x]
-    if with_images:
-        out["pixel_values"] = torch.cat([x["pixel_values"] for x in with_images])
-        out["image_grid_thw"] = torch.cat([x["image_grid_thw"] for x in with_images])
+    """A batch's images and videos, each concatenated in sample order (the order of their tokens),
+    and its count of skipped rows (collate and pack alike)."""
+    for pixels, grid in (("pixel_values", "image_grid_thw"), ("pixel_values_videos", "video_grid_thw")):
+        having = [x for x in items if pixels in x]
+        if having:
+            out[pixels] = torch.cat([x[pixels] for x in having])
+            out[grid] = torch.cat([x[grid] for x in having])
     if skipped:
         out["skipped_rows"] = torch.tensor(skipped)
     return out

@@ -1,11 +1,17 @@
 """Read and validate JSONL datasets into `Sample`s. Every problem names the file and line.
 
-Two row schemas (image paths are relative to the JSONL file unless absolute):
+Two row schemas (image and video paths are relative to the JSONL file unless absolute):
 
     {"image": "a.png" | "images": ["a.png", "b.png"], "text" | "prompt": "...", "answer": "..."}
     {"messages": [{"role": "user", "content": [{"type": "image", "image": "a.png"},
                                                {"type": "text", "text": "..."}]},
                   {"role": "assistant", "content": "..."}]}
+
+A video is a list of frame image files in order (with "fps": the rate the frames were taken at,
+default 2, Qwen3-VL's sampling rate) or a video file (decoded with PyAV: `pip install 'vlforge[video]'`;
+its own rate is in the file): `"video": ["f0.png", "f1.png", ...]` or `"video": "clip.mp4"` in a
+simple row, `{"type": "video", "video": ..., "fps": 2}` as a chat part. Only the headers are read
+here (frame sizes, a file's frame count and rate); the frames are decoded when the sample is.
 
 A chat row may be a tool-use trajectory: "tool" messages (a tool's result, after the assistant turn
 that called it) and a "tools" key, the OpenAI-style function schemas the chat template shows the
@@ -40,13 +46,34 @@ class DataError(ValueError):
     """Bad input data (a dataset row, an image file): the message starts with where (`file:line:`) and says what to do."""
 
 
+DEFAULT_FRAME_FPS = 2.0  # a frame list's rate when the row gives none: Qwen3-VL's video sampling rate
+
+
+@dataclass(frozen=True)
+class Video:
+    """A sample's video as its headers describe it: frame image files in order, or a video file."""
+
+    source: Path | tuple[Path, ...]  # a video file, or the frame files
+    frames: int  # how many frames the source has
+    fps: float  # the source's frames per second (a frame list's: the row's "fps")
+    size: tuple[int, int]  # (width, height) of every frame
+
+    @property
+    def is_file(self) -> bool:
+        return isinstance(self.source, Path)
+
+    def __str__(self) -> str:
+        return str(self.source) if self.is_file else f"the frames {self.source[0]} .. {self.source[-1]}"
+
+
 @dataclass
 class Sample:
-    messages: list[dict]  # chat messages; image parts carry an absolute "image" path
+    messages: list[dict]  # chat messages; image parts carry an absolute "image" path, video parts a Video
     images: list[Path]  # in order of appearance
     source: str  # "file:line", for error messages
     fields: dict = field(default_factory=dict)  # extra row keys (task, ...)
     tools: list[dict] | None = None  # function schemas the chat template renders (a chat row's "tools")
+    videos: list[Video] = field(default_factory=list)  # in order of appearance
 
     @property
     def answer(self) -> str:
@@ -64,6 +91,7 @@ class LoadReport:
     kept: int = 0
     skipped: Counter = field(default_factory=Counter)  # reason -> count
     first_errors: list[str] = field(default_factory=list)  # a few full messages, for the user
+    first_video: str | None = None  # "file:line" of the first kept row with a video
 
 
 def _text_of(content) -> str:
@@ -113,20 +141,91 @@ def load_pixels(im: Image.Image, path: str | Path, where: str | None = None) -> 
                         "or drop the row or set data.on_error=skip") from None
 
 
-def _image_path(value, where: str, *, base: Path, max_pixels: int, decode: bool) -> Path:
+def _resolve(value, where: str, base: Path, what: str) -> Path:
     if not isinstance(value, str) or not value:
-        raise DataError(f"{where}: image must be a non-empty path string, got {value!r}")
+        raise DataError(f"{where}: {what} must be a non-empty path string, got {value!r}")
     path = Path(value)
     path = path if path.is_absolute() else base / path
     if not path.is_file():
-        raise DataError(f"{where}: image file {path} not found (paths are relative to the JSONL file's folder)")
-    with open_image(path, where, max_pixels) as im:
-        if decode:  # data check: a row it reports as valid must also decode at training time
-            load_pixels(im, path, where)
+        raise DataError(f"{where}: {what} {path} not found (paths are relative to the JSONL file's folder)")
     return path
 
 
-def _from_simple(row: dict, image_at: Callable, where: str) -> tuple[list[dict], list[Path]]:
+def _checked_image(value, where: str, base: Path, max_pixels: int, decode: bool) -> tuple[Path, tuple[int, int]]:
+    """An image file's path and (width, height), from its header (decoded in full with `decode`)."""
+    path = _resolve(value, where, base, "image file")
+    with open_image(path, where, max_pixels) as im:
+        if decode:  # data check: a row it reports as valid must also decode at training time
+            load_pixels(im, path, where)
+        return path, im.size
+
+
+def _image_path(value, where: str, *, base: Path, max_pixels: int, decode: bool) -> Path:
+    return _checked_image(value, where, base, max_pixels, decode)[0]
+
+
+def _video(value, fps, where: str, *, base: Path, max_pixels: int, decode: bool) -> Video:
+    """A row's video (a file path, or a list of frame paths) from its headers."""
+    if isinstance(value, list):
+        if len(value) < 2:
+            raise DataError(f"{where}: a video needs at least 2 frames, got {len(value)}; give one frame as an image")
+        if fps is None:
+            fps = DEFAULT_FRAME_FPS
+        if isinstance(fps, bool) or not isinstance(fps, (int, float)) or not fps > 0:
+            raise DataError(f"{where}: 'fps' must be a positive number (the rate the frames were taken at), got {fps!r}")
+        frames = [_checked_image(v, f"{where} frame {k}", base, max_pixels, decode) for k, v in enumerate(value)]
+        size = frames[0][1]
+        for k, (path, other) in enumerate(frames):
+            if other != size:
+                raise DataError(f"{where} frame {k} ({path}) is {other[0]}x{other[1]}, frame 0 is "
+                                f"{size[0]}x{size[1]}; every frame of a video must have the same size")
+        return Video(tuple(path for path, _ in frames), len(frames), float(fps), size)
+    if fps is not None:
+        raise DataError(f"{where}: 'fps' is for a list of frames; a video file's rate is read from the file "
+                        "(set data.video_fps to sample more or fewer frames per second)")
+    path = _resolve(value, where, base, "video file")
+    return read_video_header(path, where, decode)
+
+
+def read_video_header(path: Path, where: str, decode: bool = False) -> Video:
+    """A video file's frame count, rate and frame size, from its container (PyAV), nothing decoded
+    (`decode`: every frame decoded too, for data check: a corrupt file fails here, not mid-run)."""
+    av = require_pyav(where)
+    try:
+        with av.open(str(path)) as container:
+            if not container.streams.video:
+                raise DataError(f"{where}: video file {path} has no video stream")
+            stream = container.streams.video[0]
+            fps = float(stream.average_rate or stream.guessed_rate or 0)
+            frames = stream.frames
+            if not frames and fps and container.duration:  # some containers do not count frames
+                frames = int(round(container.duration / av.time_base * fps))
+            size = (stream.codec_context.width, stream.codec_context.height)
+            if decode:
+                frames = sum(1 for _ in container.decode(stream))
+    except av.FFmpegError as e:
+        raise DataError(f"{where}: video file {path} cannot be read ({e}); re-encode it (e.g. H.264 MP4) "
+                        "or give the video as a list of frame images") from None
+    if not fps or frames < 2 or min(size) < 1:
+        raise DataError(f"{where}: video file {path} has {frames} frames at {fps:g} fps ({size[0]}x{size[1]}); "
+                        "a video needs at least 2 frames, a known rate and a size: re-encode it")
+    if max(size) > MAX_ASPECT * min(size):
+        raise DataError(f"{where}: video {path} is {size[0]}x{size[1]}: the video processor refuses aspect "
+                        f"ratios over {MAX_ASPECT}; crop or pad it, or drop the row")
+    return Video(path, frames, fps, size)
+
+
+def require_pyav(where: str):
+    try:
+        import av
+    except ImportError:
+        raise DataError(f"{where}: reading a video file needs PyAV: pip install 'vlforge[video]' "
+                        "(or give the video as a list of frame images)") from None
+    return av
+
+
+def _from_simple(row: dict, image_at: Callable, where: str,
+                 video_at: Callable) -> tuple[list[dict], list[Path], list[Video]]:
     if "image" in row and "images" in row:
         raise DataError(f"{where}: give either 'image' or 'images', not both")
     raw_images = row.get("images", [row["image"]] if "image" in row else [])
@@ -143,15 +242,20 @@ def _from_simple(row: dict, image_at: Callable, where: str) -> tuple[list[dict],
     if not isinstance(answer, (str, int, float)) or isinstance(answer, bool) or str(answer).strip() == "":
         raise DataError(f"{where}: 'answer' is empty or not a string; every row needs a target response")
     images = [image_at(v, where) for v in raw_images]
-    user = [{"type": "image", "image": str(p)} for p in images] + [{"type": "text", "text": text}]
+    if "fps" in row and "video" not in row:
+        raise DataError(f"{where}: 'fps' is the rate of a 'video' given as frames; this row has no 'video'")
+    videos = [video_at(row["video"], row.get("fps"), f"{where}: video")] if "video" in row else []
+    user = ([{"type": "image", "image": str(p)} for p in images] + [{"type": "video", "video": v} for v in videos]
+            + [{"type": "text", "text": text}])
     messages = [{"role": "user", "content": user}, {"role": "assistant", "content": str(answer)}]
     if isinstance(row.get("system"), str):
         messages.insert(0, {"role": "system", "content": row["system"]})
-    return messages, images
+    return messages, images, videos
 
 
-def _from_chat(row: dict, image_at: Callable, where: str) -> tuple[list[dict], list[Path]]:
-    messages, images = [], []
+def _from_chat(row: dict, image_at: Callable, where: str,
+               video_at: Callable) -> tuple[list[dict], list[Path], list[Video]]:
+    messages, images, videos = [], [], []
     if not isinstance(row["messages"], list) or not row["messages"]:
         raise DataError(f"{where}: 'messages' must be a non-empty list of {{role, content}}")
     for i, msg in enumerate(row["messages"]):
@@ -173,10 +277,15 @@ def _from_chat(row: dict, image_at: Callable, where: str) -> tuple[list[dict], l
                     path = image_at(part.get("image", part.get("path")), f"{at}.content[{j}]")
                     images.append(path)
                     parts.append({"type": "image", "image": str(path)})
+                elif kind == "video":
+                    video = video_at(part.get("video", part.get("path")), part.get("fps"), f"{at}.content[{j}]")
+                    videos.append(video)
+                    parts.append({"type": "video", "video": video})
                 elif kind == "text" and isinstance(part.get("text"), str):
                     parts.append({"type": "text", "text": part["text"]})
                 else:
-                    raise DataError(f"{at}.content[{j}]: parts must be {{\"type\": \"image\", \"image\": path}} "
+                    raise DataError(f"{at}.content[{j}]: parts must be {{\"type\": \"image\", \"image\": path}}, "
+                                    "{\"type\": \"video\", \"video\": a file or a list of frame paths} "
                                     f"or {{\"type\": \"text\", \"text\": str}}, got {part!r}")
             content = parts
         elif not isinstance(content, str):
@@ -185,20 +294,21 @@ def _from_chat(row: dict, image_at: Callable, where: str) -> tuple[list[dict], l
                 messages[-1]["role"] == "assistant" and "<tool_call>" in _text_of(messages[-1]["content"])))):
             raise DataError(f"{at}: a tool message answers a tool call: it must follow an assistant message that "
                             "calls a tool (a <tool_call> block, or OpenAI's tool_calls) or another tool message")
-        if msg["role"] == "tool" and isinstance(content, list) and any(p["type"] == "image" for p in content):
-            raise DataError(f"{at}: tool messages are text (images from tools are not supported)")
-        if msg["role"] == "assistant" and any(p["type"] == "image" for p in (content if isinstance(content, list) else [])):
-            raise DataError(f"{at}: assistant messages cannot contain images")
+        if msg["role"] == "tool" and isinstance(content, list) and any(p["type"] != "text" for p in content):
+            raise DataError(f"{at}: tool messages are text (images and videos from tools are not supported)")
+        if msg["role"] == "assistant" and any(p["type"] != "text" for p in (content if isinstance(content, list) else [])):
+            raise DataError(f"{at}: assistant messages cannot contain images or videos")
         messages.append({"role": msg["role"], "content": content})
     if messages[-1]["role"] != "assistant" or not _text_of(messages[-1]["content"]).strip():
         raise DataError(f"{where}: the last message must be a non-empty assistant answer (the training target)")
-    return messages, images
+    return messages, images, videos
 
 
 def parse_row(line: str, base: Path, where: str, max_image_pixels: int = MAX_IMAGE_PIXELS,
               decode_images: bool = False) -> Sample:
     """One row as a Sample; image paths resolve against `base` and are checked (see `read_jsonl`)."""
     image_at = functools.partial(_image_path, base=base, max_pixels=max_image_pixels, decode=decode_images)
+    video_at = functools.partial(_video, base=base, max_pixels=max_image_pixels, decode=decode_images)
     try:
         row = json.loads(line)
     except json.JSONDecodeError as e:
@@ -207,13 +317,14 @@ def parse_row(line: str, base: Path, where: str, max_image_pixels: int = MAX_IMA
         raise DataError(f"{where}: each line must be a JSON object, got {type(row).__name__}")
     tools = None
     if "messages" in row:
-        messages, images = _from_chat(row, image_at, where)
+        messages, images, videos = _from_chat(row, image_at, where, video_at)
         tools = _tool_schemas(row.get("tools"), where)
         extra = {k: v for k, v in row.items() if k not in ("messages", "tools")}
     else:
-        messages, images = _from_simple(row, image_at, where)
-        extra = {k: v for k, v in row.items() if k not in ("image", "images", "text", "prompt", "answer", "system")}
-    return Sample(messages=messages, images=images, source=where, fields=extra, tools=tools)
+        messages, images, videos = _from_simple(row, image_at, where, video_at)
+        extra = {k: v for k, v in row.items()
+                 if k not in ("image", "images", "video", "fps", "text", "prompt", "answer", "system")}
+    return Sample(messages=messages, images=images, source=where, fields=extra, tools=tools, videos=videos)
 
 
 def _openai_tool_calls(msg: dict, at: str) -> str:
@@ -286,6 +397,8 @@ def read_jsonl(path: str | Path, on_error: str = "fail", report: LoadReport | No
             try:
                 line = _text_line(raw, where, first=lineno == 1)
                 samples.append(parse_row(line, path.parent, where, max_image_pixels, decode_images))
+                if samples[-1].videos and report.first_video is None:
+                    report.first_video = where
             except DataError as e:
                 if on_error == "fail":
                     raise

@@ -128,6 +128,45 @@ def synth_shapes(out_dir: str | Path, n: int, *, seed: int = 0, val_fraction: fl
     return paths
 
 
+MOTION_QUESTION = "Which way does the shape move, left or right?"
+
+
+def synth_motion(out_dir: str | Path, n: int, *, seed: int = 0, val_fraction: float = 0.1, size: int = 64,
+                 frames: int = 6, fps: float = 2.0) -> dict[str, Path]:
+    """Video data: `frames` frames of one shape sliding left or right across the image ("Which way
+    does the shape move?" -> left/right: no single frame answers it). Each video is a list of PNG
+    frames (`"video": [...]`, `"fps"`), out_dir/{train,val}.jsonl + out_dir/videos/. Returns the JSONL paths."""
+    if n < 2:
+        raise ValueError(f"--n must be at least 2 (one train and one val sample), got {n}")
+    if frames < 2:
+        raise ValueError(f"a video needs at least 2 frames, got {frames}")
+    out = Path(out_dir)
+    (out / "videos").mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    n_val = max(1, round(n * val_fraction))
+    rows = []
+    for i in range(n):
+        direction = rng.choice(POSITIONS)
+        shape = _single_shape(rng, size)
+        radius = shape.radius * 0.6  # room to travel
+        start, end = radius + 1, size - radius - 1
+        if direction == "left":
+            start, end = end, start
+        names = []
+        for k in range(frames):
+            x = start + (end - start) * k / (frames - 1)
+            name = f"videos/{i:06d}-{k:02d}.png"
+            draw([Shape(shape.kind, shape.colour, x, shape.cy, radius)], size).save(out / name)
+            names.append(name)
+        rows.append({"video": names, "fps": fps, "text": MOTION_QUESTION, "answer": direction, "task": "motion"})
+    paths = {"train": out / "train.jsonl", "val": out / "val.jsonl"}
+    for split, part in (("train", rows[n_val:]), ("val", rows[:n_val])):
+        with open(paths[split], "w") as f:
+            for row in part:
+                f.write(json.dumps(row) + "\n")
+    return paths
+
+
 TOOL_QUESTION = "Count the shapes, then use the calculator to multiply the count by {factor}."
 
 

@@ -47,13 +47,22 @@ def generate_answers(model, encoder: Encoder, samples, *, batch_size: int, max_n
     """Greedy answers for each sample's prompt (everything before its final assistant turn), on
     generate/'s engine with `batch_size` decode slots (continuous batching: a finished answer's
     slot takes the next prompt). Sharded (FSDP2), every forward gathers weights with the other
-    ranks, so ranks must decode in step: there transformers' generate with synced_gpus does it."""
+    ranks, so ranks must decode in step: there transformers' generate with synced_gpus does it.
+    Prompts with a video go through transformers' generate too: the engine prefills images only."""
     if sharded_run(model):
-        return _generate_answers_synced(model, encoder, samples, batch_size=batch_size,
-                                        max_new_tokens=max_new_tokens, policy=policy, device=device)
+        return _generate_answers_hf(model, encoder, samples, batch_size=batch_size, max_new_tokens=max_new_tokens,
+                                    policy=policy, device=device, synced=True)
+    answers: list[str | None] = [None] * len(samples)
+    with_video = [i for i, x in enumerate(samples) if x.videos]
+    if with_video:
+        for i, a in zip(with_video, _generate_answers_hf(model, encoder, [samples[i] for i in with_video],
+                                                         batch_size=batch_size, max_new_tokens=max_new_tokens,
+                                                         policy=policy, device=device, synced=False)):
+            answers[i] = a
+    rest = [i for i, x in enumerate(samples) if not x.videos]
     prompts = []
-    for x in samples:
-        item = encode_prompt(encoder, x)
+    for i in rest:
+        item = encode_prompt(encoder, samples[i])
         prompts.append(Prompt(item["input_ids"], item.get("pixel_values"), item.get("image_grid_thw")))
     requests = [GenRequest(p, max_new_tokens=max_new_tokens) for p in prompts]
     # compiled decoder layers (precision.compile) run eager here: decode shapes change every call and
@@ -62,22 +71,25 @@ def generate_answers(model, encoder: Encoder, samples, *, batch_size: int, max_n
         results = engine_for(model).generate(requests, stop_ids=encoder.end_ids,
                                              banned_ids=never_generated(encoder, model),
                                              image_token_id=encoder.image_token_id, pad_id=encoder.pad_id,
-                                             slots=batch_size)
+                                             slots=batch_size) if requests else []
     tok = encoder.tokenizer
-    return [tok.decode(r.tokens, skip_special_tokens=True).strip() for r in results]
+    for i, r in zip(rest, results):
+        answers[i] = tok.decode(r.tokens, skip_special_tokens=True).strip()
+    return answers
 
 
 @torch.no_grad()
-def _generate_answers_synced(model, encoder: Encoder, samples, *, batch_size: int, max_new_tokens: int,
-                             policy: PrecisionPolicy, device: torch.device) -> list[str]:
+def _generate_answers_hf(model, encoder: Encoder, samples, *, batch_size: int, max_new_tokens: int,
+                         policy: PrecisionPolicy, device: torch.device, synced: bool) -> list[str]:
+    """transformers' generate, left-padded batches of `batch_size` (`synced`: FSDP2's synced_gpus)."""
     core = unwrap(model)
     answers = []
     for s in range(0, len(samples), batch_size):
         chunk = samples[s:s + batch_size]
         batch = to_device(collate([encode_prompt(encoder, x) for x in chunk], encoder.pad_id, left_pad=True), device)
-        with policy.autocast():
+        with policy.autocast(), torch.compiler.set_stance("force_eager"):
             out = core.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False,
-                                pad_token_id=encoder.pad_id, eos_token_id=encoder.end_ids, synced_gpus=True,
+                                pad_token_id=encoder.pad_id, eos_token_id=encoder.end_ids, synced_gpus=synced,
                                 suppress_tokens=never_generated(encoder, model))  # as the engine path bans
         new = out[:, batch["input_ids"].shape[1]:]
         answers += [t.strip() for t in encoder.tokenizer.batch_decode(new, skip_special_tokens=True)]

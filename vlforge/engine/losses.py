@@ -30,25 +30,27 @@ from vlforge.model.host_inputs import (Placeholders, RopeIndex, VisionGrid, caus
                                        placeholders_from_host)
 from vlforge.model.tiers import unwrap
 
-MODEL_INPUTS = ("input_ids", "attention_mask", "mm_token_type_ids", "pixel_values", "image_grid_thw")
+MODEL_INPUTS = ("input_ids", "attention_mask", "mm_token_type_ids", "pixel_values", "pixel_values_videos")
 
 
 def packed_position_ids(core, input_ids_1T: torch.Tensor, mm_token_type_ids_1T: torch.Tensor,
-                        image_grid_thw: torch.Tensor | None, seq_lens: list[int]) -> torch.Tensor:
+                        image_grid_thw: torch.Tensor | None, seq_lens: list[int],
+                        video_grid_thw: torch.Tensor | None = None) -> torch.Tensor:
     """Position ids [4, 1, T] of a packed row on its device: [text positions; t; h; w], Qwen3-VL's
     4-row form (packed_position_ids_host says how)."""
     return host_to_device(packed_position_ids_host(core.model.get_rope_index, input_ids_1T, mm_token_type_ids_1T,
-                                                   image_grid_thw, seq_lens), input_ids_1T.device)
+                                                   image_grid_thw, seq_lens, video_grid_thw), input_ids_1T.device)
 
 
 def packed_position_ids_host(rope_index, input_ids_1T: torch.Tensor, mm_token_type_ids_1T: torch.Tensor,
-                             image_grid_thw: torch.Tensor | None, seq_lens: list[int]) -> torch.Tensor:
+                             image_grid_thw: torch.Tensor | None, seq_lens: list[int],
+                             video_grid_thw: torch.Tensor | None = None) -> torch.Tensor:
     """Position ids [4, 1, T] of a packed row, on the CPU: [text positions; t; h; w].
 
     M-RoPE (rows 1-3) comes from the model's own get_rope_index (`rope_index`: the bound method, or
     a RopeIndex) over the samples as separate rows, so every sample's positions, its images' 3-D
     ones included, restart at 0 exactly as when the sample is alone; the image grids are taken in
-    order, one sample after the other, as in the row. Row 0 (text positions, 0..len-1 per sample)
+    order, one sample after the other, as in the row (and so are the video grids). Row 0 (text positions, 0..len-1 per sample)
     is what transformers reads for the attention mask: with no 2-D attention mask, a position that
     does not follow its predecessor starts a new sequence (masking_utils.find_packed_sequence_indices;
     flash-attention's varlen path reads the same row). The filler after the last sample (`pack`'s
@@ -62,7 +64,8 @@ def packed_position_ids_host(rope_index, input_ids_1T: torch.Tensor, mm_token_ty
     ids_nL = torch.zeros(mask_nL.shape, dtype=torch.long).masked_scatter(mask_nL, input_ids_1T[0, :S].cpu().long())
     mm_nL = torch.zeros_like(ids_nL).masked_scatter(mask_nL, mm_token_type_ids_1T[0, :S].cpu().long())
     grid = image_grid_thw.cpu() if image_grid_thw is not None else None
-    mrope_3nL, _ = rope_index(ids_nL, mm_nL, image_grid_thw=grid, attention_mask=mask_nL.long())
+    videos = video_grid_thw.cpu() if video_grid_thw is not None else None
+    mrope_3nL, _ = rope_index(ids_nL, mm_nL, image_grid_thw=grid, video_grid_thw=videos, attention_mask=mask_nL.long())
     text_S = torch.arange(mask_nL.shape[1]).expand_as(mask_nL)[mask_nL]
     filler = torch.arange(T - S)
     text_T = torch.cat([text_S, filler])
@@ -85,6 +88,7 @@ class HostFacts:
     packed_rows: PackedRows | None = None  # packed rows with per-sample attention (sdpa)
     placeholders: Placeholders | None = None  # where the image tokens are (a batch with images, no video)
     padding: bool | None = None  # whether any row of a padded batch has padding (None: not known)
+    video_grid_thw: torch.Tensor | None = None  # on the host, as image_grid_thw
 
 
 @dataclass(frozen=True)
@@ -112,19 +116,26 @@ class HostPrep:
         rows_N, cols_N = (targets_BT != IGNORE_INDEX).nonzero().unbind(1)  # what boolean-mask indexing computes
         grid = batch.get("image_grid_thw")
         grid = grid.cpu() if grid is not None else None  # transformers reads it on the host (split sizes)
+        videos = batch.get("video_grid_thw")
+        videos = videos.cpu() if videos is not None else None
         facts = {"label_rows": rows_N, "label_cols": cols_N, "label_targets": targets_BT[rows_N, cols_N],
-                 "supervised": len(rows_N), "image_grid_thw": grid, "vision": {}, "vision_host": {}}
+                 "supervised": len(rows_N), "image_grid_thw": grid, "video_grid_thw": videos, "vision": {},
+                 "vision_host": {}}
         # a packed batch whose rows were all skipped (data.on_error=skip) has no samples: the step leaves it out
         if "seq_lens" in batch and len(batch["seq_lens"]):
             facts["position_ids"] = packed_position_ids_host(self.rope_index, batch["input_ids"],
                                                              batch["mm_token_type_ids"], grid,
-                                                             batch["seq_lens"].tolist())
-        elif grid is not None:  # what the model's forward would compute (compute_3d_position_ids), here
+                                                             batch["seq_lens"].tolist(), videos)
+        elif grid is not None or videos is not None:  # what the model's forward would compute, here
             facts["position_ids"], _ = self.rope_index(batch["input_ids"], batch["mm_token_type_ids"],
-                                                       image_grid_thw=grid, attention_mask=batch.get("attention_mask"))
-        if grid is not None and self.vision is not None:
-            facts["vision"], facts["vision_host"] = self.vision(grid)
-        if grid is not None and "pixel_values_videos" not in batch:
+                                                       image_grid_thw=grid, video_grid_thw=videos,
+                                                       attention_mask=batch.get("attention_mask"))
+        # With a video the tower runs twice (images, then videos: transformers' two calls), so the
+        # precomputed grid kwargs of one call would reach the other: such a batch lets the tower and
+        # the model compute them (and find the placeholders) themselves.
+        if grid is not None and videos is None:
+            if self.vision is not None:
+                facts["vision"], facts["vision_host"] = self.vision(grid)
             facts["placeholders"] = Placeholders.of(batch["input_ids"], self.image_token_id)
         if "attention_mask" in batch and "seq_lens" not in batch:
             facts["padding"] = not bool(batch["attention_mask"].all())
@@ -143,7 +154,7 @@ def step_inputs(model, batch: dict, device: torch.device) -> dict:
     if "host_inputs" not in batch:  # not prepared where batches are made: here, as the loader would
         batch = HostPrep.of(model)(batch)
     facts = batch["host_inputs"]
-    out = {k: v for k, v in batch.items() if k not in ("image_grid_thw", "host_inputs")}
+    out = {k: v for k, v in batch.items() if k not in ("image_grid_thw", "video_grid_thw", "host_inputs")}
     out.update({k: facts[k] for k in ("label_rows", "label_cols", "label_targets", "position_ids") if k in facts})
     out = {k: host_to_device(v, device) if isinstance(v, torch.Tensor) else v for k, v in out.items()}
     packed_rows = None
@@ -152,7 +163,7 @@ def step_inputs(model, batch: dict, device: torch.device) -> dict:
     vision = VisionGrid.moved(facts["vision"], facts["vision_host"], device)
     placeholders = facts["placeholders"].to(device) if facts.get("placeholders") is not None else None
     out["host"] = HostFacts(facts["supervised"], facts["image_grid_thw"], vision, packed_rows, placeholders,
-                            facts.get("padding"))
+                            facts.get("padding"), facts.get("video_grid_thw"))
     return out
 
 
@@ -166,6 +177,8 @@ def backbone_hidden(model, batch: dict) -> torch.Tensor:
     inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
     if host.image_grid_thw is not None:
         inputs["image_grid_thw"] = host.image_grid_thw
+    if host.video_grid_thw is not None:
+        inputs["video_grid_thw"] = host.video_grid_thw
     if "position_ids" in batch:
         inputs["position_ids"] = batch["position_ids"]
     with contextlib.ExitStack() as stack:
@@ -335,7 +348,7 @@ def sft_loss_sum(model, batch: dict, keep_vision: bool = False, loss: LossConfig
     same order."""
     if "host" not in batch:  # a plain batch: what step_inputs reads, read where it is
         batch = step_inputs(model, batch, batch["input_ids"].device)
-    if keep_vision and batch.get("pixel_values") is None:
+    if keep_vision and batch.get("pixel_values") is None and batch.get("pixel_values_videos") is None:
         keepalive = vision_keepalive(model, batch["input_ids"].device)
         # joined to the token embeddings, where a batch's image features join: the first decoder
         # layer's input then needs a gradient exactly when it does on ranks with images (FSDP2

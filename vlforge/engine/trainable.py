@@ -142,16 +142,18 @@ def cuda_graph_step_begin(t: Trainable, micro: list[dict], i: int) -> str | None
         return None
     if i == 0 and len(micro) > 1:
         core = unwrap(t.model).model
-        vision = t.cuda_graphs_vision and any(b.get("pixel_values") is not None for b in micro)
+        vision = t.cuda_graphs_vision and any(b.get("pixel_values") is not None
+                                              or b.get("pixel_values_videos") is not None for b in micro)
         for block in [*core.language_model.layers, *(core.visual.blocks if vision else [])]:
             for p in block.parameters():
                 if p.requires_grad and p.grad is None:
                     p.grad = torch.zeros_like(p)
     torch.compiler.cudagraph_mark_step_begin()
-    grid = micro[i].get("image_grid_thw")
-    if not t.cuda_graphs_vision or grid is None or len(t.vision_shapes) >= VISION_SHAPES_WARN:
+    grids = [micro[i][k] for k in ("image_grid_thw", "video_grid_thw") if micro[i].get(k) is not None]
+    if not t.cuda_graphs_vision or not grids or len(t.vision_shapes) >= VISION_SHAPES_WARN:
         return None
-    t.vision_shapes.add(tuple(grid.prod(-1).tolist()))  # each image's patches: the tower's shapes and bounds
+    # each image's (video's) patches: the tower's shapes and bounds
+    t.vision_shapes.add(tuple(tuple(grid.prod(-1).tolist()) for grid in grids))
     if len(t.vision_shapes) < VISION_SHAPES_WARN:
         return None
     return (f"warning: precision.cuda_graphs_vision: the vision tower has met {VISION_SHAPES_WARN} different image "

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from vlforge.config import ConfigError, GRPOConfig
 from vlforge.data.dataset import ChatDataset, batches_from, load_dataset
-from vlforge.data.encode import collate, encode_prompt
+from vlforge.data.encode import VIDEO_PROMPTS_REFUSED, collate, encode_prompt
 from vlforge.data.jsonl import DataError, check_readable
 from vlforge.engine.distributed import (World, frozen_sharded_copy, fully_gathered, no_sync, planned_strategy,
                                        reshard_all, torchrun_env)
@@ -569,7 +569,8 @@ def run_grpo(cfg: GRPOConfig) -> dict:
         raise ConfigError(f"rl.rewards: {e}") from e
     tools = rollout_tools(cfg)  # a tool or chat template that cannot work fails now, not at the first call
     for path in filter(None, (cfg.data.train, cfg.data.val)):  # a bad file fails now, not after the model loads
-        check_readable(path, cfg.data.on_error, cfg.data.max_image_pixels)
+        if (video_row := check_readable(path, cfg.data.on_error, cfg.data.max_image_pixels).first_video):
+            raise DataError(f"{video_row}: has a video; {VIDEO_PROMPTS_REFUSED}")
     if cfg.rollout.router_replay is not False and not (
             is_moe(dir_config(cfg.model.path)) if cfg.model.path else cfg.model.preset in MOE_PRESETS):
         raise ConfigError(f"rollout.router_replay={cfg.rollout.router_replay}: the model "

@@ -15,6 +15,7 @@ import torch
 from PIL import Image
 
 from vlforge.config import RolloutConfig
+from vlforge.data.encode import refuse_video_prompts
 from vlforge.data.jsonl import DataError, read_jsonl
 from vlforge.rl.rewards import CombinedReward, exact_match
 from vlforge.rl.tools import Tool
@@ -89,6 +90,7 @@ def evaluate_jsonl(engine: InferenceEngine, path: str | Path, *, batch_size: int
     the answer is the last assistant turn, and rewards also get the transcript and call counts;
     `tool_settings` gives the rollout.tool_* keys (turns, result tokens, timeout, processes)."""
     samples = read_jsonl(path)[:max_samples]
+    refuse_video_prompts(samples)
     rows, hits, by_task = [], 0, defaultdict(lambda: [0, 0])
     cfg = RolloutConfig(temperature=0.0, max_new_tokens=max_new_tokens, compile=False,
                         tools=[t.spec for t in (tools or {}).values()], tool_turns=tool_settings.tool_turns,
