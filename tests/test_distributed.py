@@ -529,10 +529,10 @@ def test_ddp_equals_one_process_and_resumes_on_other_world_sizes(shapes_dir, tmp
         torch.testing.assert_close(ours[name], theirs[name], rtol=1e-5, atol=1e-4, msg=name)
 
 
-def test_ddp_on_video_and_image_rows_equals_one_process(shapes_dir, tmp_path):
-    """Rows with videos (frame lists), images and both, under DDP: a rank whose micro-batch has a
-    video and an image runs the vision tower twice, the other rank once; DDP reduces gradients
-    once in backward whatever ran, so 2 ranks x batch 2 == 1 process x batch 4."""
+def test_fsdp2_on_video_and_image_rows_equals_one_process(shapes_dir, tmp_path):
+    """Rows with videos (frame lists), images and both, under FSDP2: training shows videos as images
+    (data/encode.frames_as_images), so every micro-batch runs the sharded vision tower once, as with
+    images alone; 2 ranks x batch 2 == 1 process x batch 4."""
     from vlforge.data.synth import synth_motion
 
     synth_motion(tmp_path / "motion", 10, seed=0, val_fraction=0.1, frames=4)
@@ -550,11 +550,14 @@ def test_ddp_on_video_and_image_rows_equals_one_process(shapes_dir, tmp_path):
     run_sft(tiny_sft_config(shapes_dir, straight, *COMMON, *extra, f"data.train={train}", "train.batch_size=4",
                             "train.max_steps=3"))
     split = tmp_path / "split"
-    done = launch([config_file(tmp_path, train), *COMMON, *extra, DDP, f"train.output_dir={split}",
+    done = launch([config_file(tmp_path, train), *COMMON, *extra, "distributed.strategy=fsdp2", f"train.output_dir={split}",
                    "train.batch_size=2", "train.max_steps=3"], tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert losses(split) == pytest.approx(losses(straight), rel=1e-5)
-    ours, theirs = (load_file(d / "checkpoint-3" / "model.safetensors") for d in (split, straight))
+    assert losses(split, "grad_norm/vision") == pytest.approx(losses(straight, "grad_norm/vision"), rel=1e-5)
+    export(split / "checkpoint-3", tmp_path / "consolidated", dtype=torch.float32)
+    ours, theirs = load_file(tmp_path / "consolidated" / "model.safetensors"), \
+        load_file(straight / "checkpoint-3" / "model.safetensors")
     for name in theirs:
         torch.testing.assert_close(ours[name], theirs[name], rtol=1e-5, atol=1e-5, msg=name)
 

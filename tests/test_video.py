@@ -23,9 +23,9 @@ from transformers.video_utils import VideoMetadata, load_video
 from vlforge.config import DataConfig
 from vlforge.data.check import check_file
 from vlforge.data.dataset import load_dataset
-from vlforge.data.encode import (Encoder, ImageLimits, VideoLimits, collate, encode, frame_timestamps, pack,
-                                 sampled_frames, tokenize_sample)
-from vlforge.data.jsonl import DataError, Video, parse_row, read_jsonl
+from vlforge.data.encode import (Encoder, ImageLimits, VideoLimits, collate, encode, encode_prompt, frame_timestamps,
+                                 frames_as_images, pack, sampled_frames, tokenize_sample, visuals_per_prompt)
+from vlforge.data.jsonl import DataError, Video, parse_row
 from vlforge.data.synth import synth_motion
 from vlforge.engine.losses import sft_loss_sum
 from vlforge.recipes.sft import run_sft
@@ -85,7 +85,7 @@ def test_video_tokens_pixels_and_types_equal_the_processors(tiny, media, source)
                                       sample_indices_fn=functools.partial(processor.video_processor.sample_frames, fps=2))
     sample = parse_row(json.dumps(_row(media, **part)), media, "x.jsonl:1")
     encoder = Encoder(processor, IMAGE_LIMITS, VIDEO_LIMITS)
-    ours = encode(encoder, sample, tokenize_sample(encoder, sample, 4096, "fail"))
+    ours = encode(encoder, sample, tokenize_sample(encoder, sample, 4096, "fail"), videos_as_images=False)
 
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "video"},
                                              {"type": "text", "text": "What happens?"}]},
@@ -131,7 +131,9 @@ def motion(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def mixed_video(tiny, media, motion, shapes_dir):
-    """Samples with a video and an image, a video alone (a file), an image alone, and text only."""
+    """Samples with a video and an image, a video alone (a file), an image alone, and text only:
+    (dataset, its items as training takes them (videos as images), the items as transformers' processor
+    gives them (pixel_values_videos))."""
     _, processor = tiny
     rows = [_row(media, video=[f"f{i}.png" for i in range(5)], fps=3),
             {"video": "clip.mp4", "text": "What happens?", "answer": "noise"},
@@ -143,60 +145,70 @@ def mixed_video(tiny, media, motion, shapes_dir):
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     cfg = DataConfig(video_min_pixels=VIDEO_LIMITS.min_pixels, video_max_pixels=VIDEO_LIMITS.max_pixels)
     data = load_dataset(str(path), processor, cfg)
-    return data, [data[i] for i in range(len(data))]
+    native = [encode(data.encoder, s, t, videos_as_images=False) for s, t in zip(data.samples, data.tokenized)]
+    return data, [data[i] for i in range(len(data))], native
 
 
-def test_loss_and_gradients_equal_the_models_own_forward(tiny, mixed_video):
-    """sft_loss_sum (host M-RoPE with video grids, our lm_head + loss) against Qwen3-VL's forward
-    with labels, which computes its positions and places the video features itself."""
+def _grads(model):
+    return {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("form", ["as images", "native"])
+def test_loss_and_gradients_equal_the_models_own_forward(tiny, mixed_video, form):
+    """sft_loss_sum on the batch training builds (videos as images) and on transformers' form (host
+    M-RoPE with video grids), against Qwen3-VL's forward with labels on the videos, which computes
+    its positions and places the video features itself."""
     model, _ = tiny
     model = copy.deepcopy(model)
-    _, items = mixed_video
-    batch = collate(items, pad_id=0)
-    assert "pixel_values_videos" in batch and "pixel_values" in batch
+    _, items, native = mixed_video
+    batch = collate(items if form == "as images" else native, pad_id=0)
+    assert ("pixel_values_videos" in batch) == (form == "native") and "pixel_values" in batch
     loss_sum, n = sft_loss_sum(model, batch)
     (loss_sum / n).backward()
-    ours = {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}
+    ours = _grads(model)
     model.zero_grad(set_to_none=True)
-    inputs = {k: batch[k] for k in ("input_ids", "attention_mask", "mm_token_type_ids", "pixel_values",
-                                    "image_grid_thw", "pixel_values_videos", "video_grid_thw")}
-    ref = model(**inputs, labels=batch["labels"]).loss
+    reference = collate(native, pad_id=0)
+    inputs = {k: reference[k] for k in ("input_ids", "attention_mask", "mm_token_type_ids", "pixel_values",
+                                        "image_grid_thw", "pixel_values_videos", "video_grid_thw")}
+    ref = model(**inputs, labels=reference["labels"]).loss
     ref.backward()
-    assert torch.allclose(loss_sum / n, ref, rtol=1e-5, atol=1e-6)
-    visual = [k for k in ours if ".visual." in k]
-    assert visual and all(ours[k].abs().sum() > 0 for k in visual if "blocks.0." in k)  # the videos reach the tower
+    torch.testing.assert_close(loss_sum / n, ref, rtol=1e-5, atol=1e-6)
+    assert all(ours[k].abs().sum() > 0 for k in ours if ".visual.blocks.0." in k)  # the videos reach the tower
     for k, p in model.named_parameters():
         if p.grad is not None:
-            assert torch.allclose(ours[k], p.grad, rtol=1e-4, atol=1e-6), k
+            torch.testing.assert_close(ours[k], p.grad, rtol=1e-4, atol=1e-6, msg=k)
 
 
 def test_a_video_changes_the_loss(tiny, mixed_video):
     """The frames matter: other pixels, another loss (so the video is not silently dropped)."""
     model, _ = tiny
-    _, items = mixed_video
-    batch = collate(items[:1], pad_id=0)
+    data, items, _ = mixed_video
+    assert data.samples[1].videos and not data.samples[1].images
+    batch = collate(items[1:2], pad_id=0)
     with torch.no_grad():
         loss, _ = sft_loss_sum(model, batch)
-        batch["pixel_values_videos"] = torch.flip(batch["pixel_values_videos"], dims=[0])
+        batch["pixel_values"] = torch.flip(batch["pixel_values"], dims=[0])
         flipped, _ = sft_loss_sum(model, batch)
     assert not torch.allclose(loss, flipped)
 
 
-def test_packed_row_gives_the_padded_loss_and_gradients_with_videos(tiny, mixed_video):
+@pytest.mark.parametrize("form", ["as images", "native"])
+def test_packed_row_gives_the_padded_loss_and_gradients_with_videos(tiny, mixed_video, form):
     model, _ = tiny
     model = copy.deepcopy(model)
-    _, items = mixed_video
+    _, items, native = mixed_video
+    items = items if form == "as images" else native
     results = []
     for batch in (collate(items, pad_id=0), pack(items, pad_id=0)):
         model.zero_grad(set_to_none=True)
         loss, n = sft_loss_sum(model, batch)
         loss.backward()
-        results.append((float(loss), n, {k: p.grad.clone() for k, p in model.named_parameters() if p.grad is not None}))
+        results.append((float(loss.detach()), n, _grads(model)))
     (padded, n_padded, g_padded), (packed, n_packed, g_packed) = results
     assert n_padded == n_packed
     assert packed == pytest.approx(padded, rel=1e-5)
     for k in g_padded:
-        assert torch.allclose(g_packed[k], g_padded[k], rtol=1e-4, atol=1e-6), k
+        torch.testing.assert_close(g_packed[k], g_padded[k], rtol=1e-4, atol=1e-6, msg=k)
 
 
 @pytest.mark.parametrize("packing", ["false", "true"])
@@ -260,37 +272,68 @@ def test_a_truncated_video_file_fails_data_check_not_training(tiny, media, tmp_p
     assert any("cut.mp4" in e for e in report["first_errors"])
 
 
-def test_generation_paths_refuse_video_prompts(motion, tmp_path):
+@pytest.mark.parametrize("preset", ["tiny", "tiny-moe"])
+def test_frames_as_images_gives_the_models_own_logits(tiny, mixed_video, preset):
+    """A prompt's videos shown as images (one per temporal patch, in token order), the form
+    generate/'s engine reads: the model's own logits on the videos (bit-equal without images beside),
+    dense and MoE (transformers' Qwen3-VL-MoE has its own copy of the code it relies on)."""
+    from vlforge.config import ModelConfig
+    from vlforge.model.load import load_model
+
+    model = tiny[0] if preset == "tiny" else load_model(ModelConfig(preset=preset))[0]
+    data, _, _ = mixed_video
+    encoder = data.encoder
+    for sample in data.samples:
+        item = encode_prompt(encoder, sample)
+        as_images = frames_as_images(item, encoder)
+        if sample.videos:
+            assert "pixel_values_videos" not in as_images and not (as_images["input_ids"] == encoder.video_token_id).any()
+            assert visuals_per_prompt(as_images) == len(sample.images) + sum(
+                int(t) for t in item["video_grid_thw"][:, 0])
+        with torch.no_grad():
+            ref = model(**{k: v[None] if k in ("input_ids", "mm_token_type_ids") else v for k, v in item.items()}).logits
+            ours = model(**{k: v[None] if k in ("input_ids", "mm_token_type_ids") else v
+                            for k, v in as_images.items()}).logits
+        if sample.images and sample.videos:  # one tower call instead of transformers' two: GEMMs of other
+            torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)  # shapes round differently (3e-7)
+        else:
+            assert torch.equal(ours, ref), sample.source
+
+
+def test_engine_answers_video_prompts_as_transformers_generate_does(tiny, mixed_video):
+    from vlforge.engine.evaluate import _generate_answers_hf, generate_answers
+    from vlforge.config import PrecisionConfig
+    from vlforge.engine.precision import PrecisionPolicy
+
+    model, _ = tiny
+    data, _, _ = mixed_video
+    kwargs = dict(batch_size=3, max_new_tokens=6, policy=PrecisionPolicy(PrecisionConfig(mode="fp32"), "cpu"),
+                  device=torch.device("cpu"))
+    ours = generate_answers(model, data.encoder, data.samples, **kwargs)
+    theirs = _generate_answers_hf(model, data.encoder, data.samples, synced=False, **kwargs)
+    assert ours == theirs and any(ours)
+
+
+def test_grpo_trains_on_video_prompts(motion, tmp_path):
     from vlforge.config import GRPOConfig, load_config
     from vlforge.recipes.grpo import run_grpo
+
+    cfg = load_config(GRPOConfig, None, [
+        "model.preset=tiny", f"data.train={motion / 'train.jsonl'}", f"data.val={motion / 'val.jsonl'}",
+        "train.device=cpu", f"train.output_dir={tmp_path / 'g'}", "precision.mode=fp32", "train.max_steps=2",
+        "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=4", "rl.mini_batch_size=4",
+        "log.progress=false", "eval.max_samples=2", "data.video_min_pixels=512", "data.video_max_pixels=20480"])
+    out = run_grpo(cfg)
+    assert out["final_step"] == 2 and out["eval"]["n"] == 2
+    metrics = [json.loads(line) for line in (tmp_path / "g" / "metrics.jsonl").read_text().splitlines()]
+    assert any("reward" in m or "reward_mean" in m for m in metrics)
+
+
+def test_serving_paths_refuse_video_prompts(motion):
     from vlforge.recipes.infer import evaluate_jsonl
 
-    cfg = load_config(GRPOConfig, None, ["model.preset=tiny", f"data.train={motion / 'train.jsonl'}",
-                                         "train.device=cpu", f"train.output_dir={tmp_path / 'g'}"])
-    with pytest.raises(DataError, match=r"train.jsonl:1: has a video; .*vlforge sft"):
-        run_grpo(cfg)
-    assert not (tmp_path / "g").exists()  # refused before the run began
-    with pytest.raises(DataError, match=r"val.jsonl:1: has a video"):
+    with pytest.raises(DataError, match=r"val.jsonl:1: has a video; `vlforge eval`, infer and serve"):
         evaluate_jsonl(None, motion / "val.jsonl")
-
-
-def test_fsdp2_on_several_processes_refuses_video_rows(motion, tmp_path, monkeypatch):
-    from vlforge.recipes import sft
-
-    monkeypatch.setattr(sft, "torchrun_env", lambda: (0, 2, 0))
-    cfg = tiny_sft_config(motion, tmp_path / "run", "distributed.strategy=fsdp2")
-    with pytest.raises(DataError, match="FSDP2 on several processes does not train on videos"):
-        sft.run_sft(cfg)
-    sft.refuse_sharded_video(read_report(motion), tiny_sft_config(motion, tmp_path / "r2", "distributed.strategy=ddp"))
-
-
-def read_report(folder):
-    from vlforge.data.jsonl import LoadReport
-
-    report = LoadReport()
-    read_jsonl(folder / "train.jsonl", report=report)
-    assert report.first_video
-    return report
 
 
 def test_synth_motion_and_data_check_commands(tmp_path, capsys):

@@ -18,6 +18,7 @@ grid: token counts are unchanged, the processor just never sees the full-size pi
 from __future__ import annotations
 
 import functools
+import itertools
 import re
 from dataclasses import dataclass
 
@@ -404,8 +405,13 @@ def tokenize_sample(encoder: Encoder, sample: Sample, max_length: int, too_long:
     return "too long"
 
 
-def encode(encoder: Encoder, sample: Sample, tokens: SampleTokens) -> dict:
-    """Model inputs for one sample (unbatched tensors)."""
+def encode(encoder: Encoder, sample: Sample, tokens: SampleTokens, videos_as_images: bool = True) -> dict:
+    """Model inputs for one sample (unbatched tensors). Its videos are shown as images, one per
+    temporal patch (frames_as_images: the same loss and gradients as the model's own video inputs,
+    tested), unless `videos_as_images` is false: then as transformers' processor gives them. As
+    images, a batch runs the vision tower once (transformers runs it once for images and once for
+    videos: under FSDP2 ranks would join its collectives a different number of times), and the
+    host-side inputs (model/host_inputs) apply as to any batch of images."""
     out = {
         "input_ids": torch.tensor(tokens.ids[:tokens.keep]),
         "labels": torch.tensor(tokens.labels[:tokens.keep]),
@@ -425,7 +431,7 @@ def encode(encoder: Encoder, sample: Sample, tokens: SampleTokens) -> dict:
         if got != expected:
             raise DataError(f"{sample.source}: video processor gave {got} video tokens, text has {expected}")
         out.update(pix)
-    return out
+    return frames_as_images(out, encoder) if videos_as_images else out
 
 
 def mm_token_types(input_ids: torch.Tensor, encoder: Encoder) -> torch.Tensor:
@@ -448,16 +454,75 @@ def encode_prompt(encoder: Encoder, sample: Sample, tools: list[dict] | None = N
     return out
 
 
-VIDEO_PROMPTS_REFUSED = ("generate/'s engine (GRPO rollouts, `vlforge eval`, infer, serve) does not prefill videos "
-                         "yet: train on video rows with `vlforge sft` (its evaluation answers them with transformers' "
-                         "generate), and keep them out of GRPO and eval prompt files")
+VIDEO_PROMPTS_REFUSED = ("`vlforge eval`, infer and serve (the serving engine's requests) do not read videos yet: "
+                         "SFT (its evaluation too) and GRPO do")
 
 
 def refuse_video_prompts(samples: list[Sample]) -> None:
-    """A clear error naming the first row with a video, for the paths that generate on generate/'s engine."""
+    """A clear error naming the first row with a video, for the paths that cannot show one."""
     for sample in samples:
         if sample.videos:
             raise DataError(f"{sample.source}: has a video; {VIDEO_PROMPTS_REFUSED}")
+
+
+def frames_as_images(item: dict, encoder: Encoder) -> dict:
+    """An encoded sample or prompt (encode, encode_prompt) whose videos are shown as images, one per
+    temporal patch, with the images in the order of their tokens: the form training batches and
+    generate/'s engine (it prefills images) take. The model computes exactly the same: Qwen3-VL's vision tower attends within each
+    temporal patch and gives each the same position embeddings (a [t, h, w] video grid and t [1, h,
+    w] image grids over the same patch rows give bit-identical features), its get_rope_index splits
+    a video grid per temporal patch in the same way, and a placeholder token's id never reaches the
+    model (its embedding is replaced by the features). Tested: the logits equal the model's forward
+    on the videos (bit-equal; 3e-7 apart in fp32 where images are beside them: one tower call's GEMMs
+    instead of two), the engine's greedy answers transformers' generate on the videos."""
+    if "pixel_values_videos" not in item:
+        return item
+    ids = item["input_ids"]
+    merge = encoder.merge
+    if "pixel_values" in item and item["pixel_values"].shape[1] != item["pixel_values_videos"].shape[1]:
+        raise ValueError("frames_as_images: the image and video processors make patches of different sizes")
+    images = _chunks(item.get("pixel_values"), item.get("image_grid_thw"))
+    frames = [(rows, torch.tensor([1, h, w])) for video_rows, (t, h, w) in
+              _chunks(item["pixel_values_videos"], item["video_grid_thw"], per_frame=True) for rows in video_rows]
+    # each image is one run of placeholder tokens, each temporal patch of a video one (text between)
+    kinds = [int(k) for k, _ in itertools.groupby(mm_token_types(ids, encoder).tolist()) if k]
+    taken, image_iter, frame_iter = [], iter(images), iter(frames)
+    for kind in kinds:
+        rows, grid = next(image_iter) if kind == 1 else next(frame_iter)
+        taken.append((rows, grid))
+    if len(taken) != len(images) + len(frames):
+        raise ValueError("frames_as_images: the placeholder runs do not match the images and videos")
+    pixels = torch.cat([rows for rows, _ in taken])
+    grid = torch.stack([g.reshape(3) for _, g in taken]).to(item["video_grid_thw"].dtype)
+    if int((grid.prod(-1) // merge**2).sum()) != int((mm_token_types(ids, encoder) > 0).sum()):
+        raise ValueError("frames_as_images: the placeholder tokens do not match the images and videos")
+    as_images = torch.where(ids == encoder.video_token_id, encoder.image_token_id, ids)
+    rest = {k: v for k, v in item.items() if k not in ("pixel_values_videos", "video_grid_thw")}
+    return {**rest, "input_ids": as_images, "mm_token_type_ids": (as_images == encoder.image_token_id).long(),
+            "pixel_values": pixels, "image_grid_thw": grid}
+
+
+def _chunks(pixels: torch.Tensor | None, grid: torch.Tensor | None, per_frame: bool = False) -> list:
+    """Per image (video) of `grid`: (its patch rows, its grid); `per_frame`: (its rows per temporal
+    patch, its grid) (the processors lay a video's rows out temporal patch first)."""
+    if pixels is None:
+        return []
+    out, start = [], 0
+    for t, h, w in grid.tolist():
+        rows = pixels[start:start + t * h * w]
+        out.append((list(rows.split(h * w)), (t, h, w)) if per_frame else (rows, torch.tensor([t, h, w])))
+        start += t * h * w
+    return out
+
+
+def encode_engine_prompt(encoder: Encoder, sample: Sample, tools: list[dict] | None = None) -> dict:
+    """encode_prompt in the form generate/'s engine reads: videos shown as images (frames_as_images)."""
+    return frames_as_images(encode_prompt(encoder, sample, tools), encoder)
+
+
+def visuals_per_prompt(item: dict) -> int:
+    """How many images an encoded prompt shows (after frames_as_images: its images and temporal patches)."""
+    return int(item["image_grid_thw"].shape[0]) if item.get("image_grid_thw") is not None else 0
 
 
 @dataclass

@@ -91,7 +91,6 @@ class LoadReport:
     kept: int = 0
     skipped: Counter = field(default_factory=Counter)  # reason -> count
     first_errors: list[str] = field(default_factory=list)  # a few full messages, for the user
-    first_video: str | None = None  # "file:line" of the first kept row with a video
 
 
 def _text_of(content) -> str:
@@ -397,8 +396,6 @@ def read_jsonl(path: str | Path, on_error: str = "fail", report: LoadReport | No
             try:
                 line = _text_line(raw, where, first=lineno == 1)
                 samples.append(parse_row(line, path.parent, where, max_image_pixels, decode_images))
-                if samples[-1].videos and report.first_video is None:
-                    report.first_video = where
             except DataError as e:
                 if on_error == "fail":
                     raise

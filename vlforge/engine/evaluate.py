@@ -16,7 +16,7 @@ import torch
 
 from vlforge.config import EvalConfig, LossConfig
 from vlforge.data.dataset import ChatDataset
-from vlforge.data.encode import Encoder, collate, encode, encode_prompt
+from vlforge.data.encode import Encoder, collate, encode, encode_engine_prompt, encode_prompt
 from vlforge.engine.losses import sft_loss_sum
 from vlforge.engine.metrics import MetricsLog, write_json_atomic
 from vlforge.engine.precision import PrecisionPolicy
@@ -48,21 +48,13 @@ def generate_answers(model, encoder: Encoder, samples, *, batch_size: int, max_n
     generate/'s engine with `batch_size` decode slots (continuous batching: a finished answer's
     slot takes the next prompt). Sharded (FSDP2), every forward gathers weights with the other
     ranks, so ranks must decode in step: there transformers' generate with synced_gpus does it.
-    Prompts with a video go through transformers' generate too: the engine prefills images only."""
+    Videos reach the engine as images (frames_as_images)."""
     if sharded_run(model):
         return _generate_answers_hf(model, encoder, samples, batch_size=batch_size, max_new_tokens=max_new_tokens,
                                     policy=policy, device=device, synced=True)
-    answers: list[str | None] = [None] * len(samples)
-    with_video = [i for i, x in enumerate(samples) if x.videos]
-    if with_video:
-        for i, a in zip(with_video, _generate_answers_hf(model, encoder, [samples[i] for i in with_video],
-                                                         batch_size=batch_size, max_new_tokens=max_new_tokens,
-                                                         policy=policy, device=device, synced=False)):
-            answers[i] = a
-    rest = [i for i, x in enumerate(samples) if not x.videos]
     prompts = []
-    for i in rest:
-        item = encode_prompt(encoder, samples[i])
+    for x in samples:
+        item = encode_engine_prompt(encoder, x)  # videos as images: the engine prefills images
         prompts.append(Prompt(item["input_ids"], item.get("pixel_values"), item.get("image_grid_thw")))
     requests = [GenRequest(p, max_new_tokens=max_new_tokens) for p in prompts]
     # compiled decoder layers (precision.compile) run eager here: decode shapes change every call and
@@ -71,11 +63,9 @@ def generate_answers(model, encoder: Encoder, samples, *, batch_size: int, max_n
         results = engine_for(model).generate(requests, stop_ids=encoder.end_ids,
                                              banned_ids=never_generated(encoder, model),
                                              image_token_id=encoder.image_token_id, pad_id=encoder.pad_id,
-                                             slots=batch_size) if requests else []
+                                             slots=batch_size)
     tok = encoder.tokenizer
-    for i, r in zip(rest, results):
-        answers[i] = tok.decode(r.tokens, skip_special_tokens=True).strip()
-    return answers
+    return [tok.decode(r.tokens, skip_special_tokens=True).strip() for r in results]
 
 
 @torch.no_grad()

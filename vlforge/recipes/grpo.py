@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from vlforge.config import ConfigError, GRPOConfig
 from vlforge.data.dataset import ChatDataset, batches_from, load_dataset
-from vlforge.data.encode import VIDEO_PROMPTS_REFUSED, collate, encode_prompt
+from vlforge.data.encode import collate, encode_engine_prompt, visuals_per_prompt
 from vlforge.data.jsonl import DataError, check_readable
 from vlforge.engine.distributed import (World, frozen_sharded_copy, fully_gathered, no_sync, planned_strategy,
                                        reshard_all, torchrun_env)
@@ -88,7 +88,7 @@ def encode_prompts(data: ChatDataset, idx: list[int], on_error: str,
     samples, prompts = [], []
     for i in idx:
         try:
-            prompts.append(encode_prompt(data.encoder, data.samples[i], tools=schemas))
+            prompts.append(encode_engine_prompt(data.encoder, data.samples[i], tools=schemas))
             samples.append(data.samples[i])
         except DataError as e:
             if on_error == "fail":
@@ -115,7 +115,7 @@ def rollout_round(t: Trainable, data: ChatDataset, idx: list[int], cfg: GRPOConf
     # sharded: the whole model gathered for the rollout, so that ranks decoding for different
     # numbers of steps issue no collectives
     # (fp32 masters: the linears' weights read in bf16 during the rollout, PrecisionPolicy.inference_weights)
-    images = [len(s.images) for s in samples]
+    images = [visuals_per_prompt(x) for x in encoded]  # a video's temporal patches count as its images
     tool_stats = tool_fields = None
     with t.policy.autocast(), t.policy.inference_weights(t.model), fully_gathered(t.root):
         if tools:  # multi-turn: the rewards score each response's last assistant turn
@@ -569,8 +569,7 @@ def run_grpo(cfg: GRPOConfig) -> dict:
         raise ConfigError(f"rl.rewards: {e}") from e
     tools = rollout_tools(cfg)  # a tool or chat template that cannot work fails now, not at the first call
     for path in filter(None, (cfg.data.train, cfg.data.val)):  # a bad file fails now, not after the model loads
-        if (video_row := check_readable(path, cfg.data.on_error, cfg.data.max_image_pixels).first_video):
-            raise DataError(f"{video_row}: has a video; {VIDEO_PROMPTS_REFUSED}")
+        check_readable(path, cfg.data.on_error, cfg.data.max_image_pixels)
     if cfg.rollout.router_replay is not False and not (
             is_moe(dir_config(cfg.model.path)) if cfg.model.path else cfg.model.preset in MOE_PRESETS):
         raise ConfigError(f"rollout.router_replay={cfg.rollout.router_replay}: the model "

@@ -21,8 +21,8 @@ from tqdm import tqdm
 from vlforge.config import ConfigError, LossConfig, SFTConfig
 from vlforge.data.dataset import Batching, ChatDataset, global_batches, load_dataset, micro_batches_per_epoch
 from vlforge.data.encode import collate, pack
-from vlforge.data.jsonl import DataError, LoadReport, check_readable
-from vlforge.engine.distributed import no_sync, planned_strategy, torchrun_env
+from vlforge.data.jsonl import DataError, check_readable
+from vlforge.engine.distributed import no_sync
 from vlforge.engine.health import GradHealth
 from vlforge.engine.losses import (HostPrep, count_supervised, count_tokens, drop_keepalive_grads, real_tokens,
                                    sft_loss_sum, step_inputs)
@@ -153,24 +153,12 @@ def check_resumed_packing(state: dict, packed: bool, batching: Batching, say=pri
     state["packed"] = packed
 
 
-def refuse_sharded_video(report: LoadReport, cfg: SFTConfig) -> None:
-    """Video rows under FSDP2 on several processes are refused: transformers runs the vision tower
-    once for a batch's images and once more for its videos, so ranks would join its sharded units'
-    collectives a different number of times (a hang). DDP and one process train on them."""
-    world_size = (torchrun_env() or (0, 1, 0))[1]
-    if report.first_video and world_size > 1 and \
-            planned_strategy(cfg.distributed.strategy, world_size, cfg.train.device)[0] == "fsdp2":
-        raise DataError(f"{report.first_video}: has a video, and FSDP2 on several processes does not train on "
-                        "videos yet (the vision tower runs once for images and once for videos, a different number "
-                        "of times on each rank); use distributed.strategy=ddp, or one process")
-
-
 def run_sft(cfg: SFTConfig) -> dict:
     """Train; returns {"output_dir", "final_step", "eval", "plan"}."""
     if not cfg.data.train:
         raise ConfigError("data.train is not set: give a JSONL file (data.train=path/to/train.jsonl)")
     for path in filter(None, (cfg.data.train, cfg.data.val)):  # a bad file fails now, not after the model loads
-        refuse_sharded_video(check_readable(path, cfg.data.on_error, cfg.data.max_image_pixels), cfg)
+        check_readable(path, cfg.data.on_error, cfg.data.max_image_pixels)
     # before the run begins (its directory, the model): what can be told from the config and the device
     if cfg.precision.cuda_graphs and (problem := cuda_graphs_problem(cfg, resolve_device(cfg.train.device))):
         raise ConfigError(problem)

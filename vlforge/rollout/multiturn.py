@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from vlforge.config import ConfigError, GRPOConfig, RolloutConfig
-from vlforge.data.encode import Encoder, ImageLimits, collate, encode_prompt
+from vlforge.data.encode import Encoder, ImageLimits, collate, encode_engine_prompt, visuals_per_prompt
 from vlforge.engine.evaluate import to_device
 from vlforge.generate.engine import GenRequest, Prompt, engine_for, prompts_of_batch
 from vlforge.generate.forward import never_generated
@@ -136,9 +136,9 @@ def answer_with_tools(model, encoder: Encoder, samples: list, cfg: RolloutConfig
     noise of seed 0 (greedy when cfg.temperature is 0): the evaluations' answers (GRPO's held-out
     prompts, `vlforge eval --tool`). The caller sets the autocast / gathering its model needs."""
     schemas = [t.schema for t in tools.values()]
-    prompts = to_device(collate([encode_prompt(encoder, x, tools=schemas) for x in samples], encoder.pad_id,
-                                left_pad=True), device)
-    return generate_with_tools(model, encoder, prompts, [len(x.images) for x in samples], cfg, tools, seed=0,
+    items = [encode_engine_prompt(encoder, x, tools=schemas) for x in samples]
+    prompts = to_device(collate(items, encoder.pad_id, left_pad=True), device)
+    return generate_with_tools(model, encoder, prompts, [visuals_per_prompt(x) for x in items], cfg, tools, seed=0,
                                samples_per_prompt=1, run_calls=run_calls)
 
 
