@@ -1056,3 +1056,47 @@ def test_serve_engine_imports_without_uvicorn_and_the_cli_names_the_extra():
     assert done.returncode == 2, (done.returncode, done.stderr)
     assert "error: vlforge serve needs uvicorn" in done.stderr and "pip install 'vlforge[serve]'" in done.stderr
     assert "Traceback" not in done.stderr, done.stderr
+
+
+def test_video_url_parts_are_answered_as_the_engine_answers_the_video(engine, tmp_path):
+    """`video_url` parts (vLLM's extension: a data:video/... URL, or an allowed local file) through a
+    real server and client: the serving engine's answer and prompt tokens on the same video; a
+    corrupt video, another media type, a remote URL and a path outside the allowed folder: 400/403."""
+    av = pytest.importorskip("av")  # the `video` extra (CI installs it with `test`)
+    import numpy as np
+
+    from vlforge.data.jsonl import read_video_header
+
+    with av.open(str(tmp_path / "clip.mp4"), "w") as container:
+        stream = container.add_stream("mpeg4", rate=8)
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+        rng = np.random.default_rng(0)
+        for _ in range(12):
+            for packet in stream.encode(av.VideoFrame.from_ndarray(rng.integers(0, 255, (48, 64, 3), dtype=np.uint8),
+                                                                   format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    raw = (tmp_path / "clip.mp4").read_bytes()
+    (tmp_path / "junk.mp4").write_bytes(b"no video here" * 40)
+
+    def ask(url):
+        content = [{"type": "video_url", "video_url": {"url": url}}, {"type": "text", "text": "What happens?"}]
+        return body([{"role": "user", "content": content}], max_tokens=5)
+
+    video_prompt = [{"role": "user", "content": [{"type": "video"}, {"type": "text", "text": "What happens?"}]}]
+    expected = engine.generate([Request(video_prompt, videos=[read_video_header(raw, "x")], max_new_tokens=5)])[0]
+    app = create_app(engine, ServeConfig(allow_files=tmp_path, **{**LIMITS, "max_prompt_tokens": 4096}))
+    with LiveServer(app) as server, httpx.Client(base_url=server.url, timeout=120) as client:
+        for url in (data_url(raw, "video/mp4"), "clip.mp4"):
+            r = client.post("/v1/chat/completions", json=ask(url))
+            assert r.status_code == 200, r.text
+            out = r.json()
+            assert out["choices"][0]["message"]["content"] == expected.text
+            text_only = engine.prompt_tokens(Request([{"role": "user", "content": "What happens?"}]))
+            assert out["usage"]["prompt_tokens"] == expected.prompt_tokens > text_only + 20  # the video's tokens
+        for url, status, code in (("junk.mp4", 400, "invalid_video"), (data_url(b"x", "image/png"), 400, "invalid_video_url"),
+                                  ("http://example.com/a.mp4", 400, "unsupported_video_url"),
+                                  ("../x.mp4", 403, "path_not_allowed")):
+            err = assert_error(client.post("/v1/chat/completions", json=ask(url)), status)
+            assert err["code"] == code and err["param"] == "messages.0.content.0.video_url", (url, err)

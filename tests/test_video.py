@@ -25,7 +25,7 @@ from vlforge.data.check import check_file
 from vlforge.data.dataset import load_dataset
 from vlforge.data.encode import (Encoder, ImageLimits, VideoLimits, collate, encode, encode_prompt, frame_timestamps,
                                  frames_as_images, pack, sampled_frames, tokenize_sample, visuals_per_prompt)
-from vlforge.data.jsonl import DataError, Video, parse_row
+from vlforge.data.jsonl import DataError, Video, parse_row, read_jsonl
 from vlforge.data.synth import synth_motion
 from vlforge.engine.losses import sft_loss_sum
 from vlforge.recipes.sft import run_sft
@@ -329,11 +329,22 @@ def test_grpo_trains_on_video_prompts(motion, tmp_path):
     assert any("reward" in m or "reward_mean" in m for m in metrics)
 
 
-def test_serving_paths_refuse_video_prompts(motion):
+def test_vlforge_eval_answers_video_rows_as_the_trainers_eval_does(tiny, motion):
+    """`vlforge eval` (the serving engine's requests, videos decoded there) == SFT's evaluation."""
+    from vlforge.config import PrecisionConfig
+    from vlforge.engine.evaluate import generate_answers
+    from vlforge.engine.precision import PrecisionPolicy
     from vlforge.recipes.infer import evaluate_jsonl
+    from vlforge.serve.engine import InferenceEngine
 
-    with pytest.raises(DataError, match=r"val.jsonl:1: has a video; `vlforge eval`, infer and serve"):
-        evaluate_jsonl(None, motion / "val.jsonl")
+    model, processor = tiny
+    engine = InferenceEngine(model, processor, torch.device("cpu"), "tiny")
+    report = evaluate_jsonl(engine, motion / "val.jsonl", batch_size=3, max_new_tokens=6)
+    samples = read_jsonl(motion / "val.jsonl")
+    assert report["n"] == len(samples) == 4 and all(s.videos for s in samples)
+    answers = generate_answers(model, engine.encoder, samples, batch_size=2, max_new_tokens=6,
+                               policy=PrecisionPolicy(PrecisionConfig(mode="fp32"), "cpu"), device=torch.device("cpu"))
+    assert [row["answer"] for row in report["answers"]] == answers
 
 
 def test_synth_motion_and_data_check_commands(tmp_path, capsys):
@@ -347,3 +358,4 @@ def test_synth_motion_and_data_check_commands(tmp_path, capsys):
     assert report["video_tokens_mean"] > 0 and report["tasks"] == {"motion": 5}
     assert main(["data", "check", str(tmp_path / "train.jsonl")]) == 0
     assert "5 videos" in capsys.readouterr().out
+

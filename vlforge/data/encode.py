@@ -336,21 +336,21 @@ def _decode_file_frames(video: Video, indices: list[int], where: str | None) -> 
     every container). transformers' load_video(backend="pyav") decodes the same way, but re-reads the
     header's frame count (0 in some containers, which read_video_header estimates) and leaves the
     file open; the indices here were planned from the header when the dataset was read."""
-    av = require_pyav(where or str(video.source))
+    av = require_pyav(where or str(video))
     at = f"{where}: " if where else ""
     wanted, frames = set(indices), []
     try:
-        with av.open(str(video.source)) as container:
+        with video.open(av) as container:
             for i, frame in enumerate(container.decode(video=0)):
                 if i in wanted:
                     frames.append(frame.to_ndarray(format="rgb24"))
                 if i >= indices[-1]:
                     break
     except av.FFmpegError as e:
-        raise DataError(f"{at}video file {video.source} cannot be decoded ({e}); re-encode it, "
+        raise DataError(f"{at}video file {video} cannot be decoded ({e}); re-encode it, "
                         "or drop the row or set data.on_error=skip") from None
     if len(frames) != len(indices) or any(f.shape[:2] != (video.size[1], video.size[0]) for f in frames):
-        raise DataError(f"{at}video file {video.source} decodes to {len(frames)} of the {len(indices)} frames its "
+        raise DataError(f"{at}video file {video} decodes to {len(frames)} of the {len(indices)} frames its "
                         f"header promised ({video.frames} frames of {video.size[0]}x{video.size[1]}); re-encode it")
     return np.stack(frames)
 
@@ -452,17 +452,6 @@ def encode_prompt(encoder: Encoder, sample: Sample, tools: list[dict] | None = N
     if sample.videos:
         out.update(encoder.video_pixels([encoder.decode_video(v, sample.source) for v in sample.videos]))
     return out
-
-
-VIDEO_PROMPTS_REFUSED = ("`vlforge eval`, infer and serve (the serving engine's requests) do not read videos yet: "
-                         "SFT (its evaluation too) and GRPO do")
-
-
-def refuse_video_prompts(samples: list[Sample]) -> None:
-    """A clear error naming the first row with a video, for the paths that cannot show one."""
-    for sample in samples:
-        if sample.videos:
-            raise DataError(f"{sample.source}: has a video; {VIDEO_PROMPTS_REFUSED}")
 
 
 def frames_as_images(item: dict, encoder: Encoder) -> dict:

@@ -24,6 +24,7 @@ Extra keys (e.g. "task") are kept in `Sample.fields` for metrics and reward func
 from __future__ import annotations
 
 import functools
+import io
 import json
 import warnings
 from collections import Counter
@@ -53,17 +54,23 @@ DEFAULT_FRAME_FPS = 2.0  # a frame list's rate when the row gives none: Qwen3-VL
 class Video:
     """A sample's video as its headers describe it: frame image files in order, or a video file."""
 
-    source: Path | tuple[Path, ...]  # a video file, or the frame files
+    source: Path | bytes | tuple[Path, ...]  # a video file (or its bytes: serve's data URLs), or the frame files
     frames: int  # how many frames the source has
     fps: float  # the source's frames per second (a frame list's: the row's "fps")
     size: tuple[int, int]  # (width, height) of every frame
 
     @property
     def is_file(self) -> bool:
-        return isinstance(self.source, Path)
+        return not isinstance(self.source, tuple)
 
     def __str__(self) -> str:
+        if isinstance(self.source, bytes):
+            return f"an inline video of {len(self.source)} bytes"
         return str(self.source) if self.is_file else f"the frames {self.source[0]} .. {self.source[-1]}"
+
+    def open(self, av):
+        """The video file as a PyAV container (`av`: the module, require_pyav's)."""
+        return av.open(io.BytesIO(self.source) if isinstance(self.source, bytes) else str(self.source))
 
 
 @dataclass
@@ -186,14 +193,16 @@ def _video(value, fps, where: str, *, base: Path, max_pixels: int, decode: bool)
     return read_video_header(path, where, decode)
 
 
-def read_video_header(path: Path, where: str, decode: bool = False) -> Video:
-    """A video file's frame count, rate and frame size, from its container (PyAV), nothing decoded
-    (`decode`: every frame decoded too, for data check: a corrupt file fails here, not mid-run)."""
+def read_video_header(source: Path | bytes, where: str, decode: bool = False) -> Video:
+    """A video file's (or its bytes') frame count, rate and frame size, from its container (PyAV),
+    nothing decoded (`decode`: every frame decoded too, for data check: a corrupt file fails here,
+    not mid-run)."""
     av = require_pyav(where)
+    video = Video(source, 0, 0.0, (0, 0))  # opened, and named in the messages, before its header is known
     try:
-        with av.open(str(path)) as container:
+        with video.open(av) as container:
             if not container.streams.video:
-                raise DataError(f"{where}: video file {path} has no video stream")
+                raise DataError(f"{where}: video file {video} has no video stream")
             stream = container.streams.video[0]
             fps = float(stream.average_rate or stream.guessed_rate or 0)
             frames = stream.frames
@@ -203,15 +212,15 @@ def read_video_header(path: Path, where: str, decode: bool = False) -> Video:
             if decode:
                 frames = sum(1 for _ in container.decode(stream))
     except av.FFmpegError as e:
-        raise DataError(f"{where}: video file {path} cannot be read ({e}); re-encode it (e.g. H.264 MP4) "
+        raise DataError(f"{where}: video file {video} cannot be read ({e}); re-encode it (e.g. H.264 MP4) "
                         "or give the video as a list of frame images") from None
     if not fps or frames < 2 or min(size) < 1:
-        raise DataError(f"{where}: video file {path} has {frames} frames at {fps:g} fps ({size[0]}x{size[1]}); "
+        raise DataError(f"{where}: video file {video} has {frames} frames at {fps:g} fps ({size[0]}x{size[1]}); "
                         "a video needs at least 2 frames, a known rate and a size: re-encode it")
     if max(size) > MAX_ASPECT * min(size):
-        raise DataError(f"{where}: video {path} is {size[0]}x{size[1]}: the video processor refuses aspect "
+        raise DataError(f"{where}: video {video} is {size[0]}x{size[1]}: the video processor refuses aspect "
                         f"ratios over {MAX_ASPECT}; crop or pad it, or drop the row")
-    return Video(path, frames, fps, size)
+    return Video(source, frames, fps, size)
 
 
 def require_pyav(where: str):

@@ -15,7 +15,6 @@ import torch
 from PIL import Image
 
 from vlforge.config import RolloutConfig
-from vlforge.data.encode import refuse_video_prompts
 from vlforge.data.jsonl import DataError, read_jsonl
 from vlforge.rl.rewards import CombinedReward, exact_match
 from vlforge.rl.tools import Tool
@@ -90,7 +89,6 @@ def evaluate_jsonl(engine: InferenceEngine, path: str | Path, *, batch_size: int
     the answer is the last assistant turn, and rewards also get the transcript and call counts;
     `tool_settings` gives the rollout.tool_* keys (turns, result tokens, timeout, processes)."""
     samples = read_jsonl(path)[:max_samples]
-    refuse_video_prompts(samples)
     rows, hits, by_task = [], 0, defaultdict(lambda: [0, 0])
     cfg = RolloutConfig(temperature=0.0, max_new_tokens=max_new_tokens, compile=False,
                         tools=[t.spec for t in (tools or {}).values()], tool_turns=tool_settings.tool_turns,
@@ -103,7 +101,7 @@ def evaluate_jsonl(engine: InferenceEngine, path: str | Path, *, batch_size: int
                 texts, fields, used = _tool_answers(engine, chunk, tools, cfg, run_calls)
             else:
                 requests = [Request([_placeholders(m) for m in x.prompt_messages], engine.encoder.decode_images(x),
-                                    max_new_tokens=max_new_tokens) for x in chunk]
+                                    videos=x.videos, max_new_tokens=max_new_tokens) for x in chunk]
                 texts, fields, used = [o.text for o in engine.generate(requests)], [x.fields for x in chunk], None
             rows += _scored_rows(chunk, texts, fields, used, rewards)
     for row in rows:
@@ -152,9 +150,10 @@ def _scored_rows(chunk: list, texts: list[str], fields: list[dict], used: list[d
 
 
 def _placeholders(message: dict) -> dict:
-    """A dataset message (image parts carry paths) as the engine wants it (images passed separately)."""
+    """A dataset message (image and video parts carry their files) as the engine wants it (images and
+    videos passed separately)."""
     content = message["content"]
     if isinstance(content, str):
         return message
-    parts = [{"type": "image"} if p.get("type") == "image" else p for p in content]
+    parts = [{"type": p["type"]} if p.get("type") in ("image", "video") else p for p in content]
     return {**message, "content": parts}

@@ -44,6 +44,7 @@ from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HTTPRequest
 
 from vlforge.config import ConfigError
+from vlforge.data.jsonl import DataError
 from vlforge.rl.tools import ToolCall, ToolCallStream, format_tool_calls, split_tool_calls
 from vlforge.serve.batcher import Batcher, Job, ShuttingDown
 from vlforge.serve.config import ServeConfig
@@ -130,7 +131,7 @@ class _Server:
         """The engine's request: prompt length bounded, images decoded, prompt tokens counted. An
         assistant message's tool calls become its text in the model's own format (rl/tools.py's
         format_tool_calls: what the model generated), a tool message the chat template's tool turn."""
-        messages, image_urls = [], []
+        messages, image_urls, video_urls = [], [], []
         for i, m in enumerate(req.messages):
             role = "system" if m.role == "developer" else m.role
             if m.tool_calls:
@@ -147,6 +148,9 @@ class _Server:
             for j, part in enumerate(m.content):
                 if part.type == "text":
                     content.append({"type": "text", "text": part.text})
+                elif part.type == "video_url":
+                    video_urls.append((part.url, f"messages.{i}.content.{j}.video_url"))
+                    content.append({"type": "video"})
                 else:
                     image_urls.append((part.url, f"messages.{i}.content.{j}.image_url"))
                     content.append({"type": "image"})
@@ -160,13 +164,15 @@ class _Server:
                                 f"limit is {limit}", param="messages", code="context_length_exceeded")
         limits = self.limits(req)
         images = [self.images.load(url, param, limits and limits.max_pixels) for url, param in image_urls]
+        videos = [self.images.load_video(url, param) for url, param in video_urls]
+        video_frames = [self._decoded(video, param) for video, (_, param) in zip(videos, video_urls)]
         temperature = 1.0 if req.temperature is None else req.temperature
         # greedy ignores top_p: normalise it so greedy requests share a generate call (the engine groups
         # a batch by its sampling settings)
         top_p = 1.0 if req.top_p is None or temperature == 0 else req.top_p
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and req.tool_choice != "none" \
             else None
-        request = Request(messages=messages, images=images, tools=tools,
+        request = Request(messages=messages, images=images, videos=videos, video_frames=video_frames, tools=tools,
                           max_new_tokens=req.asked_tokens or min(self.cfg.default_max_tokens, self.cfg.max_tokens),
                           temperature=temperature, top_p=top_p, stop=req.stops, min_new_tokens=req.min_tokens or 0,
                           image_limits=limits, seed=req.seed)
@@ -181,6 +187,14 @@ class _Server:
         own = getattr(getattr(self.engine, "encoder", None), "limits", None)
         asked = image_limits(req, None if own is None else (own.min_pixels, own.max_pixels))
         return None if asked is None else replace(own, min_pixels=asked[0], max_pixels=asked[1])
+
+    def _decoded(self, video, param: str):
+        """The frames of `video` the model sees, decoded now: a corrupt video fails its own request
+        here, not the batch it would join."""
+        try:
+            return self.engine.encoder.decode_video(video, param)
+        except DataError as e:
+            raise APIError(400, str(e).removeprefix(f"{param}: "), param=param, code="invalid_video") from None
 
     @staticmethod
     def _count(count, what) -> int:

@@ -43,7 +43,7 @@ class ServeConfig:
                 f"default: the environment variable {API_KEY_ENV}, if set. A flag shows in the process list: "
                 f"prefer the variable"})
     max_batch: int = _flag(8, "--max-batch", "requests generated together in one batch")
-    max_body_bytes: int = _flag(20 * MB, "--max-body-mb", "largest request body in MB, base64 images included",
+    max_body_bytes: int = _flag(20 * MB, "--max-body-mb", "largest request body in MB, base64 images and videos included",
                                 unit=MB)
     # A client that sends its headers and then trickles (or never sends) the body would otherwise hold
     # its connection and a task for ever. 30 s: a 20 MB body (--max-body-mb) at ~0.7 MB/s.

@@ -37,7 +37,8 @@ from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.image_utils import SizeDict
 
 from vlforge.config import ConfigError, ModelConfig, QuantConfig
-from vlforge.data.encode import Encoder, ImageLimits, collate
+from vlforge.data.encode import Encoder, ImageLimits, VideoLimits, collate, frames_as_images, mm_token_types
+from vlforge.data.jsonl import Video
 from vlforge.generate.engine import Engine, Feed, GenRequest, GenResult, Prompt
 from vlforge.generate.forward import never_generated
 from vlforge.model.presets import PRESETS
@@ -52,8 +53,12 @@ SYNC_EVERY = 4  # decode steps between sync points: how often text streams, rows
 
 @dataclass
 class Request:
-    messages: list[dict]  # chat messages; image parts are {"type": "image"} placeholders, in order
+    messages: list[dict]  # chat messages; image (video) parts are {"type": "image"} ({"type": "video"}) placeholders
     images: list[Image.Image] = field(default_factory=list)
+    videos: list[Video] = field(default_factory=list)  # in order
+    # their frames the model sees (Encoder.decode_video), decoded already (the server does, so that a
+    # corrupt video fails its own request); None: decoded when the request is prepared
+    video_frames: list | None = None
     max_new_tokens: int = MAX_NEW_TOKENS["qa"]
     temperature: float = 0.0  # 0 = greedy
     top_p: float = 1.0
@@ -251,6 +256,19 @@ def processor_pixel_limits(image_processor) -> tuple[int, int]:
     return int(lo), int(hi)
 
 
+def processor_video_limits(video_processor) -> VideoLimits:
+    """How videos are sampled and sized for inference: the model's video processor's own settings
+    (its `size`, `fps`, `max_frames`; Qwen3-VL's preprocessor config), VideoLimits' defaults for any it lacks."""
+    default = VideoLimits()
+    if video_processor is None:
+        return default
+    size = getattr(video_processor, "size", None) or {}
+    lo, hi = size.get("shortest_edge") or default.min_pixels, size.get("longest_edge") or default.max_pixels
+    return VideoLimits(fps=float(getattr(video_processor, "fps", None) or default.fps),
+                       max_frames=int(getattr(video_processor, "max_frames", None) or default.max_frames),
+                       min_pixels=int(min(lo, hi)), max_pixels=int(hi))
+
+
 # How many characters of a text can become one character after Unicode normalization: NFC/NFKC
 # compose, and a composed character stands for at most its full decomposition (the longest canonical
 # decomposition is 4 code points, compatibility 18: test_serve checks these against unicodedata).
@@ -378,7 +396,8 @@ class InferenceEngine:
             raise ConfigError(f"min pixels {lo} ({own if min_pixels is None else '--min-pixels'}) is above max pixels "
                               f"{hi} ({own if max_pixels is None else '--max-pixels'}); pass both so that min <= max")
         image_processor.size = SizeDict(shortest_edge=lo, longest_edge=hi)
-        self.encoder = Encoder(self.processor, ImageLimits(min_pixels=lo, max_pixels=hi))
+        self.encoder = Encoder(self.processor, ImageLimits(min_pixels=lo, max_pixels=hi),
+                               processor_video_limits(getattr(self.processor, "video_processor", None)))
 
     # ------------------------------------------------------------------ loading
 
@@ -447,15 +466,21 @@ class InferenceEngine:
     def _item(self, r: Request) -> dict:
         """The request's prompt ids and (at its own image limits) pixels, on the CPU."""
         encoder = self.encoder_for(r)
-        ids = encoder.token_ids(r.messages, [im.size for im in r.images], add_generation_prompt=True, tools=r.tools)
+        ids = encoder.token_ids(r.messages, [im.size for im in r.images], add_generation_prompt=True, tools=r.tools,
+                                videos=r.videos)
         item = {"input_ids": torch.tensor(ids)}
-        item["mm_token_type_ids"] = (item["input_ids"] == encoder.image_token_id).long()
+        item["mm_token_type_ids"] = mm_token_types(item["input_ids"], encoder)
         if r.images:
             item.update(encoder.pixels([im.convert("RGB") for im in r.images]))
             got = int((item["image_grid_thw"].prod(-1) // encoder.merge**2).sum())
-            if got != int(item["mm_token_type_ids"].sum()):  # keeps text and pixels provably in step
+            expected = int((item["input_ids"] == encoder.image_token_id).sum())
+            if got != expected:  # keeps text and pixels provably in step
                 raise RuntimeError(f"the image processor gave {got} image tokens, the prompt has "
-                                   f"{int(item['mm_token_type_ids'].sum())} (image limits {encoder.limits})")
+                                   f"{expected} (image limits {encoder.limits})")
+        if r.videos:  # shown as images, one a temporal patch (frames_as_images): the engine prefills images
+            frames = r.video_frames if r.video_frames is not None else [encoder.decode_video(v) for v in r.videos]
+            item.update(encoder.video_pixels(frames))
+            item = frames_as_images(item, encoder)
         return item
 
     def _inputs(self, requests: list[Request]) -> dict:
@@ -464,7 +489,8 @@ class InferenceEngine:
 
     def prompt_tokens(self, request: Request) -> int:
         return len(self.encoder_for(request).token_ids(request.messages, [im.size for im in request.images],
-                                                       add_generation_prompt=True, tools=request.tools))
+                                                       add_generation_prompt=True, tools=request.tools,
+                                                       videos=request.videos))
 
     def min_prompt_tokens(self, messages: list[dict]) -> int:
         """A lower bound of the prompt's tokens from its length in characters, without tokenizing (0
@@ -597,8 +623,9 @@ class InferenceEngine:
         # the tokens generate/'s engine never generates either (vision special tokens: issue 11)
         sampling["suppress_tokens"] = self.banned_ids()
         streamer = _BatchStreamer(self, requests, on_text)
+        # one key an image of the batch (a request with a video has more images than r.images: not shared)
         keys = ([image_key(im, self.encoder_for(r).limits) for r in requests for im in r.images]
-                if self.share_images else [])
+                if self.share_images and not any(r.videos for r in requests) else [])
         with self.lock, torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"), \
                 share_repeated_images(self.model, keys, inputs.get("image_grid_thw")) as shared:
             self.images_shared += shared

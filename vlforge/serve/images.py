@@ -1,10 +1,12 @@
-"""Images of a request: `data:image/...;base64,...` URLs, and local files only under the
-directory `allow_files` names (resolved with every symlink followed, refused outside it); never
-http(s) (the server fetches nothing). Pixels are checked on the image header before decoding, and
-a decoded image is shrunk at once to what the processor keeps of it.
+"""Images and videos of a request: `data:image/...;base64,...` (`data:video/...`) URLs, and local
+files only under the directory `allow_files` names (resolved with every symlink followed, refused
+outside it); never http(s) (the server fetches nothing). Pixels are checked on the image header
+before decoding, and a decoded image is shrunk at once to what the processor keeps of it; a video's
+header (frames, rate, size) is read through PyAV, its frames decoded when the request is prepared.
 
     loader = ImageLoader(cfg, keep_pixels=engine.encoder.limits.max_pixels)
     image = loader.load(url, "messages.0.content.1.image_url")      # PIL RGB, or raises APIError
+    video = loader.load_video(url, "messages.0.content.2.video_url")  # data.jsonl.Video, or raises APIError
 """
 
 from __future__ import annotations
@@ -21,11 +23,13 @@ from urllib.parse import unquote, urlparse
 
 from PIL import Image, UnidentifiedImageError
 
+from vlforge.data.jsonl import DataError, Video, read_video_header
 from vlforge.serve.config import ServeConfig
 from vlforge.serve.schema import APIError
 
 # Formats PIL may open: the common web formats only (PIL's EPS plugin, for one, runs Ghostscript)
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP", "GIF", "BMP")
+EXAMPLE = {"image": "png", "video": "mp4"}  # the media subtype the error messages show
 
 
 class ImageLoader:
@@ -38,48 +42,60 @@ class ImageLoader:
 
     def load(self, url: str, param: str, keep_pixels: int | None = None) -> Image.Image:
         """`keep_pixels`: the request's own bound when it names one (at most the loader's)."""
+        return self._decode(self._fetch(url, param, "image"), param, keep_pixels or self.keep_pixels)
+
+    def load_video(self, url: str, param: str) -> Video:
+        """A `video_url` part's video (data:video/...;base64 or an allowed local file): its header
+        read through PyAV (frames, rate, size); its frames are decoded when the request is prepared."""
+        data = self._fetch(url, param, "video")
+        try:
+            return read_video_header(data, param)
+        except DataError as e:
+            raise APIError(400, str(e).removeprefix(f"{param}: "), param=param, code="invalid_video") from None
+
+    def _fetch(self, url: str, param: str, kind: str) -> bytes:
+        """The bytes an image or video URL names (`kind`: "image" | "video", for the messages and codes)."""
         url = url.strip()
         if url[:5].lower() == "data:":
-            data = self._data_url(url, param)
-        elif re.match(r"^https?://", url, re.I):
-            raise APIError(400, "image URLs are not fetched (no network access from the server); send the image "
-                                "inline as a data URL: data:image/png;base64,<base64 of the file>",
-                           param=param, code="unsupported_image_url")
-        elif url[:5].lower() == "file:" or not re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*:", url):
-            data = self._local_file(url, param)
-        else:
-            raise APIError(400, f"unsupported image URL scheme in {url[:40]!r}; send a data:image/...;base64 URL",
-                           param=param, code="unsupported_image_url")
-        return self._decode(data, param, keep_pixels or self.keep_pixels)
+            return self._data_url(url, param, kind)
+        if re.match(r"^https?://", url, re.I):
+            raise APIError(400, f"{kind} URLs are not fetched (no network access from the server); send the {kind} "
+                                f"inline as a data URL: data:{kind}/{EXAMPLE[kind]};base64,<base64 of the file>",
+                           param=param, code=f"unsupported_{kind}_url")
+        if url[:5].lower() == "file:" or not re.match(r"^[a-zA-Z][a-zA-Z0-9+.-]*:", url):
+            return self._local_file(url, param, kind)
+        raise APIError(400, f"unsupported {kind} URL scheme in {url[:40]!r}; send a data:{kind}/...;base64 URL",
+                       param=param, code=f"unsupported_{kind}_url")
 
-    def _data_url(self, url: str, param: str) -> bytes:
+    def _data_url(self, url: str, param: str, kind: str) -> bytes:
         header, sep, payload = url[5:].partition(",")
         fields = [f.strip().lower() for f in header.split(";")]
         if not sep or "base64" not in fields[1:]:
-            raise APIError(400, "image data URLs must be base64: data:image/png;base64,...", param=param,
-                           code="invalid_image_url")
-        if fields[0] and not fields[0].startswith("image/"):
-            raise APIError(400, f"data URL media type {fields[0]!r} is not an image", param=param,
-                           code="invalid_image_url")
+            raise APIError(400, f"{kind} data URLs must be base64: data:{kind}/{EXAMPLE[kind]};base64,...",
+                           param=param, code=f"invalid_{kind}_url")
+        if fields[0] and not fields[0].startswith(f"{kind}/"):
+            raise APIError(400, f"data URL media type {fields[0]!r} is not {kind}/...", param=param,
+                           code=f"invalid_{kind}_url")
         try:
             return base64.b64decode("".join(payload.split()), validate=True)
         except (binascii.Error, ValueError):
-            raise APIError(400, "the image data URL is not valid base64", param=param, code="invalid_base64") from None
+            raise APIError(400, f"the {kind} data URL is not valid base64", param=param,
+                           code="invalid_base64") from None
 
-    def _local_file(self, url: str, param: str) -> bytes:
+    def _local_file(self, url: str, param: str, kind: str) -> bytes:
         if self.root is None:
-            raise APIError(403, "local image files are not allowed on this server (the operator can allow a "
-                                "directory with --allow-files DIR); send the image as a data:image/...;base64 URL",
+            raise APIError(403, f"local {kind} files are not allowed on this server (the operator can allow a "
+                                f"directory with --allow-files DIR); send the {kind} as a data:{kind}/...;base64 URL",
                            param=param, code="files_not_allowed")
         raw = url
         if url[:5].lower() == "file:":
             parsed = urlparse(url)
             if parsed.netloc not in ("", "localhost"):
                 raise APIError(400, "file:// URLs must name a local path (file:///path)", param=param,
-                               code="invalid_image_url")
+                               code=f"invalid_{kind}_url")
             raw = unquote(parsed.path)
         if not raw or "\x00" in raw:
-            raise APIError(400, "empty or invalid image path", param=param, code="invalid_image_url")
+            raise APIError(400, f"empty or invalid {kind} path", param=param, code=f"invalid_{kind}_url")
         name = _shown(raw)
         path = Path(raw)
         if not path.is_absolute():
@@ -87,31 +103,32 @@ class ImageLoader:
         try:
             resolved = path.resolve()  # follows every symlink, removes ..
         except (OSError, RuntimeError):
-            raise APIError(403, "the image path cannot be resolved", param=param, code="path_not_allowed") from None
+            raise APIError(403, f"the {kind} path cannot be resolved", param=param,
+                           code="path_not_allowed") from None
         if not resolved.is_relative_to(self.root):
-            raise APIError(403, f"image path {name} is outside the directory this server allows", param=param,
+            raise APIError(403, f"{kind} path {name} is outside the directory this server allows", param=param,
                            code="path_not_allowed")
         try:  # no symlink at the last step, no blocking on a FIFO swapped in since resolve()
             fd = os.open(resolved, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
         except OSError as e:  # a missing file, a name too long for the filesystem, no permission...
-            raise _path_error(e, name, param) from None
+            raise _path_error(e, name, param, kind) from None
         try:
             # what was opened, not what was checked: closes the race of a directory on the path being
             # replaced by a symlink between resolve() and open() (Linux; elsewhere the check above stands)
             proc = Path(f"/proc/self/fd/{fd}")
             opened = Path(os.readlink(proc)) if proc.is_symlink() else resolved
             if not opened.is_relative_to(self.root):
-                raise APIError(403, f"image path {name} is outside the directory this server allows", param=param,
+                raise APIError(403, f"{kind} path {name} is outside the directory this server allows", param=param,
                                code="path_not_allowed")
             if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise APIError(400, f"image path {name} is not a file", param=param, code="image_not_found")
+                raise APIError(400, f"{kind} path {name} is not a file", param=param, code=f"{kind}_not_found")
             with os.fdopen(fd, "rb", closefd=False) as f:
                 data = f.read(self.cfg.max_body_bytes + 1)
         finally:
             os.close(fd)
         if len(data) > self.cfg.max_body_bytes:
-            raise APIError(413, f"image file {name} is larger than {self.cfg.max_body_bytes} bytes",
-                           param=param, code="image_too_large")
+            raise APIError(413, f"{kind} file {name} is larger than {self.cfg.max_body_bytes} bytes",
+                           param=param, code=f"{kind}_too_large")
         return data
 
     def _decode(self, data: bytes, param: str, keep_pixels: int | None) -> Image.Image:
@@ -149,17 +166,17 @@ def _shown(raw: str, keep: int = 80) -> str:
     return repr(raw) if len(raw) <= keep else f"{raw[:keep]!r}... ({len(raw)} characters)"
 
 
-def _path_error(e: OSError, name: str, param: str) -> APIError:
+def _path_error(e: OSError, name: str, param: str, kind: str) -> APIError:
     if e.errno == errno.ENAMETOOLONG:
-        return APIError(400, f"image path {name} is too long for the filesystem (a file name is at most "
+        return APIError(400, f"{kind} path {name} is too long for the filesystem (a file name is at most "
                              "255 bytes on most); name an existing file under the allowed directory",
-                        param=param, code="invalid_image_url")
+                        param=param, code=f"invalid_{kind}_url")
     if e.errno in (errno.ENOENT, errno.ENOTDIR):
-        return APIError(400, f"image file {name} not found", param=param, code="image_not_found")
+        return APIError(400, f"{kind} file {name} not found", param=param, code=f"{kind}_not_found")
     if e.errno == errno.ELOOP:  # the last step became a symlink after resolve()
-        return APIError(403, f"image path {name} is outside the directory this server allows", param=param,
+        return APIError(403, f"{kind} path {name} is outside the directory this server allows", param=param,
                         code="path_not_allowed")
-    return APIError(400, f"cannot read image file {name}: {e.strerror}", param=param, code="image_not_found")
+    return APIError(400, f"cannot read {kind} file {name}: {e.strerror}", param=param, code=f"{kind}_not_found")
 
 
 __all__ = ["IMAGE_FORMATS", "ImageLoader"]

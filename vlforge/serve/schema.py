@@ -74,7 +74,18 @@ class _ImagePart(_Schema):
         return self.image_url if isinstance(self.image_url, str) else self.image_url.url
 
 
-_Part = Annotated[Union[_TextPart, _ImagePart], Field(discriminator="type")]
+class _VideoPart(_Schema):
+    """vLLM's extension of OpenAI's parts: {"type": "video_url", "video_url": {"url": ...}}."""
+
+    type: Literal["video_url"]
+    video_url: _ImageURL | str
+
+    @property
+    def url(self) -> str:
+        return self.video_url if isinstance(self.video_url, str) else self.video_url.url
+
+
+_Part = Annotated[Union[_TextPart, _ImagePart, _VideoPart], Field(discriminator="type")]
 
 
 class _FunctionCall(_Schema):
@@ -312,9 +323,11 @@ def parse_chat_request(body: bytes | bytearray, cfg: ServeConfig) -> ChatRequest
     if req.min_tokens and req.min_tokens > (asked or min(cfg.default_max_tokens, cfg.max_tokens)):
         raise APIError(400, f"min_tokens={req.min_tokens} is above the request's max_tokens", param="min_tokens",
                        code="invalid_value")
-    n_images = sum(isinstance(p, _ImagePart) for m in req.messages if isinstance(m.content, list) for p in m.content)
+    parts = [p for m in req.messages if isinstance(m.content, list) for p in m.content]
+    n_images = sum(isinstance(p, (_ImagePart, _VideoPart)) for p in parts)
     if n_images > cfg.max_images:
-        raise APIError(400, f"{n_images} images in one request; the limit is {cfg.max_images}",
+        videos = " and videos" if any(isinstance(p, _VideoPart) for p in parts) else ""
+        raise APIError(400, f"{n_images} images{videos} in one request; the limit is {cfg.max_images}",
                        param="messages", code="too_many_images")
     return req
 
