@@ -359,3 +359,12 @@ def test_synth_motion_and_data_check_commands(tmp_path, capsys):
     assert main(["data", "check", str(tmp_path / "train.jsonl")]) == 0
     assert "5 videos" in capsys.readouterr().out
 
+
+
+def test_infer_answers_a_video_file_from_the_command_line(media, capsys):
+    from vlforge.cli import main
+
+    assert main(["infer", "tiny", "--device", "cpu", "--video", str(media / "clip.mp4"), "--prompt", "What happens?",
+                 "--max-new-tokens", "4"]) == 0
+    assert main(["infer", "tiny", "--device", "cpu", "--video", str(media / "nope.mp4"), "--prompt", "?"]) == 2
+    assert "nope.mp4" in capsys.readouterr().err

@@ -206,7 +206,8 @@ def cmd_infer(args) -> int:
 
     engine = _engine(args)
     text = answer(engine, args.prompt, args.image or [], max_new_tokens=args.max_new_tokens, task=args.task,
-                  temperature=args.temperature, on_text=lambda text: print(text, end="", flush=True))
+                  temperature=args.temperature, on_text=lambda text: print(text, end="", flush=True),
+                  video_paths=args.video or [])
     print()
     if not text.strip():  # an empty line alone looks like a broken command
         print("(the model produced no text before its end-of-turn token; a barely trained checkpoint often "
@@ -423,9 +424,10 @@ def build_parser() -> argparse.ArgumentParser:
     exp.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
     exp.set_defaults(func=cmd_export)
 
-    infer = sub.add_parser("infer", help="answer one prompt (with images) from a model")
+    infer = sub.add_parser("infer", help="answer one prompt (with images or videos) from a model")
     _model_source_args(infer)
     infer.add_argument("--image", action="append", help="image file (repeat for several)")
+    infer.add_argument("--video", action="append", help="video file (PyAV: the `video` extra; repeat for several)")
     infer.add_argument("--prompt", required=True)
     infer.add_argument("--task", choices=["classify", "qa", "describe"], default="qa",
                        help="sets the default --max-new-tokens: 16 / 64 / 512")

@@ -1,4 +1,5 @@
-"""Turn a `Sample` into model inputs: Qwen chat template, image and video tokens, labels on assistant tokens only.
+"""Turn a `Sample` into model inputs: Qwen chat template, image and video tokens, labels on assistant
+tokens only.
 
 Token ids are built the way transformers' Qwen3-VL processor builds them (render the chat template,
 expand each `<|image_pad|>` to the image's token count, tokenize), which a test checks against the
@@ -29,7 +30,7 @@ from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize as video_smart_resize
 
 from vlforge.config import DataConfig
-from vlforge.data.jsonl import MAX_IMAGE_PIXELS, DataError, Sample, Video, require_pyav, load_pixels, open_image
+from vlforge.data.jsonl import MAX_IMAGE_PIXELS, DataError, Sample, Video, load_pixels, open_image, require_pyav
 
 IGNORE_INDEX = -100
 IMAGE_PAD = "<|image_pad|>"
@@ -187,7 +188,8 @@ class Encoder:
                                  "and this chat template changes message text as it renders it, so that text "
                                  "cannot be kept apart from the template's own tokens; remove it from the message")
         template = pieces[::2]
-        for placeholder, what, given in ((IMAGE_PAD, "image", len(image_sizes)), (VIDEO_PLACEHOLDER, "video", len(videos))):
+        for placeholder, what, given in ((IMAGE_PAD, "image", len(image_sizes)),
+                                         (VIDEO_PLACEHOLDER, "video", len(videos))):
             made = sum(p.count(placeholder) for p in template)
             if made != given:
                 raise ValueError(f"chat template produced {made} {what} placeholders for {given} {what}s")
@@ -457,11 +459,11 @@ def encode_prompt(encoder: Encoder, sample: Sample, tools: list[dict] | None = N
 def frames_as_images(item: dict, encoder: Encoder) -> dict:
     """An encoded sample or prompt (encode, encode_prompt) whose videos are shown as images, one per
     temporal patch, with the images in the order of their tokens: the form training batches and
-    generate/'s engine (it prefills images) take. The model computes exactly the same: Qwen3-VL's vision tower attends within each
-    temporal patch and gives each the same position embeddings (a [t, h, w] video grid and t [1, h,
-    w] image grids over the same patch rows give bit-identical features), its get_rope_index splits
-    a video grid per temporal patch in the same way, and a placeholder token's id never reaches the
-    model (its embedding is replaced by the features). Tested: the logits equal the model's forward
+    generate/'s engine (it prefills images) take. The model computes exactly the same: Qwen3-VL's
+    vision tower attends within each temporal patch and gives each the same position embeddings (a
+    [t, h, w] video grid and t [1, h, w] image grids over the same patch rows give bit-identical
+    features), its get_rope_index splits a video grid per temporal patch in the same way, and a
+    placeholder token's id never reaches the model (its embedding is replaced by the features). Tested: the logits equal the model's forward
     on the videos (bit-equal; 3e-7 apart in fp32 where images are beside them: one tower call's GEMMs
     instead of two), the engine's greedy answers transformers' generate on the videos."""
     if "pixel_values_videos" not in item:
@@ -475,12 +477,10 @@ def frames_as_images(item: dict, encoder: Encoder) -> dict:
               _chunks(item["pixel_values_videos"], item["video_grid_thw"], per_frame=True) for rows in video_rows]
     # each image is one run of placeholder tokens, each temporal patch of a video one (text between)
     kinds = [int(k) for k, _ in itertools.groupby(mm_token_types(ids, encoder).tolist()) if k]
-    taken, image_iter, frame_iter = [], iter(images), iter(frames)
-    for kind in kinds:
-        rows, grid = next(image_iter) if kind == 1 else next(frame_iter)
-        taken.append((rows, grid))
-    if len(taken) != len(images) + len(frames):
+    if kinds.count(1) != len(images) or kinds.count(2) != len(frames):
         raise ValueError("frames_as_images: the placeholder runs do not match the images and videos")
+    image_iter, frame_iter = iter(images), iter(frames)
+    taken = [next(image_iter) if kind == 1 else next(frame_iter) for kind in kinds]
     pixels = torch.cat([rows for rows, _ in taken])
     grid = torch.stack([g.reshape(3) for _, g in taken]).to(item["video_grid_thw"].dtype)
     if int((grid.prod(-1) // merge**2).sum()) != int((mm_token_types(ids, encoder) > 0).sum()):

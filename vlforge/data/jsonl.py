@@ -195,8 +195,8 @@ def _video(value, fps, where: str, *, base: Path, max_pixels: int, decode: bool)
 
 def read_video_header(source: Path | bytes, where: str, decode: bool = False) -> Video:
     """A video file's (or its bytes') frame count, rate and frame size, from its container (PyAV),
-    nothing decoded (`decode`: every frame decoded too, for data check: a corrupt file fails here,
-    not mid-run)."""
+    nothing decoded (`decode`: every frame decoded too and counted against the header, for data
+    check: a truncated or corrupt file fails here, not mid-run)."""
     av = require_pyav(where)
     video = Video(source, 0, 0.0, (0, 0))  # opened, and named in the messages, before its header is known
     try:
@@ -209,11 +209,13 @@ def read_video_header(source: Path | bytes, where: str, decode: bool = False) ->
             if not frames and fps and container.duration:  # some containers do not count frames
                 frames = int(round(container.duration / av.time_base * fps))
             size = (stream.codec_context.width, stream.codec_context.height)
-            if decode:
-                frames = sum(1 for _ in container.decode(stream))
+            decoded = sum(1 for _ in container.decode(stream)) if decode else frames
     except av.FFmpegError as e:
         raise DataError(f"{where}: video file {video} cannot be read ({e}); re-encode it (e.g. H.264 MP4) "
                         "or give the video as a list of frame images") from None
+    if decoded < frames:  # training would take frames from the header's count: they must decode
+        raise DataError(f"{where}: video file {video} decodes to {decoded} of the {frames} frames its header "
+                        "counts (truncated or corrupt); re-encode it")
     if not fps or frames < 2 or min(size) < 1:
         raise DataError(f"{where}: video file {video} has {frames} frames at {fps:g} fps ({size[0]}x{size[1]}); "
                         "a video needs at least 2 frames, a known rate and a size: re-encode it")

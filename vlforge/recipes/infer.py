@@ -15,22 +15,25 @@ import torch
 from PIL import Image
 
 from vlforge.config import RolloutConfig
-from vlforge.data.jsonl import DataError, read_jsonl
+from vlforge.data.jsonl import DataError, read_jsonl, read_video_header
 from vlforge.rl.rewards import CombinedReward, exact_match
 from vlforge.rl.tools import Tool
 from vlforge.rollout.multiturn import answer_with_tools, tool_runner
 from vlforge.serve.engine import MAX_NEW_TOKENS, InferenceEngine, Request
 
 
-def user_message(prompt: str, n_images: int) -> dict:
-    return {"role": "user", "content": [{"type": "image"}] * n_images + [{"type": "text", "text": prompt}]}
+def user_message(prompt: str, n_images: int, n_videos: int = 0) -> dict:
+    return {"role": "user", "content": [{"type": "image"}] * n_images + [{"type": "video"}] * n_videos
+            + [{"type": "text", "text": prompt}]}
 
 
 def answer(engine: InferenceEngine, prompt: str, image_paths: list[str], *, max_new_tokens: int | None = None,
-           task: str = "qa", temperature: float = 0.0, on_text: Callable[[str], None] | None = None) -> str:
+           task: str = "qa", temperature: float = 0.0, on_text: Callable[[str], None] | None = None,
+           video_paths: list[str] = ()) -> str:
     # refused over the pixel limit from the header (DataError); decoded reduced when the processor would shrink it
     images = [engine.encoder.decode_image(p) for p in image_paths]
-    request = Request([user_message(prompt, len(images))], images,
+    videos = [read_video_header(Path(p), p) for p in video_paths]  # files (PyAV), sampled as the model's processor does
+    request = Request([user_message(prompt, len(images), len(videos))], images, videos=videos,
                       max_new_tokens=max_new_tokens or MAX_NEW_TOKENS[task], temperature=temperature)
     stream = None if on_text is None else (lambda _row, text: on_text(text))
     return engine.generate([request], on_text=stream)[0].text
