@@ -368,3 +368,26 @@ def test_infer_answers_a_video_file_from_the_command_line(media, capsys):
                  "--max-new-tokens", "4"]) == 0
     assert main(["infer", "tiny", "--device", "cpu", "--video", str(media / "nope.mp4"), "--prompt", "?"]) == 2
     assert "nope.mp4" in capsys.readouterr().err
+
+
+def test_chat_attaches_videos_and_keeps_them_in_the_history(tiny, media):
+    from vlforge.recipes.infer import chat
+    from vlforge.serve.engine import InferenceEngine
+
+    model, processor = tiny
+    engine = InferenceEngine(model, processor, torch.device("cpu"), "tiny")
+    script = iter([f"/video {media / 'clip.mp4'}", "what happens?", "and then?", f"/video {media / 'nope.mp4'}",
+                   "/reset", "hi", "/quit"])
+    said, seen = [], []
+    original = engine.generate
+
+    def spy(requests, on_text=None):
+        r = requests[0]
+        seen.append((len(r.messages), len(r.videos), sum(p == {"type": "video"} for m in r.messages
+                                                         for p in m["content"] if isinstance(m["content"], list))))
+        return original(requests, on_text)
+
+    engine.generate = spy
+    chat(engine, read=lambda prompt: next(script), write=said.append, max_new_tokens=3)
+    assert seen == [(1, 1, 1), (3, 1, 1), (1, 0, 0)]
+    assert any(line.startswith(f"cannot open {media / 'nope.mp4'}") for line in said)

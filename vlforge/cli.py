@@ -435,7 +435,7 @@ def build_parser() -> argparse.ArgumentParser:
     infer.add_argument("--temperature", type=_non_negative_float, default=0.0, help="0 = greedy")
     infer.set_defaults(func=cmd_infer)
 
-    chat = sub.add_parser("chat", help="interactive chat with a model (/image PATH, /reset, /quit)")
+    chat = sub.add_parser("chat", help="interactive chat with a model (/image PATH, /video PATH, /reset, /quit)")
     _model_source_args(chat)
     chat.add_argument("--max-new-tokens", type=_at_least(1), default=512)
     chat.set_defaults(func=cmd_chat)

@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 
 from vlforge.config import RolloutConfig
-from vlforge.data.jsonl import DataError, read_jsonl, read_video_header
+from vlforge.data.jsonl import DataError, Video, read_jsonl, read_video_header
 from vlforge.rl.rewards import CombinedReward, exact_match
 from vlforge.rl.tools import Tool
 from vlforge.rollout.multiturn import answer_with_tools, tool_runner
@@ -41,15 +41,19 @@ def answer(engine: InferenceEngine, prompt: str, image_paths: list[str], *, max_
 
 def chat(engine: InferenceEngine, read: Callable[[str], str] = input, write: Callable[[str], None] = print,
          stream: Callable[[str], None] | None = None, max_new_tokens: int = MAX_NEW_TOKENS["describe"]) -> None:
-    """A REPL keeping the conversation; images attached with /image are sent with the next message.
+    """A REPL keeping the conversation; images (videos) attached with /image (/video) are sent with
+    the next message.
 
     `stream` receives the reply's text as it is generated (then `write` gets a newline);
     without it `write` gets the whole reply.
     """
     history: list[dict] = []
     images: list[Image.Image] = []
-    pending: list[Image.Image] = []
-    write("vlforge chat: type a message; /image PATH attaches an image, /reset clears, /quit exits")
+    videos: list[Video] = []
+    pending_images: list[Image.Image] = []
+    pending_videos: list[Video] = []
+    write("vlforge chat: type a message; /image PATH (/video PATH) attaches an image (a video file), /reset clears, "
+          "/quit exits")
     while True:
         try:
             line = read("> ").strip()
@@ -58,25 +62,28 @@ def chat(engine: InferenceEngine, read: Callable[[str], str] = input, write: Cal
         if line in ("/quit", "/exit"):
             return
         if line == "/reset":
-            history, images, pending = [], [], []
+            history, images, videos, pending_images, pending_videos = [], [], [], [], []
             write("(conversation cleared)")
             continue
-        if line.startswith("/image "):
-            path = line.removeprefix("/image ").strip()
+        if line.startswith(("/image ", "/video ")):
+            kind, path = line[1:6], line[7:].strip()
             try:
-                pending.append(engine.encoder.decode_image(path))
+                if kind == "image":
+                    pending_images.append(engine.encoder.decode_image(path))
+                else:
+                    pending_videos.append(read_video_header(Path(path), path))
                 write(f"(attached {path})")
-            except DataError as e:  # a bad image ends nothing: say why and keep the conversation
+            except DataError as e:  # a bad file ends nothing: say why and keep the conversation
                 write(f"cannot open {path}: {e}")
             continue
         if not line:
             continue
-        history.append(user_message(line, len(pending)))
-        images += pending
-        pending = []
+        history.append(user_message(line, len(pending_images), len(pending_videos)))
+        images, videos = images + pending_images, videos + pending_videos
+        pending_images, pending_videos = [], []
         on_text = None if stream is None else (lambda _row, text: stream(text))
-        reply = engine.generate([Request(list(history), list(images), max_new_tokens=max_new_tokens)],
-                                on_text=on_text)[0]
+        reply = engine.generate([Request(list(history), list(images), videos=list(videos),
+                                         max_new_tokens=max_new_tokens)], on_text=on_text)[0]
         write("" if stream else reply.text)
         history.append({"role": "assistant", "content": [{"type": "text", "text": reply.text}]})
 
