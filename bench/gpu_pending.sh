@@ -68,6 +68,8 @@
 #   output-dir lock (fixed in 51bba4a). Next: opt21 again (carry .whl/bnb), then rl19 (its GSPO run is recorded),
 #   then test_distributed -m gpu alone (final19's 240 s cut its bf16 case).
 #   Session 22 got no machine; it built NF4 MoE experts on the CPU. Next: moeq and moeq2 (below), then opt21, rl19.
+#   Session 23 built video rows (data/encode.frames_as_images): `video` measures 2B SFT on videos (frame lists:
+#   no PyAV needed there).
 #   OUT=/some/dir GROUP=moe   bash bench/gpu_pending.sh  # 30B-A3B: peft peer vs ours same process; NF4 memory/decode
 #   OUT=/some/dir GROUP=mem   bash bench/gpu_pending.sh  # selective checkpointing and the activation memory budget
 # (carry .whl/train, and .whl/ao (torchao) for GROUP=tests, .whl/bnb (bitsandbytes) for moe and mem)
@@ -381,6 +383,12 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', '--tb=line', 
          --samples 32 2>"$OUT/err-train.txt" | tail -8 > "$OUT/train30.txt"
        timeout 250 python3 bench/quant_inference.py --preset qwen3vl-30b-a3b --quant none nf4 --tmp /dev/shm \
          > "$OUT/quant30.jsonl" 2>"$OUT/err-quant.txt" ;;
+  video) # session 23: SFT on videos (one 8-frame 448 px video a sample: 4 temporal patches, 4x the image's
+         # tokens), 2B full compiled: the recipe's form (videos shown as images, one tower call, host-side
+         # inputs) vs transformers' own video form (--native-video: two tower calls, device masks), alternating,
+         # then packed. Prediction: the recipe's form >= native (the host inputs' gain on images was <= 5%)
+         b="--preset qwen3vl-2b --method full --steps 8 --warmup 4 --video 8 --override precision.compile=true"
+         LIMIT=120; r 1 $b; r 2 $b --native-video; r 3 $b; r 4 $b --native-video; r 5 $b --packing ;;
   mem) b="--preset qwen3vl-8b --method full --steps 6 --warmup 3 --override optim.name=adamw8bit"
        r 1 $b precision.gradient_checkpointing=true
        r 2 $b precision.gradient_checkpointing=true precision.checkpoint_every=2

@@ -37,14 +37,15 @@ import json
 import random
 import resource
 import time
+from pathlib import Path
 
 import torch
 from PIL import Image
 
 from vlforge.config import SFTConfig, load_config
 from vlforge.data.dataset import budget_batches
-from vlforge.data.encode import Encoder, ImageLimits, SampleTokens, collate, encode, pack
-from vlforge.data.jsonl import Sample
+from vlforge.data.encode import Encoder, ImageLimits, SampleTokens, VideoLimits, collate, encode, pack
+from vlforge.data.jsonl import Sample, Video
 from vlforge.engine.distributed import init_world
 from vlforge.engine.fp8 import summarize
 from vlforge.engine.health import GradHealth
@@ -87,20 +88,27 @@ def markov_answer(rng: random.Random, n_words: int) -> str:
     return " ".join(words)
 
 
-def synthetic_samples(n: int, tmp: str, image_side: int, rng: random.Random, mixed: bool = False) -> list[Sample]:
-    """BASELINES.md's samples, or (mixed) answers of 8-1024 words and 1-4 images of 224-448 px."""
+def synthetic_samples(n: int, tmp: str, image_side: int, rng: random.Random, mixed: bool = False,
+                      video_frames: int = 0) -> list[Sample]:
+    """BASELINES.md's samples, or (mixed) answers of 8-1024 words and 1-4 images of 224-448 px, or
+    (video_frames) one video of that many frames of image_side px (a frame list at 2 fps) instead
+    of the image."""
     samples = []
     for i in range(n):
         sides = [rng.choice((224, 336, 448)) for _ in range(rng.randint(1, 4))] if mixed else [image_side]
+        if video_frames:
+            sides = [image_side] * video_frames
         paths = []
         for k, side in enumerate(sides):
-            paths.append(f"{tmp}/img{i}_{k}.png")
+            paths.append(Path(f"{tmp}/img{i}_{k}.png"))
             Image.frombytes("RGB", (side, side), rng.randbytes(side * side * 3)).save(paths[-1])
         prompt = " ".join(rng.choice(WORDS) for _ in range(60))
         answer = markov_answer(rng, rng.randint(8, 1024) if mixed else rng.randint(128, 384))
-        user = [*({"type": "image", "image": p} for p in paths), {"type": "text", "text": prompt}]
+        video = Video(tuple(paths), len(paths), 2.0, (image_side, image_side)) if video_frames else None
+        visual = [{"type": "video", "video": video}] if video else [{"type": "image", "image": str(p)} for p in paths]
+        user = [*visual, {"type": "text", "text": prompt}]
         samples.append(Sample([{"role": "user", "content": user}, {"role": "assistant", "content": answer}],
-                              [__import__("pathlib").Path(p) for p in paths], f"synthetic:{i}"))
+                              [] if video else paths, f"synthetic:{i}", videos=[video] if video else []))
     return samples
 
 
@@ -154,6 +162,12 @@ def main() -> None:
     ap.add_argument("--packing", action="store_true", help="one row per micro-batch, no padding (data.packing)")
     ap.add_argument("--max-tokens-per-batch", type=int, help="micro-batches by token budget (data.max_tokens_per_batch)")
     ap.add_argument("--mixed", action="store_true", help="answers of 8-1024 tokens, 1-4 images per sample")
+    ap.add_argument("--video", type=int, default=0, metavar="FRAMES",
+                    help="one video of FRAMES frames of --image px per sample instead of the image (each 2 frames one "
+                         "temporal patch of --image px: FRAMES/2 times the image's tokens)")
+    ap.add_argument("--native-video", action="store_true", help="A/B with --video: the batches in transformers' own "
+                    "video form (pixel_values_videos: two tower calls, transformers' placeholder masks) instead of "
+                    "the videos shown as images (data/encode.frames_as_images, the recipe's form)")
     ap.add_argument("--seed", type=int, default=0, help="the synthetic samples (and the budget batches' order)")
     ap.add_argument("--profile", help="after the timed steps, profile 2 more (torch.profiler) and write the "
                     "top operators by GPU time and by CPU time to this text file")
@@ -200,16 +214,19 @@ def main() -> None:
 
         trainable.compile_decoder_layers = compile_layers
     t = setup_model(cfg, world=init_world(cfg.distributed, cfg.train.device))
-    encoder = Encoder(t.processor, ImageLimits(3136, args.image * args.image))
+    frames = max(args.video, 2)  # every frame at --image px: the budget is over all of a video's frames
+    encoder = Encoder(t.processor, ImageLimits(3136, args.image * args.image),
+                      VideoLimits(max_frames=frames, min_pixels=3136, max_pixels=frames * args.image * args.image))
     import tempfile
 
     rng = random.Random(args.seed)
     with tempfile.TemporaryDirectory() as tmp:
-        samples = synthetic_samples(args.samples, tmp, args.image, rng, mixed=args.mixed)
+        samples = synthetic_samples(args.samples, tmp, args.image, rng, mixed=args.mixed, video_frames=args.video)
         items = []
         for s in samples:
-            ids = encoder.token_ids(s.messages, [Image.open(p).size for p in s.images])
-            items.append(encode(encoder, s, SampleTokens(ids, encoder.assistant_labels(ids), len(ids))))
+            ids = encoder.token_ids(s.messages, [Image.open(p).size for p in s.images], videos=s.videos)
+            items.append(encode(encoder, s, SampleTokens(ids, encoder.assistant_labels(ids), len(ids)),
+                                videos_as_images=not args.native_video))
     if args.max_tokens_per_batch:  # the recipe's sampler (epoch 0's order)
         index_lists = [ix for ix, _ in budget_batches([len(x["input_ids"]) for x in items], args.max_tokens_per_batch,
                                                       args.packing, args.seed, 0, multiple=t.token_multiple)]
@@ -275,7 +292,7 @@ def main() -> None:
     result = {
         "preset": args.preset, "method": args.method, "batch": args.batch, "grad_ckpt": args.grad_ckpt,
         "packing": args.packing, "max_tokens_per_batch": args.max_tokens_per_batch, "mixed": args.mixed,
-        "micro_batches": len(batches), "rows_mean": sum(len(b["input_ids"]) for b in batches) / len(batches),
+        "video_frames": args.video, "native_video": args.native_video, "micro_batches": len(batches), "rows_mean": sum(len(b["input_ids"]) for b in batches) / len(batches),
         "row_tokens_mean": sum(b["input_ids"].numel() for b in batches) / len(batches),
         "attn": cfg.model.attn_implementation, "loss_impl": cfg.loss.impl,
         "strategy": t.world.strategy, "optim": cfg.optim.name, "workers": workers, "library_syncs": args.library_syncs,
