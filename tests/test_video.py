@@ -391,3 +391,19 @@ def test_chat_attaches_videos_and_keeps_them_in_the_history(tiny, media):
     chat(engine, read=lambda prompt: next(script), write=said.append, max_new_tokens=3)
     assert seen == [(1, 1, 1), (3, 1, 1), (1, 0, 0)]
     assert any(line.startswith(f"cannot open {media / 'nope.mp4'}") for line in said)
+
+
+def test_a_judge_is_shown_the_samples_videos(motion):
+    from vlforge.serve.judge import ModelJudge
+
+    samples = read_jsonl(motion / "val.jsonl")[:2]
+    judge = ModelJudge.from_kwargs(model="tiny", score="yes_no", max_new_tokens=3, batch_size=2, device="cpu")
+    prompts = [s.prompt_messages for s in samples]
+    requests = judge.requests(["left", "right"], [s.answer for s in samples], prompts)
+    assert [r.videos for r in requests] == [s.videos for s in samples] and all(r.videos for r in requests)
+    assert all(sum(p.get("type") == "video" for p in r.messages[0]["content"]) == 1 for r in requests)
+    with_videos = judge.engine.prompt_tokens(requests[0])
+    assert len(judge(["left", "right"], [s.answer for s in samples], [{}, {}], prompts)) == 2
+    blind = ModelJudge.from_kwargs(model="tiny", score="yes_no", images=False, device="cpu")
+    plain = blind.requests(["left"], [samples[0].answer], prompts[:1])[0]
+    assert not plain.videos and blind.engine.prompt_tokens(plain) < with_videos

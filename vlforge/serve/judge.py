@@ -58,6 +58,12 @@ def image_paths(messages: list[dict]) -> list[str]:
             for p in m["content"] if p.get("type") == "image" and p.get("image")]
 
 
+def videos_of(messages: list[dict]) -> list:
+    """The videos of the prompt's messages, in order (dataset video parts carry a data.jsonl.Video)."""
+    return [p["video"] for m in messages if not isinstance(m["content"], str)
+            for p in m["content"] if p.get("type") == "video" and p.get("video") is not None]
+
+
 class ModelJudge:
     """A batched reward (rl/rewards.py): `judge(completions, answers, fields, prompts)` -> scores."""
 
@@ -115,7 +121,7 @@ class ModelJudge:
             raise ConfigError("rl.rewards judge: max_new_tokens and batch_size must be >= 1, scale > 0")
 
     def requests(self, completions: list[str], answers: list[str], prompts: list[list[dict]]) -> list[Request]:
-        """One greedy request a response: its sample's images, then the filled-in template."""
+        """One greedy request a response: its sample's images and videos, then the filled-in template."""
         out, decoded = [], {}  # a prompt's G responses share its decoded images
         for completion, answer, messages in zip(completions, answers, prompts):
             paths = image_paths(messages) if self.images else []
@@ -123,9 +129,12 @@ class ModelJudge:
                 if p not in decoded:
                     decoded[p] = self.engine.encoder.decode_image(Path(p), "judge")
             images = [decoded[p] for p in paths]
+            videos = videos_of(messages) if self.images else []
             text = self.prompt.format(question=question_of(messages), answer=answer, completion=completion)
-            content = [{"type": "image"} for _ in images] + [{"type": "text", "text": text}]
-            out.append(Request([{"role": "user", "content": content}], images, max_new_tokens=self.max_new_tokens))
+            content = ([{"type": "image"} for _ in images] + [{"type": "video"} for _ in videos]
+                       + [{"type": "text", "text": text}])
+            out.append(Request([{"role": "user", "content": content}], images, videos=videos,
+                               max_new_tokens=self.max_new_tokens))
         return out
 
     def __call__(self, completions: list[str], answers: list[str], fields: list[dict],
