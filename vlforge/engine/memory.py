@@ -40,6 +40,7 @@ class _Tensor:
     shape: tuple[int, ...]
     dtype_bytes: float
     trainable: bool
+    nf4_experts: bool = False  # a fused expert stack quantized to NF4 (model/quant.quantize_experts)
 
     @property
     def numel(self) -> int:
@@ -88,7 +89,7 @@ def _tensors(model: nn.Module, plan: list, cfg) -> list[_Tensor]:
             size = QUANT_BYTES[experts[name]]
         else:
             size = policy.param_dtype(module, trainable).itemsize
-        out.append(_Tensor(_unit(name), tuple(p.shape), size, trainable))
+        out.append(_Tensor(_unit(name), tuple(p.shape), size, trainable, nf4_experts=name in experts))
     master = policy.master_dtype.itemsize
     for e in plan:  # LoRA: A (r x in) and B (out x r) per adapted linear, in the master dtype
         if e.kind != "lora":
@@ -209,7 +210,7 @@ def _load(tensors: list[_Tensor], cfg, world_size: int, strategy: str) -> dict:
     whole = sum(t.numel for t in base) * load.itemsize + sum(t.numel for t in adapters) * 4
     if cfg.quant.enabled:  # QLoRA reads the weights straight into their packed form
         whole = sum(t.numel * t.dtype_bytes for t in base) + sum(t.numel for t in adapters) * 4
-        experts = [t for t in base if t.dtype_bytes == QUANT_BYTES["nf4"] and len(t.shape) == 3]
+        experts = [t for t in base if t.nf4_experts]
         if experts:  # staged (model/load.py): all in host memory first, then one bf16 expert stack at a time
             return {"meta_init": False, "staged_experts": True,
                     "gpu": whole + max(t.numel for t in experts) * load.itemsize,
