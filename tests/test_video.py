@@ -65,7 +65,7 @@ def media(tmp_path_factory):
     return out
 
 
-def _row(media, **part):
+def _row(**part):
     return {"messages": [{"role": "user", "content": [{"type": "image", "image": "im.png"},
                                                       {"type": "video", **part},
                                                       {"type": "text", "text": "What happens?"}]},
@@ -83,7 +83,7 @@ def test_video_tokens_pixels_and_types_equal_the_processors(tiny, media, source)
         part = {"video": "clip.mp4"}
         frames, metadata = load_video(str(media / "clip.mp4"), backend="pyav",
                                       sample_indices_fn=functools.partial(processor.video_processor.sample_frames, fps=2))
-    sample = parse_row(json.dumps(_row(media, **part)), media, "x.jsonl:1")
+    sample = parse_row(json.dumps(_row(**part)), media, "x.jsonl:1")
     encoder = Encoder(processor, IMAGE_LIMITS, VIDEO_LIMITS)
     ours = encode(encoder, sample, tokenize_sample(encoder, sample, 4096, "fail"), videos_as_images=False)
 
@@ -135,7 +135,7 @@ def mixed_video(tiny, media, motion, shapes_dir):
     (dataset, its items as training takes them (videos as images), the items as transformers' processor
     gives them (pixel_values_videos))."""
     _, processor = tiny
-    rows = [_row(media, video=[f"f{i}.png" for i in range(5)], fps=3),
+    rows = [_row(video=[f"f{i}.png" for i in range(5)], fps=3),
             {"video": "clip.mp4", "text": "What happens?", "answer": "noise"},
             {"image": str(shapes_dir / "images" / "000001.png"), "text": "Shape?", "answer": "circle"},
             {"text": "Say hi.", "answer": "hi"},
