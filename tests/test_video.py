@@ -338,7 +338,7 @@ def test_vlforge_eval_answers_video_rows_as_the_trainers_eval_does(tiny, motion)
     from vlforge.serve.engine import InferenceEngine
 
     model, processor = tiny
-    engine = InferenceEngine(model, processor, torch.device("cpu"), "tiny")
+    engine = InferenceEngine(copy.deepcopy(model), processor, torch.device("cpu"), "tiny")  # it freezes its model
     report = evaluate_jsonl(engine, motion / "val.jsonl", batch_size=3, max_new_tokens=6)
     samples = read_jsonl(motion / "val.jsonl")
     assert report["n"] == len(samples) == 4 and all(s.videos for s in samples)
@@ -375,7 +375,7 @@ def test_chat_attaches_videos_and_keeps_them_in_the_history(tiny, media):
     from vlforge.serve.engine import InferenceEngine
 
     model, processor = tiny
-    engine = InferenceEngine(model, processor, torch.device("cpu"), "tiny")
+    engine = InferenceEngine(copy.deepcopy(model), processor, torch.device("cpu"), "tiny")  # it freezes its model
     script = iter([f"/video {media / 'clip.mp4'}", "what happens?", "and then?", f"/video {media / 'nope.mp4'}",
                    "/reset", "hi", "/quit"])
     said, seen = [], []

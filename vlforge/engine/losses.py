@@ -175,10 +175,12 @@ def backbone_hidden(model, batch: dict) -> torch.Tensor:
         batch = step_inputs(model, batch, batch["input_ids"].device)
     host: HostFacts = batch["host"]
     inputs = {k: batch[k] for k in MODEL_INPUTS if k in batch}
-    if host.image_grid_thw is not None:
-        inputs["image_grid_thw"] = host.image_grid_thw
-    if host.video_grid_thw is not None:
-        inputs["video_grid_thw"] = host.video_grid_thw
+    # the grids on the host where the tower gets its grid inputs precomputed (it reads the grid there
+    # for split sizes only); else (a batch in transformers' video form) where the tower computes them
+    device = batch["input_ids"].device
+    for key, grid in (("image_grid_thw", host.image_grid_thw), ("video_grid_thw", host.video_grid_thw)):
+        if grid is not None:
+            inputs[key] = grid if host.vision else host_to_device(grid, device)
     if "position_ids" in batch:
         inputs["position_ids"] = batch["position_ids"]
     with contextlib.ExitStack() as stack:

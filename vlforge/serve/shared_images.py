@@ -44,7 +44,7 @@ def image_key(image: Image.Image, limits) -> tuple:
 class _Plan:
     """Which patch rows of one vision call to keep, and how to copy the results back."""
 
-    def __init__(self, keys: list, grid_thw: torch.Tensor, merge2: int):
+    def __init__(self, keys: list, grid_thw: torch.Tensor, merge2: int, device: torch.device):
         first: dict = {}
         source = [first.setdefault(k, len(first)) for k in keys]  # image -> its distinct image
         self.saved = len(keys) - len(first)
@@ -52,7 +52,8 @@ class _Plan:
         patches = grid_thw.prod(-1).tolist()
         starts = [sum(patches[:i]) for i in range(len(patches))]
         self.distinct = [source.index(j) for j in range(len(first))]  # the first image of each distinct one
-        device = grid_thw.device
+        # the row indices on the tower's device (`device`: the patch rows'), whatever the grid's: the
+        # engine passes the tower a host grid (model/host_inputs.VisionGrid)
 
         def rows(count_of, start_of, images) -> torch.Tensor:
             return torch.cat([torch.arange(start_of[i], start_of[i] + count_of[i]) for i in images]).to(device)
@@ -133,7 +134,7 @@ def share_repeated_images(model, keys: list, grid_thw: torch.Tensor | None) -> I
         return
     if len(keys) != len(grid_thw):
         raise ValueError(f"{len(keys)} image keys for {len(grid_thw)} images")
-    plan = _Plan(keys, grid_thw, unwrap(model).model.visual.spatial_merge_size ** 2)
+    plan = _Plan(keys, grid_thw, unwrap(model).model.visual.spatial_merge_size ** 2, grid_thw.device)
 
     def plan_for(hidden, grid):  # another call (not this batch's images) is left alone
         return plan if hidden.shape[0] == plan.total and torch.equal(grid, grid_thw) else None
@@ -165,7 +166,7 @@ def share_identical_images(model, count: Callable[[int], None] | None = None) ->
         keys = patch_keys(hidden, grid)
         if len(set(keys)) == len(keys):
             return None
-        plan = _Plan(keys, grid, merge2)
+        plan = _Plan(keys, grid, merge2, hidden.device)
         if count is not None:
             count(plan.saved)
         return plan
