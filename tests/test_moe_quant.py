@@ -382,9 +382,9 @@ def test_the_staged_load_maps_the_checkpoint_instead_of_copying_it(tmp_path):
 
 @pytest.mark.gpu
 def test_nf4_expert_decode_under_cuda_graphs_equals_eager(shapes_dir):
-    """The probe for lifting generate/engine's exclusion of NF4-expert models from CUDA graphs
-    (`_graphs_on`): forced on, the captured decode steps (grouped_mm, the routed path at 1-2 rows)
-    give the eager steps' tokens. Until this has passed on a GPU the engine decodes them eagerly."""
+    """NF4-expert models decode under CUDA graphs (generate/engine `_graphs_on` lets them since this
+    passed on an H100, 2026-12-05): the captured decode steps (grouped_mm, the routed path at 1-2
+    rows) give the eager steps' tokens."""
     from vlforge.data.encode import encode_prompt
     from vlforge.generate.engine import Engine, GenRequest, Prompt
     from vlforge.generate.forward import vision_token_ids

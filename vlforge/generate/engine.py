@@ -60,7 +60,8 @@ from vlforge.generate.fused import FusedProjections
 from vlforge.generate.routes import NO_ROUTE, ROUTE_DTYPE, recorder_of, router_modules
 from vlforge.generate.sampling import row_key, sample
 from vlforge.model.host_inputs import host_to_device, joined_to_device
-from vlforge.model.quant import applied_expert_method, expert_modules
+from vlforge.model.nf4 import expert_weight_dtype
+from vlforge.model.quant import expert_modules
 from vlforge.model.tiers import fsdp_sharded, unwrap
 
 SLOT_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -683,12 +684,10 @@ class Engine:
                 # transformers' reference loop over experts asks the host which experts got tokens (a
                 # sync per layer): a CUDA graph cannot capture it (grouped_mm / batched_mm can)
                 return False
+            # NF4 experts (bitsandbytes' parametrization, the routed path at few rows) decode under capture
+            # as eagerly (tests/test_moe_quant.py's gpu probe, passed on an H100 on 2026-12-05)
             experts = list(expert_modules(self.core).values())
-            if any(applied_expert_method(m, "gate_up_proj") != "none" for m in experts):
-                # NF4 experts (bitsandbytes' parametrization) have not run under capture on a GPU yet
-                # (bench/gpu_pending.sh GROUP=moeq); serve already decodes quantized models without graphs
-                return False
-            if impl == "grouped_mm" and experts and experts[0].gate_up_proj.dtype != torch.bfloat16:
+            if impl == "grouped_mm" and experts and expert_weight_dtype(experts[0], "gate_up_proj") != torch.bfloat16:
                 # torch's grouped GEMM kernel is bf16; other dtypes take its fallback, which copies the
                 # group offsets to the host (capture fails: measured on the H200 with fp32 weights)
                 return False
