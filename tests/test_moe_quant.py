@@ -356,6 +356,26 @@ def test_grpo_on_nf4_experts_trains_expert_adapters_with_router_replay(shapes_di
     assert len(expert_b) == 4 and all(v.abs().max() > 0 for v in expert_b)
 
 
+def test_expert_stacks_reach_bitsandbytes_contiguous(monkeypatch):
+    """bitsandbytes' CUDA kernels read a tensor's bytes in storage order whatever its strides (its CPU
+    code does not, so the CPU tests cannot see it), and a checkpoint's expert stacks can load as
+    transposed views: quantize_experts hands it contiguous stacks."""
+    from vlforge.model.quant import quantize_experts
+
+    model, _ = load_model(ModelConfig(preset="tiny-moe"), dtype=torch.bfloat16)
+    for experts in _experts(model):  # as a checkpoint in [E, in, out] loads: transposed views
+        for name in EXPERT_WEIGHTS:
+            weight = experts._parameters[name]
+            experts._parameters[name] = torch.nn.Parameter(
+                weight.data.transpose(1, 2).contiguous().transpose(1, 2), requires_grad=False)
+            assert not experts._parameters[name].is_contiguous()
+    seen, real = [], bnb_functional.quantize_4bit
+    monkeypatch.setattr(bnb_functional, "quantize_4bit", lambda A, *a, **k: (seen.append(A.is_contiguous()),
+                                                                              real(A, *a, **k))[1])
+    assert quantize_experts(model, torch.device("cpu")) == 4
+    assert seen == [True] * 4
+
+
 def test_the_staged_load_maps_the_checkpoint_instead_of_copying_it(tmp_path):
     """What README's staged-load memory claim rests on: transformers, loading a checkpoint in its
     stored dtype to the CPU (device_map="cpu", with the bitsandbytes config, as model/load.py's staged

@@ -111,7 +111,12 @@ def quantize_experts(model: nn.Module, device: torch.device) -> int:
             if P.is_parametrized(experts, name):
                 continue
             weight = experts._parameters[name]
-            experts._parameters[name] = nn.Parameter(weight.data.to(device), requires_grad=False)
+            # contiguous: bitsandbytes' CUDA kernels read the bytes in storage order, whatever the strides
+            # (its CPU code does not), and transformers' weight conversions can load a checkpoint's expert
+            # stacks as transposed views. (On an H100 the staged load's GPU-quantized stacks differed from
+            # the CPU load's in 96% of one stack's values: the suspected cause; bitsandbytes' Linear4bit
+            # makes its weights contiguous too)
+            experts._parameters[name] = nn.Parameter(weight.data.to(device).contiguous(), requires_grad=False)
             del weight
             replace_parameter_4bit(experts, name, compress_statistics=True, quant_type="nf4",
                                    blocksize=EXPERT_BLOCKSIZE)
