@@ -250,6 +250,8 @@ def test_bad_video_rows_name_the_row_and_what_to_do(media, monkeypatch):
     assert "read from the file" in err({**base, "video": "clip.mp4", "fps": 4})
     assert "has no 'video'" in err({**base, "fps": 4})
     assert "video file" in err({**base, "video": "missing.mp4"})
+    with pytest.raises(DataError, match=r"d.jsonl:3: video: video .*clip.mp4 has frames of 64x48 = 3,072 pixels, over"):
+        parse_row(json.dumps({**base, "video": "clip.mp4"}), media, "d.jsonl:3", max_image_pixels=3000)
     (media / "junk.mp4").write_bytes(b"not a video at all" * 50)
     assert "cannot be read" in err({**base, "video": "junk.mp4"})
     chat = {"messages": [{"role": "user", "content": "hi"},

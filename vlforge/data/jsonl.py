@@ -190,13 +190,15 @@ def _video(value, fps, where: str, *, base: Path, max_pixels: int, decode: bool)
         raise DataError(f"{where}: 'fps' is for a list of frames; a video file's rate is read from the file "
                         "(set data.video_fps to sample more or fewer frames per second)")
     path = _resolve(value, where, base, "video file")
-    return read_video_header(path, where, decode)
+    return read_video_header(path, where, decode, max_pixels)
 
 
-def read_video_header(source: Path | bytes, where: str, decode: bool = False) -> Video:
+def read_video_header(source: Path | bytes, where: str, decode: bool = False,
+                      max_pixels: int = MAX_IMAGE_PIXELS) -> Video:
     """A video file's (or its bytes') frame count, rate and frame size, from its container (PyAV),
     nothing decoded (`decode`: every frame decoded too and counted against the header, for data
-    check: a truncated or corrupt file fails here, not mid-run)."""
+    check: a truncated or corrupt file fails here, not mid-run). Frames over `max_pixels` are refused,
+    as images are (a guard against decompression bombs)."""
     av = require_pyav(where)
     video = Video(source, 0, 0.0, (0, 0))  # opened, and named in the messages, before its header is known
     try:
@@ -219,6 +221,10 @@ def read_video_header(source: Path | bytes, where: str, decode: bool = False) ->
     if not fps or frames < 2 or min(size) < 1:
         raise DataError(f"{where}: video file {video} has {frames} frames at {fps:g} fps ({size[0]}x{size[1]}); "
                         "a video needs at least 2 frames, a known rate and a size: re-encode it")
+    if size[0] * size[1] > max_pixels:
+        raise DataError(f"{where}: video {video} has frames of {size[0]}x{size[1]} = {size[0] * size[1]:,} pixels, "
+                        f"over the limit of {max_pixels:,} (a guard against decompression bombs); downscale it, "
+                        "or raise data.max_image_pixels")
     if max(size) > MAX_ASPECT * min(size):
         raise DataError(f"{where}: video {video} is {size[0]}x{size[1]}: the video processor refuses aspect "
                         f"ratios over {MAX_ASPECT}; crop or pad it, or drop the row")

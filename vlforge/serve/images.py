@@ -49,7 +49,7 @@ class ImageLoader:
         read through PyAV (frames, rate, size); its frames are decoded when the request is prepared."""
         data = self._fetch(url, param, "video")
         try:
-            return read_video_header(data, param)
+            return read_video_header(data, param, max_pixels=self.cfg.max_image_pixels)
         except DataError as e:
             raise APIError(400, str(e).removeprefix(f"{param}: "), param=param, code="invalid_video") from None
 
