@@ -9,6 +9,7 @@ input is a DataError naming the row; generation paths that do not read videos re
 
 import copy
 import functools
+import io
 import json
 import sys
 from pathlib import Path
@@ -25,7 +26,7 @@ from vlforge.data.check import check_file
 from vlforge.data.dataset import load_dataset
 from vlforge.data.encode import (Encoder, ImageLimits, VideoLimits, collate, encode, encode_prompt, frame_timestamps,
                                  frames_as_images, pack, sampled_frames, tokenize_sample, visuals_per_prompt)
-from vlforge.data.jsonl import DataError, Video, parse_row, read_jsonl
+from vlforge.data.jsonl import DataError, Video, parse_row, read_jsonl, read_video_header
 from vlforge.data.synth import synth_motion
 from vlforge.engine.losses import sft_loss_sum
 from vlforge.recipes.sft import run_sft
@@ -409,3 +410,92 @@ def test_a_judge_is_shown_the_samples_videos(motion):
     blind = ModelJudge.from_kwargs(model="tiny", score="yes_no", images=False, device="cpu")
     plain = blind.requests(["left"], [samples[0].answer], prompts[:1])[0]
     assert not plain.videos and blind.engine.prompt_tokens(plain) < with_videos
+
+
+def test_a_container_without_a_frame_count_counts_its_video_packets(tmp_path):
+    """MKV counts no frames: the video stream's packets are counted (its duration would also count an
+    audio track longer than the video, and every such file would fail mid-training)."""
+    with av.open(str(tmp_path / "a.mkv"), "w", format="matroska") as container:
+        video = container.add_stream("mpeg4", rate=8)
+        video.width, video.height, video.pix_fmt = 64, 48, "yuv420p"
+        audio = container.add_stream("mp2", rate=16000)
+        for i in range(20):
+            for packet in video.encode(av.VideoFrame.from_ndarray(np.full((48, 64, 3), 10 * i, np.uint8),
+                                                                  format="rgb24")):
+                container.mux(packet)
+        for packet in video.encode():
+            container.mux(packet)
+        for start in range(0, 56_000, 1152):  # 3.5 s of silence, longer than the 2.5 s of video
+            frame = av.AudioFrame.from_ndarray(np.zeros((1, 1152), np.int16), format="s16", layout="mono")
+            frame.sample_rate, frame.pts = 16000, start
+            for packet in audio.encode(frame):
+                container.mux(packet)
+        for packet in audio.encode():
+            container.mux(packet)
+    with av.open(str(tmp_path / "a.mkv")) as container:
+        assert container.streams.video[0].frames == 0 and container.duration / av.time_base > 3
+    assert read_video_header(tmp_path / "a.mkv", "x", decode=True).frames == 20
+
+
+def test_data_check_finds_a_video_file_whose_frame_size_changes(tmp_path):
+    def segment(size):
+        out = io.BytesIO()
+        with av.open(out, "w", format="mpegts") as container:
+            stream = container.add_stream("mpeg2video", rate=8)
+            stream.width, stream.height, stream.pix_fmt = size[0], size[1], "yuv420p"
+            for _ in range(4):
+                for packet in stream.encode(av.VideoFrame.from_ndarray(np.full((size[1], size[0], 3), 100, np.uint8),
+                                                                       format="rgb24")):
+                    container.mux(packet)
+            for packet in stream.encode():
+                container.mux(packet)
+        return out.getvalue()
+
+    (tmp_path / "joined.ts").write_bytes(segment((64, 48)) + segment((96, 48)))
+    with pytest.raises(DataError, match=r"x: video file .*joined.ts changes its frame size from 64x48 to 96x48"):
+        read_video_header(tmp_path / "joined.ts", "x", decode=True)
+
+
+def test_large_frames_are_reduced_as_decoded_with_the_processors_grid(tiny, tmp_path):
+    """Frames far larger than the processor keeps are decoded reduced (held that way until the
+    sample is encoded): the same grid and tokens as the processor gives the full-size frames."""
+    _, processor = tiny
+    write_mp4(tmp_path / "big.mp4", 6, 2, size=(640, 480))
+    sample = parse_row(json.dumps({"video": "big.mp4", "text": "?", "answer": "a"}), tmp_path, "x:1")
+    encoder = Encoder(processor, IMAGE_LIMITS, VIDEO_LIMITS)
+    frames = encoder.decode_video(sample.videos[0])
+    assert frames.shape[0] == 6 and frames.shape[1] < 480 / 2 and frames.shape[2] < 640 / 2
+    ours = encode(encoder, sample, tokenize_sample(encoder, sample, 4096, "fail"), videos_as_images=False)
+    full, metadata = load_video(str(tmp_path / "big.mp4"), backend="pyav",
+                                sample_indices_fn=lambda metadata, **kw: np.array(encoder.video_frames(sample.videos[0])))
+    ref = processor.video_processor(videos=[full], size={"shortest_edge": VIDEO_LIMITS.min_pixels,
+                                                         "longest_edge": VIDEO_LIMITS.max_pixels},
+                                    do_sample_frames=False, return_tensors="pt", cap_pixels_per_frame=False)
+    assert torch.equal(ours["video_grid_thw"], ref["video_grid_thw"])
+    assert (ours["pixel_values_videos"] - ref["pixel_values_videos"]).abs().mean() < 0.05  # a box filter first
+
+
+def test_a_chat_template_without_video_parts_is_a_data_error_naming_the_row(tiny, media):
+    _, processor = tiny
+    encoder = Encoder(copy.copy(processor), IMAGE_LIMITS, VIDEO_LIMITS)
+    encoder.processor.chat_template = processor.chat_template.replace(
+        "{%- elif part['type'] == 'video' or 'video' in part -%}{{- '<|vision_start|><|video_pad|><|vision_end|>' -}}",
+        "")
+    assert encoder.processor.chat_template != processor.chat_template
+    sample = parse_row(json.dumps({"video": "clip.mp4", "text": "?", "answer": "a"}), media, "d.jsonl:7")
+    with pytest.raises(DataError, match=r"d.jsonl:7: the chat template produced 0 video placeholders for 1 videos"):
+        tokenize_sample(encoder, sample, 4096, "fail")
+
+
+def test_checkpoints_carry_the_runs_image_and_video_limits_to_inference(motion, tmp_path):
+    """A run's data.* image and video limits are written into the processor its checkpoints save, so
+    `vlforge serve/eval/infer` read its videos (and images) as it was trained on them."""
+    from vlforge.serve.engine import InferenceEngine
+
+    cfg = tiny_sft_config(motion, tmp_path / "run", "train.max_steps=1", "data.val=null", "data.max_pixels=65536",
+                          "data.video_min_pixels=512", "data.video_max_pixels=20480", "data.video_fps=1.5",
+                          "data.video_max_frames=12")
+    run_sft(cfg)
+    engine = InferenceEngine.load(str(tmp_path / "run" / "checkpoint-1"), device="cpu")
+    assert engine.encoder.limits.max_pixels == 65536
+    assert engine.encoder.video_limits == VideoLimits(fps=1.5, max_frames=12, min_pixels=512, max_pixels=20480)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 from PIL import Image
+from transformers.image_utils import SizeDict
 from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize as video_smart_resize
 
@@ -80,6 +81,17 @@ class VideoLimits:
     @classmethod
     def of(cls, cfg: DataConfig) -> VideoLimits:
         return cls(cfg.video_fps, cfg.video_max_frames, cfg.video_min_pixels, cfg.video_max_pixels)
+
+
+def record_limits(processor, cfg: DataConfig) -> None:
+    """The run's image and video limits written into its processor (in place), so that the checkpoints
+    and exports it saves are served, evaluated and chatted with (serve/engine reads the processor's
+    own settings) at the resolution and frame rate the model was trained at."""
+    processor.image_processor.size = SizeDict(shortest_edge=cfg.min_pixels, longest_edge=cfg.max_pixels)
+    video = getattr(processor, "video_processor", None)
+    if video is not None:
+        video.size = SizeDict(shortest_edge=cfg.video_min_pixels, longest_edge=cfg.video_max_pixels)
+        video.fps, video.max_frames = cfg.video_fps, cfg.video_max_frames
 
 
 def sampled_frames(video: Video, limits: VideoLimits, min_frames: int = 4) -> list[int]:
@@ -142,11 +154,25 @@ class Encoder:
         """(temporal patches, height patches, width patches) of `video`, as the video processor makes them."""
         vp = self._video_processor()
         frames = len(self.video_frames(video))
-        factor = vp.patch_size * vp.merge_size
-        h, w = video_smart_resize(frames, video.size[1], video.size[0], temporal_factor=vp.temporal_patch_size,
-                                  factor=factor, min_pixels=self.video_limits.min_pixels,
-                                  max_pixels=self.video_limits.max_pixels)
+        h, w = self._video_resized(frames, *video.size)
         return -(-frames // vp.temporal_patch_size), h // vp.patch_size, w // vp.patch_size
+
+    def _video_resized(self, frames: int, width: int, height: int) -> tuple[int, int]:
+        """(height, width) the video processor resizes `frames` frames of width x height to."""
+        vp = self._video_processor()
+        return video_smart_resize(frames, height, width, temporal_factor=vp.temporal_patch_size,
+                                  factor=vp.patch_size * vp.merge_size, min_pixels=self.video_limits.min_pixels,
+                                  max_pixels=self.video_limits.max_pixels)
+
+    def _frame_reduction(self, video: Video, frames: int) -> int:
+        """The largest k for Image.reduce(k) that keeps each frame at least twice the processor's target
+        size and the target grid (as `_reduction` does for images): the processor resizes every frame
+        to that target anyway, and a decoded video is held by its frames until its request runs."""
+        (w, h), target = video.size, self._video_resized(frames, *video.size)
+        k = min(w // (2 * target[1]), h // (2 * target[0]))
+        while k >= 2 and self._video_resized(frames, -(-w // k), -(-h // k)) != target:  # reduce() rounds up
+            k -= 1
+        return k
 
     def video_text(self, video: Video) -> str:
         """What replaces a video's placeholder in the prompt: per temporal patch, its time and its tokens."""
@@ -158,7 +184,8 @@ class Encoder:
 
     def _video_processor(self):
         if self.video_processor is None:
-            raise ValueError("this model's processor has no video processor: it cannot read videos")
+            raise ValueError("this model's processor has no video processor (no video_preprocessor_config.json "
+                             "beside it): it cannot read videos")
         return self.video_processor
 
     def token_ids(self, messages: list[dict], image_sizes: list[tuple[int, int]], add_generation_prompt=False,
@@ -192,7 +219,10 @@ class Encoder:
                                          (VIDEO_PLACEHOLDER, "video", len(videos))):
             made = sum(p.count(placeholder) for p in template)
             if made != given:
-                raise ValueError(f"chat template produced {made} {what} placeholders for {given} {what}s")
+                vision = {"image": IMAGE_PAD, "video": VIDEO_PLACEHOLDER}[what]
+                raise ValueError(f"the chat template produced {made} {what} placeholders for {given} {what}s: the "
+                                 f"model's chat template must render each {what} part as {vision} (Qwen3-VL's does; "
+                                 "a template from before video support may not)")
         sizes, video_iter, ids = iter(image_sizes), iter(videos), []
         for i, piece in enumerate(pieces):
             if i % 2:
@@ -307,19 +337,23 @@ class Encoder:
     # -- video side --------------------------------------------------------------------------
 
     def decode_video(self, video: Video, where: str | None = None) -> np.ndarray:
-        """The frames of `video` the model sees (video_frames), decoded: uint8 [frames, H, W, 3]."""
+        """The frames of `video` the model sees (video_frames), decoded: uint8 [frames, H, W, 3]. Frames
+        far larger than the processor keeps are reduced as they are decoded (`_frame_reduction`: the
+        same grid and token count; pixel values differ slightly, a box filter before the resize)."""
         indices = self.video_frames(video)
+        k = self._frame_reduction(video, len(indices))
+        reduced = (lambda im: im.reduce(k)) if k >= 2 else (lambda im: im)
         if not video.is_file:
             frames = []
             for i in indices:
                 path = video.source[i]
                 with open_image(path, where, self.limits.max_image_pixels) as im:
                     load_pixels(im, path, where)
-                    frames.append(np.asarray(im.convert("RGB")))
-            if any(f.shape != frames[0].shape for f in frames):
-                raise DataError(f"{where}: the frames of {video} changed size since the row was read")
+                    if im.size != video.size:
+                        raise DataError(f"{where}: the frames of {video} changed size since the row was read")
+                    frames.append(np.asarray(reduced(im.convert("RGB"))))
             return np.stack(frames)
-        return _decode_file_frames(video, indices, where)
+        return _decode_file_frames(video, indices, where, reduced)
 
     def video_pixels(self, videos: list[np.ndarray]) -> dict:
         """transformers' video processor on decoded videos (their frames as sampled already)."""
@@ -332,7 +366,7 @@ class Encoder:
         return {"pixel_values_videos": out["pixel_values_videos"], "video_grid_thw": out["video_grid_thw"]}
 
 
-def _decode_file_frames(video: Video, indices: list[int], where: str | None) -> np.ndarray:
+def _decode_file_frames(video: Video, indices: list[int], where: str | None, reduced=lambda im: im) -> np.ndarray:
     """Frames `indices` of a video file, decoded in order with PyAV: one pass from the start keeping
     the wanted frames (seeking lands on keyframes, and counting frames from there is not reliable in
     every container). transformers' load_video(backend="pyav") decodes the same way, but re-reads the
@@ -345,15 +379,19 @@ def _decode_file_frames(video: Video, indices: list[int], where: str | None) -> 
         with video.open(av) as container:
             for i, frame in enumerate(container.decode(video=0)):
                 if i in wanted:
-                    frames.append(frame.to_ndarray(format="rgb24"))
+                    if (frame.width, frame.height) != video.size:
+                        raise DataError(f"{at}video file {video} changes its frame size from {video.size[0]}x"
+                                        f"{video.size[1]} to {frame.width}x{frame.height}; re-encode it at one size "
+                                        "(`vlforge data check` finds such files)")
+                    frames.append(np.asarray(reduced(frame.to_image())))  # RGB, reduced at once
                 if i >= indices[-1]:
                     break
     except av.FFmpegError as e:
         raise DataError(f"{at}video file {video} cannot be decoded ({e}); re-encode it, "
                         "or drop the row or set data.on_error=skip") from None
-    if len(frames) != len(indices) or any(f.shape[:2] != (video.size[1], video.size[0]) for f in frames):
-        raise DataError(f"{at}video file {video} decodes to {len(frames)} of the {len(indices)} frames its "
-                        f"header promised ({video.frames} frames of {video.size[0]}x{video.size[1]}); re-encode it")
+    if len(frames) != len(indices):
+        raise DataError(f"{at}video file {video} ends after {len(frames)} of the {len(indices)} frames sampled from "
+                        f"the {video.frames} its header counts (truncated or corrupt); re-encode it")
     return np.stack(frames)
 
 
@@ -387,8 +425,13 @@ class SampleTokens:
 
 def tokenize_sample(encoder: Encoder, sample: Sample, max_length: int, too_long: str) -> SampleTokens | str:
     """Returns a SampleTokens, or the reason the sample is dropped. Raises DataError when too_long == "fail"."""
-    ids = encoder.token_ids(sample.messages, image_sizes(sample, encoder.limits.max_image_pixels), tools=sample.tools,
-                            videos=sample.videos)
+    try:
+        ids = encoder.token_ids(sample.messages, image_sizes(sample, encoder.limits.max_image_pixels),
+                                tools=sample.tools, videos=sample.videos)
+    except ValueError as e:  # the chat template or the processor cannot encode the row: say which row
+        if isinstance(e, DataError):
+            raise
+        raise DataError(f"{sample.source}: {e}") from None
     labels = encoder.assistant_labels(ids)
     if len(ids) <= max_length:
         return SampleTokens(ids, labels, len(ids))

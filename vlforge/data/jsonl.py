@@ -207,17 +207,24 @@ def read_video_header(source: Path | bytes, where: str, decode: bool = False,
                 raise DataError(f"{where}: video file {video} has no video stream")
             stream = container.streams.video[0]
             fps = float(stream.average_rate or stream.guessed_rate or 0)
-            frames = stream.frames
-            if not frames and fps and container.duration:  # some containers do not count frames
-                frames = int(round(container.duration / av.time_base * fps))
             size = (stream.codec_context.width, stream.codec_context.height)
-            decoded = sum(1 for _ in container.decode(stream)) if decode else frames
+            # some containers (MKV, WebM, MPEG-TS) count no frames: then the video stream's packets, one a
+            # frame (read, not decoded; the container's duration would count a longer audio track too)
+            frames = stream.frames or sum(1 for packet in container.demux(stream) if packet.size)
+            if decode:
+                container.seek(0)
+                sizes = [(f.width, f.height) for f in container.decode(video=0)]
+                if any(other != size for other in sizes):
+                    other = next(other for other in sizes if other != size)
+                    raise DataError(f"{where}: video file {video} changes its frame size from {size[0]}x{size[1]} "
+                                    f"to {other[0]}x{other[1]}; every frame of a video must have the same size: "
+                                    "re-encode it at one size")
+                if len(sizes) < frames:  # training takes frames by the header's count: they must decode
+                    raise DataError(f"{where}: video file {video} decodes to {len(sizes)} of the {frames} frames "
+                                    "its header counts (truncated or corrupt); re-encode it")
     except av.FFmpegError as e:
         raise DataError(f"{where}: video file {video} cannot be read ({e}); re-encode it (e.g. H.264 MP4) "
                         "or give the video as a list of frame images") from None
-    if decoded < frames:  # training would take frames from the header's count: they must decode
-        raise DataError(f"{where}: video file {video} decodes to {decoded} of the {frames} frames its header "
-                        "counts (truncated or corrupt); re-encode it")
     if not fps or frames < 2 or min(size) < 1:
         raise DataError(f"{where}: video file {video} has {frames} frames at {fps:g} fps ({size[0]}x{size[1]}); "
                         "a video needs at least 2 frames, a known rate and a size: re-encode it")

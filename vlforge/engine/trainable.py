@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from vlforge.config import ConfigError, GRPOConfig, ModelConfig, PrecisionConfig, RunConfig
+from vlforge.data.encode import record_limits
 from vlforge.engine.distributed import World, meta_init, outside_state_dict, refuse_unsupported, wrap
 from vlforge.engine.fp8 import fp8_backend, fp8_layer_plan, token_multiple
 from vlforge.engine.hardware import bf16_problem, quant_problem
@@ -325,6 +326,7 @@ def setup_model(cfg: RunConfig, compile_blocks: bool | None = None, world: World
         vision_graphs = cfg.precision.cuda_graphs_vision
         compiled_parts = ("decoder layers (CUDA graphs)",
                           *(("vision blocks (CUDA graphs)",) if vision_graphs else compiled_parts[1:]))
+    record_limits(processor, cfg.data)  # its checkpoints are then served at the run's image and video limits
     return Trainable(model, processor, plan, policy, device, fp8_plan, world, root, routing,
                      cfg.precision.activation_memory_budget, compiled_parts, cuda_graphs,
                      cuda_graphs and cfg.precision.cuda_graphs_vision)

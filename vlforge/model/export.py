@@ -125,6 +125,7 @@ def load_lora_checkpoint(checkpoint: Path, dtype: torch.dtype = torch.bfloat16, 
         return PeftModel.from_pretrained(base if quant.enabled else base.to(dtype), str(checkpoint), is_trainable=False)
 
     model, processor = load_model(run.model, dtype=base_dtype, device=device, quant=quant, wrap=adapter)
+    processor = saved_processor(checkpoint, processor)
     # expert LoRA served as the run trained it (no folded expert copies); on NF4 experts always fused:
     # peft's own forward stacks its update on their parametrization and never removes it
     if run.tiers.expert_lora == "fused" or quant.expert_method != "none":
@@ -132,6 +133,16 @@ def load_lora_checkpoint(checkpoint: Path, dtype: torch.dtype = torch.bfloat16, 
 
         fuse_expert_lora(model)
     return model, processor, quant
+
+
+def saved_processor(checkpoint: Path, base_processor):
+    """The processor a checkpoint saved (its run's, with the run's image and video limits:
+    data/encode.record_limits), else `base_processor` (a checkpoint saved without one)."""
+    if not any((checkpoint / name).is_file() for name in ("processor_config.json", "preprocessor_config.json")):
+        return base_processor
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(str(checkpoint), local_files_only=True)
 
 
 def load_merged(checkpoint: Path, dtype: torch.dtype = torch.bfloat16):

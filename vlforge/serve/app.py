@@ -164,22 +164,23 @@ class _Server:
                                 f"limit is {limit}", param="messages", code="context_length_exceeded")
         limits = self.limits(req)
         images = [self.images.load(url, param, limits and limits.max_pixels) for url, param in image_urls]
-        videos = [self.images.load_video(url, param) for url, param in video_urls]
-        video_frames = [self._decoded(video, param) for video, (_, param) in zip(videos, video_urls)]
+        videos = [self.images.load_video(url, param) for url, param in video_urls]  # headers: nothing decoded
         temperature = 1.0 if req.temperature is None else req.temperature
         # greedy ignores top_p: normalise it so greedy requests share a generate call (the engine groups
         # a batch by its sampling settings)
         top_p = 1.0 if req.top_p is None or temperature == 0 else req.top_p
         tools = [t.model_dump(exclude_none=True) for t in req.tools] if req.tools and req.tool_choice != "none" \
             else None
-        request = Request(messages=messages, images=images, videos=videos, video_frames=video_frames, tools=tools,
+        request = Request(messages=messages, images=images, videos=videos, tools=tools,
                           max_new_tokens=req.asked_tokens or min(self.cfg.default_max_tokens, self.cfg.max_tokens),
                           temperature=temperature, top_p=top_p, stop=req.stops, min_new_tokens=req.min_tokens or 0,
                           image_limits=limits, seed=req.seed)
-        n_prompt = self._count(self.engine.prompt_tokens, request)
+        n_prompt = self._count(self.engine.prompt_tokens, request)  # videos counted from their headers
         if n_prompt > limit:
             raise APIError(400, f"the prompt is {n_prompt} tokens (images included); the limit is {limit}",
                            param="messages", code="context_length_exceeded")
+        if videos:  # decoded now, once the prompt fits
+            request.video_frames = [self._decoded(video, param) for video, (_, param) in zip(videos, video_urls)]
         return request
 
     def limits(self, req: ChatRequest):

@@ -34,7 +34,7 @@ class ServeConfig:
                                         "directory name, or the preset)"})
     allow_files: str | Path | None = field(default=None, metadata={
         "flag": "--allow-files", "metavar": "DIR",
-        "help": "let requests name image files inside DIR (paths relative to DIR, absolute, or file://; symlinks "
+        "help": "let requests name image and video files inside DIR (paths relative to DIR, absolute, or file://; symlinks "
                 "resolved, nothing outside DIR); default: base64 data URLs only"})
     # repr=False: the key never shows in a log line or an error that prints the config
     api_key: str | None = field(default=None, repr=False, metadata={
@@ -57,6 +57,9 @@ class ServeConfig:
     max_image_pixels: int = _flag(4096 * 4096, "--max-image-pixels",
                                   "largest image (width x height), checked on its header before decoding")
     max_images: int = _flag(8, "--max-images", "images per request")
+    # decoding reads a video file's frames in order up to the last one sampled: the work a request can ask for
+    max_video_frames: int = _flag(3600, "--max-video-frames", "frames a video file may have (its header's count; "
+                                                              "30 fps x 2 minutes by default)")
     max_prompt_tokens: int = _flag(8192, "--max-prompt-tokens", "prompt tokens per request, images included")
     max_tokens: int = _flag(4096, "--max-tokens-limit", "largest max_tokens a request may ask for")
     # Shutdown (SIGTERM, Ctrl+C): how long the accepted requests may still run while new ones get 503.

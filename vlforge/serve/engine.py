@@ -258,7 +258,8 @@ def processor_pixel_limits(image_processor) -> tuple[int, int]:
 
 def processor_video_limits(video_processor) -> VideoLimits:
     """How videos are sampled and sized for inference: the model's video processor's own settings
-    (its `size`, `fps`, `max_frames`; Qwen3-VL's preprocessor config), VideoLimits' defaults for any it lacks."""
+    (its `size`, `fps`, `max_frames`: video_preprocessor_config.json; a vlforge run's checkpoints carry
+    the run's data.video_* settings there), VideoLimits' defaults for any it lacks."""
     default = VideoLimits()
     if video_processor is None:
         return default

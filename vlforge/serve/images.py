@@ -49,9 +49,13 @@ class ImageLoader:
         read through PyAV (frames, rate, size); its frames are decoded when the request is prepared."""
         data = self._fetch(url, param, "video")
         try:
-            return read_video_header(data, param, max_pixels=self.cfg.max_image_pixels)
+            video = read_video_header(data, param, max_pixels=self.cfg.max_image_pixels)
         except DataError as e:
             raise APIError(400, str(e).removeprefix(f"{param}: "), param=param, code="invalid_video") from None
+        if video.frames > self.cfg.max_video_frames:
+            raise APIError(400, f"the video has {video.frames} frames; the limit is {self.cfg.max_video_frames} "
+                                "(--max-video-frames): send a shorter clip", param=param, code="video_too_long")
+        return video
 
     def _fetch(self, url: str, param: str, kind: str) -> bytes:
         """The bytes an image or video URL names (`kind`: "image" | "video", for the messages and codes)."""
