@@ -405,6 +405,8 @@ def test_a_judge_is_shown_the_samples_videos(motion):
     requests = judge.requests(["left", "right"], [s.answer for s in samples], prompts)
     assert [r.videos for r in requests] == [s.videos for s in samples] and all(r.videos for r in requests)
     assert all(sum(p.get("type") == "video" for p in r.messages[0]["content"]) == 1 for r in requests)
+    twice = judge.requests(["left", "right"], [samples[0].answer] * 2, [prompts[0]] * 2)  # one prompt's G responses
+    assert twice[0].video_frames[0] is twice[1].video_frames[0]  # decoded once
     with_videos = judge.engine.prompt_tokens(requests[0])
     assert len(judge(["left", "right"], [s.answer for s in samples], [{}, {}], prompts)) == 2
     blind = ModelJudge.from_kwargs(model="tiny", score="yes_no", images=False, device="cpu")

@@ -50,8 +50,10 @@ def chat(engine: InferenceEngine, read: Callable[[str], str] = input, write: Cal
     history: list[dict] = []
     images: list[Image.Image] = []
     videos: list[Video] = []
+    frames: list = []  # each video's frames, decoded when attached (not again every turn)
     pending_images: list[Image.Image] = []
     pending_videos: list[Video] = []
+    pending_frames: list = []
     write("vlforge chat: type a message; /image PATH (/video PATH) attaches an image (a video file), /reset clears, "
           "/quit exits")
     while True:
@@ -62,7 +64,7 @@ def chat(engine: InferenceEngine, read: Callable[[str], str] = input, write: Cal
         if line in ("/quit", "/exit"):
             return
         if line == "/reset":
-            history, images, videos, pending_images, pending_videos = [], [], [], [], []
+            history, images, videos, frames, pending_images, pending_videos, pending_frames = [], [], [], [], [], [], []
             write("(conversation cleared)")
             continue
         if line.startswith(("/image ", "/video ")):
@@ -71,7 +73,9 @@ def chat(engine: InferenceEngine, read: Callable[[str], str] = input, write: Cal
                 if kind == "image":
                     pending_images.append(engine.encoder.decode_image(path))
                 else:
-                    pending_videos.append(read_video_header(Path(path), path))
+                    video = read_video_header(Path(path), path)
+                    pending_frames.append(engine.encoder.decode_video(video, path))
+                    pending_videos.append(video)
                 write(f"(attached {path})")
             except DataError as e:  # a bad file ends nothing: say why and keep the conversation
                 write(f"cannot open {path}: {e}")
@@ -79,10 +83,10 @@ def chat(engine: InferenceEngine, read: Callable[[str], str] = input, write: Cal
         if not line:
             continue
         history.append(user_message(line, len(pending_images), len(pending_videos)))
-        images, videos = images + pending_images, videos + pending_videos
-        pending_images, pending_videos = [], []
+        images, videos, frames = images + pending_images, videos + pending_videos, frames + pending_frames
+        pending_images, pending_videos, pending_frames = [], [], []
         on_text = None if stream is None else (lambda _row, text: stream(text))
-        reply = engine.generate([Request(list(history), list(images), videos=list(videos),
+        reply = engine.generate([Request(list(history), list(images), videos=list(videos), video_frames=list(frames),
                                          max_new_tokens=max_new_tokens)], on_text=on_text)[0]
         write("" if stream else reply.text)
         history.append({"role": "assistant", "content": [{"type": "text", "text": reply.text}]})

@@ -122,7 +122,7 @@ class ModelJudge:
 
     def requests(self, completions: list[str], answers: list[str], prompts: list[list[dict]]) -> list[Request]:
         """One greedy request a response: its sample's images and videos, then the filled-in template."""
-        out, decoded = [], {}  # a prompt's G responses share its decoded images
+        out, decoded = [], {}  # a prompt's G responses share its decoded images and videos
         for completion, answer, messages in zip(completions, answers, prompts):
             paths = image_paths(messages) if self.images else []
             for p in paths:
@@ -130,10 +130,14 @@ class ModelJudge:
                     decoded[p] = self.engine.encoder.decode_image(Path(p), "judge")
             images = [decoded[p] for p in paths]
             videos = videos_of(messages) if self.images else []
+            for v in videos:  # decoded once for the prompt's G responses, as its images are
+                if v not in decoded:
+                    decoded[v] = self.engine.encoder.decode_video(v, "judge")
             text = self.prompt.format(question=question_of(messages), answer=answer, completion=completion)
             content = ([{"type": "image"} for _ in images] + [{"type": "video"} for _ in videos]
                        + [{"type": "text", "text": text}])
             out.append(Request([{"role": "user", "content": content}], images, videos=videos,
+                               video_frames=[decoded[v] for v in videos] if videos else None,
                                max_new_tokens=self.max_new_tokens))
         return out
 
