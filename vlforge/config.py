@@ -109,7 +109,9 @@ class DataConfig:
     # 4 frames, as Qwen3-VL's video processor does), and any video cut to video_max_frames frames spread
     # evenly over it. Every 2 frames make one temporal patch; the frames are resized so that all of a
     # video's frames together hold video_min_pixels..video_max_pixels pixels (transformers' video
-    # processor's size): the defaults are Qwen3-VL's, at most 768 x 32 x 32 pixels = 384 tokens a video.
+    # processor's size): the defaults are its class defaults, at most 768 x 32 x 32 pixels = 384 tokens a
+    # video (released Qwen3-VL checkpoints ship 25,165,824 pixels and 768 frames). Recorded in the
+    # processor the run's checkpoints save (data/encode.record_limits): inference reads videos alike.
     video_fps: float = 2.0
     video_max_frames: int = 64
     video_min_pixels: int = 128 * 32 * 32
