@@ -1100,3 +1100,28 @@ def test_video_url_parts_are_answered_as_the_engine_answers_the_video(engine, tm
                                   ("../x.mp4", 403, "path_not_allowed")):
             err = assert_error(client.post("/v1/chat/completions", json=ask(url)), status)
             assert err["code"] == code and err["param"] == "messages.0.content.0.video_url", (url, err)
+
+
+def test_video_limits_are_checked_from_the_header_before_decoding(engine, tmp_path, monkeypatch):
+    """A video over --max-video-frames, or whose tokens (counted from its header) exceed
+    --max-prompt-tokens, is refused without a frame decoded."""
+    av = pytest.importorskip("av")
+    import numpy as np
+
+    with av.open(str(tmp_path / "clip.mp4"), "w") as container:
+        stream = container.add_stream("mpeg4", rate=8)
+        stream.width, stream.height, stream.pix_fmt = 64, 48, "yuv420p"
+        for _ in range(40):
+            for packet in stream.encode(av.VideoFrame.from_ndarray(np.zeros((48, 64, 3), np.uint8), format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    monkeypatch.setattr(engine.encoder, "decode_video", lambda *a, **k: pytest.fail("a frame was decoded"))
+    content = [{"type": "video_url", "video_url": {"url": "clip.mp4"}}, {"type": "text", "text": "?"}]
+    for limits, code in (({"max_video_frames": 30}, "video_too_long"),
+                         ({"max_prompt_tokens": 40}, "context_length_exceeded")):
+        app = create_app(engine, ServeConfig(allow_files=tmp_path, **{**LIMITS, **limits}))
+        with LiveServer(app) as server, httpx.Client(base_url=server.url, timeout=60) as client:
+            err = assert_error(client.post("/v1/chat/completions",
+                                           json=body([{"role": "user", "content": content}])), 400)
+            assert err["code"] == code, err
