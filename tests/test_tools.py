@@ -578,3 +578,41 @@ def test_served_model_calls_tools_openai_style(tool_model, tool_data):
         for name, change in bad.items():
             r = client.post("/v1/chat/completions", json={**ask, "messages": question, **change})
             assert r.status_code == 400 and said.get(name, "") in r.json()["error"]["message"], (name, r.text)
+
+
+def test_tool_results_with_images_train_as_context(tiny, shapes_dir, tmp_path):
+    """A tool that returned an image (a crop, a chart): the tool message's image parts are encoded as
+    transformers' processor encodes the conversation (the images in order, the tool's inside its
+    <tool_response>), they are context (no label on them), and the row trains."""
+    from PIL import Image
+
+    from vlforge.data.encode import IGNORE_INDEX
+    from vlforge.engine.losses import sft_loss_sum
+
+    model, processor = tiny
+    first, crop = shapes_dir / "images" / "000001.png", shapes_dir / "images" / "000002.png"
+    call = '<tool_call>\n{"name": "zoom", "arguments": {"box": [0, 0, 32, 32]}}\n</tool_call>'
+    row = {"messages": [
+        {"role": "user", "content": [{"type": "image", "image": str(first)}, {"type": "text", "text": "Zoom in."}]},
+        {"role": "assistant", "content": call},
+        {"role": "tool", "content": [{"type": "image", "image": str(crop)}, {"type": "text", "text": "the crop"}]},
+        {"role": "assistant", "content": "<answer>a circle</answer>"}]}
+    (tmp_path / "d.jsonl").write_text(json.dumps(row) + "\n")
+    data = load_dataset(str(tmp_path / "d.jsonl"), processor, DataConfig())
+    assert data.samples[0].images == [first, crop]
+    item = data[0]
+    messages = [{**m, "content": [{"type": p["type"], **({"text": p["text"]} if p["type"] == "text" else {})}
+                                  for p in m["content"]] if isinstance(m["content"], list) else m["content"]}
+                for m in row["messages"]]
+    text = processor.apply_chat_template(messages, tokenize=False)
+    ref = processor(text=[text], images=[Image.open(first).convert("RGB"), Image.open(crop).convert("RGB")],
+                    return_tensors="pt")
+    assert item["input_ids"].tolist() == ref["input_ids"][0].tolist()
+    assert torch.equal(item["pixel_values"], ref["pixel_values"])
+    decoded = processor.tokenizer.decode(item["input_ids"])
+    assert decoded.index("<tool_response>") < decoded.rindex("<|image_pad|>") < decoded.index("</tool_response>")
+    image_positions = item["input_ids"] == data.encoder.image_token_id
+    assert (item["labels"][image_positions] == IGNORE_INDEX).all()
+    with torch.no_grad():
+        loss, n = sft_loss_sum(model, collate([item], data.encoder.pad_id))
+    assert n > 0 and torch.isfinite(loss)

@@ -14,8 +14,9 @@ simple row, `{"type": "video", "video": ..., "fps": 2}` as a chat part. Only the
 here (frame sizes, a file's frame count and rate); the frames are decoded when the sample is.
 
 A chat row may be a tool-use trajectory: "tool" messages (a tool's result, after the assistant turn
-that called it) and a "tools" key, the OpenAI-style function schemas the chat template shows the
-model ([{"type": "function", "function": {"name": ..., "description": ..., "parameters": {...}}}]).
+that called it: text, and images or videos a tool returned, as parts) and a "tools" key, the
+OpenAI-style function schemas the chat template shows the model
+([{"type": "function", "function": {"name": ..., "description": ..., "parameters": {...}}}]).
 Only assistant turns are trained on; tool messages are context.
 
 Extra keys (e.g. "task") are kept in `Sample.fields` for metrics and reward functions.
@@ -317,8 +318,6 @@ def _from_chat(row: dict, image_at: Callable, where: str,
                 messages[-1]["role"] == "assistant" and "<tool_call>" in _text_of(messages[-1]["content"])))):
             raise DataError(f"{at}: a tool message answers a tool call: it must follow an assistant message that "
                             "calls a tool (a <tool_call> block, or OpenAI's tool_calls) or another tool message")
-        if msg["role"] == "tool" and isinstance(content, list) and any(p["type"] != "text" for p in content):
-            raise DataError(f"{at}: tool messages are text (images and videos from tools are not supported)")
         if msg["role"] == "assistant" and any(p["type"] != "text" for p in (content if isinstance(content, list) else [])):
             raise DataError(f"{at}: assistant messages cannot contain images or videos")
         messages.append({"role": msg["role"], "content": content})
