@@ -101,6 +101,16 @@ def make_sample(rng: random.Random, task: str, size: int) -> tuple[Image.Image, 
     return draw([shape], size), QUESTIONS[task], answer
 
 
+def _write_splits(out: Path, rows: list[dict], n_val: int) -> dict[str, Path]:
+    """out/val.jsonl (the first `n_val` rows) and out/train.jsonl (the rest); returns their paths."""
+    paths = {"train": out / "train.jsonl", "val": out / "val.jsonl"}
+    for split, part in (("train", rows[n_val:]), ("val", rows[:n_val])):
+        with open(paths[split], "w") as f:
+            for row in part:
+                f.write(json.dumps(row) + "\n")
+    return paths
+
+
 def synth_shapes(out_dir: str | Path, n: int, *, seed: int = 0, val_fraction: float = 0.1,
                  size: int = 64, tasks: tuple[str, ...] = TASKS) -> dict[str, Path]:
     """Write `n` samples as out_dir/{train,val}.jsonl + out_dir/images/*.png. Returns the JSONL paths."""
@@ -120,12 +130,7 @@ def synth_shapes(out_dir: str | Path, n: int, *, seed: int = 0, val_fraction: fl
         name = f"images/{i:06d}.png"
         image.save(out / name)
         rows.append({"image": name, "text": question, "answer": answer, "task": task})
-    paths = {"train": out / "train.jsonl", "val": out / "val.jsonl"}
-    for split, part in (("train", rows[n_val:]), ("val", rows[:n_val])):
-        with open(paths[split], "w") as f:
-            for row in part:
-                f.write(json.dumps(row) + "\n")
-    return paths
+    return _write_splits(out, rows, n_val)
 
 
 MOTION_QUESTION = "Which way does the shape move, left or right?"
@@ -159,12 +164,7 @@ def synth_motion(out_dir: str | Path, n: int, *, seed: int = 0, val_fraction: fl
             draw([Shape(shape.kind, shape.colour, x, shape.cy, radius)], size).save(out / name)
             names.append(name)
         rows.append({"video": names, "fps": fps, "text": MOTION_QUESTION, "answer": direction, "task": "motion"})
-    paths = {"train": out / "train.jsonl", "val": out / "val.jsonl"}
-    for split, part in (("train", rows[n_val:]), ("val", rows[:n_val])):
-        with open(paths[split], "w") as f:
-            for row in part:
-                f.write(json.dumps(row) + "\n")
-    return paths
+    return _write_splits(out, rows, n_val)
 
 
 TOOL_QUESTION = "Count the shapes, then use the calculator to multiply the count by {factor}."
