@@ -165,14 +165,10 @@ class Encoder:
                                   max_pixels=self.video_limits.max_pixels)
 
     def _frame_reduction(self, video: Video, frames: int) -> int:
-        """The largest k for Image.reduce(k) that keeps each frame at least twice the processor's target
-        size and the target grid (as `_reduction` does for images): the processor resizes every frame
-        to that target anyway, and a decoded video is held by its frames until its request runs."""
-        (w, h), target = video.size, self._video_resized(frames, *video.size)
-        k = min(w // (2 * target[1]), h // (2 * target[0]))
-        while k >= 2 and self._video_resized(frames, -(-w // k), -(-h // k)) != target:  # reduce() rounds up
-            k -= 1
-        return k
+        """`_reduction` for a video's frames: the processor resizes every frame to its target anyway,
+        and a decoded video is held by its frames until its request runs."""
+        resized = functools.partial(self._video_resized, frames)
+        return self._reduction(video.size, resized(*video.size), resized)
 
     def video_text(self, video: Video) -> str:
         """What replaces a video's placeholder in the prompt: per temporal patch, its time and its tokens."""
@@ -318,11 +314,13 @@ class Encoder:
             rgb = im.convert("RGB")  # a copy: `im` is unusable once closed
         return rgb.reduce(k) if k >= 2 else rgb
 
-    def _reduction(self, size: tuple[int, int], target: tuple[int, int]) -> int:
-        """The largest k for Image.reduce(k) that keeps twice the target size and the target grid."""
+    def _reduction(self, size: tuple[int, int], target: tuple[int, int], resized=None) -> int:
+        """The largest k for Image.reduce(k) that keeps twice the target size and the target grid
+        (`resized`: (width, height) -> the processor's (height, width); default the image processor's)."""
+        resized = resized or self.resized
         (w, h), (target_h, target_w) = size, target
         k = min(w // (2 * target_w), h // (2 * target_h))
-        while k >= 2 and self.resized(-(-w // k), -(-h // k)) != target:  # reduce() rounds sizes up
+        while k >= 2 and resized(-(-w // k), -(-h // k)) != target:  # reduce() rounds sizes up
             k -= 1
         return k
 
