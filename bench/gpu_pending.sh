@@ -396,10 +396,10 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', '--tb=line', 
        # video SFT in transformers' own video form vs the recipe's (frames as images), alternating
        timeout 120 python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_moe_quant.py --tb=short \
          > "$OUT/pytest-moeq.txt" 2>&1
-       timeout 270 python3 bench/quant_inference.py --preset qwen3vl-30b-a3b --quant none nf4 --tmp /dev/shm \
+       timeout 230 python3 bench/quant_inference.py --preset qwen3vl-30b-a3b --quant none nf4 --tmp /dev/shm \
          > "$OUT/quant30.jsonl" 2>"$OUT/err-quant.txt"
        b="--preset qwen3vl-2b --method full --steps 6 --warmup 4 --video 8 --override precision.compile=true"
-       LIMIT=80; r 1 $b --native-video; r 2 $b; r 3 $b --native-video ;;
+       LIMIT=75; r 1 $b --native-video; r 2 $b; r 3 $b --native-video ;;
   mem) b="--preset qwen3vl-8b --method full --steps 6 --warmup 3 --override optim.name=adamw8bit"
        r 1 $b precision.gradient_checkpointing=true
        r 2 $b precision.gradient_checkpointing=true precision.checkpoint_every=2

@@ -18,6 +18,24 @@ from vlforge.rollout.engine import sequence_logprobs
 from vlforge.rollout.multiturn import generate_with_tools
 
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "%s"}}\n</tool_call>'
+# a calculator that answers with a picture too (48 + 16 x the prompt's images wide)
+IMAGE_TOOL = '''
+from PIL import Image
+
+
+def calculator(expression: str, images: list) -> list:
+    """Evaluate an arithmetic expression, and show it.
+
+    Args:
+        expression: The expression.
+    """
+    from vlforge.rl.tools import calculator as real
+
+    value = real(expression)
+    shade = 40 * (len(value) % 6)  # the picture depends on the result
+    picture = Image.new("RGB", (48 + 16 * len(images), 64), (shade, 255 - shade, 90))
+    return [picture, value]
+'''
 
 
 def test_calculator_evaluates_arithmetic_and_nothing_else():
@@ -402,13 +420,14 @@ def test_tool_settings_that_cannot_run_are_refused(extra, match):
         load_config(GRPOConfig, None, ["rollout.tools=[calculator]", extra])
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "fsdp2+images"])
 def test_grpo_with_tools_on_two_ranks_equals_one_process(tool_model, tool_data, tmp_path, strategy):
     """Multi-turn tool rollouts under torchrun: the ranks run different numbers of turns (engine calls
     on the gathered model: no collectives inside), and the rollouts, rewards, tool use and the
     update (one mini-batch a step: every rank takes its share of it) are one process's; so is the
     evaluation with the tools (greedy conversations on held-out prompts). The 2 ranks run their
-    calls in worker processes (rollout.tool_processes), the one process on threads."""
+    calls in worker processes (rollout.tool_processes), the one process on threads. `+images`: the
+    calculator answers with a picture too (each rank's sequences' pictures through the sharded tower)."""
     import os
     import subprocess
     import sys
@@ -423,6 +442,10 @@ def test_grpo_with_tools_on_two_ranks_equals_one_process(tool_model, tool_data, 
             "rollout.prompts_per_step=4", "rl.mini_batch_size=16", "rl.dynamic_sampling=false", "rl.kl_beta=0.05",
             "train.max_steps=2", "tiers.language.lr=1e-3", "optim.max_grad_norm=null",
             f"data.val={tool_data['prompts']}", "eval.max_samples=6"]
+    strategy, images = strategy.split("+")[0], strategy.endswith("+images")
+    if images:
+        (tmp_path / "t.py").write_text(IMAGE_TOOL)
+        args.append(f"rollout.tools=['{tmp_path / 't.py'}:calculator']")
     rows = {}
     for name, prefix in (("one", [sys.executable]), ("two", [sys.executable, "-m", "torch.distributed.run",
                                                               "--standalone", "--nproc_per_node=2"])):
@@ -439,6 +462,8 @@ def test_grpo_with_tools_on_two_ranks_equals_one_process(tool_model, tool_data, 
         for key in ("response_length_mean", "loss", "grad_norm", "kl", "entropy"):
             assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-7), key
     assert rows["one"][0]["tool/calls_mean"] > 0.5 and rows["one"][1]["kl"] > 1e-6  # tools used; the policy moved
+    if images:  # a call that ran returned a picture
+        assert any(row["tool/failed_frac"] < 1 for row in rows["one"])
     evals = {name: json.loads((tmp_path / name / "eval.json").read_text()) for name in rows}
     assert evals["two"]["examples"] == evals["one"]["examples"] and evals["two"]["n"] == evals["one"]["n"] == 6
     assert evals["two"]["accuracy"] == evals["one"]["accuracy"]
@@ -616,3 +641,157 @@ def test_tool_results_with_images_train_as_context(tiny, shapes_dir, tmp_path):
     with torch.no_grad():
         loss, n = sft_loss_sum(model, collate([item], data.encoder.pad_id))
     assert n > 0 and torch.isfinite(loss)
+
+
+# -- tools that return images, and tools that read the prompt's images ----------------------------
+
+
+
+def test_tools_read_the_prompts_images_and_return_images(tmp_path):
+    """A tool with an `images` parameter gets the prompt's images (not in its schema: the model never
+    writes it); what a tool returns becomes text and images; zoom_in crops in Qwen3-VL's 0..1000
+    coordinates; worker processes give the threads' results, images included."""
+    from PIL import Image
+
+    from vlforge.rl.tools import ZOOM_MIN_SIDE, zoom_in
+
+    (tmp_path / "t.py").write_text(IMAGE_TOOL + '''
+
+def shapes(images: list) -> list:
+    """The sizes of the conversation's images, and a list."""
+    return [[im.size for im in images], "sizes", Image.new("L", (40, 40))]
+
+
+def plain() -> list:
+    """A list without images."""
+    return [1, "two"]
+''')
+    tools = load_tools(["zoom_in", f"{tmp_path / 't.py'}:shapes", f"{tmp_path / 't.py'}:plain"])
+    zoom = tools["zoom_in"].schema["function"]["parameters"]
+    assert set(zoom["properties"]) == {"bbox_2d", "image"} and zoom["required"] == ["bbox_2d"]
+    assert tools["shapes"].schema["function"]["parameters"]["properties"] == {}  # undocumented `images`: fine
+    assert tools["zoom_in"].takes_images and not tools["plain"].takes_images
+    photo = Image.effect_mandelbrot((400, 300), (-2, -1.2, 1, 1.2), 60).convert("RGB")
+    other = Image.new("RGB", (30, 20), (9, 9, 9))
+    calls = [[ToolCall("zoom_in", {"bbox_2d": [250, 500, 750, 1000]}), ToolCall("shapes", {}),
+              ToolCall("plain", {})],
+             [ToolCall("zoom_in", {"bbox_2d": [0, 0, 100, 100], "image": 2}),
+              ToolCall("zoom_in", {"bbox_2d": [0, 0, 10, 10], "image": 3}),
+              ToolCall("zoom_in", {"bbox_2d": [500, 0, 400, 10]}), ToolCall("shapes", {"images": [1]})],
+             [ToolCall("zoom_in", {"bbox_2d": [0, 0, 500, 500]})]]
+    images = [[photo], [photo, other], []]
+    results = run_tool_calls(calls, tools, 5.0, images)
+    [crop] = results[0][0].images
+    assert results[0][0].ok and crop.size == (200, 150) and crop == photo.crop((100, 150, 300, 300))
+    assert results[0][0].text == "image 1, region [250, 500, 750, 1000] (200x150 pixels)"
+    assert results[0][1].text == "[[400, 300]]\nsizes" and results[0][1].images[0].mode == "RGB"
+    assert results[0][2].ok and results[0][2].text == '[1, "two"]' and results[0][2].images == ()
+    small = results[1][0].images[0]  # 3x2 pixels of the 30x20 image, enlarged (its shape kept)
+    assert results[1][0].ok and small.size == (ZOOM_MIN_SIDE * 3 // 2, ZOOM_MIN_SIDE)
+    assert not results[1][1].ok and "from 1 to 2" in results[1][1].text
+    assert not results[1][2].ok and "x1 < x2" in results[1][2].text
+    assert results[1][3].text == "[[400, 300], [30, 20]]\nsizes"  # the rollout's images, not the model's argument
+    assert not results[2][0].ok and "no image" in results[2][0].text
+    with pytest.raises(ValueError, match="four numbers"):
+        zoom_in([1, 2, 3], images=[photo])
+    with ToolProcesses(tools, 2) as run:
+        assert run(calls, tools, 30.0, images) == results
+
+
+def test_tool_turn_with_images_is_what_the_processor_renders(tiny, shapes_dir):
+    """Prompt + call + tool_turn_ids with the returned images + answer: the processor's token ids of
+    the whole conversation, and the tool images' patches (Encoder.pixels) its pixel rows."""
+    from PIL import Image
+
+    _, processor = tiny
+    data = load_dataset(str(shapes_dir / "train.jsonl"), processor, DataConfig())
+    enc = data.encoder
+    first = Image.open(data.samples[0].images[0]).convert("RGB")
+    returned = [Image.new("RGB", (96, 64), (200, 10, 10)), Image.new("RGB", (64, 64), (0, 0, 255))]
+    call = CALL % "2+3"
+    user = {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "What is 2+3?"}]}
+    tool_messages = [{"role": "tool", "content": [{"type": "image"}, {"type": "text", "text": "5"}]},
+                     {"role": "tool", "content": [{"type": "image"}, {"type": "text", "text": "also 5"}]}]
+    messages = [user, {"role": "assistant", "content": call}, *tool_messages,
+                {"role": "assistant", "content": "<answer>5</answer>"}]
+    ref = processor(text=[processor.apply_chat_template(messages, tokenize=False)], images=[first, *returned],
+                    return_tensors="pt")
+    turn = lambda text: enc.tokenizer(text + "<|im_end|>", add_special_tokens=False)["input_ids"]  # noqa: E731
+    prompt = enc.token_ids([user], [first.size], add_generation_prompt=True)
+    context = enc.tool_turn_ids(["5", "also 5"], 0, [[returned[0].size], [returned[1].size]])
+    ours = prompt + turn(call) + context + turn("<answer>5</answer>") + enc.tokenizer("\n")["input_ids"]
+    assert ours == ref["input_ids"][0].tolist()
+    assert context.count(enc.image_token_id) == sum(enc.image_tokens(*im.size) for im in returned)
+    pixels = enc.pixels(returned)
+    first_rows = int(ref["image_grid_thw"][0].prod())
+    assert torch.equal(pixels["pixel_values"], ref["pixel_values"][first_rows:])
+    assert torch.equal(pixels["image_grid_thw"], ref["image_grid_thw"][1:])
+
+
+def test_multi_turn_rollout_with_tool_images_is_scored_as_the_engine_saw_it(tool_model, tool_data, tmp_path):
+    """The calculator answers with a picture too: each calling sequence's tool turn holds its image's
+    tokens, the Rollout keeps the pictures, and the trainer's log-probs of the generated tokens equal
+    the engine's (padded, packed, any subset of sequences): the forward sees each picture where the
+    rollout showed it. Another picture changes the later turns' log-probs."""
+    (tmp_path / "t.py").write_text(IMAGE_TOOL)
+    model, enc, _, encoded = _rollout_setup(tool_model, tool_data["prompts"])
+    tools = load_tools([f"{tmp_path / 't.py'}:calculator"])
+    prompts = collate(encoded, enc.pad_id, left_pad=True)
+    cfg = RolloutConfig(group_size=4, max_new_tokens=200, temperature=0.7, tools=["calculator"])
+    prompt_images = [[object()] * (b + 1) for b in range(3)]  # what the tool is given (it counts them)
+    out = generate_with_tools(model, enc, prompts, [1, 1, 1], cfg, tools, seed=11, prompt_images=prompt_images)
+    r = out.rollout
+    calling = [n for n in range(12) if out.calls[n]]
+    assert len(calling) >= 8 and r.images_per_response == out.calls
+    sizes = r.response_image_grid_thw.prod(-1).tolist()
+    assert r.response_pixel_values.shape[0] == sum(sizes) and r.response_pixel_values.dtype == r.pixel_values.dtype
+    image = 0
+    for n in calling:
+        real = r.response_ids[n][r.response_mask[n].bool()]
+        tokens = int((real == enc.image_token_id).sum())
+        grids = r.response_image_grid_thw[image:image + out.calls[n]]
+        assert tokens == int(grids.prod(-1).sum()) // 4 > 0  # merge 2x2
+        # prompt b's pictures are 48 + 16 (b + 1) wide: its tool was given that prompt's images
+        pictures = [im for m in out.transcripts[n] for im in m.get("images", [])]
+        assert [im.size for im in pictures] == [(48 + 16 * (n // 4 + 1), 64)] * out.calls[n]
+        assert torch.equal(grids, enc.pixels(pictures)["image_grid_thw"])
+        image += out.calls[n]
+    gen = r.generated_mask.bool()
+    with torch.no_grad():
+        for packing in (False, True):
+            logp, _ = sequence_logprobs(model, r, cfg.temperature, packing=packing)
+            torch.testing.assert_close(logp[gen], r.logprobs[gen], atol=1e-4, rtol=1e-4)
+        some = [calling[-1], 0, calling[0], 5]  # a mini-batch: out of order, with and without tool images
+        part, _ = sequence_logprobs(model, r, cfg.temperature, seq_index=some, packing=True)
+        torch.testing.assert_close(part[gen[some]], r.logprobs[some][gen[some]], atol=1e-4, rtol=1e-4)
+        assert r.images_of_seq(calling[0]) == 1 + out.calls[calling[0]]
+        # the picture is read: another one changes what follows it
+        r.response_pixel_values = torch.randn(r.response_pixel_values.shape, generator=torch.Generator().manual_seed(0))
+        changed, _ = sequence_logprobs(model, r, cfg.temperature)
+        n = calling[0]
+        later = gen[n].clone()
+        later[:r.generated_mask[n].tolist().index(0)] = False
+        assert not torch.allclose(changed[n][later], logp[n][later], atol=1e-4)
+
+
+def test_grpo_with_a_tool_that_returns_images(tool_model, tool_data, tmp_path, monkeypatch):
+    """The recipe end to end with the picture-returning calculator: its first update's ratio is 1 and
+    its KL 0 (the trainer's forward of every sequence, tool pictures included, is the rollout's)."""
+    from vlforge.demo import packaged_config
+    from vlforge.recipes import grpo as recipe
+
+    rollouts, real_rollout = [], recipe.generate_with_tools
+    monkeypatch.setattr(recipe, "generate_with_tools",
+                        lambda *a, **k: rollouts.append(real_rollout(*a, **k)) or rollouts[-1])
+    (tmp_path / "t.py").write_text(IMAGE_TOOL)
+    recipe.run_grpo(load_config(GRPOConfig, packaged_config("demo-tools-grpo.yaml"), [
+        f"model.path={tool_model}", f"data.train={tool_data['prompts']}", "log.progress=false",
+        "rollout.group_size=4", "rollout.prompts_per_step=2", "rl.mini_batch_size=8", "rl.dynamic_sampling=false",
+        f"rollout.tools=['{tmp_path / 't.py'}:calculator']", f"train.output_dir={tmp_path / 'run'}",
+        "train.max_steps=2", "rl.kl_beta=0.05"]))
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert len(rows) == 2 and rows[0]["tool/calls_mean"] > 0.5
+    # (the shipped config samples at temperature 1: many of the tiny model's calls are malformed, some run)
+    assert sum(rollouts[0].rollout.images_per_response) > 0
+    assert rows[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-5) and abs(rows[0]["approx_kl"]) < 1e-5
+    assert all(row["loss"] == row["loss"] for row in rows)

@@ -241,13 +241,17 @@ class Encoder:
     def _has_special_text(self, text: str) -> bool:
         return any(t in text for t in self.special_texts)
 
-    def tool_turn_ids(self, results: list[str], max_tokens: int = 0) -> list[int]:
+    def tool_turn_ids(self, results: list[str], max_tokens: int = 0,
+                      image_sizes: list[list[tuple[int, int]]] | None = None) -> list[int]:
         """The tokens between an assistant turn that called tools (its <|im_end|> included, as the
         rollout generated it) and the next assistant turn's content: each result as a tool message
         and the assistant header, as the chat template renders them (Qwen's: one user turn of
         <tool_response> blocks). A result is tokenized as plain text: a special token's text in it
         (an <|im_end|>, an image placeholder) stays text, never a control token. `max_tokens` > 0
-        cuts each result to that many tokens."""
+        cuts each result's text to that many tokens. `image_sizes[k]`: the (width, height) of the
+        images result k returned, shown before its text as image parts (their placeholders expanded
+        as `token_ids` expands them; `pixels` gives their patches)."""
+        image_sizes = image_sizes or [[] for _ in results]
         tok = self.tokenizer
         ids = [tok(r, add_special_tokens=False, split_special_tokens=True)["input_ids"] for r in results]
         if max_tokens > 0:
@@ -257,19 +261,30 @@ class Encoder:
         # as the template's text (its tags special), each result's ids go in between
         marks = [f"\x00vlforge-tool-result-{k}\x00" for k in range(len(results))]
         turn = "\x00vlforge-assistant-turn\x00"
+        content = [m if not sizes else [*({"type": "image"} for _ in sizes), {"type": "text", "text": m}]
+                   for m, sizes in zip(marks, image_sizes)]
         rendered = self.processor.apply_chat_template(
             [{"role": "user", "content": "?"}, {"role": "assistant", "content": turn},
-             *({"role": "tool", "content": m} for m in marks)], tokenize=False, add_generation_prompt=True)
+             *({"role": "tool", "content": c} for c in content)], tokenize=False, add_generation_prompt=True)
         at = rendered.find(turn)
         end = rendered.find("<|im_end|>", at + len(turn)) if at >= 0 else -1
         if end < 0 or any(m not in rendered[end:] for m in marks):
             raise ValueError("the chat template does not render tool messages after an assistant turn ending in "
                              "<|im_end|>; multi-turn tool rollouts need one that does (Qwen3-VL's)")
         text, out = rendered[end + len("<|im_end|>"):], []  # from the assistant's <|im_end|> (generated) on
+        sizes = iter([size for result_sizes in image_sizes for size in result_sizes])
+        made = text.count(IMAGE_PAD)
+        if made != sum(map(len, image_sizes)):
+            raise ValueError(f"the chat template produced {made} image placeholders for the "
+                             f"{sum(map(len, image_sizes))} images of the tool results: it must render a tool "
+                             f"message's image parts as {IMAGE_PAD} (Qwen3-VL's does)")
+        template_ids = lambda piece: tok(  # noqa: E731  (the template's text, each image's placeholder expanded)
+            "".join(IMAGE_PAD * self.image_tokens(*next(sizes)) if part == IMAGE_PAD else part
+                    for part in _VISUAL.split(piece)), add_special_tokens=False)["input_ids"]
         for mark, result_ids in zip(marks, ids):
             before, text = text.split(mark, 1)
-            out += tok(before, add_special_tokens=False)["input_ids"] + result_ids
-        return out + tok(text, add_special_tokens=False)["input_ids"]
+            out += template_ids(before) + result_ids
+        return out + template_ids(text)
 
     def assistant_labels(self, ids: list[int]) -> list[int]:
         """Copy of `ids` with IGNORE_INDEX everywhere but assistant content and its <|im_end|>."""

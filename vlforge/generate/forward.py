@@ -67,9 +67,13 @@ def cache_of(output):
 
 
 def forward_shared(core, input_ids_NT: torch.Tensor, attention_mask_NT: torch.Tensor, position_ids_3NT: torch.Tensor,
-                   feats: ImageFeatures | None, prompt_of_seq: list[int], cache=None, use_cache: bool = False,
+                   feats: ImageFeatures | None, prompt_of_seq: list[int | tuple[int, ...]], cache=None, use_cache: bool = False,
                    keepalive: torch.Tensor | None = None, placeholders: Placeholders | None = None, **lm_kwargs):
     """Qwen3-VL's language model over N sequences whose image tokens reuse `feats` of their prompt.
+
+    `prompt_of_seq[n]`: the `feats` group (encode_images' images_per_prompt entry) of sequence n's
+    image tokens, or a tuple of groups whose features follow one another in its row (a multi-turn
+    rollout's sequence: its prompt's, then the images its tools returned).
 
     Equivalent to the HF forward with each prompt's pixels repeated per sequence (tested), without
     running the vision tower again. Returns the language model output (last_hidden_state, cache).
@@ -86,7 +90,8 @@ def forward_shared(core, input_ids_NT: torch.Tensor, attention_mask_NT: torch.Te
         embeds_NTH = embeds_NTH + keepalive.to(embeds_NTH.dtype)
     kwargs = {}
     image_mask_NT = input_ids_NT == core.config.image_token_id
-    rows = torch.cat([feats.rows_per_prompt[b] for b in prompt_of_seq]) if feats is not None else None
+    groups = [g for b in prompt_of_seq for g in (b if isinstance(b, tuple) else (b,))]
+    rows = torch.cat([feats.rows_per_prompt[g] for g in groups]) if feats is not None else None
     by_index = contextlib.nullcontext()
     if rows is not None and len(rows):  # its length is known on the host: no sync
         image_embeds = feats.embeds[rows].to(embeds_NTH.dtype)

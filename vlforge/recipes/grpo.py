@@ -44,7 +44,7 @@ from vlforge.rl import RewardSpec, agg_loss, build_rewards, exact_match, kl_pena
 from vlforge.rl.tools import Tool, run_tool_calls
 from vlforge.rollout.engine import (PackedLayout, Rollout, generate_groups, packing_enabled, rollout_seed,
                                     route_rows, sequence_logprobs, token_mask)
-from vlforge.rollout.multiturn import answer_with_tools, generate_with_tools, rollout_tools, tool_runner
+from vlforge.rollout.multiturn import answer_with_tools, generate_with_tools, rollout_tools, tool_images, tool_runner
 from vlforge.serve.judge import ModelJudge
 
 
@@ -120,7 +120,8 @@ def rollout_round(t: Trainable, data: ChatDataset, idx: list[int], cfg: GRPOConf
     with t.policy.autocast(), t.policy.inference_weights(t.model), fully_gathered(t.root):
         if tools:  # multi-turn: the rewards score each response's last assistant turn
             multi = generate_with_tools(t.model, data.encoder, prompts, images, cfg.rollout, tools,
-                                        first_row=first_row, seed=seed, run_calls=run_calls)
+                                        first_row=first_row, seed=seed, run_calls=run_calls,
+                                        prompt_images=tool_images(samples, tools, data.encoder))
             rollout, texts = multi.rollout, multi.completions
             tool_stats = {"calls": multi.calls, "failed_calls": multi.failed_calls, "turns": multi.turns}
             tool_fields = multi.reward_fields
@@ -428,8 +429,7 @@ def update(t: Trainable, ref_model, batches: list[Batch], optimizer, scaler, hea
                     if k in step:
                         step[k] += share * float(stats[k])
                 step["entropy"] += share * float((entropy * mask).sum() / mask.sum().clamp(min=1))
-            with_images = sum(b.rollout.images_per_prompt[b.rollout.prompt_of_seq[b.seqs[i]]] > 0
-                              for b, part in real for i in part)
+            with_images = sum(b.rollout.images_of_seq(b.seqs[i]) > 0 for b, part in real for i in part)
             *totals, with_images = world.sums(*step.values(), with_images)  # every rank's parts: the mini-batch's
             step = dict(zip(step, totals))
             if world.wrapped and not with_images:

@@ -10,7 +10,11 @@ A tool is a Python function with type hints and a Google-style docstring; transf
             expression: The expression, e.g. "(2 + 3) * 4".
         \"\"\"
 
-`rollout.tools` names builtins (``BUILTIN_TOOLS``: ``calculator``) or ``path/to/file.py:function``.
+`rollout.tools` names builtins (``BUILTIN_TOOLS``: ``calculator``, ``zoom_in``) or
+``path/to/file.py:function``. A tool may return images (a PIL image, or a list of text and images):
+the model sees them in its tool message, before the text. A tool with a parameter named ``images``
+gets the prompt's images there (PIL, RGB, full size, in order; the parameter is not in its schema,
+so the model never writes it): how a tool crops or measures what the model is looking at.
 The model calls tools as Qwen3-VL's chat template teaches it: one or more
 ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` blocks in an assistant turn. Each
 call's result (the function's return value as text, or an error the model can read: unknown tool,
@@ -22,6 +26,8 @@ the rollout loop that uses them is rollout/multiturn.py.
 from __future__ import annotations
 
 import ast
+import functools
+import inspect
 import json
 import math
 import operator
@@ -36,12 +42,15 @@ import time
 from dataclasses import dataclass
 from typing import Any, BinaryIO, Callable, Sequence
 
+from PIL import Image
+
 from vlforge.rl.rewards import load_callable
 
 # Qwen's tool-call format (its chat template's "For each function call ..." instruction). Parsed by
 # hand: transformers' response parsing needs a response schema the Qwen3-VL tokenizers do not ship.
 _TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 TOOL_SIGNATURE = "fn(**arguments) -> str (type hints and a docstring with an Args section)"
+IMAGES_ARGUMENT = "images"  # a tool parameter the rollout fills with the prompt's images (not in the schema)
 
 
 @dataclass(frozen=True)
@@ -50,6 +59,11 @@ class Tool:
     fn: Callable[..., Any]
     schema: dict  # {"type": "function", "function": {name, description, parameters}}: what the template renders
     spec: str = ""  # the rollout.tools entry it came from (a worker process loads it again from this)
+
+    @property
+    def takes_images(self) -> bool:
+        """Whether the function has an `images` parameter: the prompt's images are passed there."""
+        return takes_images(self.fn)
 
 
 @dataclass(frozen=True)
@@ -63,6 +77,28 @@ class ToolCall:
 class ToolResult:
     text: str
     ok: bool
+    images: tuple[Image.Image, ...] = ()  # RGB images the tool returned: shown to the model before the text
+
+
+def takes_images(fn: Callable[..., Any]) -> bool:
+    return IMAGES_ARGUMENT in inspect.signature(fn).parameters
+
+
+def _schema_view(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` as the model sees it: without its `images` parameter (filled by the rollout), so that
+    transformers' get_json_schema neither shows it nor asks the docstring to describe it."""
+    if not takes_images(fn):
+        return fn
+    signature = inspect.signature(fn)
+
+    @functools.wraps(fn)  # its name, docstring and module globals (string annotations resolve there)
+    def view(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    view.__signature__ = signature.replace(parameters=[p for name, p in signature.parameters.items()
+                                                       if name != IMAGES_ARGUMENT])
+    view.__annotations__ = {k: v for k, v in fn.__annotations__.items() if k != IMAGES_ARGUMENT}
+    return view
 
 
 _MAX_BITS = 4096  # the calculator's largest integer result
@@ -111,7 +147,44 @@ def calculator(expression: str) -> str:
     return str(value) if isinstance(value, int) else format(value, ".12g")
 
 
-BUILTIN_TOOLS: dict[str, Callable[..., Any]] = {"calculator": calculator}
+ZOOM_MIN_SIDE = 64  # a zoomed region's shorter side is enlarged to at least this many pixels
+
+
+def zoom_in(bbox_2d: list[float], image: int = 1, images: list | None = None) -> list:
+    """Zoom in on a region of an image in the conversation: returns the region at full resolution.
+
+    Args:
+        bbox_2d: The region as [x1, y1, x2, y2], each coordinate from 0 to 1000 relative to the image's width and height (0, 0 is the top left).
+        image: Which image of the conversation, counting from 1.
+    """
+    # Qwen3-VL grounds in coordinates relative to 0..1000 (Qwen2.5-VL used pixels of the resized image)
+    if not images:
+        raise ValueError("the conversation has no image to zoom into")
+    if isinstance(image, bool) or not isinstance(image, int) or not 1 <= image <= len(images):
+        raise ValueError(f"image must be a number from 1 to {len(images)}")
+    if (not isinstance(bbox_2d, (list, tuple)) or len(bbox_2d) != 4
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in bbox_2d)):
+        raise ValueError("bbox_2d must be four numbers [x1, y1, x2, y2] from 0 to 1000")
+    x1, y1, x2, y2 = (min(max(float(v), 0.0), 1000.0) for v in bbox_2d)
+    if x2 <= x1 or y2 <= y1:
+        raise ValueError("bbox_2d must have x1 < x2 and y1 < y2")
+    im = images[image - 1]
+    W, H = im.size
+    box = (int(x1 * W / 1000), int(y1 * H / 1000), max(int(x1 * W / 1000) + 1, round(x2 * W / 1000)),
+           max(int(y1 * H / 1000) + 1, round(y2 * H / 1000)))
+    crop = im.crop(box)
+    w, h = crop.size
+    if max(w, h) > 100 * min(w, h):
+        raise ValueError(f"the region is {w}x{h} pixels: too thin to look at (at most 100:1)")
+    if min(w, h) < ZOOM_MIN_SIDE:  # too small for the vision tower's patches: enlarged, its shape kept
+        scale = ZOOM_MIN_SIDE / min(w, h)
+        crop = crop.resize((max(ZOOM_MIN_SIDE, round(w * scale)), max(ZOOM_MIN_SIDE, round(h * scale))),
+                           Image.Resampling.BICUBIC)
+    return [crop, f"image {image}, region {[round(v) for v in (x1, y1, x2, y2)]} ({box[2] - box[0]}x"
+                  f"{box[3] - box[1]} pixels)"]
+
+
+BUILTIN_TOOLS: dict[str, Callable[..., Any]] = {"calculator": calculator, "zoom_in": zoom_in}
 
 
 def load_tools(specs: Sequence[str]) -> dict[str, Tool]:
@@ -123,7 +196,7 @@ def load_tools(specs: Sequence[str]) -> dict[str, Tool]:
     for spec in specs:
         fn = tool_function(spec)
         try:
-            schema = get_json_schema(fn)
+            schema = get_json_schema(_schema_view(fn))
         except Exception as e:  # transformers raises its own TypeError / DocstringParsingException
             raise ValueError(f"tool {spec!r}: no JSON schema from its signature and docstring ({e}); give every "
                              "argument a type hint and document it in an 'Args:' section") from e
@@ -261,37 +334,56 @@ def format_tool_calls(calls: Sequence[ToolCall]) -> str:
                      for c in calls)
 
 
-def _run_one(call: ToolCall, tools: dict[str, Tool]) -> ToolResult:
+def _run_one(call: ToolCall, tools: dict[str, Tool], images: Sequence[Image.Image] = ()) -> ToolResult:
+    """One call's result; `images` (the prompt's) go to a tool that takes them."""
     if call.error is not None:
         return ToolResult(f"error: {call.error}", False)
     tool = tools.get(call.name)
     if tool is None:
         return ToolResult(f"error: unknown tool {call.name!r}; available: {', '.join(tools)}", False)
+    arguments = dict(call.arguments)
+    if tool.takes_images:  # the rollout's, whatever the model wrote under that name
+        arguments[IMAGES_ARGUMENT] = list(images)
     try:
-        value = tool.fn(**call.arguments)
+        return _result(tool.fn(**arguments))
     except Exception as e:  # the model reads what went wrong, as it would from a real API
         return ToolResult(f"error: {type(e).__name__}: {e}", False)
+
+
+def _result(value) -> ToolResult:
+    """A tool's return value as the model reads it: text (a string as it is, anything else as JSON or
+    str), and images (a PIL image, or the images of a list of text and images)."""
+    parts = list(value) if isinstance(value, (list, tuple)) else [value]
+    images = [v for v in parts if isinstance(v, Image.Image)]
+    if not images:
+        parts = [value]  # a list without images is a value of its own: JSON
+    texts = [_text(v) for v in parts if not isinstance(v, Image.Image)]
+    return ToolResult("\n".join(texts), True, tuple(im if im.mode == "RGB" else im.convert("RGB") for im in images))
+
+
+def _text(value) -> str:
     if isinstance(value, str):
-        return ToolResult(value, True)
+        return value
     try:
-        return ToolResult(json.dumps(value), True)
+        return json.dumps(value)
     except (TypeError, ValueError):
-        return ToolResult(str(value), True)
+        return str(value)
 
 
-def run_tool_calls(calls: Sequence[Sequence[ToolCall]], tools: dict[str, Tool],
-                   timeout_s: float) -> list[list[ToolResult]]:
+def run_tool_calls(calls: Sequence[Sequence[ToolCall]], tools: dict[str, Tool], timeout_s: float,
+                   images: Sequence[Sequence[Image.Image]] | None = None) -> list[list[ToolResult]]:
     """Every sequence's calls, each on a thread of its own, all started at once (tools that wait on
     I/O overlap; none waits in a queue, so each has the whole `timeout_s`); a call still running then
     gets a timeout error. Python cannot stop a thread: a tool that never returns keeps running, but
     on a daemon thread, so it does not hold the process at exit (concurrent.futures' pools join
     their threads at exit, hence plain threads here). A tool that holds the GIL in one long C call
-    delays everything: tools should bound their own work."""
+    delays everything: tools should bound their own work. `images[i]`: the images sequence i's
+    prompt holds, for tools that take them."""
     flat = [(i, j, call) for i, seq in enumerate(calls) for j, call in enumerate(seq)]
     box: dict[tuple[int, int], ToolResult] = {}
 
     def run(i: int, j: int, call: ToolCall) -> None:
-        box[i, j] = _run_one(call, tools)
+        box[i, j] = _run_one(call, tools, images[i] if images is not None else ())
 
     threads = [threading.Thread(target=run, args=(i, j, call), name="vlforge-tool", daemon=True)
                for i, j, call in flat]
@@ -377,8 +469,12 @@ class ToolProcesses:
         for stream in (proc.stdin, proc.stdout):
             stream.close()
 
-    def __call__(self, calls: Sequence[Sequence[ToolCall]], tools: dict[str, Tool],
-                 timeout_s: float) -> list[list[ToolResult]]:
+    def __call__(self, calls: Sequence[Sequence[ToolCall]], tools: dict[str, Tool], timeout_s: float,
+                 images: Sequence[Sequence[Image.Image]] | None = None) -> list[list[ToolResult]]:
+        def frame(i: int, call: ToolCall) -> tuple:  # the prompt's images go only to a tool that takes them
+            tool = tools.get(call.name) if call.error is None else None
+            return call, list(images[i]) if images is not None and tool is not None and tool.takes_images else []
+
         waiting = [(i, j, call) for i, seq in enumerate(calls) for j, call in enumerate(seq)][::-1]
         box: dict[tuple[int, int], ToolResult] = {}
         busy = {}  # worker -> (call's key, deadline)
@@ -390,7 +486,7 @@ class ToolProcesses:
                         i, j, call = waiting.pop()
                         proc = self.idle.pop() if self.idle else self._start()[0]
                         try:
-                            write_frame(proc.stdin, call)
+                            write_frame(proc.stdin, frame(i, call))
                         except (BrokenPipeError, OSError):  # the worker ended while idle: another one takes it
                             self._stop(proc)
                             waiting.append((i, j, call))

@@ -16,6 +16,7 @@ truncation (as verl's actor computes them), in fp32. Vision special tokens are n
 from __future__ import annotations
 
 import functools
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +55,16 @@ class Rollout:
     # the tool results and chat headers between its turns (in response_mask: attended, not trained);
     # None: every response token was generated
     generated_mask: torch.Tensor | None = None
+    # multi-turn rollouts whose tools returned images: every sequence's tool images' patch rows, one
+    # sequence after another, their grids, and how many each sequence has (None: no tool images)
+    response_pixel_values: torch.Tensor | None = None
+    response_image_grid_thw: torch.Tensor | None = None
+    images_per_response: list[int] | None = None
+
+    def images_of_seq(self, n: int) -> int:
+        """The images sequence n's forward reads: its prompt's, and those its tools returned."""
+        own = self.images_per_response[n] if self.images_per_response is not None else 0
+        return self.images_per_prompt[self.prompt_of_seq[n]] + own
 
     @property
     def loss_mask(self) -> torch.Tensor:
@@ -72,7 +83,8 @@ class Rollout:
         value. The rollout's tensors are not changed after it is made (a change would not reach here)."""
         cpu = lambda t: None if t is None else t.to("cpu", copy=True)  # noqa: E731  (a copy on the CPU too)
         return RolloutHost(cpu(self.prompt_ids), cpu(self.prompt_mask), cpu(self.response_ids),
-                           cpu(self.response_mask), cpu(self.image_grid_thw), cpu(self.loss_mask))
+                           cpu(self.response_mask), cpu(self.image_grid_thw), cpu(self.loss_mask),
+                           cpu(self.response_image_grid_thw))
 
 
 @dataclass(frozen=True)
@@ -85,6 +97,7 @@ class RolloutHost:
     response_mask: torch.Tensor
     image_grid_thw: torch.Tensor | None
     loss_mask: torch.Tensor
+    response_image_grid_thw: torch.Tensor | None = None
 
 
 @torch.no_grad()
@@ -223,19 +236,33 @@ def _generate_groups_hf(model, encoder: Encoder, prompts: dict, images_per_promp
                    torch.stack(tokens, 1), response_mask, torch.stack(logps, 1), ~alive_N, G, banned.tolist())
 
 
-def _images_of(rollout: Rollout, prompts: list[int]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(pixel_values, image_grid_thw) of just these prompts' images (patch rows are per image, in order)."""
-    if rollout.pixel_values is None:
+def _images_of(pixel_values: torch.Tensor | None, grid: torch.Tensor | None, per_owner: list[int] | None,
+               owners: list[int]) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(pixel_values, image_grid_thw) of just these owners' images, out of `pixel_values` whose patch
+    rows are per image, in order, `per_owner[k]` images for owner k (prompts, or a multi-turn
+    rollout's sequences); `grid` on the host: the patch bounds without a device read."""
+    if pixel_values is None:
         return None, None
-    per_prompt = rollout.images_per_prompt
-    first_image = [sum(per_prompt[:b]) for b in range(len(per_prompt))]
-    images = [i for b in prompts for i in range(first_image[b], first_image[b] + per_prompt[b])]
+    first_image = [0, *itertools.accumulate(per_owner)]
+    images = [i for b in owners for i in range(first_image[b], first_image[b + 1])]
     if not images:
         return None, None
-    grid = rollout.host.image_grid_thw  # the grids on the host: the patch bounds without a device read
     bounds = [0, *torch.cumsum(grid.prod(-1), 0).tolist()]
     rows = torch.cat([torch.arange(bounds[i], bounds[i + 1]) for i in images])
-    return rollout.pixel_values[host_to_device(rows, rollout.pixel_values.device)], grid[images]
+    return pixel_values[host_to_device(rows, pixel_values.device)], grid[images]
+
+
+def _rollout_images(rollout: Rollout, prompts: list[int], seqs: list[int]):
+    """One vision-tower input for `prompts`' images and then the tool images of `seqs`:
+    (pixel_values, image_grid_thw, images per prompt then per sequence), None for no image."""
+    pixels, grid = _images_of(rollout.pixel_values, rollout.host.image_grid_thw, rollout.images_per_prompt, prompts)
+    own, own_grid = _images_of(rollout.response_pixel_values, rollout.host.response_image_grid_thw,
+                               rollout.images_per_response, seqs)
+    counts = [rollout.images_per_prompt[b] for b in prompts] + [rollout.images_per_response[n] for n in seqs]
+    if own is not None:
+        pixels = own if pixels is None else torch.cat([pixels, own.to(pixels.dtype)])
+        grid = own_grid if grid is None else torch.cat([grid, own_grid])
+    return pixels, grid, counts
 
 
 @dataclass(frozen=True)
@@ -281,7 +308,7 @@ def _placeholders(host_ids: torch.Tensor, core, feats: ImageFeatures | None, dev
 
 
 def _packed_hidden(core, ids_1T: torch.Tensor, host_ids_1T: torch.Tensor, grid: torch.Tensor | None,
-                   seq_lens: list[int], feats: ImageFeatures | None, prompt_of_seq: list[int],
+                   seq_lens: list[int], feats: ImageFeatures | None, prompt_of_seq: list[int | tuple[int, ...]],
                    keepalive: torch.Tensor | None):
     """Last hidden states [T, H] of a packed row (`ids_1T`, and `host_ids_1T` its host copy, which
     the positions and the image tokens' places are read from); as engine.losses.backbone_hidden, but
@@ -317,18 +344,23 @@ def sequence_logprobs(model, rollout: Rollout, temperature: float, seq_index: li
     seq_index = list(range(rollout.response_ids.shape[0])) if seq_index is None else seq_index
     prompt_of = [rollout.prompt_of_seq[n] for n in seq_index]
     needed = sorted(set(prompt_of))  # a mini-batch usually covers a few prompts: encode only theirs
-    feats = encode_images(core, *_images_of(rollout, needed), [rollout.images_per_prompt[b] for b in needed])
+    # multi-turn: the sequences whose tools returned images, each encoded once (after the prompts')
+    own = [n for n in seq_index if rollout.images_per_response is not None and rollout.images_per_response[n]]
+    pixels, grid_needed, counts = _rollout_images(rollout, needed, own)
+    feats = encode_images(core, pixels, grid_needed, counts)
     keepalive = vision_keepalive(model, device) if keep_vision and feats is None else None
     slot = {b: i for i, b in enumerate(needed)}
-    local = [slot[b] for b in prompt_of]
+    own_slot = {n: len(needed) + i for i, n in enumerate(own)}
+    # each sequence's image features: its prompt's, then its own tool images' (forward_shared)
+    local = [(slot[b], own_slot[n]) if n in own_slot else slot[b] for n, b in zip(seq_index, prompt_of)]
     resp = rollout.response_ids[seq_index]
     ids = torch.cat([rollout.prompt_ids[host_to_device(torch.tensor(prompt_of), device)], resp], dim=1)
     ids_h = torch.cat([host.prompt_ids[prompt_of], host.response_ids[seq_index]], dim=1)
     mask_h = token_mask(rollout, seq_index)
     grid = None
-    if host.image_grid_thw is not None:  # grids in sequence order, for the M-RoPE index
-        starts = [sum(rollout.images_per_prompt[:b]) for b in range(len(rollout.images_per_prompt))]
-        grid = torch.cat([host.image_grid_thw[starts[b]:starts[b] + rollout.images_per_prompt[b]] for b in prompt_of])
+    if grid_needed is not None:  # grids in sequence order (its prompt's, then its tool images'), for M-RoPE
+        first = [0, *itertools.accumulate(counts)]
+        grid = torch.cat([grid_needed[first[k]:first[k + 1]] for g in local for k in (g if isinstance(g, tuple) else (g,))])
     P, R = rollout.prompt_ids.shape[1], resp.shape[1]
     # the generated response tokens (row, column), in a boolean mask's row-major order; the state
     # before each predicts it: padded position P - 1 + column

@@ -25,6 +25,13 @@ exceeds `rollout.tool_timeout_s`), and its tool calls overlap one another. The c
 re-prefill of each continuing conversation (the engine keeps no KV across calls); a prompt's images
 go through the vision tower once a turn, however many of its samples continue (the engine encodes
 each pixel tensor of a call once, and a prompt's continuing samples share its tensor).
+
+A tool may return images (rl/tools.py): they go into its tool message as image parts, at the
+encoder's image limits, and the conversation's next turns see them after the prompt's images (a
+conversation with tool images prefills its own pixels, its prompt's images encoded again with them).
+The Rollout keeps each sequence's tool images (`response_pixel_values`), which the trainer's
+forwards encode once per sequence beside its prompt's (rollout/engine.sequence_logprobs). Tools that
+take `images` get the prompt's images (`prompt_images`, per prompt).
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ from dataclasses import dataclass, field
 import torch
 
 from vlforge.config import ConfigError, GRPOConfig, RolloutConfig
-from vlforge.data.encode import Encoder, ImageLimits, collate, encode_engine_prompt, visuals_per_prompt
+from vlforge.data.encode import Encoder, ImageLimits, collate, encode_engine_prompt, open_images, visuals_per_prompt
 from vlforge.engine.evaluate import to_device
 from vlforge.generate.engine import GenRequest, Prompt, engine_for, prompts_of_batch
 from vlforge.generate.forward import never_generated
@@ -59,6 +66,18 @@ class _Conversation:
     failed_calls: int = 0
     turns: int = 0
     transcript: list[dict] = field(default_factory=list)  # the response as chat messages
+    pixel_values: torch.Tensor | None = None  # the patch rows of the images its tools returned, in order
+    image_grid_thw: torch.Tensor | None = None  # [images, 3]
+
+    @property
+    def images(self) -> int:
+        return 0 if self.image_grid_thw is None else len(self.image_grid_thw)
+
+    def add_images(self, pixels: dict) -> None:
+        """The patches (Encoder.pixels) of images its tools returned, after the ones before."""
+        cat = lambda old, new: new if old is None else torch.cat([old, new])  # noqa: E731
+        self.pixel_values = cat(self.pixel_values, pixels["pixel_values"])
+        self.image_grid_thw = cat(self.image_grid_thw, pixels["image_grid_thw"])
 
     def add_turn(self, tokens: torch.Tensor, logprobs: torch.Tensor, text: str) -> None:
         self.tokens += tokens.tolist()
@@ -72,7 +91,8 @@ class _Conversation:
         self.tokens += tokens
         self.generated += [0] * len(tokens)
         self.logprobs += [0.0] * len(tokens)
-        self.transcript += [{"role": "tool", "name": call.name, "content": result.text, "ok": result.ok}
+        self.transcript += [{"role": "tool", "name": call.name, "content": result.text, "ok": result.ok,
+                             **({"images": list(result.images)} if result.images else {})}
                             for call, result in zip(calls, results)]
 
 
@@ -85,7 +105,8 @@ class ToolRollout:
     turns: list[int]  # [N] assistant turns
     # [N] each response as chat messages: {"role": "assistant", "content": a turn's text (its
     # <tool_call> blocks included)}, and after a turn whose calls ran, {"role": "tool", "name", "content":
-    # the result (uncut), "ok": False for an error} per call; GRPO's rewards get it as `transcript`
+    # the result's text (uncut), "ok": False for an error, and "images": the PIL images it returned, if
+    # any} per call; GRPO's rewards get it as `transcript`
     transcripts: list[list[dict]]
 
     def reward_fields(self, fields: list[dict]) -> list[dict]:
@@ -139,7 +160,15 @@ def answer_with_tools(model, encoder: Encoder, samples: list, cfg: RolloutConfig
     items = [encode_engine_prompt(encoder, x, tools=schemas) for x in samples]
     prompts = to_device(collate(items, encoder.pad_id, left_pad=True), device)
     return generate_with_tools(model, encoder, prompts, [visuals_per_prompt(x) for x in items], cfg, tools, seed=0,
-                               samples_per_prompt=1, run_calls=run_calls)
+                               samples_per_prompt=1, run_calls=run_calls,
+                               prompt_images=tool_images(samples, tools, encoder))
+
+
+def tool_images(samples: list, tools: dict[str, Tool], encoder: Encoder) -> list[list] | None:
+    """Each sample's images (full size, RGB) for the tools that take them; None when none does."""
+    if not any(t.takes_images for t in tools.values()):
+        return None
+    return [open_images(s, encoder.limits.max_image_pixels) for s in samples]
 
 
 def turn_seed(seed: int, turn: int) -> int:
@@ -149,10 +178,12 @@ def turn_seed(seed: int, turn: int) -> int:
 @torch.no_grad()
 def generate_with_tools(model, encoder: Encoder, prompts: dict, images_per_prompt: list[int], cfg: RolloutConfig,
                         tools: dict[str, Tool], first_row: int = 0, seed: int | None = None,
-                        samples_per_prompt: int | None = None, run_calls=run_tool_calls) -> ToolRollout:
+                        samples_per_prompt: int | None = None, run_calls=run_tool_calls,
+                        prompt_images: list[list] | None = None) -> ToolRollout:
     """`cfg.group_size` (or `samples_per_prompt`) multi-turn responses for each prompt of a
     left-padded prompt batch (whose prompts were encoded with the tools' schemas), the tools run
-    between turns (module docstring) by `run_calls` (tool_runner's)."""
+    between turns (module docstring) by `run_calls` (tool_runner's). `prompt_images[b]`: prompt b's
+    images (PIL) for tools that take them (tool_images)."""
     seed = rollout_seed() if seed is None else seed
     G, device, tok = samples_per_prompt or cfg.group_size, prompts["input_ids"].device, encoder.tokenizer
     base = prompts_of_batch(prompts, images_per_prompt)
@@ -186,20 +217,23 @@ def generate_with_tools(model, encoder: Encoder, prompts: dict, images_per_promp
             calls.append(found)
         if not calling:
             break
-        answers = run_calls(calls, tools, cfg.tool_timeout_s)
+        images = [prompt_images[n // G] for n in calling] if prompt_images is not None else None
+        answers = run_calls(calls, tools, cfg.tool_timeout_s, images)
         requests, running = [], []
         for n, found, results_n in zip(calling, calls, answers):
             conv = convs[n]
             conv.calls += len(found)
             conv.failed_calls += sum(not a.ok for a in results_n)
-            context = encoder.tool_turn_ids([a.text for a in results_n], cfg.tool_result_tokens)
+            returned = [im for a in results_n for im in a.images]
+            context = encoder.tool_turn_ids([a.text for a in results_n], cfg.tool_result_tokens,
+                                            [[im.size for im in a.images] for a in results_n])
             if len(conv.tokens) + len(context) >= cfg.max_new_tokens:  # no room for another turn
                 conv.finished = False
                 continue
             conv.add_context(context, found, results_n)
-            p = base[n // G]
-            history = torch.cat([p.input_ids, torch.tensor(conv.tokens, dtype=p.input_ids.dtype)])
-            requests.append(GenRequest(Prompt(history, p.pixel_values, p.image_grid_thw), n=1,
+            if returned:
+                conv.add_images(encoder.pixels(returned))
+            requests.append(GenRequest(_next_prompt(base[n // G], conv), n=1,
                                        max_new_tokens=cfg.max_new_tokens - len(conv.tokens),
                                        seed=turn_seed(seed, turn + 1), first_row=first_row + n, **sample))
             running.append(n)
@@ -217,7 +251,31 @@ def generate_with_tools(model, encoder: Encoder, prompts: dict, images_per_promp
     rollout = Rollout(prompts["input_ids"], prompts["attention_mask"], prompts.get("pixel_values"),
                       prompts.get("image_grid_thw"), images_per_prompt, ids_NR.to(device), mask_NR.to(device),
                       logp_NR.to(device), torch.tensor([c.finished for c in convs], device=device), G,
-                      generate["banned_ids"], generated_mask=generated_NR.to(device))
+                      generate["banned_ids"], generated_mask=generated_NR.to(device),
+                      **_tool_image_fields(convs, prompts.get("pixel_values"), device))
     completions = [c.transcript[-1]["content"] for c in convs]  # the last turn (a transcript ends with one)
     return ToolRollout(rollout, completions, [c.calls for c in convs], [c.failed_calls for c in convs],
                        [c.turns for c in convs], [c.transcript for c in convs])
+
+
+def _next_prompt(prompt: Prompt, conv: _Conversation) -> Prompt:
+    """What a continuing conversation prefills: its prompt, then every token so far; its prompt's
+    images, then the ones its tools returned (the order of their placeholders)."""
+    history = torch.cat([prompt.input_ids, torch.tensor(conv.tokens, dtype=prompt.input_ids.dtype)])
+    if not conv.images:  # the prompt's own tensor: shared with its other samples (encoded once)
+        return Prompt(history, prompt.pixel_values, prompt.image_grid_thw)
+    if prompt.pixel_values is None:
+        return Prompt(history, conv.pixel_values, conv.image_grid_thw)
+    return Prompt(history, torch.cat([prompt.pixel_values, conv.pixel_values.to(prompt.pixel_values.dtype)]),
+                  torch.cat([prompt.image_grid_thw, conv.image_grid_thw]))
+
+
+def _tool_image_fields(convs: list[_Conversation], prompt_pixels: torch.Tensor | None, device) -> dict:
+    """The Rollout's fields of the sequences' tool images ({} when no tool returned one)."""
+    if not any(c.images for c in convs):
+        return {}
+    dtype = prompt_pixels.dtype if prompt_pixels is not None else None  # as the prompts' (cat in one tower call)
+    with_images = [c for c in convs if c.images]
+    return {"response_pixel_values": torch.cat([c.pixel_values for c in with_images]).to(device=device, dtype=dtype),
+            "response_image_grid_thw": torch.cat([c.image_grid_thw for c in with_images]).to(device),
+            "images_per_response": [c.images for c in convs]}
