@@ -67,8 +67,8 @@ def cache_of(output):
 
 
 def forward_shared(core, input_ids_NT: torch.Tensor, attention_mask_NT: torch.Tensor, position_ids_3NT: torch.Tensor,
-                   feats: ImageFeatures | None, prompt_of_seq: list[int | tuple[int, ...]], cache=None, use_cache: bool = False,
-                   keepalive: torch.Tensor | None = None, placeholders: Placeholders | None = None, **lm_kwargs):
+                   feats: ImageFeatures | None, prompt_of_seq: list[int | tuple[int, ...]], cache=None,
+                   use_cache: bool = False, keepalive: torch.Tensor | None = None, placeholders: Placeholders | None = None, **lm_kwargs):
     """Qwen3-VL's language model over N sequences whose image tokens reuse `feats` of their prompt.
 
     `prompt_of_seq[n]`: the `feats` group (encode_images' images_per_prompt entry) of sequence n's
@@ -90,8 +90,7 @@ def forward_shared(core, input_ids_NT: torch.Tensor, attention_mask_NT: torch.Te
         embeds_NTH = embeds_NTH + keepalive.to(embeds_NTH.dtype)
     kwargs = {}
     image_mask_NT = input_ids_NT == core.config.image_token_id
-    groups = [g for b in prompt_of_seq for g in (b if isinstance(b, tuple) else (b,))]
-    rows = torch.cat([feats.rows_per_prompt[g] for g in groups]) if feats is not None else None
+    rows = torch.cat([feats.rows_per_prompt[g] for g in feature_groups(prompt_of_seq)]) if feats is not None else None
     by_index = contextlib.nullcontext()
     if rows is not None and len(rows):  # its length is known on the host: no sync
         image_embeds = feats.embeds[rows].to(embeds_NTH.dtype)
@@ -105,6 +104,11 @@ def forward_shared(core, input_ids_NT: torch.Tensor, attention_mask_NT: torch.Te
     with by_index:
         return lm(inputs_embeds=embeds_NTH, attention_mask=attention_mask_NT, position_ids=position_ids_3NT,
                   use_cache=use_cache, **{_cache_kwarg(type(lm)): cache}, **kwargs, **lm_kwargs)
+
+
+def feature_groups(prompt_of_seq: list[int | tuple[int, ...]]) -> list[int]:
+    """forward_shared's feature groups of the sequences, in row order (a tuple's groups one after another)."""
+    return [g for b in prompt_of_seq for g in (b if isinstance(b, tuple) else (b,))]
 
 
 def rope_positions(core, input_ids: torch.Tensor, attention_mask: torch.Tensor, image_token_id: int,

@@ -27,8 +27,8 @@ from vlforge.engine.losses import packed_position_ids_host, token_logprobs_entro
 from vlforge.engine.packed_attention import (PackedRows, packed_forward, per_sample_attention, runs_sdpa,
                                             use_packed_attention)
 from vlforge.generate.engine import GenRequest, engine_for, prompts_of_batch
-from vlforge.generate.forward import (ImageFeatures, cache_of, encode_images, filter_logits, forward_shared,  # noqa: F401
-                                      never_generated, rope_positions, token_logprobs)
+from vlforge.generate.forward import (ImageFeatures, cache_of, encode_images, feature_groups,  # noqa: F401
+                                      filter_logits, forward_shared, never_generated, rope_positions, token_logprobs)
 from vlforge.generate.routes import NO_ROUTE
 from vlforge.model.host_inputs import Placeholders, causal_padding_mask, host_to_device
 from vlforge.model.tiers import unwrap
@@ -360,7 +360,7 @@ def sequence_logprobs(model, rollout: Rollout, temperature: float, seq_index: li
     grid = None
     if grid_needed is not None:  # grids in sequence order (its prompt's, then its tool images'), for M-RoPE
         first = [0, *itertools.accumulate(counts)]
-        grid = torch.cat([grid_needed[first[k]:first[k + 1]] for g in local for k in (g if isinstance(g, tuple) else (g,))])
+        grid = torch.cat([grid_needed[first[k]:first[k + 1]] for k in feature_groups(local)])
     P, R = rollout.prompt_ids.shape[1], resp.shape[1]
     # the generated response tokens (row, column), in a boolean mask's row-major order; the state
     # before each predicts it: padded position P - 1 + column
