@@ -225,8 +225,12 @@ def generate_with_tools(model, encoder: Encoder, prompts: dict, images_per_promp
             conv.calls += len(found)
             conv.failed_calls += sum(not a.ok for a in results_n)
             returned = [im for a in results_n for im in a.images]
-            context = encoder.tool_turn_ids([a.text for a in results_n], cfg.tool_result_tokens,
-                                            [[im.size for im in a.images] for a in results_n])
+            try:
+                context = encoder.tool_turn_ids([a.text for a in results_n], cfg.tool_result_tokens,
+                                                [[im.size for im in a.images] for a in results_n])
+            except ValueError as e:  # a template that does not show a tool's images: the run cannot go on
+                showing = sorted({c.name for c, a in zip(found, results_n) if a.images})
+                raise ConfigError(f"rollout.tools: {', '.join(showing)} returned images, but {e}") from None
             if len(conv.tokens) + len(context) >= cfg.max_new_tokens:  # no room for another turn
                 conv.finished = False
                 continue
