@@ -739,10 +739,18 @@ def test_multi_turn_rollout_with_tool_images_is_scored_as_the_engine_saw_it(tool
     prompts = collate(encoded, enc.pad_id, left_pad=True)
     cfg = RolloutConfig(group_size=4, max_new_tokens=200, temperature=0.7, tools=["calculator"])
     prompt_images = [[object()] * (b + 1) for b in range(3)]  # what the tool is given (it counts them)
-    out = generate_with_tools(model, enc, prompts, [1, 1, 1], cfg, tools, seed=11, prompt_images=prompt_images)
+    patches = []  # the vision tower's patch rows per call
+    hook = model.model.visual.register_forward_pre_hook(lambda m, args: patches.append(args[0].shape[0]))
+    try:
+        out = generate_with_tools(model, enc, prompts, [1, 1, 1], cfg, tools, seed=11, prompt_images=prompt_images)
+    finally:
+        hook.remove()
     r = out.rollout
     calling = [n for n in range(12) if out.calls[n]]
     assert len(calling) >= 8 and r.images_per_response == out.calls
+    # the second turn's prefill: each prompt's image once for its continuing samples, each one's picture once
+    per_image = int(prompts["image_grid_thw"][0].prod())
+    assert patches[1] == len({n // 4 for n in calling}) * per_image + r.response_pixel_values.shape[0]
     sizes = r.response_image_grid_thw.prod(-1).tolist()
     assert r.response_pixel_values.shape[0] == sum(sizes) and r.response_pixel_values.dtype == r.pixel_values.dtype
     image = 0

@@ -81,10 +81,20 @@ class Prompt:
     input_ids: torch.Tensor  # [P] token ids, no padding
     pixel_values: torch.Tensor | None = None  # the patch rows of its images
     image_grid_thw: torch.Tensor | None = None  # [images, 3]
+    # images after those (their placeholders after theirs): a multi-turn conversation's tool images,
+    # its own where `pixel_values` is its prompt's, shared with its other samples (each tensor is
+    # encoded once per engine call, however many prompts hold it)
+    own_pixel_values: torch.Tensor | None = None
+    own_image_grid_thw: torch.Tensor | None = None
+
+    def pieces(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Its (pixel tensor, grid on the host) pairs, in its images' order."""
+        return [(x, g.cpu()) for x, g in ((self.pixel_values, self.image_grid_thw),
+                                          (self.own_pixel_values, self.own_image_grid_thw)) if g is not None and len(g)]
 
     @property
     def images(self) -> int:
-        return 0 if self.image_grid_thw is None else int(self.image_grid_thw.shape[0])
+        return sum(len(g) for _, g in self.pieces())
 
 
 def prompts_of_batch(batch: dict, images_per_prompt: list[int]) -> list[Prompt]:
@@ -807,8 +817,8 @@ class Engine:
         for b, p in enumerate(prompts):
             ids_BP[b, P - len(p.input_ids):] = p.input_ids.cpu()
             mask_BP[b, P - len(p.input_ids):] = 1
-        with_images = [p for p in prompts if p.images]
-        grid = torch.cat([p.image_grid_thw.cpu() for p in with_images]) if with_images else None
+        grids = [g for p in prompts for _, g in p.pieces()]
+        grid = torch.cat(grids) if grids else None
         pos_3BP = rope_positions(self.core, ids_BP, mask_BP, image_token_id, grid)  # on the host
         next_pos_B = pos_3BP.amax(dim=(0, 2)) + 1
         ids_BP, mask_BP, pos_3BP = (host_to_device(t, device) for t in (ids_BP, mask_BP, pos_3BP))
@@ -1208,19 +1218,20 @@ class Engine:
     def _image_features(self, prompts: list[Prompt], device) -> ImageFeatures | None:
         """The vision tower over the prompts' images, each pixel tensor once: prompts that share one
         (a multi-turn rollout's continuing conversations of one prompt, its G samples) read the same
-        feature rows, as a request's n samples do."""
-        distinct, source = {}, []  # id(pixel tensor) -> its prompt among the distinct ones; each prompt's
-        for p in prompts:
-            source.append(distinct.setdefault(id(p.pixel_values), len(distinct)) if p.images else None)
+        feature rows, as a request's n samples do; a conversation's own tool images follow its
+        prompt's rows."""
+        distinct = {}  # id(pixel tensor) -> (its index among the distinct ones, the tensor, its grid)
+        sources = [[distinct.setdefault(id(x), (len(distinct), x, g))[0] for x, g in p.pieces()]
+                   for p in prompts]  # each prompt's distinct tensors, in its images' order
         if not distinct:
             return None
-        firsts = [next(p for p, s in zip(prompts, source) if s == k) for k in range(len(distinct))]
+        pieces = list(distinct.values())
         # the pixels in the dtype the tower's patch embedding casts them to (the same values), cast on the host
-        pixels = joined_to_device([p.pixel_values for p in firsts], device, self._pixel_dtype)
-        grid = torch.cat([p.image_grid_thw.cpu() for p in firsts])
-        feats = encode_images(self.core, pixels, grid, [p.images for p in firsts])
+        pixels = joined_to_device([x for _, x, _ in pieces], device, self._pixel_dtype)
+        feats = encode_images(self.core, pixels, torch.cat([g for _, _, g in pieces]), [len(g) for _, _, g in pieces])
         none = torch.zeros(0, dtype=torch.long, device=device)
-        feats.rows_per_prompt = [none if s is None else feats.rows_per_prompt[s] for s in source]
+        feats.rows_per_prompt = [torch.cat([feats.rows_per_prompt[k] for k in source]) if source else none
+                                 for source in sources]
         return feats
 
     def _kv_dtypes(self, device) -> tuple[torch.dtype, ...]:

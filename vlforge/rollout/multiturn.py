@@ -27,8 +27,8 @@ go through the vision tower once a turn, however many of its samples continue (t
 each pixel tensor of a call once, and a prompt's continuing samples share its tensor).
 
 A tool may return images (rl/tools.py): they go into its tool message as image parts, at the
-encoder's image limits, and the conversation's next turns see them after the prompt's images (a
-conversation with tool images prefills its own pixels, its prompt's images encoded again with them).
+encoder's image limits, and the conversation's next turns see them after the prompt's images (the
+engine encodes a prompt's images once a turn, and each conversation's tool images once).
 The Rollout keeps each sequence's tool images (`response_pixel_values`), which the trainer's
 forwards encode once per sequence beside its prompt's (rollout/engine.sequence_logprobs). Tools that
 take `images` get the prompt's images (`prompt_images`, per prompt).
@@ -266,12 +266,8 @@ def _next_prompt(prompt: Prompt, conv: _Conversation) -> Prompt:
     """What a continuing conversation prefills: its prompt, then every token so far; its prompt's
     images, then the ones its tools returned (the order of their placeholders)."""
     history = torch.cat([prompt.input_ids, torch.tensor(conv.tokens, dtype=prompt.input_ids.dtype)])
-    if not conv.images:  # the prompt's own tensor: shared with its other samples (encoded once)
-        return Prompt(history, prompt.pixel_values, prompt.image_grid_thw)
-    if prompt.pixel_values is None:
-        return Prompt(history, conv.pixel_values, conv.image_grid_thw)
-    return Prompt(history, torch.cat([prompt.pixel_values, conv.pixel_values.to(prompt.pixel_values.dtype)]),
-                  torch.cat([prompt.image_grid_thw, conv.image_grid_thw]))
+    # the prompt's own tensor, shared with its other samples (the engine encodes it once a call)
+    return Prompt(history, prompt.pixel_values, prompt.image_grid_thw, conv.pixel_values, conv.image_grid_thw)
 
 
 def _tool_image_fields(convs: list[_Conversation], prompt_pixels: torch.Tensor | None, device) -> dict:
