@@ -803,3 +803,34 @@ def test_grpo_with_a_tool_that_returns_images(tool_model, tool_data, tmp_path, m
     assert sum(rollouts[0].rollout.images_per_response) > 0
     assert rows[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-5) and abs(rows[0]["approx_kl"]) < 1e-5
     assert all(row["loss"] == row["loss"] for row in rows)
+
+
+def test_synth_zoom_rows_are_what_the_builtin_zoom_in_returns(tiny, tmp_path):
+    """`vlforge data synth zoom`: each SFT row's tool message is zoom_in's own result on the row's
+    image (crop pixels and text), the region holds the shape whose colour is the answer, and the rows
+    pass `data check` and train only the assistant turns."""
+    from PIL import Image
+
+    from vlforge.cli import main
+    from vlforge.data.synth import RGB
+    from vlforge.rl.tools import zoom_in
+
+    assert main(["data", "synth", "zoom", "--n", "6", "--out", str(tmp_path)]) == 0
+    assert main(["data", "check", str(tmp_path / "zoom_sft.jsonl"), "data.max_length=2048"]) == 0
+    rows = [json.loads(line) for line in (tmp_path / "zoom_sft.jsonl").read_text().splitlines()]
+    prompts = [json.loads(line) for line in (tmp_path / "zoom_prompts.jsonl").read_text().splitlines()]
+    for row, prompt in zip(rows, prompts, strict=True):
+        user, call, tool, answer = row["messages"]
+        [parsed] = parse_tool_calls(call["content"])
+        image = Image.open(tmp_path / user["content"][0]["image"]).convert("RGB")
+        crop, text = zoom_in(**parsed.arguments, images=[image])
+        assert Image.open(tmp_path / tool["content"][0]["image"]).convert("RGB") == crop
+        assert tool["content"][1]["text"] == text and parsed.name == "zoom_in"
+        colour = answer["content"].removeprefix("<answer>").removesuffix("</answer>")
+        assert colour == prompt["answer"] and RGB[colour] in {rgb for _, rgb in crop.getcolors(1 << 16)}
+    _, processor = tiny
+    data = load_dataset(str(tmp_path / "zoom_sft.jsonl"), processor, DataConfig(max_length=2048))
+    item = data[0]
+    trained = data.encoder.tokenizer.decode(item["labels"][item["labels"] >= 0])
+    assert "zoom_in" in trained and "<answer>" in trained and "region" not in trained
+    assert int((item["input_ids"] == data.encoder.image_token_id).sum()) == int(item["image_grid_thw"].prod(-1).sum()) // 4

@@ -110,7 +110,7 @@ def cmd_demo(args) -> int:
 
 
 def cmd_data_synth(args) -> int:
-    from vlforge.data.synth import synth_motion, synth_shapes, synth_tool_use
+    from vlforge.data.synth import synth_motion, synth_shapes, synth_tool_use, synth_zoom
 
     if args.kind == "motion":
         paths = synth_motion(args.out, args.n, seed=args.seed, val_fraction=args.val_fraction, size=args.size)
@@ -120,6 +120,11 @@ def cmd_data_synth(args) -> int:
         paths = synth_tool_use(args.out, args.n, seed=args.seed, size=args.size)
         print(f"wrote {paths['sft']} (tool-use conversations, for SFT) and {paths['prompts']} (prompts and answers, "
               "for GRPO with rollout.tools=[calculator])")
+        return 0
+    if args.kind == "zoom":
+        paths = synth_zoom(args.out, args.n, seed=args.seed, size=args.size)
+        print(f"wrote {paths['sft']} (zoom_in conversations, for SFT) and {paths['prompts']} (prompts and answers, "
+              "for GRPO with rollout.tools=[zoom_in])")
         return 0
     tasks = tuple(t.strip() for t in args.tasks.split(",")) if args.tasks else None
     kwargs = {"tasks": tasks} if tasks else {}
@@ -396,7 +401,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     data = sub.add_parser("data", help="dataset tools").add_subparsers(dest="data_command", required=True)
     synth = data.add_parser("synth", help="generate a synthetic dataset")
-    synth.add_argument("kind", choices=["shapes", "tools", "motion"],
+    synth.add_argument("kind", choices=["shapes", "tools", "motion", "zoom"],
                        help="shapes: questions about coloured shapes; tools: count the shapes, multiply with the "
                             "calculator tool (SFT conversations + GRPO prompts); motion: videos (frame lists) of a "
                             "shape moving left or right, for SFT")

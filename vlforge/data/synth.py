@@ -44,9 +44,12 @@ class Shape:
     radius: float
 
 
-def draw(shapes: list[Shape], size: int) -> Image.Image:
+def draw(shapes: list[Shape], size: int, lines: list[tuple[float, float, float, float]] = ()) -> Image.Image:
+    """White, then grey `lines` (x1, y1, x2, y2; clutter), then the shapes on top."""
     image = Image.new("RGB", (size, size), (255, 255, 255))
     pen = ImageDraw.Draw(image)
+    for line in lines:
+        pen.line(line, fill=(150, 150, 150), width=2)
     for s in shapes:
         box = (s.cx - s.radius, s.cy - s.radius, s.cx + s.radius, s.cy + s.radius)
         fill = RGB[s.colour]
@@ -198,8 +201,59 @@ def synth_tool_use(out_dir: str | Path, n: int, *, seed: int = 0, size: int = 64
                                  {"role": "assistant", "content": f"<answer>{result}</answer>"}],
                     "tools": schemas})
         prompts.append({"image": name, "text": question, "answer": result})
-    paths = {"sft": out / "tools_sft.jsonl", "prompts": out / "tools_prompts.jsonl"}
-    for key, rows in (("sft", sft), ("prompts", prompts)):
+    return _write_jsonl(out, {"sft": ("tools_sft.jsonl", sft), "prompts": ("tools_prompts.jsonl", prompts)})
+
+
+ZOOM_QUESTION = "What colour is the small shape? Zoom in on it first."
+
+
+def synth_zoom(out_dir: str | Path, n: int, *, seed: int = 0, size: int = 64) -> dict[str, Path]:
+    """"Think with images" data: a (4 x size)-pixel image with one small shape (about 3% of its side:
+    a few pixels once the processor shrinks the image) and grey clutter; "what colour is it?".
+
+    Writes out_dir/zoom_sft.jsonl (chat rows: a zoom_in call on the shape's region in Qwen3-VL's
+    0..1000 coordinates, the builtin tool's own result as a tool message, its crop an image part,
+    then the `<answer>`; SFT teaches the pattern), out_dir/zoom_prompts.jsonl (the questions and
+    answers, for GRPO with rollout.tools=[zoom_in]) and the images. Returns {"sft": path, "prompts": path}."""
+    from vlforge.rl.tools import load_tools, zoom_in
+
+    schemas = [tool.schema for tool in load_tools(["zoom_in"]).values()]
+    out = Path(out_dir)
+    (out / "images").mkdir(parents=True, exist_ok=True)
+    rng = random.Random(seed)
+    side = 4 * size
+    sft, prompts = [], []
+    for i in range(n):
+        radius = 0.03 * side
+        shape = Shape(rng.choice(SHAPES), rng.choice(COLOURS), rng.uniform(0.1, 0.9) * side,
+                      rng.uniform(0.1, 0.9) * side, radius)
+        starts = [(rng.uniform(0, side), rng.uniform(0, side)) for _ in range(6)]
+        lines = [(x, y, x + rng.uniform(-0.2, 0.2) * side, y + rng.uniform(-0.2, 0.2) * side) for x, y in starts]
+        image = draw([shape], side, lines)  # clutter the model must look past, under the shape
+        name = f"images/zoom-{i:06d}.png"
+        image.save(out / name)
+        margin = 2.5 * radius
+        bbox = [max(0, min(1000, round(1000 * v / side))) for v in (shape.cx - margin, shape.cy - margin,
+                                                                       shape.cx + margin, shape.cy + margin)]
+        crop, result = zoom_in(bbox, images=[image])
+        crop_name = f"images/zoom-{i:06d}-crop.png"
+        crop.save(out / crop_name)
+        call = json.dumps({"name": "zoom_in", "arguments": {"bbox_2d": bbox}})
+        user = {"role": "user", "content": [{"type": "image", "image": name}, {"type": "text", "text": ZOOM_QUESTION}]}
+        sft.append({"messages": [user, {"role": "assistant", "content": f"<tool_call>\n{call}\n</tool_call>"},
+                                 {"role": "tool", "content": [{"type": "image", "image": crop_name},
+                                                              {"type": "text", "text": result}]},
+                                 {"role": "assistant", "content": f"<answer>{shape.colour}</answer>"}],
+                    "tools": schemas})
+        prompts.append({"image": name, "text": ZOOM_QUESTION, "answer": shape.colour})
+    return _write_jsonl(out, {"sft": ("zoom_sft.jsonl", sft), "prompts": ("zoom_prompts.jsonl", prompts)})
+
+
+def _write_jsonl(out: Path, files: dict[str, tuple[str, list[dict]]]) -> dict[str, Path]:
+    """Each list of rows to its file under `out`: {key: path}."""
+    paths = {}
+    for key, (name, rows) in files.items():
+        paths[key] = out / name
         with open(paths[key], "w") as f:
             for row in rows:
                 f.write(json.dumps(row) + "\n")
