@@ -400,6 +400,13 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', '--tb=line', 
          > "$OUT/quant30.jsonl" 2>"$OUT/err-quant.txt"
        b="--preset qwen3vl-2b --method full --steps 6 --warmup 4 --video 8 --override precision.compile=true"
        LIMIT=75; r 1 $b --native-video; r 2 $b; r 3 $b --native-video ;;
+  i13) # session 24 (issue 13's 8B 2x): 8B three-tier LoRA with the vision blocks replayed as CUDA graphs too,
+       # never measured at 8B (graphs19b graphed only the decoder layers: 0.98x). host16's profile put ~12 ms a
+       # step in the frozen vision blocks' compiled forwards, whose host work outruns their GPU work. Prediction:
+       # graphs+vision 3-5% over packed (0.295 -> ~0.283 s a step), so ~1.95-2.1x the peer in the same process
+       (cd bench && timeout 560 python3 train.py --preset qwen3vl-8b --method lora --lora-tiers three --steps 10 \
+          --warmup 10 --samples 64 --paths peer,packed,graphs+vision,packed,graphs+vision \
+          --ours precision.compile=true --json "$OUT/i13.json" 2>"$OUT/err-i13.txt" | tail -12 > "$OUT/i13.txt") ;;
   mem) b="--preset qwen3vl-8b --method full --steps 6 --warmup 3 --override optim.name=adamw8bit"
        r 1 $b precision.gradient_checkpointing=true
        r 2 $b precision.gradient_checkpointing=true precision.checkpoint_every=2
