@@ -15,7 +15,7 @@ from vlforge.data.synth import synth_tool_use
 from vlforge.rl.tools import (ToolCall, ToolCallStream, ToolProcesses, calculator, load_tools, parse_tool_calls,
                               run_tool_calls, split_tool_calls)
 from vlforge.rollout.engine import sequence_logprobs
-from vlforge.rollout.multiturn import generate_with_tools
+from vlforge.rollout.multiturn import generate_with_tools, tool_image_encoder
 
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "%s"}}\n</tool_call>'
 # a calculator that answers with a picture too (48 + 16 x the prompt's images wide)
@@ -665,8 +665,24 @@ def shapes(images: list) -> list:
 def plain() -> list:
     """A list without images."""
     return [1, "two"]
+
+
+def painter(images: list, path: str = "") -> list:
+    """Draws on the first image, returns an image file (read lazily), one closed first, or a thin image.
+
+    Args:
+        path: A file to return, "closed:" and a file, or "thin".
+    """
+    images[0].paste((0, 0, 0), (0, 0, 50, 50))  # its own copy: no other call sees this
+    if path == "thin":
+        return Image.new("RGB", (2, 500))
+    if path.startswith("closed:"):
+        with Image.open(path.removeprefix("closed:")) as im:
+            return [im, "from a closed file"]
+    return [Image.open(path), "from a file"]
 ''')
-    tools = load_tools(["zoom_in", f"{tmp_path / 't.py'}:shapes", f"{tmp_path / 't.py'}:plain"])
+    names = ["shapes", "plain", "painter"]
+    tools = load_tools(["zoom_in", *(f"{tmp_path / 't.py'}:{name}" for name in names)])
     zoom = tools["zoom_in"].schema["function"]["parameters"]
     assert set(zoom["properties"]) == {"bbox_2d", "image"} and zoom["required"] == ["bbox_2d"]
     assert tools["shapes"].schema["function"]["parameters"]["properties"] == {}  # undocumented `images`: fine
@@ -684,6 +700,7 @@ def plain() -> list:
     [crop] = results[0][0].images
     assert results[0][0].ok and crop.size == (200, 150) and crop == photo.crop((100, 150, 300, 300))
     assert results[0][0].text == "image 1, region [250, 500, 750, 1000] (200x150 pixels)"
+    assert zoom_in([100, 100, 100.4, 200], images=[photo])[1].startswith("image 1, region [100, 100, 100.4, 200]")
     assert results[0][1].text == "[[400, 300]]\nsizes" and results[0][1].images[0].mode == "RGB"
     assert results[0][2].ok and results[0][2].text == '[1, "two"]' and results[0][2].images == ()
     small = results[1][0].images[0]  # 3x2 pixels of the 30x20 image, enlarged (its shape kept)
@@ -694,8 +711,24 @@ def plain() -> list:
     assert not results[2][0].ok and "no image" in results[2][0].text
     with pytest.raises(ValueError, match="four numbers"):
         zoom_in([1, 2, 3], images=[photo])
+    with pytest.raises(ValueError, match="four numbers"):
+        zoom_in([1, 2, float("nan"), 4], images=[photo])
+    with pytest.raises(ValueError, match="relative, from 0 to 1000"):  # Qwen2.5-VL's pixels, say
+        zoom_in([500, 300, 1500, 600], images=[photo])
+    assert zoom_in([0, 0, 500, 500], image=1.0, images=[photo])[0].size == (200, 150)
+    # a tool that draws on its images, returns an image over a closed file, or one the processor refuses
+    photo.save(tmp_path / "photo.png")
+    painted = [[ToolCall("painter", {"path": str(tmp_path / "photo.png")}),
+                ToolCall("painter", {"path": f"closed:{tmp_path / 'photo.png'}"}), ToolCall("painter", {"path": "thin"})]]
+    before = photo.copy()
+    [answers] = run_tool_calls(painted, tools, 5.0, [[photo]])
+    from_file, closed, thin = answers
+    assert photo == before and from_file.ok and from_file.images[0] == photo  # read before the call returned
+    assert not closed.ok and "must load it" in closed.text  # an error the run goes on after
+    assert not thin.ok and "2x500 image" in thin.text
     with ToolProcesses(tools, 2) as run:
         assert run(calls, tools, 30.0, images) == results
+        assert run(painted, tools, 30.0, [[photo]]) == [answers]
 
 
 def test_tool_turn_with_images_is_what_the_processor_renders(tiny, shapes_dir):
@@ -722,6 +755,12 @@ def test_tool_turn_with_images_is_what_the_processor_renders(tiny, shapes_dir):
     ours = prompt + turn(call) + context + turn("<answer>5</answer>") + enc.tokenizer("\n")["input_ids"]
     assert ours == ref["input_ids"][0].tolist()
     assert context.count(enc.image_token_id) == sum(enc.image_tokens(*im.size) for im in returned)
+    # the rollout shows a tool's images at most rollout.tool_image_max_pixels (they spend its token budget)
+    big = Image.new("RGB", (1000, 800))
+    shown = tool_image_encoder(enc, RolloutConfig(tool_image_max_pixels=64 * 64))
+    grid = shown.pixels([big])["image_grid_thw"]
+    assert int(grid.prod()) * enc.patch**2 <= 64 * 64
+    assert shown.image_tokens(*big.size) == int(grid.prod()) // enc.merge**2 < enc.image_tokens(*big.size)
     pixels = enc.pixels(returned)
     first_rows = int(ref["image_grid_thw"][0].prod())
     assert torch.equal(pixels["pixel_values"], ref["pixel_values"][first_rows:])
@@ -738,7 +777,9 @@ def test_multi_turn_rollout_with_tool_images_is_scored_as_the_engine_saw_it(tool
     tools = load_tools([f"{tmp_path / 't.py'}:calculator"])
     prompts = collate(encoded, enc.pad_id, left_pad=True)
     cfg = RolloutConfig(group_size=4, max_new_tokens=200, temperature=0.7, tools=["calculator"])
-    prompt_images = [[object()] * (b + 1) for b in range(3)]  # what the tool is given (it counts them)
+    from PIL import Image
+
+    prompt_images = [[Image.new("RGB", (8, 8))] * (b + 1) for b in range(3)]  # what the tool is given (it counts them)
     patches = []  # the vision tower's patch rows per call
     hook = model.model.visual.register_forward_pre_hook(lambda m, args: patches.append(args[0].shape[0]))
     try:
@@ -762,7 +803,7 @@ def test_multi_turn_rollout_with_tool_images_is_scored_as_the_engine_saw_it(tool
         # prompt b's pictures are 48 + 16 (b + 1) wide: its tool was given that prompt's images
         pictures = [im for m in out.transcripts[n] for im in m.get("images", [])]
         assert [im.size for im in pictures] == [(48 + 16 * (n // 4 + 1), 64)] * out.calls[n]
-        assert torch.equal(grids, enc.pixels(pictures)["image_grid_thw"])
+        assert torch.equal(grids, tool_image_encoder(enc, cfg).pixels(pictures)["image_grid_thw"])
         image += out.calls[n]
     gen = r.generated_mask.bool()
     with torch.no_grad():

@@ -404,7 +404,9 @@ def build_parser() -> argparse.ArgumentParser:
     synth.add_argument("kind", choices=["shapes", "tools", "motion", "zoom"],
                        help="shapes: questions about coloured shapes; tools: count the shapes, multiply with the "
                             "calculator tool (SFT conversations + GRPO prompts); motion: videos (frame lists) of a "
-                            "shape moving left or right, for SFT")
+                            "shape moving left or right, for SFT; zoom: the colour of a small shape, seen through "
+                            "the zoom_in tool (SFT conversations + GRPO prompts; images 4x --size; tools and zoom "
+                            "write no val split)")
     synth.add_argument("--n", type=int, required=True, help="number of samples (train + val)")
     synth.add_argument("--out", required=True, help="output folder")
     synth.add_argument("--seed", type=int, default=0)

@@ -619,7 +619,11 @@ class RolloutConfig:
     # results back as a tool message and the rollout continues. Results and headers are read, not trained.
     tools: list[str] = field(default_factory=list)
     tool_turns: int = 4  # assistant turns whose tool calls run, at most; a later turn's calls end the response
-    tool_result_tokens: int = 256  # each tool result cut to this many tokens
+    tool_result_tokens: int = 256  # each tool result's text cut to this many tokens
+    # a tool's returned images are resized to at most this many pixels (256 tokens at Qwen3-VL's 32x32
+    # pixels a token; data.min_pixels..max_pixels apply to the prompt's images): their tokens count
+    # toward max_new_tokens, and an image at data.max_pixels (1024 tokens) would rarely fit
+    tool_image_max_pixels: int = 256 * 32 * 32
     tool_timeout_s: float = 30.0  # a round of tool calls (all sequences' at once) waits this long for them
     # 0: each call on a thread of the trainer's process; N > 0: in up to N worker processes, where a
     # call past tool_timeout_s is stopped (for tools that may hang, hold the GIL or crash)
@@ -633,6 +637,7 @@ class RolloutConfig:
                               "multi-turn rollout's later turns are not recorded; remove one of the two")
         _range(self, "tool_turns", ge=1)
         _range(self, "tool_result_tokens", ge=1)
+        _range(self, "tool_image_max_pixels", ge=1024)
         _range(self, "tool_timeout_s", gt=0)
         _range(self, "tool_processes", ge=0)
         if self.router_replay is not False and self.engine == "hf":

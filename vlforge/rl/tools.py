@@ -151,21 +151,26 @@ ZOOM_MIN_SIDE = 64  # a zoomed region's shorter side is enlarged to at least thi
 
 
 def zoom_in(bbox_2d: list[float], image: int = 1, images: list | None = None) -> list:
-    """Zoom in on a region of an image in the conversation: returns the region at full resolution.
+    """Zoom in on a region of one of the user's images: returns the region at full resolution.
 
     Args:
         bbox_2d: The region as [x1, y1, x2, y2], each coordinate from 0 to 1000 relative to the image's width and height (0, 0 is the top left).
-        image: Which image of the conversation, counting from 1.
+        image: Which of the user's images, counting from 1.
     """
     # Qwen3-VL grounds in coordinates relative to 0..1000 (Qwen2.5-VL used pixels of the resized image)
     if not images:
-        raise ValueError("the conversation has no image to zoom into")
+        raise ValueError("the user gave no image to zoom into")
+    if isinstance(image, float) and image.is_integer():
+        image = int(image)
     if isinstance(image, bool) or not isinstance(image, int) or not 1 <= image <= len(images):
         raise ValueError(f"image must be a number from 1 to {len(images)}")
     if (not isinstance(bbox_2d, (list, tuple)) or len(bbox_2d) != 4
-            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in bbox_2d)):
+            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in bbox_2d)):
         raise ValueError("bbox_2d must be four numbers [x1, y1, x2, y2] from 0 to 1000")
-    x1, y1, x2, y2 = (min(max(float(v), 0.0), 1000.0) for v in bbox_2d)
+    if not all(0 <= v <= 1000 for v in bbox_2d):
+        raise ValueError(f"bbox_2d {list(bbox_2d)} leaves the image: coordinates are relative, from 0 to 1000 "
+                         "(not pixels)")
+    x1, y1, x2, y2 = (float(v) for v in bbox_2d)
     if x2 <= x1 or y2 <= y1:
         raise ValueError("bbox_2d must have x1 < x2 and y1 < y2")
     im = images[image - 1]
@@ -180,8 +185,8 @@ def zoom_in(bbox_2d: list[float], image: int = 1, images: list | None = None) ->
         scale = ZOOM_MIN_SIDE / min(w, h)
         crop = crop.resize((max(ZOOM_MIN_SIDE, round(w * scale)), max(ZOOM_MIN_SIDE, round(h * scale))),
                            Image.Resampling.BICUBIC)
-    return [crop, f"image {image}, region {[round(v) for v in (x1, y1, x2, y2)]} ({box[2] - box[0]}x"
-                  f"{box[3] - box[1]} pixels)"]
+    region = ", ".join(f"{v:g}" for v in (x1, y1, x2, y2))
+    return [crop, f"image {image}, region [{region}] ({box[2] - box[0]}x{box[3] - box[1]} pixels)"]
 
 
 BUILTIN_TOOLS: dict[str, Callable[..., Any]] = {"calculator": calculator, "zoom_in": zoom_in}
@@ -342,23 +347,37 @@ def _run_one(call: ToolCall, tools: dict[str, Tool], images: Sequence[Image.Imag
     if tool is None:
         return ToolResult(f"error: unknown tool {call.name!r}; available: {', '.join(tools)}", False)
     arguments = dict(call.arguments)
-    if tool.takes_images:  # the rollout's, whatever the model wrote under that name
-        arguments[IMAGES_ARGUMENT] = list(images)
+    if tool.takes_images:  # the rollout's (copies: a tool that draws on them changes no other call's), whatever
+        arguments[IMAGES_ARGUMENT] = [im.copy() for im in images]  # the model wrote under that name
     try:
         return _result(tool.fn(**arguments))
     except Exception as e:  # the model reads what went wrong, as it would from a real API
         return ToolResult(f"error: {type(e).__name__}: {e}", False)
 
 
+MAX_ASPECT = 200  # the widest image Qwen3-VL's processor takes (smart_resize's limit)
+
+
 def _result(value) -> ToolResult:
     """A tool's return value as the model reads it: text (a string as it is, anything else as JSON or
-    str), and images (a PIL image, or the images of a list of text and images)."""
+    str), and images (a PIL image, or the images of a list of text and images), loaded here as RGB
+    copies (an image over a file the tool closed is read before it returns). An image the processor
+    cannot take raises (an error result)."""
     parts = list(value) if isinstance(value, (list, tuple)) else [value]
-    images = [v for v in parts if isinstance(v, Image.Image)]
+    try:
+        images = [v.convert("RGB") for v in parts if isinstance(v, Image.Image)]
+    except (AssertionError, ValueError, OSError) as e:  # PIL's, for a lazily opened file already closed
+        raise ValueError(f"the tool returned an image it cannot read any more ({type(e).__name__}: {e}); a tool "
+                         "that opens an image file must load it (im.load() or im.copy()) before closing it") from None
+    for im in images:
+        w, h = im.size
+        if min(w, h) < 1 or max(w, h) > MAX_ASPECT * min(w, h):
+            raise ValueError(f"the tool returned a {w}x{h} image; images must be at least 1x1 pixels and at "
+                             f"most {MAX_ASPECT}:1")
     if not images:
         parts = [value]  # a list without images is a value of its own: JSON
     texts = [_text(v) for v in parts if not isinstance(v, Image.Image)]
-    return ToolResult("\n".join(texts), True, tuple(im if im.mode == "RGB" else im.convert("RGB") for im in images))
+    return ToolResult("\n".join(texts), True, tuple(images))
 
 
 def _text(value) -> str:

@@ -194,6 +194,7 @@ def generate_with_tools(model, encoder: Encoder, prompts: dict, images_per_promp
                     slots=cfg.max_slots or None)
     engine = engine_for(model)
     empty_turn = functools.cache(lambda k: len(encoder.tool_turn_ids([""] * k)))  # k calls' context, at least
+    shown = tool_image_encoder(encoder, cfg)  # what the tools' images are resized with
     # turn 0: each prompt prefilled once for its G samples
     requests = [GenRequest(p, n=G, max_new_tokens=cfg.max_new_tokens, seed=seed, first_row=first_row + b * G, **sample)
                 for b, p in enumerate(base)]
@@ -226,8 +227,8 @@ def generate_with_tools(model, encoder: Encoder, prompts: dict, images_per_promp
             conv.failed_calls += sum(not a.ok for a in results_n)
             returned = [im for a in results_n for im in a.images]
             try:
-                context = encoder.tool_turn_ids([a.text for a in results_n], cfg.tool_result_tokens,
-                                                [[im.size for im in a.images] for a in results_n])
+                context = shown.tool_turn_ids([a.text for a in results_n], cfg.tool_result_tokens,
+                                              [[im.size for im in a.images] for a in results_n])
             except ValueError as e:  # a template that does not show a tool's images: the run cannot go on
                 showing = sorted({c.name for c, a in zip(found, results_n) if a.images})
                 raise ConfigError(f"rollout.tools: {', '.join(showing)} returned images, but {e}") from None
@@ -236,7 +237,7 @@ def generate_with_tools(model, encoder: Encoder, prompts: dict, images_per_promp
                 continue
             conv.add_context(context, found, results_n)
             if returned:
-                conv.add_images(encoder.pixels(returned))
+                conv.add_images(shown.pixels(returned))
             requests.append(GenRequest(_next_prompt(base[n // G], conv), n=1,
                                        max_new_tokens=cfg.max_new_tokens - len(conv.tokens),
                                        seed=turn_seed(seed, turn + 1), first_row=first_row + n, **sample))
@@ -260,6 +261,15 @@ def generate_with_tools(model, encoder: Encoder, prompts: dict, images_per_promp
     completions = [c.transcript[-1]["content"] for c in convs]  # the last turn (a transcript ends with one)
     return ToolRollout(rollout, completions, [c.calls for c in convs], [c.failed_calls for c in convs],
                        [c.turns for c in convs], [c.transcript for c in convs])
+
+
+def tool_image_encoder(encoder: Encoder, cfg: RolloutConfig) -> Encoder:
+    """`encoder` with the tools' image limits: at most rollout.tool_image_max_pixels (their tokens are
+    part of the response's budget), at least data.min_pixels where that is below it."""
+    limits = encoder.limits
+    return Encoder(encoder.processor, ImageLimits(min(limits.min_pixels, cfg.tool_image_max_pixels),
+                                                  cfg.tool_image_max_pixels, limits.max_image_pixels),
+                   encoder.video_limits)
 
 
 def _next_prompt(prompt: Prompt, conv: _Conversation) -> Prompt:
