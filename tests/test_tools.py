@@ -577,6 +577,23 @@ def test_served_model_calls_tools_openai_style(tool_model, tool_data):
         answer = second["choices"][0]
         assert answer["finish_reason"] == "stop" and answer["message"]["content"].startswith("<answer>")
         assert "tool_calls" not in answer["message"]
+        # a result with an image (a tool that zooms or draws; what GRPO's image tools train): the
+        # template's tool turn with the image's tokens, at the server's image limits
+        import io
+
+        from PIL import Image
+
+        picture = io.BytesIO()
+        Image.new("RGB", (40, 24), (250, 20, 20)).save(picture, "PNG")
+        shown = client.post("/v1/chat/completions", json={**ask, "messages": [
+            *question, {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": call["id"], "content": [
+                {"type": "image_url", "image_url": {"url": "data:image/png;base64,"
+                                                    + base64.b64encode(picture.getvalue()).decode()}},
+                {"type": "text", "text": result}]}]}).json()
+        assert shown["usage"]["prompt_tokens"] == first["usage"]["prompt_tokens"] + \
+            first["usage"]["completion_tokens"] + 1 + len(engine.encoder.tool_turn_ids([result], 0, [[(40, 24)]]))
+        assert shown["choices"][0]["finish_reason"] in ("stop", "length")
         # tool_choice none: no tools listed, the reply is text
         plain = client.post("/v1/chat/completions", json={**ask, "messages": question, "tool_choice": "none"}).json()
         assert "tool_calls" not in plain["choices"][0]["message"]

@@ -293,10 +293,6 @@ def parse_chat_request(body: bytes | bytearray, cfg: ServeConfig) -> ChatRequest
         if m.tool_calls and m.role != "assistant":
             raise APIError(400, f"messages.{i}: only assistant messages carry tool_calls",
                            param=f"messages.{i}.tool_calls", code="invalid_value")
-        if m.role == "tool" and not isinstance(m.content, str) and \
-                any(p.type != "text" for p in m.content or []):
-            raise APIError(400, f"messages.{i}: a tool message is text (no images)", param=f"messages.{i}.content",
-                           code="invalid_value")
         for j, call in enumerate(m.tool_calls or []):
             try:
                 ok = isinstance(json.loads(call.function.arguments), dict)
