@@ -222,9 +222,9 @@ def synth_zoom(out_dir: str | Path, n: int, *, seed: int = 0, size: int = 64) ->
     (out / "images").mkdir(parents=True, exist_ok=True)
     rng = random.Random(seed)
     side = 4 * size
+    radius = 0.03 * side
     sft, prompts = [], []
     for i in range(n):
-        radius = 0.03 * side
         shape = Shape(rng.choice(SHAPES), rng.choice(COLOURS), rng.uniform(0.1, 0.9) * side,
                       rng.uniform(0.1, 0.9) * side, radius)
         starts = [(rng.uniform(0, side), rng.uniform(0, side)) for _ in range(6)]

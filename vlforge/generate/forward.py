@@ -68,7 +68,8 @@ def cache_of(output):
 
 def forward_shared(core, input_ids_NT: torch.Tensor, attention_mask_NT: torch.Tensor, position_ids_3NT: torch.Tensor,
                    feats: ImageFeatures | None, prompt_of_seq: list[int | tuple[int, ...]], cache=None,
-                   use_cache: bool = False, keepalive: torch.Tensor | None = None, placeholders: Placeholders | None = None, **lm_kwargs):
+                   use_cache: bool = False, keepalive: torch.Tensor | None = None,
+                   placeholders: Placeholders | None = None, **lm_kwargs):
     """Qwen3-VL's language model over N sequences whose image tokens reuse `feats` of their prompt.
 
     `prompt_of_seq[n]`: the `feats` group (encode_images' images_per_prompt entry) of sequence n's

@@ -347,8 +347,10 @@ def _run_one(call: ToolCall, tools: dict[str, Tool], images: Sequence[Image.Imag
     if tool is None:
         return ToolResult(f"error: unknown tool {call.name!r}; available: {', '.join(tools)}", False)
     arguments = dict(call.arguments)
-    if tool.takes_images:  # the rollout's (copies: a tool that draws on them changes no other call's), whatever
-        arguments[IMAGES_ARGUMENT] = [im.copy() for im in images]  # the model wrote under that name
+    if tool.takes_images:
+        # the rollout's images, whatever the model wrote under that name; copies, so that a tool that
+        # draws on them changes no other call's
+        arguments[IMAGES_ARGUMENT] = [im.copy() for im in images]
     try:
         return _result(tool.fn(**arguments))
     except Exception as e:  # the model reads what went wrong, as it would from a real API
