@@ -12,6 +12,7 @@ import functools
 import io
 import json
 import sys
+from fractions import Fraction
 from pathlib import Path
 
 import av
@@ -501,3 +502,57 @@ def test_checkpoints_carry_the_runs_image_and_video_limits_to_inference(motion, 
     engine = InferenceEngine.load(str(tmp_path / "run" / "checkpoint-1"), device="cpu")
     assert engine.encoder.limits.max_pixels == 65536
     assert engine.encoder.video_limits == VideoLimits(fps=1.5, max_frames=12, min_pixels=512, max_pixels=20480)
+
+
+def _encode(path, frames: int, fps: int, codec: str, gop: int, b_frames: int, size=(32, 24), pts=None):
+    """A video whose frame k shows k (its grey level and a row of noise); `pts`: each frame's
+    timestamp in milliseconds (a variable rate), else the encoder's constant-rate clock."""
+    rng = np.random.default_rng(1)
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream(codec, rate=fps)
+        stream.width, stream.height, stream.pix_fmt = size[0], size[1], "yuv420p"
+        stream.codec_context.gop_size, stream.codec_context.max_b_frames = gop, b_frames
+        if pts is not None:
+            stream.codec_context.time_base = Fraction(1, 1000)
+        for k in range(frames):
+            pixels = np.full((size[1], size[0], 3), (7 * k) % 256, np.uint8)
+            pixels[0] = rng.integers(0, 255, (size[0], 3))
+            frame = av.VideoFrame.from_ndarray(pixels, format="rgb24")
+            if pts is not None:
+                frame.pts, frame.time_base = pts[k], Fraction(1, 1000)
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    return path
+
+
+@pytest.mark.parametrize("kind", ["mp4", "mov", "mkv", "avi", "webm", "ts", "variable-rate"])
+def test_sparse_frames_of_long_files_are_reached_by_seeking_and_equal_a_full_decode(kind, tmp_path, monkeypatch):
+    """Frames sampled far apart are reached by seeking to the keyframe before each (B-frames
+    included: a seek that lands past its frame goes back further), and are the frames a decode from
+    the start counts (transformers' pyav reader's way); where the timestamps cannot say which frame
+    is which (MPEG-TS's imprecise seeks, a variable rate) the decode from the start runs instead."""
+    import vlforge.data.encode as encode
+
+    codec = {"webm": "libvpx", "ts": "mpeg2video"}.get(kind, "mpeg4")
+    path = tmp_path / f"v.{'mp4' if kind == 'variable-rate' else kind}"
+    pts = [int(k * 1000 / 30 + (k % 3) * 9) for k in range(1500)] if kind == "variable-rate" else None
+    try:
+        _encode(path, 1500, 30, codec, gop=40, b_frames=0 if kind == "webm" else 2, pts=pts)
+    except (av.FFmpegError, ValueError) as e:  # an encoder this PyAV build lacks
+        pytest.skip(f"{codec}: {e}")
+    video = read_video_header(path, "v")
+    assert video.frames == 1500
+    seeks, real = [], encode._seeked_frames
+    monkeypatch.setattr(encode, "_seeked_frames", lambda *a: seeks.append(real(*a)) or seeks[-1])
+    with av.open(str(path)) as container:
+        everything = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
+    for indices in ([0, 500, 1000, 1499], [3, 4, 260, 261, 262, 900], [1200], list(range(0, 1500, 250))):
+        got = encode._decode_file_frames(video, indices, "v")
+        assert np.array_equal(got, np.stack([everything[i] for i in indices])), (kind, indices)
+    assert len(seeks) == 4  # every set has a gap of more than SEEK_GAP frames
+    if kind == "variable-rate":
+        assert not any(seeks)  # its timestamps are no frame clock: decoded from the start
+    elif kind != "ts":  # (MPEG-TS seeks by byte estimates: some sets land right, the others fall back)
+        assert all(s is not None for s in seeks)

@@ -22,6 +22,7 @@ import functools
 import itertools
 import re
 from dataclasses import dataclass
+from fractions import Fraction
 
 import numpy as np
 import torch
@@ -379,26 +380,43 @@ class Encoder:
         return {"pixel_values_videos": out["pixel_values_videos"], "video_grid_thw": out["video_grid_thw"]}
 
 
+# A sampled frame this many frames past the last one decoded is reached by seeking (to the keyframe
+# before it) rather than by decoding everything between: keyframes are typically 1-10 s apart, so
+# seeking pays only where the samples are sparser than that (64 frames of a 10-minute video: one in
+# ~280 at 30 fps; decoding a long video from its start costs seconds to minutes a sample).
+SEEK_GAP = 240
+
+
 def _decode_file_frames(video: Video, indices: list[int], where: str | None, reduced=lambda im: im) -> np.ndarray:
-    """Frames `indices` of a video file, decoded in order with PyAV: one pass from the start keeping
-    the wanted frames (seeking lands on keyframes, and counting frames from there is not reliable in
-    every container). transformers' load_video(backend="pyav") decodes the same way, but re-reads the
-    header's frame count (0 in some containers, which read_video_header estimates) and leaves the
-    file open; the indices here were planned from the header when the dataset was read."""
+    """Frames `indices` (sorted, as planned from the header when the dataset was read) of a video
+    file, decoded with PyAV. Frames are counted in decode order, as transformers' load_video
+    (backend="pyav") counts them; a long gap between sampled frames is crossed by seeking
+    (_seeked_frames), which gives the same frames where the file's timestamps say which frame is
+    which (tested on MP4, MOV, MKV, AVI and WebM with B-frames); otherwise, and whenever a seek
+    lands anywhere unexpected, one pass from the start keeps the wanted frames."""
     av = require_pyav(where or str(video))
     at = f"{where}: " if where else ""
-    wanted, frames = set(indices), []
+
+    def kept(frame) -> np.ndarray:
+        if (frame.width, frame.height) != video.size:
+            raise DataError(f"{at}video file {video} changes its frame size from {video.size[0]}x{video.size[1]} "
+                            f"to {frame.width}x{frame.height}; re-encode it at one size (`vlforge data check` "
+                            "finds such files)")
+        return np.asarray(reduced(frame.to_image()))  # RGB, reduced at once
+
     try:
-        with video.open(av) as container:
-            for i, frame in enumerate(container.decode(video=0)):
-                if i in wanted:
-                    if (frame.width, frame.height) != video.size:
-                        raise DataError(f"{at}video file {video} changes its frame size from {video.size[0]}x"
-                                        f"{video.size[1]} to {frame.width}x{frame.height}; re-encode it at one size "
-                                        "(`vlforge data check` finds such files)")
-                    frames.append(np.asarray(reduced(frame.to_image())))  # RGB, reduced at once
-                if i >= indices[-1]:
-                    break
+        frames = None
+        if max(b - a for a, b in zip([0, *indices], indices)) > SEEK_GAP:
+            with video.open(av) as container:
+                frames = _seeked_frames(container, video.frames, indices, kept)
+        if frames is None:
+            frames, wanted = [], set(indices)
+            with video.open(av) as container:
+                for i, frame in enumerate(container.decode(video=0)):
+                    if i in wanted:
+                        frames.append(kept(frame))
+                    if i >= indices[-1]:
+                        break
     except av.FFmpegError as e:
         raise DataError(f"{at}video file {video} cannot be decoded ({e}); re-encode it, "
                         "or drop the row or set data.on_error=skip") from None
@@ -406,6 +424,62 @@ def _decode_file_frames(video: Video, indices: list[int], where: str | None, red
         raise DataError(f"{at}video file {video} ends after {len(frames)} of the {len(indices)} frames sampled from "
                         f"the {video.frames} its header counts (truncated or corrupt); re-encode it")
     return np.stack(frames)
+
+
+def _seeked_frames(container, frames_in_header: int, indices: list[int], kept) -> list | None:
+    """`kept(frame)` of frames `indices` (counted from the first decoded frame, as a pass from the
+    start counts them), seeking over gaps of more than SEEK_GAP frames; None (the caller decodes from
+    the start) unless the timestamps are a constant-rate clock of exactly the header's frame count,
+    and whenever a frame's timestamp is not a whole frame of that clock or is not where it should be
+    (a variable rate, a dropped frame, an imprecise seek: MPEG-TS)."""
+    stream = container.streams.video[0]
+    rate, time_base = stream.average_rate, stream.time_base
+    if not rate or not time_base:
+        return None
+    if stream.duration is not None:
+        span = stream.duration * time_base * rate
+    elif container.duration is not None:  # (MKV, WebM: the container's, in microseconds)
+        span = Fraction(container.duration, 1_000_000) * rate
+    else:
+        return None
+    if round(span) != frames_in_header:  # frames missing from the clock, or a longer audio track
+        return None
+    frames_per_tick = rate * time_base
+    decoded = container.decode(stream)
+    first = next(decoded, None)
+    if first is None or first.pts is None:
+        return None
+    start, position, pending, out = first.pts, 0, first, []
+
+    def index_of(frame) -> int | None:  # the frame's place on the clock; None if between two
+        if frame is None or frame.pts is None:
+            return None
+        k = (frame.pts - start) * frames_per_tick
+        return round(k) if abs(k - round(k)) <= Fraction(1, 10) else None
+
+    for i in indices:
+        back = 1 if i - position > SEEK_GAP else 0
+        while True:
+            if back:  # to the keyframe before frame i - back (back grows when a seek lands past frame i)
+                container.seek(int(start + max(i - back, 0) / frames_per_tick), stream=stream, backward=True,
+                               any_frame=False)
+                decoded, pending = container.decode(stream), None
+            frame = pending if pending is not None else next(decoded, None)
+            pending = None
+            position = index_of(frame)
+            while position is not None and position < i:
+                frame = next(decoded, None)
+                position = index_of(frame)
+            if position is None:
+                return None
+            if position > i:  # past the frame: a seek landed on a keyframe after it (decode vs display order)
+                if not back or back > 4 * SEEK_GAP:
+                    return None
+                back = 2 * back + (position - i)
+                continue
+            out.append(kept(frame))
+            break
+    return out
 
 
 def open_images(sample: Sample, max_pixels: int = MAX_IMAGE_PIXELS) -> list[Image.Image]:
