@@ -343,8 +343,9 @@ def test_a_call_that_leaves_no_room_for_the_next_turn_ends_the_response_truncate
     called = [n for n in range(8) if parse_tool_calls(enc.tokenizer.decode(r.response_ids[n][r.response_mask[n].bool()]))]
     assert called and r.response_mask.sum(1).max() <= 72
     for n in called:  # even an empty result (~30 tokens) would not fit after a ~60-token call: the call never runs
-        assert out.calls[n] == 0 and not bool(r.finished[n]) and out.turns[n] == 1
+        assert out.calls[n] == 0 and not bool(r.finished[n]) and out.turns[n] == 1 and out.unshown[n]
         assert bool(r.generated_mask[n].eq(r.response_mask[n]).all())
+    assert not any(out.unshown[n] for n in range(8) if n not in called)
 
 
 def test_grpo_with_tools_scores_the_last_turn_and_logs_tool_use(tool_model, tool_data, tmp_path, monkeypatch):
@@ -380,6 +381,7 @@ def test_grpo_with_tools_scores_the_last_turn_and_logs_tool_use(tool_model, tool
     assert len(rows) == 2
     for row in rows:
         assert row["tool/calls_mean"] > 0.5 and 1.5 < row["tool/turns_mean"] <= 2 and row["tool/failed_frac"] < 0.5
+        assert 0 <= row["tool/unshown_frac"] <= row["truncated_frac"]
         assert row["reward_mean"] > 0 and row["loss"] == row["loss"]
     assert rows[0]["ratio_mean"] == pytest.approx(1.0, abs=1e-5) and abs(rows[0]["approx_kl"]) < 1e-5
     # one mini-batch a step of one rollout round: the masks are the rounds' generated masks
@@ -457,7 +459,8 @@ def test_grpo_with_tools_on_two_ranks_equals_one_process(tool_model, tool_data, 
                       for row in [json.loads(line)] if "reward_mean" in row]  # the steps (not the eval's row)
     assert len(rows["one"]) == 2
     for one, two in zip(rows["one"], rows["two"], strict=True):
-        for key in ("reward_mean", "tool/calls_mean", "tool/turns_mean", "tool/failed_frac", "truncated_frac"):
+        for key in ("reward_mean", "tool/calls_mean", "tool/turns_mean", "tool/failed_frac", "tool/unshown_frac",
+                    "truncated_frac"):
             assert two[key] == one[key], key
         for key in ("response_length_mean", "loss", "grad_norm", "kl", "entropy"):
             assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-7), key

@@ -123,7 +123,8 @@ def rollout_round(t: Trainable, data: ChatDataset, idx: list[int], cfg: GRPOConf
                                         first_row=first_row, seed=seed, run_calls=run_calls,
                                         prompt_images=tool_images(samples, tools, data.encoder))
             rollout, texts = multi.rollout, multi.completions
-            tool_stats = {"calls": multi.calls, "failed_calls": multi.failed_calls, "turns": multi.turns}
+            tool_stats = {"calls": multi.calls, "failed_calls": multi.failed_calls, "turns": multi.turns,
+                          "unshown": multi.unshown}
             tool_fields = multi.reward_fields
         else:
             rollout = generate_groups(t.model, data.encoder, prompts, images, cfg.rollout,
@@ -153,7 +154,7 @@ def collect(t: Trainable, data, stream, state: dict, cfg: GRPOConfig, rewards, t
     trains those of its own prompts, so the ranks' shares may differ (update pads them)."""
     B, G, world = cfg.rollout.prompts_per_step, cfg.rollout.group_size, t.world
     batches, stats = [], {"reward": [], "correct": [], "per_fn": {}, "zero_var": [], "lengths": [], "finished": [],
-                          "tools": {"calls": [], "failed_calls": [], "turns": []}}
+                          "tools": {"calls": [], "failed_calls": [], "turns": [], "unshown": []}}
     # kept_rewards / kept_lengths: each round's kept sequences' rewards and response lengths, every rank's
     kept_groups, kept_rewards, kept_lengths, spare = 0, [], [], None
     for _ in range(cfg.rl.max_sampling_tries if cfg.rl.dynamic_sampling else 1):
@@ -507,6 +508,8 @@ def step_metrics(stats: dict, batches: list[Batch], train_logs: dict, t_rollout:
         row["tool/calls_mean"] = sum(calls) / len(calls)
         row["tool/failed_frac"] = sum(tool_stats["failed_calls"]) / max(sum(calls), 1)
         row["tool/turns_mean"] = sum(tool_stats["turns"]) / len(tool_stats["turns"])
+        # responses ended because their calls' results (a tool's images, say) would not fit max_new_tokens
+        row["tool/unshown_frac"] = sum(tool_stats["unshown"]) / len(tool_stats["unshown"])
     return {**row, **train_logs}
 
 

@@ -65,6 +65,7 @@ class _Conversation:
     calls: int = 0
     failed_calls: int = 0
     turns: int = 0
+    unshown: bool = False  # ended because its calls' results would not fit the response's budget
     transcript: list[dict] = field(default_factory=list)  # the response as chat messages
     pixel_values: torch.Tensor | None = None  # the patch rows of the images its tools returned, in order
     image_grid_thw: torch.Tensor | None = None  # [images, 3]
@@ -103,6 +104,7 @@ class ToolRollout:
     calls: list[int]  # [N] tool calls made
     failed_calls: list[int]  # [N] of them, the ones answered with an error (unknown tool, bad arguments, raised)
     turns: list[int]  # [N] assistant turns
+    unshown: list[bool]  # [N] ended (truncated) because its calls' results would not fit rollout.max_new_tokens
     # [N] each response as chat messages: {"role": "assistant", "content": a turn's text (its
     # <tool_call> blocks included)}, and after a turn whose calls ran, {"role": "tool", "name", "content":
     # the result's text (uncut), "ok": False for an error, and "images": the PIL images it returned, if
@@ -212,7 +214,7 @@ def generate_with_tools(model, encoder: Encoder, prompts: dict, images_per_promp
             if not found or turn == cfg.tool_turns:  # the last turn's calls (past tool_turns) are not run
                 continue
             if len(conv.tokens) + empty_turn(len(found)) >= cfg.max_new_tokens:
-                conv.finished = False  # not even empty results would leave room for another turn: none run
+                conv.finished, conv.unshown = False, True  # not even empty results would leave room: none run
                 continue
             calling.append(n)
             calls.append(found)
@@ -233,7 +235,7 @@ def generate_with_tools(model, encoder: Encoder, prompts: dict, images_per_promp
                 showing = sorted({c.name for c, a in zip(found, results_n) if a.images})
                 raise ConfigError(f"rollout.tools: {', '.join(showing)} returned images, but {e}") from None
             if len(conv.tokens) + len(context) >= cfg.max_new_tokens:  # no room for another turn
-                conv.finished = False
+                conv.finished, conv.unshown = False, True
                 continue
             conv.add_context(context, found, results_n)
             if returned:
@@ -260,7 +262,7 @@ def generate_with_tools(model, encoder: Encoder, prompts: dict, images_per_promp
                       **_tool_image_fields(convs, prompts.get("pixel_values"), device))
     completions = [c.transcript[-1]["content"] for c in convs]  # the last turn (a transcript ends with one)
     return ToolRollout(rollout, completions, [c.calls for c in convs], [c.failed_calls for c in convs],
-                       [c.turns for c in convs], [c.transcript for c in convs])
+                       [c.turns for c in convs], [c.unshown for c in convs], [c.transcript for c in convs])
 
 
 def tool_image_encoder(encoder: Encoder, cfg: RolloutConfig) -> Encoder:
