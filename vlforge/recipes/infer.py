@@ -101,13 +101,15 @@ def evaluate_jsonl(engine: InferenceEngine, path: str | Path, *, batch_size: int
     With `tools` (rl/tools.load_tools) each prompt is answered as a conversation with them, as GRPO's
     rollouts and evaluation do (rollout/multiturn.py; `max_new_tokens` the whole response's budget):
     the answer is the last assistant turn, and rewards also get the transcript and call counts;
-    `tool_settings` gives the rollout.tool_* keys (turns, result tokens, timeout, processes)."""
+    `tool_settings` gives the rollout.tool_* keys (turns, result tokens and image pixels, timeout,
+    processes)."""
     samples = read_jsonl(path)[:max_samples]
     rows, hits, by_task = [], 0, defaultdict(lambda: [0, 0])
     cfg = RolloutConfig(temperature=0.0, max_new_tokens=max_new_tokens, compile=False,
-                        tools=[t.spec for t in (tools or {}).values()], tool_turns=tool_settings.tool_turns,
-                        tool_result_tokens=tool_settings.tool_result_tokens,
-                        tool_timeout_s=tool_settings.tool_timeout_s, tool_processes=tool_settings.tool_processes)
+                        tools=[t.spec for t in (tools or {}).values()],
+                        **{k: getattr(tool_settings, k) for k in ("tool_turns", "tool_result_tokens",
+                                                                   "tool_image_max_pixels", "tool_timeout_s",
+                                                                   "tool_processes")})
     with tool_runner(tools or {}, cfg) as run_calls:
         for s in range(0, len(samples), batch_size):
             chunk = samples[s:s + batch_size]
