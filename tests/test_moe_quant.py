@@ -312,12 +312,17 @@ def test_plan_counts_nf4_experts_and_the_staged_load_on_30b_a3b(capsys):
 @pytest.mark.gpu
 def test_staged_nf4_expert_load_on_cuda_matches_the_cpu_load_and_trains(batch, shapes_dir, tmp_path):
     """On a GPU the quantized MoE loads staged (host memory first, each expert stack quantized on
-    the GPU): everything ends on the GPU, the NF4 values are the CPU load's, and QLoRA trains on it."""
+    the GPU): everything ends on the GPU, the NF4 values are the CPU load's of the same checkpoint, and
+    QLoRA trains on it. (One saved checkpoint: a preset's random weights depend on the device it is
+    initialised on, which for presets is the target device.)"""
     from vlforge.recipes.sft import run_sft
 
     q = QuantConfig.from_flag("nf4")
-    cpu, _ = load_model(ModelConfig(preset="tiny-moe"), dtype=torch.bfloat16, quant=q)
-    gpu, _ = load_model(ModelConfig(preset="tiny-moe"), dtype=torch.bfloat16, device="cuda", quant=q)
+    ref, processor = load_model(ModelConfig(preset="tiny-moe"), dtype=torch.bfloat16)
+    ref.save_pretrained(tmp_path / "ckpt")
+    processor.save_pretrained(tmp_path / "ckpt")
+    cpu, _ = load_model(ModelConfig(path=str(tmp_path / "ckpt")), dtype=torch.bfloat16, quant=q)
+    gpu, _ = load_model(ModelConfig(path=str(tmp_path / "ckpt")), dtype=torch.bfloat16, device="cuda", quant=q)
     assert verify(gpu, q)["linears"]["experts:nf4"] == 4
     assert {t.device.type for t in [*gpu.parameters(), *gpu.buffers()]} == {"cuda"}
     with torch.no_grad():

@@ -183,7 +183,10 @@ def _load_quantized(cfg: ModelConfig, quant: QuantConfig, dtype: torch.dtype, de
     # the bf16 experts (58 GB for 30B-A3B) that its NF4 ones replace (15 GB). transformers' loader
     # cannot leave only the experts in host memory: a mixed device_map offloads them behind hooks.
     staged = experts and device.type != "cpu"
-    device_map = "cpu" if staged else str(device) if device.type == "cuda" else None
+    # "cpu" said, not left out: without a device_map, transformers' bitsandbytes quantizer puts the
+    # model on the GPU whenever there is one (found on an H100: a CPU load with every tensor but our
+    # expert stacks on cuda:0)
+    device_map = "cpu" if staged or device.type == "cpu" else str(device) if device.type == "cuda" else None
     model = model_class(meta.config).from_pretrained(
         str(check_model_dir(cfg.path)), dtype=dtype, local_files_only=True, device_map=device_map,
         **_impl_kwargs(cfg, meta.config, device), **kwargs)
