@@ -22,7 +22,6 @@ import functools
 import itertools
 import re
 from dataclasses import dataclass
-from fractions import Fraction
 
 import numpy as np
 import torch
@@ -391,8 +390,8 @@ def _decode_file_frames(video: Video, indices: list[int], where: str | None, red
     """Frames `indices` (sorted, as planned from the header when the dataset was read) of a video
     file, decoded with PyAV. Frames are counted in decode order, as transformers' load_video
     (backend="pyav") counts them; a long gap between sampled frames is crossed by seeking
-    (_seeked_frames), which gives the same frames where the file's timestamps say which frame is
-    which (tested on MP4, MOV, MKV, AVI and WebM with B-frames); otherwise, and whenever a seek
+    (_seeked_frames: the same frames, found by their packets' timestamps; tested on MP4, MOV, MKV,
+    AVI, WebM with B-frames, variable frame rates and dropped frames); otherwise, and whenever a seek
     lands anywhere unexpected, one pass from the start keeps the wanted frames."""
     av = require_pyav(where or str(video))
     at = f"{where}: " if where else ""
@@ -427,56 +426,36 @@ def _decode_file_frames(video: Video, indices: list[int], where: str | None, red
 
 
 def _seeked_frames(container, frames_in_header: int, indices: list[int], kept) -> list | None:
-    """`kept(frame)` of frames `indices` (counted from the first decoded frame, as a pass from the
-    start counts them), seeking over gaps of more than SEEK_GAP frames; None (the caller decodes from
-    the start) unless the timestamps are a constant-rate clock of exactly the header's frame count,
-    and whenever a frame's timestamp is not a whole frame of that clock or is not where it should be
-    (a variable rate, a dropped frame, an imprecise seek: MPEG-TS)."""
+    """`kept(frame)` of frames `indices` (counted in decode order, as a pass from the start counts
+    them), seeking over gaps of more than SEEK_GAP frames. Frame i is the one with the i-th smallest
+    timestamp among the video stream's packets, read first without decoding (a fraction of a second
+    for an hour of video): exact for any frame rate, as long as every packet decodes to one frame.
+    None (the caller decodes from the start) when the packets do not number the header's frames or
+    lack distinct timestamps, and whenever a decoded frame's timestamp is not the one expected. A
+    packet that fails to decode (a corrupt file) shifts a pass from the start's count but not this
+    one's: `vlforge data check` decodes every frame and finds such files."""
     stream = container.streams.video[0]
-    rate, time_base = stream.average_rate, stream.time_base
-    if not rate or not time_base:
+    stamps = sorted(packet.pts for packet in container.demux(stream) if packet.size and packet.pts is not None)
+    if len(stamps) != frames_in_header or len(set(stamps)) != len(stamps):
         return None
-    if stream.duration is not None:
-        span = stream.duration * time_base * rate
-    elif container.duration is not None:  # (MKV, WebM: the container's, in microseconds)
-        span = Fraction(container.duration, 1_000_000) * rate
-    else:
-        return None
-    if round(span) != frames_in_header:  # frames missing from the clock, or a longer audio track
-        return None
-    frames_per_tick = rate * time_base
-    decoded = container.decode(stream)
-    first = next(decoded, None)
-    if first is None or first.pts is None:
-        return None
-    start, position, pending, out = first.pts, 0, first, []
-
-    def index_of(frame) -> int | None:  # the frame's place on the clock; None if between two
-        if frame is None or frame.pts is None:
-            return None
-        k = (frame.pts - start) * frames_per_tick
-        return round(k) if abs(k - round(k)) <= Fraction(1, 10) else None
-
+    out, position, decoded = [], None, None
     for i in indices:
-        back = 1 if i - position > SEEK_GAP else 0
+        back = 1 if position is None or i - position > SEEK_GAP else 0
         while True:
             if back:  # to the keyframe before frame i - back (back grows when a seek lands past frame i)
-                container.seek(int(start + max(i - back, 0) / frames_per_tick), stream=stream, backward=True,
-                               any_frame=False)
-                decoded, pending = container.decode(stream), None
-            frame = pending if pending is not None else next(decoded, None)
-            pending = None
-            position = index_of(frame)
-            while position is not None and position < i:
+                container.seek(stamps[max(i - back, 0)], stream=stream, backward=True, any_frame=False)
+                decoded = container.decode(stream)
+            frame = next(decoded, None)
+            while frame is not None and frame.pts is not None and frame.pts < stamps[i]:
                 frame = next(decoded, None)
-                position = index_of(frame)
-            if position is None:
+            if frame is None or frame.pts is None:
                 return None
-            if position > i:  # past the frame: a seek landed on a keyframe after it (decode vs display order)
+            if frame.pts > stamps[i]:  # a seek landed past the frame (decode vs display order), or it is missing
                 if not back or back > 4 * SEEK_GAP:
                     return None
-                back = 2 * back + (position - i)
+                back = 2 * back + 1
                 continue
+            position = i
             out.append(kept(frame))
             break
     return out
