@@ -73,7 +73,7 @@
 #   and video (its --native-video runs failed on host grids, fixed). Next: s23 (below), then opt21, rl19.
 #   Session 24 ran s23 on an H100 (recorded: the staged NF4 test failed on the preset's device-dependent init,
 #   rewritten and passing; 30B-A3B NF4 decodes 12.7x slower than bf16; the video A/B's first run hit its limit).
-#   Next: s24 (the NF4 30B-A3B decode under the profiler; the video A/B warm), i13 (8B LoRA graphs+vision),
+#   Next: s24 (the NF4 30B-A3B decode under the profiler), s24b (the video A/B warm), i13 (8B LoRA graphs+vision),
 #   then opt21, rl19.
 #   OUT=/some/dir GROUP=moe   bash bench/gpu_pending.sh  # 30B-A3B: peft peer vs ours same process; NF4 memory/decode
 #   OUT=/some/dir GROUP=mem   bash bench/gpu_pending.sh  # selective checkpointing and the activation memory budget
@@ -405,12 +405,13 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', '--tb=line', 
        b="--preset qwen3vl-2b --method full --steps 6 --warmup 4 --video 8 --override precision.compile=true"
        LIMIT=75; r 1 $b --native-video; r 2 $b; r 3 $b --native-video ;;
   s24) # session 24's leftovers (carry .whl/bnb): why 30B-A3B with NF4 experts decodes at 6.6 tokens/s (bf16:
-       # 83.9): the NF4 model's batch-1 decode under the profiler (graphs on or off? per-expert dequantization?),
-       # then the video A/B warm: a first frames-as-images run as warm-up, then native / ours alternating
-       timeout 300 python3 bench/quant_inference.py --preset qwen3vl-30b-a3b --quant nf4 --tmp /dev/shm \
-         --profile "$OUT/decode-profile" > "$OUT/quant30-nf4.jsonl" 2>"$OUT/err-quant.txt"
+       # 83.9): both models' batch-1 decode under the profiler (graphs on or off? per-expert dequantization?),
+       # with full-length warm-ups now (the numbers above had a 2-token warm-up)
+       timeout 560 python3 bench/quant_inference.py --preset qwen3vl-30b-a3b --quant none nf4 --tmp /dev/shm \
+         --profile "$OUT/decode-profile" > "$OUT/quant30.jsonl" 2>"$OUT/err-quant.txt" ;;
+  s24b) # the video A/B warm: a first frames-as-images run as warm-up, then native / ours alternating
        b="--preset qwen3vl-2b --method full --steps 6 --warmup 4 --video 8 --override precision.compile=true"
-       LIMIT=110; r 1 $b; r 2 $b --native-video; r 3 $b; r 4 $b --native-video ;;
+       LIMIT=130; r 1 $b; r 2 $b --native-video; r 3 $b; r 4 $b --native-video ;;
   i13) # session 24 (issue 13's 8B 2x): 8B three-tier LoRA with the vision blocks replayed as CUDA graphs too,
        # never measured at 8B (graphs19b graphed only the decoder layers: 0.98x). host16's profile put ~12 ms a
        # step in the frozen vision blocks' compiled forwards, whose host work outruns their GPU work. Prediction:
