@@ -895,3 +895,27 @@ def test_synth_zoom_rows_are_what_the_builtin_zoom_in_returns(tiny, tmp_path):
     trained = data.encoder.tokenizer.decode(item["labels"][item["labels"] >= 0])
     assert "zoom_in" in trained and "<answer>" in trained and "region" not in trained
     assert int((item["input_ids"] == data.encoder.image_token_id).sum()) == int(item["image_grid_thw"].prod(-1).sum()) // 4
+
+
+def test_a_template_that_cannot_show_tool_images_is_refused_before_the_run(tiny):
+    """A tool that reads the prompt's images (zoom_in) shows images back: a chat template whose tool
+    messages are text only is refused at the start (ConfigError naming the tool), not mid-run."""
+    import copy
+
+    from vlforge.data.encode import Encoder, ImageLimits
+    from vlforge.rollout.multiturn import check_tool_template
+
+    _, processor = tiny
+    text_only = copy.deepcopy(processor)
+    # Qwen's template with a tool message's content rendered as text only
+    text_only.chat_template = (
+        "{% for m in messages %}{% if m.role == 'tool' %}<|im_start|>user\n<tool_response>\n"
+        "{% if m.content is string %}{{ m.content }}{% else %}{% for p in m.content %}{% if p.type == 'text' %}"
+        "{{ p.text }}{% endif %}{% endfor %}{% endif %}\n</tool_response><|im_end|>\n{% else %}<|im_start|>"
+        "{{ m.role }}\n{{ m.content if m.content is string else '' }}<|im_end|>\n{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    limits = ImageLimits(32 * 32, 256 * 256)
+    check_tool_template(Encoder(text_only, limits), "rollout.tools")  # text results: fine
+    check_tool_template(Encoder(processor, limits), "rollout.tools", showing=["zoom_in"])  # the real one shows them
+    with pytest.raises(ConfigError, match="rollout.tools: zoom_in show images, but the chat template produced 0"):
+        check_tool_template(Encoder(text_only, limits), "rollout.tools", showing=["zoom_in"])

@@ -129,17 +129,25 @@ def rollout_tools(cfg: GRPOConfig) -> dict[str, Tool]:
     if tools:
         processor = load_processor(cfg.model)  # a model.path problem raises its own error
         check_tool_template(Encoder(processor, ImageLimits(cfg.data.min_pixels, cfg.data.max_pixels,
-                                                           cfg.data.max_image_pixels)), "rollout.tools")
+                                                           cfg.data.max_image_pixels)), "rollout.tools",
+                            showing=[t.name for t in tools.values() if t.takes_images])
     return tools
 
 
-def check_tool_template(encoder: Encoder, key: str) -> None:
+def check_tool_template(encoder: Encoder, key: str, showing: list[str] = ()) -> None:
     """ConfigError (naming `key`, the setting that asked for tools) if the model's chat template
-    does not render a tool turn after an assistant turn, as multi-turn tool conversations need."""
+    does not render a tool turn after an assistant turn, as multi-turn tool conversations need, or,
+    for the tools named in `showing` (those that read the prompt's images, as zoom_in: such tools
+    show images back), a tool result's image."""
     try:
         encoder.tool_turn_ids(["0"])
     except ValueError as e:
         raise ConfigError(f"{key}: {e}") from e
+    if showing:
+        try:
+            encoder.tool_turn_ids(["0"], 0, [[(64, 64)]])
+        except ValueError as e:
+            raise ConfigError(f"{key}: {', '.join(showing)} show images, but {e}") from e
 
 
 @contextmanager
