@@ -27,8 +27,9 @@ go through the vision tower once a turn, however many of its samples continue (t
 each pixel tensor of a call once, and a prompt's continuing samples share its tensor).
 
 A tool may return images (rl/tools.py): they go into its tool message as image parts, at most
-rollout.tool_image_max_pixels each (tool_image_encoder), and the conversation's next turns see them after the prompt's images (the
-engine encodes a prompt's images once a turn, and each conversation's tool images once).
+rollout.tool_image_max_pixels each (tool_image_encoder), and the conversation's next turns see them
+after the prompt's images (the engine encodes a prompt's images once a turn, and each
+conversation's tool images once).
 The Rollout keeps each sequence's tool images (`response_pixel_values`), which the trainer's
 forwards encode once per sequence beside its prompt's (rollout/engine.sequence_logprobs). Tools that
 take `images` get the prompt's images (`prompt_images`, per prompt).
