@@ -106,10 +106,16 @@ def make_sample(rng: random.Random, task: str, size: int) -> tuple[Image.Image, 
 
 def _write_splits(out: Path, rows: list[dict], n_val: int) -> dict[str, Path]:
     """out/val.jsonl (the first `n_val` rows) and out/train.jsonl (the rest); returns their paths."""
-    paths = {"train": out / "train.jsonl", "val": out / "val.jsonl"}
-    for split, part in (("train", rows[n_val:]), ("val", rows[:n_val])):
-        with open(paths[split], "w") as f:
-            for row in part:
+    return _write_jsonl(out, {"train": ("train.jsonl", rows[n_val:]), "val": ("val.jsonl", rows[:n_val])})
+
+
+def _write_jsonl(out: Path, files: dict[str, tuple[str, list[dict]]]) -> dict[str, Path]:
+    """Each list of rows to its file under `out`: {key: path}."""
+    paths = {}
+    for key, (name, rows) in files.items():
+        paths[key] = out / name
+        with open(paths[key], "w") as f:
+            for row in rows:
                 f.write(json.dumps(row) + "\n")
     return paths
 
@@ -247,14 +253,3 @@ def synth_zoom(out_dir: str | Path, n: int, *, seed: int = 0, size: int = 64) ->
                     "tools": schemas})
         prompts.append({"image": name, "text": ZOOM_QUESTION, "answer": shape.colour})
     return _write_jsonl(out, {"sft": ("zoom_sft.jsonl", sft), "prompts": ("zoom_prompts.jsonl", prompts)})
-
-
-def _write_jsonl(out: Path, files: dict[str, tuple[str, list[dict]]]) -> dict[str, Path]:
-    """Each list of rows to its file under `out`: {key: path}."""
-    paths = {}
-    for key, (name, rows) in files.items():
-        paths[key] = out / name
-        with open(paths[key], "w") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
-    return paths
