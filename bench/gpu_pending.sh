@@ -75,6 +75,7 @@
 #   rewritten and passing; 30B-A3B NF4 decodes 12.7x slower than bf16; the video A/B's first run hit its limit).
 #   Next: s24 (the NF4 30B-A3B decode under the profiler), s24b (the video A/B warm), i13 (8B LoRA graphs+vision),
 #   then opt21, rl19.
+#   Session 25 built precision.master_weights=optimizer: mw25 measures it (2B full, graphs+vision, beside the peer).
 #   OUT=/some/dir GROUP=moe   bash bench/gpu_pending.sh  # 30B-A3B: peft peer vs ours same process; NF4 memory/decode
 #   OUT=/some/dir GROUP=mem   bash bench/gpu_pending.sh  # selective checkpointing and the activation memory budget
 # (carry .whl/train, and .whl/ao (torchao) for GROUP=tests, .whl/bnb (bitsandbytes) for moe and mem)
@@ -419,6 +420,16 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', '--tb=line', 
        (cd bench && timeout 560 python3 train.py --preset qwen3vl-8b --method lora --lora-tiers three --steps 10 \
           --warmup 10 --samples 64 --paths peer,packed,graphs+vision,packed,graphs+vision \
           --ours precision.compile=true --json "$OUT/i13.json" 2>"$OUT/err-i13.txt" | tail -12 > "$OUT/i13.txt") ;;
+  mw25) # session 25 (issue 13's 2B 2.5x): precision.master_weights=optimizer (bf16 linear weights, fp32 masters in
+       # MasterWeightAdamW's compiled update) against fp32 masters, packed with both graph options, beside the peer;
+       # its gpu test first (the compiled update equals eager on CUDA). Prediction: the 10.2 ms of weight and
+       # gradient casts of prof19's 133.7 ms step go (the update reads bf16 gradients and writes the copies in its
+       # own pass), so 0.147 -> ~0.138 s a step: ~2.45-2.5x the peer in the same process, peak memory lower
+       timeout 100 python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_master_weights.py --tb=short \
+         > "$OUT/pytest-mw.txt" 2>&1
+       (cd bench && timeout 470 python3 train.py --preset qwen3vl-2b --method full --steps 12 --warmup 14 --samples 64 \
+          --paths peer,graphs+vision+mw,graphs+vision,graphs+vision+mw,graphs+vision --ours precision.compile=true \
+          --json "$OUT/mw25.json" 2>"$OUT/err-mw25.txt" | tail -12 > "$OUT/mw25.txt") ;;
   mem) b="--preset qwen3vl-8b --method full --steps 6 --warmup 3 --override optim.name=adamw8bit"
        r 1 $b precision.gradient_checkpointing=true
        r 2 $b precision.gradient_checkpointing=true precision.checkpoint_every=2

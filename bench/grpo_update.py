@@ -113,7 +113,7 @@ def main() -> None:
                                                         list(range(s, min(s + mb, N))))[0] for s in range(0, N, mb)])
     advantages = torch.randn(N, generator=torch.Generator().manual_seed(args.seed)).to(t.device)
     batches = [Batch(rollout, list(range(N)), advantages, None)]
-    optimizer = build_optimizer(param_groups(t.model, t.plan, cfg.optim.weight_decay), cfg.optim, args.device)
+    optimizer = build_optimizer(param_groups(t.model, t.plan, cfg.optim.weight_decay), cfg.optim, args.device, masters=t.policy.take_masters())
     for group in optimizer.param_groups:
         group["lr"] = 0.0  # every update from the same weights: the modes' losses comparable
     scaler = t.policy.grad_scaler()

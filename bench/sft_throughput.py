@@ -237,7 +237,7 @@ def main() -> None:
               and args.max_tokens_per_batch and cfg.model.attn_implementation == "flex_attention" else None)
     batches = [pack([items[i] for i in ix], encoder.pad_id, multiple=t.token_multiple, pad_to=pad_to) if args.packing
                else collate([items[i] for i in ix], encoder.pad_id, multiple=t.token_multiple) for ix in index_lists]
-    optimizer = build_optimizer(param_groups(t.model, t.plan, 0.0), cfg.optim, "cuda")
+    optimizer = build_optimizer(param_groups(t.model, t.plan, 0.0), cfg.optim, "cuda", masters=t.policy.take_masters())
     scaler = t.policy.grad_scaler()
     health = GradHealth(t.model, t.plan, cfg.health, cfg.precision.mode)
     # as the recipe's loader (recipes/sft.py micro_batches): HostPrep in the workers, pinned by pin_memory

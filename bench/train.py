@@ -158,16 +158,19 @@ def lora_tiers(args) -> SFTConfig:
 GRAPHS = {"graphs": ("cuda_graphs",), "graphs+vision": ("cuda_graphs", "cuda_graphs_vision")}
 
 
-def run_ours(args, batches, packed: bool = False, graphs: tuple[str, ...] = ()) -> dict:
+MASTERS_IN_OPTIMIZER = "+mw"  # a path name's suffix: precision.master_weights=optimizer on that path
+
+
+def run_ours(args, batches, packed: bool = False, graphs: tuple[str, ...] = (), extra: tuple[str, ...] = ()) -> dict:
     lora = args.method == "lora"
     tiers = lora_tier_overrides(args) if lora else ["tiers.vision.train=true"]
     tiers += ["precision.gradient_checkpointing=true"] if args.grad_ckpt else []
     cfg = load_config(SFTConfig, None, [
         f"model.preset={args.preset}", f"model.seed={args.seed}", f"tiers.method={args.method}", "precision.mode=bf16",
         f"train.device={DEVICE}", *tiers, *(f"tiers.{t}.lr={args.lr}" for t in ("language", "projector", "vision")),
-        *(["data.packing=true"] if packed else []), *(f"precision.{g}=true" for g in graphs), *args.ours])
+        *(["data.packing=true"] if packed else []), *(f"precision.{g}=true" for g in graphs), *args.ours, *extra])
     t = setup_model(cfg)
-    optimizer = build_optimizer(param_groups(t.model, t.plan, 0.0), cfg.optim, DEVICE)
+    optimizer = build_optimizer(param_groups(t.model, t.plan, 0.0), cfg.optim, DEVICE, masters=t.policy.take_masters())
     scaler, health = t.policy.grad_scaler(), GradHealth(t.model, t.plan, cfg.health, cfg.precision.mode)
 
     # fed as the recipe feeds its steps (recipes/sft.py micro_batches): the step's host inputs (HostPrep) made
@@ -247,7 +250,8 @@ def main() -> None:
     ap.add_argument("--preset", default="qwen3vl-2b")
     ap.add_argument("--method", default="full", choices=["full", "lora"])
     ap.add_argument("--paths", default="peer,trl,ours,packed", help="peer, trl, ours, packed (ours with data.packing), "
-                    "graphs (packed with precision.cuda_graphs), graphs+vision (and cuda_graphs_vision); a path may repeat (alternating runs in one process)")
+                    "graphs (packed with precision.cuda_graphs), graphs+vision (and cuda_graphs_vision); ours and its variants "
+                    "+mw: with precision.master_weights=optimizer; a path may repeat (alternating runs in one process)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--warmup", type=int, default=3)
@@ -265,8 +269,11 @@ def main() -> None:
                          "blocks' attention (the same modules for the peer's peft config)")
     args = ap.parse_args()
     args.lr = args.lr or (1e-4 if args.method == "lora" else 1e-5)
-    if unknown := [name for name in args.paths.split(",") if name not in ("peer", "trl", "ours", "packed", *GRAPHS)]:
-        ap.error(f"unknown path(s) {', '.join(unknown)}: peer, trl, ours, packed, graphs, graphs+vision")
+    if unknown := [name for name in args.paths.split(",")
+                   if name.removesuffix(MASTERS_IN_OPTIMIZER) not in ("peer", "trl", "ours", "packed", *GRAPHS)
+                   or name in ("peer+mw", "trl+mw")]:
+        ap.error(f"unknown path(s) {', '.join(unknown)}: peer, trl, ours, packed, graphs, graphs+vision; ours and "
+                 "its variants may end in +mw (precision.master_weights=optimizer)")
     torch.backends.cuda.matmul.allow_tf32 = True
 
     encoder = Encoder(load_processor(ModelConfig(preset=args.preset)), ImageLimits(3136, args.image * args.image))
@@ -296,9 +303,11 @@ def main() -> None:
                 # TRL builds its own batches (same samples, its collator and order): its own token counts
                 results.append(summarize(name, r["losses"], r["times"], r["tokens"], None, args))
             else:
-                path = (run_peer(args, batches) if name == "peer" else run_ours(args, batches) if name == "ours" else
-                        run_ours(args, packed, packed=True) if name == "packed" else
-                        run_ours(args, graph_rows, packed=True, graphs=GRAPHS[name]))
+                base = name.removesuffix(MASTERS_IN_OPTIMIZER)
+                extra = ("precision.master_weights=optimizer",) if base != name else ()
+                path = (run_peer(args, batches) if name == "peer" else run_ours(args, batches, extra=extra)
+                        if base == "ours" else run_ours(args, packed, packed=True, extra=extra) if base == "packed" else
+                        run_ours(args, graph_rows, packed=True, graphs=GRAPHS[base], extra=extra))
                 losses, times = timed(args.steps, args.warmup, path["run"])
                 from vlforge.model.tiers import unwrap
 

@@ -35,6 +35,8 @@ def grpo_config(shapes_dir, out_dir, tmp_path, *overrides, reward="varied") -> G
     ("lora", ["rl.kl_beta=0.1", "quant.language=nf4", "precision.mode=bf16", "train.seed=1"]),
     # fp32 masters under bf16: the rollout reads bf16 copies of the linears (PrecisionPolicy.inference_weights)
     ("full", ["rl.kl_beta=0.1", "precision.mode=bf16", "train.seed=1"]),
+    # fp32 masters in the optimizer (MasterWeightAdamW): the rollout reads the model's own bf16 linears
+    ("full", ["rl.kl_beta=0.1", "precision.mode=bf16", "precision.master_weights=optimizer", "train.seed=1"]),
 ])
 def test_one_grpo_step_changes_exactly_the_trainable_params(shapes_dir, tmp_path, method, extra, monkeypatch):
     # 8 sequences in mini-batches of 4: two optimizer steps, so LoRA A moves too (B starts at zero)

@@ -297,8 +297,11 @@ class PrecisionConfig:
     # Compute dtype (autocast). Norms, softmax, losses, log-probs and advantages are fp32 regardless.
     mode: Literal["bf16", "fp16", "fp32"] = "bf16"
     # Trainable weights + optimizer state: fp32 master weights, or kept in the compute dtype
-    # (halves weight/optimizer memory; updates smaller than bf16's resolution are lost).
-    master_weights: Literal["fp32", "compute"] = "fp32"
+    # (halves weight/optimizer memory; updates smaller than bf16's resolution are lost), or
+    # `optimizer`: fp32 masters kept by the optimizer while the model's linear weights are bf16
+    # working copies it rewrites in the same pass (bf16 only, one process): no per-step weight
+    # casts; the same forward and gradients as fp32 (engine/optim.MasterWeightAdamW).
+    master_weights: Literal["fp32", "compute", "optimizer"] = "fp32"
     overrides: list[ModuleOverride] = field(default_factory=list)
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     fp8: FP8Config = field(default_factory=FP8Config)
@@ -338,6 +341,9 @@ class PrecisionConfig:
         _require(not (self.mode == "fp16" and self.master_weights == "compute"),
                  "precision.mode=fp16 needs precision.master_weights=fp32: loss scaling unscales fp32 master "
                  "gradients (fp16 weights would also lose most updates); or use precision.mode=bf16")
+        _require(not (self.master_weights == "optimizer" and self.mode != "bf16"),
+                 f"precision.master_weights=optimizer keeps bf16 working copies of fp32 masters: it needs "
+                 f"precision.mode=bf16 (this config has {self.mode}); use master_weights=fp32")
         _range(self, "checkpoint_every", ge=1, why="1 of every N blocks is recomputed")
         _require(self.checkpoint_every == 1 or self.gradient_checkpointing,
                  f"precision.checkpoint_every={self.checkpoint_every} selects the blocks gradient checkpointing "

@@ -100,11 +100,12 @@ def fresh_rng(seed: int, step: int, rank: int) -> None:
     random.seed(fresh)
 
 
-def checkpoint_bytes(model, optimizer_name: str) -> int:
+def checkpoint_bytes(model, optimizer_name: str, masters_in_optimizer: bool = False) -> int:
     """About how many bytes one checkpoint of this run takes on disk: the weights (a LoRA run's
     adapters; a full run's whole model, as save_pretrained and the sharded save both write it) and
     the optimizer's moments (AdamW: two per parameter in its dtype; 8-bit: one byte each plus block
-    scales). The tokenizer, schedule and RNG files are a few MB and left out."""
+    scales; precision.master_weights=optimizer: fp32 moments and, for bf16 weights, their fp32
+    master). The tokenizer, schedule and RNG files are a few MB and left out."""
     from peft import PeftModel
 
     from torch.distributed.tensor import DTensor
@@ -114,7 +115,8 @@ def checkpoint_bytes(model, optimizer_name: str) -> int:
     params = list(model.parameters())  # a tied weight once, as save_pretrained writes it
     trainable = [p for p in params if p.requires_grad]
     weights = trainable if isinstance(model, PeftModel) else params
-    moments = sum(2 * p.numel() * p.element_size() if optimizer_name == "adamw" else
+    moments = sum((8 if p.dtype == torch.float32 else 12) * p.numel() if masters_in_optimizer else
+                  2 * p.numel() * p.element_size() if optimizer_name == "adamw" else
                   state_bytes(p.numel(), optimizer_name, tuple(p.shape) if isinstance(p, DTensor) else None)
                   for p in trainable)
     return sum(p.numel() * p.element_size() for p in weights) + moments
@@ -335,8 +337,15 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler, scaler, rank:
             for n, p in params.items():
                 if n in weights:
                     p.copy_(weights[n].to(p.dtype))
+    from vlforge.engine.optim import MasterWeightAdamW
+
+    saved = torch.load(path / "optimizer.pt", weights_only=True)
+    if not isinstance(optimizer, MasterWeightAdamW) and any("master" in s for s in saved["state"].values()):
+        # its model files hold the bf16 working copies; the fp32 masters are in the optimizer state
+        raise ConfigError(_other_run(path, "its fp32 master weights are in its optimizer state "
+                                           "(precision.master_weights=optimizer)"))
     try:
-        optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=True))
+        optimizer.load_state_dict(saved)
     except ValueError as e:  # torch's check that the groups and their sizes match
         raise ConfigError(_other_run(path, f"its optimizer state is for other parameters ({e})")) from None
     scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))

@@ -179,7 +179,11 @@ def _free_port() -> int:
 def refuse_unsupported(cfg, world: World) -> None:
     """What does not work sharded yet, refused before the model loads (cfg: a RunConfig). DDP
     refuses nothing here: its parameters are the plain tensors one process trains (fp16's
-    GradScaler, precision overrides, FP8 and QLoRA layers, 8-bit AdamW all see what they see there)."""
+    GradScaler, precision overrides, FP8 and QLoRA layers, 8-bit AdamW all see what they see there),
+    except precision.master_weights=optimizer, whose bf16 gradients DDP would average in bf16."""
+    if cfg.precision.master_weights == "optimizer" and world.strategy != "none":
+        raise ConfigError(f"precision.master_weights=optimizer runs on one process (distributed.strategy={world.strategy} "
+                          "would reduce its bf16 gradients in bf16): use precision.master_weights=fp32 there")
     if not world.sharded:
         return
     why = {

@@ -100,8 +100,8 @@ def clips_in_optimizer(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradS
     full fine-tuning ~4 ms a step on an H200, a foreach read and write of 8.5 GB: docs/benchmarks.md,
     fifteenth session). Not with the loss scaler on (fp16: GradScaler.step sets grad_scale itself),
     nor for other optimizers (bitsandbytes' 8-bit ones, torch's foreach AdamW ignore or refuse it)."""
-    return (isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) and bool(optimizer.defaults.get("fused"))
-            and not scaler.is_enabled())
+    fused = isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) and bool(optimizer.defaults.get("fused"))
+    return (fused or getattr(optimizer, "takes_grad_scale", False)) and not scaler.is_enabled()
 
 
 def clip_to(params: list[nn.Parameter], max_norm: float, total: float) -> None:
@@ -156,6 +156,8 @@ class GradHealth:
     def step(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler,
              max_grad_norm: float | None, loss: float) -> dict:
         """Unscale, measure per-group norms, clip, then step or skip. Returns the step's metrics."""
+        if hasattr(optimizer, "fold_held_gradients"):  # fp32 sums of earlier micro-batches (MasterWeightAdamW)
+            optimizer.fold_held_gradients()
         scaler.unscale_(optimizer)
         norms = grad_norms(self.groups)
         total = math.sqrt(sum(n * n for n in norms.values()))  # inf/nan propagate

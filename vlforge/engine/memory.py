@@ -176,7 +176,9 @@ def memory_estimate(model: nn.Module, plan: list, cfg, world_size: int = 1) -> d
         "layers_per_unit": layers_per_unit(d, world_size),
         "problem": problem,
         "optimizer": cfg.optim.name,
-        "master_weights": NAMES[policy.master_dtype],
+        # in the optimizer: the same bytes as fp32 parameters (bf16 copy + fp32 master = fp32 + its
+        # autocast cast; bf16 gradients), counted there as fp32 parameters and gradients
+        "master_weights": NAMES[policy.master_dtype] + (" (in the optimizer)" if policy.masters_in_optimizer else ""),
         "compute": NAMES[policy.compute_dtype],
         "params": sum(t.numel for t in tensors),
         "trainable_params": sum(t.numel for t in tensors if t.trainable),
@@ -273,7 +275,8 @@ def _held_for_backward(per_layer: dict[str, int], cfg, compute_bytes: int) -> fl
 def rollout_weight_copies(model: nn.Module, plan: list, cfg, sharded: bool) -> float:
     """GRPO: bytes of the compute-dtype copies of master-dtype linear weights that rollouts decode
     from (PrecisionPolicy.inference_weights; kept across steps so the decode graphs stay valid).
-    None with compute-dtype masters, and none under FSDP2, whose gathers are in the compute dtype.
+    None with compute-dtype masters or masters in the optimizer (the model's linear weights are
+    compute-dtype already), and none under FSDP2, whose gathers are in the compute dtype.
     The same selection as inference_weights: weights used only by exact nn.Linear layers computing in
     the compute dtype (not FP8's converted linears, not fp32-compute overrides), LoRA's A and B
     (peft's nn.Linear layers, the fused experts' too) included."""
@@ -281,7 +284,7 @@ def rollout_weight_copies(model: nn.Module, plan: list, cfg, sharded: bool) -> f
     from vlforge.model.tiers import expert_shape
 
     policy = PrecisionPolicy(cfg.precision, "cpu")
-    if sharded or policy.master_dtype == policy.compute_dtype:
+    if sharded or policy.master_dtype == policy.compute_dtype or policy.masters_in_optimizer:
         return 0.0
     fp8 = fp8_layer_plan(model, cfg.precision.fp8) if cfg.precision.fp8.enabled else {}
     converted = {name for name, d in fp8.items() if d.convert}

@@ -1,5 +1,5 @@
-"""AdamW (torch fp32 or bitsandbytes 8-bit) over per-tier param groups, and the warmup + decay
-learning-rate schedule."""
+"""AdamW (torch fp32, bitsandbytes 8-bit, or over fp32 masters of bf16 working weights) over per-tier
+param groups, and the warmup + decay learning-rate schedule."""
 
 from __future__ import annotations
 
@@ -87,8 +87,16 @@ class ShardLocalAdamW(torch.optim.AdamW):
         return has_complex
 
 
-def build_optimizer(groups: list[dict], cfg: OptimConfig, device_type: str) -> torch.optim.Optimizer:
-    """One optimizer over `groups` (tiers.param_groups: each group's own lr and weight_decay)."""
+def build_optimizer(groups: list[dict], cfg: OptimConfig, device_type: str,
+                    masters: dict | None = None) -> torch.optim.Optimizer:
+    """One optimizer over `groups` (tiers.param_groups: each group's own lr and weight_decay).
+    `masters`: the fp32 values of parameters the model computes with in bf16
+    (precision.master_weights=optimizer: PrecisionPolicy.take_masters), which MasterWeightAdamW keeps."""
+    if masters is not None:
+        if cfg.name != "adamw":
+            raise ConfigError(f"precision.master_weights=optimizer keeps fp32 masters in torch AdamW's update; "
+                              f"optim.name={cfg.name} has its own state: use optim.name=adamw or master_weights=fp32")
+        return MasterWeightAdamW(groups, masters, betas=cfg.betas, eps=cfg.eps, compiled=device_type == "cuda")
     if cfg.name == "adamw":
         # fused AdamW on CUDA: one kernel for all params (the peer baseline uses it too).
         fused = device_type == "cuda"
@@ -209,6 +217,156 @@ def _sharded_entry(p, state: dict) -> dict:
             per_row = p.numel() // p.shape[0] // BLOCK
             entry[f"absmax{i}"] = like(state[f"absmax{i}"].view(-1, per_row), (p.shape[0], per_row))
     return entry
+
+
+def adamw_update_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+                  working: torch.Tensor | None, hp: torch.Tensor) -> None:
+    """One AdamW step of one tensor, in place, as torch.optim.AdamW computes it (decoupled weight
+    decay, bias-corrected moments), in fp32 whatever `grad`'s dtype, then `working` (the bf16 copy
+    the model computes with, if any) rewritten from the new master. `hp` (fp32, on the device):
+    [grad divisor (the clip), 1 - lr * weight_decay, 1 - beta1, beta2, 1 - beta2, lr / (1 - beta1^t),
+    1 / sqrt(1 - beta2^t), eps]: tensors, so a new lr is no new compiled graph."""
+    divisor, decay, one_minus_beta1, beta2, one_minus_beta2, step_size, inv_bc2_sqrt, eps = hp.unbind()
+    g = grad.float() / divisor
+    master.mul_(decay)
+    exp_avg.lerp_(g, one_minus_beta1)
+    exp_avg_sq.mul_(beta2).add_(one_minus_beta2 * g * g)
+    master.sub_(step_size * exp_avg / (exp_avg_sq.sqrt() * inv_bc2_sqrt + eps))
+    if working is not None:
+        working.copy_(master)
+
+
+def _update_group(masters, grads, exp_avgs, exp_avg_sqs, workings, hp) -> None:
+    """adamw_update_ over one param group's lists (compiled once per group on CUDA: inductor fuses
+    each tensor's update, the bf16 gradient's upcast and the working copy's write into one kernel
+    that reads 14 bytes a bf16-computed weight and writes 14, where autocast's casts around fused
+    AdamW moved ~26 more: docs/benchmarks.md)."""
+    for master, grad, exp_avg, exp_avg_sq, working in zip(masters, grads, exp_avgs, exp_avg_sqs, workings):
+        adamw_update_(master, grad, exp_avg, exp_avg_sq, working, hp)
+
+
+class MasterWeightAdamW(torch.optim.Optimizer):
+    """AdamW whose fp32 master weights live in its state, for a model that computes with bf16
+    working copies of its linear weights (precision.master_weights=optimizer).
+
+    With fp32 parameters under autocast every step casts each weight to bf16 in the forward and
+    each bf16 weight gradient back to fp32, and fused AdamW then reads the fp32 gradient: three
+    passes over every weight that only move bytes. Here the model's linear weights are bf16 (what
+    autocast would have computed with: the forward is the same bits), backward leaves bf16 gradients
+    (the same values autocast's cast would have widened), and one update per tensor reads the bf16
+    gradient with the fp32 master and moments and writes the master, the moments and the bf16 copy.
+    Hand-written because torch's fused AdamW refuses a parameter and gradient of different dtypes
+    and has no second output; its math is copied (tests/test_master_weights.py checks it against
+    torch.optim.AdamW). Parameters that stay fp32 (norms, embeddings) are their own masters.
+
+    Gradient accumulation: bf16 sums lose a small micro-batch gradient's low bits against a large
+    running sum, so `hold_gradients` (after every backward but a step's last) adds them into fp32
+    buffers, and `fold_held_gradients` (GradHealth.step, before the norms) rounds the fp32 total to
+    bf16 once: the precision of one micro-batch's bf16 gradient. The state (masters included) is
+    saved and loaded in fp32, so a resumed run continues exactly."""
+
+    takes_grad_scale = True  # the clip rides in the update (engine/health.clips_in_optimizer)
+
+    def __init__(self, groups: list[dict], masters: dict, betas=(0.9, 0.999), eps: float = 1e-8,
+                 compiled: bool = False):
+        super().__init__(groups, {"lr": 1e-3, "betas": betas, "eps": eps, "weight_decay": 0.0})
+        self._initial_masters = masters  # param -> fp32 value (dropped as each param's state is made)
+        self._held: dict[torch.Tensor, torch.Tensor] = {}  # param -> fp32 sum of earlier micro-batches' grads
+        if compiled:
+            from vlforge.engine.compiled import allow_compiled_variants
+
+            allow_compiled_variants()
+        self._update = torch.compile(_update_group, dynamic=False) if compiled else _update_group
+
+    def _state(self, p: torch.Tensor) -> dict:
+        state = self.state[p]
+        if not state:
+            master = self._initial_masters.pop(p, None)
+            if p.dtype != torch.float32:
+                if master is None:
+                    raise RuntimeError("a non-fp32 parameter without its fp32 master: PrecisionPolicy.apply makes them")
+                state["master"] = master
+            state["step"] = 0
+            state["exp_avg"] = torch.zeros_like(p, dtype=torch.float32)
+            state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float32)
+        return state
+
+    @torch.no_grad()
+    def hold_gradients(self) -> None:
+        """After a backward that is not the step's last: move the bf16 gradients into fp32 sums."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None or p.dtype == torch.float32:
+                    continue  # fp32 parameters accumulate in fp32 already
+                held = self._held.get(p)
+                if held is None:
+                    self._held[p] = p.grad.float()
+                else:
+                    held.add_(p.grad)
+                p.grad.zero_()  # kept, not dropped: CUDA graphs' gradient buffers must stay where they are
+
+    @torch.no_grad()
+    def fold_held_gradients(self) -> None:
+        """After the step's last backward: each held fp32 sum plus the last gradient, rounded once."""
+        for p, held in self._held.items():
+            if p.grad is None:
+                p.grad = held.to(p.dtype)
+            else:
+                p.grad.copy_(held.add_(p.grad))
+        self._held.clear()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self._held.clear()
+        super().zero_grad(set_to_none)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        if closure is not None:
+            raise ValueError("MasterWeightAdamW takes no closure")
+        if self._held:
+            self.fold_held_gradients()
+        divisor = getattr(self, "grad_scale", None)
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            states = [self._state(p) for p in params]
+            step = states[0]["step"] + 1  # one group's tensors step together
+            for state in states:
+                state["step"] = step
+            beta1, beta2 = group["betas"]
+            lr = group["lr"]
+            hp = torch.tensor([1.0, 1.0 - lr * group["weight_decay"], 1.0 - beta1, beta2, 1.0 - beta2,
+                               lr / (1.0 - beta1 ** step), 1.0 / math.sqrt(1.0 - beta2 ** step), group["eps"]],
+                              dtype=torch.float32).to(params[0].device, non_blocking=True)
+            if divisor is not None:
+                hp[0] = divisor
+            self._update([s.get("master", p) for s, p in zip(states, params)], [p.grad for p in params],
+                         [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
+                         [p if "master" in s else None for s, p in zip(states, params)], hp)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """torch's, except that the state keeps its fp32 (torch's casts floating state to each
+        parameter's dtype: the bf16 working copy's)."""
+        saved_ids = list(chain.from_iterable(g["params"] for g in state_dict["param_groups"]))
+        params = list(chain.from_iterable(g["params"] for g in self.param_groups))
+        for key, p in zip(saved_ids, params):
+            if p.dtype != torch.float32 and "master" not in state_dict["state"].get(key, {"master": None}):
+                raise ValueError("its optimizer state holds no fp32 master weights (saved with precision."
+                                 "master_weights=fp32 or compute)")
+        super().load_state_dict(state_dict)
+        for key, p in zip(saved_ids, params):
+            if key in state_dict["state"]:
+                self.state[p] = {k: v.to(p.device) if torch.is_tensor(v) else v
+                                 for k, v in state_dict["state"][key].items()}
+                self._initial_masters.pop(p, None)
+
+
+def hold_gradients(optimizer: torch.optim.Optimizer) -> None:
+    """After a backward that is not its optimizer step's last (gradient accumulation): an optimizer
+    that sums bf16 gradients in fp32 (MasterWeightAdamW) takes them; others leave autograd's sums."""
+    if isinstance(optimizer, MasterWeightAdamW):
+        optimizer.hold_gradients()
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int):

@@ -2,6 +2,7 @@
 
     mode   trainable params (master)            frozen params   compute (autocast)   loss scaling
     bf16   fp32 (or bf16: master_weights=compute)   bf16          bf16                 none (bf16 has fp32's range)
+           (master_weights=optimizer: linear weights bf16, their fp32 masters in the optimizer)
     fp16   fp32                                  fp16            fp16                 dynamic (GradScaler)
     fp32   fp32                                  fp32            fp32                 none
 
@@ -78,7 +79,11 @@ class PrecisionPolicy:
         self.mode = cfg.mode
         self.device_type = device_type  # "cpu" | "cuda"
         self.compute_dtype = DTYPES[cfg.mode]
-        self.master_dtype = torch.float32 if cfg.master_weights == "fp32" else self.compute_dtype
+        self.master_dtype = self.compute_dtype if cfg.master_weights == "compute" else torch.float32
+        # master_weights=optimizer: trainable linear weights are stored in the compute dtype, and
+        # `apply` keeps their fp32 values here for the optimizer (take_masters)
+        self.masters_in_optimizer = cfg.master_weights == "optimizer"
+        self._masters: dict[nn.Parameter, torch.Tensor] = {}
         self._overrides = [(re.compile(o.pattern), o) for o in cfg.overrides]
 
     @property
@@ -137,6 +142,26 @@ class PrecisionPolicy:
                 _run_forward_in(module, compute, self.device_type)
                 module._vlforge_compute = compute  # never wrap twice (apply on a model twice)
                 wrapped.append((module_name, compute))
+        if self.masters_in_optimizer:
+            self._working_copies(model)
+
+    def _working_copies(self, model: nn.Module) -> None:
+        """master_weights=optimizer: each trainable weight used only by plain nn.Linear layers that
+        compute in the compute dtype (what autocast would cast it to at every use) is stored in
+        that dtype; its fp32 value is kept for the optimizer. Embeddings (their fp32 output is the
+        residual stream, and a tied lm_head shares them), norms and FP8's linears keep fp32."""
+        for p in linear_only_weights(model, self):
+            if p.requires_grad and p.dtype == torch.float32 and p not in self._masters:
+                self._masters[p] = p.data
+                p.data = p.data.to(self.compute_dtype)
+
+    def take_masters(self) -> dict[nn.Parameter, torch.Tensor] | None:
+        """The fp32 masters of the working copies `apply` made (the optimizer takes them; None when
+        master_weights is not `optimizer`)."""
+        if not self.masters_in_optimizer:
+            return None
+        masters, self._masters = self._masters, {}
+        return masters
 
     def check_patterns(self, model: nn.Module) -> None:
         """An override whose pattern matches no module of `model` is a ConfigError: a typo would
@@ -224,12 +249,16 @@ class PrecisionPolicy:
         """
         fp8_layers, quantized = fp8_layers or {}, quantized or {}
         counts: Counter = Counter()
+        copies = linear_only_weights(model, self) if self.masters_in_optimizer else {}
         for name, module in model.named_modules():
             params = list(module.parameters(recurse=False))
             if not params or "lora_" in name:
                 continue
             name = canonical_name(name)
+            working = name not in fp8_layers and all(p in copies for p in params)  # _working_copies' choice
             storage = quantized.get(name) or NAMES[self.param_dtype(name, name in trainable)]
+            if working and name in trainable:
+                storage = f"{NAMES[self.compute_dtype]} + {storage} master in the optimizer"
             if name in lora:
                 storage += f" + LoRA {NAMES[self.master_dtype]}"
             compute = fp8_layers.get(name) or NAMES[self.module_compute(name)]
@@ -266,7 +295,8 @@ def precision_plan(model: nn.Module, plan: list, cfg: PrecisionConfig, quant: Qu
     fp8_layers = {name: d.reason for name, d in decisions.items() if d.convert}
     policy = PrecisionPolicy(cfg, "cpu")
     policy.check_patterns(model)
-    out = {"mode": cfg.mode, "master_weights": NAMES[policy.master_dtype],
+    out = {"mode": cfg.mode, "master_weights": NAMES[policy.master_dtype] + (" (in the optimizer)" if
+                                                                          policy.masters_in_optimizer else ""),
            "table": policy.table(model, trainable, {e.owner for e in plan if e.kind == "lora"}, fp8_layers,
                                  quantized={n: m for n, m in quant_plan(model, quant).items() if m != "none"}
                                  if quant is not None and quant.enabled else None)}

@@ -101,7 +101,8 @@ class Run:
         `answer`: how the evaluation answers its prompts (engine.evaluate.generate_answers' signature;
         GRPO with tools: as conversations with them)."""
         out, world = Path(cfg.train.output_dir), t.world
-        optimizer = build_optimizer(param_groups(t.model, t.plan, cfg.optim.weight_decay), cfg.optim, t.device.type)
+        optimizer = build_optimizer(param_groups(t.model, t.plan, cfg.optim.weight_decay), cfg.optim, t.device.type,
+                                    masters=t.policy.take_masters())
         scheduler = build_scheduler(optimizer, cfg.optim, total_steps)
         scaler = t.policy.grad_scaler()
         health = GradHealth(t.model, t.plan, cfg.health, cfg.precision.mode, spikes=spikes)
@@ -133,7 +134,7 @@ class Run:
         if world.main:  # before hours of training, not at the first save: will the checkpoints fit?
             saves_left = sum(due(cfg.train.save_every, s, total_steps) for s in range(step + 1, total_steps + 1))
             held = checkpoints_held(saves_left, len(list_checkpoints(out)), cfg.train.keep_last)
-            per = checkpoint_bytes(t.model, cfg.optim.name)
+            per = checkpoint_bytes(t.model, cfg.optim.name, t.policy.masters_in_optimizer)
             if problem := space_problem(shutil.disk_usage(out).free, per, held, out):
                 print(f"warning: {problem}")
         # every rank evaluates (a sharded forward needs them all; DDP's ranks would wait for rank 0 anyway); rank 0 writes

@@ -18,6 +18,7 @@ from torch import nn
 
 from vlforge.config import ConfigError, GRPOConfig, ModelConfig, PrecisionConfig, RunConfig
 from vlforge.data.encode import record_limits
+from vlforge.engine.compiled import allow_compiled_variants
 from vlforge.engine.distributed import World, meta_init, outside_state_dict, refuse_unsupported, wrap
 from vlforge.engine.fp8 import fp8_backend, fp8_layer_plan, token_multiple
 from vlforge.engine.hardware import bf16_problem, quant_problem
@@ -103,13 +104,6 @@ def checkpoint_selected_blocks(model: torch.nn.Module, every: int) -> int:
     return count
 
 
-# Compiled graphs kept per block type (dynamo's recompile_limit, a code object's). torch's default, 8,
-# is below the set of variants one training step makes of a block: weight dtype (frozen blocks stored in
-# bf16 beside trainable fp32 ones) x whether its input requires grad x whether the input is a view (the
-# tower's first block gets a reshape) x a static, then a dynamic, length. Past the limit dynamo runs
-# the block eager for every input no graph matches: the 2B full step on the mixed-image set hit it on
-# the H200 (docs/benchmarks.md, seventeenth session). The set is bounded: one compile per variant, once.
-COMPILED_VARIANTS = 32
 
 
 def compile_decoder_layers(model: torch.nn.Module, vision: bool = False, cuda_graphs: bool = False,
@@ -120,9 +114,7 @@ def compile_decoder_layers(model: torch.nn.Module, vision: bool = False, cuda_gr
     forward and backward recorded per input shape, then replayed; the caller marks each micro-batch's
     start, `cuda_graph_step_begin`)."""
     core = unwrap(model).model
-    config = torch._dynamo.config  # recompile_limit, named cache_size_limit before torch 2.7 (kept as an alias)
-    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-    setattr(config, name, max(getattr(config, name), COMPILED_VARIANTS))
+    allow_compiled_variants()
     for layer in core.language_model.layers:
         layer.compile(mode="reduce-overhead" if cuda_graphs else None)
     for block in core.visual.blocks if vision else []:

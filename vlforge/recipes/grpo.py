@@ -34,6 +34,7 @@ from vlforge.engine.losses import Root, drop_keepalive_grads
 from vlforge.engine.packed_attention import keep_mask_attention
 from vlforge.engine.metrics import plot_metric, read_metrics
 from vlforge.engine.moe import aux_term, capture, follow
+from vlforge.engine.optim import hold_gradients
 from vlforge.engine.run import Run, begin_run
 from vlforge.engine.trainable import Trainable, cuda_graphs_problem, setup_model
 from vlforge.generate.engine import engine_for
@@ -425,6 +426,8 @@ def update(t: Trainable, ref_model, batches: list[Batch], optimizer, scaler, hea
                     # over ranks; MoE: + train.router_aux_loss_coef x the router load-balancing loss (0 by default)
                     aux = aux_term(t.routing, routed, 1) * (len(part) / all_seqs if all_seqs else 0.0)
                     scaler.scale((loss * w + aux) * world.size).backward()
+                    if j < len(parts) - 1:
+                        hold_gradients(optimizer)  # master_weights=optimizer: bf16 gradients summed in fp32
                 step["loss"] += w * float(loss.detach())
                 for k in ("clip_frac", "ratio_mean", "approx_kl", "clip_frac_lower"):
                     if k in step:

@@ -28,6 +28,7 @@ from vlforge.engine.losses import (HostPrep, count_supervised, count_tokens, dro
                                    sft_loss_sum, step_inputs)
 from vlforge.engine.metrics import plot_metric, read_metrics
 from vlforge.engine.moe import aux_term, capture
+from vlforge.engine.optim import hold_gradients
 from vlforge.engine.packed_attention import packing_pays
 from vlforge.engine.run import Run, begin_run
 from vlforge.engine.runtime import resolve_device, resolve_num_workers
@@ -122,6 +123,8 @@ def train_step(t: Trainable, micro: list[dict], optimizer, scaler, health: GradH
         # makes it so: no x world size), logged apart as moe/aux_loss
         with no_sync(t.root, last=i == len(micro) - 1):
             scaler.scale(micro_loss * world.size + aux_term(t.routing, routed, len(micro))).backward()
+        if i < len(micro) - 1:
+            hold_gradients(optimizer)  # master_weights=optimizer: bf16 gradients summed in fp32
         micro_loss = micro_loss.detach().double()  # fp64, as the host's float sum it replaces: the same bits
         loss_total = micro_loss if loss_total is None else loss_total + micro_loss
     # the global batch's loss (the same on every rank), its micro-batches with images, its tokens

@@ -1,0 +1,194 @@
+"""precision.master_weights=optimizer: bf16 working copies of the linear weights, fp32 masters in
+MasterWeightAdamW (engine/optim.py). Its update against torch.optim.AdamW, the working copies against
+the masters, a tiny SFT run against master_weights=fp32 (the same forward bits), gradient
+accumulation in fp32, an exact resume, and the refusals."""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from vlforge.config import ConfigError, PrecisionConfig
+from vlforge.engine.optim import MasterWeightAdamW
+
+
+def _groups(params, lr=1e-2):
+    return [{"params": params[:2], "lr": lr, "weight_decay": 0.1}, {"params": params[2:], "lr": lr / 2,
+                                                                     "weight_decay": 0.0}]
+
+
+def _params(dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in ((8, 4), (16,), (3, 5), (7,))]
+
+
+@pytest.mark.parametrize("clip", [None, 3.0])
+def test_the_update_is_torch_adamw(clip):
+    """fp32 parameters (their own masters): the same values as torch's AdamW over 6 steps with a
+    changing lr, decay on one group, and the clip as a gradient divisor (fused AdamW's grad_scale)."""
+    ours, ref = _params(), _params()
+    opt = MasterWeightAdamW(_groups(ours), {}, betas=(0.9, 0.95), eps=1e-8)
+    torch_opt = torch.optim.AdamW(_groups(ref), betas=(0.9, 0.95), eps=1e-8, foreach=False)
+    g = torch.Generator().manual_seed(1)
+    for step in range(6):
+        for a, b in zip(ours, ref):
+            grad = torch.randn(a.shape, generator=g)
+            a.grad, b.grad = grad.clone(), grad / clip if clip else grad.clone()
+        for o in (opt, torch_opt):
+            for group in o.param_groups:
+                group["lr"] *= 0.7  # a schedule: a new lr every step (tensors in the update: no new graph)
+        if clip:
+            opt.grad_scale = torch.tensor(clip)
+        opt.step()
+        torch_opt.step()
+        opt.__dict__.pop("grad_scale", None)
+        for a, b in zip(ours, ref):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    state = opt.state[ours[0]]
+    assert state["step"] == 6 and state["exp_avg"].dtype == torch.float32 and "master" not in state
+
+
+def test_working_copies_are_the_rounded_fp32_masters():
+    """bf16 parameters: the masters step as fp32 AdamW on the bf16 gradients widened (what autocast's
+    cast gave fp32 parameters), and each working copy is its master rounded to bf16."""
+    masters32 = _params()
+    working = [nn.Parameter(m.detach().to(torch.bfloat16)) for m in masters32]
+    masters = {w: m.detach().clone() for w, m in zip(working, masters32)}
+    opt = MasterWeightAdamW(_groups(working), masters)
+    ref = torch.optim.AdamW(_groups(masters32), foreach=False)
+    g = torch.Generator().manual_seed(2)
+    for _ in range(4):
+        for w, m in zip(working, masters32):
+            w.grad = torch.randn(w.shape, generator=g).to(torch.bfloat16)
+            m.grad = w.grad.float()
+        opt.step()
+        ref.step()
+    for w, m in zip(working, masters32):
+        master = opt.state[w]["master"]
+        assert master.dtype == torch.float32 and w.dtype == torch.bfloat16
+        torch.testing.assert_close(master, m.detach(), rtol=1e-6, atol=1e-7)
+        assert torch.equal(w.detach(), master.to(torch.bfloat16))
+
+
+def test_held_gradients_sum_in_fp32():
+    """Accumulation: a small gradient added to a large one keeps its low bits (bf16 sums lose them)."""
+    w = nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))
+    opt = MasterWeightAdamW([{"params": [w], "lr": 0.0, "weight_decay": 0.0}], {w: torch.zeros(4)})
+    w.grad = torch.full((4,), 256.0, dtype=torch.bfloat16)
+    opt.hold_gradients()
+    assert torch.equal(w.grad, torch.zeros(4, dtype=torch.bfloat16))  # kept in place, zeroed
+    for _ in range(4):  # each 1.0 vanishes against 256 in bf16 (8 bits of mantissa)
+        w.grad.add_(1.0)
+        opt.hold_gradients()
+    w.grad.add_(1.0)
+    opt.fold_held_gradients()
+    # the fp32 sum 261 rounded once to bf16 (260); summed in bf16 every 1.0 would have vanished: 256
+    assert w.grad.tolist() == [torch.tensor(261.0).bfloat16().item()] * 4 == [260.0] * 4
+
+
+def _run(shapes_dir, out, *extra):
+    from helpers import tiny_sft_config
+
+    from vlforge.recipes.sft import run_sft
+
+    cfg = tiny_sft_config(shapes_dir, out, "precision.mode=bf16", "tiers.method=full", "train.max_steps=4",
+                          "data.val=null", "train.seed=3", *extra)
+    run_sft(cfg)
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
+            if '"loss"' in line and '"grad_norm"' in line]
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_sft_trains_as_fp32_masters_do(shapes_dir, tmp_path, accum):
+    """A tiny bf16 SFT run: with master_weights=optimizer the forward computes on the same bf16
+    values autocast cast the fp32 masters to, so the first step's loss and gradient norm are the
+    same bits, and later steps differ only by the update's rounding (CPU: torch's foreach AdamW vs
+    ours). The run's linear weights are bf16 and its saved optimizer state holds fp32 masters."""
+    extra = (f"train.grad_accum={accum}", "train.batch_size=2")
+    fp32 = _run(shapes_dir, tmp_path / "fp32", *extra)
+    ours = _run(shapes_dir, tmp_path / "ours", "precision.master_weights=optimizer", "train.save_every=4", *extra)
+    # accumulated: the fp32 sum is rounded to bf16 once (fp32 masters keep it fp32): 2^-9 per element
+    assert fp32[0]["loss"] == ours[0]["loss"]
+    assert fp32[0]["grad_norm"] == pytest.approx(ours[0]["grad_norm"], rel=1e-5 if accum == 1 else 2e-4)
+    for a, b in zip(fp32, ours):
+        assert b["loss"] == pytest.approx(a["loss"], rel=2e-3) and not b["skipped"]
+    state = torch.load(tmp_path / "ours" / "checkpoint-4" / "optimizer.pt", weights_only=True)["state"]
+    masters = [s["master"] for s in state.values() if "master" in s]
+    assert masters and all(m.dtype == torch.float32 for m in masters)
+
+
+def test_resume_continues_exactly_and_other_masters_are_refused(shapes_dir, tmp_path):
+    """4 steps in one go equal 2 + a resume from checkpoint-2 (the fp32 masters come back from the
+    optimizer state, not from the bf16 model files); a checkpoint of the other kind is refused."""
+    from safetensors.torch import load_file
+
+    mw = ("precision.master_weights=optimizer", "train.save_every=2", "optim.schedule=constant")
+    _run(shapes_dir, tmp_path / "whole", *mw)
+    _run(shapes_dir, tmp_path / "split", *mw, "train.max_steps=2")
+    _run(shapes_dir, tmp_path / "split", *mw, f"train.resume={tmp_path / 'split' / 'checkpoint-2'}")
+    whole, split = (load_file(tmp_path / d / "checkpoint-4" / "model.safetensors") for d in ("whole", "split"))
+    assert whole.keys() == split.keys() and all(torch.equal(whole[k], split[k]) for k in whole)
+    assert {v.dtype for v in whole.values()} == {torch.bfloat16, torch.float32}  # linears bf16, norms fp32
+    masters = [torch.load(tmp_path / d / "checkpoint-4" / "optimizer.pt", weights_only=True)["state"]
+               for d in ("whole", "split")]
+    assert all(torch.equal(a["master"], b["master"]) for a, b in zip(masters[0].values(), masters[1].values())
+               if "master" in a)
+    _run(shapes_dir, tmp_path / "fp32", "train.save_every=2", "train.max_steps=2")
+    for src, mode in ((tmp_path / "fp32", "optimizer"), (tmp_path / "whole", "fp32")):
+        with pytest.raises(ConfigError, match="master"):
+            _run(shapes_dir, tmp_path / f"other-{mode}", f"precision.master_weights={mode}",
+                 f"train.resume={src / 'checkpoint-2'}")
+
+
+def test_refusals():
+    with pytest.raises(ConfigError, match="precision.mode=bf16"):
+        PrecisionConfig(mode="fp16", master_weights="optimizer")
+    with pytest.raises(ConfigError, match="optim.name=adamw"):
+        from vlforge.config import OptimConfig
+        from vlforge.engine.optim import build_optimizer
+
+        build_optimizer([{"params": [nn.Parameter(torch.zeros(2))]}], OptimConfig(name="adamw8bit"), "cpu", masters={})
+
+
+@pytest.mark.gpu
+def test_the_compiled_update_on_cuda_equals_eager():
+    """On CUDA the update is compiled (inductor: one kernel per tensor); the same values as eager."""
+    def make(compiled):
+        g = torch.Generator().manual_seed(0)
+        ws = [nn.Parameter(torch.randn(s, generator=g).to("cuda", torch.bfloat16)) for s in ((256, 64), (64,), (3, 7))]
+        ws.append(nn.Parameter(torch.randn(5, generator=g).cuda()))
+        masters = {w: w.detach().float() for w in ws if w.dtype == torch.bfloat16}
+        return ws, MasterWeightAdamW(_groups(ws), masters, compiled=compiled)
+
+    (a, opt_a), (b, opt_b) = make(False), make(True)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        for x, y in zip(a, b):
+            x.grad = torch.randn(x.shape, generator=g).to("cuda", x.dtype)
+            y.grad = x.grad.clone()
+        opt_b.grad_scale = torch.tensor(2.0, device="cuda")
+        opt_a.grad_scale = opt_b.grad_scale
+        opt_a.step()
+        opt_b.step()
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, rtol=1e-5, atol=1e-6)
+        if "master" in opt_a.state[x]:
+            torch.testing.assert_close(opt_a.state[x]["master"], opt_b.state[y]["master"], rtol=1e-6, atol=1e-7)
+
+
+def test_the_plan_names_the_working_copies():
+    """--plan's precision table: trainable linears bf16 with their masters in the optimizer; the tied
+    embedding, norms and frozen weights as with fp32 masters."""
+    from vlforge.config import TiersConfig
+    from vlforge.engine.precision import precision_plan
+    from vlforge.model.load import build_meta_model
+    from vlforge.model.tiers import build_plan
+
+    from vlforge.config import ModelConfig
+
+    model, _ = build_meta_model(ModelConfig(preset="tiny"))
+    table = {r["modules"]: r["storage"] for r in precision_plan(
+        model, build_plan(model, TiersConfig(method="full")), PrecisionConfig(master_weights="optimizer"))["table"]}
+    assert table["model.language_model.layers.*.self_attn.q_proj"] == "bf16 + fp32 master in the optimizer"
+    assert table["model.language_model.embed_tokens"] == table["model.language_model.norm"] == "fp32"
