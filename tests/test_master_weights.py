@@ -49,6 +49,22 @@ def test_the_update_is_torch_adamw(clip):
     assert state["step"] == 6 and state["exp_avg"].dtype == torch.float32 and "master" not in state
 
 
+def test_a_tensor_without_gradients_keeps_its_own_step_count():
+    """A tensor that got no gradient in some steps (a vision block on text-only batches) is corrected
+    for its own number of steps, as torch's AdamW does per tensor."""
+    ours, ref = _params(), _params()
+    opt = MasterWeightAdamW(_groups(ours), {})
+    torch_opt = torch.optim.AdamW(_groups(ref), foreach=False)
+    for step in range(4):
+        for i, (a, b) in enumerate(zip(ours, ref)):
+            a.grad = b.grad = None if (i == 1 and step < 2) else torch.full(a.shape, 0.1 * (step + 1))
+        opt.step()
+        torch_opt.step()
+    assert opt.state[ours[1]]["step"] == 2 and opt.state[ours[0]]["step"] == 4
+    for a, b in zip(ours, ref):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
 def test_working_copies_are_the_rounded_fp32_masters():
     """bf16 parameters: the masters step as fp32 AdamW on the bf16 gradients widened (what autocast's
     cast gave fp32 parameters), and each working copy is its master rounded to bf16."""

@@ -327,23 +327,25 @@ class MasterWeightAdamW(torch.optim.Optimizer):
             self.fold_held_gradients()
         divisor = getattr(self, "grad_scale", None)
         for group in self.param_groups:
-            params = [p for p in group["params"] if p.grad is not None]
-            if not params:
-                continue
-            states = [self._state(p) for p in params]
-            step = states[0]["step"] + 1  # one group's tensors step together
-            for state in states:
-                state["step"] = step
+            # by step count: a tensor without a gradient in some steps (the vision tower's on text-only
+            # ones) has taken fewer, and its bias correction is its own (as torch's per-tensor `step`)
+            by_step: dict[int, list] = {}
+            for p in group["params"]:
+                if p.grad is not None:
+                    state = self._state(p)
+                    state["step"] += 1
+                    by_step.setdefault(state["step"], []).append((p, state))
             beta1, beta2 = group["betas"]
             lr = group["lr"]
-            hp = torch.tensor([1.0, 1.0 - lr * group["weight_decay"], 1.0 - beta1, beta2, 1.0 - beta2,
-                               lr / (1.0 - beta1 ** step), 1.0 / math.sqrt(1.0 - beta2 ** step), group["eps"]],
-                              dtype=torch.float32).to(params[0].device, non_blocking=True)
-            if divisor is not None:
-                hp[0] = divisor
-            self._update([s.get("master", p) for s, p in zip(states, params)], [p.grad for p in params],
-                         [s["exp_avg"] for s in states], [s["exp_avg_sq"] for s in states],
-                         [p if "master" in s else None for s, p in zip(states, params)], hp)
+            for step, pairs in by_step.items():
+                hp = torch.tensor([1.0, 1.0 - lr * group["weight_decay"], 1.0 - beta1, beta2, 1.0 - beta2,
+                                   lr / (1.0 - beta1 ** step), 1.0 / math.sqrt(1.0 - beta2 ** step), group["eps"]],
+                                  dtype=torch.float32).to(pairs[0][0].device, non_blocking=True)
+                if divisor is not None:
+                    hp[0] = divisor
+                self._update([s.get("master", p) for p, s in pairs], [p.grad for p, _ in pairs],
+                             [s["exp_avg"] for _, s in pairs], [s["exp_avg_sq"] for _, s in pairs],
+                             [p if "master" in s else None for p, s in pairs], hp)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """torch's, except that the state keeps its fp32 (torch's casts floating state to each
