@@ -49,6 +49,18 @@ from vlforge.serve.shared_images import image_key, share_identical_images, share
 MAX_NEW_TOKENS = {"classify": 16, "qa": 64, "describe": 512}
 ENGINES = ("vlforge", "hf")  # generate/'s engine (default) | transformers generate (the old path, for comparison)
 SYNC_EVERY = 4  # decode steps between sync points: how often text streams, rows leave and requests join
+# Quantization methods whose kernels replay from CUDA graphs with the eager steps' tokens (the gpu tests
+# test_quantized_decode_under_cuda_graphs_equals_eager, tests/test_serve_engine.py; NF4 experts:
+# tests/test_moe_quant.py): bitsandbytes' NF4 (its gemv at one row, dequantize + GEMM above, custom ops
+# allocating through torch's caching allocator).
+REPLAYABLE_QUANT = frozenset({"none", "nf4"})
+
+
+def unreplayable_quant(report: dict | None) -> list[str]:
+    """The quantization methods of a model's quant report (model/quant.verify) that decode without
+    CUDA graphs (not in REPLAYABLE_QUANT); [] for a plain model."""
+    methods = {key.partition(":")[2] for key, n in (report or {}).get("linears", {}).items() if n}
+    return sorted(methods - REPLAYABLE_QUANT)
 
 
 @dataclass
@@ -341,12 +353,12 @@ class InferenceEngine:
 
     def gen_engine(self) -> Engine:
         """generate/'s engine for this model (its own, not GRPO's engine_for: its slots follow the server).
-        CUDA graphs stay off for quantized weights: bitsandbytes' NF4/int8 kernels and torchao's FP8
-        dynamic scaling allocate and dispatch per call in ways not verified to replay from a graph (the
-        steps run eagerly; same tokens)."""
+        CUDA graphs stay off for quantized weights whose kernels are not verified to replay from a
+        graph (unreplayable_quant): those steps run eagerly (same tokens, host-bound)."""
         if self._gen is None:
             self._gen = Engine(self.model, sync_every=self.sync_every,
-                               use_graphs=False if self.quant_report else None, compile=self.compile)
+                               use_graphs=False if unreplayable_quant(self.quant_report) else None,
+                               compile=self.compile)
         return self._gen
 
     def compile_problem(self) -> str | None:
@@ -357,8 +369,9 @@ class InferenceEngine:
         if self.device.type != "cuda":
             return "the decode step is compiled only on CUDA (it is replayed from CUDA graphs)"
         if not self.gen_engine()._graphs_on(self.device):
-            return "quantized weights decode without CUDA graphs" if self.quant_report else \
-                "this model decodes without CUDA graphs"
+            unreplayable = unreplayable_quant(self.quant_report)
+            return (f"{', '.join(unreplayable)} weights decode without CUDA graphs" if unreplayable else
+                    "this model decodes without CUDA graphs")
         return None
 
     def warm_up(self, slots: int) -> float | None:
