@@ -75,8 +75,10 @@
 #   rewritten and passing; 30B-A3B NF4 decodes 12.7x slower than bf16; the video A/B's first run hit its limit).
 #   Next: s24 (the NF4 30B-A3B decode under the profiler), s24b (the video A/B warm), i13 (8B LoRA graphs+vision),
 #   then opt21, rl19.
-#   Session 25 built precision.master_weights=optimizer: mw25 measures it (2B full, graphs+vision, beside the peer);
-#   s24 ran (NF4 decode eager: serve's graphs were off for quantized models): q25 (graphs for NF4; int8/fp8 probed).
+#   Session 25 ran s24 (NF4 decode eager: serve's graphs were off for quantized models), i13 (8B LoRA packed 2.02-2.04x
+#   on an H100; graphs+vision nothing), s25 (its bench cut by its limit after the peer; mw measured in 3 short calls
+#   after: 2B 2.85x with master_weights=optimizer on the H100). Next: q25 (carry .whl: bnb, ao and serve, whose
+#   wheels are in .whl/serve now; the serve probe skipped without uvicorn), then mw25 on an H200 (the card).
 #   OUT=/some/dir GROUP=moe   bash bench/gpu_pending.sh  # 30B-A3B: peft peer vs ours same process; NF4 memory/decode
 #   OUT=/some/dir GROUP=mem   bash bench/gpu_pending.sh  # selective checkpointing and the activation memory budget
 # (carry .whl/train, and .whl/ao (torchao) for GROUP=tests and q25, .whl/bnb (bitsandbytes) for moe, mem and q25)
@@ -428,7 +430,7 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', '--tb=line', 
        # own pass), so 0.147 -> ~0.138 s a step: ~2.45-2.5x the peer in the same process, peak memory lower
        timeout 100 python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_master_weights.py --tb=short \
          > "$OUT/pytest-mw.txt" 2>&1
-       (cd bench && timeout 470 python3 train.py --preset qwen3vl-2b --method full --steps 12 --warmup 14 --samples 64 \
+       (cd bench && timeout 470 python3 train.py --preset qwen3vl-2b --method full --steps 10 --warmup 16 --samples 64 \
           --paths peer,graphs+vision+mw,graphs+vision,graphs+vision+mw,graphs+vision --ours precision.compile=true \
           --json "$OUT/mw25.json" 2>"$OUT/err-mw25.txt" | tail -12 > "$OUT/mw25.txt") ;;
   s25) # session 25's one call (device time short; carry .whl): mw25's gpu test and its bench with 4 paths, then

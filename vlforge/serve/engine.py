@@ -358,7 +358,7 @@ class InferenceEngine:
         if self._gen is None:
             self._gen = Engine(self.model, sync_every=self.sync_every,
                                use_graphs=False if unreplayable_quant(self.quant_report) else None,
-                               compile=self.compile)
+                               compile=self.compile and not self.quant_report)
         return self._gen
 
     def compile_problem(self) -> str | None:
@@ -368,10 +368,10 @@ class InferenceEngine:
             return "the hf engine is transformers generate"
         if self.device.type != "cuda":
             return "the decode step is compiled only on CUDA (it is replayed from CUDA graphs)"
+        if self.quant_report:
+            return "the compiled decode step is verified on unquantized weights only (NF4 replays its eager steps)"
         if not self.gen_engine()._graphs_on(self.device):
-            unreplayable = unreplayable_quant(self.quant_report)
-            return (f"{', '.join(unreplayable)} weights decode without CUDA graphs" if unreplayable else
-                    "this model decodes without CUDA graphs")
+            return "this model decodes without CUDA graphs"
         return None
 
     def warm_up(self, slots: int) -> float | None:
