@@ -148,6 +148,7 @@ def test_resume_continues_exactly_and_other_masters_are_refused(shapes_dir, tmp_
     assert {v.dtype for v in whole.values()} == {torch.bfloat16, torch.float32}  # linears bf16, norms fp32
     masters = [torch.load(tmp_path / d / "checkpoint-4" / "optimizer.pt", weights_only=True)["state"]
                for d in ("whole", "split")]
+    assert all(v.dtype == torch.float32 for s in masters[1].values() for v in s.values() if torch.is_tensor(v))
     assert all(torch.equal(a["master"], b["master"]) for a, b in zip(masters[0].values(), masters[1].values())
                if "master" in a)
     _run(shapes_dir, tmp_path / "fp32", "train.save_every=2", "train.max_steps=2")
@@ -157,14 +158,49 @@ def test_resume_continues_exactly_and_other_masters_are_refused(shapes_dir, tmp_
                  f"train.resume={src / 'checkpoint-2'}")
 
 
-def test_refusals():
+def test_refusals(shapes_dir, tmp_path):
+    from helpers import tiny_sft_config
+
+    from vlforge.engine.trainable import refuse_bad_combinations
+
     with pytest.raises(ConfigError, match="precision.mode=bf16"):
         PrecisionConfig(mode="fp16", master_weights="optimizer")
-    with pytest.raises(ConfigError, match="optim.name=adamw"):
-        from vlforge.config import OptimConfig
-        from vlforge.engine.optim import build_optimizer
+    cfg = tiny_sft_config(shapes_dir, tmp_path, "precision.mode=bf16", "precision.master_weights=optimizer",
+                          "optim.name=adamw8bit")
+    with pytest.raises(ConfigError, match="optim.name=adamw"):  # before any weights load
+        refuse_bad_combinations(cfg, torch.device("cpu"))
 
-        build_optimizer([{"params": [nn.Parameter(torch.zeros(2))]}], OptimConfig(name="adamw8bit"), "cpu", masters={})
+
+def test_a_gradient_dropped_after_it_was_held_stays_dropped():
+    """drop_keepalive_grads sets a text-only step's vision gradients to None after the last backward:
+    the fold must not bring their held sums back (AdamW's momentum and decay would move them)."""
+    w = nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))
+    opt = MasterWeightAdamW([{"params": [w], "lr": 0.1, "weight_decay": 0.1}], {w: torch.zeros(4)})
+    w.grad = torch.ones(4, dtype=torch.bfloat16)
+    opt.hold_gradients()
+    w.grad = None
+    opt.step()
+    assert w.grad is None and not opt.state[w] and torch.equal(w.detach(), torch.zeros(4, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("accum", [1, 4])
+def test_plan_counts_the_held_gradient_sums(shapes_dir, tmp_path, accum):
+    """--plan: with gradient accumulation, 4 bytes a working weight of fp32 sums (and none without)."""
+    from helpers import tiny_sft_config
+
+    from vlforge.engine.memory import memory_estimate
+    from vlforge.model.load import build_meta_model
+    from vlforge.model.tiers import build_plan
+
+    cfg = tiny_sft_config(shapes_dir, tmp_path, "precision.mode=bf16", "precision.master_weights=optimizer",
+                          "tiers.method=full", f"train.grad_accum={accum}")
+    model, _ = build_meta_model(cfg.model)
+    est = memory_estimate(model, build_plan(model, cfg.tiers), cfg)
+    linears = sum(m.weight.numel() + (m.bias.numel() if m.bias is not None else 0)
+                  for m in model.modules() if type(m) is nn.Linear)
+    # a tied lm_head is the embedding's weight: it keeps fp32, no sum
+    tied = model.lm_head.weight.numel() if model.lm_head.weight is model.get_input_embeddings().weight else 0
+    assert est["held_gradient_sums"] == (4 * (linears - tied) if accum > 1 else 0)
 
 
 @pytest.mark.gpu

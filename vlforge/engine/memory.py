@@ -189,6 +189,7 @@ def memory_estimate(model: nn.Module, plan: list, cfg, world_size: int = 1) -> d
         "expert_lora_copies": expert_lora_copies(model, plan, cfg, compute),
         "nf4_expert_copies": nf4_expert_copies(model, cfg, compute),
         "rollout_weight_copies": rollout_copies,
+        "held_gradient_sums": held_gradient_sums(model, plan, cfg),
         "fsdp2_problem": fsdp2_problem(cfg, world_size),
         "not_estimated": not_estimated,
     }
@@ -270,6 +271,21 @@ def _held_for_backward(per_layer: dict[str, int], cfg, compute_bytes: int) -> fl
     recomputed = [n for unit, n in per_layer.items() if int(unit.split()[-1]) % every == 0]
     kept = [n for unit, n in per_layer.items() if int(unit.split()[-1]) % every != 0]
     return float((sum(kept) + max(recomputed, default=0)) * compute_bytes)
+
+
+def held_gradient_sums(model: nn.Module, plan: list, cfg) -> float:
+    """precision.master_weights=optimizer with gradient accumulation: bytes of the fp32 sums
+    MasterWeightAdamW holds for the bf16 working weights across a step's micro-batches (4 a weight,
+    beside their bf16 gradients). SFT with train.grad_accum > 1; GRPO always (a mini-batch spanning
+    rollout rounds is several backward passes). The full tiers' weights PrecisionPolicy._working_copies
+    picks (LoRA's adapters, a few MB, left out)."""
+    policy = PrecisionPolicy(cfg.precision, "cpu")
+    if not policy.masters_in_optimizer or not (hasattr(cfg, "rollout") or cfg.train.grad_accum > 1):
+        return 0.0
+    full_roots = [e.module for e in plan if e.kind == "full"]
+    linear_only = linear_only_weights(model, policy)
+    return float(4 * sum(p.numel() for name, p in model.named_parameters()
+                         if p in linear_only and _under(name.rpartition(".")[0], full_roots)))
 
 
 def rollout_weight_copies(model: nn.Module, plan: list, cfg, sharded: bool) -> float:
@@ -367,6 +383,9 @@ def format_memory(est: dict) -> str:
     if est.get("expert_lora_copies"):
         lines.append(f"expert LoRA: + {_gb(est['expert_lora_copies'])} of folded expert weights held for backward "
                      "(peft adds the update to a copy of each layer's experts; gradient checkpointing keeps one layer's)")
+    if est.get("held_gradient_sums"):
+        lines.append(f"gradient accumulation: + {_gb(est['held_gradient_sums'])} of fp32 sums of the bf16 working "
+                     "weights' gradients, held across a step's micro-batches (master_weights=optimizer)")
     if est.get("rollout_weight_copies"):
         lines.append(f"GRPO rollouts: + {_gb(est['rollout_weight_copies'])} of {est['compute']} copies of the "
                      f"{est['master_weights']} linear weights, decoded from and kept across steps")

@@ -18,6 +18,10 @@ MIN_8BIT_SIZE = 4096
 BLOCK = 256  # values per fp32 absmax scale in bitsandbytes' blockwise 8-bit state
 
 
+MASTERS_NEED_ADAMW = ("precision.master_weights=optimizer keeps fp32 masters in AdamW's update (MasterWeightAdamW); "
+                      "optim.name={name} has its own state: use optim.name=adamw or precision.master_weights=fp32")
+
+
 def lr_factor(step: int, total: int, warmup: int, schedule: str, min_ratio: float) -> float:
     """Multiplier of each group's peak lr at optimizer step `step` (0-based). Pure; tested."""
     if warmup > 0 and step < warmup:
@@ -93,9 +97,8 @@ def build_optimizer(groups: list[dict], cfg: OptimConfig, device_type: str,
     `masters`: the fp32 values of parameters the model computes with in bf16
     (precision.master_weights=optimizer: PrecisionPolicy.take_masters), which MasterWeightAdamW keeps."""
     if masters is not None:
-        if cfg.name != "adamw":
-            raise ConfigError(f"precision.master_weights=optimizer keeps fp32 masters in torch AdamW's update; "
-                              f"optim.name={cfg.name} has its own state: use optim.name=adamw or master_weights=fp32")
+        if cfg.name != "adamw":  # refused before loading too (engine/trainable.refuse_bad_combinations)
+            raise ConfigError(MASTERS_NEED_ADAMW.format(name=cfg.name))
         return MasterWeightAdamW(groups, masters, betas=cfg.betas, eps=cfg.eps, compiled=device_type == "cuda")
     if cfg.name == "adamw":
         # fused AdamW on CUDA: one kernel for all params (the peer baseline uses it too).
@@ -307,11 +310,12 @@ class MasterWeightAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def fold_held_gradients(self) -> None:
-        """After the step's last backward: each held fp32 sum plus the last gradient, rounded once."""
+        """After the step's last backward: each held fp32 sum plus the last gradient, rounded once.
+        hold_gradients leaves every gradient it takes in place (zeroed), so a gradient that is None
+        now was dropped since (losses.drop_keepalive_grads: the vision tower's placeholder gradients
+        on a text-only step): its sum is dropped with it."""
         for p, held in self._held.items():
-            if p.grad is None:
-                p.grad = held.to(p.dtype)
-            else:
+            if p.grad is not None:
                 p.grad.copy_(held.add_(p.grad))
         self._held.clear()
 
@@ -348,20 +352,21 @@ class MasterWeightAdamW(torch.optim.Optimizer):
                              [p if "master" in s else None for p, s in pairs], hp)
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """torch's, except that the state keeps its fp32 (torch's casts floating state to each
-        parameter's dtype: the bf16 working copy's)."""
+        """torch's for the groups (its checks that they match, the lr and betas); the state is set
+        here, in fp32 as saved (torch's would cast it to each parameter's dtype, the bf16 working
+        copy's: 6 more bytes a weight alive during the load, then a wrong master)."""
         saved_ids = list(chain.from_iterable(g["params"] for g in state_dict["param_groups"]))
         params = list(chain.from_iterable(g["params"] for g in self.param_groups))
         for key, p in zip(saved_ids, params):
             if p.dtype != torch.float32 and "master" not in state_dict["state"].get(key, {"master": None}):
                 raise ValueError("its optimizer state holds no fp32 master weights (saved with precision."
                                  "master_weights=fp32 or compute)")
-        super().load_state_dict(state_dict)
+        super().load_state_dict({**state_dict, "state": {}})
         for key, p in zip(saved_ids, params):
             if key in state_dict["state"]:
+                self._initial_masters.pop(p, None)  # before the saved state arrives: one master alive at a time
                 self.state[p] = {k: v.to(p.device) if torch.is_tensor(v) else v
                                  for k, v in state_dict["state"][key].items()}
-                self._initial_masters.pop(p, None)
 
 
 def hold_gradients(optimizer: torch.optim.Optimizer) -> None:

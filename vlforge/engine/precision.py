@@ -259,8 +259,10 @@ class PrecisionPolicy:
             storage = quantized.get(name) or NAMES[self.param_dtype(name, name in trainable)]
             if working and name in trainable:
                 storage = f"{NAMES[self.compute_dtype]} + {storage} master in the optimizer"
-            if name in lora:
-                storage += f" + LoRA {NAMES[self.master_dtype]}"
+            if name in lora:  # peft's adapters are nn.Linear layers: working copies too under master_weights=optimizer
+                storage += (f" + LoRA {NAMES[self.compute_dtype]} + {NAMES[self.master_dtype]} master in the optimizer"
+                            if self.masters_in_optimizer and self.module_compute(name) == self.compute_dtype
+                            else f" + LoRA {NAMES[self.master_dtype]}")
             compute = fp8_layers.get(name) or NAMES[self.module_compute(name)]
             counts[(re.sub(r"\.\d+(?=\.|$)", ".*", name), storage, compute)] += 1
         return [{"modules": m, "count": n, "storage": s, "compute": c} for (m, s, c), n in counts.items()]

@@ -24,7 +24,7 @@ from vlforge.engine.fp8 import fp8_backend, fp8_layer_plan, token_multiple
 from vlforge.engine.hardware import bf16_problem, quant_problem
 from vlforge.engine.losses import loss_impl_problem
 from vlforge.engine.moe import Routing
-from vlforge.engine.optim import optimizer_problem
+from vlforge.engine.optim import MASTERS_NEED_ADAMW, optimizer_problem
 from vlforge.engine.packed_attention import keep_mask_attention, packing_problem
 from vlforge.engine.precision import PrecisionPolicy
 from vlforge.engine.runtime import resolve_device
@@ -217,6 +217,8 @@ def refuse_bad_combinations(cfg: RunConfig, device: torch.device) -> None:
         raise ConfigError(problem)
     if problem := optimizer_problem(cfg.optim, device.type):
         raise ConfigError(problem)
+    if cfg.precision.master_weights == "optimizer" and cfg.optim.name != "adamw":
+        raise ConfigError(MASTERS_NEED_ADAMW.format(name=cfg.optim.name))
     if problem := loss_impl_problem(cfg.loss, device):  # else it would fail at the first step, after loading
         raise ConfigError(problem)
     if cfg.quant.enabled and cfg.tiers.method != "lora":
