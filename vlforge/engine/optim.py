@@ -242,8 +242,9 @@ def adamw_update_(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tenso
 def _update_group(masters, grads, exp_avgs, exp_avg_sqs, workings, hp) -> None:
     """adamw_update_ over one param group's lists (compiled once per group on CUDA: inductor fuses
     each tensor's update, the bf16 gradient's upcast and the working copy's write into one kernel
-    that reads 14 bytes a bf16-computed weight and writes 14, where autocast's casts around fused
-    AdamW moved ~26 more: docs/benchmarks.md)."""
+    that reads 14 bytes a bf16-computed weight and writes 14; fp32 weights under autocast move ~12
+    more a step: the forward's cast, the gradient's cast back, and AdamW's 4-byte gradient read,
+    less the copy's write. ~6% of the 2B step on an H100: docs/benchmarks.md)."""
     for master, grad, exp_avg, exp_avg_sq, working in zip(masters, grads, exp_avgs, exp_avg_sqs, workings):
         adamw_update_(master, grad, exp_avg, exp_avg_sq, working, hp)
 

@@ -49,10 +49,11 @@ from vlforge.serve.shared_images import image_key, share_identical_images, share
 MAX_NEW_TOKENS = {"classify": 16, "qa": 64, "describe": 512}
 ENGINES = ("vlforge", "hf")  # generate/'s engine (default) | transformers generate (the old path, for comparison)
 SYNC_EVERY = 4  # decode steps between sync points: how often text streams, rows leave and requests join
-# Quantization methods whose kernels replay from CUDA graphs with the eager steps' tokens (the gpu tests
-# test_quantized_decode_under_cuda_graphs_equals_eager, tests/test_serve_engine.py; NF4 experts:
-# tests/test_moe_quant.py): bitsandbytes' NF4 (its gemv at one row, dequantize + GEMM above, custom ops
-# allocating through torch's caching allocator).
+# Quantization methods whose kernels replay from CUDA graphs with the eager steps' tokens: bitsandbytes'
+# NF4 (its gemv at one row, dequantize + GEMM above: custom ops allocating through torch's caching
+# allocator), verified on an H100 by tests/test_moe_quant.py's gpu probe (NF4 attention linears and
+# experts through generate/'s engine). tests/test_serve_engine.py's gpu probe runs nf4, int8 and fp8
+# through serve (int8 and fp8 as expected failures: an XPASS says a method can join; not yet run on a GPU).
 REPLAYABLE_QUANT = frozenset({"none", "nf4"})
 
 
