@@ -143,17 +143,18 @@ def test_cli_plan_memory_table_json_and_world_size(capsys, monkeypatch):
     ("tiny", "full", []), ("tiny", "lora", []),
     ("tiny", "lora", [r"precision.overrides=[{pattern: 'self_attn\.q_proj', compute: fp32}]"]),
     ("tiny-moe", "lora", ["tiers.language.experts=true"])], ids=["full", "lora", "lora-fp32-override", "moe-experts"])
-def test_grpo_rollout_weight_copies_equal_the_copies_a_rollout_makes(tmp_path, preset, method, extra):
-    """fp32 masters: the estimate's rollout copies equal the bytes of the bf16 copies that
-    PrecisionPolicy.inference_weights really makes (full: the trained linears; LoRA: the adapters'
-    A and B, the fused experts' too, but not those an fp32 compute override matches); none with
-    bf16 masters."""
+@pytest.mark.parametrize("master", ["fp32", "optimizer"])
+def test_grpo_rollout_weight_copies_equal_the_copies_a_rollout_makes(tmp_path, preset, method, extra, master):
+    """fp32 masters (in the model, or in the optimizer beside bf16 working weights): the estimate's
+    rollout copies equal the bytes of the bf16 copies that PrecisionPolicy.inference_weights really
+    makes (full: the trained linears; LoRA: the adapters' A and B, the fused experts' too, but not
+    those an fp32 compute override matches); none with bf16 masters."""
     from vlforge.config import GRPOConfig
     from vlforge.engine.memory import format_memory
     from vlforge.engine.trainable import setup_model
 
     overrides = [f"model.preset={preset}", "train.device=cpu", f"tiers.method={method}", "precision.mode=bf16",
-                 "precision.master_weights=fp32", f"train.output_dir={tmp_path}", *extra]
+                 f"precision.master_weights={master}", f"train.output_dir={tmp_path}", *extra]
     cfg = load_config(GRPOConfig, None, overrides)
     meta, _ = build_meta_model(cfg.model)
     est = memory_estimate(meta, build_plan(meta, cfg.tiers), cfg)

@@ -291,8 +291,8 @@ def held_gradient_sums(model: nn.Module, plan: list, cfg) -> float:
 def rollout_weight_copies(model: nn.Module, plan: list, cfg, sharded: bool) -> float:
     """GRPO: bytes of the compute-dtype copies of master-dtype linear weights that rollouts decode
     from (PrecisionPolicy.inference_weights; kept across steps so the decode graphs stay valid).
-    None with compute-dtype masters or masters in the optimizer (the model's linear weights are
-    compute-dtype already), and none under FSDP2, whose gathers are in the compute dtype.
+    None with compute-dtype masters, and none under FSDP2, whose gathers are in the compute dtype
+    (masters in the optimizer: copies of the bf16 trained weights, which the engine may fuse).
     The same selection as inference_weights: weights used only by exact nn.Linear layers computing in
     the compute dtype (not FP8's converted linears, not fp32-compute overrides), LoRA's A and B
     (peft's nn.Linear layers, the fused experts' too) included."""
@@ -300,7 +300,7 @@ def rollout_weight_copies(model: nn.Module, plan: list, cfg, sharded: bool) -> f
     from vlforge.model.tiers import expert_shape
 
     policy = PrecisionPolicy(cfg.precision, "cpu")
-    if sharded or policy.master_dtype == policy.compute_dtype or policy.masters_in_optimizer:
+    if sharded or policy.master_dtype == policy.compute_dtype:
         return 0.0
     fp8 = fp8_layer_plan(model, cfg.precision.fp8) if cfg.precision.fp8.enabled else {}
     converted = {name for name, d in fp8.items() if d.convert}

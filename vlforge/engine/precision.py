@@ -208,12 +208,14 @@ class PrecisionPolicy:
         whose every user is exactly an nn.Linear (not FP8's subclasses; not a weight tied to the
         embedding, whose fp32 output is the fp32 residual stream); modules with an fp32 compute
         override keep theirs. A model sharded by FSDP2 is left alone (its gathers are in the
-        compute dtype already)."""
+        compute dtype already). With master_weights=optimizer the trainable weights are in the compute
+        dtype already and get copies all the same: frozen copies are what generate/fused.py may fuse
+        into one q/k/v and one gate/up GEMM (the trained weights themselves it leaves alone)."""
         swapped = []  # (owner, name, master): the owners' entries are swapped, never a master's .data
         try:
             if self.master_dtype != self.compute_dtype and not fsdp_sharded(model):
                 for p, uses in linear_only_weights(model, self).items():
-                    if p.dtype != self.master_dtype:
+                    if p.dtype != self.master_dtype and not (self.masters_in_optimizer and p.requires_grad):
                         continue
                     copy = getattr(p, "_inference_copy", None)  # kept on the master: it lives as long
                     if copy is None or copy.shape != p.shape or copy.device != p.device:
