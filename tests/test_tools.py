@@ -597,6 +597,7 @@ def test_served_model_calls_tools_openai_style(tool_model, tool_data):
         assert shown["usage"]["prompt_tokens"] == first["usage"]["prompt_tokens"] + \
             first["usage"]["completion_tokens"] + 1 + len(engine.encoder.tool_turn_ids([result], 0, [[(40, 24)]]))
         assert shown["choices"][0]["finish_reason"] in ("stop", "length")
+        tool_turn = [*question, {"role": "assistant", "content": None, "tool_calls": [call]}]
         # tool_choice none: no tools listed, the reply is text
         plain = client.post("/v1/chat/completions", json={**ask, "messages": question, "tool_choice": "none"}).json()
         assert "tool_calls" not in plain["choices"][0]["message"]
@@ -623,6 +624,26 @@ def test_served_model_calls_tools_openai_style(tool_model, tool_data):
         for name, change in bad.items():
             r = client.post("/v1/chat/completions", json={**ask, "messages": question, **change})
             assert r.status_code == 400 and said.get(name, "") in r.json()["error"]["message"], (name, r.text)
+    # a model GRPO trained saw its tools' images at most rollout.tool_image_max_pixels: served with that
+    # bound (a GRPO checkpoint's own, or --tool-image-max-pixels), a tool message's image gets the tokens
+    # the rollout gave it; a user message's image keeps the server's limits
+    from vlforge.config import RolloutConfig
+    from vlforge.rollout.multiturn import tool_image_encoder
+
+    big = io.BytesIO()
+    Image.new("RGB", (200, 120), (20, 20, 250)).save(big, "PNG")
+    part = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(big.getvalue()).decode()}}
+    bounded = ServeConfig(max_prompt_tokens=2048, max_tokens=256, tool_image_max_pixels=4096)
+    with LiveServer(create_app(engine, bounded)) as server, httpx.Client(base_url=server.url, timeout=120) as client:
+        again = client.post("/v1/chat/completions", json={**ask, "messages": question}).json()
+        resized = client.post("/v1/chat/completions", json={**ask, "messages": [*tool_turn, {
+            "role": "tool", "tool_call_id": call["id"], "content": [part, {"type": "text", "text": result}]}]}).json()
+    trained = tool_image_encoder(engine.encoder, RolloutConfig(tool_image_max_pixels=4096))
+    turn = trained.tool_turn_ids([result], 0, [[(200, 120)]])
+    assert again["usage"] == first["usage"]  # the user's image: the server's limits, as before
+    assert resized["usage"]["prompt_tokens"] == first["usage"]["prompt_tokens"] + \
+        first["usage"]["completion_tokens"] + 1 + len(turn)
+    assert len(turn) < len(engine.encoder.tool_turn_ids([result], 0, [[(200, 120)]]))  # the bound bit
 
 
 def test_tool_results_with_images_train_as_context(tiny, shapes_dir, tmp_path):

@@ -483,8 +483,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     for f in ServeConfig.flags():
         unit, meta = f.metadata.get("unit", 1), f.metadata
-        if f.default is None:  # a string option
-            serve.add_argument(meta["flag"], dest=f.name, metavar=meta.get("metavar"), help=meta["help"])
+        if f.default is None:  # an optional setting: a string, or an int (its annotation is a string: __future__)
+            serve.add_argument(meta["flag"], dest=f.name, metavar=meta.get("metavar"), help=meta["help"],
+                               type=int if str(f.type).startswith("int") else None)
         else:
             default = f.default / unit if unit != 1 else f.default
             serve.add_argument(meta["flag"], dest=f.name, type=float if unit != 1 or f.type == "float" else int,

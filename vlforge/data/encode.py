@@ -142,6 +142,14 @@ class Encoder:
         return smart_resize(height, width, factor=self.patch * self.merge,
                             min_pixels=self.limits.min_pixels, max_pixels=self.limits.max_pixels)
 
+    def fit_within(self, image: Image.Image, max_pixels: int) -> Image.Image:
+        """`image` at the size an encoder whose limits are capped at `max_pixels` resizes it to (GRPO's
+        tool images: rollout/multiturn.tool_image_encoder), so that this encoder's own resize, for any
+        limits from that size's area up, then keeps it (its sides are multiples of the patch grid)."""
+        height, width = smart_resize(image.height, image.width, factor=self.patch * self.merge,
+                                     min_pixels=min(self.limits.min_pixels, max_pixels), max_pixels=max_pixels)
+        return image if image.size == (width, height) else image.resize((width, height), Image.Resampling.BICUBIC)
+
     def image_tokens(self, width: int, height: int) -> int:
         h, w = self.resized(width, height)
         return (h // self.patch) * (w // self.patch) // (self.merge**2)

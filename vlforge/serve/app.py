@@ -131,7 +131,7 @@ class _Server:
         """The engine's request: prompt length bounded, images decoded, prompt tokens counted. An
         assistant message's tool calls become its text in the model's own format (rl/tools.py's
         format_tool_calls: what the model generated), a tool message the chat template's tool turn."""
-        messages, image_urls, video_urls = [], [], []
+        messages, image_urls, video_urls, tool_images = [], [], [], set()
         for i, m in enumerate(req.messages):
             role = "system" if m.role == "developer" else m.role
             if m.tool_calls:
@@ -152,6 +152,8 @@ class _Server:
                     video_urls.append((part.url, f"messages.{i}.content.{j}.video_url"))
                     content.append({"type": "video"})
                 else:
+                    if role == "tool":  # resized as GRPO's tools' images were (tool_image_limit)
+                        tool_images.add(len(image_urls))
                     image_urls.append((part.url, f"messages.{i}.content.{j}.image_url"))
                     content.append({"type": "image"})
             messages.append({"role": role, "content": content})
@@ -164,6 +166,9 @@ class _Server:
                                 f"limit is {limit}", param="messages", code="context_length_exceeded")
         limits = self.limits(req)
         images = [self.images.load(url, param, limits and limits.max_pixels) for url, param in image_urls]
+        if tool_images and (bound := self.cfg.tool_image_max_pixels or self.engine.tool_image_max_pixels):
+            encoder = self.engine.encoder_at(limits)
+            images = [encoder.fit_within(im, bound) if k in tool_images else im for k, im in enumerate(images)]
         videos = [self.images.load_video(url, param) for url, param in video_urls]  # headers: nothing decoded
         temperature = 1.0 if req.temperature is None else req.temperature
         # greedy ignores top_p: normalise it so greedy requests share a generate call (the engine groups

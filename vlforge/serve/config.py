@@ -57,6 +57,12 @@ class ServeConfig:
     max_image_pixels: int = _flag(4096 * 4096, "--max-image-pixels",
                                   "largest image (width x height), checked on its header before decoding")
     max_images: int = _flag(8, "--max-images", "images per request")
+    # GRPO trained its tools' images at most rollout.tool_image_max_pixels: served, a tool message's images
+    # are resized so too (InferenceEngine.tool_image_max_pixels: a GRPO checkpoint's own, from its run)
+    tool_image_max_pixels: int | None = field(default=None, metadata={
+        "flag": "--tool-image-max-pixels", "metavar": "N", "minimum": 1024,
+        "help": "resize the images of tool messages to at most N pixels (default: the rollout.tool_image_max_pixels "
+                "of the GRPO run a checkpoint comes from; otherwise the server's image limits, as user images)"})
     # decoding reads a video file's frames in order up to the last one sampled: the work a request can ask for
     max_video_frames: int = _flag(3600, "--max-video-frames", "frames a video file may have (its header's count; "
                                                               "30 fps x 2 minutes by default)")
@@ -76,10 +82,10 @@ class ServeConfig:
     def __post_init__(self):
         for f in fields(self):
             value, minimum = getattr(self, f.name), f.metadata.get("minimum")
-            if minimum is None:
+            if minimum is None or (value is None and f.default is None):  # an optional setting left unset
                 continue
             unit, where = f.metadata.get("unit", 1), f.metadata.get("flag", f"ServeConfig.{f.name}")
-            kind = int if f.type == "int" else (int, float)  # annotations are strings (__future__)
+            kind = int if str(f.type).startswith("int") else (int, float)  # annotations are strings (__future__)
             if isinstance(value, bool) or not isinstance(value, kind) or not value >= minimum:
                 if unit != 1:  # the flag is in other units than the field: say so in the flag's
                     raise ConfigError(f"{where} {value / unit if isinstance(value, (int, float)) else value!r}: "

@@ -57,6 +57,20 @@ SYNC_EVERY = 4  # decode steps between sync points: how often text streams, rows
 REPLAYABLE_QUANT = frozenset({"none", "nf4"})
 
 
+def trained_tool_image_limit(checkpoint: Path) -> int | None:
+    """rollout.tool_image_max_pixels of the GRPO run `checkpoint` belongs to (its parent's
+    config.yaml); None for anything else (a preset, an SFT run, an export: give --tool-image-max-pixels)."""
+    from vlforge.model.export import run_config
+
+    if not (checkpoint.parent / "config.yaml").is_file():
+        return None
+    try:
+        rollout = getattr(run_config(checkpoint), "rollout", None)
+    except ConfigError:
+        return None
+    return rollout.tool_image_max_pixels if rollout is not None else None
+
+
 def unreplayable_quant(report: dict | None) -> list[str]:
     """The quantization methods of a model's quant report (model/quant.verify) that decode without
     CUDA graphs (not in REPLAYABLE_QUANT); [] for a plain model."""
@@ -346,6 +360,9 @@ class InferenceEngine:
         self._gen: Engine | None = None
         # an inference model: no gradients, and generate/'s engine fuses its projections (generate/fused.py)
         model.eval().requires_grad_(False)
+        # the rollout.tool_image_max_pixels of the GRPO run a checkpoint comes from (load sets it): its
+        # tools' images were resized to at most this, and serve resizes a tool message's images so too
+        self.tool_image_max_pixels: int | None = None
 
     @property
     def continuous(self) -> bool:
@@ -431,6 +448,7 @@ class InferenceEngine:
         engine = loaded
         if min_pixels is not None or max_pixels is not None:
             engine.set_image_limits(min_pixels, max_pixels)
+        engine.tool_image_max_pixels = trained_tool_image_limit(Path(source))
         return engine
 
     @classmethod
@@ -470,12 +488,16 @@ class InferenceEngine:
     # ------------------------------------------------------------------ generation
 
     def encoder_for(self, request: Request) -> Encoder:
-        """The encoder of the request's image limits: the engine's, or a copy at the request's own
-        (the same processor; `pixels` and `image_tokens` read `limits`, so pixels and counts agree)."""
-        if request.image_limits is None or request.image_limits == self.encoder.limits:
+        """The encoder of the request's image limits (encoder_at)."""
+        return self.encoder_at(request.image_limits)
+
+    def encoder_at(self, limits: ImageLimits | None) -> Encoder:
+        """The encoder of these image limits: the engine's (None: its own), or a copy at them (the
+        same processor; `pixels` and `image_tokens` read `limits`, so pixels and counts agree)."""
+        if limits is None or limits == self.encoder.limits:
             return self.encoder
         encoder = copy.copy(self.encoder)
-        encoder.limits = request.image_limits
+        encoder.limits = limits
         return encoder
 
     def _item(self, r: Request) -> dict:
