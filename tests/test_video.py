@@ -557,3 +557,36 @@ def test_sparse_frames_of_long_files_are_reached_by_seeking_and_equal_a_full_dec
     assert len(seeks) == 4  # every set has a gap of more than SEEK_GAP frames
     if kind != "ts":  # (MPEG-TS seeks by byte estimates: some sets land right, the others fall back)
         assert all(s is not None for s in seeks)
+
+
+@pytest.mark.parametrize("degrees", [-90, 90, 180])
+def test_a_rotated_video_file_is_shown_upright(tiny, tmp_path, degrees):
+    """A file whose display matrix turns its frames (a phone's portrait video: -90, stored as landscape
+    frames) is shown as a player shows it: the header's size is the shown one, each decoded frame is the
+    stored one turned, and the row's grid follows the shown orientation (its tokens were planned from
+    the shown size: the processor agrees)."""
+    _, processor = tiny
+    rng = np.random.default_rng(1)
+    path = tmp_path / "phone.mp4"
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("mpeg4", rate=8)
+        stream.width, stream.height, stream.pix_fmt = 96, 48, "yuv420p"
+        stream.set_display_rotation(degrees)
+        for _ in range(6):
+            frame = av.VideoFrame.from_ndarray(rng.integers(0, 255, (48, 96, 3), dtype=np.uint8), format="rgb24")
+            for packet in stream.encode(frame):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+    video = read_video_header(path, "x.jsonl:1")
+    turns = (degrees // 90) % 4
+    assert video.rotation == turns and video.size == ((48, 96) if turns % 2 else (96, 48))
+    encoder = Encoder(processor, IMAGE_LIMITS, VIDEO_LIMITS)
+    stored = encoder.decode_video(Video(path, video.frames, video.fps, video.coded_size))  # no rotation applied
+    shown = encoder.decode_video(video)
+    assert np.array_equal(shown, np.stack([np.rot90(f, turns) for f in stored]))
+    Image.fromarray(rng.integers(0, 255, (40, 40, 3), dtype=np.uint8)).save(tmp_path / "im.png")
+    sample = parse_row(json.dumps(_row(video="phone.mp4")), tmp_path, "x.jsonl:1")
+    ours = encode(encoder, sample, tokenize_sample(encoder, sample, 4096, "fail"), videos_as_images=False)
+    _, h, w = ours["video_grid_thw"][0].tolist()
+    assert (h > w) == bool(turns % 2)  # portrait when turned a quarter

@@ -405,11 +405,13 @@ def _decode_file_frames(video: Video, indices: list[int], where: str | None, red
     at = f"{where}: " if where else ""
 
     def kept(frame) -> np.ndarray:
-        if (frame.width, frame.height) != video.size:
-            raise DataError(f"{at}video file {video} changes its frame size from {video.size[0]}x{video.size[1]} "
+        coded = video.coded_size
+        if (frame.width, frame.height) != coded:
+            raise DataError(f"{at}video file {video} changes its frame size from {coded[0]}x{coded[1]} "
                             f"to {frame.width}x{frame.height}; re-encode it at one size (`vlforge data check` "
                             "finds such files)")
-        return np.asarray(reduced(frame.to_image()))  # RGB, reduced at once
+        # RGB, reduced at once, turned upright (np.rot90: counterclockwise, as the display matrix counts)
+        return np.rot90(np.asarray(reduced(frame.to_image())), video.rotation)
 
     try:
         frames = None

@@ -58,7 +58,15 @@ class Video:
     source: Path | bytes | tuple[Path, ...]  # a video file (or its bytes: serve's data URLs), or the frame files
     frames: int  # how many frames the source has
     fps: float  # the source's frames per second (a frame list's: the row's "fps")
-    size: tuple[int, int]  # (width, height) of every frame
+    size: tuple[int, int]  # (width, height) of every frame, as shown (after `rotation`)
+    # quarter turns counterclockwise that show a file's frames upright (its display matrix: phones
+    # store portrait video as landscape frames with a rotation to apply); 0 for frame lists
+    rotation: int = 0
+
+    @property
+    def coded_size(self) -> tuple[int, int]:
+        """(width, height) of the frames as stored (before `rotation`)."""
+        return self.size[::-1] if self.rotation % 2 else self.size
 
     @property
     def is_file(self) -> bool:
@@ -236,7 +244,25 @@ def read_video_header(source: Path | bytes, where: str, decode: bool = False,
     if max(size) > MAX_ASPECT * min(size):
         raise DataError(f"{where}: video {video} is {size[0]}x{size[1]}: the video processor refuses aspect "
                         f"ratios over {MAX_ASPECT}; crop or pad it, or drop the row")
-    return Video(source, frames, fps, size)
+    turns = _quarter_turns(video, av, where)
+    return Video(source, frames, fps, size[::-1] if turns % 2 else size, turns)
+
+
+def _quarter_turns(video: Video, av, where: str) -> int:
+    """Quarter turns counterclockwise that show the file's frames upright: its display matrix
+    (PyAV's frame.rotation, degrees counterclockwise; a phone's portrait video: -90, one turn
+    clockwise). PyAV reads the matrix only with a decoded frame, so the first frame is decoded."""
+    try:
+        with video.open(av) as container:
+            first = next(container.decode(video=0), None)
+    except av.FFmpegError as e:
+        raise DataError(f"{where}: video file {video} cannot be decoded ({e}); re-encode it (e.g. H.264 MP4) "
+                        "or give the video as a list of frame images") from None
+    degrees = getattr(first, "rotation", 0) or 0 if first is not None else 0
+    if degrees % 90:
+        raise DataError(f"{where}: video file {video} is to be shown rotated by {degrees} degrees; only quarter "
+                        "turns are supported: re-encode it upright")
+    return round(degrees / 90) % 4
 
 
 def require_pyav(where: str):
