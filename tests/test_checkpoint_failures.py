@@ -20,16 +20,19 @@ from vlforge.recipes.sft import run_sft
 from helpers import tiny_sft_config
 
 
-@pytest.mark.parametrize("method", ["full", "lora"])
-def test_the_estimate_is_the_size_of_the_checkpoint_written(shapes_dir, tmp_path, method):
+@pytest.mark.parametrize("method,extra", [("full", []), ("lora", []),
+                                          ("full", ["precision.mode=bf16", "precision.master_weights=optimizer"])],
+                         ids=["full", "lora", "full-masters-in-optimizer"])
+def test_the_estimate_is_the_size_of_the_checkpoint_written(shapes_dir, tmp_path, method, extra):
     cfg = tiny_sft_config(shapes_dir, tmp_path / "run", f"tiers.method={method}", "train.max_steps=1", "eval.every=0",
-                          "data.val=null")
+                          "data.val=null", *extra)
     run_sft(cfg)
     ckpt = tmp_path / "run" / "checkpoint-1"
     # the weights and the optimizer state; the tokenizer, schedule and RNG files (~50 KB) are left out
     written = sum(f.stat().st_size for f in [*ckpt.glob("*.safetensors"), ckpt / "optimizer.pt"])
     torch.manual_seed(0)
-    estimate = checkpoint_bytes(setup_model(cfg).model, cfg.optim.name)
+    t = setup_model(cfg)
+    estimate = checkpoint_bytes(t.model, cfg.optim.name, t.policy.masters_in_optimizer)
     assert 0.93 * written < estimate <= written, (estimate, written)  # the files' headers and pickling: a few %
 
 
