@@ -275,8 +275,8 @@ def _held_for_backward(per_layer: dict[str, int], cfg, compute_bytes: int) -> fl
 
 def held_gradient_sums(model: nn.Module, plan: list, cfg) -> float:
     """precision.master_weights=optimizer with gradient accumulation: bytes of the fp32 sums
-    MasterWeightAdamW holds for the bf16 working weights across a step's micro-batches (4 a weight,
-    beside their bf16 gradients). SFT with train.grad_accum > 1; GRPO always (a mini-batch spanning
+    MasterWeightAdamW sums the bf16 working weights' gradients in across a step's micro-batches (4 a
+    weight, beside their bf16 gradients; allocated at the first accumulation and kept). SFT with train.grad_accum > 1; GRPO always (a mini-batch spanning
     rollout rounds is several backward passes). The full tiers' weights PrecisionPolicy._working_copies
     picks (LoRA's adapters, a few MB, left out)."""
     policy = PrecisionPolicy(cfg.precision, "cpu")
@@ -385,7 +385,8 @@ def format_memory(est: dict) -> str:
                      "(peft adds the update to a copy of each layer's experts; gradient checkpointing keeps one layer's)")
     if est.get("held_gradient_sums"):
         lines.append(f"gradient accumulation: + {_gb(est['held_gradient_sums'])} of fp32 sums of the bf16 working "
-                     "weights' gradients, held across a step's micro-batches (master_weights=optimizer)")
+                     "weights' gradients, summed across a step's micro-batches (master_weights=optimizer; "
+                     "allocated once, kept for the run)")
     if est.get("rollout_weight_copies"):
         lines.append(f"GRPO rollouts: + {_gb(est['rollout_weight_copies'])} of {est['compute']} copies of the "
                      f"{est['master_weights']} linear weights, decoded from and kept across steps")

@@ -275,7 +275,10 @@ class MasterWeightAdamW(torch.optim.Optimizer):
                  compiled: bool = False):
         super().__init__(groups, {"lr": 1e-3, "betas": betas, "eps": eps, "weight_decay": 0.0})
         self._initial_masters = masters  # param -> fp32 value (dropped as each param's state is made)
-        self._held: dict[torch.Tensor, torch.Tensor] = {}  # param -> fp32 sum of earlier micro-batches' grads
+        # gradient accumulation: param -> its fp32 sum buffer (made at the first hold, kept: one
+        # allocation a run), and the params whose buffer holds this step's sum so far
+        self._sums: dict[torch.Tensor, torch.Tensor] = {}
+        self._held: set[torch.Tensor] = set()
         if compiled:
             from vlforge.engine.compiled import allow_compiled_variants
 
@@ -297,17 +300,24 @@ class MasterWeightAdamW(torch.optim.Optimizer):
 
     @torch.no_grad()
     def hold_gradients(self) -> None:
-        """After a backward that is not the step's last: move the bf16 gradients into fp32 sums."""
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None or p.dtype == torch.float32:
-                    continue  # fp32 parameters accumulate in fp32 already
-                held = self._held.get(p)
-                if held is None:
-                    self._held[p] = p.grad.float()
-                else:
-                    held.add_(p.grad)
-                p.grad.zero_()  # kept, not dropped: CUDA graphs' gradient buffers must stay where they are
+        """After a backward that is not the step's last: move the bf16 gradients into fp32 sums (a
+        few foreach calls for all of them: one Python call per list, not per tensor)."""
+        # fp32 parameters accumulate in fp32 already
+        params = [p for g in self.param_groups for p in g["params"] if p.grad is not None and p.dtype != torch.float32]
+        if not params:
+            return
+        for p in params:
+            if p not in self._sums:
+                self._sums[p] = torch.empty_like(p, dtype=torch.float32)
+        first = [p for p in params if p not in self._held]
+        more = [p for p in params if p in self._held]
+        if first:  # the step's first hold of these: the sum starts as the gradient (no zeroing pass)
+            torch._foreach_copy_([self._sums[p] for p in first], [p.grad for p in first])
+        if more:
+            torch._foreach_add_([self._sums[p] for p in more], [p.grad for p in more])
+        self._held.update(first)
+        # kept, not dropped: CUDA graphs' gradient buffers must stay where they are
+        torch._foreach_zero_([p.grad for p in params])
 
     @torch.no_grad()
     def fold_held_gradients(self) -> None:
@@ -315,9 +325,11 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         hold_gradients leaves every gradient it takes in place (zeroed), so a gradient that is None
         now was dropped since (losses.drop_keepalive_grads: the vision tower's placeholder gradients
         on a text-only step): its sum is dropped with it."""
-        for p, held in self._held.items():
-            if p.grad is not None:
-                p.grad.copy_(held.add_(p.grad))
+        params = [p for p in self._held if p.grad is not None]
+        if params:
+            sums = [self._sums[p] for p in params]
+            torch._foreach_add_(sums, [p.grad for p in params])
+            torch._foreach_copy_([p.grad for p in params], sums)
         self._held.clear()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
