@@ -258,7 +258,7 @@ def _quarter_turns(video: Video, av, where: str) -> int:
     except av.FFmpegError as e:
         raise DataError(f"{where}: video file {video} cannot be decoded ({e}); re-encode it (e.g. H.264 MP4) "
                         "or give the video as a list of frame images") from None
-    degrees = getattr(first, "rotation", 0) or 0 if first is not None else 0
+    degrees = (getattr(first, "rotation", 0) or 0) if first is not None else 0  # a PyAV without it: none read
     if degrees % 90:
         raise DataError(f"{where}: video file {video} is to be shown rotated by {degrees} degrees; only quarter "
                         "turns are supported: re-encode it upright")

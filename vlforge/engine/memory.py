@@ -274,11 +274,12 @@ def _held_for_backward(per_layer: dict[str, int], cfg, compute_bytes: int) -> fl
 
 
 def held_gradient_sums(model: nn.Module, plan: list, cfg) -> float:
-    """precision.master_weights=optimizer with gradient accumulation: bytes of the fp32 sums
-    MasterWeightAdamW sums the bf16 working weights' gradients in across a step's micro-batches (4 a
-    weight, beside their bf16 gradients; allocated at the first accumulation and kept). SFT with train.grad_accum > 1; GRPO always (a mini-batch spanning
-    rollout rounds is several backward passes). The full tiers' weights PrecisionPolicy._working_copies
-    picks (LoRA's adapters, a few MB, left out)."""
+    """precision.master_weights=optimizer with gradient accumulation: bytes of the fp32 buffers in
+    which MasterWeightAdamW sums the bf16 working weights' gradients over a step's micro-batches (4 a
+    weight beside their bf16 gradients; allocated at the first accumulation and kept). SFT with
+    train.grad_accum > 1; GRPO always (a mini-batch spanning rollout rounds is several backward
+    passes). The full tiers' weights PrecisionPolicy._working_copies picks (LoRA's adapters, a few
+    MB, left out)."""
     policy = PrecisionPolicy(cfg.precision, "cpu")
     if not policy.masters_in_optimizer or not (hasattr(cfg, "rollout") or cfg.train.grad_accum > 1):
         return 0.0

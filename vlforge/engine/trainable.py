@@ -104,8 +104,6 @@ def checkpoint_selected_blocks(model: torch.nn.Module, every: int) -> int:
     return count
 
 
-
-
 def compile_decoder_layers(model: torch.nn.Module, vision: bool = False, cuda_graphs: bool = False,
                            cuda_graphs_vision: bool = False) -> int:
     """torch.compile each language-model decoder layer in place (parameter names unchanged), and with
