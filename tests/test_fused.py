@@ -150,6 +150,62 @@ def test_the_engine_with_fused_projections_gives_the_tokens_of_one_gemm_per_proj
             torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=1e-5)
 
 
+class GemmOperands(TorchDispatchMode):
+    """Every GEMM's second operand (the weight, transposed: F.linear is t + mm at dispatch), as
+    (storage address, shape)."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen: list[tuple[int, tuple[int, ...]]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket in (torch.ops.aten.mm, torch.ops.aten.addmm, torch.ops.aten.bmm):
+            weight = args[-1]
+            self.seen.append((weight.untyped_storage().data_ptr(), tuple(weight.shape)))
+        return func(*args, **(kwargs or {}))
+
+
+def gemms_per_call(engine) -> dict[str, list[list]]:
+    """The GEMM operands of each prefill and each decode step the engine runs (its own methods,
+    wrapped on the instance: the engine calls them through self)."""
+    calls: dict[str, list[list]] = {"prefill": [], "step": []}
+    for name in calls:
+        original = getattr(engine, f"_{name}")
+
+        def counted(*args, original=original, name=name):
+            with GemmOperands() as mode:
+                out = original(*args)
+            calls[name].append(mode.seen)
+            return out
+        setattr(engine, f"_{name}", counted)
+    return calls
+
+
+def test_the_engines_prefill_and_decode_steps_run_one_gemm_per_group(setup):
+    """The engine's own forwards (prefill and every decode step), not FusedProjections alone: each
+    layer's q/k/v and gate/up are computed by one GEMM over the whole fused buffer (2 a layer, none
+    reading a member's rows alone), and a decode step runs 3 GEMMs a layer fewer than the unfused
+    engine's, giving its tokens."""
+    model, encoder, samples = setup
+    layers = len(model.model.language_model.layers)
+    requests = requests_of(encoder, samples[:3], n=2, temperature=1.0)
+    fused_engine, plain_engine = Engine(model), Engine(model, fuse_projections=False)
+    fused_calls, plain_calls = gemms_per_call(fused_engine), gemms_per_call(plain_engine)
+    fused, plain = run(fused_engine, encoder, requests), run(plain_engine, encoder, requests)
+    for a, b in zip(fused, plain):
+        assert torch.equal(a.tokens, b.tokens)
+    buffers = {g.buffer.untyped_storage().data_ptr(): tuple(g.buffer.t().shape) for g in fused_engine._fused.groups}
+    assert len(buffers) == 2 * layers
+    assert len(fused_calls["step"]) == len(plain_calls["step"]) > 3 and fused_calls["prefill"]
+    for kind in ("prefill", "step"):
+        for seen in fused_calls[kind]:
+            on_buffers = [shape for ptr, shape in seen if ptr in buffers]
+            # every GEMM reading fused weights reads a whole group: one per group and forward
+            assert sorted(on_buffers) == sorted(buffers.values()), kind
+    for fused_step, plain_step in zip(fused_calls["step"], plain_calls["step"]):
+        assert len(plain_step) - len(fused_step) == 3 * layers
+
+
 def test_the_compiled_decode_step_traces_the_fused_projections_as_one_graph(setup, monkeypatch):
     """dynamo follows the fused forwards (their shared state is Python attributes): the compiled
     step compiles once as one graph and gives the eager engine's tokens."""
@@ -236,16 +292,39 @@ def test_lora_layers_fuse_their_frozen_base_layers_and_keep_their_adapters(setup
     assert any(not torch.equal(a.tokens, c.tokens) for a, c in zip(fused, without_adapters))  # the adapters count
 
 
-def test_nothing_is_fused_under_fsdp2(setup, monkeypatch):
-    """FSDP2's gathered weights (a frozen LoRA base's too) are views of its all-gather buffers: the
-    engine leaves them alone."""
-    import torch.distributed.fsdp as fsdp
+def test_nothing_is_fused_under_fsdp2(setup, tmp_path):
+    """FSDP2 for real (fully_shard on a one-rank gloo group): while its units are gathered (GRPO's
+    rollouts: engine/distributed.fully_gathered) the weights are views of its all-gather buffers,
+    which a `.data` swap would cut off from the next gather: the engine leaves them there, and
+    generates the unsharded model's tokens, also after a reshard and a new gather."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
 
-    model, _, _ = setup
-    fused = FusedProjections(model)
-    monkeypatch.setattr(fsdp, "FSDPModule", type(model.model.language_model.layers[0]))  # as if a layer were sharded
-    assert fused.prepare() == 0
-    assert "forward" not in model.model.language_model.layers[0].self_attn.q_proj.__dict__
+    model, encoder, samples = setup
+    requests = requests_of(encoder, samples[:2], n=2, temperature=1.0)
+    expected = run(Engine(model, fuse_projections=False), encoder, requests)
+    sharded = copy.deepcopy(model)
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        units = [fully_shard(layer) for layer in sharded.model.language_model.layers] + [fully_shard(sharded)]
+        attn = sharded.model.language_model.layers[0].self_attn
+        for gather in range(2):
+            for unit in reversed(units):  # as fully_gathered: gathered until the rollout ends
+                unit.set_reshard_after_forward(False, recurse=False)
+                unit.unshard()
+            gathered = [m.weight.data_ptr() for m in (attn.q_proj, attn.k_proj, attn.v_proj)]
+            assert type(attn.q_proj.weight.data) is torch.Tensor  # gathered: plain tensors, fusable but for FSDP
+            assert FusedProjections(sharded).prepare() == 0
+            engine = Engine(sharded)
+            results = run(engine, encoder, requests)
+            assert not engine._fusing and "forward" not in attn.q_proj.__dict__
+            assert [m.weight.data_ptr() for m in (attn.q_proj, attn.k_proj, attn.v_proj)] == gathered, gather
+            for a, b in zip(results, expected):
+                assert torch.equal(a.tokens, b.tokens), gather
+            for unit in units:
+                unit.reshard()
+    finally:
+        dist.destroy_process_group()
 
 
 def test_fused_greedy_equals_transformers_generate(setup):

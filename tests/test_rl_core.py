@@ -355,3 +355,79 @@ def test_policy_loss_kinds_validation():
     from vlforge.rl import outcome_advantages
     with pytest.raises(ValueError, match="unknown advantage estimator"):
         outcome_advantages(torch.ones(4), 2, "ppo")
+
+
+# ------------------------------------------------------------- both clip bounds, both signs of the advantage
+
+
+def test_gspo_clips_both_bounds_for_both_signs_of_the_advantage():
+    """GSPO (Zheng et al. 2025, eq. 5-7) written out per sequence: s_i = exp(mean_t (logp - old)),
+    loss = mean_i max(-A_i s_i, -A_i clip(s_i, 1 - low, 1 + high)), d loss / d logp_it = -A_i s_i /
+    |y_i| / N where the unclipped branch is taken, 0 where the clip binds. Rows on each side of the
+    band with A > 0 and A < 0: the upper bound binds for A > 0, the lower one for A < 0 (s = 0.6
+    with A = -1: PPO's pessimism keeps -A (1 - low) = 0.9 over 0.6), the other two pass."""
+    low, high = 0.1, 0.15
+    seq_ratio = [1.5, 0.6, 0.6, 1.5, 1.05, 0.97]
+    adv = [1.0, 1.0, -1.0, -1.0, 0.5, -0.5]
+    clipped_rows = {0, 2}  # A > 0 above 1 + high; A < 0 below 1 - low
+    g = torch.Generator().manual_seed(3)
+    N, T = len(adv), 5
+    lengths = [5, 3, 4, 2, 5, 1]
+    mask = (torch.arange(T)[None] < torch.tensor(lengths)[:, None]).to(DT)
+    old = -torch.rand(N, T, generator=g, dtype=DT) * 2
+    # per-token log-ratios that vary inside a row but average to log s_i over its tokens
+    noise = torch.randn(N, T, generator=g, dtype=DT) * 0.3 * mask
+    noise -= (noise.sum(1, keepdim=True) / mask.sum(1, keepdim=True)) * mask
+    logp = (old + (torch.log(torch.tensor(seq_ratio, dtype=DT))[:, None] + noise) * mask).requires_grad_(True)
+    loss, stats = policy_loss(logp, old, torch.tensor(adv, dtype=DT), mask, clip_low=low, clip_high=high,
+                              agg="seq-mean-token-mean", kind="gspo")
+    loss.backward()
+
+    expected_loss, expected_grad = 0.0, torch.zeros(N, T, dtype=DT)
+    for i in range(N):
+        s = math.exp(sum(float(logp[i, t] - old[i, t]) for t in range(lengths[i])) / lengths[i])
+        assert s == pytest.approx(seq_ratio[i], rel=1e-9)
+        unclipped, clipped = -adv[i] * s, -adv[i] * min(max(s, 1 - low), 1 + high)
+        expected_loss += max(unclipped, clipped) / N
+        assert (clipped > unclipped) == (i in clipped_rows), i  # the rows were chosen to hit the bounds
+        if clipped <= unclipped:
+            expected_grad[i, :lengths[i]] = -adv[i] * s / lengths[i] / N
+    assert float(loss) == pytest.approx(expected_loss, rel=1e-12)
+    torch.testing.assert_close(logp.grad, expected_grad, rtol=1e-10, atol=1e-12)
+    assert float(stats["clip_frac"]) == pytest.approx(sum(lengths[i] for i in clipped_rows) / sum(lengths))
+    assert expected_grad[2].abs().sum() == 0 and expected_grad[1].abs().sum() > 0  # the lower bound acted on A < 0 only
+
+
+def test_cispo_truncates_the_weight_at_both_bounds_for_both_signs_of_the_advantage():
+    """CISPO (MiniMax-M1 2025, eq. 4) written out per token: w = sg(clip(r, 1 - low, 1 + high)),
+    loss = -sum(w A logp) / tokens (token-mean), gradient -w A / tokens on every token, clipped or
+    not. Ratios below 1 - low and above 1 + high in a row with A > 0 and one with A < 0: each
+    truncated weight is the bound, whatever the sign of A."""
+    low, high = 0.2, 0.25
+    ratios = torch.tensor([[1.6, 0.5, 1.0, 0.9, 1.3], [0.3, 1.4, 1.1, 0.7, 0.95]], dtype=DT)
+    adv = torch.tensor([1.5, -0.7], dtype=DT)
+    mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 1, 1]], dtype=DT)
+    old = torch.log(torch.tensor([[0.3, 0.6, 0.2, 0.5, 0.4], [0.9, 0.1, 0.4, 0.8, 0.5]], dtype=DT))
+    logp = (old + torch.log(ratios)).requires_grad_(True)
+    loss, stats = policy_loss(logp, old, adv, mask, clip_low=low, clip_high=high, kind="cispo")
+    loss.backward()
+
+    tokens = int(mask.sum())
+    expected_loss, expected_grad, truncated = 0.0, torch.zeros_like(ratios), 0
+    for i in range(2):
+        for t in range(5):
+            if not mask[i, t]:
+                continue
+            r = math.exp(float(logp[i, t] - old[i, t]))
+            w = min(max(r, 1 - low), 1 + high)
+            truncated += abs(w - r) > 1e-9
+            expected_loss += -w * float(adv[i]) * float(logp[i, t]) / tokens
+            expected_grad[i, t] = -w * float(adv[i]) / tokens
+    assert float(loss) == pytest.approx(expected_loss, rel=1e-12)
+    torch.testing.assert_close(logp.grad, expected_grad, rtol=1e-10, atol=1e-12)
+    # the lower bound acted in both rows (A > 0: 0.5 weighted 0.8; A < 0: 0.3 and 0.7 weighted 0.8), the upper too
+    assert float(logp.grad[0, 1]) == pytest.approx(-(1 - low) * 1.5 / tokens)
+    assert float(logp.grad[1, 0]) == float(logp.grad[1, 3]) == pytest.approx((1 - low) * 0.7 / tokens)
+    assert float(logp.grad[0, 0]) == pytest.approx(-(1 + high) * 1.5 / tokens)
+    assert float(logp.grad[1, 1]) == pytest.approx((1 + high) * 0.7 / tokens)
+    assert truncated == 5 and float(stats["clip_frac"]) == pytest.approx(truncated / tokens)
