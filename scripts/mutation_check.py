@@ -90,13 +90,15 @@ MUTATIONS = [
         "infer-video", "vlforge/recipes/infer.py",
         "request = Request([user_message(prompt, len(images), len(videos))], images, videos=videos,",
         "request = Request([user_message(prompt, len(images), 0)], images, videos=[],",
-        ("tests/test_infer.py", "tests/test_video.py::test_infer_answers_a_video_file_from_the_command_line"),
+        ("tests/test_infer.py::test_infer_sends_the_videos_frames_to_the_model",
+         "tests/test_video.py::test_infer_answers_a_video_file_from_the_command_line"),
         "`vlforge infer --video` reads the headers and sends no video"),
     Mutation(
         "hold-gradients", "vlforge/recipes/sft.py",
         "            hold_gradients(optimizer)  # master_weights=optimizer: bf16 gradients summed in fp32\n",
         "            pass\n",
-        ("tests/test_master_weights.py",),
+        ("tests/test_master_weights.py::test_sft_accumulates_micro_batch_gradients_in_fp32",
+         "tests/test_master_weights.py::test_sft_trains_as_fp32_masters_do"),
         "SFT's accumulated bf16 gradients are summed in bf16 under master_weights=optimizer"),
 ]
 

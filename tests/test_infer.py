@@ -302,3 +302,46 @@ def test_engine_flag_keeps_the_old_generate_path(tiny_dir, capsys):
     with pytest.raises(SystemExit) as e:
         main(["infer", str(tiny_dir), "--engine", "vllm", "--prompt", "hi"])
     assert e.value.code == 2 and "invalid choice" in capsys.readouterr().err
+
+
+def test_infer_sends_the_videos_frames_to_the_model(engine, tmp_path, monkeypatch):
+    """`vlforge infer --video` (recipes/infer.answer): what generate/'s engine prefills holds the
+    video as transformers' processor makes it of the decoded file (PyAV, sampled by its video
+    processor): its tokens (as image tokens, one image per temporal patch: frames_as_images), its
+    `<t seconds>` stamps and its frames' pixels, bit for bit."""
+    import functools
+
+    from transformers.video_utils import load_video
+
+    from test_video import write_mp4
+    from vlforge.recipes.infer import answer
+
+    clip = write_mp4(tmp_path / "clip.mp4", 20, 8)
+    gen, prompts = engine.gen_engine(), []
+    prefill = gen._prefill
+
+    def spy(admitted, *args):  # the prompts the engine prefills (its own method, on the instance)
+        prompts.extend(r.prompt for _, r, _ in admitted)
+        return prefill(admitted, *args)
+
+    monkeypatch.setattr(gen, "_prefill", spy)
+    answer(engine, "What happens?", [], video_paths=[str(clip)], max_new_tokens=2)
+    [prompt] = prompts
+
+    processor, encoder = engine.processor, engine.encoder
+    vp = processor.video_processor
+    frames, metadata = load_video(str(clip), backend="pyav",
+                                  sample_indices_fn=functools.partial(vp.sample_frames, fps=vp.fps))
+    text = processor.apply_chat_template([{"role": "user", "content": [{"type": "video"}, {
+        "type": "text", "text": "What happens?"}]}], tokenize=False, add_generation_prompt=True)
+    ref = processor(text=[text], videos=[frames], video_metadata=[metadata], do_sample_frames=False,
+                    return_tensors="pt")
+    [(t, h, w)] = ref["video_grid_thw"].tolist()
+    assert t >= 2  # several temporal patches: several stamps
+    assert prompt.image_grid_thw.tolist() == [[1, h, w]] * t
+    assert torch.equal(prompt.pixel_values, ref["pixel_values_videos"])
+    assert int((prompt.input_ids == encoder.image_token_id).sum()) == t * h * w // vp.merge_size ** 2
+    ours = processor.tokenizer.decode(prompt.input_ids)
+    stamps = [s.split(">")[0] for s in processor.tokenizer.decode(ref["input_ids"][0]).split("<")[1:]
+              if s.split(">")[0].endswith(" seconds")]
+    assert len(stamps) == t and all(f"<{s}>" in ours for s in stamps)

@@ -134,6 +134,50 @@ def test_sft_trains_as_fp32_masters_do(shapes_dir, tmp_path, accum):
     assert masters and all(m.dtype == torch.float32 for m in masters)
 
 
+def test_sft_accumulates_micro_batch_gradients_in_fp32(shapes_dir, tmp_path, monkeypatch):
+    """grad_accum=4 (at 1 or 2 a bf16 sum rounded once equals the fp32 sum rounded once): the gradient
+    the update reads (MasterWeightAdamW.step) is each micro-batch's bf16 gradient, as it reached its
+    weight (a tensor hook: before accumulation), summed in fp32 in backward order and rounded to bf16
+    once, bit for bit; summed in bf16 as autograd accumulates it (three roundings) it would differ."""
+    from vlforge.recipes import sft as recipe
+
+    micro: dict[str, list[torch.Tensor]] = {}
+    names: dict[torch.Tensor, str] = {}
+    setup_model = recipe.setup_model
+
+    def spy_setup(cfg, **kwargs):  # the real model, hooks that only record
+        t = setup_model(cfg, **kwargs)
+        for n, p in t.model.named_parameters():
+            if p.requires_grad and p.dtype == torch.bfloat16:
+                names[p] = n
+                p.register_hook(lambda g, n=n: micro.setdefault(n, []).append(g.detach().clone()))
+        return t
+
+    seen = []
+    step = MasterWeightAdamW.step
+
+    def spy_step(self, closure=None):
+        seen.append({names[p]: p.grad.clone() for g in self.param_groups for p in g["params"] if p in names})
+        return step(self, closure)
+
+    monkeypatch.setattr(recipe, "setup_model", spy_setup)
+    monkeypatch.setattr(MasterWeightAdamW, "step", spy_step)
+    _run(shapes_dir, tmp_path / "run", "precision.master_weights=optimizer", "train.grad_accum=4",
+         "train.batch_size=1", "train.max_steps=1")
+    [grads] = seen
+    assert names and set(grads) == set(micro) == set(names.values())
+    differs = 0
+    for n, got in grads.items():
+        parts = micro[n]
+        assert len(parts) == 4 and all(g.dtype == torch.bfloat16 for g in parts), n
+        fp32, bf16 = parts[0].float(), parts[0]
+        for g in parts[1:]:
+            fp32, bf16 = fp32 + g.float(), bf16 + g
+        assert torch.equal(got, fp32.to(torch.bfloat16)), n
+        differs += int((bf16 != got).sum())
+    assert differs > 0  # the gradients' values do round differently summed in bf16
+
+
 def test_resume_continues_exactly_and_other_masters_are_refused(shapes_dir, tmp_path):
     """4 steps in one go equal 2 + a resume from checkpoint-2 (the fp32 masters come back from the
     optimizer state, not from the bf16 model files); a checkpoint of the other kind is refused."""
