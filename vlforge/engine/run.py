@@ -175,12 +175,17 @@ class Run:
         if due(self.cfg.eval.every, self.step, self.total_steps):
             self.evaluate()
         if due(self.cfg.train.save_every, self.step, self.total_steps):
-            args = (self.out, self.step, self.t.model, self.t.processor, self.optimizer, self.scheduler, self.scaler,
-                    self.state, self.cfg.train.keep_last)
-            if self.t.world.sharded:
-                save_sharded_checkpoint(*args, self.t.world)
-            else:  # one process, or DDP (identical replicas: rank 0 writes, each rank adds its RNG)
-                save_checkpoint(*args, world=self.t.world if self.t.world.replicated else None)
+            self.save()
+
+    def save(self) -> None:
+        """Write checkpoint-STEP now (every rank calls it: under torchrun the save is collective);
+        finish_step when due, engine/stop.py when a signal stops the run."""
+        args = (self.out, self.step, self.t.model, self.t.processor, self.optimizer, self.scheduler, self.scaler,
+                self.state, self.cfg.train.keep_last)
+        if self.t.world.sharded:
+            save_sharded_checkpoint(*args, self.t.world)
+        else:  # one process, or DDP (identical replicas: rank 0 writes, each rank adds its RNG)
+            save_checkpoint(*args, world=self.t.world if self.t.world.replicated else None)
 
     def close(self) -> None:
         self.metrics.close()
