@@ -63,6 +63,28 @@ def test_bad_values_are_named():
         load_config(SFTConfig, None, ["optim.eps"])
 
 
+def test_an_error_names_the_override_that_gave_the_bad_value_not_the_file(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("model: {preset: tiny}\ndata: {max_pixels: 200000}\noptim: {warmup_steps: 10}\n")
+    for overrides, message in [
+        (["train.batch_size=abc"], "override 'train.batch_size=abc': train.batch_size: expected int, got 'abc'"),
+        (["train.seed=3", "optim.lr=1e-4"], "override 'optim.lr=1e-4': unknown key 'optim.lr'"),
+        # a check across keys: the override that broke it (against the file's max_pixels), not its neighbour
+        (["train.seed=3", "data.min_pixels=300000"], "override 'data.min_pixels=300000': data.min_pixels must be"),
+        # two that are wrong only together are both named
+        (["data.min_pixels=150000", "data.max_pixels=100000"],
+         "overrides 'data.min_pixels=150000', 'data.max_pixels=100000': data.min_pixels must be"),
+        (["train.seed=[3"], "override 'train.seed=[3': the value is not valid YAML"),
+    ]:
+        with pytest.raises(ConfigError) as e:
+            load_recipe_config(path, overrides)
+        assert str(e.value).startswith(message) and str(path) not in str(e.value), str(e.value)
+    path.write_text("model: {preset: tiny}\ntrain: {batch_size: abc}\n")  # the file's own error stays the file's
+    with pytest.raises(ConfigError) as e:
+        load_config(SFTConfig, path, ["train.seed=3", "train.batch_size=abc"])
+    assert str(e.value).startswith(f"{path}: train.batch_size: expected int, got 'abc'"), str(e.value)
+
+
 def test_out_of_range_values_are_config_errors():
     for override, message in [("train.batch_size=0", "train.batch_size must be >= 1"),
                               ("log.every=0", "log.every must be >= 1"),

@@ -626,6 +626,9 @@ class RolloutConfig:
     tools: list[str] = field(default_factory=list)
     tool_turns: int = 4  # assistant turns whose tool calls run, at most; a later turn's calls end the response
     tool_result_tokens: int = 256  # each tool result's text cut to this many tokens
+    # ... and first to this many characters, where the call returns (a note in the text and a warning say
+    # so): a tool that returns megabytes costs neither the trainer's memory nor the tokenizer's time
+    tool_result_chars: int = 65536
     # a tool's returned images are resized to at most this many pixels (256 tokens at Qwen3-VL's 32x32
     # pixels a token; data.min_pixels..max_pixels apply to the prompt's images): their tokens count
     # toward max_new_tokens, and an image at data.max_pixels (1024 tokens) would rarely fit
@@ -643,6 +646,7 @@ class RolloutConfig:
                               "multi-turn rollout's later turns are not recorded; remove one of the two")
         _range(self, "tool_turns", ge=1)
         _range(self, "tool_result_tokens", ge=1)
+        _range(self, "tool_result_chars", ge=1)
         _range(self, "tool_image_max_pixels", ge=1024)
         _range(self, "tool_timeout_s", gt=0)
         _range(self, "tool_processes", ge=0)
@@ -878,7 +882,12 @@ def parse_overrides(overrides: list[str]) -> dict:
         if "=" not in item:
             raise ConfigError(f"override '{item}' must look like key.sub=value (e.g. tiers.language.lr=1e-4)")
         key, raw = item.split("=", 1)
-        _set_dotted(tree, key.strip(), yaml.safe_load(raw) if raw != "" else None)
+        try:
+            value = yaml.safe_load(raw) if raw != "" else None
+        except yaml.YAMLError as e:
+            raise ConfigError(f"override '{item}': the value is not valid YAML ({getattr(e, 'problem', e)}); "
+                              "quote it if it is meant as text") from None
+        _set_dotted(tree, key.strip(), value)
     return tree
 
 
@@ -889,37 +898,55 @@ def _merge(base: dict, extra: dict) -> dict:
     return out
 
 
-def _read_tree(path: str | Path | None, overrides: list[str] | None) -> dict:
-    """The YAML file's mapping (or {}) with the dotted overrides merged in."""
-    data: dict = {}
-    if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"config file {path} not found")
-        raw = path.read_bytes()
-        try:
-            data = yaml.safe_load(raw.decode("utf-8")) or {}
-        except UnicodeDecodeError as e:
-            line = raw[:e.start].count(b"\n") + 1
-            raise ConfigError(f"{path}:{line}: not UTF-8 text (byte {e.start}: {e.reason}); save the file as UTF-8"
-                              ) from None
-        except yaml.YAMLError as e:
-            raise ConfigError(f"{path}: not valid YAML: {e}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping of sections")
-    return _merge(data, parse_overrides(overrides or []))
+def _read_file(path: str | Path | None) -> dict:
+    """The YAML file's mapping, or {} without a file."""
+    if path is None:
+        return {}
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} not found")
+    raw = path.read_bytes()
+    try:
+        data = yaml.safe_load(raw.decode("utf-8")) or {}
+    except UnicodeDecodeError as e:
+        line = raw[:e.start].count(b"\n") + 1
+        raise ConfigError(f"{path}:{line}: not UTF-8 text (byte {e.start}: {e.reason}); save the file as UTF-8") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    return data
 
 
 def load_config(cls: type, path: str | Path | None = None, overrides: list[str] | None = None):
     """Build `cls` from defaults <- YAML file <- dotted overrides. Raises ConfigError on any bad key."""
-    return _build_named(cls, _read_tree(path, overrides), path)
+    return _build_named(cls, _read_file(path), path, overrides or [])
 
 
-def _build_named(cls: type, data: dict, path: str | Path | None):
+def _build_named(cls: type, file_tree: dict, path: str | Path | None, overrides: list[str]):
+    tree = _merge(file_tree, parse_overrides(overrides))  # a malformed override names itself
     try:
-        return _build(cls, data, "")
+        return _build(cls, tree, "")
     except ConfigError as e:
-        raise ConfigError(f"{path}: {e}" if path else str(e)) from None
+        raise ConfigError(_blame(cls, file_tree, path, overrides, str(e))) from None
+
+
+def _blame(cls: type, file_tree: dict, path: str | Path | None, overrides: list[str], message: str) -> str:
+    """The error named after whoever gave the bad value: the file when it fails alike on its own,
+    else the overrides without which this error is gone (two that conflict are both named). Found
+    by building again without them (only on an error: a few dataclass builds) rather than by
+    tracking each value's origin through _build, which every check would have to carry."""
+    def same_error(kept: list[str]) -> bool:
+        try:
+            _build(cls, _merge(file_tree, parse_overrides(kept)), "")
+        except ConfigError as e:
+            return str(e) == message
+        return False
+
+    if not overrides or same_error([]):
+        return f"{path}: {message}" if path else message
+    culprits = [o for i, o in enumerate(overrides) if not same_error(overrides[:i] + overrides[i + 1:])] or overrides
+    return f"override{'s' if len(culprits) > 1 else ''} {', '.join(repr(o) for o in culprits)}: {message}"
 
 
 GRPO_ONLY_SECTIONS = ("rl", "rollout")
@@ -933,8 +960,9 @@ def recipe_class(data: dict) -> type:
 def load_recipe_config(path: str | Path | None, overrides: list[str] | None = None) -> SFTConfig | GRPOConfig:
     """load_config with the class picked by recipe_class (for commands that take either kind of run,
     e.g. a run's config.yaml: dump_config writes every section, so GRPO runs always have `rl`)."""
-    data = _read_tree(path, overrides)
-    return _build_named(recipe_class(data), data, path)
+    file_tree = _read_file(path)
+    cls = recipe_class(_merge(file_tree, parse_overrides(overrides or [])))
+    return _build_named(cls, file_tree, path, overrides or [])
 
 
 def resolve_paths(cfg: Any) -> Any:
