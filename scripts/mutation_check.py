@@ -71,7 +71,7 @@ MUTATIONS = [
         "replay", "vlforge/recipes/grpo.py",
         "replay = cfg.rollout.router_replay is True",
         "replay = False",
-        ("tests/test_router_replay.py",),
+        ("tests/test_router_replay.py::test_grpo_update_replays_the_rollouts_experts_where_the_router_would_choose_others",),
         "GRPO's update runs the trainer's own experts under rollout.router_replay=true"),
     Mutation(
         "cispo-clip-low", "vlforge/rl/core.py",

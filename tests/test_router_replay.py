@@ -1,6 +1,7 @@
 """MoE router replay on CPU with tiny-moe: the rollout's recorded experts, the flip metric, replay in
 the trainer's forward and backward, and the config refusals (engine/moe.py, generate/routes.py)."""
 
+import contextlib
 import copy
 
 import pytest
@@ -266,6 +267,57 @@ def test_grpo_step_with_router_replay_logs_the_flip_rate(shapes_dir, tmp_path, r
     assert row["groups_trained"] > 0
     assert row["moe/route_flip"] == 0.0  # fp32, one mini-batch before any update: the trainer's own experts
     assert row["ratio_mean"] == pytest.approx(1.0, abs=1e-5) and row["kl"] == pytest.approx(0.0, abs=1e-6)
+
+
+@pytest.mark.parametrize("packing", ["true", "false"])
+def test_grpo_update_replays_the_rollouts_experts_where_the_router_would_choose_others(shapes_dir, tmp_path,
+                                                                                      monkeypatch, packing):
+    """The recipe with rollout.router_replay=true and a trained router: after the first mini-batch's
+    optimizer step the trainer's routers pick other experts for some recorded tokens (own != recorded),
+    and every forward that follows the rollout's routes (the update's, checkpointing's recomputation)
+    hands the experts exactly the recorded ids there. Seen by two hooks that only record, one before
+    the replay hook (the router's own choice) and one after it (what the experts get)."""
+    import json
+
+    from test_grpo import grpo_config
+    from vlforge.recipes import grpo as recipe
+
+    forwards = []  # (own, used, recorded, valid) per router call inside `follow`
+    follow = recipe.follow
+
+    @contextlib.contextmanager
+    def spy(routing, routes, replay):
+        handles = []
+        if routing is not None and routes is not None:
+            for layer, router in routing.routers:
+                recorded = routes[routing.layers.index(layer)]
+                seen = {}
+                handles.append(router.register_forward_hook(
+                    lambda m, a, out, seen=seen: seen.__setitem__("own", out[2].clone()), prepend=True))
+                handles.append(router.register_forward_hook(
+                    lambda m, a, out, seen=seen, recorded=recorded: forwards.append(
+                        (seen["own"], out[2].clone(), recorded.long(), recorded[:, 0] != NO_ROUTE))))
+        try:
+            with follow(routing, routes, replay):
+                yield
+        finally:
+            for h in handles:
+                h.remove()
+
+    monkeypatch.setattr(recipe, "follow", spy)
+    cfg = grpo_config(shapes_dir, tmp_path / "run", tmp_path, "model.preset=tiny-moe", "tiers.method=lora",
+                      "tiers.language.router=true", "tiers.language.lr=0.02", "rollout.router_replay=true",
+                      "rl.mini_batch_size=2", f"rl.packing={packing}", "train.seed=1")
+    recipe.run_grpo(cfg)
+    row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert row["moe/route_flip"] > 0  # counted against the routers' own choice
+    assert forwards
+    flipped = 0
+    for own, used, recorded, valid in forwards:
+        assert torch.equal(used[valid], recorded[valid])  # the rollout's experts ran
+        assert torch.equal(used[~valid], own[~valid])  # the router's own where nothing was recorded
+        flipped += int((own[valid].sort(-1).values != recorded[valid].sort(-1).values).any(-1).sum())
+    assert flipped > 0  # and there the router chose otherwise: replay changed what ran
 
 
 def _engine_routes(model, prompts, **engine_kwargs):
