@@ -132,6 +132,29 @@ def test_chat_keeps_history_and_images(engine, shapes_dir):
     assert "(conversation cleared)" in said
 
 
+def test_chat_says_an_unknown_command_is_unknown_instead_of_sending_it(engine):
+    script = iter(["/imgae cat.png", "/help", "/image", "//usr holds programs?", "/quit"])
+    said: list[str] = []
+    sent = []
+    original = engine.generate
+
+    def spy(requests, on_text=None):
+        sent.append(requests[0].messages[-1]["content"][-1]["text"])
+        return original(requests, on_text)
+
+    engine.generate = spy
+    try:
+        from vlforge.recipes.infer import CHAT_COMMANDS, chat
+
+        chat(engine, read=lambda prompt: next(script), write=said.append, max_new_tokens=2)
+    finally:
+        engine.generate = original
+    assert sent == ["/usr holds programs?"]  # only the escaped message reached the model, its // made /
+    assert any(line.startswith("unknown command /imgae;") and CHAT_COMMANDS in line for line in said), said
+    assert any(line.startswith("unknown command /help;") for line in said)
+    assert "/image needs a file: /image PATH" in said
+
+
 # ---------------------------------------------------------------------------------- image limits
 
 

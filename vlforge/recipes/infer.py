@@ -39,6 +39,10 @@ def answer(engine: InferenceEngine, prompt: str, image_paths: list[str], *, max_
     return engine.generate([request], on_text=stream)[0].text
 
 
+CHAT_COMMANDS = ("/image PATH attaches an image, /video PATH a video file (both sent with your next message), "
+                 "/reset clears the conversation, /quit (or /exit) ends the chat")
+
+
 def chat(engine: InferenceEngine, read: Callable[[str], str] = input, write: Callable[[str], None] = print,
          stream: Callable[[str], None] | None = None, max_new_tokens: int = MAX_NEW_TOKENS["describe"]) -> None:
     """A REPL keeping the conversation; images (videos) attached with /image (/video) are sent with
@@ -54,8 +58,7 @@ def chat(engine: InferenceEngine, read: Callable[[str], str] = input, write: Cal
     pending_images: list[Image.Image] = []
     pending_videos: list[Video] = []
     pending_frames: list = []
-    write("vlforge chat: type a message; /image PATH (/video PATH) attaches an image (a video file), /reset clears, "
-          "/quit exits")
+    write(f"vlforge chat: type a message; commands: {CHAT_COMMANDS}")
     while True:
         try:
             line = read("> ").strip()
@@ -80,6 +83,12 @@ def chat(engine: InferenceEngine, read: Callable[[str], str] = input, write: Cal
             except DataError as e:  # a bad file ends nothing: say why and keep the conversation
                 write(f"cannot open {path}: {e}")
             continue
+        if line.startswith("/") and not line.startswith("//"):  # a mistyped command is never sent as a message
+            word = line.split()[0]
+            write(f"{word} needs a file: {word} PATH" if word in ("/image", "/video") else
+                  f"unknown command {word}; commands: {CHAT_COMMANDS}. A message that starts with / is typed as //...")
+            continue
+        line = line[1:] if line.startswith("//") else line  # "//etc/hosts?" sends "/etc/hosts?"
         if not line:
             continue
         history.append(user_message(line, len(pending_images), len(pending_videos)))
