@@ -70,31 +70,65 @@ def test_one_grpo_step_changes_exactly_the_trainable_params(shapes_dir, tmp_path
     assert (tmp_path / "run" / "reward.png").exists()
 
 
+def hand_advantages(rewards: list[float], G: int, estimator: str, lengths: list[float]) -> list[float]:
+    """The estimators written out (RLOO: Ahmadian et al. 2024; REINFORCE++ and its baseline form: verl's
+    masked_whiten over response tokens, token-weighted mean and Bessel-corrected variance)."""
+    groups = [rewards[i:i + G] for i in range(0, len(rewards), G)]
+    if estimator == "rloo":
+        return [0.0 if len(set(g)) == 1 else r - (sum(g) - r) / (G - 1) for g in groups for r in g]
+    x = [r - sum(g) / G for g in groups for r in g] if estimator == "reinforce++-baseline" else list(rewards)
+    if len(set(x)) == 1:
+        return [0.0] * len(x)
+    total = sum(lengths)
+    mean = sum(w * v for w, v in zip(lengths, x)) / total
+    var = sum(w * (v - mean) ** 2 for w, v in zip(lengths, x)) / total * total / (total - 1)
+    return [(v - mean) / math.sqrt(var + 1e-8) for v in x]
+
+
 @pytest.mark.parametrize("loss,advantage", [("gspo", "rloo"), ("cispo", "reinforce++"), ("ppo", "reinforce++-baseline")])
 def test_grpo_relatives_train_through_the_recipe(shapes_dir, tmp_path, loss, advantage, monkeypatch):
     """rl.policy_loss (GSPO, CISPO) and rl.advantage (RLOO, REINFORCE++) through the whole recipe:
-    the first mini-batch is on-policy (every ratio 1), the LoRA weights move, and the logged
-    advantages follow the estimator (RLOO's sum to 0 in every group; whitened ones have unit spread)."""
+    the first mini-batch is on-policy (every ratio 1), every LoRA B moves and nothing frozen does,
+    and the logged advantages are the estimator's, written out by hand from the step's rewards."""
     from vlforge.recipes import grpo as recipe
 
     cfg = grpo_config(shapes_dir, tmp_path / "run", tmp_path, "tiers.method=lora", f"rl.policy_loss={loss}",
                       f"rl.advantage={advantage}", "rl.mini_batch_size=8", "train.seed=1")
-    seen = {"kind": set(), "estimator": set()}
+    seen = {"kind": set(), "estimator": set(), "inputs": []}
     real_loss, real_adv = recipe.policy_loss, recipe.outcome_advantages
     monkeypatch.setattr(recipe, "policy_loss", lambda *a, **k: seen["kind"].add(k["kind"]) or real_loss(*a, **k))
-    monkeypatch.setattr(recipe, "outcome_advantages",
-                        lambda r, g, estimator, *a, **k: seen["estimator"].add(estimator) or real_adv(r, g, estimator, *a, **k))
+
+    def advantages(r, g, estimator, *a, **k):  # a spy: the rewards and lengths it was given
+        seen["estimator"].add(estimator)
+        seen["inputs"].append((r.tolist(), g, k["lengths"].tolist()))
+        return real_adv(r, g, estimator, *a, **k)
+    monkeypatch.setattr(recipe, "outcome_advantages", advantages)
+    captured = {}
+    setup_model = recipe.setup_model
+
+    def capture(c, **kwargs):  # a spy: keeps the real model to inspect
+        t = captured["t"] = setup_model(c, **kwargs)
+        captured["before"] = {n: p.detach().clone() for n, p in t.model.named_parameters()}
+        return t
+    monkeypatch.setattr(recipe, "setup_model", capture)
     assert cfg.rl.aggregation == ("seq-mean-token-mean" if loss == "gspo" else "token-mean")
     assert cfg.rl.clip_range == {"gspo": (3e-4, 4e-4), "cispo": (1.0, 0.2), "ppo": (0.2, 0.2)}[loss]
     run_grpo(cfg)
-    assert seen == {"kind": {loss}, "estimator": {advantage}}
+    assert seen["kind"] == {loss} and seen["estimator"] == {advantage}
     row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
-    assert row["groups_trained"] > 0 and math.isfinite(row["loss"]) and row["grad_norm"] > 0
+    assert row["groups_trained"] == 2 and math.isfinite(row["loss"]) and row["grad_norm"] > 0
     assert row["ratio_mean"] == pytest.approx(1.0, abs=1e-5) and row["clip_frac"] == 0.0
-    if advantage == "rloo":
-        assert row["adv_mean"] == pytest.approx(0.0, abs=1e-6)
-    else:
-        assert row["adv_std"] == pytest.approx(1.0, rel=0.5)  # token-weighted whitening: about 1 per sequence
+    # one optimizer step from B = 0: every adapter's B moves (A gets no gradient until B is non-zero)
+    moved = {n for n, p in captured["t"].model.named_parameters() if not torch.equal(captured["before"][n], p.detach())}
+    lora_b = {n for n, p in captured["t"].model.named_parameters() if p.requires_grad and ".lora_B." in n}
+    assert lora_b and moved == lora_b
+    rewards, G, lengths = seen["inputs"][-1]  # every group kept: the step's whole batch
+    assert len(rewards) == 8 and len(set(rewards)) > 1
+    expected = torch.tensor(hand_advantages(rewards, G, advantage, lengths), dtype=torch.float64)
+    assert row["adv_std"] == pytest.approx(float(expected.std()), rel=1e-5)
+    assert row["adv_mean"] == pytest.approx(float(expected.mean()), abs=1e-6)
+    assert row["adv_max"] == pytest.approx(float(expected.max()), rel=1e-5)
+
 
 def test_adapter_disabled_reference_equals_the_base_model(tiny, shapes_dir, tmp_path):
     from vlforge.data.dataset import load_dataset

@@ -24,11 +24,12 @@ from transformers.video_utils import VideoMetadata, load_video
 
 from vlforge.config import DataConfig
 from vlforge.data.check import check_file
-from vlforge.data.dataset import load_dataset
-from vlforge.data.encode import (Encoder, ImageLimits, VideoLimits, collate, encode, encode_prompt, frame_timestamps,
-                                 frames_as_images, pack, sampled_frames, tokenize_sample, visuals_per_prompt)
+from vlforge.data.dataset import load_dataset, tokenize_sample
+from vlforge.data.encode import (Encoder, ImageLimits, collate, encode, encode_prompt, frames_as_images, pack,
+                                 visuals_per_prompt)
 from vlforge.data.jsonl import DataError, Video, parse_row, read_jsonl, read_video_header
 from vlforge.data.synth import synth_motion
+from vlforge.data.video import VideoLimits, frame_timestamps, sampled_frames
 from vlforge.engine.losses import sft_loss_sum
 from vlforge.recipes.sft import run_sft
 
@@ -318,19 +319,45 @@ def test_engine_answers_video_prompts_as_transformers_generate_does(tiny, mixed_
     assert ours == theirs and any(ours)
 
 
-def test_grpo_trains_on_video_prompts(motion, tmp_path):
+def test_grpo_trains_on_video_prompts(motion, tmp_path, monkeypatch):
+    """The rollouts see the videos (each prompt's frames, one image per temporal patch, as the
+    dataset encodes them) and the logged reward is the mean of the reward function over what they
+    generated (a reward that varies with the reply: len(reply) % 3)."""
     from vlforge.config import GRPOConfig, load_config
-    from vlforge.recipes.grpo import run_grpo
+    from vlforge.recipes import grpo as recipe
 
+    (tmp_path / "rewards.py").write_text("def varied(completion, answer, **row):\n    return float(len(completion) % 3)\n")
     cfg = load_config(GRPOConfig, None, [
         "model.preset=tiny", f"data.train={motion / 'train.jsonl'}", f"data.val={motion / 'val.jsonl'}",
         "train.device=cpu", f"train.output_dir={tmp_path / 'g'}", "precision.mode=fp32", "train.max_steps=2",
         "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=4", "rl.mini_batch_size=4",
-        "log.progress=false", "eval.max_samples=2", "data.video_min_pixels=512", "data.video_max_pixels=20480"])
-    out = run_grpo(cfg)
-    assert out["final_step"] == 2 and out["eval"]["n"] == 2
+        "log.progress=false", "eval.max_samples=2", "data.video_min_pixels=512", "data.video_max_pixels=20480",
+        f"rl.rewards=[{{name: '{tmp_path / 'rewards.py'}:varied'}}]"])
+    rounds = []
+    generate_groups = recipe.generate_groups
+
+    def spy(model, encoder, prompts, images, *args, **kwargs):  # what each rollout round was given, and made
+        rollout = generate_groups(model, encoder, prompts, images, *args, **kwargs)
+        rounds.append((prompts, images, rollout, encoder))
+        return rollout
+
+    monkeypatch.setattr(recipe, "generate_groups", spy)
+    out = recipe.run_grpo(cfg)
+    assert out["final_step"] == 2 and out["eval"]["n"] == 2 and len(rounds) == 2
     metrics = [json.loads(line) for line in (tmp_path / "g" / "metrics.jsonl").read_text().splitlines()]
-    assert 0.0 <= metrics[0]["reward_mean"] <= 1.0 and metrics[0]["response_length_mean"] > 0  # rollouts scored
+    data = load_dataset(str(motion / "train.jsonl"), rounds[0][3].processor, cfg.data)
+    patches = {int(encode_prompt(data.encoder, s)["video_grid_thw"][:, 0].sum()) for s in data.samples}
+    for (prompts, images, rollout, encoder), row in zip(rounds, metrics):
+        # every prompt shows its video: its temporal patches as images, their tokens and pixels
+        assert len(images) == 2 and set(images) <= patches and min(images) >= 2
+        assert prompts["pixel_values"] is not None and len(prompts["image_grid_thw"]) == sum(images)
+        per_image = (prompts["image_grid_thw"].prod(-1) // encoder.merge ** 2).split(images)
+        assert (prompts["input_ids"] == encoder.image_token_id).sum(1).tolist() == [int(n.sum()) for n in per_image]
+        texts = [encoder.tokenizer.decode(ids[m.bool()], skip_special_tokens=True)
+                 for ids, m in zip(rollout.response_ids, rollout.response_mask)]
+        assert row["reward_mean"] == pytest.approx(sum(len(t) % 3 for t in texts) / len(texts), abs=1e-6)
+        assert row["response_length_mean"] == pytest.approx(float(rollout.response_mask.sum(1).float().mean()))
+    assert any(row["reward_mean"] > 0 for row in metrics)  # the replies did score
 
 
 def test_vlforge_eval_answers_video_rows_as_the_trainers_eval_does(tiny, motion):
@@ -535,7 +562,7 @@ def test_sparse_frames_of_long_files_are_reached_by_seeking_and_equal_a_full_dec
     variable frame rate too, and with frames missing from a constant-rate clock (a stalled screen
     recorder: frame 1200 is not the one at 40 s). MPEG-TS's imprecise seeks fall back to the decode
     from the start where they land wrong."""
-    import vlforge.data.encode as encode
+    import vlforge.data.video as video_module
 
     codec = {"webm": "libvpx", "ts": "mpeg2video"}.get(kind, "mpeg4")
     path = tmp_path / f"v.{'mp4' if '-' in kind else kind}"
@@ -547,12 +574,12 @@ def test_sparse_frames_of_long_files_are_reached_by_seeking_and_equal_a_full_dec
         pytest.skip(f"{codec}: {e}")
     video = read_video_header(path, "v")
     assert video.frames == 1500
-    seeks, real = [], encode._seeked_frames
-    monkeypatch.setattr(encode, "_seeked_frames", lambda *a: seeks.append(real(*a)) or seeks[-1])
+    seeks, real = [], video_module._seeked_frames
+    monkeypatch.setattr(video_module, "_seeked_frames", lambda *a: seeks.append(real(*a)) or seeks[-1])
     with av.open(str(path)) as container:
         everything = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
     for indices in ([0, 500, 1000, 1499], [3, 4, 260, 261, 262, 900], [1200], list(range(0, 1500, 250))):
-        got = encode._decode_file_frames(video, indices, "v")
+        got = video_module.decode_file_frames(video, indices, "v")
         assert np.array_equal(got, np.stack([everything[i] for i in indices])), (kind, indices)
     assert len(seeks) == 4  # every set has a gap of more than SEEK_GAP frames
     if kind != "ts":  # (MPEG-TS seeks by byte estimates: some sets land right, the others fall back)
