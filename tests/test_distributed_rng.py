@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vlforge.engine.checkpoint import rank_seed, restore_rng, rng_state
+from vlforge.engine.rng import rank_seed, read_rng, restore_rng, rng_state
 from vlforge.recipes.sft import run_sft
 
 from helpers import tiny_sft_config
@@ -98,7 +98,7 @@ def test_resumed_ranks_get_their_own_or_a_fresh_rng_stream(shapes_dir, tmp_path)
                              __file__, str(tmp_path), str(shapes_dir / "train.jsonl")], env=env, capture_output=True,
                             text=True, timeout=TIMEOUT_S)
     assert result.returncode == 0, result.stderr[-3000:]
-    load = lambda path: torch.load(path, weights_only=False)  # noqa: E731
+    load = lambda path: read_rng(path)[0]  # noqa: E731  (a checkpoint's rng file, or the probe's in the same form)
     got = {name: [load(tmp_path / f"{name}-{r}.pt") for r in (0, 1)] for name in CASES}
     saved = {name: load(tmp_path / name) for name in ("two/checkpoint-1/rng-0.pt", "two/checkpoint-1/rng-1.pt",
                                                       "one-fsdp2/checkpoint-1/rng-0.pt", "one/checkpoint-1/rng.pt")}

@@ -12,6 +12,7 @@ import torch
 
 from vlforge.config import ConfigError, SFTConfig, dump_config
 from vlforge.engine import runtime
+from vlforge.engine.manifest import write_manifest
 from vlforge.engine.metrics import MetricsLog, read_metrics
 from vlforge.engine.runtime import (LOCK_NAME, choose_device, prepare_output_dir, release_output_dir,
                                     resolve_num_workers)
@@ -35,6 +36,9 @@ def _run_dir(out):
     for d in ("checkpoint-2", ".tmp-checkpoint-3-123", "superseded-1-20250101-000000/checkpoint-2", "tensorboard"):
         (out / d).mkdir(parents=True)
         (out / d / "f").write_bytes(b"x")
+    for d in ("checkpoint-2", "superseded-1-20250101-000000/checkpoint-2"):  # checkpoints as a save leaves them
+        (out / d / "trainer_state.json").write_text('{"step": 2}')
+        write_manifest(out / d)
     return out
 
 

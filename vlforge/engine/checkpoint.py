@@ -5,13 +5,22 @@
         tokenizer / processor files                        (so a checkpoint is a usable model directory)
         optimizer.pt  scheduler.pt  scaler.pt  rng.pt  (DDP: + rng-RANK.pt of the other ranks)
         fp8_state.pt                                       (TransformerEngine layers only: FP8 scales, amax history)
-        trainer_state.json                                 (step, epoch, data position, ...)
+        trainer_state.json                                 (step, epoch, data position, the model's identity, ...)
+        vlforge-manifest.json                              (every file's size and sha256: engine/manifest.py)
 
 A checkpoint is written under a temporary name and renamed into place only once complete, so a
 crash (even SIGKILL) leaves either the previous checkpoint set or the new one, never a torn one. A
 save that cannot be written (disk full, quota, permissions) removes its torn copy and stops the run
 with CheckpointWriteError, naming the finished checkpoint to resume from; the run warns at its start
 when the disk has less room than its checkpoints will take (`checkpoint_bytes`, `space_problem`).
+
+A resume reads a checkpoint as data someone may have handed us: every .pt file with
+torch.load(weights_only=True) (tensors, numbers, strings and their containers; the RNG states are
+saved as tensors), weights through safetensors, DCP's files through engine/safe_dcp.py; a file that
+holds other objects is refused (rng.pt: the RNG starts fresh, with a warning), never unpickled.
+Before anything loads, its shapes are compared with this run's model (a changed LoRA rank is named,
+not a size-mismatch traceback); the model it was trained from is checked by engine/identity.py and
+its files by the manifest (engine/runtime.prepare_output_dir).
 
 RNG streams on resume (`restore_rng`): weights, optimizer, schedule and data position resume on
 any number of processes, but the RNG (dropout masks) resumes exactly only on the world size that
@@ -29,17 +38,21 @@ import errno
 import hashlib
 import json
 import os
-import random
 import re
 import shutil
+import time
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from vlforge.config import ConfigError
 from vlforge.engine.errors import CheckpointWriteError
 from vlforge.engine.fp8 import fp8_state, load_fp8_state
+from vlforge.engine.manifest import is_checkpoint, write_manifest, written_by_a_run
+from vlforge.engine.rng import restore_rng, save_rng
+from vlforge.engine.safe_load import SafeLoadPlanner, SafeReader, load_failure, load_trusted, read_metadata
 from vlforge.model.export import SHARDED_DIR, is_sharded
 
 CKPT_RE = re.compile(r"^checkpoint-(\d+)$")
@@ -53,51 +66,6 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-def rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
-    random.setstate(state["python"])
-    if "cuda" in state and torch.cuda.is_available():
-        # the devices this process sees (a resume on a host with fewer GPUs restores those it has)
-        for device, cuda_state in enumerate(state["cuda"][:torch.cuda.device_count()]):
-            torch.cuda.set_rng_state(cuda_state, device)
-
-
-def rank_seed(seed: int, step: int, rank: int) -> int:
-    """The seed of a rank's fresh RNG stream at a resumed step: a hash, so that nearby (seed, step,
-    rank) triples give unrelated streams (seed + rank would give rank 1 of seed 0 the stream of
-    rank 0 of seed 1)."""
-    digest = hashlib.sha256(f"vlforge-rng:{seed}:{step}:{rank}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1  # below 2**63: every RNG takes it
-
-
-def restore_rng(path: Path, rank: int, seed: int, step: int, shared: bool = False) -> bool:
-    """Set this rank's torch (CPU and CUDA) and Python RNG from checkpoint `path`: its own saved
-    state (rank 0: rng.pt, or rng-0.pt in a sharded checkpoint; rank r: rng-r.pt), rank 0's with
-    `shared`, or, for a rank the saving run did not have, a fresh stream from rank_seed(seed, step,
-    rank). Returns whether a saved state was restored (False: a fresh stream)."""
-    first = path / "rng.pt" if (path / "rng.pt").is_file() else path / "rng-0.pt"
-    saved = first if rank == 0 or shared else path / f"rng-{rank}.pt"
-    if saved.is_file():
-        set_rng_state(torch.load(saved, weights_only=False))
-        return True
-    fresh_rng(seed, step, rank)
-    return False
-
-
-def fresh_rng(seed: int, step: int, rank: int) -> None:
-    """Seed this process's torch (CPU and every CUDA device) and Python RNG with rank_seed."""
-    fresh = rank_seed(seed, step, rank)
-    torch.manual_seed(fresh)  # the CPU generator and every CUDA device's
-    random.seed(fresh)
 
 
 def checkpoint_bytes(model, optimizer_name: str, masters_in_optimizer: bool = False) -> int:
@@ -131,6 +99,15 @@ def checkpoints_held(saves_left: int, existing: int, keep_last: int) -> int:
     return max(1, min(existing + saves_left, keep_last + 1) - existing)
 
 
+def readable_size(n: float) -> str:
+    """Bytes as a person reads them: 23.4 GB, 850.0 MB, 12.0 kB (a small LoRA run's checkpoints
+    would otherwise read "0.0 GB")."""
+    for unit, size in (("GB", GB), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} bytes"
+
+
 def space_problem(free: int, per_checkpoint: int, held: int, out: Path) -> str | None:
     """The warning a run prints at its start when `out`'s disk has less free space than `held` more
     checkpoints of `per_checkpoint` bytes; None when they fit."""
@@ -140,9 +117,9 @@ def space_problem(free: int, per_checkpoint: int, held: int, out: Path) -> str |
     what = ("not even the first save fits" if free < per_checkpoint else
             f"the run needs room for {held} more (a save holds train.keep_last finished ones plus the one being "
             "written)")
-    return (f"{out} has {free / GB:.1f} GB free and this run's checkpoints take ~{per_checkpoint / GB:.1f} GB each: "
-            f"{what}, ~{need / GB:.1f} GB. A save that finds the disk full stops the run (finished checkpoints are "
-            "kept). Free space, point train.output_dir at a larger disk, or lower train.keep_last")
+    return (f"{out} has {readable_size(free)} free and this run's checkpoints take ~{readable_size(per_checkpoint)} "
+            f"each: {what}, ~{readable_size(need)}. A save that finds the disk full stops the run (finished "
+            "checkpoints are kept). Free space, point train.output_dir at a larger disk, or lower train.keep_last")
 
 
 def _write_failure(out: Path, step: int, error: BaseException) -> str:
@@ -185,11 +162,14 @@ def _is_write_failure(error: BaseException) -> bool:
 
 
 def list_checkpoints(output_dir: str | Path) -> list[Path]:
-    """Complete checkpoints, oldest first (temporary directories are never listed)."""
+    """Checkpoints, oldest first: checkpoint-STEP directories holding one (a manifest, or a
+    trainer_state.json from before manifests), intact or not (engine/manifest.py tells); temporary
+    directories and a folder that merely has such a name are never listed."""
     out = Path(output_dir)
     if not out.is_dir():
         return []
-    found = [(int(m.group(1)), p) for p in out.iterdir() if p.is_dir() and (m := CKPT_RE.match(p.name))]
+    found = [(int(m.group(1)), p) for p in out.iterdir()
+             if p.is_dir() and (m := CKPT_RE.match(p.name)) and is_checkpoint(p)]
     return [p for _, p in sorted(found)]
 
 
@@ -213,7 +193,7 @@ def save_checkpoint(output_dir: str | Path, step: int, model, processor, optimiz
             _start_directory(out, tmp)
     with _all_ranks_or_none(tmp, out, step, world):  # also the barrier: every rank's RNG state is on disk
         if not main:
-            torch.save(rng_state(), tmp / f"rng-{world.rank}.pt")
+            save_rng(tmp / f"rng-{world.rank}.pt")
         else:
             if isinstance(model, PeftModel):
                 model.save_pretrained(tmp)
@@ -223,7 +203,7 @@ def save_checkpoint(output_dir: str | Path, step: int, model, processor, optimiz
             torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
             torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
             torch.save(scaler.state_dict(), tmp / "scaler.pt")
-            torch.save(rng_state(), tmp / "rng.pt")
+            save_rng(tmp / "rng.pt")
             if fp8 := fp8_state(model):  # TE delayed scaling's scales + amax history: without them a resume drifts
                 torch.save(fp8, tmp / "fp8_state.pt")
             (tmp / "trainer_state.json").write_text(json.dumps({**state, "step": step,
@@ -243,21 +223,30 @@ def _start_directory(out: Path, tmp: Path) -> None:
 
 
 def _finish_directory(out: Path, tmp: Path, final: Path, keep_last: int) -> None:
-    """Make the written bytes durable, then visible under the final name; drop the oldest beyond keep_last."""
+    """List the files in the manifest (every rank's are on disk: callers run this after the last
+    barrier), make the bytes durable, then visible under the final name; drop the oldest of the
+    run's own checkpoints beyond keep_last."""
+    write_manifest(tmp)
     for f in tmp.rglob("*"):
         if f.is_file():
             with open(f, "rb") as fh:
                 os.fsync(fh.fileno())
     _fsync_dir(tmp)
-    if final.exists():  # re-saving a step after a resume: replace the old copy
-        shutil.rmtree(final)
+    if final.exists() or final.is_symlink():
+        if written_by_a_run(final):  # re-saving a step after a resume: replace the old copy
+            shutil.rmtree(final)
+        else:  # a folder of the user's that has the name: kept, under another
+            aside = final.with_name(f"{final.name}.not-written-by-vlforge-{time.strftime('%Y%m%d-%H%M%S')}")
+            final.rename(aside)
+            print(f"warning: {final} held files vlforge did not write: moved to {aside}")
     os.rename(tmp, final)
     try:
         _fsync_dir(out)
     except OSError as e:  # the checkpoint is complete and in place: not a failed save, said all the same
         print(f"warning: {final} is written, but syncing its directory entry to disk failed ({e}): a power loss "
               "now could lose it")
-    for old in list_checkpoints(out)[:-keep_last] if keep_last > 0 else []:
+    ours = [p for p in list_checkpoints(out) if written_by_a_run(p)]  # a user's own files are never rotated away
+    for old in ours[:-keep_last] if keep_last > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
 
 
@@ -303,12 +292,64 @@ def _other_run(path: Path, what: str) -> str:
             "start this config in a new train.output_dir")
 
 
+def _header_shapes(file: Path) -> dict[str, list[int]]:
+    """Each tensor's shape in a safetensors file, from its header alone (no tensor is read)."""
+    try:
+        with safe_open(file, "pt") as f:
+            return {k: list(f.get_slice(k).get_shape()) for k in f.keys()}
+    except Exception as e:  # safetensors' SafetensorError: a torn or foreign file
+        raise ConfigError(f"{file} is unreadable ({e}): the file is damaged (truncated or overwritten)") from None
+
+
+def shape_problem(saved: dict[str, list[int]], here: dict[str, list[int]]) -> str | None:
+    """The first tensor (by name) both hold with another shape, named; a LoRA factor's says so."""
+    for key in sorted(saved.keys() & here.keys()):
+        if list(saved[key]) != list(here[key]):
+            lora = ": a LoRA rank differs (tiers.*.r)" if re.search(r"\.lora_(embedding_)?[AB]\b", key) else ""
+            return f"{key} is {list(saved[key])} there and {list(here[key])} in this run's model{lora}"
+    return None
+
+
+def _load_adapters(path: Path, model) -> None:
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+    file = path / "adapter_model.safetensors"
+    if not file.is_file():
+        raise FileNotFoundError(f"{path} has no adapter_model.safetensors: it was not written by a LoRA run")
+    # before peft's load: a changed rank is one named key here, not a size-mismatch traceback there
+    here = {k: list(v.shape) for k, v in get_peft_model_state_dict(model).items()}
+    if problem := shape_problem(_header_shapes(file), here):
+        raise ConfigError(_other_run(path, problem))
+    result = set_peft_model_state_dict(model, load_file(file))
+    if getattr(result, "unexpected_keys", None):
+        raise ConfigError(_other_run(path, f"its adapters do not fit this model ({result.unexpected_keys[:3]})"))
+
+
+def _load_weights(path: Path, model) -> None:
+    files = sorted(path.glob("model*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path} has no model*.safetensors: it was not written by a full fine-tuning run")
+    params = dict(model.named_parameters())
+    saved = {k: shape for f in files for k, shape in _header_shapes(f).items()}
+    missing = [n for n, p in params.items() if p.requires_grad and n not in saved]
+    if missing:
+        raise ConfigError(_other_run(path, f"it lacks weights this run trains ({missing[:3]})"))
+    if problem := shape_problem(saved, {n: list(p.shape) for n, p in params.items()}):
+        raise ConfigError(_other_run(path, problem))
+    with torch.no_grad():
+        for f in files:
+            for n, tensor in load_file(f).items():
+                if n in params:
+                    params[n].copy_(tensor.to(params[n].dtype))
+
+
 def load_checkpoint(path: str | Path, model, optimizer, scheduler, scaler, rank: int = 0, seed: int = 0,
                     shared_rng: bool = False) -> dict:
     """Restore weights, optimizer, scheduler, loss scaler and RNG in place; returns trainer_state.
     `rank` (DDP): every rank loads the same files, and its RNG as restore_rng says (`seed`:
-    train.seed, for a rank the saving run did not have; `shared_rng`: every rank takes rank 0's)."""
-    from peft import PeftModel, set_peft_model_state_dict
+    train.seed, for a rank the saving run did not have; `shared_rng`: every rank takes rank 0's).
+    Every file is read as data (load_trusted, safetensors); shapes are compared before loading."""
+    from peft import PeftModel
 
     path = Path(path)
     if not (path / "trainer_state.json").is_file():
@@ -317,29 +358,12 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler, scaler, rank:
         raise FileNotFoundError(f"{path} is a sharded (FSDP2) checkpoint; resume it with distributed.strategy=fsdp2 "
                                 "(any number of processes), or `vlforge export` it and start from the export")
     if isinstance(model, PeftModel):
-        if not (path / "adapter_model.safetensors").is_file():
-            raise FileNotFoundError(f"{path} has no adapter_model.safetensors: it was not written by a LoRA run")
-        result = set_peft_model_state_dict(model, load_file(path / "adapter_model.safetensors"))
-        if getattr(result, "unexpected_keys", None):
-            raise ConfigError(_other_run(path, f"its adapters do not fit this model ({result.unexpected_keys[:3]})"))
+        _load_adapters(path, model)
     else:
-        files = sorted(path.glob("model*.safetensors"))
-        if not files:
-            raise FileNotFoundError(f"{path} has no model*.safetensors: it was not written by a full fine-tuning run")
-        weights = {}
-        for f in files:
-            weights.update(load_file(f))
-        params = dict(model.named_parameters())
-        missing = [n for n, p in params.items() if p.requires_grad and n not in weights]
-        if missing:
-            raise ConfigError(_other_run(path, f"it lacks weights this run trains ({missing[:3]})"))
-        with torch.no_grad():
-            for n, p in params.items():
-                if n in weights:
-                    p.copy_(weights[n].to(p.dtype))
+        _load_weights(path, model)
     from vlforge.engine.optim import MasterWeightAdamW
 
-    saved = torch.load(path / "optimizer.pt", weights_only=True)
+    saved = load_trusted(path / "optimizer.pt")
     if not isinstance(optimizer, MasterWeightAdamW) and any("master" in s for s in saved["state"].values()):
         # its model files hold the bf16 working copies; the fp32 masters are in the optimizer state
         raise ConfigError(_other_run(path, "its fp32 master weights are in its optimizer state "
@@ -348,12 +372,12 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler, scaler, rank:
         optimizer.load_state_dict(saved)
     except ValueError as e:  # torch's check that the groups and their sizes match
         raise ConfigError(_other_run(path, f"its optimizer state is for other parameters ({e})")) from None
-    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
-    scaler.load_state_dict(torch.load(path / "scaler.pt", weights_only=True))
+    scheduler.load_state_dict(load_trusted(path / "scheduler.pt"))
+    scaler.load_state_dict(load_trusted(path / "scaler.pt"))
     state = json.loads((path / "trainer_state.json").read_text())
     restore_rng(path, rank, seed, state["step"], shared_rng)
     if (path / "fp8_state.pt").is_file():
-        load_fp8_state(model, torch.load(path / "fp8_state.pt", weights_only=True))
+        load_fp8_state(model, load_trusted(path / "fp8_state.pt"))
     return state
 
 
@@ -390,16 +414,14 @@ def _trained_record(names: set[str]) -> dict:
     return {"tensors": len(names), "sha256": hashlib.sha256("\n".join(sorted(names)).encode()).hexdigest()}
 
 
-def _with_optimizer_state(dcp_dir: Path, names: set[str]) -> dict[str, set[str]]:
+def _with_optimizer_state(metadata, names: set[str]) -> dict[str, set[str]]:
     """Of `names`, those a sharded checkpoint holds optimizer state for (optim.state.NAME.exp_avg, ...:
     DCP flattens nested state further, so a key is matched to the longest name it starts with), each
     with the state's keys (exp_avg, ...: AdamW; state1, absmax1, ...: 8-bit). Read from DCP's
     metadata, before anything is loaded."""
-    from torch.distributed.checkpoint import FileSystemReader
-
     prefix = "optim.state."
     found: dict[str, set[str]] = {}
-    for key in FileSystemReader(str(dcp_dir)).read_metadata().state_dict_metadata:
+    for key in metadata.state_dict_metadata:
         if key.startswith(prefix):
             name = key[len(prefix):]
             while name and name not in names:
@@ -431,7 +453,7 @@ def save_sharded_checkpoint(output_dir: str | Path, step: int, model, processor,
     optim_state = get_optimizer_state_dict(model, optimizer)  # collectives: every rank, outside the phases
     with _all_ranks_or_none(tmp, out, step, world):  # also the barrier: every rank's shards are on disk
         dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(tmp / SHARDED_DIR))
-        torch.save(rng_state(), tmp / f"rng-{world.rank}.pt")
+        save_rng(tmp / f"rng-{world.rank}.pt")
         if world.main:
             processor.save_pretrained(tmp)
             torch.save(scheduler.state_dict(), tmp / "scheduler.pt")
@@ -450,6 +472,7 @@ def load_sharded_checkpoint(path: str | Path, model, optimizer, scheduler, scale
     """Restore a sharded checkpoint on this world (of any size); returns trainer_state. The RNG as
     restore_rng says (`seed`: train.seed; `shared_rng`: every rank takes rank 0's)."""
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                          get_optimizer_state_dict, set_model_state_dict,
                                                          set_optimizer_state_dict)
@@ -462,7 +485,8 @@ def load_sharded_checkpoint(path: str | Path, model, optimizer, scheduler, scale
     # its first step, so compare first (the record; a checkpoint from before it: what has optimizer state)
     state = json.loads((path / "trainer_state.json").read_text())
     here = _trained_here(model)
-    with_state = _with_optimizer_state(path / SHARDED_DIR, {n for n, _ in model.named_parameters()})
+    metadata = read_metadata(path / SHARDED_DIR)  # DCP's records only: nothing else is unpickled
+    with_state = _with_optimizer_state(metadata, {n for n, _ in model.named_parameters()})
     if "trained" in state:
         other = state["trained"] != _trained_record(here)
     else:  # a checkpoint from before the record: whatever has optimizer state must be trained here
@@ -474,6 +498,10 @@ def load_sharded_checkpoint(path: str | Path, model, optimizer, scheduler, scale
         raise ConfigError(_other_run(path, f"it trained {saved} tensors, this config trains {len(here)}"
                                            + (f": {', '.join(differ)}" if differ else "")))
     model_state = _trainable_only(model, get_model_state_dict(model))
+    saved_shapes = {k.removeprefix("model."): list(m.size) for k, m in metadata.state_dict_metadata.items()
+                    if k.startswith("model.") and hasattr(m, "size")}
+    if problem := shape_problem(saved_shapes, {k: list(v.shape) for k, v in model_state.items()}):
+        raise ConfigError(_other_run(path, problem))  # DCP would fail mid-load, on every rank, with a traceback
     optim_state = get_optimizer_state_dict(model, optimizer)
     for name in here - set(with_state):  # trained, but no gradient had reached it yet: fresh moments, as in the run
         optim_state["state"].pop(name, None)
@@ -482,12 +510,16 @@ def load_sharded_checkpoint(path: str | Path, model, optimizer, scheduler, scale
         raise ConfigError(_other_run(path, f"it holds the state of {_optimizer_kind(saved_keys)}; this config's "
                                            f"optimizer is {_optimizer_kind(wanted)}, which keeps {', '.join(sorted(wanted))}"))
     loaded = {"model": model_state, "optim": optim_state}
-    dcp.load(loaded, checkpoint_id=str(path / SHARDED_DIR))
+    try:
+        dcp.load(loaded, storage_reader=SafeReader(str(path / SHARDED_DIR)), planner=SafeLoadPlanner())
+    except CheckpointException as e:  # every rank's: a refused item, or a shard torn since the manifest was checked
+        raise ConfigError(f"cannot resume from {path}: its {SHARDED_DIR}/ shards could not be read: {load_failure(e)}; "
+                          "resume from another checkpoint") from None
     set_model_state_dict(model, loaded["model"], options=StateDictOptions(strict=False))
     # strict: every trained parameter has saved state; not so for those without a gradient yet (above)
     set_optimizer_state_dict(model, optimizer, loaded["optim"],
                              options=StateDictOptions(strict=not (here - set(with_state))))
-    scheduler.load_state_dict(torch.load(path / "scheduler.pt", weights_only=True))
-    scaler.load_state_dict(torch.load(path / "scaler.pt", weights_only=True))
+    scheduler.load_state_dict(load_trusted(path / "scheduler.pt"))
+    scaler.load_state_dict(load_trusted(path / "scaler.pt"))
     restore_rng(path, world.rank, seed, state["step"], shared_rng)
     return state

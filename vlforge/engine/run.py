@@ -26,13 +26,15 @@ import torch
 
 from vlforge.config import ConfigError, RunConfig, dump_config, resolve_paths
 from vlforge.data.dataset import ChatDataset
-from vlforge.engine.checkpoint import (checkpoint_bytes, checkpoints_held, fresh_rng, list_checkpoints, load_checkpoint,
+from vlforge.engine.checkpoint import (checkpoint_bytes, checkpoints_held, list_checkpoints, load_checkpoint,
                                        load_sharded_checkpoint, save_checkpoint, save_sharded_checkpoint, space_problem)
 from vlforge.engine.distributed import World, gathered, init_world
 from vlforge.engine.evaluate import EvalRecorder
 from vlforge.engine.health import GradHealth
+from vlforge.engine.identity import KEY as IDENTITY_KEY, check_resume_identity, model_identity
 from vlforge.engine.metrics import MetricsLog, NullMetrics
 from vlforge.engine.optim import build_optimizer, build_scheduler
+from vlforge.engine.rng import fresh_rng
 from vlforge.engine.runtime import prepare_output_dir, release_output_dir, seed_everything
 from vlforge.engine.trainable import Trainable
 from vlforge.model.tiers import param_groups
@@ -107,14 +109,18 @@ class Run:
         scaler = t.policy.grad_scaler()
         health = GradHealth(t.model, t.plan, cfg.health, cfg.precision.mode, spikes=spikes)
         state = {"epoch": 0, "position": 0, **(state or {})}
+        # what this run trains from, saved in every checkpoint's trainer_state.json (engine/identity.py)
+        identity = model_identity(cfg.model, cfg.tiers.method, t.processor.tokenizer)
         if resume_from is not None:
+            # before any weight is read: a checkpoint of another model is refused, naming both
+            note = check_resume_identity(resume_from, identity)
             rng = {"seed": cfg.train.seed, "shared_rng": shared_rng}
             if world.sharded:
                 state = load_sharded_checkpoint(resume_from, t.model, optimizer, scheduler, scaler, world, **rng)
             else:  # one process, or DDP: every rank loads the same one-process checkpoint (its own RNG)
                 state = load_checkpoint(resume_from, t.model, optimizer, scheduler, scaler, rank=world.rank, **rng)
             if world.main:
-                print(f"resumed from {resume_from} at step {state['step']}")
+                print(f"resumed from {resume_from} at step {state['step']}" + (f"\nnote: {note}" if note else ""))
                 saved = state.get("world_size")  # None: a checkpoint from before it was recorded
                 if saved is not None and saved != world.size and not shared_rng:
                     print(f"note: the checkpoint was saved by {saved} process(es), this run has {world.size}: "
@@ -126,6 +132,7 @@ class Run:
             # here each rank > 0 draws its own stream (its dropout masks), rank 0 goes on with the
             # one-process run's
             fresh_rng(cfg.train.seed, 0, world.rank)
+        state[IDENTITY_KEY] = identity
         # after the resume: a checkpoint refused as another config's leaves the config.yaml it was saved with;
         # paths stored absolute, so the run's checkpoints export, infer and serve anywhere
         if world.main:

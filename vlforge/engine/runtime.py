@@ -22,6 +22,7 @@ import yaml
 
 from vlforge.config import ConfigError
 from vlforge.engine.checkpoint import CKPT_RE, TMP_PREFIX, list_checkpoints
+from vlforge.engine.manifest import MANIFEST, checksum_problem, read_manifest, size_problem, written_by_a_run
 
 LOCK_NAME = ".vlforge.lock"
 SUPERSEDED_PREFIX = "superseded-"
@@ -183,7 +184,11 @@ def is_run_entry(p: Path) -> bool:
     if p.is_symlink():
         return False  # a run writes none: a link points at something of the user's
     if p.is_dir():
-        return bool(CKPT_RE.match(name)) or name.startswith((TMP_PREFIX, SUPERSEDED_PREFIX)) or name == TENSORBOARD_DIR
+        if CKPT_RE.match(name):  # the manifest tells: a user's folder named checkpoint-999/ is not the run's
+            return written_by_a_run(p)
+        if name.startswith(SUPERSEDED_PREFIX):  # checkpoints a branch set aside, and nothing else
+            return all(CKPT_RE.match(q.name) and written_by_a_run(q) for q in p.iterdir())
+        return name.startswith(TMP_PREFIX) or name == TENSORBOARD_DIR
     if name == "config.yaml":
         return _is_run_config(p)
     return name in RUN_FILES or bool(_TB_EVENTS.match(name))
@@ -233,20 +238,64 @@ def _remove_run_entries(entries: list[Path]) -> None:
             p.unlink()
 
 
+def _newest_intact(out: Path) -> Path | None:
+    """train.resume=auto's checkpoint: the newest intact one. Sizes of every checkpoint against its
+    manifest (a stat each), then the checksums of the newest with the right sizes, the next one if
+    those fail; a damaged checkpoint is skipped with a warning naming its file. Newer damaged ones
+    are set aside (kept): left in place, keep_last's rotation would count them as the newest and
+    prune the checkpoints the resumed run writes. None when the run has no checkpoint; every one
+    damaged is a ConfigError."""
+    checkpoints = list_checkpoints(out)
+    damaged = {p: problem for p in checkpoints if (problem := size_problem(p))}
+    chosen = None
+    for p in reversed([p for p in checkpoints if p not in damaged]):
+        if not (problem := checksum_problem(p)):
+            chosen = p
+            break
+        damaged[p] = problem
+    for p, problem in sorted(damaged.items(), key=lambda item: _step(item[0])):
+        print(f"warning: train.resume=auto: skipping {p}, which is damaged: {problem}")
+    if chosen is None:
+        if damaged:
+            names = _names(sorted(damaged, key=_step))
+            raise ConfigError(f"train.resume=auto: every checkpoint in {out} is damaged ({names}, above); restore "
+                              "one from a copy, or start afresh with train.resume=never and train.overwrite=true")
+        return None
+    if read_manifest(chosen) is None:
+        print(f"note: {chosen} has no {MANIFEST} (saved before vlforge wrote one): its files are not verified")
+    if any(_step(p) > _step(chosen) for p in damaged):
+        _set_aside_later_checkpoints(out, _step(chosen))
+    return chosen
+
+
+def _step(checkpoint: Path) -> int:
+    return int(CKPT_RE.match(checkpoint.name).group(1))
+
+
+def _explicit_checkpoint(resume: str) -> Path:
+    """train.resume=PATH, verified: sizes and checksums against its manifest; a damaged one is refused."""
+    ckpt = Path(resume)
+    if not (ckpt / "trainer_state.json").is_file() and not (ckpt / MANIFEST).is_file():
+        raise ConfigError(f"train.resume={resume}: not a complete checkpoint directory (no trainer_state.json)")
+    if problem := checksum_problem(ckpt):
+        raise ConfigError(f"train.resume={resume}: the checkpoint is damaged: {problem}. Resume from another "
+                          "checkpoint (train.resume=auto picks the newest intact one)")
+    if read_manifest(ckpt) is None:
+        print(f"note: {ckpt} has no {MANIFEST} (saved before vlforge wrote one): its files are not verified")
+    return ckpt
+
+
 def prepare_output_dir(output_dir: str | Path, resume: str, overwrite: bool) -> Path | None:
     """Create, lock and validate output_dir, before any model loads. Returns the checkpoint to resume from, if any.
 
     The lock is held until `release_output_dir(output_dir)` or the process exits. A non-empty
     output_dir is refused unless resuming or overwriting: a run never silently replaces another
     run's results; overwrite removes only what a run wrote, and refuses a directory holding
-    anything else; resume=auto refuses a directory that is not a run.
+    anything else; resume=auto refuses a directory that is not a run, and resumes from the newest
+    intact checkpoint; a damaged one named by train.resume is refused.
     """
     out = Path(output_dir)
-    ckpt = None
-    if resume not in ("auto", "never"):
-        ckpt = Path(resume)
-        if not (ckpt / "trainer_state.json").is_file():
-            raise ConfigError(f"train.resume={resume}: not a complete checkpoint directory (no trainer_state.json)")
+    ckpt = _explicit_checkpoint(resume) if resume not in ("auto", "never") else None
     _make_dir(out)
     lock = lock_output_dir(out)
     try:
@@ -262,8 +311,7 @@ def prepare_output_dir(output_dir: str | Path, resume: str, overwrite: bool) -> 
                 raise ConfigError(
                     f"train.resume=auto: train.output_dir={out} is not a vlforge run (no config.yaml, metrics.jsonl "
                     f"or checkpoint-STEP/; it holds {_names(entries)}); choose a new or empty train.output_dir")
-            ckpts = list_checkpoints(out)
-            return ckpts[-1] if ckpts else None
+            return _newest_intact(out)
         if not overwrite:
             raise ConfigError(
                 f"train.output_dir={out} is not empty (another run's results?). Pass train.resume=auto to continue "
