@@ -1,5 +1,5 @@
 """How long the frames a video sample uses take to decode: seeking over the gaps between sampled
-frames (vlforge's default for gaps over data/encode.SEEK_GAP frames) vs one pass from the start
+frames (vlforge's default for gaps over data/video.SEEK_GAP frames) vs one pass from the start
 (what transformers' pyav reader does), same process, same file, alternating.
 
     python bench/video_decode.py                        # synthetic MPEG-4 files, 1 and 10 minutes
@@ -24,7 +24,7 @@ import av
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import vlforge.data.encode as encode  # noqa: E402
+import vlforge.data.video as video_frames  # noqa: E402
 from vlforge.data.jsonl import read_video_header  # noqa: E402
 
 
@@ -46,9 +46,9 @@ def synthetic(path: Path, seconds: int, fps: int = 30, size=(640, 360)) -> Path:
 
 
 def timed(video, indices, seek_gap: int) -> tuple[float, np.ndarray]:
-    encode.SEEK_GAP = seek_gap
+    video_frames.SEEK_GAP = seek_gap
     start = time.perf_counter()
-    frames = encode._decode_file_frames(video, indices, "bench")
+    frames = video_frames.decode_file_frames(video, indices, "bench")
     return time.perf_counter() - start, frames
 
 
@@ -58,7 +58,7 @@ def main() -> None:
     ap.add_argument("--frames", type=int, default=64, help="frames sampled evenly (data.video_max_frames)")
     ap.add_argument("--repeats", type=int, default=3)
     args = ap.parse_args()
-    default_gap = encode.SEEK_GAP
+    default_gap = video_frames.SEEK_GAP
     with tempfile.TemporaryDirectory() as tmp:
         files = [Path(f) for f in args.file] if args.file else [synthetic(Path(tmp) / f"{m}min.mp4", 60 * m)
                                                                 for m in (1, 10)]

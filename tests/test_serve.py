@@ -954,7 +954,7 @@ def test_normalizer_factors_match_unicode():
     import sys
     import unicodedata
 
-    from vlforge.serve.engine import _NORMALIZER_SHRINK
+    from vlforge.data.tokens import _NORMALIZER_SHRINK
 
     longest = {form: max(len(unicodedata.normalize(form, chr(c))) for c in range(sys.maxunicode + 1)
                          if not 0xD800 <= c < 0xE000) for form in ("NFD", "NFKD")}
@@ -966,7 +966,7 @@ def test_no_character_bound_for_tokenizers_that_allow_none(engine):
 
     from tokenizers import Tokenizer, models, normalizers
 
-    from vlforge.serve.engine import max_chars_per_token
+    from vlforge.data.tokens import max_chars_per_token
 
     assert max_chars_per_token(engine.tokenizer) == engine.chars_per_token > 0
     word_level = Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))  # a word of any length: 1 token

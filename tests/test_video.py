@@ -24,11 +24,12 @@ from transformers.video_utils import VideoMetadata, load_video
 
 from vlforge.config import DataConfig
 from vlforge.data.check import check_file
-from vlforge.data.dataset import load_dataset
-from vlforge.data.encode import (Encoder, ImageLimits, VideoLimits, collate, encode, encode_prompt, frame_timestamps,
-                                 frames_as_images, pack, sampled_frames, tokenize_sample, visuals_per_prompt)
+from vlforge.data.dataset import load_dataset, tokenize_sample
+from vlforge.data.encode import (Encoder, ImageLimits, collate, encode, encode_prompt, frames_as_images, pack,
+                                 visuals_per_prompt)
 from vlforge.data.jsonl import DataError, Video, parse_row, read_jsonl, read_video_header
 from vlforge.data.synth import synth_motion
+from vlforge.data.video import VideoLimits, frame_timestamps, sampled_frames
 from vlforge.engine.losses import sft_loss_sum
 from vlforge.recipes.sft import run_sft
 
@@ -561,7 +562,7 @@ def test_sparse_frames_of_long_files_are_reached_by_seeking_and_equal_a_full_dec
     variable frame rate too, and with frames missing from a constant-rate clock (a stalled screen
     recorder: frame 1200 is not the one at 40 s). MPEG-TS's imprecise seeks fall back to the decode
     from the start where they land wrong."""
-    import vlforge.data.encode as encode
+    import vlforge.data.video as video_module
 
     codec = {"webm": "libvpx", "ts": "mpeg2video"}.get(kind, "mpeg4")
     path = tmp_path / f"v.{'mp4' if '-' in kind else kind}"
@@ -573,12 +574,12 @@ def test_sparse_frames_of_long_files_are_reached_by_seeking_and_equal_a_full_dec
         pytest.skip(f"{codec}: {e}")
     video = read_video_header(path, "v")
     assert video.frames == 1500
-    seeks, real = [], encode._seeked_frames
-    monkeypatch.setattr(encode, "_seeked_frames", lambda *a: seeks.append(real(*a)) or seeks[-1])
+    seeks, real = [], video_module._seeked_frames
+    monkeypatch.setattr(video_module, "_seeked_frames", lambda *a: seeks.append(real(*a)) or seeks[-1])
     with av.open(str(path)) as container:
         everything = [f.to_ndarray(format="rgb24") for f in container.decode(video=0)]
     for indices in ([0, 500, 1000, 1499], [3, 4, 260, 261, 262, 900], [1200], list(range(0, 1500, 250))):
-        got = encode._decode_file_frames(video, indices, "v")
+        got = video_module.decode_file_frames(video, indices, "v")
         assert np.array_equal(got, np.stack([everything[i] for i in indices])), (kind, indices)
     assert len(seeks) == 4  # every set has a gap of more than SEEK_GAP frames
     if kind != "ts":  # (MPEG-TS seeks by byte estimates: some sets land right, the others fall back)

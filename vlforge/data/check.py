@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections import Counter
 
 from vlforge.config import DataConfig
-from vlforge.data.encode import IGNORE_INDEX, Encoder, ImageLimits, VideoLimits, image_sizes
+from vlforge.data.dataset import measure
+from vlforge.data.encode import IGNORE_INDEX, Encoder, ImageLimits, VideoLimits
 from vlforge.data.jsonl import DataError, LoadReport, read_jsonl
 
 
@@ -24,18 +25,27 @@ def check_file(path: str, processor, cfg: DataConfig) -> dict:
     encoder = Encoder(processor, ImageLimits(cfg.min_pixels, cfg.max_pixels, cfg.max_image_pixels),
                       VideoLimits.of(cfg))
     lengths, answer_tokens, image_tokens, video_tokens = [], [], [], []
-    over, images, videos = 0, 0, 0
+    over, cut, images, videos = 0, 0, 0, 0
     tasks = Counter()
+    valid = 0
     for s in samples:
-        ids = encoder.token_ids(s.messages, image_sizes(s, cfg.max_image_pixels), tools=s.tools, videos=s.videos)
-        labels = encoder.assistant_labels(ids)
-        lengths.append(len(ids))
-        answer_tokens.append(sum(t != IGNORE_INDEX for t in labels))
-        image_tokens.append(sum(t == encoder.image_token_id for t in ids))
-        video_tokens.append(sum(t == encoder.video_token_id for t in ids))
+        try:
+            m = measure(encoder, s, cfg.max_length)  # a text too long to fit is not tokenized whole: its lower bound
+        except DataError as e:  # the chat template or the processor cannot encode it: one more error row
+            report.skipped["cannot be encoded"] += 1
+            if len(report.first_errors) < 5:
+                report.first_errors.append(str(e))
+            continue
+        valid += 1
+        lengths.append(m.least)
+        cut += m.cut
+        if not m.cut:  # the means are over the rows tokenized whole
+            answer_tokens.append(sum(t != IGNORE_INDEX for t in encoder.assistant_labels(m.ids)))
+            image_tokens.append(sum(t == encoder.image_token_id for t in m.ids))
+            video_tokens.append(sum(t == encoder.video_token_id for t in m.ids))
         images += len(s.images)
         videos += len(s.videos)
-        over += len(ids) > cfg.max_length
+        over += m.least > cfg.max_length
         if "task" in s.fields:
             tasks[str(s.fields["task"])] += 1
     lengths.sort()
@@ -43,7 +53,7 @@ def check_file(path: str, processor, cfg: DataConfig) -> dict:
     return {
         "file": str(path),
         "rows": report.rows,
-        "valid_rows": len(samples),
+        "valid_rows": valid,
         "errors": errors,
         "errors_by_reason": dict(report.skipped),
         "first_errors": report.first_errors,
@@ -56,6 +66,7 @@ def check_file(path: str, processor, cfg: DataConfig) -> dict:
         "answer_tokens_mean": sum(answer_tokens) / max(1, len(answer_tokens)),
         "max_length": cfg.max_length,
         "over_max_length": over,
+        "over_max_length_untokenized": cut,  # of those, rows whose text alone cannot fit: counted at a lower bound
         "over_max_length_action": cfg.too_long,
         "tasks": dict(tasks),
     }
@@ -74,6 +85,9 @@ def format_check(r: dict) -> str:
         f"{r['answer_tokens_mean']:.1f}",
         f"over data.max_length={r['max_length']}: {r['over_max_length']} rows (data.too_long={r['over_max_length_action']})",
     ]
+    if r["over_max_length_untokenized"]:
+        lines.append(f"  {r['over_max_length_untokenized']} of them hold more text than data.max_length tokens can: "
+                     "not tokenized whole, their lengths are lower bounds (characters / the most one token holds)")
     if r["tasks"]:
         lines.append("tasks: " + ", ".join(f"{k} {v}" for k, v in sorted(r["tasks"].items())))
     if r["errors"]:

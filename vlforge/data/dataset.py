@@ -1,4 +1,9 @@
-"""A validated, length-checked dataset and a resumable batch order."""
+"""A validated, length-checked dataset and a resumable batch order.
+
+Lengths are bounded before tokenizing: a row whose text alone holds more than data.max_length tokens
+can (its characters over max_length x the most characters one token stands for: data/tokens.py) is
+never tokenized whole; only as much of it as truncation keeps (`measure`).
+"""
 
 from __future__ import annotations
 
@@ -9,8 +14,80 @@ import torch
 from tqdm import tqdm
 
 from vlforge.config import DataConfig
-from vlforge.data.encode import Encoder, ImageLimits, SampleTokens, SkippedRow, VideoLimits, encode, tokenize_sample
-from vlforge.data.jsonl import DataError, LoadReport, Sample, read_jsonl
+from vlforge.data.encode import IGNORE_INDEX, Encoder, ImageLimits, SampleTokens, SkippedRow, VideoLimits, encode
+from vlforge.data.jsonl import MAX_IMAGE_PIXELS, DataError, LoadReport, Sample, open_image, read_jsonl
+
+
+# Tokens a text too long for data.max_length is tokenized past max_length before its cut: the cut's
+# effect on the tokens near it (a word or a template tag split in two) stays among these, which no
+# row keeps (at most max_length tokens are kept, and the prefix holds more than max_length + this).
+CUT_MARGIN = 64
+
+
+def image_sizes(sample: Sample, max_pixels: int = MAX_IMAGE_PIXELS) -> list[tuple[int, int]]:
+    """(width, height) of each image, from the headers."""
+    sizes = []
+    for path in sample.images:
+        with open_image(path, sample.source, max_pixels) as im:
+            sizes.append(im.size)
+    return sizes
+
+
+@dataclass
+class Measured:
+    """A sample's tokens as far as data.max_length needs them (`measure`)."""
+
+    ids: list[int]  # the whole conversation's, or (cut) a prefix's, more than max_length of them
+    least: int  # its token count (cut: a lower bound, its characters / the most one token stands for)
+    cut: bool  # its text was too long to fit max_length tokens: never tokenized whole
+    visual: int  # the image and video placeholder tokens of the whole sample
+    chars: int  # characters of the conversation as the chat template renders it
+
+
+def measure(encoder: Encoder, sample: Sample, max_length: int) -> Measured:
+    """A sample's tokens; a text of more characters than (max_length + CUT_MARGIN) tokens can hold
+    (Encoder.chars_per_token) is tokenized only that far (Encoder.token_prefix): every token stands
+    for at most that many characters, so the whole is longer than max_length anyway, and a 50 MB row
+    costs what a row of that bound costs. A tokenizer that allows no bound tokenizes every row whole."""
+    per_token = encoder.chars_per_token
+    max_chars = (max_length + CUT_MARGIN) * per_token if per_token else None
+    sizes = image_sizes(sample, encoder.limits.max_image_pixels)
+    try:
+        ids, chars = encoder.token_prefix(sample.messages, sizes, max_chars, tools=sample.tools, videos=sample.videos)
+        video = sum(t * h * w for t, h, w in map(encoder.video_grid, sample.videos))
+    except ValueError as e:  # the chat template or the processor cannot encode the row: say which row
+        if isinstance(e, DataError):
+            raise
+        raise DataError(f"{sample.source}: {e}") from None
+    visual = sum(encoder.image_tokens(*size) for size in sizes) + (
+        video // encoder.video_processor.merge_size**2 if sample.videos else 0)
+    cut = max_chars is not None and chars > max_chars
+    return Measured(ids, -(-chars // per_token) if cut else len(ids), cut, visual, chars)
+
+
+def tokenize_sample(encoder: Encoder, sample: Sample, max_length: int, too_long: str) -> SampleTokens | str:
+    """Returns a SampleTokens, or the reason the sample is dropped. Raises DataError when too_long == "fail".
+    A text too long to fit max_length tokens is handled as any over-long row, never tokenized whole
+    (`measure`; truncate keeps max_length tokens of its bounded prefix)."""
+    m = measure(encoder, sample, max_length)
+    ids = m.ids
+    if m.least <= max_length:
+        return SampleTokens(ids, encoder.assistant_labels(ids), len(ids))
+    if too_long == "fail":
+        lower = "data.max_pixels" + (" or data.video_max_pixels / data.video_max_frames" if sample.videos else "")
+        count = (f"its text alone ({m.chars:,} characters, at most {encoder.chars_per_token} a token) is at least "
+                 f"{m.least:,} tokens, which" if m.cut else f"{len(ids)} tokens (images and videos included)")
+        raise DataError(f"{sample.source}: {count} exceed data.max_length={max_length}; raise data.max_length, "
+                        f"lower {lower}, or set data.too_long=drop|truncate")
+    if too_long == "truncate":
+        labels = encoder.assistant_labels(ids)
+        visual = (encoder.image_token_id, encoder.video_token_id)
+        kept_visual = sum(1 for t in ids[:max_length - 1] if t in visual)
+        supervised = sum(1 for t in labels[:max_length] if t != IGNORE_INDEX)
+        if kept_visual == m.visual and supervised > 0:
+            return SampleTokens(ids, labels, max_length)
+        return "too long (cut would fall inside an image or video span or remove the whole answer)"
+    return "too long"
 
 
 @dataclass

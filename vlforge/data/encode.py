@@ -9,7 +9,8 @@ before decoding any pixels, so over-long samples are handled before a run starts
 Videos are expanded as transformers' Qwen3-VL processor expands them (replace_video_token): each
 temporal patch (2 frames) becomes `<t seconds><|vision_start|>` its tokens `<|vision_end|>`, t the
 mean time of its frames, and their pixels come from transformers' video processor; a test checks
-both against the processor. A video file is sampled at data.video_fps (VideoLimits).
+both against the processor. data/video.py plans the frames (a file sampled at data.video_fps) and
+decodes them.
 
 Images far larger than the processor's `max_pixels` are decoded at a reduced size (JPEG's scaled
 decoding, then `Image.reduce`) chosen so that the processor's own resize still lands on the same
@@ -31,7 +32,9 @@ from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize as video_smart_resize
 
 from vlforge.config import DataConfig
-from vlforge.data.jsonl import MAX_IMAGE_PIXELS, DataError, Sample, Video, load_pixels, open_image, require_pyav
+from vlforge.data.jsonl import MAX_IMAGE_PIXELS, DataError, Sample, Video, load_pixels, open_image
+from vlforge.data.tokens import TEXT_MARK, mark_texts, max_chars_per_token
+from vlforge.data.video import VideoLimits, decode_file_frames, frame_timestamps, sampled_frames
 
 IGNORE_INDEX = -100
 IMAGE_PAD = "<|image_pad|>"
@@ -40,26 +43,14 @@ VIDEO_PLACEHOLDER = "<|vision_start|><|video_pad|><|vision_end|>"  # what the ch
 _VISUAL = re.compile(f"({re.escape(IMAGE_PAD)}|{re.escape(VIDEO_PLACEHOLDER)})")
 
 
-_TEXT_MARK = re.compile("\x00vlforge-text-(\\d+)\x00")  # stands in for a message's text while the template renders
-
-
-def _mark_texts(message: dict, holds_special, escaped: list[str]) -> dict:
-    """`message` with each of its texts for which `holds_special` is true replaced by a marker
-    (appended to `escaped`, the marker naming its index); other texts and parts as they are."""
-    def mark(text: str) -> str:
-        if not holds_special(text):
-            return text
-        escaped.append(text)
-        return f"\x00vlforge-text-{len(escaped) - 1}\x00"
-
-    content = message.get("content")
-    if isinstance(content, str):
-        return {**message, "content": mark(content)}
-    if isinstance(content, list):
-        return {**message, "content": [{**part, "text": mark(part["text"])}
-                                       if isinstance(part, dict) and isinstance(part.get("text"), str) else part
-                                       for part in content]}
-    return message
+def _cut(piece: str, chars: int) -> str:
+    """piece[:chars], or up to the image or video placeholder that the cut would split."""
+    for match in _VISUAL.finditer(piece, max(0, chars - len(VIDEO_PLACEHOLDER))):
+        if match.start() >= chars:
+            break
+        if match.end() > chars:
+            return piece[:match.start()]
+    return piece[:chars]
 
 
 @dataclass(frozen=True)
@@ -67,20 +58,6 @@ class ImageLimits:
     min_pixels: int  # the processor resizes every image to within [min_pixels, max_pixels]
     max_pixels: int
     max_image_pixels: int = MAX_IMAGE_PIXELS  # files over this are refused before decoding
-
-
-@dataclass(frozen=True)
-class VideoLimits:
-    """How videos are sampled and sized (DataConfig's video_* settings, which say more)."""
-
-    fps: float = 2.0  # a video file is sampled at this many frames per second
-    max_frames: int = 64
-    min_pixels: int = 128 * 32 * 32  # all of a video's frames together, as the video processor counts
-    max_pixels: int = 768 * 32 * 32
-
-    @classmethod
-    def of(cls, cfg: DataConfig) -> VideoLimits:
-        return cls(cfg.video_fps, cfg.video_max_frames, cfg.video_min_pixels, cfg.video_max_pixels)
 
 
 def record_limits(processor, cfg: DataConfig) -> None:
@@ -93,24 +70,6 @@ def record_limits(processor, cfg: DataConfig) -> None:
         video.size = SizeDict(shortest_edge=cfg.video_min_pixels, longest_edge=cfg.video_max_pixels)
         video.fps, video.max_frames = cfg.video_fps, cfg.video_max_frames
 
-
-def sampled_frames(video: Video, limits: VideoLimits, min_frames: int = 4) -> list[int]:
-    """The indices of the frames a video is shown by, spread evenly over it (as transformers'
-    Qwen3-VL video processor samples): a file at limits.fps frames per second (at least
-    `min_frames`), a frame list all its frames; either at most limits.max_frames."""
-    n = video.frames
-    if video.is_file:
-        n = max(int(video.frames / video.fps * limits.fps), min_frames)
-    n = min(n, limits.max_frames, video.frames)
-    return np.linspace(0, video.frames - 1, n).round().astype(int).tolist()
-
-
-def frame_timestamps(indices: list[int], fps: float, temporal_patch: int) -> list[float]:
-    """Seconds into the video of each temporal patch: the mean time of its first and last frame (the
-    last frame repeated to fill the last patch), as Qwen3-VL's processor writes them in the prompt."""
-    indices = list(indices) + [indices[-1]] * (-len(indices) % temporal_patch)
-    seconds = [i / fps for i in indices]
-    return [(seconds[k] + seconds[k + temporal_patch - 1]) / 2 for k in range(0, len(seconds), temporal_patch)]
 
 
 class Encoder:
@@ -203,16 +162,26 @@ class Encoder:
         tokenized as plain characters, as OpenAI's API treats message content. Text without any is
         tokenized with the template around it, exactly as transformers' processor does; text with
         some is tokenized on its own (split_special_tokens), the template's pieces around it as usual."""
+        return self.token_prefix(messages, image_sizes, None, add_generation_prompt, tools, videos)[0]
+
+    def token_prefix(self, messages: list[dict], image_sizes: list[tuple[int, int]], max_chars: int | None,
+                     add_generation_prompt=False, tools: list[dict] | None = None,
+                     videos: list[Video] = ()) -> tuple[list[int], int]:
+        """(token_ids of the conversation's first `max_chars` characters as the chat template renders
+        it, its characters in all): a longer conversation is never tokenized whole (a 50 MB row would
+        take minutes and gigabytes; data/dataset.measure). The cut moves back before an image or video
+        placeholder it would split; tokens near it may differ from the whole text's (a word cut in two),
+        so a caller keeps fewer tokens than the prefix has (data/dataset.CUT_MARGIN)."""
         render = lambda msgs: self.processor.apply_chat_template(  # noqa: E731
             msgs, tools=tools or None, tokenize=False, add_generation_prompt=add_generation_prompt)
         text = render(messages)
         escaped: list[str] = []  # the texts holding a special token's text, in marker order
-        marked = [_mark_texts(m, self._has_special_text, escaped) for m in messages]
+        marked = [mark_texts(m, self._has_special_text, escaped) for m in messages]
         if not escaped:
             pieces = [text]
         else:
             rendered = render(marked)
-            pieces = _TEXT_MARK.split(rendered)  # template, index, template, index, ..., template
+            pieces = TEXT_MARK.split(rendered)  # template, index, template, index, ..., template
             if "".join(escaped[int(x)] if i % 2 else x for i, x in enumerate(pieces)) != text:
                 raise ValueError("a message's text holds a special token's text "
                                  f"({next(t for t in self.special_texts if any(t in e for e in escaped))!r}), "
@@ -228,17 +197,26 @@ class Encoder:
                                  f"model's chat template must render each {what} part as {vision} (Qwen3-VL's does; "
                                  "a template from before video support may not)")
         sizes, video_iter, ids = iter(image_sizes), iter(videos), []
+        left = max_chars if max_chars is not None and len(text) > max_chars else None  # None: the whole text
         for i, piece in enumerate(pieces):
+            own = escaped[int(piece)] if i % 2 else piece  # the text's characters this piece stands for
+            if left is not None:
+                own, left = own[:left] if i % 2 else _cut(own, left), left - len(own)
             if i % 2:
-                ids += self.tokenizer(escaped[int(piece)], add_special_tokens=False,
-                                      split_special_tokens=True)["input_ids"]
-                continue
-            # the placeholders in order: images and videos each take the next of their own list
-            expanded = "".join(IMAGE_PAD * self.image_tokens(*next(sizes)) if part == IMAGE_PAD
-                               else self.video_text(next(video_iter)) if part == VIDEO_PLACEHOLDER else part
-                               for part in _VISUAL.split(piece))
-            ids += self.tokenizer(expanded, add_special_tokens=False)["input_ids"]
-        return ids
+                ids += self.tokenizer(own, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+            else:  # the placeholders in order: images and videos each take the next of their own list
+                expanded = "".join(IMAGE_PAD * self.image_tokens(*next(sizes)) if part == IMAGE_PAD
+                                   else self.video_text(next(video_iter)) if part == VIDEO_PLACEHOLDER else part
+                                   for part in _VISUAL.split(own))
+                ids += self.tokenizer(expanded, add_special_tokens=False)["input_ids"]
+            if left is not None and left <= 0:
+                break
+        return ids, len(text)
+
+    @functools.cached_property
+    def chars_per_token(self) -> int | None:
+        """The most characters one token stands for (tokens.max_chars_per_token), None without a bound."""
+        return max_chars_per_token(self.tokenizer)
 
     @functools.cached_property
     def special_texts(self) -> list[str]:
@@ -374,7 +352,7 @@ class Encoder:
                         raise DataError(f"{where}: the frames of {video} changed size since the row was read")
                     frames.append(np.asarray(reduced(im.convert("RGB"))))
             return np.stack(frames)
-        return _decode_file_frames(video, indices, where, reduced)
+        return decode_file_frames(video, indices, where, reduced)
 
     def video_pixels(self, videos: list[np.ndarray]) -> dict:
         """transformers' video processor on decoded videos (their frames as sampled already)."""
@@ -387,90 +365,6 @@ class Encoder:
         return {"pixel_values_videos": out["pixel_values_videos"], "video_grid_thw": out["video_grid_thw"]}
 
 
-# A sampled frame this many frames past the last one decoded is reached by seeking (to the keyframe
-# before it) rather than by decoding everything between: keyframes are typically 1-10 s apart, so
-# seeking pays only where the samples are sparser than that (64 frames of a 10-minute video: one in
-# ~280 at 30 fps; decoding a long video from its start costs seconds to minutes a sample).
-SEEK_GAP = 240
-
-
-def _decode_file_frames(video: Video, indices: list[int], where: str | None, reduced=lambda im: im) -> np.ndarray:
-    """Frames `indices` (sorted, as planned from the header when the dataset was read) of a video
-    file, decoded with PyAV. Frames are counted in decode order, as transformers' load_video
-    (backend="pyav") counts them; a long gap between sampled frames is crossed by seeking
-    (_seeked_frames: the same frames, found by their packets' timestamps; tested on MP4, MOV, MKV,
-    AVI, WebM with B-frames, variable frame rates and dropped frames); otherwise, and whenever a seek
-    lands anywhere unexpected, one pass from the start keeps the wanted frames."""
-    av = require_pyav(where or str(video))
-    at = f"{where}: " if where else ""
-
-    def kept(frame) -> np.ndarray:
-        coded = video.coded_size
-        if (frame.width, frame.height) != coded:
-            raise DataError(f"{at}video file {video} changes its frame size from {coded[0]}x{coded[1]} "
-                            f"to {frame.width}x{frame.height}; re-encode it at one size (`vlforge data check` "
-                            "finds such files)")
-        # RGB, reduced at once, turned upright (np.rot90: counterclockwise, as the display matrix counts)
-        return np.rot90(np.asarray(reduced(frame.to_image())), video.rotation)
-
-    try:
-        frames = None
-        if max(b - a for a, b in zip([0, *indices], indices)) > SEEK_GAP:
-            with video.open(av) as container:
-                frames = _seeked_frames(container, video.frames, indices, kept)
-        if frames is None:
-            frames, wanted = [], set(indices)
-            with video.open(av) as container:
-                for i, frame in enumerate(container.decode(video=0)):
-                    if i in wanted:
-                        frames.append(kept(frame))
-                    if i >= indices[-1]:
-                        break
-    except av.FFmpegError as e:
-        raise DataError(f"{at}video file {video} cannot be decoded ({e}); re-encode it, "
-                        "or drop the row or set data.on_error=skip") from None
-    if len(frames) != len(indices):
-        raise DataError(f"{at}video file {video} ends after {len(frames)} of the {len(indices)} frames sampled from "
-                        f"the {video.frames} its header counts (truncated or corrupt); re-encode it")
-    return np.stack(frames)
-
-
-def _seeked_frames(container, frames_in_header: int, indices: list[int], kept) -> list | None:
-    """`kept(frame)` of frames `indices` (counted in decode order, as a pass from the start counts
-    them), seeking over gaps of more than SEEK_GAP frames. Frame i is the one with the i-th smallest
-    timestamp among the video stream's packets, read first without decoding (a fraction of a second
-    for an hour of video): exact for any frame rate, as long as every packet decodes to one frame.
-    None (the caller decodes from the start) when the packets do not number the header's frames or
-    lack distinct timestamps, and whenever a decoded frame's timestamp is not the one expected. A
-    packet that fails to decode (a corrupt file) shifts a pass from the start's count but not this
-    one's: `vlforge data check` decodes every frame and finds such files."""
-    stream = container.streams.video[0]
-    stamps = sorted(packet.pts for packet in container.demux(stream) if packet.size and packet.pts is not None)
-    if len(stamps) != frames_in_header or len(set(stamps)) != len(stamps):
-        return None
-    out, position, decoded = [], None, None
-    for i in indices:
-        back = 1 if position is None or i - position > SEEK_GAP else 0
-        while True:
-            if back:  # to the keyframe before frame i - back (back grows when a seek lands past frame i)
-                container.seek(stamps[max(i - back, 0)], stream=stream, backward=True, any_frame=False)
-                decoded = container.decode(stream)
-            frame = next(decoded, None)
-            while frame is not None and frame.pts is not None and frame.pts < stamps[i]:
-                frame = next(decoded, None)
-            if frame is None or frame.pts is None:
-                return None
-            if frame.pts > stamps[i]:  # a seek landed past the frame (decode vs display order), or it is missing
-                if not back or back > 4 * SEEK_GAP:
-                    return None
-                back = 2 * back + 1
-                continue
-            position = i
-            out.append(kept(frame))
-            break
-    return out
-
-
 def open_images(sample: Sample, max_pixels: int = MAX_IMAGE_PIXELS) -> list[Image.Image]:
     """A sample's images at full size, as RGB (`Encoder.decode_images` is what training uses)."""
     images = []
@@ -481,15 +375,6 @@ def open_images(sample: Sample, max_pixels: int = MAX_IMAGE_PIXELS) -> list[Imag
     return images
 
 
-def image_sizes(sample: Sample, max_pixels: int = MAX_IMAGE_PIXELS) -> list[tuple[int, int]]:
-    """(width, height) of each image, from the headers."""
-    sizes = []
-    for path in sample.images:
-        with open_image(path, sample.source, max_pixels) as im:
-            sizes.append(im.size)
-    return sizes
-
-
 @dataclass
 class SampleTokens:
     """What a sample becomes: its token ids/labels, and how many tokens to keep."""
@@ -497,33 +382,6 @@ class SampleTokens:
     ids: list[int]
     labels: list[int]
     keep: int  # len(ids), or less when truncated
-
-
-def tokenize_sample(encoder: Encoder, sample: Sample, max_length: int, too_long: str) -> SampleTokens | str:
-    """Returns a SampleTokens, or the reason the sample is dropped. Raises DataError when too_long == "fail"."""
-    try:
-        ids = encoder.token_ids(sample.messages, image_sizes(sample, encoder.limits.max_image_pixels),
-                                tools=sample.tools, videos=sample.videos)
-    except ValueError as e:  # the chat template or the processor cannot encode the row: say which row
-        if isinstance(e, DataError):
-            raise
-        raise DataError(f"{sample.source}: {e}") from None
-    labels = encoder.assistant_labels(ids)
-    if len(ids) <= max_length:
-        return SampleTokens(ids, labels, len(ids))
-    if too_long == "fail":
-        lower = "data.max_pixels" + (" or data.video_max_pixels / data.video_max_frames" if sample.videos else "")
-        raise DataError(f"{sample.source}: {len(ids)} tokens (images and videos included) exceed "
-                        f"data.max_length={max_length}; raise data.max_length, lower {lower}, "
-                        "or set data.too_long=drop|truncate")
-    if too_long == "truncate":
-        visual = (encoder.image_token_id, encoder.video_token_id)
-        last_visual = max((i for i, t in enumerate(ids) if t in visual), default=-1)
-        supervised = sum(1 for t in labels[:max_length] if t != IGNORE_INDEX)
-        if last_visual < max_length - 1 and supervised > 0:
-            return SampleTokens(ids, labels, max_length)
-        return "too long (cut would fall inside an image or video span or remove the whole answer)"
-    return "too long"
 
 
 def encode(encoder: Encoder, sample: Sample, tokens: SampleTokens, videos_as_images: bool = True) -> dict:

@@ -20,13 +20,21 @@ OpenAI-style function schemas the chat template shows the model
 Only assistant turns are trained on; tool messages are context.
 
 Extra keys (e.g. "task") are kept in `Sample.fields` for metrics and reward functions.
+
+Nothing is dropped silently: layouts not read yet (ShareGPT/LLaVA "conversations", ms-swift's
+top-level "images" beside "messages") and a "<image>" / "<video>" placeholder in a text (no image is
+bound to one: images are parts) are errors that say how to write the row.
 """
 
 from __future__ import annotations
 
+import errno
 import functools
 import io
 import json
+import os
+import re
+import stat
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
@@ -118,17 +126,37 @@ def _text_of(content) -> str:
 # -- image files: refuse bad ones from the header, before a single pixel is decoded ---------------
 
 
+def path_problem(path: str | Path) -> str | None:
+    """Why `path` is no readable file, in words that follow its name ("not found", "is a directory,
+    not a file", "is a symlink loop", ...), or None where it is one."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return "is a symlink loop (a link that leads back to itself, or too many in a row): link the file itself"
+        if e.errno in (errno.ENOENT, errno.ENOTDIR):
+            return f"is a broken symlink (to {os.readlink(path)})" if os.path.islink(path) else "not found"
+        return f"cannot be read ({e.strerror})"
+    if stat.S_ISDIR(mode):
+        return "is a directory, not a file"
+    if not stat.S_ISREG(mode):
+        return "is not a regular file (a device, pipe or socket)"
+    return None if os.access(path, os.R_OK) else "cannot be read (permission denied)"
+
+
 def open_image(path: str | Path, where: str | None = None, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Image:
     """Open an image reading only its header. Refuses (DataError) a file that is missing or not an
     image, has more than `max_pixels` pixels (a guard against decompression bombs) or an aspect
     ratio the model's image processor rejects. The caller closes it (`with open_image(...) as im`)."""
     at = f"{where}: " if where else ""
+    if problem := path_problem(path):
+        raise DataError(f"{at}image file {path} {problem}")
     try:
         with warnings.catch_warnings():
             # PIL warns above its own soft limit; our max_pixels below is the limit that decides
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
             im = Image.open(path)
-    except FileNotFoundError:
+    except FileNotFoundError:  # gone since the check above
         raise DataError(f"{at}image file {path} not found") from None
     except Image.DecompressionBombError as e:
         raise DataError(f"{at}image {path} is too large to decode safely ({e}); downscale it") from None
@@ -161,8 +189,9 @@ def _resolve(value, where: str, base: Path, what: str) -> Path:
         raise DataError(f"{where}: {what} must be a non-empty path string, got {value!r}")
     path = Path(value)
     path = path if path.is_absolute() else base / path
-    if not path.is_file():
-        raise DataError(f"{where}: {what} {path} not found (paths are relative to the JSONL file's folder)")
+    if problem := path_problem(path):
+        hint = " (paths are relative to the JSONL file's folder)" if problem == "not found" else ""
+        raise DataError(f"{where}: {what} {path} {problem}{hint}")
     return path
 
 
@@ -208,6 +237,8 @@ def read_video_header(source: Path | bytes, where: str, decode: bool = False,
     nothing decoded (`decode`: every frame decoded too and counted against the header, for data
     check: a truncated or corrupt file fails here, not mid-run). Frames over `max_pixels` are refused,
     as images are (a guard against decompression bombs)."""
+    if isinstance(source, Path) and (problem := path_problem(source)):
+        raise DataError(f"{where}: video file {source} {problem}")
     av = require_pyav(where)
     video = Video(source, 0, 0.0, (0, 0))  # opened, and named in the messages, before its header is known
     try:
@@ -274,6 +305,40 @@ def require_pyav(where: str):
     return av
 
 
+# "<image>" / "<video>" in a text: the image slots of other tools' layouts (LLaVA, ms-swift). Nothing
+# binds them here (images are parts of a message), so the model would read the literal text.
+_PLACEHOLDER = re.compile(r"<(image|video)>")
+LAYOUTS = ('{"image": path | "images": [paths] | "video": ..., "text": question, "answer": target} or '
+           '{"messages": [{"role": ..., "content": text or [parts]}, ...]} (README, "Data")')
+
+
+def _no_placeholder(text: str, at: str, simple: bool) -> None:
+    if match := _PLACEHOLDER.search(text):
+        kind = match.group(1)
+        place = ("a simple row shows its images and video before its text: remove it, or use a 'messages' row"
+                 if simple else "replace it by")
+        raise DataError(f"{at}: the text holds a {match.group()} placeholder, but no {kind} is bound to it (vlforge "
+                        f"reads {kind}s as message parts, not text placeholders); {place} "
+                        f'{{"type": "{kind}", "{kind}": path}} as a part at its place')
+
+
+def _refuse_unread_layouts(row: dict, where: str) -> None:
+    """Layouts of other tools that would otherwise lose their images silently, refused until read."""
+    if "conversations" in row:
+        raise DataError(f"{where}: a ShareGPT/LLaVA row ('conversations' of {{\"from\", \"value\"}} turns) is not "
+                        "read yet; convert it to the 'messages' layout (each image as an image part where its "
+                        f"<image> stood, 'human' -> 'user', 'gpt' -> 'assistant'). Rows are {LAYOUTS}")
+    top = [k for k in ("image", "images", "video", "videos") if k in row]
+    if "messages" in row and top:
+        raise DataError(f"{where}: a 'messages' row with a top-level '{top[0]}' (ms-swift's layout) is not read yet "
+                        "(its images would be lost); put each image in the message that shows it, as a part "
+                        '{"type": "image", "image": path} where its <image> stood ({"type": "video", "video": ...} '
+                        'for a video), see README "Data"')
+    if "videos" in row and "messages" not in row:
+        raise DataError(f"{where}: 'videos' is not a key of a simple row: give one video as 'video', or several as "
+                        "video parts of a 'messages' row")
+
+
 def _from_simple(row: dict, image_at: Callable, where: str,
                  video_at: Callable) -> tuple[list[dict], list[Path], list[Video]]:
     if "image" in row and "images" in row:
@@ -283,7 +348,8 @@ def _from_simple(row: dict, image_at: Callable, where: str,
         raise DataError(f"{where}: 'images' must be a list of paths")
     text_key = "text" if "text" in row else "prompt" if "prompt" in row else None
     if text_key is None:
-        raise DataError(f"{where}: missing key 'text' (or 'prompt'): the question to ask about the image(s)")
+        raise DataError(f"{where}: missing key 'text' (or 'prompt'): the question to ask about the image(s); "
+                        f"rows are {LAYOUTS}")
     if "answer" not in row:
         raise DataError(f"{where}: missing key 'answer': the target response")
     text, answer = row[text_key], row["answer"]
@@ -291,6 +357,9 @@ def _from_simple(row: dict, image_at: Callable, where: str,
         raise DataError(f"{where}: '{text_key}' must be a string")
     if not isinstance(answer, (str, int, float)) or isinstance(answer, bool) or str(answer).strip() == "":
         raise DataError(f"{where}: 'answer' is empty or not a string; every row needs a target response")
+    for key in (text_key, "answer", "system"):
+        if isinstance(row.get(key), str):
+            _no_placeholder(row[key], f"{where}: '{key}'", simple=True)
     images = [image_at(v, where) for v in raw_images]
     if "fps" in row and "video" not in row:
         raise DataError(f"{where}: 'fps' is the rate of a 'video' given as frames; this row has no 'video'")
@@ -332,6 +401,7 @@ def _from_chat(row: dict, image_at: Callable, where: str,
                     videos.append(video)
                     parts.append({"type": "video", "video": video})
                 elif kind == "text" and isinstance(part.get("text"), str):
+                    _no_placeholder(part["text"], f"{at}.content[{j}]", simple=False)
                     parts.append({"type": "text", "text": part["text"]})
                 else:
                     raise DataError(f"{at}.content[{j}]: parts must be {{\"type\": \"image\", \"image\": path}}, "
@@ -340,6 +410,8 @@ def _from_chat(row: dict, image_at: Callable, where: str,
             content = parts
         elif not isinstance(content, str):
             raise DataError(f"{at}: content must be a string or a list of parts")
+        else:
+            _no_placeholder(content, f"{at}.content", simple=False)
         if msg["role"] == "tool" and not (messages and (messages[-1]["role"] == "tool" or (
                 messages[-1]["role"] == "assistant" and "<tool_call>" in _text_of(messages[-1]["content"])))):
             raise DataError(f"{at}: a tool message answers a tool call: it must follow an assistant message that "
@@ -364,6 +436,7 @@ def parse_row(line: str, base: Path, where: str, max_image_pixels: int = MAX_IMA
     if not isinstance(row, dict):
         raise DataError(f"{where}: each line must be a JSON object, got {type(row).__name__}")
     tools = None
+    _refuse_unread_layouts(row, where)
     if "messages" in row:
         messages, images, videos = _from_chat(row, image_at, where, video_at)
         tools = _tool_schemas(row.get("tools"), where)
@@ -428,8 +501,8 @@ def read_jsonl(path: str | Path, on_error: str = "fail", report: LoadReport | No
     each in full, which finds truncated files (data check). A file with no rows is an error.
     """
     path = Path(path)
-    if not path.is_file():
-        raise DataError(f"{path}: dataset file not found")
+    if problem := path_problem(path):
+        raise DataError(f"{path}: dataset file {problem}")
     report = report if report is not None else LoadReport()
     samples, rows = [], 0
     try:

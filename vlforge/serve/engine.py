@@ -21,7 +21,6 @@ previous path (transformers `generate`, requests batched by sampling settings) f
 from __future__ import annotations
 
 import copy
-import json
 import secrets
 import threading
 import time
@@ -39,6 +38,7 @@ from transformers.image_utils import SizeDict
 from vlforge.config import ConfigError, ModelConfig, QuantConfig
 from vlforge.data.encode import Encoder, ImageLimits, VideoLimits, collate, frames_as_images, mm_token_types
 from vlforge.data.jsonl import Video
+from vlforge.data.tokens import max_chars_per_token
 from vlforge.generate.engine import Engine, Feed, GenRequest, GenResult, Prompt
 from vlforge.generate.forward import never_generated
 from vlforge.model.presets import PRESETS
@@ -295,47 +295,6 @@ def processor_video_limits(video_processor) -> VideoLimits:
     return VideoLimits(fps=float(getattr(video_processor, "fps", None) or default.fps),
                        max_frames=int(getattr(video_processor, "max_frames", None) or default.max_frames),
                        min_pixels=int(min(lo, hi)), max_pixels=int(hi))
-
-
-# How many characters of a text can become one character after Unicode normalization: NFC/NFKC
-# compose, and a composed character stands for at most its full decomposition (the longest canonical
-# decomposition is 4 code points, compatibility 18: test_serve checks these against unicodedata).
-# NFD/NFKD and no normalizer never shorten a text.
-_NORMALIZER_SHRINK = {"NFC": 4, "NFKC": 18, "NFD": 1, "NFKD": 1}
-
-
-def max_chars_per_token(tokenizer) -> int | None:
-    """The most characters of a text that one token can stand for, or None when the tokenizer
-    allows no such bound. A prompt of C characters is then at least C / this many tokens.
-
-    Holds for byte-level BPE (Qwen's): every token is a vocabulary entry of at most B bytes (its
-    byte-level string has one character per byte) or an added token matched verbatim, and a
-    character is at least one byte, so C characters of normalized text need >= C / B tokens; the
-    normalizer may first have shrunk the text by its factor above. Anything that could make one
-    token swallow a run of any length (an unknown token, whitespace-stripping added tokens, a
-    pre-tokenizer that removes text, another normalizer) gives None: then prompts are only counted.
-    """
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        return None
-    spec = json.loads(backend.to_str())
-    model, pre, norm = spec.get("model") or {}, spec.get("pre_tokenizer") or {}, spec.get("normalizer")
-    if model.get("type") != "BPE" or model.get("unk_token") is not None:
-        return None
-    steps = pre.get("pretokenizers", [pre]) if pre.get("type") == "Sequence" else [pre]
-    if not any(p.get("type") == "ByteLevel" for p in steps) or any(
-            p.get("type") not in ("ByteLevel", "Split") or p.get("behavior") == "Removed" for p in steps):
-        return None
-    shrink = 1
-    for n in ([] if norm is None else norm.get("normalizers", [norm]) if norm.get("type") == "Sequence" else [norm]):
-        if n.get("type") not in _NORMALIZER_SHRINK:
-            return None
-        shrink *= _NORMALIZER_SHRINK[n["type"]]
-    added = spec.get("added_tokens") or []
-    if any(a.get("lstrip") or a.get("rstrip") for a in added):
-        return None
-    longest = max([len(t) for t in model.get("vocab", {})] + [len(a["content"].encode()) for a in added], default=0)
-    return longest * shrink or None
 
 
 class InferenceEngine:

@@ -106,7 +106,9 @@ class ImageLoader:
             path = self.root / path  # relative paths are relative to the allowed directory
         try:
             resolved = path.resolve()  # follows every symlink, removes ..
-        except (OSError, RuntimeError):
+        except (OSError, RuntimeError) as e:  # RuntimeError: a symlink loop (Python < 3.13), named so inside root
+            if isinstance(e, RuntimeError) and Path(os.path.abspath(path)).is_relative_to(self.root):
+                raise _path_error(OSError(errno.ELOOP, "symlink loop"), name, param, kind) from None
             raise APIError(403, f"the {kind} path cannot be resolved", param=param,
                            code="path_not_allowed") from None
         if not resolved.is_relative_to(self.root):
@@ -124,8 +126,11 @@ class ImageLoader:
             if not opened.is_relative_to(self.root):
                 raise APIError(403, f"{kind} path {name} is outside the directory this server allows", param=param,
                                code="path_not_allowed")
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise APIError(400, f"{kind} path {name} is not a file", param=param, code=f"{kind}_not_found")
+            mode = os.fstat(fd).st_mode
+            if not stat.S_ISREG(mode):
+                what = "a directory" if stat.S_ISDIR(mode) else "not a regular file (a device, pipe or socket)"
+                raise APIError(400, f"{kind} path {name} is {what}, not a file", param=param,
+                               code=f"invalid_{kind}_url")
             with os.fdopen(fd, "rb", closefd=False) as f:
                 data = f.read(self.cfg.max_body_bytes + 1)
         finally:
@@ -177,9 +182,10 @@ def _path_error(e: OSError, name: str, param: str, kind: str) -> APIError:
                         param=param, code=f"invalid_{kind}_url")
     if e.errno in (errno.ENOENT, errno.ENOTDIR):
         return APIError(400, f"{kind} file {name} not found", param=param, code=f"{kind}_not_found")
-    if e.errno == errno.ELOOP:  # the last step became a symlink after resolve()
-        return APIError(403, f"{kind} path {name} is outside the directory this server allows", param=param,
-                        code="path_not_allowed")
+    if e.errno == errno.ELOOP:  # a symlink loop (resolve() leaves one as it is), or a symlink swapped in since
+        return APIError(400, f"{kind} path {name} is a symlink that leads to no file (a symlink loop, or a link "
+                             "put there after the path was checked); name the file itself", param=param,
+                        code=f"invalid_{kind}_url")
     return APIError(400, f"cannot read {kind} file {name}: {e.strerror}", param=param, code=f"{kind}_not_found")
 
 
