@@ -385,14 +385,14 @@ def test_gspo_clips_both_bounds_for_both_signs_of_the_advantage():
 
     expected_loss, expected_grad = 0.0, torch.zeros(N, T, dtype=DT)
     for i in range(N):
-        s = math.exp(sum(float(logp[i, t] - old[i, t]) for t in range(lengths[i])) / lengths[i])
+        s = math.exp(sum(float(logp[i, t].detach() - old[i, t]) for t in range(lengths[i])) / lengths[i])
         assert s == pytest.approx(seq_ratio[i], rel=1e-9)
         unclipped, clipped = -adv[i] * s, -adv[i] * min(max(s, 1 - low), 1 + high)
         expected_loss += max(unclipped, clipped) / N
         assert (clipped > unclipped) == (i in clipped_rows), i  # the rows were chosen to hit the bounds
         if clipped <= unclipped:
             expected_grad[i, :lengths[i]] = -adv[i] * s / lengths[i] / N
-    assert float(loss) == pytest.approx(expected_loss, rel=1e-12)
+    assert float(loss.detach()) == pytest.approx(expected_loss, rel=1e-12)
     torch.testing.assert_close(logp.grad, expected_grad, rtol=1e-10, atol=1e-12)
     assert float(stats["clip_frac"]) == pytest.approx(sum(lengths[i] for i in clipped_rows) / sum(lengths))
     assert expected_grad[2].abs().sum() == 0 and expected_grad[1].abs().sum() > 0  # the lower bound acted on A < 0 only
@@ -418,12 +418,12 @@ def test_cispo_truncates_the_weight_at_both_bounds_for_both_signs_of_the_advanta
         for t in range(5):
             if not mask[i, t]:
                 continue
-            r = math.exp(float(logp[i, t] - old[i, t]))
+            r = math.exp(float(logp[i, t].detach() - old[i, t]))
             w = min(max(r, 1 - low), 1 + high)
             truncated += abs(w - r) > 1e-9
-            expected_loss += -w * float(adv[i]) * float(logp[i, t]) / tokens
+            expected_loss += -w * float(adv[i]) * float(logp[i, t].detach()) / tokens
             expected_grad[i, t] = -w * float(adv[i]) / tokens
-    assert float(loss) == pytest.approx(expected_loss, rel=1e-12)
+    assert float(loss.detach()) == pytest.approx(expected_loss, rel=1e-12)
     torch.testing.assert_close(logp.grad, expected_grad, rtol=1e-10, atol=1e-12)
     # the lower bound acted in both rows (A > 0: 0.5 weighted 0.8; A < 0: 0.3 and 0.7 weighted 0.8), the upper too
     assert float(logp.grad[0, 1]) == pytest.approx(-(1 - low) * 1.5 / tokens)
