@@ -5,6 +5,7 @@ refused by resume=PATH), and what overwrite and rotation may remove (only what t
 
 import json
 import random
+import re
 import shutil
 from pathlib import Path
 
@@ -177,6 +178,10 @@ def test_a_changed_lora_rank_is_refused_before_loading_naming_the_key(shapes_dir
                                           r"run's model: a LoRA rank differs \(tiers\.\*\.r\)"):
         run_sft(tiny_sft_config(shapes_dir, tmp_path, *common, "tiers.language.r=16", "train.max_steps=2",
                                 "train.resume=auto"))
+    listed = json.loads((tmp_path / "checkpoint-1" / MANIFEST).read_text())["files"]
+    files = {"dcp/.metadata", "dcp/__0_0.distcp", "rng-0.pt"} if strategy == "fsdp2" else \
+        {"adapter_model.safetensors", "optimizer.pt", "rng.pt"}
+    assert files | {"trainer_state.json", "scheduler.pt"} <= listed.keys()  # every file, the shards included
 
 
 # ----------------------------------------------------------------------------- damaged checkpoints
@@ -277,19 +282,24 @@ def test_overwrite_and_rotation_remove_only_what_the_run_wrote(two_checkpoints, 
     release_output_dir(out)
     assert (out / "checkpoint-1" / "notes.txt").read_text() == "mine"
 
-    # resume=auto passes over the user's folders (checkpoint-999 is no checkpoint), and keep_last's
-    # rotation removes the run's own checkpoints only
-    (out / "checkpoint-1" / "notes.txt").unlink()
+    # resume=auto passes over the user's folders (no checkpoint in them), keep_last's rotation removes
+    # the run's own checkpoints only (checkpoint-1 now holds the user's notes too), and a save whose
+    # name a user's folder has sets that folder aside
     shutil.move(tmp_path / "kept", out / "checkpoint-999")
-    (out / "checkpoint-0").mkdir()
-    (out / "checkpoint-0" / "data.txt").write_text("mine too")
+    for name in ("checkpoint-0", "checkpoint-3"):
+        (out / name).mkdir()
+        (out / name / "data.txt").write_text(f"mine: {name}")
     run_sft(config(out, "train.max_steps=3", "train.resume=auto", "train.keep_last=1"))
-    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-0", "checkpoint-3", "checkpoint-999"]
-    assert (out / "checkpoint-999" / "notes.txt").read_text() == "mine"
-    assert (out / "checkpoint-0" / "data.txt").read_text() == "mine too"
+    named = sorted(p.name for p in out.iterdir() if re.fullmatch(r"checkpoint-\d+", p.name))
+    assert named == ["checkpoint-0", "checkpoint-1", "checkpoint-3", "checkpoint-999"]
+    assert (out / "checkpoint-999" / "notes.txt").read_text() == "mine" and (out / "checkpoint-3" / MANIFEST).is_file()
+    assert (out / "checkpoint-0" / "data.txt").read_text() == "mine: checkpoint-0"
+    assert (out / "checkpoint-1" / "notes.txt").read_text() == "mine"
+    [aside] = out.glob("checkpoint-3.not-written-by-vlforge-*")
+    assert (aside / "data.txt").read_text() == "mine: checkpoint-3"
 
-    shutil.move(out / "checkpoint-999", tmp_path / "kept")
-    shutil.move(out / "checkpoint-0", tmp_path / "kept0")
+    for p in (out / "checkpoint-999", out / "checkpoint-0", aside, out / "checkpoint-1" / "notes.txt"):
+        shutil.move(p, tmp_path / p.name)
     assert prepare_output_dir(out, "never", overwrite=True) is None  # all the run's own: all removed
     assert [p.name for p in out.iterdir()] == [runtime.LOCK_NAME]
 
