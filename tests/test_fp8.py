@@ -20,6 +20,7 @@ from vlforge.engine.fp8 import (
     te_problem,
     token_multiple,
 )
+from vlforge.engine.manifest import write_manifest
 from vlforge.model.load import build_meta_model
 
 
@@ -377,6 +378,7 @@ def test_te_delayed_scaling_resume_is_exact(shapes_dir, tmp_path, method):
     bare = tmp_path / "bare" / "checkpoint-2"
     shutil.copytree(tmp_path / "a" / "checkpoint-2", bare)
     (bare / "fp8_state.pt").unlink()
+    write_manifest(bare)  # a checkpoint saved without the state, not a damaged one (its manifest would name the file)
     assert run(tmp_path / "c", f"train.resume={bare}")[3] != first[3]
 
 
