@@ -11,6 +11,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from vlforge.config import OptimConfig
@@ -30,10 +31,11 @@ def main(out: str, tag: str, steps: int, save_at: int = 0, resume_from: str = ""
     rank, world = dist.get_rank(), dist.get_world_size()
     model = build()
     if tag != "plain":  # plain: bitsandbytes' own 8-bit AdamW on the unsharded model (one process)
+        mesh = init_device_mesh("cpu", (world,))  # the CPU even where a GPU is visible (fully_shard's default)
         for layer in model:
             if isinstance(layer, torch.nn.Linear):
-                fully_shard(layer)
-        fully_shard(model)
+                fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     optimizer = build_optimizer([{"params": list(model.parameters()), "lr": 1e-2, "weight_decay": 0.1}],
                                 OptimConfig(name="adamw8bit"), "cpu")
     start, history = 0, []

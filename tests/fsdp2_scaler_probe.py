@@ -6,6 +6,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from vlforge.config import HealthConfig, PrecisionConfig
@@ -18,7 +19,8 @@ def main(out: str) -> None:
     rank = dist.get_rank()
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 4))
-    fully_shard(model, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32))
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))  # the CPU even where a GPU is visible
+    fully_shard(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
     scaler = PrecisionPolicy(PrecisionConfig(mode="fp16"), "cpu").grad_scaler()
     health = GradHealth(model, [], HealthConfig(), precision_mode="fp16")

@@ -189,6 +189,7 @@ def test_8bit_state_of_a_sharded_tensor_is_saved_as_dtensors_shaped_like_it(tmp_
     """What DCP sees of the 8-bit state under FSDP2: the codes shaped and placed as the parameter, the
     block scales as (rows, blocks per row), the step a plain tensor; loaded back, the same state."""
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
@@ -196,7 +197,7 @@ def test_8bit_state_of_a_sharded_tensor_is_saved_as_dtensors_shaped_like_it(tmp_
     try:
         torch.manual_seed(0)
         model = torch.nn.Linear(512, 24)
-        fully_shard(model)
+        fully_shard(model, mesh=init_device_mesh("cpu", (1,)))  # the CPU, also where a GPU is visible
         opt = build_optimizer([{"params": list(model.parameters()), "lr": 1e-3, "weight_decay": 0.0}],
                               OptimConfig(name="adamw8bit"), "cpu")
         assert type(opt).__name__ == "ShardedAdamW8bit" and isinstance(opt, bnb.optim.AdamW8bit)
@@ -229,6 +230,7 @@ def test_adamw_on_local_shards_equals_adamw_through_dtensor(tmp_path, monkeypatc
     sharded and reshards them on another world size)."""
     import torch.distributed as dist
     import torch.optim.adam as adam_module
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
@@ -240,8 +242,9 @@ def test_adamw_on_local_shards_equals_adamw_through_dtensor(tmp_path, monkeypatc
         for _ in range(2):
             torch.manual_seed(0)
             model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
-            fully_shard(model[0])
-            models.append(fully_shard(model))
+            mesh = init_device_mesh("cpu", (1,))  # the CPU, also where a GPU is visible
+            fully_shard(model[0], mesh=mesh)
+            models.append(fully_shard(model, mesh=mesh))
 
         def groups(m):  # two tiers, each its own lr and weight decay
             return [{"params": list(m[0].parameters()), "lr": 1e-2, "weight_decay": 0.1},

@@ -142,7 +142,8 @@ def test_fp8_quantization_is_refused_on_a_cpu_before_loading(tmp_path, capsys):
 
     assert main(["infer", "tiny", "--quant", "fp8", "--device", "cpu", "--prompt", "hi"]) == 2
     assert "nf4 or int8" in capsys.readouterr().err
-    assert main(["export", str(tmp_path / "no-checkpoint"), "--out", str(tmp_path / "x"), "--quant", "fp8"]) == 2
+    assert main(["export", str(tmp_path / "no-checkpoint"), "--out", str(tmp_path / "x"), "--quant", "fp8",
+                 "--device", "cpu"]) == 2
     assert "nf4 or int8" in capsys.readouterr().err
     cfg = load_config(SFTConfig, None, ["model.preset=tiny", "train.device=cpu", "quant.language=fp8"])
     with pytest.raises(ConfigError, match="nf4 or int8"):

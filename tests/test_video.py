@@ -93,7 +93,12 @@ def test_video_tokens_pixels_and_types_equal_the_processors(tiny, media, source)
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "video"},
                                              {"type": "text", "text": "What happens?"}]},
                 {"role": "assistant", "content": "it moves"}]
-    text = processor.apply_chat_template(messages, tokenize=False)
+    # The chat template wraps the video in <|vision_start|>..<|vision_end|> and the processor then writes each
+    # frame with a pair of its own; transformers 5.17 kept the outer pair too (5.25 does not; the published
+    # Qwen3-VL processor, and later transformers, drop it). Giving the processor the bare video token makes
+    # every version write the published layout, which is what vlforge writes.
+    text = processor.apply_chat_template(messages, tokenize=False).replace(
+        "<|vision_start|><|video_pad|><|vision_end|>", "<|video_pad|>")
     ref = processor(text=[text], images=[Image.open(media / "im.png").convert("RGB")], videos=[frames],
                     video_metadata=[metadata], do_sample_frames=False, return_tensors="pt",
                     videos_kwargs={"size": {"shortest_edge": VIDEO_LIMITS.min_pixels,

@@ -197,7 +197,7 @@ def cmd_export(args) -> int:
     from vlforge.model.export import export
     from vlforge.model.load import DTYPES
 
-    quant, device = QuantConfig.from_flag(args.quant), resolve_device("auto")
+    quant, device = QuantConfig.from_flag(args.quant), resolve_device(args.device, "--device")
     if problem := quant_problem(quant, device):
         raise ConfigError(f"--quant {args.quant}: {problem}")
     result = export(args.checkpoint, args.out, merge=args.merge, quant=quant, dtype=DTYPES[args.dtype],
@@ -438,6 +438,7 @@ def build_parser() -> argparse.ArgumentParser:
     infer.add_argument("--prompt", required=True)
     infer.add_argument("--task", choices=["classify", "qa", "describe"], default="qa",
                        help="sets the default --max-new-tokens: 16 / 64 / 512")
+    exp.add_argument("--device", default="auto", help="where quantization runs: auto (a GPU if visible) | cpu | cuda | cuda:N")
     infer.add_argument("--max-new-tokens", type=_at_least(1))
     infer.add_argument("--temperature", type=_non_negative_float, default=0.0, help="0 = greedy")
     infer.set_defaults(func=cmd_infer)

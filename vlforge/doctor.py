@@ -822,7 +822,8 @@ def recipe_checks(recipe: Recipe, libs: dict[str, dict[str, Any]]) -> list[Check
                                 {"train_device": recipe.device_spec}))
         else:
             checks.append(Check("recipe device", "ok", via, values={"train_device": recipe.device_spec}))
-    fp8_missing = fp8_problem(device) if device is not None else None
+    # asked only when the recipe uses FP8: a device's capability is read from the driver
+    fp8_missing = fp8_problem(device) if device is not None and (recipe.fp8_backend or "fp8" in recipe.quant) else None
 
     if recipe.bf16:
         checks.append(_device_feature_check(

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import functools
 import os
 from dataclasses import dataclass
 
@@ -63,6 +64,16 @@ class World:
         """The step runs through a wrapper (FSDP2 root or DDP) whose backward every rank must join,
         with every parameter in the graph (text-only batches run the vision keep-alive)."""
         return self.strategy in ("fsdp2", "ddp")
+
+    @functools.cached_property
+    def mesh(self):
+        """The FSDP2 device mesh: one dimension over every rank, on the device type of train.device.
+        fully_shard's default mesh takes torch's current accelerator instead, so on a machine with a
+        GPU a run configured for the CPU (gloo) would have its shards put on cuda:0 and meet its CPU
+        batches there (found running the CPU tests on an H100 machine)."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(self.device.type, (self.size,))
 
     @property
     def active(self) -> bool:
@@ -146,6 +157,18 @@ def planned_strategy(strategy: str, world_size: int, device_spec: str) -> tuple[
     return resolved, None
 
 
+def gpu_shortage(local_rank: int, local_world_size: int | None, gpu_count: int) -> str | None:
+    """Why a torchrun launch on CUDA cannot give each of this machine's processes a GPU of its own
+    (process i trains on cuda:i), or None. Asked by every process before anything loads, so that all
+    of them stop with this message, not rank 1 alone with torch's "Invalid device id"."""
+    started = max(local_world_size or 0, local_rank + 1)
+    if started <= gpu_count:
+        return None
+    return (f"torchrun started {started} processes on this machine but only {gpu_count} GPU(s) are visible, and each "
+            f"process trains on a GPU of its own: use torchrun --nproc_per_node {gpu_count} (or fewer), or "
+            "train.device=cpu to run the processes on the CPU (gloo)")
+
+
 def init_world(cfg: DistributedConfig, device_spec: str) -> World:
     """Join torchrun's process group (or make a one-process group for FSDP2 alone). Idempotent."""
     env = torchrun_env()
@@ -155,6 +178,9 @@ def init_world(cfg: DistributedConfig, device_spec: str) -> World:
         raise ConfigError(problem)
     device = resolve_device(device_spec)
     if device.type == "cuda" and size > 1:
+        local_size = os.environ.get("LOCAL_WORLD_SIZE")
+        if shortage := gpu_shortage(local_rank, int(local_size) if local_size else None, torch.cuda.device_count()):
+            raise ConfigError(shortage)
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
     owns_group = strategy != "none" and not dist.is_initialized()
@@ -271,7 +297,7 @@ def wrap(model: torch.nn.Module, world: World, cfg: DistributedConfig, compute_d
         return _wrap_ddp(model, world)
     from torch.distributed.fsdp import CPUOffloadPolicy
 
-    kwargs = {"reshard_after_forward": cfg.reshard_after_forward}
+    kwargs = {"reshard_after_forward": cfg.reshard_after_forward, "mesh": world.mesh}
     if cfg.cpu_offload:
         # pinned host memory speeds the copies to a GPU; a CPU run (tests) has none to pin
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=world.device.type == "cuda")
@@ -442,7 +468,7 @@ def frozen_sharded_copy(model: torch.nn.Module, empty: torch.nn.Module, world: W
     sharded model could not give either (FSDP2's hooks and state belong to the original modules)."""
     from torch.distributed.fsdp import CPUOffloadPolicy
 
-    kwargs = {"reshard_after_forward": True}  # no backward: each unit is freed after its forward
+    kwargs = {"reshard_after_forward": True, "mesh": world.mesh}  # no backward: each unit is freed after its forward
     if cfg.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=world.device.type == "cuda")
     empty.requires_grad_(False).eval()
