@@ -4,7 +4,8 @@ and the tests that claim it run there; lists every mutation the tests do not cat
     .venv/bin/python scripts/mutation_check.py                 # every mutation (docs/testing.md: its last result)
     .venv/bin/python scripts/mutation_check.py fusion replay   # some, by name
     .venv/bin/python scripts/mutation_check.py --list          # names, files and tests, nothing run
-    options: --json PATH (the results as JSON), --no-baseline (skip the unmutated runs), --keep (keep the copy)
+    options: --json PATH (the results as JSON), --no-baseline (skip the unmutated runs), --keep (keep the copy),
+             --head (copy the last commit instead of the working tree)
 
 A mutation is (name, file, the exact original text, its replacement, the tests that must catch it).
 For each: the tests run on the unmutated copy first (they must pass, else the result says nothing),
@@ -14,9 +15,9 @@ code 1); any other exit (an import error, no test collected) is listed as a prob
 when every mutation was caught, 1 otherwise.
 
 Why a copy: other people edit the working tree while this runs, so nothing here writes to it. The
-copy holds what git would see (tracked files and untracked ones not ignored, as they are now), and
-its own `vlforge` is checked to be the one its tests import (the venv's editable install points at
-the working tree). Why hand-written rather than mutmut or cosmic-ray: those mutate operators all over
+copy holds what git would see (tracked files and untracked ones not ignored, as they are now; with
+--head, the last commit), and its own `vlforge` is checked to be the one its tests import (the
+venv's editable install points at the working tree). Why hand-written rather than mutmut or cosmic-ray: those mutate operators all over
 a file (thousands of runs of the whole suite); this is a short list of chosen "switch the feature
 off" edits, each run against the few tests that name the feature.
 """
@@ -50,9 +51,11 @@ class Mutation:
 MUTATIONS = [
     Mutation(
         "judge", "vlforge/serve/judge.py",
-        "        replies = [c.text for i in range(0, len(requests), self.batch_size)\n"
-        "                   for c in self.engine.generate(requests[i:i + self.batch_size])]\n",
-        "        replies = [\"\"] * len(requests)\n",
+        # at the top of ModelJudge.__call__ (its signature's last line): every reply unparsed, no model asked
+        "                 prompts: list[list[dict]]) -> list[float]:\n",
+        "                 prompts: list[list[dict]]) -> list[float]:\n"
+        "        self.scored += len(completions)\n        self.unparsed += len(completions)\n"
+        "        return [0.0] * len(completions)\n",
         ("tests/test_judge.py",),
         "the judge reward scores every reply as unparsed without asking its model"),
     Mutation(
@@ -110,7 +113,12 @@ def repo_files(root: Path) -> list[str]:
     return sorted({f for f in out.split("\0") if f and (root / f).is_file()})
 
 
-def make_copy(root: Path, dest: Path) -> None:
+def make_copy(root: Path, dest: Path, head: bool = False) -> None:
+    """The working tree as git sees it, or (`head`) the last commit's files alone."""
+    if head:
+        archive = subprocess.run(["git", "archive", "HEAD"], cwd=root, check=True, capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(dest)], input=archive, check=True)
+        return
     for f in repo_files(root):
         target = dest / f
         target.parent.mkdir(parents=True, exist_ok=True)
@@ -172,6 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", type=Path, help="write the results here")
     ap.add_argument("--no-baseline", action="store_true", help="skip the unmutated runs")
     ap.add_argument("--keep", action="store_true", help="keep the temporary copy")
+    ap.add_argument("--head", action="store_true", help="copy the last commit, not the working tree")
     args = ap.parse_args(argv)
     known = {m.name: m for m in MUTATIONS}
     if unknown := [n for n in args.names if n not in known]:
@@ -184,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     copy = Path(tempfile.mkdtemp(prefix="vlforge-mutation-"))
     results = []
     try:
-        make_copy(ROOT, copy)
+        make_copy(ROOT, copy, head=args.head)
         check_imports_the_copy(copy)
         for m in chosen:
             print(f"{m.name}: {m.what} ...", flush=True)
