@@ -298,6 +298,7 @@ def test_nothing_is_fused_under_fsdp2(setup, tmp_path):
     which a `.data` swap would cut off from the next gather: the engine leaves them there, and
     generates the unsharded model's tokens, also after a reshard and a new gather."""
     import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     model, encoder, samples = setup
@@ -306,7 +307,9 @@ def test_nothing_is_fused_under_fsdp2(setup, tmp_path):
     sharded = copy.deepcopy(model)
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:
-        units = [fully_shard(layer) for layer in sharded.model.language_model.layers] + [fully_shard(sharded)]
+        mesh = init_device_mesh("cpu", (1,))  # the CPU, also where a GPU is visible (fully_shard's default)
+        units = [fully_shard(layer, mesh=mesh) for layer in sharded.model.language_model.layers] + \
+            [fully_shard(sharded, mesh=mesh)]
         attn = sharded.model.language_model.layers[0].self_attn
         for gather in range(2):
             for unit in reversed(units):  # as fully_gathered: gathered until the rollout ends
