@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from vlforge.config import ConfigError, GRPOConfig, SFTConfig, dump_config, load
 from vlforge.data.jsonl import DataError
 from vlforge.engine.errors import CheckpointWriteError
 from vlforge.engine.health import TrainingDiverged
+from vlforge.engine.stop import signal_name, sigterm_interrupts
 from vlforge.rl.rewards import RewardError
 
 
@@ -320,8 +322,12 @@ def cmd_serve(args) -> int:
     print(f"serving {name!r} on http://{args.host}:{args.port}/v1 (POST /v1/chat/completions, GET /v1/models, "
           f"GET /health, GET /metrics); local image files: {cfg.allow_files or 'not allowed'}; API key: "
           f"{'required' if cfg.api_key else 'none'}", flush=True)
-    serve(app, host=args.host, port=args.port)  # uvicorn, draining on shutdown
-    return 0
+    stopped = serve(app, host=args.host, port=args.port)  # uvicorn, draining on shutdown
+    if stopped is None:
+        return 0
+    print(f"vlforge serve: stopped by {signal_name(stopped)} (accepted requests were given up to --drain-timeout "
+          "to finish)", file=sys.stderr)
+    return 128 + stopped
 
 
 def _at_least(minimum: int):
@@ -515,6 +521,19 @@ def _main_process() -> bool:
     return os.environ.get("RANK", "0") == "0"
 
 
+def _interrupted(command: str, e: KeyboardInterrupt) -> int:
+    """Ctrl-C (KeyboardInterrupt) or SIGTERM (engine/stop.Interrupted): one line, no traceback, and the
+    shell's code for the signal, 128 + its number (130, 143). A training run's stop says what it
+    saved (its rank 0 said it already when every rank stopped after one step)."""
+    signum = getattr(e, "signum", signal.SIGINT)
+    message = getattr(e, "message", None)
+    if message is None:
+        print(f"{_rank_prefix()}vlforge {command}: interrupted ({signal_name(signum)})", file=sys.stderr)
+    elif not getattr(e, "said", False):
+        print(f"{_rank_prefix()}{message}", file=sys.stderr)
+    return 128 + signum
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     # key=value overrides may come before or after options (argparse leaves the late ones over)
@@ -526,7 +545,10 @@ def main(argv: list[str] | None = None) -> int:
         args.overrides = list(args.overrides) + extra
     _quiet_libraries()
     try:
-        return args.func(args)
+        with sigterm_interrupts():  # SIGTERM raises, as SIGINT does: both end below, in one line
+            return args.func(args)
+    except KeyboardInterrupt as e:
+        return _interrupted(args.command, e)
     except (ConfigError, DataError, RewardError, FileNotFoundError) as e:
         print(f"{_rank_prefix()}error: {e}", file=sys.stderr)
         return 2

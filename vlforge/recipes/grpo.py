@@ -36,6 +36,7 @@ from vlforge.engine.metrics import plot_metric, read_metrics
 from vlforge.engine.moe import aux_term, capture, follow
 from vlforge.engine.optim import hold_gradients
 from vlforge.engine.run import Run, begin_run
+from vlforge.engine.stop import StopSignals
 from vlforge.engine.trainable import Trainable, cuda_graphs_problem, setup_model
 from vlforge.generate.engine import engine_for
 from vlforge.model.host_inputs import host_to_device
@@ -550,8 +551,8 @@ def refuse_unsupported_sharded(cfg: GRPOConfig, world_size: int, strategy: str =
                           "run one process")
 
 
-def run_grpo(cfg: GRPOConfig) -> dict:
-    """Train; returns {"output_dir", "final_step", "eval", "first_eval"}."""
+def refuse_settings(cfg: GRPOConfig) -> None:
+    """What GRPO cannot run, refused (and what runs but looks unintended, warned) before anything loads."""
     if cfg.rollout.temperature <= 0:
         raise ConfigError("rollout.temperature must be > 0 for GRPO: it needs sampled responses and their log-probs")
     if cfg.precision.cuda_graphs:
@@ -567,6 +568,34 @@ def run_grpo(cfg: GRPOConfig) -> dict:
     if cfg.loss.impl == "liger":
         raise ConfigError("loss.impl=liger: GRPO's log-probs need banned vision tokens and the entropy, which "
                           "liger's fused op cannot give; GRPO always uses the chunked computation (loss.chunk_size)")
+    if cfg.rollout.router_replay is not False and not (
+            is_moe(dir_config(cfg.model.path)) if cfg.model.path else cfg.model.preset in MOE_PRESETS):
+        raise ConfigError(f"rollout.router_replay={cfg.rollout.router_replay}: the model "
+                          f"({cfg.model.path or cfg.model.preset}) is dense: it has no experts to route; remove the "
+                          "key")
+
+
+def reference_model(cfg: GRPOConfig, t: Trainable, world: World):
+    """The KL's reference with full fine-tuning: a frozen copy of the starting policy (None with LoRA,
+    whose base model is the reference, or without KL)."""
+    if not (cfg.rl.kl_beta > 0 and cfg.tiers.method == "full"):
+        return None
+    if world.sharded:  # sharded as the policy is (each rank copies its own shards)
+        empty, _ = build_meta_model(cfg.model, dtype=t.policy.compute_dtype, device=world.device)
+        if cfg.model.packed_attention == "mask":  # as setup_model sets the policy's
+            keep_mask_attention(empty)
+        ref_model = frozen_sharded_copy(t.model, empty, world, cfg.distributed, t.policy)
+        if t.routing is not None:  # MoE: its routers follow the rollout's experts as the policy's do
+            t.routing.attach(empty)
+        return ref_model
+    ref_model = copy.deepcopy(t.model).requires_grad_(False).eval()  # DDP: each rank's
+    t.policy.apply(ref_model)  # frozen: stored in the compute dtype, not as fp32 master weights
+    return ref_model
+
+
+def run_grpo(cfg: GRPOConfig) -> dict:
+    """Train; returns {"output_dir", "final_step", "eval", "first_eval"}."""
+    refuse_settings(cfg)
     try:  # before any model loading: a typo in a reward spec should fail in a second, not after minutes
         # (a judge's model loads at its first use, on the device set below)
         rewards = build_rewards([RewardSpec(r.name, r.weight, dict(r.kwargs)) for r in cfg.rl.rewards],
@@ -576,34 +605,19 @@ def run_grpo(cfg: GRPOConfig) -> dict:
     tools = rollout_tools(cfg)  # a tool or chat template that cannot work fails now, not at the first call
     for path in filter(None, (cfg.data.train, cfg.data.val)):  # a bad file fails now, not after the model loads
         check_readable(path, cfg.data.on_error, cfg.data.max_image_pixels)
-    if cfg.rollout.router_replay is not False and not (
-            is_moe(dir_config(cfg.model.path)) if cfg.model.path else cfg.model.preset in MOE_PRESETS):
-        raise ConfigError(f"rollout.router_replay={cfg.rollout.router_replay}: the model "
-                          f"({cfg.model.path or cfg.model.preset}) is dense: it has no experts to route; remove the "
-                          "key")
     world_size = (torchrun_env() or (0, 1, 0))[1]
     strategy, _ = planned_strategy(cfg.distributed.strategy, world_size, cfg.train.device)
     if strategy != "none":
         refuse_unsupported_sharded(cfg, world_size, strategy)
-    with begin_run(cfg) as (world, resume_from), tool_runner(tools, cfg.rollout) as run_calls:
+    # SIGINT/SIGTERM (engine/stop.py): once training runs, the step in progress finishes, then a checkpoint
+    with StopSignals() as stop, begin_run(cfg) as (world, resume_from), tool_runner(tools, cfg.rollout) as run_calls:
         for fn in rewards.fns:  # a judge model loads on this rank's device, beside the policy (serve/judge.py)
             if isinstance(fn, ModelJudge) and fn.device == "auto":
                 fn.device = str(world.device)
         # compile only when asked: rollout decode shapes change every step and would keep recompiling
         t = setup_model(cfg, compile_blocks=cfg.precision.compile is True, world=world)
         disable_dropout(t.model)
-        ref_model = None
-        if cfg.rl.kl_beta > 0 and cfg.tiers.method == "full" and world.sharded:
-            # a frozen copy of the starting policy, sharded as it is (each rank copies its own shards)
-            empty, _ = build_meta_model(cfg.model, dtype=t.policy.compute_dtype, device=world.device)
-            if cfg.model.packed_attention == "mask":  # as setup_model sets the policy's
-                keep_mask_attention(empty)
-            ref_model = frozen_sharded_copy(t.model, empty, world, cfg.distributed, t.policy)
-            if t.routing is not None:  # MoE: its routers follow the rollout's experts as the policy's do
-                t.routing.attach(empty)
-        elif cfg.rl.kl_beta > 0 and cfg.tiers.method == "full":  # a frozen copy of the starting policy (DDP: each rank's)
-            ref_model = copy.deepcopy(t.model).requires_grad_(False).eval()
-            t.policy.apply(ref_model)  # frozen: stored in the compute dtype, not as fp32 master weights
+        ref_model = reference_model(cfg, t, world)
         data = load_dataset(cfg.data.train, t.processor, cfg.data)
         val = load_dataset(cfg.data.val, t.processor, cfg.data) if cfg.data.val else None
         if len(data) < cfg.rollout.prompts_per_step:
@@ -624,6 +638,7 @@ def run_grpo(cfg: GRPOConfig) -> dict:
         stream = prompt_stream(data, B, cfg.train.seed, run.state["epoch"], run.state["position"], world)
         bar = tqdm(total=total_steps, initial=run.step, disable=not (cfg.log.progress and world.main), desc="grpo",
                    dynamic_ncols=True)
+        stop.watch(run)
         while run.step < total_steps:
             start = time.perf_counter()
             t.model.eval()  # rollouts sample from the policy without dropout
@@ -643,6 +658,9 @@ def run_grpo(cfg: GRPOConfig) -> dict:
             run.finish_step(row, always_log=bool(row.get("skipped")))  # bad steps always logged
             bar.update(1)
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}", acc=f"{row['accuracy']:.2f}")
+            if stop.agreed():  # every rank: one all-reduce of the votes (after step_metrics' syncs)
+                break
+        stop.checkpoint()
         bar.close()
         run.close()
         if world.main:

@@ -16,6 +16,7 @@ from PIL import Image
 
 from vlforge.config import RolloutConfig
 from vlforge.data.jsonl import DataError, Video, read_jsonl, read_video_header
+from vlforge.engine.stop import sigint_sets
 from vlforge.rl.rewards import CombinedReward, exact_match
 from vlforge.rl.tools import Tool
 from vlforge.rollout.multiturn import answer_with_tools, tool_runner
@@ -49,7 +50,8 @@ def chat(engine: InferenceEngine, read: Callable[[str], str] = input, write: Cal
     the next message.
 
     `stream` receives the reply's text as it is generated (then `write` gets a newline);
-    without it `write` gets the whole reply.
+    without it `write` gets the whole reply. Ctrl-C while a reply is generated stops that reply (the
+    conversation goes on); at the prompt, or twice, it raises KeyboardInterrupt (the CLI: one line).
     """
     history: list[dict] = []
     images: list[Image.Image] = []
@@ -95,9 +97,13 @@ def chat(engine: InferenceEngine, read: Callable[[str], str] = input, write: Cal
         images, videos, frames = images + pending_images, videos + pending_videos, frames + pending_frames
         pending_images, pending_videos, pending_frames = [], [], []
         on_text = None if stream is None else (lambda _row, text: stream(text))
-        reply = engine.generate([Request(list(history), list(images), videos=list(videos), video_frames=list(frames),
-                                         max_new_tokens=max_new_tokens)], on_text=on_text)[0]
+        request = Request(list(history), list(images), videos=list(videos), video_frames=list(frames),
+                          max_new_tokens=max_new_tokens)
+        with sigint_sets(request.cancelled):  # Ctrl-C ends this reply at its next token; a second one, the chat
+            reply = engine.generate([request], on_text=on_text)[0]
         write("" if stream else reply.text)
+        if reply.finish_reason == "cancelled":
+            write("(reply stopped by Ctrl-C; what it said stays in the conversation)")
         history.append({"role": "assistant", "content": [{"type": "text", "text": reply.text}]})
 
 

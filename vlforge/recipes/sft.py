@@ -32,6 +32,7 @@ from vlforge.engine.optim import hold_gradients
 from vlforge.engine.packed_attention import packing_pays
 from vlforge.engine.run import Run, begin_run
 from vlforge.engine.runtime import resolve_device, resolve_num_workers
+from vlforge.engine.stop import StopSignals, ignore_stop_signals
 from vlforge.engine.trainable import Trainable, cuda_graph_step_begin, cuda_graphs_problem, setup_model
 from vlforge.model.tiers import plan_summary, unwrap
 
@@ -74,17 +75,20 @@ def micro_batches(data: ChatDataset, batch_size: int | Batching, seed: int, epoc
         index_lists = [(ix[rank], pos) for ix, pos in global_lists]
         # The loader gets its own generator: creating an iterator draws a seed from it, and drawing
         # from the global RNG instead would shift dropout masks after a mid-epoch resume.
+        # Its workers ignore SIGINT/SIGTERM: a step finishing after a stop signal still reads its batches
         loader = torch.utils.data.DataLoader(
             data, batch_sampler=[ix for ix, _ in index_lists], num_workers=num_workers, collate_fn=collate_fn,
-            pin_memory=pin_memory, generator=torch.Generator().manual_seed(seed + epoch))
+            pin_memory=pin_memory, generator=torch.Generator().manual_seed(seed + epoch),
+            worker_init_fn=ignore_stop_signals)
         for batch, (_, pos) in zip(loader, index_lists):
             yield batch, epoch, pos
         epoch, position = epoch + 1, 0
 
 
 def train_step(t: Trainable, micro: list[dict], optimizer, scaler, health: GradHealth,
-               max_grad_norm: float | None, loss: LossConfig = LossConfig()) -> dict:
-    """One optimizer step over the accumulated micro-batches (padded or packed). Returns step metrics."""
+               max_grad_norm: float | None, loss: LossConfig = LossConfig(), stop: StopSignals | None = None) -> dict:
+    """One optimizer step over the accumulated micro-batches (padded or packed). Returns step metrics.
+    `stop`: its ranks' stop votes ride on the step's first all-reduce (engine/stop.py)."""
     # data.on_error=skip: rows whose image failed to decode are left out of their batch (counted)
     skipped_rows = sum(int(b.get("skipped_rows", 0)) for b in micro)
     skipped = {"skipped_rows": skipped_rows} if skipped_rows else {}
@@ -94,8 +98,11 @@ def train_step(t: Trainable, micro: list[dict], optimizer, scaler, health: GradH
         raise DataError("every row of one micro-batch was skipped (data.on_error=skip) in a distributed run, where "
                         "each rank must run every micro-batch: fix or drop the rows `vlforge data check` reports")
     micro = kept
-    # the supervised tokens of the whole global batch (every micro-batch on every rank)
-    total_tokens = int(world.sum(sum(count_supervised(b) for b in micro)))
+    # the supervised tokens of the whole global batch (every micro-batch on every rank), and the stop votes
+    total_tokens, *votes = world.sums(sum(count_supervised(b) for b in micro), *(stop.vote() if stop else ()))
+    total_tokens = int(total_tokens)
+    if stop:
+        stop.tally(*votes)
     if total_tokens == 0:  # every row of the step was skipped: no update (and no 0/0 loss)
         optimizer.zero_grad(set_to_none=True)
         return {"loss": float("nan"), "grad_norm": 0.0, "skipped": True, **skipped, "supervised_tokens": 0,
@@ -156,6 +163,19 @@ def check_resumed_packing(state: dict, packed: bool, batching: Batching, say=pri
     state["packed"] = packed
 
 
+def count_steps(train_data: ChatDataset, batching: Batching, tc, world_size: int) -> int:
+    """The run's optimizer steps: train.max_steps, else the epochs' global micro-batches / grad_accum."""
+    per_epoch = [micro_batches_per_epoch(train_data.lengths, batching, tc.seed, e, world_size)
+                 for e in range(1 if tc.max_steps else tc.epochs)]  # global micro-batches
+    if per_epoch[0] < tc.grad_accum:
+        what = (f"data.max_tokens_per_batch={batching.max_tokens} makes {per_epoch[0]} micro-batches per "
+                f"process" if batching.max_tokens else f"batch_size x processes = {tc.batch_size * world_size} "
+                f"makes {per_epoch[0]} micro-batches")
+        raise ConfigError(f"{what} of the {len(train_data)} training samples, fewer than "
+                          f"train.grad_accum={tc.grad_accum}")
+    return tc.max_steps or sum(n // tc.grad_accum for n in per_epoch)
+
+
 def run_sft(cfg: SFTConfig) -> dict:
     """Train; returns {"output_dir", "final_step", "eval", "plan"}."""
     if not cfg.data.train:
@@ -165,7 +185,8 @@ def run_sft(cfg: SFTConfig) -> dict:
     # before the run begins (its directory, the model): what can be told from the config and the device
     if cfg.precision.cuda_graphs and (problem := cuda_graphs_problem(cfg, resolve_device(cfg.train.device))):
         raise ConfigError(problem)
-    with begin_run(cfg) as (world, resume_from):
+    # SIGINT/SIGTERM (engine/stop.py): once training runs, the step in progress finishes, then a checkpoint
+    with StopSignals() as stop, begin_run(cfg) as (world, resume_from):
         t = setup_model(cfg, world=world)
         train_data = load_dataset(cfg.data.train, t.processor, cfg.data)
         val_data = load_dataset(cfg.data.val, t.processor, cfg.data) if cfg.data.val else None
@@ -174,15 +195,7 @@ def run_sft(cfg: SFTConfig) -> dict:
         packed = (packing_pays(unwrap(t.model), t.device, cfg.precision.mode) if cfg.data.packing == "auto"
                   else cfg.data.packing)
         batching = Batching.of(cfg.data, tc.batch_size, t.token_multiple, packed)
-        per_epoch = [micro_batches_per_epoch(train_data.lengths, batching, tc.seed, e, world.size)
-                     for e in range(1 if tc.max_steps else tc.epochs)]  # global micro-batches
-        if per_epoch[0] < tc.grad_accum:
-            what = (f"data.max_tokens_per_batch={batching.max_tokens} makes {per_epoch[0]} micro-batches per "
-                    f"process" if batching.max_tokens else f"batch_size x processes = {tc.batch_size * world.size} "
-                    f"makes {per_epoch[0]} micro-batches")
-            raise ConfigError(f"{what} of the {len(train_data)} training samples, fewer than "
-                              f"train.grad_accum={tc.grad_accum}")
-        total_steps = tc.max_steps or sum(n // tc.grad_accum for n in per_epoch)
+        total_steps = count_steps(train_data, batching, tc, world.size)
         run = Run.start(cfg, t, total_steps, val_data, resume_from, spikes=True, state={"tokens_seen": 0})
         say = print if world.main else (lambda *a, **k: None)  # one process speaks for the run
         check_resumed_packing(run.state, packed, batching, say)
@@ -206,6 +219,7 @@ def run_sft(cfg: SFTConfig) -> dict:
                                pin_memory=t.device.type == "cuda")
         bar = tqdm(total=total_steps, initial=run.step, disable=not (cfg.log.progress and world.main), desc="sft",
                    dynamic_ncols=True)
+        stop.watch(run)
         while run.step < total_steps:
             start = time.perf_counter()
             micro = []
@@ -213,7 +227,8 @@ def run_sft(cfg: SFTConfig) -> dict:
                 batch, run.state["epoch"], run.state["position"] = next(stream)
                 micro.append(batch)
             lr = run.lr
-            result = train_step(t, micro, run.optimizer, run.scaler, run.health, cfg.optim.max_grad_norm, cfg.loss)
+            result = train_step(t, micro, run.optimizer, run.scaler, run.health, cfg.optim.max_grad_norm,
+                                cfg.loss, stop)
             elapsed = time.perf_counter() - start
             run.state["tokens_seen"] += result["tokens"]
             row = {**{k: v for k, v in result.items() if k not in ("tokens", "supervised_tokens")}, "lr": lr,
@@ -221,6 +236,10 @@ def run_sft(cfg: SFTConfig) -> dict:
             run.finish_step(row, always_log=row["skipped"] or "loss_spike" in row)  # bad steps always logged
             bar.update(1)
             bar.set_postfix(loss=f"{result['loss']:.4f}", lr=f"{lr:.2e}", tok_s=f"{row['tokens_per_s']:.0f}")
+            if stop.agreed():  # every rank: the votes this step's first all-reduce carried
+                break
+        stream.close()  # its DataLoader's workers end now (they ignore SIGTERM: see micro_batches)
+        stop.checkpoint()
         bar.close()
         run.close()
         if world.main:

@@ -13,13 +13,18 @@ starts in well under a second.
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 from vlforge.rl.tools import Tool, _run_one, read_frame, tool_function, write_frame
 
 
 def main() -> None:
-
+    # Ctrl-C reaches every process of the terminal's group, a scheduler's SIGTERM every process of the
+    # job: a trainer finishing its step on either (engine/stop.py) still needs its calls answered. It
+    # ends this worker itself: the end of stdin, or SIGKILL at a call's timeout.
+    for s in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(s, signal.SIG_IGN)
     frames = os.fdopen(os.dup(sys.stdout.fileno()), "wb")  # the protocol's channel
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # a tool's print() goes to stderr
     inbox = sys.stdin.buffer

@@ -31,6 +31,7 @@ import functools
 import hmac
 import json
 import logging
+import signal
 import time
 import uuid
 from contextlib import asynccontextmanager
@@ -580,9 +581,20 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def serve(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
-    """Serve `app` (create_app's) with uvicorn until SIGINT/SIGTERM, then drain (DrainingServer)."""
-    _draining_server()(uvicorn_config(app, host, port, log_level)).run()
+def serve(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> int | None:
+    """Serve `app` (create_app's) with uvicorn until SIGINT/SIGTERM, then drain (DrainingServer).
+    Returns the signal it stopped on (None: it stopped otherwise). uvicorn raises that signal again
+    once shut down, so that the process ends as the signal would have ended it: Ctrl-C's
+    KeyboardInterrupt (and SIGTERM's, where the CLI makes it one: engine/stop.py) is that end, not
+    an error, and its traceback would say nothing."""
+    server = _draining_server()(uvicorn_config(app, host, port, log_level))
+    try:
+        server.run()
+    except KeyboardInterrupt as e:
+        if not server.should_exit:  # not uvicorn's shutdown: somebody else's interrupt
+            raise
+        return getattr(e, "signum", signal.SIGINT)
+    return None
 
 
 __all__ = ["create_app", "require_uvicorn", "serve", "uvicorn_config"]  # and DrainingServer, made on first use (__getattr__)
