@@ -212,6 +212,24 @@ def test_sigterm_finishes_the_grpo_step_saves_it_and_resume_continues(shapes_dir
     assert steps(out) == list(range(1, total + 1))
 
 
+def rank_pids(run: Launched) -> dict[int, int]:
+    """torchrun's ranks: rank -> pid (its children, each with RANK in its environment)."""
+    ranks = {}
+    for pid in subprocess.run(["pgrep", "-P", str(run.proc.pid)], capture_output=True, text=True).stdout.split():
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        ranks[int(dict(v.split(b"=", 1) for v in environ if b"=" in v)[b"RANK"])] = int(pid)
+    assert sorted(ranks) == [0, 1], ranks
+    return ranks
+
+
+def two_rank_args(shapes_dir: Path, tmp_path: Path, out: Path, total: int) -> list[str]:
+    config = tmp_path / "run.yaml"
+    config.write_text(f"data: {{train: {shapes_dir / 'train.jsonl'}}}\n")
+    return ["sft", str(config), "model.preset=tiny", "precision.mode=fp32", "train.device=cpu", "log.progress=false",
+            "data.val=null", "tiers.method=full", "train.batch_size=2", f"train.max_steps={total}",
+            "train.save_every=1000", f"train.output_dir={out}"]
+
+
 def test_ranks_stop_after_the_same_step_when_one_is_signalled(shapes_dir, tmp_path):
     """torchrun, 2 ranks (FSDP2 on gloo): SIGTERM to rank 1 alone. Rank 0 learns it from the
     votes the step's all-reduce carries, so both stop after the same step: checkpoint-N is the
@@ -219,24 +237,53 @@ def test_ranks_stop_after_the_same_step_when_one_is_signalled(shapes_dir, tmp_pa
     reports its ranks' exit codes itself). A rank deciding alone would leave the other waiting in
     the next step's collectives."""
     out, total = tmp_path / "run", 200
-    config = tmp_path / "run.yaml"
-    config.write_text(f"data: {{train: {shapes_dir / 'train.jsonl'}}}\n")
-    args = ["sft", str(config), "model.preset=tiny", "precision.mode=fp32", "train.device=cpu", "log.progress=false",
-            "data.val=null", "tiers.method=full", "train.batch_size=2", f"train.max_steps={total}",
-            "train.save_every=1000", f"train.output_dir={out}"]
-    run = Launched(args, tmp_path, "run", torchrun=True)
+    run = Launched(two_rank_args(shapes_dir, tmp_path, out, total), tmp_path, "run", torchrun=True)
     run.wait_for(training(out), "a training step")
-    ranks = {}
-    for pid in subprocess.run(["pgrep", "-P", str(run.proc.pid)], capture_output=True, text=True).stdout.split():
-        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        ranks[int(dict(v.split(b"=", 1) for v in environ if b"=" in v)[b"RANK"])] = int(pid)
-    assert sorted(ranks) == [0, 1]
-    os.kill(ranks[1], signal.SIGTERM)
+    os.kill(rank_pids(run)[1], signal.SIGTERM)
     run.finish()
     n = stopped_step(run.stderr, "SIGTERM", total)
     assert "/vlforge/" not in run.stderr, run.stderr[-3000:]  # no traceback through our code on either rank
     assert checkpoints(out) == [f"checkpoint-{n}"] and steps(out)[-1] == n
     assert (out / f"checkpoint-{n}" / "dcp").is_dir() and (out / f"checkpoint-{n}" / "rng-1.pt").is_file()
+
+
+@pytest.mark.slow  # two 2-rank torchrun launches
+def test_sigterm_to_torchrun_stops_every_rank_and_resume_continues(shapes_dir, tmp_path):
+    """SIGTERM to torchrun (what Kubernetes sends a pod's first process), which forwards it to its
+    ranks: both stop after one step, checkpoint-N is saved, said once; train.resume=auto on 2 ranks
+    then continues to the end, each step logged once."""
+    out, total = tmp_path / "run", 12
+    args = two_rank_args(shapes_dir, tmp_path, out, total)
+    run = Launched(args, tmp_path, "first", torchrun=True)
+    run.wait_for(training(out), "a training step")
+    run.proc.send_signal(signal.SIGTERM)
+    run.finish()
+    n = stopped_step(run.stderr, "SIGTERM", total)
+    assert "/vlforge/" not in run.stderr, run.stderr[-3000:]
+    assert checkpoints(out) == [f"checkpoint-{n}"] and steps(out)[-1] == n
+    resumed = Launched(args + ["train.resume=auto"], tmp_path, "resumed", torchrun=True)
+    assert resumed.finish() == 0, resumed.stderr[-3000:]
+    assert f"resumed from {out / f'checkpoint-{n}'} at step {n}" in resumed.stdout
+    assert steps(out) == list(range(1, total + 1))
+
+
+@pytest.mark.slow  # a 2-rank torchrun launch of GRPO
+def test_grpo_ranks_stop_after_the_same_step_when_one_is_signalled(shapes_dir, tmp_path):
+    """GRPO's ranks sum their votes in an all-reduce at each step's end: SIGTERM to rank 1 alone
+    stops both after the same step, with the collective checkpoint of it."""
+    out, total = tmp_path / "run", 200
+    demo = Path(__file__).parent.parent / "vlforge" / "configs" / "demo-grpo.yaml"
+    args = ["grpo", str(demo), f"data.train={shapes_dir / 'train.jsonl'}", "data.val=null", "eval.at_start=false",
+            f"train.output_dir={out}", f"train.max_steps={total}", "train.save_every=1000",
+            "rollout.prompts_per_step=2", "rollout.group_size=4", "rl.mini_batch_size=8", "log.progress=false"]
+    run = Launched(args, tmp_path, "run", torchrun=True)
+    run.wait_for(training(out), "a GRPO step")
+    os.kill(rank_pids(run)[1], signal.SIGTERM)
+    run.finish()
+    n = stopped_step(run.stderr, "SIGTERM", total)
+    assert "/vlforge/" not in run.stderr, run.stderr[-3000:]
+    assert checkpoints(out) == [f"checkpoint-{n}"] and steps(out)[-1] == n
+    assert (out / f"checkpoint-{n}" / "dcp").is_dir()
 
 
 def test_chat_ctrl_c_stops_the_reply_and_a_second_one_the_chat():
