@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import math
+import sys
 from itertools import chain
 
 import torch
@@ -389,6 +390,22 @@ def hold_gradients(optimizer: torch.optim.Optimizer) -> None:
         optimizer.hold_gradients()
 
 
+def warmup_problem(cfg: OptimConfig, total_steps: int) -> str | None:
+    """Why the warmup does not fit the run (None: it does). Pure. A config range check cannot say
+    it: the steps are known only from the data (epochs) or train.max_steps, once the run starts."""
+    if cfg.warmup_steps <= total_steps:
+        return None
+    return (f"optim.warmup_steps={cfg.warmup_steps} is more than this run's {total_steps} step{'s' if total_steps != 1 else ''}: the learning rate "
+            f"rises for the whole run, reaching {total_steps / cfg.warmup_steps:.0%} of its peak, and never decays; "
+            f"lower optim.warmup_steps to at most {total_steps} (or train more steps)")
+
+
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: OptimConfig, total_steps: int):
+    """Warmup then decay over `total_steps` (scheduler steps: one a batch, whether it updated or
+    not). A warmup longer than the run is said (once, by the main process), not refused: a short
+    trial of a long run's config is legitimate."""
+    problem = warmup_problem(cfg, total_steps)
+    if problem and not (torch.distributed.is_initialized() and torch.distributed.get_rank() > 0):
+        print(f"warning: {problem}", file=sys.stderr)
     return torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda step: lr_factor(step, total_steps, cfg.warmup_steps, cfg.schedule, cfg.min_lr_ratio))

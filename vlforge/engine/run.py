@@ -170,11 +170,11 @@ class Run:
         """After a recipe's optimizer step(s): advance the schedule and the step, log the row (every
         log.every steps, the last step, and whenever `always_log`: bad steps are never hidden),
         evaluate and checkpoint when due."""
-        # a step the fp16 loss scaler skipped (an overflow) never called optimizer.step(); the schedule
-        # advances all the same (steps count batches), which torch warns about: quiet, for fp16 only
-        with warnings.catch_warnings() if self.scaler.is_enabled() else contextlib.nullcontext():
-            if self.scaler.is_enabled():
-                warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+        # the schedule counts batches, not updates: it advances after a step that made none (an fp16
+        # overflow the loss scaler skipped, a GRPO step whose groups all tied), by design. torch reads
+        # a first scheduler step before any optimizer.step() as a misordered loop; here it is not
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
             self.scheduler.step()
         self.step += 1
         if due(self.cfg.log.every, self.step, self.total_steps) or always_log:

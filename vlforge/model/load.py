@@ -9,7 +9,6 @@ The architecture follows the config: `model_type` qwen3_vl is the dense
 from __future__ import annotations
 
 import importlib.util
-import os
 import tempfile
 from collections.abc import Callable
 from dataclasses import replace
@@ -21,6 +20,7 @@ from transformers import AutoProcessor, Qwen3VLForConditionalGeneration, Qwen3VL
 
 from vlforge.config import ConfigError, ModelConfig, QuantConfig
 from vlforge.model.presets import PRESETS, TINY_PATCH, TINY_PRESETS, build_processor, is_moe, preset_config, tiny_tokenizer
+from vlforge.model.quiet import offline_and_quiet
 from vlforge.model.varlen import use_vision_varlen
 
 # The dtype names of the config (precision.mode, --dtype) as torch dtypes.
@@ -28,9 +28,10 @@ DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
 
 def _offline() -> None:
-    """Belt and braces: nothing in vlforge may reach the hub at run time. Set where models and
-    processors load (not at import), so importing vlforge changes no process-wide setting."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    """Nothing in vlforge may reach the hub at run time, nor print library notices a user cannot
+    act on (model/quiet.py says which). Set where models and processors load (not at import), so
+    importing vlforge changes no process-wide setting."""
+    offline_and_quiet()
 
 
 def check_model_dir(path: str | Path) -> Path:

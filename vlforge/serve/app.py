@@ -46,8 +46,9 @@ from starlette.requests import Request as HTTPRequest
 
 from vlforge.config import ConfigError
 from vlforge.data.jsonl import DataError
-from vlforge.rl.tools import ToolCall, ToolCallStream, format_tool_calls, split_tool_calls
-from vlforge.serve.batcher import Batcher, Job, ShuttingDown
+from vlforge.rl.tools import ToolCall, format_tool_calls
+from vlforge.serve.answers import aborted, answer_message, generation_error, shutdown_error, sse_stream, usage
+from vlforge.serve.batcher import Batcher, Job
 from vlforge.serve.config import ServeConfig
 from vlforge.serve.engine import Completion, Request
 from vlforge.serve.images import ImageLoader
@@ -291,16 +292,16 @@ def create_app(engine, cfg: ServeConfig | None = None) -> FastAPI:
         batcher.submit(job)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if job.stream:
-            return StreamingResponse(_sse(job, rid, created, state.model_name, include_usage, tool_calls),
+            return StreamingResponse(sse_stream(job, rid, created, state.model_name, include_usage, tool_calls),
                                      media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
         c = await _wait(job, http_request)
         if c is None:  # the client went away; nobody reads this
             return JSONResponse(error_body("client disconnected", "invalid_request_error"), status_code=499)
-        message, finish = _answer(c, tool_calls)
+        message, finish = answer_message(c, tool_calls)
         return {"id": rid, "object": "chat.completion", "created": created, "model": state.model_name,
                 "choices": [{"index": 0, "message": message, "finish_reason": finish}],
-                "usage": _usage(c)}
+                "usage": usage(c)}
 
     return app
 
@@ -358,11 +359,11 @@ async def _wait(job: Job, http_request: HTTPRequest) -> Completion | None:
                 return None
             kind, payload = get.result()
             if kind == "done":
-                if _aborted(job, payload):
-                    raise _shutdown_error()
+                if aborted(job, payload):
+                    raise shutdown_error()
                 return payload
             if kind == "error":
-                raise _generation_error(payload)
+                raise generation_error(payload)
     except asyncio.CancelledError:
         job.cancel()
         raise
@@ -374,26 +375,6 @@ def _model_card(state: _Server) -> dict:
     return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "vlforge"}
 
 
-def _usage(c: Completion) -> dict:
-    return {"prompt_tokens": c.prompt_tokens, "completion_tokens": c.completion_tokens,
-            "total_tokens": c.prompt_tokens + c.completion_tokens}
-
-
-def _generation_error(exc: BaseException) -> APIError:
-    if isinstance(exc, ShuttingDown):
-        return _shutdown_error(str(exc))
-    return APIError(500, f"generation failed: {type(exc).__name__}: {exc}", code="generation_failed")
-
-
-def _aborted(job: Job, c: Completion) -> bool:
-    """The answer was cut off by the server's shutdown (not by its client, nor finished anyway)."""
-    return job.aborted and c.finish_reason == "cancelled"
-
-
-def _shutdown_error(message: str = "the server shut down before this answer was finished") -> APIError:
-    return APIError(503, f"{message}; retry later", code="shutting_down")
-
-
 async def _until(condition, timeout: float) -> bool:
     """Poll `condition` (every 50 ms, on the event loop) until true or `timeout` s; its last value."""
     deadline = time.monotonic() + timeout
@@ -402,83 +383,6 @@ async def _until(condition, timeout: float) -> bool:
             return False
         await asyncio.sleep(0.05)
     return True
-
-
-def _answer(c: Completion, tool_calls: int) -> tuple[dict, str]:
-    """(the assistant message, finish_reason) of a completion; with tools (`tool_calls` != 0, see
-    prepare), the reply's well-formed <tool_call> blocks as OpenAI's tool_calls (at most the first
-    with `tool_calls` 1), finish_reason "tool_calls" and the rest of the text as the content (None
-    when empty)."""
-    if not tool_calls:
-        return {"role": "assistant", "content": c.text}, c.finish_reason
-    content, calls = split_tool_calls(c.text)
-    if not calls:
-        return {"role": "assistant", "content": c.text}, c.finish_reason
-    calls = calls[:1] if tool_calls == 1 else calls
-    return {"role": "assistant", "content": content or None, "tool_calls": [_call_json(call) for call in calls]}, \
-        "tool_calls" if c.finish_reason == "stop" else c.finish_reason
-
-
-def _call_json(call: ToolCall) -> dict:
-    return {"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
-            "function": {"name": call.name, "arguments": json.dumps(call.arguments)}}
-
-
-async def _sse(job: Job, rid: str, created: int, model: str, include_usage: bool, tool_calls: int = 0):
-    """The answer as server-sent events. With tools (`tool_calls` != 0) the text goes out as it
-    comes, but for what may be a <tool_call> block (rl/tools.ToolCallStream); each block becomes a
-    call once it closes, sent as a tool_calls delta with its index (OpenAI's chunk shape): the
-    deltas add up to the non-streamed answer (_answer)."""
-    def chunk(delta: dict, finish: str | None) -> str:
-        body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
-        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
-
-    calls = ToolCallStream(max_calls=1 if tool_calls == 1 else 0) if tool_calls else None
-    sent_calls = 0
-
-    def deltas(events) -> list[str]:
-        nonlocal sent_calls
-        out = []
-        for kind, value in events:
-            if kind == "content":
-                out.append(chunk({"content": value}, None))
-            else:
-                out.append(chunk({"tool_calls": [{"index": sent_calls, **_call_json(value)}]}, None))
-                sent_calls += 1
-        return out
-
-    finished = False
-    try:
-        yield chunk({"role": "assistant"}, None)
-        while True:
-            kind, payload = await job.events.get()
-            if kind == "text":
-                for line in deltas(calls.feed(payload)) if calls else [chunk({"content": payload}, None)]:
-                    yield line
-            elif kind == "done" and not _aborted(job, payload):
-                finish = payload.finish_reason
-                if calls:
-                    for line in deltas(calls.finish()):
-                        yield line
-                    if sent_calls and finish == "stop":
-                        finish = "tool_calls"
-                yield chunk({}, finish)
-                if include_usage:
-                    body = {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                            "choices": [], "usage": _usage(payload)}
-                    yield f"data: {json.dumps(body)}\n\n"
-                break
-            else:  # the status line went out already: report the error as an event
-                err = _shutdown_error() if kind == "done" else _generation_error(payload)
-                yield f"data: {json.dumps(error_body(err.message, err.type, err.param, err.code))}\n\n"
-                break
-        finished = True
-        yield "data: [DONE]\n\n"
-    finally:
-        if not finished:
-            # the client disconnected (Starlette cancels the response's task when it reads http.disconnect)
-            job.cancel()
 
 
 def require_uvicorn():
