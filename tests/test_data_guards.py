@@ -32,11 +32,16 @@ def write(folder, rows):
 GOOD = {"image": "red.png", "text": "What colour?", "answer": "red"}
 USER_ASKS = [{"role": "user", "content": "<image>What colour?"}, {"role": "assistant", "content": "red"}]
 
-# (row, what the error must say) for rows that used to load with their images silently dropped
+# (row, what the error must say) for rows that used to load with their images silently dropped and
+# are still ambiguous; the layouts now read (ShareGPT/LLaVA, top-level images bound to placeholders)
+# are tested in tests/test_formats.py
 REFUSED = {
-    "ms-swift images": ({"messages": USER_ASKS, "images": ["red.png"]}, ["top-level 'images'", '"type": "image"']),
-    "top-level image": ({"messages": USER_ASKS, "image": "red.png"}, ["top-level 'image'"]),
-    "top-level videos": ({"messages": USER_ASKS, "videos": ["a.mp4"]}, ["top-level 'videos'"]),
+    "ms-swift images, counts differ": ({"messages": USER_ASKS, "images": ["red.png", "red.png"]},
+                                       ["1 <image> placeholder", "2 images", "counts must be equal"]),
+    "top-level image, no placeholder": ({"messages": [{"role": "user", "content": "What colour?"},
+                                                      {"role": "assistant", "content": "red"}], "image": "red.png"},
+                                        ["0 <image> placeholders", "1 image"]),
+    "top-level videos": ({"messages": USER_ASKS, "videos": ["a.mp4"]}, ["1 <image> placeholder in the text but 0 images"]),
     "simple videos": ({"videos": ["a.mp4"], "text": "What?", "answer": "x"}, ["'videos' is not a key"]),
     "placeholder, chat string": ({"messages": USER_ASKS}, ["messages[0].content:", "<image> placeholder"]),
     "placeholder, chat part": (
@@ -44,13 +49,12 @@ REFUSED = {
                                                    {"type": "text", "text": "<video> what moves?"}]},
                       {"role": "assistant", "content": "x"}]},
         ["messages[0].content[1]:", "<video> placeholder", '{"type": "video", "video": path}']),
-    "placeholder, simple text": ({"image": "red.png", "text": "<image>\nWhat colour?", "answer": "red"},
-                                 ["'text':", "<image> placeholder", "a simple row shows its images"]),
+    "placeholder, simple text, no image": ({"text": "<image>\nWhat colour?", "answer": "red"},
+                                           ["1 <image> placeholder in the text but 0 images"]),
     "placeholder, answer": ({"image": "red.png", "text": "Draw it", "answer": "<image>"}, ["'answer':"]),
-    "ShareGPT": ({"conversations": [{"from": "human", "value": "What colour?"}, {"from": "gpt", "value": "red"}]},
-                 ["ShareGPT/LLaVA", "not read yet", "'messages' layout"]),
-    "LLaVA": ({"image": "red.png", "conversations": [{"from": "human", "value": "<image>\nWhat colour?"},
-                                                     {"from": "gpt", "value": "red"}]}, ["ShareGPT/LLaVA"]),
+    "LLaVA, counts differ": ({"image": "red.png", "conversations": [
+        {"from": "human", "value": "<image>\nWhat colour?<image>"}, {"from": "gpt", "value": "red"}]},
+        ["2 <image> placeholders in the text but 1 image"]),
 }
 
 
@@ -66,18 +70,20 @@ def test_rows_that_would_lose_their_images_are_refused_naming_file_line_and_key(
 
 
 def test_data_check_counts_those_rows_as_errors_and_native_rows_keep_their_images(folder, tiny):
-    """The trial's row (ms-swift's layout) was "valid with 0 images" in data check: now an error; the
-    native layouts keep every image (an "image" or "<image>"-free text, an images list, image parts)."""
+    """The trial's row (ms-swift's layout) was "valid with 0 images" in data check: now read, and its
+    ambiguous forms (placeholder and image counts that differ) errors; the native layouts keep every
+    image (an "image" or "<image>"-free text, an images list, image parts)."""
     _, processor = tiny
     native = [GOOD, {"images": ["red.png", "red.png"], "prompt": "Same image twice?", "answer": "yes"},
               {"messages": [{"role": "user", "content": [{"type": "image", "image": "red.png"},
                                                          {"type": "text", "text": "Describe the image."}]},
                             {"role": "assistant", "content": "A red square."}]}]
-    refused = [REFUSED[name][0] for name in ("ms-swift images", "ShareGPT", "placeholder, simple text")]
+    refused = [REFUSED[name][0] for name in ("ms-swift images, counts differ", "LLaVA, counts differ",
+                                             "placeholder, simple text, no image")]
     report = check_file(str(write(folder, native + refused)), processor, DataConfig())
     assert (report["rows"], report["valid_rows"], report["errors"], report["images"]) == (6, 3, 3, 4)
     assert report["image_tokens_mean"] > 0
-    assert any("data.jsonl:4: a 'messages' row with a top-level 'images'" in e for e in report["first_errors"])
+    assert any("data.jsonl:4: 1 <image> placeholder in the text but 2 images" in e for e in report["first_errors"])
 
 
 def test_the_missing_text_error_names_the_layouts_read(folder):

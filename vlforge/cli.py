@@ -153,6 +153,34 @@ def cmd_data_check(args) -> int:
 def cmd_doctor(args) -> int:
     from vlforge.config import load_recipe_config
     from vlforge.doctor import format_report, run_checks
+def cmd_data_convert(args) -> int:
+    from vlforge.data.convert import convert
+
+    cfg = load_config(SFTConfig, args.config, args.overrides)  # data.format, data.columns, the image limits
+    report = convert(args.src, args.out, cfg.data, cfg.data.on_error)
+    skipped = sum(report.skipped.values())
+    print(f"wrote {args.out}: {report.kept} of {report.rows} rows" + (f" ({skipped} skipped: "
+          f"{dict(report.skipped)})" if skipped else ""))
+    for e in report.first_errors:
+        print("  " + e)
+    return 0
+
+
+def cmd_view(args) -> int:
+    from vlforge.view.app import export_html, serve_view  # the viewer (docs/view.md)
+
+    if args.export:
+        from vlforge.engine.metrics import check_writable
+
+        check_writable(args.export, "--export")
+        print(f"wrote {export_html(args.runs, args.export)}")
+        return 0
+    if not 0 <= args.port <= 65535:
+        raise ConfigError(f"--port {args.port}: must be 0..65535")
+    serve_view(args.runs, args.host, args.port)
+    return 0
+
+
 
     cfg = load_recipe_config(args.config, args.overrides) if args.config or args.overrides else None
     report = run_checks(cfg, config_path=args.config)
@@ -423,7 +451,7 @@ def build_parser() -> argparse.ArgumentParser:
     synth.add_argument("--size", type=int, default=64, help="image side in pixels")
     synth.add_argument("--tasks", help="comma-separated subset of colour,shape,position,count")
     synth.set_defaults(func=cmd_data_synth)
-    check = data.add_parser("check", help="validate a JSONL file and report token lengths")
+    check = data.add_parser("check", help="validate a dataset (any format docs/data.md lists) and report token lengths")
     check.add_argument("file")
     check.add_argument("--config", help="recipe YAML whose model/tokenizer and data limits to use")
     check.add_argument("--json", action="store_true")
@@ -432,6 +460,13 @@ def build_parser() -> argparse.ArgumentParser:
 
     exp = sub.add_parser("export", help="write a checkpoint as a standard HF model directory")
     exp.add_argument("checkpoint", help="runs/NAME/checkpoint-STEP")
+    conv = data.add_parser("convert", help="write a dataset (ShareGPT/LLaVA, OpenAI messages, parquet, a datasets "
+                                           "folder) as native JSONL, embedded images as files (docs/data.md)")
+    conv.add_argument("src", help="the dataset: a .jsonl / .json / .parquet file or a folder")
+    conv.add_argument("out", help="the JSONL file to write (new); images go to <name>-images/ beside it")
+    conv.add_argument("--config", help="recipe YAML whose data settings (format, columns, limits) to use")
+    conv.add_argument("overrides", nargs="*", help="e.g. data.columns.prompt=problem data.on_error=skip")
+    conv.set_defaults(func=cmd_data_convert)
     exp.add_argument("--out", required=True, help="output directory")
     exp.add_argument("--merge", action="store_true", help="merge LoRA into the base weights (else: adapter only)")
     exp.add_argument("--quant", choices=["none", "nf4", "int8", "fp8"], default="none",

@@ -93,6 +93,11 @@ class ModelConfig:
         _range(self, "seed", ge=0)
 
 
+# the keys data.columns may map a set's columns onto (data/layouts.py reads them)
+COLUMN_KEYS = ("image", "images", "video", "videos", "text", "prompt", "answer", "system", "messages",
+               "conversations", "task", "fps")
+
+
 @dataclass
 class DataConfig:
     train: str | None = None  # JSONL file
@@ -127,9 +132,28 @@ class DataConfig:
     # Micro-batches by a token budget instead of train.batch_size samples: packed, the row's total
     # tokens; padded, rows x the longest row. Must fit one sample of data.max_length.
     max_tokens_per_batch: int | None = None
+    # Which reader (docs/data.md): auto = by the path (.jsonl, .json, .parquet, a folder of parquet
+    # shards or a `datasets` save_to_disk folder); a row's layout (native, ShareGPT/LLaVA, OpenAI
+    # messages) is told by its keys
+    format: Literal["auto", "jsonl", "json", "parquet", "arrow"] = "auto"
+    # {our key: the set's column}, for sets that name them otherwise, e.g. {prompt: problem}
+    columns: dict = field(default_factory=dict)
+    # Read data.train lazily (rows read when a batch needs them; lengths measured then, not up front:
+    # too-long rows are dropped as they come, no token-budget batches); data.val is read whole
+    stream: bool = False
+    # streaming parquet: the row groups shuffled together (each epoch permutes the groups, then the
+    # rows of every `stream_window` consecutive groups): a reader holds that many groups at a time
+    stream_window: int = 8
 
     def __post_init__(self):
         _require(self.max_length >= 8, f"data.max_length must be >= 8, got {self.max_length}")
+        bad = [k for k, v in self.columns.items() if k not in COLUMN_KEYS or not isinstance(v, str)]
+        _require(not bad, f"data.columns: {bad[0] if bad else ''!r} is not one of {', '.join(COLUMN_KEYS)} "
+                          "(each maps one of these keys to the set's column name, a string)")
+        _require(not (self.stream and self.max_tokens_per_batch),
+                 "data.stream=true reads lengths as rows come, and data.max_tokens_per_batch needs every length "
+                 "up front: use train.batch_size with data.stream, or data.stream=false")
+        _require(self.stream_window >= 1, f"data.stream_window must be >= 1, got {self.stream_window}")
         _require(self.max_tokens_per_batch is None or self.max_tokens_per_batch >= self.max_length,
                  f"data.max_tokens_per_batch={self.max_tokens_per_batch} is below data.max_length={self.max_length}: "
                  "a sample of the longest allowed length would fit no batch; raise it or lower data.max_length")

@@ -1,4 +1,4 @@
-"""`vlforge data check`: everything worth knowing about a JSONL file before a long run."""
+"""`vlforge data check`: everything worth knowing about a dataset (any format) before a long run."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ from collections import Counter
 from vlforge.config import DataConfig
 from vlforge.data.dataset import measure
 from vlforge.data.encode import IGNORE_INDEX, Encoder, ImageLimits, VideoLimits
-from vlforge.data.jsonl import DataError, LoadReport, read_jsonl
+from vlforge.data.jsonl import DataError, LoadReport
+from vlforge.data.sources import iter_samples
 
 
 def _percentile(sorted_values: list[int], q: float) -> int:
@@ -20,8 +21,7 @@ def check_file(path: str, processor, cfg: DataConfig) -> dict:
     """Validate every row (never stops at the first error), decode every image and video in full (a
     truncated file must fail here, not mid-run) and measure token lengths."""
     report = LoadReport()
-    samples = read_jsonl(path, on_error="skip", report=report, max_image_pixels=cfg.max_image_pixels,
-                         decode_images=True)
+    samples = iter_samples(path, cfg, on_error="skip", report=report, decode_images=True)
     encoder = Encoder(processor, ImageLimits(cfg.min_pixels, cfg.max_pixels, cfg.max_image_pixels),
                       VideoLimits.of(cfg))
     lengths, answer_tokens, image_tokens, video_tokens = [], [], [], []

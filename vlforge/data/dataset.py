@@ -15,7 +15,8 @@ from tqdm import tqdm
 
 from vlforge.config import DataConfig
 from vlforge.data.encode import IGNORE_INDEX, Encoder, ImageLimits, SampleTokens, SkippedRow, VideoLimits, encode
-from vlforge.data.jsonl import MAX_IMAGE_PIXELS, DataError, LoadReport, Sample, open_image, read_jsonl
+from vlforge.data.jsonl import MAX_IMAGE_PIXELS, DataError, LoadReport, Sample, open_image
+from vlforge.data.sources import LazySamples, open_source, read_samples
 
 
 # Tokens a text too long for data.max_length is tokenized past max_length before its cut: the cut's
@@ -125,13 +126,68 @@ class ChatDataset(torch.utils.data.Dataset):
         return [p.keep for p in self.tokenized]
 
 
+class Unmeasured:
+    """A streamed set's lengths: its size, and its row groups for a local shuffle (`epoch_order`);
+    no length is known before its row is read, so token budgets are refused (DataConfig)."""
+
+    def __init__(self, n: int, blocks: list[int] | None, window: int):
+        self.n, self.blocks, self.window = n, blocks, window
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i):
+        raise DataError("data.stream=true measures a row's tokens when it is read: no length is known up front "
+                        "(token-budget batches need them: set data.stream=false)")
+
+
+@dataclass
+class StreamDataset(ChatDataset):
+    """data.stream: rows read, validated, measured and tokenized when a batch takes them (`samples`
+    is a LazySamples). A row dropped as too long, or (on_error=skip) a bad row, becomes a SkippedRow
+    that `collate` leaves out and counts: batches of a streamed set can be smaller than batch_size."""
+
+    max_length: int = 2048
+    too_long: str = "drop"
+    window: int = 8
+
+    def __getitem__(self, i: int) -> dict | SkippedRow:
+        try:
+            sample = self.samples[i]
+            tokens = tokenize_sample(self.encoder, sample, self.max_length, self.too_long)
+            if isinstance(tokens, str):  # dropped by data.too_long: counted, as the eager set counts it
+                return SkippedRow(f"{sample.source}: {tokens}")
+            return encode(self.encoder, sample, tokens)
+        except DataError as e:
+            if self.on_error == "fail" or self.too_long == "fail":
+                raise
+            tqdm.write(f"warning: skipping a row (data.on_error=skip): {e}", file=sys.stderr)
+            return SkippedRow(str(e))
+
+    @property
+    def truncated(self) -> int:
+        return 0  # not known before the rows are read
+
+    @property
+    def lengths(self) -> Unmeasured:
+        return Unmeasured(len(self.samples), self.samples.source.blocks, self.window)
+
+
 def load_dataset(path: str, processor, cfg: DataConfig) -> ChatDataset:
-    """Read + validate + tokenize every row. Bad rows raise (on_error=fail) or are counted (skip)."""
+    """Read + validate + tokenize every row (any format: data/sources.py). Bad rows raise
+    (on_error=fail) or are counted (skip). data.stream: data.train is opened, not read (StreamDataset)."""
     encoder = Encoder(processor, ImageLimits(cfg.min_pixels, cfg.max_pixels, cfg.max_image_pixels),
                       VideoLimits.of(cfg))
     report = LoadReport()
+    if cfg.stream and path == cfg.train:
+        source = open_source(path, cfg.format, cfg.stream_window)
+        if len(source) == 0:
+            raise DataError(f"{path}: has no rows")
+        report.rows = report.kept = len(source)
+        return StreamDataset(encoder, LazySamples(source, cfg), [], report, cfg.on_error, cfg.max_length,
+                             cfg.too_long, cfg.stream_window)
     samples, tokenized = [], []
-    for sample in read_jsonl(path, cfg.on_error, report, max_image_pixels=cfg.max_image_pixels):
+    for sample in read_samples(path, cfg, cfg.on_error, report):
         try:
             tokens = tokenize_sample(encoder, sample, cfg.max_length, cfg.too_long)
         except DataError as e:  # an image that fails when measured
@@ -153,16 +209,33 @@ def load_dataset(path: str, processor, cfg: DataConfig) -> ChatDataset:
     return ChatDataset(encoder, samples, tokenized, report, cfg.on_error)
 
 
-def epoch_order(n: int, seed: int, epoch: int) -> list[int]:
-    """The sample order of one epoch: a permutation that depends only on (seed, epoch)."""
+def block_order(blocks: list[int], window: int, seed: int, epoch: int) -> list[int]:
+    """A streamed parquet set's epoch order: its row groups permuted, then the rows of each
+    `window` consecutive groups permuted together, so a reader holds `window` groups at a time.
+    A function of (seed, epoch) only, as epoch_order: a resume continues it exactly."""
     g = torch.Generator().manual_seed(seed * 100_003 + epoch)
-    return torch.randperm(n, generator=g).tolist()
+    groups = torch.randperm(len(blocks) - 1, generator=g).tolist()
+    order = []
+    for w in range(0, len(groups), window):
+        rows = torch.cat([torch.arange(blocks[k], blocks[k + 1]) for k in groups[w:w + window]])
+        order += rows[torch.randperm(len(rows), generator=g)].tolist()
+    return order
 
 
-def batches_from(n: int, batch_size: int, seed: int, epoch: int, start: int = 0):
-    """Yields (index_list, next_position) for one epoch from sample `start`; drops the ragged tail."""
+def epoch_order(n, seed: int, epoch: int) -> list[int]:
+    """The sample order of one epoch: a permutation that depends only on (seed, epoch). `n`: a
+    count, or a dataset's lengths (a streamed parquet set's: `block_order`)."""
+    if getattr(n, "blocks", None):
+        return block_order(n.blocks, n.window, seed, epoch)
+    g = torch.Generator().manual_seed(seed * 100_003 + epoch)
+    return torch.randperm(n if isinstance(n, int) else len(n), generator=g).tolist()
+
+
+def batches_from(n, batch_size: int, seed: int, epoch: int, start: int = 0):
+    """Yields (index_list, next_position) for one epoch from sample `start`; drops the ragged tail.
+    `n`: a count, or a dataset's lengths (epoch_order)."""
     order = epoch_order(n, seed, epoch)
-    for s in range(start, n - batch_size + 1, batch_size):
+    for s in range(start, len(order) - batch_size + 1, batch_size):
         yield order[s:s + batch_size], s + batch_size
 
 
@@ -238,7 +311,7 @@ def global_batches(lengths: list[int], batching: Batching, seed: int, epoch: int
     and the sequence of budget batches does not depend on the number of ranks."""
     if batching.max_tokens is None:
         size = batching.batch_size
-        for ix, pos in batches_from(len(lengths), size * world_size, seed, epoch, start):
+        for ix, pos in batches_from(lengths, size * world_size, seed, epoch, start):
             yield [ix[r * size:(r + 1) * size] for r in range(world_size)], pos
         return
     group = []

@@ -44,16 +44,14 @@ from typing import Callable
 from PIL import Image, UnidentifiedImageError
 
 from vlforge.config import DataConfig
+from vlforge.data.inline import DataError, ImageBytes
+from vlforge.data.layouts import to_native
 
 ROLES = ("system", "user", "assistant", "tool")
 MAX_IMAGE_PIXELS = DataConfig.max_image_pixels  # the default limit, also for infer/chat
 MAX_ASPECT = 200  # Qwen's image processor refuses a longer side over 200x the shorter one
 # what PIL raises on a corrupt or truncated file, at open or at decode
 _DECODE_ERRORS = (UnidentifiedImageError, OSError, ValueError, SyntaxError, EOFError)
-
-
-class DataError(ValueError):
-    """Bad input data (a dataset row, an image file): the message starts with where (`file:line:`) and says what to do."""
 
 
 DEFAULT_FRAME_FPS = 2.0  # a frame list's rate when the row gives none: Qwen3-VL's video sampling rate
@@ -93,7 +91,7 @@ class Video:
 @dataclass
 class Sample:
     messages: list[dict]  # chat messages; image parts carry an absolute "image" path, video parts a Video
-    images: list[Path]  # in order of appearance
+    images: list[Path | ImageBytes]  # in order of appearance (files, or embedded images)
     source: str  # "file:line", for error messages
     fields: dict = field(default_factory=dict)  # extra row keys (task, ...)
     tools: list[dict] | None = None  # function schemas the chat template renders (a chat row's "tools")
@@ -144,18 +142,20 @@ def path_problem(path: str | Path) -> str | None:
     return None if os.access(path, os.R_OK) else "cannot be read (permission denied)"
 
 
-def open_image(path: str | Path, where: str | None = None, max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Image:
+def open_image(path: str | Path | ImageBytes, where: str | None = None,
+               max_pixels: int = MAX_IMAGE_PIXELS) -> Image.Image:
     """Open an image reading only its header. Refuses (DataError) a file that is missing or not an
     image, has more than `max_pixels` pixels (a guard against decompression bombs) or an aspect
-    ratio the model's image processor rejects. The caller closes it (`with open_image(...) as im`)."""
+    ratio the model's image processor rejects. The caller closes it (`with open_image(...) as im`).
+    An ImageBytes (an embedded image) gets the same checks, on its bytes."""
     at = f"{where}: " if where else ""
-    if problem := path_problem(path):
+    if not isinstance(path, ImageBytes) and (problem := path_problem(path)):
         raise DataError(f"{at}image file {path} {problem}")
     try:
         with warnings.catch_warnings():
             # PIL warns above its own soft limit; our max_pixels below is the limit that decides
             warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            im = Image.open(path)
+            im = Image.open(io.BytesIO(path.data) if isinstance(path, ImageBytes) else path)
     except FileNotFoundError:  # gone since the check above
         raise DataError(f"{at}image file {path} not found") from None
     except Image.DecompressionBombError as e:
@@ -195,16 +195,18 @@ def _resolve(value, where: str, base: Path, what: str) -> Path:
     return path
 
 
-def _checked_image(value, where: str, base: Path, max_pixels: int, decode: bool) -> tuple[Path, tuple[int, int]]:
-    """An image file's path and (width, height), from its header (decoded in full with `decode`)."""
-    path = _resolve(value, where, base, "image file")
+def _checked_image(value, where: str, base: Path, max_pixels: int,
+                   decode: bool) -> tuple[Path | ImageBytes, tuple[int, int]]:
+    """An image file's path (or an embedded image) and (width, height), from its header (decoded in
+    full with `decode`)."""
+    path = value if isinstance(value, ImageBytes) else _resolve(value, where, base, "image file")
     with open_image(path, where, max_pixels) as im:
         if decode:  # data check: a row it reports as valid must also decode at training time
             load_pixels(im, path, where)
         return path, im.size
 
 
-def _image_path(value, where: str, *, base: Path, max_pixels: int, decode: bool) -> Path:
+def _image_path(value, where: str, *, base: Path, max_pixels: int, decode: bool) -> Path | ImageBytes:
     return _checked_image(value, where, base, max_pixels, decode)[0]
 
 
@@ -305,38 +307,25 @@ def require_pyav(where: str):
     return av
 
 
-# "<image>" / "<video>" in a text: the image slots of other tools' layouts (LLaVA, ms-swift). Nothing
-# binds them here (images are parts of a message), so the model would read the literal text.
+# "<image>" / "<video>" left in a text after the layouts were read (data/layouts.py binds the
+# placeholders of rows that list their images beside the text): nothing binds these, so the model
+# would read the literal text.
 _PLACEHOLDER = re.compile(r"<(image|video)>")
 LAYOUTS = ('{"image": path | "images": [paths] | "video": ..., "text": question, "answer": target} or '
-           '{"messages": [{"role": ..., "content": text or [parts]}, ...]} (README, "Data")')
+           '{"messages": [{"role": ..., "content": text or [parts]}, ...]} (docs/data.md)')
 
 
 def _no_placeholder(text: str, at: str, simple: bool) -> None:
     if match := _PLACEHOLDER.search(text):
         kind = match.group(1)
-        place = ("a simple row shows its images and video before its text: remove it, or use a 'messages' row"
-                 if simple else "replace it by")
-        raise DataError(f"{at}: the text holds a {match.group()} placeholder, but no {kind} is bound to it (vlforge "
-                        f"reads {kind}s as message parts, not text placeholders); {place} "
-                        f'{{"type": "{kind}", "{kind}": path}} as a part at its place')
+        raise DataError(f"{at}: the text holds a {match.group()} placeholder, but no {kind} is bound to it: a row "
+                        f"binds its placeholders to a top-level '{kind}s' list (in order, as many of each), and "
+                        f"this row's {kind}s are message parts; replace it by {{\"type\": \"{kind}\", "
+                        f'"{kind}": path}} as a part at its place, or give the {kind}s as a top-level list')
 
 
-def _refuse_unread_layouts(row: dict, where: str) -> None:
-    """Layouts of other tools that would otherwise lose their images silently, refused until read."""
-    if "conversations" in row:
-        raise DataError(f"{where}: a ShareGPT/LLaVA row ('conversations' of {{\"from\", \"value\"}} turns) is not "
-                        "read yet; convert it to the 'messages' layout (each image as an image part where its "
-                        f"<image> stood, 'human' -> 'user', 'gpt' -> 'assistant'). Rows are {LAYOUTS}")
-    top = [k for k in ("image", "images", "video", "videos") if k in row]
-    if "messages" in row and top:
-        raise DataError(f"{where}: a 'messages' row with a top-level '{top[0]}' (ms-swift's layout) is not read yet "
-                        "(its images would be lost); put each image in the message that shows it, as a part "
-                        '{"type": "image", "image": path} where its <image> stood ({"type": "video", "video": ...} '
-                        'for a video), see README "Data"')
-    if "videos" in row and "messages" not in row:
-        raise DataError(f"{where}: 'videos' is not a key of a simple row: give one video as 'video', or several as "
-                        "video parts of a 'messages' row")
+def _part_value(image: Path | ImageBytes) -> str | ImageBytes:
+    return image if isinstance(image, ImageBytes) else str(image)
 
 
 def _from_simple(row: dict, image_at: Callable, where: str,
@@ -364,7 +353,7 @@ def _from_simple(row: dict, image_at: Callable, where: str,
     if "fps" in row and "video" not in row:
         raise DataError(f"{where}: 'fps' is the rate of a 'video' given as frames; this row has no 'video'")
     videos = [video_at(row["video"], row.get("fps"), f"{where}: video")] if "video" in row else []
-    user = ([{"type": "image", "image": str(p)} for p in images] + [{"type": "video", "video": v} for v in videos]
+    user = ([{"type": "image", "image": _part_value(p)} for p in images] + [{"type": "video", "video": v} for v in videos]
             + [{"type": "text", "text": text}])
     messages = [{"role": "user", "content": user}, {"role": "assistant", "content": str(answer)}]
     if isinstance(row.get("system"), str):
@@ -395,7 +384,7 @@ def _from_chat(row: dict, image_at: Callable, where: str,
                 if kind == "image":
                     path = image_at(part.get("image", part.get("path")), f"{at}.content[{j}]")
                     images.append(path)
-                    parts.append({"type": "image", "image": str(path)})
+                    parts.append({"type": "image", "image": _part_value(path)})
                 elif kind == "video":
                     video = video_at(part.get("video", part.get("path")), part.get("fps"), f"{at}.content[{j}]")
                     videos.append(video)
@@ -425,18 +414,29 @@ def _from_chat(row: dict, image_at: Callable, where: str,
 
 
 def parse_row(line: str, base: Path, where: str, max_image_pixels: int = MAX_IMAGE_PIXELS,
-              decode_images: bool = False) -> Sample:
-    """One row as a Sample; image paths resolve against `base` and are checked (see `read_jsonl`)."""
-    image_at = functools.partial(_image_path, base=base, max_pixels=max_image_pixels, decode=decode_images)
-    video_at = functools.partial(_video, base=base, max_pixels=max_image_pixels, decode=decode_images)
+              decode_images: bool = False, columns: dict | None = None) -> Sample:
+    """One JSONL line as a Sample (see `parse_obj`)."""
     try:
         row = json.loads(line)
     except json.JSONDecodeError as e:
         raise DataError(f"{where}: malformed JSON ({e.msg} at column {e.colno}); each line must be one JSON object") from e
+    return parse_obj(row, base, where, max_image_pixels, decode_images, columns)
+
+
+def parse_obj(row, base: Path, where: str, max_image_pixels: int = MAX_IMAGE_PIXELS,
+              decode_images: bool = False, columns: dict | None = None) -> Sample:
+    """One row (a JSON object, a parquet row) as a Sample: other tools' layouts read first
+    (data/layouts.to_native: ShareGPT/LLaVA, top-level image lists with placeholders, OpenAI
+    image_url parts, embedded bytes, data.columns), image paths resolved against `base` and checked."""
+    image_at = functools.partial(_image_path, base=base, max_pixels=max_image_pixels, decode=decode_images)
+    video_at = functools.partial(_video, base=base, max_pixels=max_image_pixels, decode=decode_images)
     if not isinstance(row, dict):
-        raise DataError(f"{where}: each line must be a JSON object, got {type(row).__name__}")
+        raise DataError(f"{where}: each row must be a JSON object, got {type(row).__name__}")
+    row = to_native(row, where, base, columns)
     tools = None
-    _refuse_unread_layouts(row, where)
+    if "videos" in row and "messages" not in row:
+        raise DataError(f"{where}: 'videos' is not a key of a simple row: give one video as 'video', or several as "
+                        "video parts of a 'messages' row")
     if "messages" in row:
         messages, images, videos = _from_chat(row, image_at, where, video_at)
         tools = _tool_schemas(row.get("tools"), where)
@@ -531,14 +531,3 @@ def read_jsonl(path: str | Path, on_error: str = "fail", report: LoadReport | No
     report.rows += rows
     report.kept += len(samples)
     return samples
-
-
-def check_readable(path: str | Path, on_error: str = "fail", max_image_pixels: int = MAX_IMAGE_PIXELS) -> LoadReport:
-    """Pre-flight for recipes, before a model is loaded: the file exists, is UTF-8 JSONL, has a usable
-    row, and every image opens (headers only; nothing is decoded or tokenized). Raises DataError."""
-    report = LoadReport()
-    read_jsonl(path, on_error, report, max_image_pixels=max_image_pixels)
-    if not report.kept:
-        raise DataError(f"{path}: no usable rows ({report.rows} read, skipped: {dict(report.skipped)}); "
-                        f"see `vlforge data check {path}`")
-    return report

@@ -25,7 +25,8 @@ from tqdm import tqdm
 from vlforge.config import ConfigError, GRPOConfig
 from vlforge.data.dataset import ChatDataset, batches_from, load_dataset
 from vlforge.data.encode import collate, encode_engine_prompt, visuals_per_prompt
-from vlforge.data.jsonl import DataError, check_readable
+from vlforge.data.jsonl import DataError
+from vlforge.data.sources import check_readable
 from vlforge.engine.distributed import (World, frozen_sharded_copy, fully_gathered, no_sync, planned_strategy,
                                        reshard_all, torchrun_env)
 from vlforge.engine.evaluate import to_device
@@ -76,7 +77,7 @@ def prompt_stream(data: ChatDataset, batch_size: int, seed: int, epoch: int, pos
     taking the r-th: every group stays whole on one rank."""
     per_rank = batch_size // world.size
     while True:
-        for idx, pos in batches_from(len(data), batch_size, seed, epoch, position):
+        for idx, pos in batches_from(data.lengths, batch_size, seed, epoch, position):
             yield idx[world.rank * per_rank:(world.rank + 1) * per_rank], epoch, pos
         epoch, position = epoch + 1, 0
 
@@ -604,7 +605,7 @@ def run_grpo(cfg: GRPOConfig) -> dict:
         raise ConfigError(f"rl.rewards: {e}") from e
     tools = rollout_tools(cfg)  # a tool or chat template that cannot work fails now, not at the first call
     for path in filter(None, (cfg.data.train, cfg.data.val)):  # a bad file fails now, not after the model loads
-        check_readable(path, cfg.data.on_error, cfg.data.max_image_pixels)
+        check_readable(path, cfg.data.on_error, cfg=cfg.data)
     world_size = (torchrun_env() or (0, 1, 0))[1]
     strategy, _ = planned_strategy(cfg.distributed.strategy, world_size, cfg.train.device)
     if strategy != "none":

@@ -21,7 +21,8 @@ from tqdm import tqdm
 from vlforge.config import ConfigError, LossConfig, SFTConfig
 from vlforge.data.dataset import Batching, ChatDataset, global_batches, load_dataset, micro_batches_per_epoch
 from vlforge.data.encode import collate, pack
-from vlforge.data.jsonl import DataError, check_readable
+from vlforge.data.jsonl import DataError
+from vlforge.data.sources import check_readable
 from vlforge.engine.distributed import no_sync
 from vlforge.engine.health import GradHealth
 from vlforge.engine.losses import (HostPrep, count_supervised, count_tokens, drop_keepalive_grads, real_tokens,
@@ -181,7 +182,7 @@ def run_sft(cfg: SFTConfig) -> dict:
     if not cfg.data.train:
         raise ConfigError("data.train is not set: give a JSONL file (data.train=path/to/train.jsonl)")
     for path in filter(None, (cfg.data.train, cfg.data.val)):  # a bad file fails now, not after the model loads
-        check_readable(path, cfg.data.on_error, cfg.data.max_image_pixels)
+        check_readable(path, cfg.data.on_error, cfg=cfg.data)
     # before the run begins (its directory, the model): what can be told from the config and the device
     if cfg.precision.cuda_graphs and (problem := cuda_graphs_problem(cfg, resolve_device(cfg.train.device))):
         raise ConfigError(problem)
