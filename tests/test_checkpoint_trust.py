@@ -94,12 +94,12 @@ def test_a_pickle_planted_in_a_checkpoint_never_runs(shapes_dir, tmp_path, capsy
 
 def test_a_sharded_checkpoint_is_read_without_unpickling(tmp_path):
     """DCP's own reader unpickles its .metadata and its planner each non-tensor item: both run a
-    planted object. engine/safe_load's reader and planner refuse them."""
+    planted object. model/safe_load's reader and planner refuse them."""
     import pickle
 
     import torch.distributed.checkpoint as dcp
 
-    from vlforge.engine.safe_load import ForeignObjects, SafeLoadPlanner, SafeReader, read_metadata
+    from vlforge.model.safe_load import ForeignObjects, SafeLoadPlanner, SafeReader, read_metadata
 
     marker = tmp_path / "ran"
     dcp.save({"w": torch.zeros(2), "lr": Planted(marker)}, checkpoint_id=str(tmp_path / "dcp"))
@@ -119,6 +119,25 @@ def test_a_sharded_checkpoint_is_read_without_unpickling(tmp_path):
     with pytest.raises(AttributeError):  # DCP's own reader runs it, then finds no Metadata in what it returned
         dcp.FileSystemReader(str(tmp_path / "dcp")).read_metadata()
     assert marker.exists()
+
+
+def test_export_of_a_sharded_checkpoint_never_unpickles_its_metadata(shapes_dir, tmp_path):
+    """`vlforge export` takes a checkpoint a user hands it: a sharded one exports (LoRA merged) through
+    model/safe_load's reader, and one whose DCP metadata holds a planted object is refused unrun."""
+    import pickle
+
+    from vlforge.model.export import export
+    from vlforge.model.safe_load import ForeignObjects
+
+    run_sft(tiny_sft_config(shapes_dir, tmp_path / "run", "tiers.method=lora", *QUIET, "train.max_steps=1",
+                            "distributed.strategy=fsdp2"))
+    ckpt = tmp_path / "run" / "checkpoint-1"
+    assert export(ckpt, tmp_path / "merged", merge=True)["kind"] == "consolidated"
+    marker = tmp_path / "ran"
+    (ckpt / "dcp" / ".metadata").write_bytes(pickle.dumps(Planted(marker)))
+    with pytest.raises(ForeignObjects, match=r"\.metadata holds objects other than DCP's records"):
+        export(ckpt, tmp_path / "again", merge=True)
+    assert not marker.exists()
 
 
 # ----------------------------------------------------------------------------- the model it was trained from

@@ -52,7 +52,7 @@ from vlforge.engine.errors import CheckpointWriteError
 from vlforge.engine.fp8 import fp8_state, load_fp8_state
 from vlforge.engine.manifest import is_checkpoint, write_manifest, written_by_a_run
 from vlforge.engine.rng import restore_rng, save_rng
-from vlforge.engine.safe_load import SafeLoadPlanner, SafeReader, load_failure, load_trusted, read_metadata
+from vlforge.model.safe_load import SafeLoadPlanner, SafeReader, load_failure, load_trusted, read_metadata
 from vlforge.model.export import SHARDED_DIR, is_sharded
 
 CKPT_RE = re.compile(r"^checkpoint-(\d+)$")

@@ -9,7 +9,7 @@ in lockstep (dropout off, the rollout seed drawn from it on every rank): there e
 rank 0's (`shared`), so a GRPO resume on any world size continues exactly.
 
 The files hold only tensors and numbers and are read with torch.load(weights_only=True)
-(engine/safe_load.load_trusted); one that would need more is never unpickled: a warning, and a
+(model/safe_load.load_trusted); one that would need more is never unpickled: a warning, and a
 fresh stream.
 """
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from vlforge.engine.safe_load import ForeignObjects, load_trusted
+from vlforge.model.safe_load import ForeignObjects, load_trusted
 
 
 def rng_state() -> dict:

@@ -65,18 +65,20 @@ def consolidate_sharded(checkpoint: Path, dtype: torch.dtype = torch.float32):
     import torch.distributed.checkpoint as dcp
     from transformers import AutoProcessor
 
+    from vlforge.model.safe_load import SafeLoadPlanner, SafeReader, read_metadata
     from vlforge.model.tiers import apply_plan, build_plan
 
     run = run_config(checkpoint)
     model, _ = load_model(run.model, dtype=torch.float32)
     model = apply_plan(model, build_plan(model, run.tiers))
-    reader = dcp.FileSystemReader(str(checkpoint / SHARDED_DIR))
-    saved = {k.removeprefix("model.") for k in reader.read_metadata().state_dict_metadata if k.startswith("model.")}
+    # a checkpoint someone hands us: DCP's own reader would unpickle its .metadata (model/safe_load.py)
+    metadata = read_metadata(checkpoint / SHARDED_DIR)
+    saved = {k.removeprefix("model.") for k in metadata.state_dict_metadata if k.startswith("model.")}
     state = {k: v for k, v in model.state_dict().items() if k in saved}
     if missing := saved - set(state):
         raise ConfigError(f"{checkpoint}: weights {sorted(missing)[:3]} do not exist in the run's model "
                           "(its config.yaml changed since?)")
-    dcp.load({"model": state}, storage_reader=reader)
+    dcp.load({"model": state}, storage_reader=SafeReader(str(checkpoint / SHARDED_DIR)), planner=SafeLoadPlanner())
     model.load_state_dict(state, strict=False)
     if run.tiers.method == "lora":
         model = model.merge_and_unload()
