@@ -50,6 +50,25 @@ are GRPO's only. What the keys do together is in the guides: [training](training
 """
 
 
+# Where each top-level section's keys are explained together (tests/test_docs.py checks every link resolves)
+GUIDES = {
+    "model": "[training.md](training.md#fine-tuning-your-model), [moe.md](moe.md)",
+    "data": "[data.md](data.md#keys), [packing.md](packing.md)",
+    "loss": "[training.md](training.md#training-options), [packing.md](packing.md)",
+    "tiers": "[training.md](training.md#trainable-tiers), [moe.md](moe.md#expert-lora-and-the-router)",
+    "precision": "[precision.md](precision.md), [training.md](training.md#training-options)",
+    "optim": "[training.md](training.md#training-options)",
+    "train": "[training.md](training.md#what-a-run-writes), [checkpoints.md](checkpoints.md), [stopping.md](stopping.md)",
+    "eval": "[training.md](training.md#training-options)",
+    "log": "[training.md](training.md#training-options)",
+    "health": "[training.md](training.md#training-options)",
+    "quant": "[serving.md](serving.md#quantization)",
+    "distributed": "[distributed.md](distributed.md)",
+    "rollout": "[grpo.md](grpo.md)",
+    "rl": "[grpo.md](grpo.md)",
+}
+
+
 def _comments(source: str) -> dict[int, str]:
     """{line number: the comment's text} for every `#` comment in the source."""
     out = {}
@@ -188,6 +207,8 @@ def _sections(path: str, sft, grpo, cls: type, classes: dict, out: list[str], no
     out.append(f"{level} `{path}`\n")
     if note:
         out.append(note + "\n")
+    if path in GUIDES:
+        out.append(f"Guide: {GUIDES[path]}.\n")
     if info["doc"]:
         out.append(info["doc"] + "\n")
     if path.endswith("[]"):
