@@ -69,19 +69,30 @@ def _raise_interrupted(signum, frame) -> None:
     raise Interrupted(signum)
 
 
+def _catch(signals, handler) -> dict:
+    """`handler` for each of `signals` not ignored; returns the handlers replaced, to restore. A
+    signal ignored when the process started stays ignored, as Python leaves SIGINT then: a shell
+    ignores it in the jobs it starts in the background, so that Ctrl-C leaves them running."""
+    if not _in_main_thread():
+        return {}
+    return {s: signal.signal(s, handler) for s in signals if signal.getsignal(s) is not signal.SIG_IGN}
+
+
+def _restore(previous: dict) -> None:
+    for s, handler in previous.items():
+        signal.signal(s, handler)
+
+
 @contextlib.contextmanager
 def sigterm_interrupts() -> Iterator[None]:
     """While the block runs, SIGTERM raises Interrupted(SIGTERM) in the main thread, as SIGINT raises
     KeyboardInterrupt: context managers and `finally` blocks run (a run's directory lock, a server's
     drain) and the CLI says one line, where the default action ends the process without a word."""
-    if not _in_main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, _raise_interrupted)
+    previous = _catch([signal.SIGTERM], _raise_interrupted)
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        _restore(previous)
 
 
 def ignore_stop_signals(*_) -> None:
@@ -99,20 +110,16 @@ def ignore_stop_signals(*_) -> None:
 def sigint_sets(event: threading.Event) -> Iterator[None]:
     """While the block runs, Ctrl-C sets `event` (chat: the reply being generated stops at its next
     token, the conversation goes on) and a second Ctrl-C raises KeyboardInterrupt."""
-    if not _in_main_thread():
-        yield
-        return
-
     def handle(signum, frame):
         if event.is_set():
             raise KeyboardInterrupt
         event.set()
 
-    previous = signal.signal(signal.SIGINT, handle)
+    previous = _catch([signal.SIGINT], handle)
     try:
         yield
     finally:
-        signal.signal(signal.SIGINT, previous)
+        _restore(previous)
 
 
 def _say(text: str) -> None:
@@ -139,15 +146,13 @@ class StopSignals:
         self._pid = os.getpid()
 
     def __enter__(self) -> "StopSignals":
-        if _in_main_thread():
-            self._previous = {s: signal.signal(s, self._on_signal) for s in STOP_SIGNALS}
+        self._previous = _catch(STOP_SIGNALS, self._on_signal)
         return self
 
     def __exit__(self, kind, error, tb) -> None:
         """The handlers restored. A run stopped early ends here, after begin_run has let its ranks
         leave together: Interrupted with the message. A second Ctrl-C gets its message too."""
-        for s, handler in self._previous.items():
-            signal.signal(s, handler)
+        _restore(self._previous)
         self._previous = {}
         if isinstance(error, KeyboardInterrupt) and getattr(error, "message", None) is None and self.run:
             signum = getattr(error, "signum", signal.SIGINT)

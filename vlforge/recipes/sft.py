@@ -18,7 +18,7 @@ import time
 import torch
 from tqdm import tqdm
 
-from vlforge.config import ConfigError, LossConfig, SFTConfig
+from vlforge.config import ConfigError, LossConfig, SFTConfig, TrainConfig
 from vlforge.data.dataset import Batching, ChatDataset, global_batches, load_dataset, micro_batches_per_epoch
 from vlforge.data.encode import collate, pack
 from vlforge.data.jsonl import DataError
@@ -164,7 +164,7 @@ def check_resumed_packing(state: dict, packed: bool, batching: Batching, say=pri
     state["packed"] = packed
 
 
-def count_steps(train_data: ChatDataset, batching: Batching, tc, world_size: int) -> int:
+def count_steps(train_data: ChatDataset, batching: Batching, tc: TrainConfig, world_size: int) -> int:
     """The run's optimizer steps: train.max_steps, else the epochs' global micro-batches / grad_accum."""
     per_epoch = [micro_batches_per_epoch(train_data.lengths, batching, tc.seed, e, world_size)
                  for e in range(1 if tc.max_steps else tc.epochs)]  # global micro-batches
