@@ -89,7 +89,7 @@ class JsonSource(RowSource):
 
     def row(self, i: int) -> tuple[str, object]:
         self.materialised += 1
-        return f"{self.path}: row {i}", self.rows[i]
+        return f"{self.path}:row {i}", self.rows[i]
 
 
 def _pyarrow(path: Path):
