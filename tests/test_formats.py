@@ -196,6 +196,7 @@ def test_a_million_row_parquet_set_streams_materialising_only_the_rows_batches_t
     stream_ = micro_batches(data, 4, seed=0, epoch=0, position=0, num_workers=0)
     batches = [next(stream_) for _ in range(3)]
     assert data.samples.source.materialised == 12  # the three batches' rows, nothing else
+    assert data.samples.source.groups_read == 2  # the block shuffle: one window of 2 row groups decoded
     assert all(len(b["input_ids"]) == 4 and b["pixel_values"].shape[0] > 0 for b, _, _ in batches)
     # the order is the block shuffle: the first window's rows come from two row groups of 10,000
     order = block_order(data.lengths.blocks, 2, 0, 0)

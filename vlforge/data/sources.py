@@ -122,6 +122,7 @@ class TableSource(RowSource):
                 self.starts.append(self.starts[-1] + n)
                 self.file_of.append(k)
         self.blocks = self.starts if kind == "parquet" else None
+        self.groups_read = 0  # parquet row groups decoded so far (a shuffle's locality shows here)
 
     def _arrow(self, k: int):
         tables = self.__dict__.setdefault("_tables", {})
@@ -143,6 +144,7 @@ class TableSource(RowSource):
                 if k not in parquet:
                     parquet[k] = pa.parquet.ParquetFile(self.files[k])
                 cache[g] = parquet[k].read_row_group(g - self.file_of.index(k))
+                self.groups_read += 1
             else:
                 cache[g] = self._arrow(self.file_of[g])
             while len(cache) > self.window:
