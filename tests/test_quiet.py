@@ -1,6 +1,7 @@
 """What a user sees when things are normal: a run contacts no network and prints only vlforge's own
 lines and warnings that ask the user to act (no library notices, deprecations or false alarms)."""
 
+import importlib.util
 import json
 import logging
 import os
@@ -64,12 +65,15 @@ def lora_run(shapes_dir, tmp_path_factory):
     sft = run_cli(tmp, "sft", str(tmp / "lora.yaml"), f"data.train={shapes_dir / 'train.jsonl'}", "data.val=null",
                   "train.device=cpu", "train.max_steps=1", "train.batch_size=4", f"train.output_dir={tmp / 'run'}",
                   "log.progress=false")
-    export = run_cli(tmp, "export", str(tmp / "run" / "checkpoint-1"), "--out", str(tmp / "merged"), "--merge")
+    export = run_cli(tmp, "export", str(tmp / "run" / "checkpoint-1"), "--out", str(tmp / "merged"), "--merge",
+                     "--device", "cpu")
     return {"sft": sft, "export": export}
 
 
 @pytest.mark.parametrize("command", ["sft", "export"])
 def test_a_model_load_with_bitsandbytes_installed_contacts_no_network(lora_run, command):
+    if importlib.util.find_spec("bitsandbytes") is None:  # the `quant` extra (in `test`) brings it
+        pytest.skip("bitsandbytes is not installed: the import that asked the Hub does not happen")
     report, stderr = lora_run[command]
     assert report["code"] == 0, stderr
     assert report["bitsandbytes"], "bitsandbytes was not imported: the test would prove nothing"
