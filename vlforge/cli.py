@@ -150,9 +150,6 @@ def cmd_data_check(args) -> int:
     return 1 if report["errors"] else 0
 
 
-def cmd_doctor(args) -> int:
-    from vlforge.config import load_recipe_config
-    from vlforge.doctor import format_report, run_checks
 def cmd_data_convert(args) -> int:
     from vlforge.data.convert import convert
 
@@ -181,6 +178,9 @@ def cmd_view(args) -> int:
     return 0
 
 
+def cmd_doctor(args) -> int:
+    from vlforge.config import load_recipe_config
+    from vlforge.doctor import format_report, run_checks
 
     cfg = load_recipe_config(args.config, args.overrides) if args.config or args.overrides else None
     report = run_checks(cfg, config_path=args.config)
@@ -457,9 +457,6 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--json", action="store_true")
     check.add_argument("overrides", nargs="*", help="key.sub=value overrides, e.g. data.max_length=4096")
     check.set_defaults(func=cmd_data_check)
-
-    exp = sub.add_parser("export", help="write a checkpoint as a standard HF model directory")
-    exp.add_argument("checkpoint", help="runs/NAME/checkpoint-STEP")
     conv = data.add_parser("convert", help="write a dataset (ShareGPT/LLaVA, OpenAI messages, parquet, a datasets "
                                            "folder) as native JSONL, embedded images as files (docs/data.md)")
     conv.add_argument("src", help="the dataset: a .jsonl / .json / .parquet file or a folder")
@@ -467,12 +464,16 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("--config", help="recipe YAML whose data settings (format, columns, limits) to use")
     conv.add_argument("overrides", nargs="*", help="e.g. data.columns.prompt=problem data.on_error=skip")
     conv.set_defaults(func=cmd_data_convert)
+
+    exp = sub.add_parser("export", help="write a checkpoint as a standard HF model directory")
+    exp.add_argument("checkpoint", help="runs/NAME/checkpoint-STEP")
     exp.add_argument("--out", required=True, help="output directory")
     exp.add_argument("--merge", action="store_true", help="merge LoRA into the base weights (else: adapter only)")
     exp.add_argument("--quant", choices=["none", "nf4", "int8", "fp8"], default="none",
                      help="also quantize the language model of the written directory")
     exp.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default="bf16", help="dtype of the merged weights")
     exp.add_argument("--overwrite", action="store_true", help="replace a non-empty --out")
+    exp.add_argument("--device", default="auto", help="where quantization runs: auto (a GPU if visible) | cpu | cuda | cuda:N")
     exp.set_defaults(func=cmd_export)
 
     infer = sub.add_parser("infer", help="answer one prompt (with images or videos) from a model")
@@ -482,7 +483,6 @@ def build_parser() -> argparse.ArgumentParser:
     infer.add_argument("--prompt", required=True)
     infer.add_argument("--task", choices=["classify", "qa", "describe"], default="qa",
                        help="sets the default --max-new-tokens: 16 / 64 / 512")
-    exp.add_argument("--device", default="auto", help="where quantization runs: auto (a GPU if visible) | cpu | cuda | cuda:N")
     infer.add_argument("--max-new-tokens", type=_at_least(1))
     infer.add_argument("--temperature", type=_non_negative_float, default=0.0, help="0 = greedy")
     infer.set_defaults(func=cmd_infer)
@@ -539,6 +539,13 @@ def build_parser() -> argparse.ArgumentParser:
                                help=f"{meta['help']} (default {default:g})" if unit != 1 else
                                f"{meta['help']} (default {default})")
     serve.set_defaults(func=cmd_serve)
+
+    view = sub.add_parser("view", help="a local page of runs: curves, GRPO rollouts, eval answers (or --export HTML)")
+    view.add_argument("runs", nargs="+", metavar="RUN_DIR", help="a run's train.output_dir, or a folder of runs")
+    view.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
+    view.add_argument("--port", type=int, default=8600)
+    view.add_argument("--export", metavar="HTML", help="write one self-contained HTML file instead of serving")
+    view.set_defaults(func=cmd_view)
 
     doctor = sub.add_parser("doctor", help="check Python, torch, GPUs and libraries (and what a recipe needs)")
     doctor.add_argument("--config", help="recipe YAML: also check what it needs (device, bf16, FP8, flash-attn, model.path, "

@@ -507,9 +507,27 @@ class LogConfig:
     every: int = 1
     tensorboard: bool = False
     progress: bool = True
+    # samples/ in the run directory (engine/samples.py, `vlforge view`): GRPO groups every
+    # samples_every steps (0: none), samples_per_step of them; samples_eval probes per evaluation;
+    # the folder stops growing at samples_max_mb
+    samples_every: int = 1
+    samples_per_step: int = 2
+    samples_eval: int = 32
+    samples_max_mb: float = 100.0
+    # trackers (engine/trackers.py), rank 0 only: wandb (WANDB_MODE=offline: no network) and MLflow
+    # (mlflow_uri, default a file store in output_dir/mlruns); project: wandb's project, MLflow's
+    # experiment; run_name: default the output directory's name
+    wandb: bool = False
+    mlflow: bool = False
+    project: str = "vlforge"
+    run_name: str | None = None
+    mlflow_uri: str | None = None
 
     def __post_init__(self):
         _range(self, "every", ge=1)
+        for key in ("samples_every", "samples_per_step", "samples_eval"):
+            _range(self, key, ge=0)
+        _range(self, "samples_max_mb", ge=0)
 
 
 EXPERT_METHODS_WHY = (

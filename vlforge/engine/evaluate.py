@@ -20,6 +20,7 @@ from vlforge.data.encode import Encoder, collate, encode, encode_engine_prompt, 
 from vlforge.engine.losses import sft_loss_sum
 from vlforge.engine.metrics import MetricsLog, write_json_atomic
 from vlforge.engine.precision import PrecisionPolicy
+from vlforge.engine.samples import SampleLog
 from vlforge.generate.engine import GenRequest, Prompt, engine_for
 from vlforge.generate.forward import never_generated
 from vlforge.model.host_inputs import host_to_device
@@ -89,10 +90,11 @@ def _generate_answers_hf(model, encoder: Encoder, samples, *, batch_size: int, m
 @torch.no_grad()
 def evaluate(model, data: ChatDataset, *, batch_size: int, max_new_tokens: int, max_samples: int | None,
              policy: PrecisionPolicy, device: torch.device, loss: LossConfig = LossConfig(),
-             answer: Callable | None = None) -> dict:
+             answer: Callable | None = None, record: Callable | None = None) -> dict:
     """{"loss", "accuracy", "n", "by_task"} on the first `max_samples` samples of `data`; the
     held-out loss computed as the run computes its training loss (`loss`: the run's loss.impl).
-    `answer`: generate_answers' stand-in (same signature), e.g. GRPO's answers with its tools."""
+    `answer`: generate_answers' stand-in (same signature), e.g. GRPO's answers with its tools.
+    `record(samples, answers, hits)`: given every evaluated probe (engine/samples.SampleLog.eval)."""
     was_training = model.training
     model.eval()
     n = len(data) if max_samples is None else min(max_samples, len(data))
@@ -108,6 +110,8 @@ def evaluate(model, data: ChatDataset, *, batch_size: int, max_new_tokens: int, 
     answers = (answer or generate_answers)(model, data.encoder, samples, batch_size=batch_size,
                                            max_new_tokens=max_new_tokens, policy=policy, device=device)
     hits = [exact_match(a, s.answer) for a, s in zip(answers, samples)]
+    if record is not None:  # every probe with its answer (the run's samples/eval.jsonl)
+        record(samples, answers, hits)
     by_task: dict[str, list[float]] = defaultdict(list)
     for h, s in zip(hits, samples):
         by_task[str(s.fields.get("task", "all"))].append(h)
@@ -129,10 +133,11 @@ class EvalRecorder:
     """
 
     def __init__(self, out_dir: Path, data: ChatDataset, cfg: EvalConfig, metrics: MetricsLog, resume_step: int,
-                 write: bool = True, loss: LossConfig = LossConfig(), answer: Callable | None = None):
+                 write: bool = True, loss: LossConfig = LossConfig(), answer: Callable | None = None,
+                 samples: SampleLog | None = None):
         self.path = Path(out_dir) / "eval.json"
         self.data, self.cfg, self.metrics, self.write = data, cfg, metrics, write  # write: rank 0 of a run
-        self.loss, self.answer = loss, answer
+        self.loss, self.answer, self.samples = loss, answer, samples  # samples: samples/eval.jsonl
         previous = json.loads(self.path.read_text()).get("history", []) if write and self.path.exists() else []
         self.history = [h for h in previous if h["step"] <= resume_step]
 
@@ -140,7 +145,8 @@ class EvalRecorder:
         rng = torch.get_rng_state()
         result = {"step": step, **evaluate(model, self.data, batch_size=self.cfg.batch_size,
                                            max_new_tokens=self.cfg.max_new_tokens, max_samples=self.cfg.max_samples,
-                                           policy=policy, device=device, loss=self.loss, answer=self.answer)}
+                                           policy=policy, device=device, loss=self.loss, answer=self.answer,
+                                           record=self.samples and (lambda *p: self.samples.eval(step, *p)))}
         torch.set_rng_state(rng)
         self.history.append({k: v for k, v in result.items() if k != "examples"})
         if self.write:

@@ -16,7 +16,9 @@ metrics log, periodic evaluation and checkpoints, so SFT and GRPO do these ident
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import shutil
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -35,6 +37,8 @@ from vlforge.engine.identity import KEY as IDENTITY_KEY, check_resume_identity, 
 from vlforge.engine.metrics import MetricsLog, NullMetrics
 from vlforge.engine.optim import build_optimizer, build_scheduler
 from vlforge.engine.rng import fresh_rng
+from vlforge.engine.samples import SampleLog
+from vlforge.engine.trackers import TrackedMetrics, Trackers
 from vlforge.engine.runtime import prepare_output_dir, release_output_dir, seed_everything
 from vlforge.engine.trainable import Trainable
 from vlforge.model.tiers import param_groups
@@ -92,6 +96,7 @@ class Run:
     state: dict  # epoch, position (and recipe counters): saved in every checkpoint
     step: int
     last_eval: dict | None = None
+    samples: SampleLog | None = None  # samples/: what the model did (GRPO groups, eval answers)
 
     @classmethod
     def start(cls, cfg: RunConfig, t: Trainable, total_steps: int, val_data: ChatDataset | None,
@@ -147,9 +152,17 @@ class Run:
         # every rank evaluates (a sharded forward needs them all; DDP's ranks would wait for rank 0 anyway); rank 0 writes
         metrics = MetricsLog(out, cfg.log.tensorboard, resume_step=step if resume_from else 0) if world.main \
             else NullMetrics()
+        trackers = Trackers(cfg.log, out, dataclasses.asdict(resolve_paths(cfg))) \
+            if world.main and (cfg.log.wandb or cfg.log.mlflow) else None
+        metrics = TrackedMetrics(metrics, trackers) if trackers else metrics  # the same rows to wandb / MLflow
+        lc = cfg.log  # samples/ (engine/samples.py): rank 0 writes
+        samples = SampleLog(out, every=lc.samples_every, per_step=lc.samples_per_step, eval_rows=lc.samples_eval,
+                            max_mb=lc.samples_max_mb, resume_step=step if resume_from else 0, write=world.main,
+                            trackers=trackers)
         recorder = EvalRecorder(out, val_data, cfg.eval, metrics, step, write=world.main, loss=cfg.loss,
-                                answer=answer) if val_data is not None else None
-        return cls(cfg, t, out, total_steps, optimizer, scheduler, scaler, health, metrics, recorder, state, step)
+                                answer=answer, samples=samples) if val_data is not None else None
+        return cls(cfg, t, out, total_steps, optimizer, scheduler, scaler, health, metrics, recorder, state, step,
+                   samples=samples)
 
     @property
     def lr(self) -> float:
@@ -178,7 +191,8 @@ class Run:
             self.scheduler.step()
         self.step += 1
         if due(self.cfg.log.every, self.step, self.total_steps) or always_log:
-            self.metrics.log(self.step, row)
+            # when the step ended: `vlforge view` draws curves over time too (varies run to run, as tokens_per_s)
+            self.metrics.log(self.step, {**row, "time_unix": round(time.time(), 2)})
         if due(self.cfg.eval.every, self.step, self.total_steps):
             self.evaluate()
         if due(self.cfg.train.save_every, self.step, self.total_steps):

@@ -31,6 +31,7 @@ SUPERSEDED_PREFIX = "superseded-"
 RUN_FILES = frozenset({"config.yaml", "metrics.jsonl", "metrics.jsonl.tmp", "eval.json", "eval.json.tmp",
                        "loss.png", "reward.png", LOCK_NAME})
 TENSORBOARD_DIR = "tensorboard"  # MetricsLog's SummaryWriter directory
+SAMPLES_DIR = "samples"  # engine/samples.py's sample logs and thumbnails
 _TB_EVENTS = re.compile(r"^events\.out\.tfevents\.")
 
 
@@ -188,7 +189,7 @@ def is_run_entry(p: Path) -> bool:
             return written_by_a_run(p)
         if name.startswith(SUPERSEDED_PREFIX):  # checkpoints a branch set aside, and nothing else
             return all(CKPT_RE.match(q.name) and written_by_a_run(q) for q in p.iterdir())
-        return name.startswith(TMP_PREFIX) or name == TENSORBOARD_DIR
+        return name.startswith(TMP_PREFIX) or name in (TENSORBOARD_DIR, SAMPLES_DIR)
     if name == "config.yaml":
         return _is_run_config(p)
     return name in RUN_FILES or bool(_TB_EVENTS.match(name))

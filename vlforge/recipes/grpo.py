@@ -119,7 +119,7 @@ def rollout_round(t: Trainable, data: ChatDataset, idx: list[int], cfg: GRPOConf
     # numbers of steps issue no collectives
     # (fp32 masters: the linears' weights read in bf16 during the rollout, PrecisionPolicy.inference_weights)
     images = [visuals_per_prompt(x) for x in encoded]  # a video's temporal patches count as its images
-    tool_stats = tool_fields = None
+    tool_stats = tool_fields = transcripts = None
     with t.policy.autocast(), t.policy.inference_weights(t.model), fully_gathered(t.root):
         if tools:  # multi-turn: the rewards score each response's last assistant turn
             multi = generate_with_tools(t.model, data.encoder, prompts, images, cfg.rollout, tools,
@@ -128,7 +128,7 @@ def rollout_round(t: Trainable, data: ChatDataset, idx: list[int], cfg: GRPOConf
             rollout, texts = multi.rollout, multi.completions
             tool_stats = {"calls": multi.calls, "failed_calls": multi.failed_calls, "turns": multi.turns,
                           "unshown": multi.unshown}
-            tool_fields = multi.reward_fields
+            tool_fields, transcripts = multi.reward_fields, multi.transcripts
         else:
             rollout = generate_groups(t.model, data.encoder, prompts, images, cfg.rollout,
                                       first_row=first_row, all_rows=all_rows, seed=seed)
@@ -143,7 +143,9 @@ def rollout_round(t: Trainable, data: ChatDataset, idx: list[int], cfg: GRPOConf
     reward_N = torch.tensor(scored.total, dtype=torch.float32)
     reward_N -= cfg.rl.overlong_penalty * (~rollout.finished).float().cpu()
     return rollout, {"reward": reward_N, "per_fn": scored.per_fn,
-                     "correct": [exact_match(c, a) for c, a in zip(texts, answers)], "tools": tool_stats}
+                     "correct": [exact_match(c, a) for c, a in zip(texts, answers)], "tools": tool_stats,
+                     # what the sample log shows (engine/samples.py): this rank's groups as they were
+                     "rollout": rollout, "texts": texts, "samples": samples, "transcripts": transcripts}
 
 
 def collect(t: Trainable, data, stream, state: dict, cfg: GRPOConfig, rewards, tools: dict[str, Tool] | None = None,
@@ -163,6 +165,8 @@ def collect(t: Trainable, data, stream, state: dict, cfg: GRPOConfig, rewards, t
     for _ in range(cfg.rl.max_sampling_tries if cfg.rl.dynamic_sampling else 1):
         idx, state["epoch"], state["position"] = next(stream)
         rollout, scored = rollout_round(t, data, idx, cfg, rewards, tools, run_calls)
+        if rollout is not None:
+            stats.setdefault("shown", scored)  # the step's first round on this rank: the sample log's groups
         scored, sizes = gather_round(world, rollout, scored)  # the global batch, in one-process order
         if scored is None:  # every prompt of the round was skipped (data.on_error=skip), on every rank
             continue
@@ -656,6 +660,7 @@ def run_grpo(cfg: GRPOConfig) -> dict:
             row = {**step_metrics(stats, batches, train_logs, t_rollout, t_train, world, G), "lr": lr,
                    **(t.routing.step_metrics(world) if t.routing else {}),  # MoE: the update's expert load
                    **judge_metrics(rewards, world)}
+            run.samples.grpo(run.step + 1, stats.get("shown"), batches, G)  # samples/grpo.jsonl, when due
             run.finish_step(row, always_log=bool(row.get("skipped")))  # bad steps always logged
             bar.update(1)
             bar.set_postfix(reward=f"{row['reward_mean']:.3f}", acc=f"{row['accuracy']:.2f}")
