@@ -154,7 +154,12 @@ def test_8bit_adamw_on_fsdp2_shards_resumes_exactly_on_any_world_size(tmp_path):
     for name, w in final.items():
         assert torch.equal(runs["two-resumed"]["weights"][-1][name], w), name  # the same shards: exact
         torch.testing.assert_close(runs["one-resumed"]["weights"][-1][name], w, rtol=0, atol=1e-6, msg=name)
-        torch.testing.assert_close(runs["one"]["weights"][-1][name], w, rtol=0, atol=1e-5, msg=name)
+        # one process sums the gradient in another order than two ranks' reduction: a moment element near an
+        # 8-bit code boundary may round to the neighbouring code and move its weight by a fraction of lr (seen
+        # on one of two x86 machines: 1 of 9,472 values 1.6e-4 off); every other value within float noise
+        one = runs["one"]["weights"][-1][name]
+        torch.testing.assert_close(one, w, rtol=0, atol=1e-3, msg=name)
+        assert ((one - w).abs() > 1e-5).float().mean() <= 1e-3, name
     # after 2 steps (the first step's update does not depend on how the moments are stored): the
     # 8-bit tensors as bitsandbytes unsharded, the fp32-moment one not
     plain, one = runs["plain"]["weights"][1], runs["one"]["weights"][1]
