@@ -9,10 +9,13 @@ import io
 import json
 import os
 
+import pickle
+
 import pytest
 import torch
 from PIL import Image
 
+os.environ["HF_DATASETS_OFFLINE"] = "1"  # set before `datasets` is imported: the writers below never reach the Hub
 pa = pytest.importorskip("pyarrow")
 pq = pytest.importorskip("pyarrow.parquet")
 datasets = pytest.importorskip("datasets")
@@ -27,8 +30,6 @@ from vlforge.data.sources import open_source, read_samples  # noqa: E402
 from vlforge.recipes.sft import micro_batches, run_sft  # noqa: E402
 
 from helpers import tiny_sft_config  # noqa: E402
-
-os.environ["HF_DATASETS_OFFLINE"] = "1"  # the writers below never reach the Hub either
 
 
 def png(colour, size=(48, 40)) -> bytes:
@@ -226,6 +227,10 @@ def test_resume_mid_epoch_on_streamed_parquet_gives_the_same_batches(tmp_path, t
     for (a, ea, pa_), (b, eb, pb) in zip(first[5:], (next(resumed) for _ in range(5))):
         assert (ea, pa_) == (eb, pb)
         assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["pixel_values"], b["pixel_values"])
+    # DataLoader workers get a pickled copy: no decoded row group or open file travels with it
+    copy = pickle.loads(pickle.dumps(resumed_data))
+    assert "_cache" not in vars(copy.samples.source) and len(pickle.dumps(resumed_data)) < 100_000
+    assert torch.equal(copy[7]["input_ids"], data[7]["input_ids"])
     # the two epochs differ (the shuffle acted), and each is a permutation of the rows
     e0, e1 = block_order(data.lengths.blocks, 2, 5, 0), block_order(data.lengths.blocks, 2, 5, 1)
     assert sorted(e0) == sorted(e1) == list(range(24)) and e0 != e1 and e0 != list(range(24))
@@ -260,6 +265,13 @@ def test_data_convert_writes_native_jsonl_and_image_files_that_read_the_same(fol
                                                                   columns={"prompt": "problem"})[0]
     with pytest.raises(DataError, match="exists"):
         convert(folder / "geo.parquet", out, cfg)  # never over a file
+    from vlforge.cli import main  # the command: the same, its overrides mapping the column
+
+    assert main(["data", "convert", str(folder / "geo.parquet"), str(folder / "cli.jsonl"),
+                 "data.columns.prompt=problem"]) == 0
+    assert (folder / "cli.jsonl").read_text() == out.read_text().replace("geo-images/", "cli-images/")
+    assert main(["data", "convert", str(folder / "geo.parquet"), str(folder / "bad.jsonl")]) == 2  # no mapping
+    assert not (folder / "bad.jsonl").exists()
 
 
 def test_sft_trains_from_parquet_as_from_the_equivalent_jsonl(shapes_dir, tmp_path):
@@ -306,7 +318,8 @@ def test_grpo_runs_from_parquet_with_answers_reaching_the_reward(folder, tmp_pat
     assert (tmp_path / "run" / "metrics.jsonl").read_text().strip()
 
 
-def test_open_source_reads_no_rows_and_read_samples_counts_them(folder):
+def test_open_source_reads_no_rows_and_read_samples_and_data_check_count_them(folder, tiny):
+    _, processor = tiny
     write_geometry(folder, n=3)
     source = open_source(folder / "geo.parquet")
     assert len(source) == 3 and source.materialised == 0
@@ -314,3 +327,6 @@ def test_open_source_reads_no_rows_and_read_samples_counts_them(folder):
     samples = read_samples(folder / "geo.parquet", DataConfig(columns={"prompt": "problem"}), report=report)
     assert (report.rows, report.kept, len(samples)) == (3, 3, 3)
     assert [s.answer for s in samples] == ["blue", "red", "blue"]
+    report = check_file(str(folder / "geo.parquet"), processor, DataConfig(columns={"prompt": "problem"}))
+    assert (report["rows"], report["valid_rows"], report["errors"], report["images"]) == (3, 3, 0, 3)
+    assert report["image_tokens_mean"] > 0 and report["tokens"]["max"] > 0
