@@ -515,7 +515,7 @@ class LogConfig:
     samples_eval: int = 32
     samples_max_mb: float = 100.0
     # trackers (engine/trackers.py), rank 0 only: wandb (WANDB_MODE=offline: no network) and MLflow
-    # (mlflow_uri, default a file store in output_dir/mlruns); project: wandb's project, MLflow's
+    # (mlflow_uri, default a SQLite store, output_dir/mlflow.db); project: wandb's project, MLflow's
     # experiment; run_name: default the output directory's name
     wandb: bool = False
     mlflow: bool = False

@@ -1,21 +1,25 @@
 """wandb and MLflow: the run's scalars and sample tables, beside metrics.jsonl and samples/.
 
 log.wandb: a wandb run (project log.project, name log.run_name), scalars by step, each sample log's
-rows as a wandb.Table with its images as wandb.Image. wandb reads WANDB_MODE itself: `offline` writes
-output_dir/wandb/ with no network (air-gapped machines; `wandb sync` uploads it later).
-log.mlflow: an MLflow run in experiment log.project at log.mlflow_uri (default: a local file store,
-output_dir/mlruns), scalars as metrics, each sample log's rows as a JSON artifact
-(samples/KIND/step_N.json) and its thumbnails as artifacts (samples/img/).
+rows as a wandb.Table, their images as wandb.Image (samples/KIND_images, captioned with the names
+the rows give). wandb reads WANDB_MODE itself: `offline` writes output_dir/wandb/ with no network
+(air-gapped machines; `wandb sync` uploads it later).
+log.mlflow: an MLflow run in experiment log.project at log.mlflow_uri (default: a local SQLite
+store, output_dir/mlflow.db, artifacts in output_dir/mlartifacts/), scalars as metrics, each sample
+log's rows as a JSON artifact (samples/KIND/step_N.json), its thumbnails as artifacts (samples/img/).
 Rank 0 only: Run.start builds them where it builds the metrics log.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from pathlib import Path
 
 from vlforge.config import ConfigError, LogConfig
+
+MLFLOW_DB, MLFLOW_ARTIFACTS = "mlflow.db", "mlartifacts"  # log.mlflow's default store, in output_dir
 
 
 class Trackers:
@@ -35,10 +39,15 @@ class Trackers:
                 from mlflow import MlflowClient
             except ImportError:
                 raise ConfigError("log.mlflow=true needs MLflow: pip install 'vlforge[mlflow]'") from None
-            uri = cfg.mlflow_uri or (Path(out).resolve() / "mlruns").as_uri()
-            self.mlflow = MlflowClient(tracking_uri=uri)  # a client of its own: no global MLflow state
+            for logger in ("mlflow.store.db.utils", "alembic"):  # a new store's set-up notes: not ours to print
+                logging.getLogger(logger).setLevel(logging.WARNING)
+            # default: a SQLite store in the run directory (MLflow 3 refuses its older file store unless
+            # told otherwise), artifacts beside it; a client of its own: no global MLflow state set
+            local = Path(out).resolve()
+            self.mlflow = MlflowClient(tracking_uri=cfg.mlflow_uri or f"sqlite:///{local / MLFLOW_DB}")
             found = self.mlflow.get_experiment_by_name(cfg.project)
-            experiment = found.experiment_id if found else self.mlflow.create_experiment(cfg.project)
+            experiment = found.experiment_id if found else self.mlflow.create_experiment(
+                cfg.project, artifact_location=None if cfg.mlflow_uri else (local / MLFLOW_ARTIFACTS).as_uri())
             self.mlflow_run = self.mlflow.create_run(experiment, run_name=name).info.run_id
             self.mlflow.log_dict(self.mlflow_run, config, "config.json")
 
@@ -63,12 +72,14 @@ class Trackers:
         if self.wandb is not None:
             import wandb
 
-            columns = sorted({k for r in rows for k in r if k != "images"}) + ["images"]
-            table = wandb.Table(columns=columns)
-            for r in rows:
-                images = [wandb.Image(str(folder / p)) for p in r.get("images", [])]
-                table.add_data(*[_cell(r.get(c)) for c in columns[:-1]], images[0] if images else None)
-            self.wandb.log({f"samples/{kind}": table}, step=step)
+            # the images beside the table, captioned with the names its rows give: wandb (0.31) writes
+            # no image that sits in a table cell of an offline run
+            columns = sorted({k for r in rows for k in r})
+            logged = {f"samples/{kind}": wandb.Table(columns=columns,
+                                                     data=[[_cell(r.get(c)) for c in columns] for r in rows])}
+            if images := sorted({p for r in rows for p in _images(r)}):
+                logged[f"samples/{kind}_images"] = [wandb.Image(str(folder / p), caption=p) for p in images]
+            self.wandb.log(logged, step=step)
         if self.mlflow is not None:
             self.mlflow.log_dict(self.mlflow_run, rows, f"samples/{kind}/step_{step:06d}.json")
             for image in sorted({p for r in rows for p in _images(r)}):
