@@ -42,7 +42,8 @@ from vlforge.engine.optim import build_optimizer
 from vlforge.engine.trainable import setup_model
 from vlforge.generate.forward import vision_token_ids
 from vlforge.model.tiers import param_groups
-from vlforge.recipes.grpo import Batch, disable_dropout, update
+from vlforge.recipes.grpo import disable_dropout, update
+from vlforge.rollout.minibatch import Batch
 from vlforge.rollout.engine import Rollout, sequence_logprobs
 
 from sft_throughput import synthetic_samples

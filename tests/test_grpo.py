@@ -245,7 +245,8 @@ def test_a_mini_batch_spanning_rollout_rounds_equals_one_batch(shapes_dir, tmp_p
     from vlforge.engine.health import GradHealth
     from vlforge.engine.optim import build_optimizer
     from vlforge.model.tiers import param_groups
-    from vlforge.recipes.grpo import Batch, disable_dropout, rollout_round, update
+    from vlforge.recipes.grpo import disable_dropout, rollout_round, update
+    from vlforge.rollout.minibatch import Batch
     from vlforge.engine.trainable import setup_model
     from vlforge.rl import RewardSpec, build_rewards, grpo_advantages
 
@@ -279,7 +280,8 @@ def test_batch_std_is_pooled_over_rollout_rounds():
 
     from types import SimpleNamespace
 
-    from vlforge.recipes.grpo import Batch, pool_batch_statistics
+    from vlforge.recipes.grpo import pool_batch_statistics
+    from vlforge.rollout.minibatch import Batch
     from vlforge.rl import grpo_advantages
 
     r1 = [0.0, 1.0, 0.0, 3.0, 9.0, 9.0, 1.0, 2.0]  # round 1: 4 groups of 2, all kept
@@ -340,7 +342,8 @@ def test_batch_statistics_are_over_the_kept_groups_token_weighted():
     trains after filtering."""
     from types import SimpleNamespace
 
-    from vlforge.recipes.grpo import Batch, pool_batch_statistics
+    from vlforge.recipes.grpo import pool_batch_statistics
+    from vlforge.rollout.minibatch import Batch
     from vlforge.rl import outcome_advantages
 
     r1, r2 = torch.tensor([0.0, 1.0, 1.0, 1.0]), torch.tensor([2.0, 0.0])

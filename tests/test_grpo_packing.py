@@ -21,7 +21,8 @@ from vlforge.data.encode import collate, encode_prompt
 from vlforge.engine.moe import Routing, capture
 from vlforge.model.load import load_model
 from vlforge.model.tiers import apply_plan, build_plan, unwrap
-from vlforge.recipes.grpo import run_grpo, token_rows
+from vlforge.recipes.grpo import run_grpo
+from vlforge.rollout.minibatch import token_rows
 from vlforge.rl import kl_penalty, policy_loss
 from vlforge.rollout import engine as rollout_engine
 from vlforge.rollout.engine import PackedLayout, generate_groups, packing_enabled, sequence_logprobs

@@ -186,7 +186,7 @@ def test_the_full_fine_tuning_reference_copy_replays_the_rollouts_experts(tiny_m
     from contextlib import nullcontext
     from types import SimpleNamespace
 
-    from vlforge.recipes.grpo import Batch, reference_logprobs
+    from vlforge.rollout.minibatch import Batch, reference_logprobs
 
     model = copy.deepcopy(tiny_moe[0]).eval()
     rollout = _rollout(model, prompts)

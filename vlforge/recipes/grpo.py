@@ -17,7 +17,6 @@ import copy
 import dataclasses
 import sys
 import time
-from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
@@ -28,10 +27,10 @@ from vlforge.data.encode import collate, encode_engine_prompt, visuals_per_promp
 from vlforge.data.jsonl import DataError
 from vlforge.data.sources import check_readable
 from vlforge.engine.distributed import (World, frozen_sharded_copy, fully_gathered, no_sync, planned_strategy,
-                                       reshard_all, torchrun_env)
+                                       torchrun_env)
 from vlforge.engine.evaluate import to_device
 from vlforge.engine.health import GradHealth
-from vlforge.engine.losses import Root, drop_keepalive_grads
+from vlforge.engine.losses import drop_keepalive_grads
 from vlforge.engine.packed_attention import keep_mask_attention
 from vlforge.engine.metrics import plot_metric, read_metrics
 from vlforge.engine.moe import aux_term, capture, follow
@@ -40,27 +39,14 @@ from vlforge.engine.run import Run, begin_run
 from vlforge.engine.stop import StopSignals
 from vlforge.engine.trainable import Trainable, cuda_graphs_problem, setup_model
 from vlforge.generate.engine import engine_for
-from vlforge.model.host_inputs import host_to_device
 from vlforge.model.load import build_meta_model, dir_config
 from vlforge.model.presets import MOE_PRESETS, is_moe
 from vlforge.rl import RewardSpec, agg_loss, build_rewards, exact_match, kl_penalty, outcome_advantages, policy_loss
 from vlforge.rl.tools import Tool, run_tool_calls
-from vlforge.rollout.engine import (PackedLayout, Rollout, generate_groups, packing_enabled, rollout_seed,
-                                    route_rows, sequence_logprobs, token_mask)
+from vlforge.rollout.engine import Rollout, generate_groups, packing_enabled, rollout_seed, route_rows, sequence_logprobs
+from vlforge.rollout.minibatch import Batch, logprobs_before_update, part_weights, rank_mini_batches, token_rows
 from vlforge.rollout.multiturn import answer_with_tools, generate_with_tools, rollout_tools, tool_images, tool_runner
 from vlforge.serve.judge import ModelJudge
-
-
-@dataclass
-class Batch:
-    """One rollout round's kept groups, ready for optimisation."""
-
-    rollout: Rollout
-    seqs: list[int]  # sequence indices (of kept groups) in the rollout
-    advantages: torch.Tensor  # [N] per sequence of the rollout
-    ref_logp: torch.Tensor | None  # [len(seqs), R]
-    kept_rows: list[int] | None = None  # seqs' positions among the step's kept sequences of every rank
-    old_logp: torch.Tensor | None = None  # [len(seqs), R]: rl.old_logprobs=trainer's, else the rollout's
 
 
 def disable_dropout(model) -> None:
@@ -251,112 +237,6 @@ def pool_batch_statistics(batches: list[Batch], kept_rewards: list[torch.Tensor]
         b.advantages[b.seqs] = adv[rows].to(b.advantages.device)
 
 
-def reference_logprobs(t: Trainable, ref_model, batch: Batch, temperature: float, packing: bool = False,
-                       replay: bool = False) -> torch.Tensor:
-    """`replay` (rollout.router_replay: true, MoE): the reference runs the rollout's experts too, as
-    the policy does, so the KL compares the weights and not two routings (0 before the first update).
-    The full fine-tuning copy (one process, DDP) is a deepcopy of the policy: its routers carry the
-    same hooks; FSDP2's sharded copy gets them from the policy's Routing (Routing.attach)."""
-    routes = route_rows(batch.rollout, batch.seqs, packing) if replay else None
-    with torch.no_grad(), t.policy.autocast(), follow(t.routing, routes, replay=True):
-        if ref_model is None:  # LoRA: the base model is the reference, no second copy
-            reshard_all(t.root)  # peft toggles requires_grad: on the sharded parameters, not gathered copies
-            with t.model.disable_adapter():
-                logp = t.forward(sequence_logprobs, batch.rollout, temperature, seq_index=batch.seqs,
-                                 keep_vision=t.world.sharded, packing=packing)[0]
-                reshard_all(t.root)
-            return logp
-        if isinstance(ref_model, Root):  # FSDP2's sharded copy (its root): every rank runs the vision units
-            return ref_model(sequence_logprobs, batch.rollout, temperature, seq_index=batch.seqs, packing=packing,
-                             keep_vision=True)[0]
-        return sequence_logprobs(ref_model, batch.rollout, temperature, seq_index=batch.seqs, packing=packing)[0]
-
-
-def trainer_logprobs(t: Trainable, batch: Batch, temperature: float, packing: bool = False,
-                     replay: bool = False) -> torch.Tensor:
-    """The trainer's own log-probs of `batch`'s responses before the step's first update
-    (rl.old_logprobs=trainer, verl's recomputed old log-probs): the importance ratio's denominator in
-    place of the rollout engine's, whose numerics differ (bf16 weight copies, another attention
-    kernel, CUDA graphs) by as much as GSPO's clip band. No gradient; MoE routes as in the update.
-    [len(seqs), R]"""
-    routes = route_rows(batch.rollout, batch.seqs, packing)
-    with torch.no_grad(), t.policy.autocast(), follow(t.routing, routes, replay):
-        return t.forward(sequence_logprobs, batch.rollout, temperature, seq_index=batch.seqs,
-                         keep_vision=t.world.sharded, packing=packing)[0]
-
-
-def token_rows(rollout: Rollout, seqs: list[int], packing: bool = False) -> torch.Tensor:
-    """[n, P + R] mask of the token rows sequence_logprobs runs for `seqs` (prompt + response):
-    the rows an MoE router sees, padding left out of the load-balancing loss and the load metrics.
-    Packed: [1, T], the row's tokens (all real)."""
-    rows = token_mask(rollout, seqs)  # on the host copies (no sync), as sequence_logprobs lays out its rows
-    return host_to_device(PackedLayout.of(rows).pack(rows) if packing else rows, rollout.prompt_ids.device)
-
-
-def mini_batches(batches: list[Batch], size: int) -> list[list[tuple[Batch, list[int]]]]:
-    """Consecutive mini-batches of `size` sequences over all kept groups, across rollout rounds.
-
-    Each mini-batch is a list of parts (batch, positions in batch.seqs): a part's sequences share
-    one rollout (its prompts and images), so its log-probs are computed together.
-    """
-    flat = [(b, i) for b in batches for i in range(len(b.seqs))]
-    out = []
-    for s in range(0, len(flat), size):
-        parts: list[tuple[Batch, list[int]]] = []
-        for b, i in flat[s:s + size]:
-            if parts and parts[-1][0] is b:
-                parts[-1][1].append(i)
-            else:
-                parts.append((b, [i]))
-        out.append(parts)
-    return out
-
-
-def part_weights(masks: list[torch.Tensor], agg: str, world: World = World()) -> list[float]:
-    """Weights that make the sum of per-part aggregated losses equal the loss of the concatenated
-    mini-batch: parts' shares of its tokens (token-mean) or non-empty sequences (seq-mean-*), the
-    mini-batch being every rank's parts; Dr. GRPO's sum over a constant simply adds up."""
-    if agg == "seq-mean-token-sum-norm":
-        return [1.0] * len(masks)
-    units = [float(m.sum()) if agg == "token-mean" else float((m.sum(-1) > 0).sum()) for m in masks]
-    total = world.sum(sum(units))
-    return [u / total if total > 0 else 0.0 for u in units]
-
-
-def check_spare(world: World, short: bool) -> None:
-    """Every rank stops together when one (`short`: it needs a pad and has no sequence to pad with)
-    cannot take part: raising on that rank alone would leave the others waiting in a collective."""
-    if world.sum(float(short)) > 0:
-        raise DataError("a rank has no sequence of its own this step (every one of its prompts failed to decode, "
-                        "data.on_error=skip) to take part in the other ranks' updates"
-                        + (" (this rank)" if short else "") + ": run `vlforge data check` and fix or drop those rows")
-
-
-def rank_mini_batches(batches: list[Batch], mini_batch_size: int, world: World, spare: Batch | None) -> list[list]:
-    """This rank's parts of each of the step's mini-batches. One process: mini_batches. Several:
-    as many mini-batches as one process makes of every rank's kept sequences, each rank's own
-    split evenly over them (ranks hold unequal shares when their prompts' groups were kept
-    unequally: dynamic sampling, data.on_error=skip), then padded so that every rank takes part in
-    every optimizer step: each mini-batch with at least one part (DDP: one gradient all-reduce per
-    step) or, sharded, as many parts as the rank with most (FSDP2: every forward and backward is a
-    collective). A pad is (spare, None): one sequence's forward whose loss is multiplied by 0, so
-    its gradients are exact zeros."""
-    if world.size == 1:
-        return mini_batches(batches, mini_batch_size)
-    mine = sum(len(b.seqs) for b in batches)
-    count = -(-int(world.sum(mine)) // mini_batch_size)  # one process's number of mini-batches
-    plan = mini_batches(batches, max(1, -(-mine // count)))
-    shapes = world.gather_objects([len(parts) for parts in plan])
-    out, short = [], False
-    for m in range(count):
-        parts = list(plan[m]) if m < len(plan) else []
-        need = max(shape[m] if m < len(shape) else 0 for shape in shapes) if world.sharded else 1
-        short = short or (len(parts) < need and spare is None)
-        out.append(parts + [(spare, None)] * (need - len(parts)))
-    check_spare(world, short)
-    return out
-
-
 def update(t: Trainable, ref_model, batches: list[Batch], optimizer, scaler, health: GradHealth,
            cfg: GRPOConfig, spare: Batch | None = None) -> dict:
     """rl.epochs passes of mini-batch policy-gradient steps over the collected groups.
@@ -364,27 +244,14 @@ def update(t: Trainable, ref_model, batches: list[Batch], optimizer, scaler, hea
     A mini-batch may span rollout rounds (dynamic sampling): each part's loss is aggregated on its
     own and weighted by its share of the mini-batch's tokens (or sequences), which equals the loss
     of the concatenated mini-batch; one optimizer step per mini-batch. Several ranks: each takes
-    its share of every mini-batch; `spare` pads the ranks with fewer (rank_mini_batches).
+    its share of every mini-batch; `spare` pads the ranks with fewer (rollout/minibatch.py).
     """
-    rl, temperature, world = cfg.rl, cfg.rollout.temperature, t.world
+    rl, world = cfg.rl, t.world
     packing = packing_enabled(t.model, rl.packing)  # the log-prob forwards on real tokens only (one row)
     replay = cfg.rollout.router_replay is True  # MoE: the rollout's experts in every forward (engine/moe.py)
     recompute = rl.old_logprobs == "trainer"
-    gap = [0.0, 0.0]  # recompute: sum over response tokens of (rollout - trainer) log-prob, and their count
-    if rl.kl_beta > 0 or recompute:
-        # sharded, each of these forwards is a collective: as many on every rank, in one order (counted first)
-        pads = max(world.gather_objects(len(batches))) - len(batches) if world.sharded else 0
-        if world.sharded:  # before any forward: a collective between forwards would cross the others' all-gathers
-            check_spare(world, bool(pads) and spare is None)
-        for b in [*batches, *[spare] * pads]:
-            old = trainer_logprobs(t, b, temperature, packing, replay) if recompute else None
-            ref = reference_logprobs(t, ref_model, b, temperature, packing, replay) if rl.kl_beta > 0 else None
-            if b is not spare:  # [len(seqs), R] each
-                b.old_logp, b.ref_logp = old, ref
-                if recompute:
-                    mask = b.rollout.loss_mask[b.seqs].to(old.dtype)
-                    gap[0] += float(((b.rollout.logprobs[b.seqs] - old) * mask).sum())
-                    gap[1] += float(mask.sum())
+    gap = logprobs_before_update(t, ref_model, batches, spare, cfg.rollout.temperature, rl.kl_beta > 0, recompute,
+                                 packing, replay)
     # ratio_mean is exactly 1 until the step's first update (a check that rollout and trainer agree);
     # clip_frac_lower is the share of tokens where the dual clip binds
     logged = ["loss", "clip_frac", "ratio_mean", "approx_kl", "entropy"] + (["kl"] if rl.kl_beta > 0 else []) \
@@ -393,57 +260,7 @@ def update(t: Trainable, ref_model, batches: list[Batch], optimizer, scaler, hea
     plan = rank_mini_batches(batches, rl.mini_batch_size, world, spare)  # this rank's share of each
     for _ in range(rl.epochs):
         for parts in plan:
-            real = [(b, part) for b, part in parts if part is not None]
-            masks = [b.rollout.loss_mask[[b.seqs[i] for i in part]].float() for b, part in real]
-            weights, tokens = part_weights(masks, rl.aggregation, world), [float(m.sum()) for m in masks]
-            all_tokens = world.sum(sum(tokens))  # the mini-batch's response tokens on every rank
-            # MoE: the router loss is the mini-batch's mean over its sequences, whatever rl.agg does
-            all_seqs = world.sum(sum(len(part) for _, part in real)) if t.routing is not None else 1.0
-            step = dict.fromkeys(logged, 0.0)
-            for j, (b, part) in enumerate(parts):
-                seqs = b.seqs if part is None else [b.seqs[i] for i in part]
-                # MoE with recorded routes: the flips counted and (replay) the rollout's experts taken, in the
-                # forward and in checkpointing's recomputation during backward
-                routes = route_rows(b.rollout, seqs, packing)
-                with no_sync(t.root, last=j == len(parts) - 1), follow(t.routing, routes, replay):
-                    if part is None:  # padding: the collectives of a forward and backward, no gradient
-                        with t.policy.autocast():
-                            logp = t.forward(sequence_logprobs, b.rollout, temperature, seq_index=b.seqs,
-                                             keep_vision=world.wrapped, packing=packing)[0]
-                        scaler.scale(0.0 * logp.sum()).backward()
-                        continue
-                    mask, w, n_tok = masks[j], weights[j], tokens[j]  # real parts come first
-                    with t.policy.autocast(), capture(t.routing, token_rows(b.rollout, seqs, packing)) as routed:  # MoE
-                        logp, entropy = t.forward(sequence_logprobs, b.rollout, temperature, seq_index=seqs,
-                                                  with_entropy=True, keep_vision=world.wrapped,
-                                                  chunk_size=cfg.loss.chunk_size, packing=packing)
-                    # norm_length: Dr. GRPO's constant divisor is the length cap, not this batch's longest
-                    old = b.old_logp[part] if b.old_logp is not None else b.rollout.logprobs[seqs]
-                    loss, stats = policy_loss(logp, old, b.advantages[seqs], mask,
-                                              *rl.clip_range, dual_clip=rl.dual_clip, agg=rl.aggregation,
-                                              norm_length=cfg.rollout.max_new_tokens, kind=rl.policy_loss)
-                    share = n_tok / max(all_tokens, 1.0)  # token-weighted statistics
-                    if rl.kl_beta > 0:
-                        kl = kl_penalty(logp, b.ref_logp[part], rl.kl_kind)
-                        # both terms are fp32 (log-probs are); the sum is scaled once, for fp16 only
-                        loss = loss + rl.kl_beta * agg_loss(kl, mask, rl.aggregation, cfg.rollout.max_new_tokens)
-                        step["kl"] += share * float((kl.detach() * mask).sum() / mask.sum().clamp(min=1))
-                    # gradients of the parts add up to the mini-batch's; x world size: FSDP2 and DDP average
-                    # over ranks; MoE: + train.router_aux_loss_coef x the router load-balancing loss (0 by default)
-                    aux = aux_term(t.routing, routed, 1) * (len(part) / all_seqs if all_seqs else 0.0)
-                    scaler.scale((loss * w + aux) * world.size).backward()
-                    if j < len(parts) - 1:
-                        hold_gradients(optimizer)  # master_weights=optimizer: bf16 gradients summed in fp32
-                step["loss"] += w * float(loss.detach())
-                for k in ("clip_frac", "ratio_mean", "approx_kl", "clip_frac_lower"):
-                    if k in step:
-                        step[k] += share * float(stats[k])
-                step["entropy"] += share * float((entropy * mask).sum() / mask.sum().clamp(min=1))
-            with_images = sum(b.rollout.images_of_seq(b.seqs[i]) > 0 for b, part in real for i in part)
-            *totals, with_images = world.sums(*step.values(), with_images)  # every rank's parts: the mini-batch's
-            step = dict(zip(step, totals))
-            if world.wrapped and not with_images:
-                drop_keepalive_grads(t.model)
+            step = mini_batch_backward(t, parts, optimizer, scaler, cfg, logged, packing, replay)
             for k, v in health.step(optimizer, scaler, cfg.optim.max_grad_norm, step["loss"]).items():
                 logs.setdefault(k, []).append(v)
             for k, v in step.items():
@@ -456,6 +273,76 @@ def update(t: Trainable, ref_model, batches: list[Batch], optimizer, scaler, hea
     if bad := sorted({g for groups in logs.get("nonfinite_groups", []) for g in groups}):
         row["nonfinite_groups"] = bad
     return row
+
+
+def mini_batch_backward(t: Trainable, parts: list, optimizer, scaler, cfg: GRPOConfig, logged: list[str],
+                        packing: bool, replay: bool) -> dict:
+    """This rank's parts of one mini-batch, forward and backward: the parts' gradients add up to the
+    mini-batch's (a pad part, (spare, None), runs the collectives of a forward and backward with a
+    zero loss). Returns the mini-batch's metrics, summed over every rank's parts."""
+    rl, world = cfg.rl, t.world
+    real = [(b, part) for b, part in parts if part is not None]
+    masks = [b.rollout.loss_mask[[b.seqs[i] for i in part]].float() for b, part in real]
+    weights, tokens = part_weights(masks, rl.aggregation, world), [float(m.sum()) for m in masks]
+    all_tokens = world.sum(sum(tokens))  # the mini-batch's response tokens on every rank
+    # MoE: the router loss is the mini-batch's mean over its sequences, whatever rl.agg does
+    all_seqs = world.sum(sum(len(part) for _, part in real)) if t.routing is not None else 1.0
+    step = dict.fromkeys(logged, 0.0)
+    for j, (b, part) in enumerate(parts):
+        seqs = b.seqs if part is None else [b.seqs[i] for i in part]
+        # MoE with recorded routes: the flips counted and (replay) the rollout's experts taken, in the
+        # forward and in checkpointing's recomputation during backward
+        routes = route_rows(b.rollout, seqs, packing)
+        with no_sync(t.root, last=j == len(parts) - 1), follow(t.routing, routes, replay):
+            if part is None:  # padding: the collectives of a forward and backward, no gradient
+                with t.policy.autocast():
+                    logp = t.forward(sequence_logprobs, b.rollout, cfg.rollout.temperature, seq_index=b.seqs,
+                                     keep_vision=world.wrapped, packing=packing)[0]
+                scaler.scale(0.0 * logp.sum()).backward()
+                continue
+            mask, w, share = masks[j], weights[j], tokens[j] / max(all_tokens, 1.0)  # real parts come first
+            loss, stats, kl_mean, entropy, routed = part_loss(t, b, part, seqs, mask, cfg, packing)
+            # gradients of the parts add up to the mini-batch's; x world size: FSDP2 and DDP average
+            # over ranks; MoE: + train.router_aux_loss_coef x the router load-balancing loss (0 by default)
+            aux = aux_term(t.routing, routed, 1) * (len(part) / all_seqs if all_seqs else 0.0)
+            scaler.scale((loss * w + aux) * world.size).backward()
+            if j < len(parts) - 1:
+                hold_gradients(optimizer)  # master_weights=optimizer: bf16 gradients summed in fp32
+        step["loss"] += w * float(loss.detach())
+        for k in ("clip_frac", "ratio_mean", "approx_kl", "clip_frac_lower"):
+            if k in step:
+                step[k] += share * float(stats[k])
+        if "kl" in step:
+            step["kl"] += share * kl_mean  # token-weighted statistics
+        step["entropy"] += share * float((entropy * mask).sum() / mask.sum().clamp(min=1))
+    with_images = sum(b.rollout.images_of_seq(b.seqs[i]) > 0 for b, part in real for i in part)
+    *totals, with_images = world.sums(*step.values(), with_images)  # every rank's parts: the mini-batch's
+    if world.wrapped and not with_images:
+        drop_keepalive_grads(t.model)
+    return dict(zip(step, totals))
+
+
+def part_loss(t: Trainable, b: Batch, part: list[int], seqs: list[int], mask: torch.Tensor, cfg: GRPOConfig,
+              packing: bool):
+    """One part's policy loss (+ beta x KL to the reference) over its response tokens, aggregated on its
+    own; with the loss's statistics, the KL's token mean (0 without a KL), the token entropies and the
+    MoE routes its forward took (engine/moe.capture)."""
+    rl = cfg.rl
+    with t.policy.autocast(), capture(t.routing, token_rows(b.rollout, seqs, packing)) as routed:  # MoE
+        logp, entropy = t.forward(sequence_logprobs, b.rollout, cfg.rollout.temperature, seq_index=seqs,
+                                  with_entropy=True, keep_vision=t.world.wrapped, chunk_size=cfg.loss.chunk_size,
+                                  packing=packing)
+    # norm_length: Dr. GRPO's constant divisor is the length cap, not this batch's longest
+    old = b.old_logp[part] if b.old_logp is not None else b.rollout.logprobs[seqs]
+    loss, stats = policy_loss(logp, old, b.advantages[seqs], mask, *rl.clip_range, dual_clip=rl.dual_clip,
+                              agg=rl.aggregation, norm_length=cfg.rollout.max_new_tokens, kind=rl.policy_loss)
+    kl_mean = 0.0
+    if rl.kl_beta > 0:
+        kl = kl_penalty(logp, b.ref_logp[part], rl.kl_kind)
+        # both terms are fp32 (log-probs are); the sum is scaled once, for fp16 only
+        loss = loss + rl.kl_beta * agg_loss(kl, mask, rl.aggregation, cfg.rollout.max_new_tokens)
+        kl_mean = float((kl.detach() * mask).sum() / mask.sum().clamp(min=1))
+    return loss, stats, kl_mean, entropy, routed
 
 
 def tool_answers(t: Trainable, cfg: GRPOConfig, tools: dict[str, Tool], run_calls):
