@@ -668,8 +668,8 @@ class RolloutConfig:
     tools: list[str] = field(default_factory=list)
     tool_turns: int = 4  # assistant turns whose tool calls run, at most; a later turn's calls end the response
     tool_result_tokens: int = 256  # each tool result's text cut to this many tokens
-    # ... and first to this many characters, where the call returns (a note in the text and a warning say
-    # so): a tool that returns megabytes costs neither the trainer's memory nor the tokenizer's time
+    # each tool result's text cut to this many characters first, where the call returns (a note the model
+    # reads first, and a warning): a tool that returns megabytes costs neither memory nor tokenizer time
     tool_result_chars: int = 65536
     # a tool's returned images are resized to at most this many pixels (256 tokens at Qwen3-VL's 32x32
     # pixels a token; data.min_pixels..max_pixels apply to the prompt's images): their tokens count
@@ -1020,7 +1020,8 @@ def resolve_paths(cfg: Any) -> Any:
         file, sep, fn = reward.name.rpartition(":")
         if sep and file.endswith(".py"):  # path/to/file.py:function (load_reward expands ~); builtins are names
             reward.name = f"{absolute(os.path.expanduser(file))}:{fn}"
-        if reward.name == "judge" and reward.kwargs.get("model") not in (None, "tiny"):  # a judge model directory
+        if (reward.name == "judge" and reward.kwargs.get("model") not in (None, "tiny")
+                and not reward.kwargs.get("endpoint")):  # a local judge's model directory (an endpoint's: a name)
             reward.kwargs = {**reward.kwargs, "model": absolute(os.path.expanduser(str(reward.kwargs["model"])))}
     return cfg
 

@@ -123,8 +123,8 @@ def evaluate_jsonl(engine: InferenceEngine, path: str | Path, *, batch_size: int
     cfg = RolloutConfig(temperature=0.0, max_new_tokens=max_new_tokens, compile=False,
                         tools=[t.spec for t in (tools or {}).values()],
                         **{k: getattr(tool_settings, k) for k in ("tool_turns", "tool_result_tokens",
-                                                                   "tool_image_max_pixels", "tool_timeout_s",
-                                                                   "tool_processes")})
+                                                                   "tool_result_chars", "tool_image_max_pixels",
+                                                                   "tool_timeout_s", "tool_processes")})
     with tool_runner(tools or {}, cfg) as run_calls:
         for s in range(0, len(samples), batch_size):
             chunk = samples[s:s + batch_size]

@@ -4,8 +4,9 @@ It reads frames from stdin and writes frames to the stdout it was started with; 
 8-byte length and a pickle. The first frame holds the tools as (name, spec) pairs, loaded here from
 their specs (a builtin name or ``path.py:function``, as rollout.tools names them); each next frame
 is answered with None once they are loaded (or with the error that stopped it); each next frame
-holds one ToolCall and the prompt's images it may take, answered with its ToolResult
-(rl/tools._run_one: an error the model can read when the call fails). A None frame or the end of
+holds one ToolCall, the prompt's images it may take and the most characters of its result's text
+(rollout.tool_result_chars), answered with its ToolResult (rl/tools._run_one: an error the model
+can read when the call fails, the text cut here, before the pipe). A None frame or the end of
 stdin ends it. A tool's own prints go to stderr: stdout carries only frames. Imports no torch (rl/__init__.py loads its names lazily): a worker
 starts in well under a second.
 """
@@ -36,8 +37,8 @@ def main() -> None:
             return
         write_frame(frames, None)  # ready: a call's timeout starts after this, not with the interpreter
         while (frame := read_frame(inbox)) is not None:
-            call, images = frame
-            write_frame(frames, _run_one(call, tools, images))
+            call, images, max_chars = frame
+            write_frame(frames, _run_one(call, tools, images, max_chars))
     except EOFError:
         pass  # the trainer closed our stdin (or died): nothing left to answer
 

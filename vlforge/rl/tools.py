@@ -10,7 +10,7 @@ A tool is a Python function with type hints and a Google-style docstring; transf
             expression: The expression, e.g. "(2 + 3) * 4".
         \"\"\"
 
-`rollout.tools` names builtins (``BUILTIN_TOOLS``: ``calculator``, ``zoom_in``) or
+`rollout.tools` names builtins (rl/builtin_tools.py: ``calculator``, ``zoom_in``) or
 ``path/to/file.py:function``. A tool may return images (a PIL image, or a list of text and images):
 the model sees them in its tool message, before the text. A tool with a parameter named ``images``
 gets the prompt's images there (PIL, RGB, full size, in order; the parameter is not in its schema,
@@ -18,19 +18,17 @@ so the model never writes it): how a tool crops or measures what the model is lo
 The model calls tools as Qwen3-VL's chat template teaches it: one or more
 ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` blocks in an assistant turn. Each
 call's result (the function's return value as text, or an error the model can read: unknown tool,
-bad arguments, an exception, a timeout) goes back to it as a tool message. Pure functions, and a
-call runs on a thread (run_tool_calls) or in a worker process (ToolProcesses, rl/tool_worker.py);
-the rollout loop that uses them is rollout/multiturn.py.
+bad arguments, an exception, a timeout) goes back to it as a tool message, its text cut at
+``rollout.tool_result_chars`` with a note saying so. Pure functions, and a call runs on a thread
+(run_tool_calls) or in a worker process (ToolProcesses, rl/tool_worker.py); the rollout loop that
+uses them is rollout/multiturn.py.
 """
 
 from __future__ import annotations
 
-import ast
 import functools
 import inspect
 import json
-import math
-import operator
 import pickle
 import re
 import selectors
@@ -39,11 +37,14 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, replace
 from typing import Any, BinaryIO, Callable, Sequence
 
 from PIL import Image
 
+from vlforge.config import RolloutConfig
+from vlforge.rl.builtin_tools import BUILTIN_TOOLS
 from vlforge.rl.rewards import load_callable
 
 # Qwen's tool-call format (its chat template's "For each function call ..." instruction). Parsed by
@@ -78,6 +79,7 @@ class ToolResult:
     text: str
     ok: bool
     images: tuple[Image.Image, ...] = ()  # RGB images the tool returned: shown to the model before the text
+    cut: int = 0  # characters of the text cut off past rollout.tool_result_chars (a note in the text says so)
 
 
 def takes_images(fn: Callable[..., Any]) -> bool:
@@ -99,97 +101,6 @@ def _schema_view(fn: Callable[..., Any]) -> Callable[..., Any]:
                                                        if name != IMAGES_ARGUMENT])
     view.__annotations__ = {k: v for k, v in fn.__annotations__.items() if k != IMAGES_ARGUMENT}
     return view
-
-
-_MAX_BITS = 4096  # the calculator's largest integer result
-
-
-def _calculator_value(node: ast.AST) -> float:
-    ops = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
-           ast.FloorDiv: operator.floordiv, ast.Mod: operator.mod, ast.Pow: operator.pow}
-    if isinstance(node, ast.Expression):
-        return _calculator_value(node.body)
-    if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
-        return node.value
-    if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.UAdd, ast.USub)):
-        value = _calculator_value(node.operand)
-        return value if isinstance(node.op, ast.UAdd) else -value
-    if isinstance(node, ast.BinOp) and type(node.op) in ops:
-        left, right = _calculator_value(node.left), _calculator_value(node.right)
-        # a sampled response must not hold the process (and the GIL) in one huge big-integer power
-        if isinstance(node.op, ast.Pow) and (abs(right) > 64 or abs(left) > 1 and
-                                             math.log2(abs(left)) * abs(right) > _MAX_BITS):
-            raise ValueError(f"the power is too large (results of at most {_MAX_BITS} bits)")
-        value = ops[type(node.op)](left, right)
-        if isinstance(value, complex):  # (-8) ** 0.5
-            raise ValueError("the result is not a real number")
-        if isinstance(value, int) and value.bit_length() > _MAX_BITS:
-            raise ValueError(f"the result is too large (at most {_MAX_BITS} bits)")
-        return value
-    raise ValueError(f"unsupported element {ast.unparse(node)!r}: numbers, + - * / // % ** and parentheses only")
-
-
-def calculator(expression: str) -> str:
-    """Evaluate an arithmetic expression.
-
-    Args:
-        expression: Numbers, + - * / // % ** and parentheses, e.g. "(2 + 3) * 4".
-    """
-    try:
-        tree = ast.parse(expression.strip(), mode="eval")
-    except SyntaxError as e:
-        raise ValueError(f"not an arithmetic expression: {expression!r}") from e
-    value = _calculator_value(tree)
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ValueError("the result is not finite")
-    if isinstance(value, float) and value.is_integer() and abs(value) < 2**53:
-        value = int(value)
-    return str(value) if isinstance(value, int) else format(value, ".12g")
-
-
-ZOOM_MIN_SIDE = 64  # a zoomed region's shorter side is enlarged to at least this many pixels
-
-
-def zoom_in(bbox_2d: list[float], image: int = 1, images: list | None = None) -> list:
-    """Zoom in on a region of one of the user's images: returns the region at full resolution.
-
-    Args:
-        bbox_2d: The region as [x1, y1, x2, y2], each coordinate from 0 to 1000 relative to the image's width and height (0, 0 is the top left).
-        image: Which of the user's images, counting from 1.
-    """
-    # Qwen3-VL grounds in coordinates relative to 0..1000 (Qwen2.5-VL used pixels of the resized image)
-    if not images:
-        raise ValueError("the user gave no image to zoom into")
-    if isinstance(image, float) and image.is_integer():
-        image = int(image)
-    if isinstance(image, bool) or not isinstance(image, int) or not 1 <= image <= len(images):
-        raise ValueError(f"image must be a number from 1 to {len(images)}")
-    if (not isinstance(bbox_2d, (list, tuple)) or len(bbox_2d) != 4
-            or not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in bbox_2d)):
-        raise ValueError("bbox_2d must be four numbers [x1, y1, x2, y2] from 0 to 1000")
-    if not all(0 <= v <= 1000 for v in bbox_2d):
-        raise ValueError(f"bbox_2d {list(bbox_2d)} leaves the image: coordinates are relative, from 0 to 1000 "
-                         "(not pixels)")
-    x1, y1, x2, y2 = (float(v) for v in bbox_2d)
-    if x2 <= x1 or y2 <= y1:
-        raise ValueError("bbox_2d must have x1 < x2 and y1 < y2")
-    im = images[image - 1]
-    W, H = im.size
-    box = (int(x1 * W / 1000), int(y1 * H / 1000), max(int(x1 * W / 1000) + 1, round(x2 * W / 1000)),
-           max(int(y1 * H / 1000) + 1, round(y2 * H / 1000)))
-    crop = im.crop(box)
-    w, h = crop.size
-    if max(w, h) > 100 * min(w, h):
-        raise ValueError(f"the region is {w}x{h} pixels: too thin to look at (at most 100:1)")
-    if min(w, h) < ZOOM_MIN_SIDE:  # too small for the vision tower's patches: enlarged, its shape kept
-        scale = ZOOM_MIN_SIDE / min(w, h)
-        crop = crop.resize((max(ZOOM_MIN_SIDE, round(w * scale)), max(ZOOM_MIN_SIDE, round(h * scale))),
-                           Image.Resampling.BICUBIC)
-    region = ", ".join(f"{v:g}" for v in (x1, y1, x2, y2))
-    return [crop, f"image {image}, region [{region}] ({box[2] - box[0]}x{box[3] - box[1]} pixels)"]
-
-
-BUILTIN_TOOLS: dict[str, Callable[..., Any]] = {"calculator": calculator, "zoom_in": zoom_in}
 
 
 def load_tools(specs: Sequence[str]) -> dict[str, Tool]:
@@ -339,22 +250,50 @@ def format_tool_calls(calls: Sequence[ToolCall]) -> str:
                      for c in calls)
 
 
-def _run_one(call: ToolCall, tools: dict[str, Tool], images: Sequence[Image.Image] = ()) -> ToolResult:
-    """One call's result; `images` (the prompt's) go to a tool that takes them."""
+MAX_RESULT_CHARS = RolloutConfig.tool_result_chars  # the default bound of a result's text
+
+
+def _run_one(call: ToolCall, tools: dict[str, Tool], images: Sequence[Image.Image] = (),
+             max_chars: int = MAX_RESULT_CHARS) -> ToolResult:
+    """One call's result, its text cut at `max_chars`; `images` (the prompt's) go to a tool that takes them."""
+    result = _answer(call, tools, images)
+    if len(result.text) <= max_chars:
+        return result
+    # cut here, where the call returns (in a worker, before the pipe): a tool that returns megabytes
+    # costs neither the trainer's memory nor the tokenizer's time. The note goes first, so that the model
+    # reads it whatever rollout.tool_result_tokens then keeps of the text
+    note = f"(cut: the tool returned {len(result.text):,} characters; the first {max_chars:,} follow)\n"
+    return replace(result, text=note + result.text[:max_chars], cut=len(result.text) - max_chars)
+
+
+def _answer(call: ToolCall, tools: dict[str, Tool], images: Sequence[Image.Image]) -> ToolResult:
     if call.error is not None:
         return ToolResult(f"error: {call.error}", False)
     tool = tools.get(call.name)
     if tool is None:
         return ToolResult(f"error: unknown tool {call.name!r}; available: {', '.join(tools)}", False)
-    arguments = dict(call.arguments)
-    if tool.takes_images:
-        # the rollout's images, whatever the model wrote under that name; copies, so that a tool that
-        # draws on them changes no other call's
-        arguments[IMAGES_ARGUMENT] = [im.copy() for im in images]
     try:
+        arguments = dict(call.arguments)
+        if tool.takes_images:
+            # the rollout's images, whatever the model wrote under that name; copies, so that a tool that
+            # draws on them changes no other call's
+            arguments[IMAGES_ARGUMENT] = [im.copy() for im in images]
         return _result(tool.fn(**arguments))
-    except Exception as e:  # the model reads what went wrong, as it would from a real API
-        return ToolResult(f"error: {type(e).__name__}: {e}", False)
+    except KeyboardInterrupt:  # the user's Ctrl-C stops the run (a worker process's too), never a tool result
+        raise
+    # the model reads what went wrong, as it would from a real API; SystemExit and other BaseExceptions
+    # included: on a thread, one escaping would end the thread unanswered (reported as a timeout)
+    except BaseException as e:  # noqa: BLE001
+        return ToolResult(f"error: {describe_exception(e)}", False)
+
+
+def describe_exception(e: BaseException) -> str:
+    """`Type: message` of an exception, even one whose __str__ raises (its message then said unreadable)."""
+    try:
+        message = str(e)
+    except BaseException as inner:  # noqa: BLE001 - a tool's own exception class may be broken
+        message = f"<its message could not be read: {type(inner).__name__}>"
+    return f"{type(e).__name__}: {message}" if message else type(e).__name__
 
 
 MAX_ASPECT = 200  # the widest image Qwen3-VL's processor takes (smart_resize's limit)
@@ -392,19 +331,23 @@ def _text(value) -> str:
 
 
 def run_tool_calls(calls: Sequence[Sequence[ToolCall]], tools: dict[str, Tool], timeout_s: float,
-                   images: Sequence[Sequence[Image.Image]] | None = None) -> list[list[ToolResult]]:
+                   images: Sequence[Sequence[Image.Image]] | None = None,
+                   max_chars: int = MAX_RESULT_CHARS) -> list[list[ToolResult]]:
     """Every sequence's calls, each on a thread of its own, all started at once (tools that wait on
     I/O overlap; none waits in a queue, so each has the whole `timeout_s`); a call still running then
     gets a timeout error. Python cannot stop a thread: a tool that never returns keeps running, but
     on a daemon thread, so it does not hold the process at exit (concurrent.futures' pools join
     their threads at exit, hence plain threads here). A tool that holds the GIL in one long C call
     delays everything: tools should bound their own work. `images[i]`: the images sequence i's
-    prompt holds, for tools that take them."""
+    prompt holds, for tools that take them; `max_chars`: rollout.tool_result_chars."""
     flat = [(i, j, call) for i, seq in enumerate(calls) for j, call in enumerate(seq)]
     box: dict[tuple[int, int], ToolResult] = {}
 
     def run(i: int, j: int, call: ToolCall) -> None:
-        box[i, j] = _run_one(call, tools, images[i] if images is not None else ())
+        try:
+            box[i, j] = _run_one(call, tools, images[i] if images is not None else (), max_chars)
+        except BaseException as e:  # noqa: BLE001 - _run_one answers a tool's errors; a thread never ends unanswered
+            box[i, j] = ToolResult(f"error: the call failed ({describe_exception(e)})", False)
 
     threads = [threading.Thread(target=run, args=(i, j, call), name="vlforge-tool", daemon=True)
                for i, j, call in flat]
@@ -414,7 +357,19 @@ def run_tool_calls(calls: Sequence[Sequence[ToolCall]], tools: dict[str, Tool], 
     for thread in threads:
         thread.join(max(0.0, deadline - time.monotonic()))
     late = ToolResult(f"error: the tool did not answer within {timeout_s:g} s", False)
-    return [[box.get((i, j), late) for j in range(len(seq))] for i, seq in enumerate(calls)]
+    return _warn_cut([[box.get((i, j), late) for j in range(len(seq))] for i, seq in enumerate(calls)], calls,
+                     max_chars)
+
+
+def _warn_cut(results: list[list[ToolResult]], calls: Sequence[Sequence[ToolCall]],
+              max_chars: int) -> list[list[ToolResult]]:
+    """`results`, after a warning for each one cut at `max_chars` (rollout.tool_result_chars)."""
+    for seq, answers in zip(calls, results):
+        for call, result in zip(seq, answers):
+            if result.cut:
+                warnings.warn(f"vlforge: tool {call.name!r} returned {max_chars + result.cut:,} characters; cut to "
+                              f"rollout.tool_result_chars={max_chars:,}, with a note the model reads", stacklevel=3)
+    return results
 
 
 _FRAME_HEADER = struct.Struct("<Q")  # a frame between the trainer and a tool worker: its length, then a pickle
@@ -453,12 +408,12 @@ class ToolProcesses:
             results = run(calls, tools, timeout_s)   # run_tool_calls' signature and results
     """
 
-    def __init__(self, tools: dict[str, Tool], processes: int):
+    def __init__(self, tools: dict[str, Tool], processes: int, max_chars: int = MAX_RESULT_CHARS):
         missing = [t.name for t in tools.values() if not t.spec]
         if missing:
             raise ValueError(f"tools {missing} have no spec to load in a worker process (load them with load_tools)")
         self.specs = [(t.name, t.spec) for t in tools.values()]
-        self.processes = processes
+        self.processes, self.max_chars = processes, max_chars  # a worker cuts each result's text at max_chars
         self.idle: list = []  # started workers waiting for a call
 
     def _start(self, count: int = 1) -> list:
@@ -494,7 +449,8 @@ class ToolProcesses:
                  images: Sequence[Sequence[Image.Image]] | None = None) -> list[list[ToolResult]]:
         def frame(i: int, call: ToolCall) -> tuple:  # the prompt's images go only to a tool that takes them
             tool = tools.get(call.name) if call.error is None else None
-            return call, list(images[i]) if images is not None and tool is not None and tool.takes_images else []
+            takes = images is not None and tool is not None and tool.takes_images
+            return call, list(images[i]) if takes else [], self.max_chars
 
         waiting = [(i, j, call) for i, seq in enumerate(calls) for j, call in enumerate(seq)][::-1]
         box: dict[tuple[int, int], ToolResult] = {}
@@ -541,7 +497,7 @@ class ToolProcesses:
         finally:  # an error or an interrupt mid-round: no worker is left running a call
             for proc in busy:
                 self._stop(proc)
-        return [[box[i, j] for j in range(len(seq))] for i, seq in enumerate(calls)]
+        return _warn_cut([[box[i, j] for j in range(len(seq))] for i, seq in enumerate(calls)], calls, self.max_chars)
 
     def close(self) -> None:
         for proc in self.idle:

@@ -156,9 +156,9 @@ def tool_runner(tools: dict[str, Tool], cfg: RolloutConfig):
     """What runs a round of calls (run_tool_calls' signature): threads in this process, or with
     rollout.tool_processes worker processes (rl/tools.ToolProcesses), stopped after the block."""
     if not tools or cfg.tool_processes <= 0:
-        yield run_tool_calls
+        yield functools.partial(run_tool_calls, max_chars=cfg.tool_result_chars)
         return
-    with ToolProcesses(tools, cfg.tool_processes) as run:
+    with ToolProcesses(tools, cfg.tool_processes, cfg.tool_result_chars) as run:
         yield run
 
 
