@@ -50,7 +50,7 @@ class JsonlSource(RowSource):
 
     def __init__(self, path: Path):
         super().__init__(path, path.parent)
-        self.offsets, self.lines = array("q"), array("l")
+        self.offsets, self.lines = array("q"), array("I")
         with open(path, "rb") as f:
             offset = 0
             for lineno, raw in enumerate(f, start=1):
