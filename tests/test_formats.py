@@ -75,6 +75,15 @@ LLAVA = [
 ]
 
 
+SWIFT = [  # ms-swift / LLaMA-Factory's OpenAI style: string contents, the images beside the messages
+    {"messages": [{"role": "system", "content": "Be brief."},
+                  {"role": "user", "content": "<image>\nand <image>: which is taller?"},
+                  {"role": "assistant", "content": "the second"}], "images": ["red.png", "blue.png"]},
+    {"messages": [{"role": "user", "content": "Colour? <image>"}, {"role": "assistant", "content": "red"}],
+     "images": ["red.png"]},
+]
+
+
 def data_url(b: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(b).decode()
 
@@ -100,11 +109,12 @@ def ids_and_pixels(path, processor, **cfg):
     return [t.ids for t in data.tokenized], [data[i]["pixel_values"] for i in range(len(data))]
 
 
-def test_llava_json_and_openai_jsonl_tokenize_like_native_jsonl(folder, tiny):
+def test_llava_json_swift_and_openai_jsonl_tokenize_like_native_jsonl(folder, tiny):
     _, processor = tiny
     ids, pixels = ids_and_pixels(jsonl(folder / "native.jsonl", NATIVE), processor)
     (folder / "llava.json").write_text(json.dumps(LLAVA))
-    for path in (folder / "llava.json", jsonl(folder / "llava.jsonl", LLAVA), jsonl(folder / "openai.jsonl", openai_rows(folder))):
+    for path in (folder / "llava.json", jsonl(folder / "llava.jsonl", LLAVA), jsonl(folder / "swift.jsonl", SWIFT),
+                 jsonl(folder / "openai.jsonl", openai_rows(folder))):
         got_ids, got_pixels = ids_and_pixels(path, processor)
         assert got_ids == ids, path.name
         assert all(torch.equal(a, b) for a, b in zip(got_pixels, pixels)), path.name
