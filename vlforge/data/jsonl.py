@@ -21,9 +21,10 @@ Only assistant turns are trained on; tool messages are context.
 
 Extra keys (e.g. "task") are kept in `Sample.fields` for metrics and reward functions.
 
-Nothing is dropped silently: layouts not read yet (ShareGPT/LLaVA "conversations", ms-swift's
-top-level "images" beside "messages") and a "<image>" / "<video>" placeholder in a text (no image is
-bound to one: images are parts) are errors that say how to write the row.
+Other tools' layouts (ShareGPT/LLaVA "conversations", top-level "images" bound to "<image>"
+placeholders, OpenAI image_url parts, embedded image bytes) are read into these two first
+(data/layouts.py). Nothing is dropped silently: a placeholder left unbound (no image list to bind
+it to, or counts that differ) is an error that says how to write the row.
 """
 
 from __future__ import annotations
