@@ -107,7 +107,7 @@ function renderCharts() {
     Plotly.react(div, traces, {
       title: { text: key, font: { size: 13 } }, margin: { l: 50, r: 10, t: 30, b: 35 }, showlegend: traces.length > 1,
       legend: { orientation: "h" }, xaxis: { title: { text: xaxis === "time" ? "minutes" : "step" } },
-    }, { displaylogo: false, responsive: true, displayModeBar: "hover" });
+    }, { displaylogo: false, responsive: true, displayModeBar: false });
   }
 }
 
