@@ -5,10 +5,10 @@ import json
 import shutil
 
 import pytest
+from helpers import tiny_sft_config
 from PIL import Image
 from test_tools import IMAGE_TOOL, grpo_by_hand, tool_data, tool_model  # noqa: F401 (fixtures)
 
-from helpers import tiny_sft_config
 from vlforge.config import GRPOConfig, load_config
 from vlforge.engine.metrics import read_metrics
 from vlforge.engine.samples import THUMB_SIDE, read_samples
@@ -27,7 +27,7 @@ def shapes_grpo(shapes_dir, out, tmp_path, *overrides) -> GRPOConfig:
         "eval.max_samples=3", "eval.max_new_tokens=3", "train.save_every=2", "log.samples_per_step=1", *overrides])
 
 
-def test_grpo_samples_with_a_tool_that_returns_images(tool_model, tool_data, tmp_path):
+def test_grpo_samples_with_a_tool_that_returns_images(tool_model, tool_data, tmp_path):  # noqa: F811 (fixtures)
     """Every group of each step (samples_per_step >= prompts_per_step): the rewards' means are the
     metrics' (total, per function, accuracy), the advantages are GRPO's of those rewards, and each tool
     turn's image is the picture the tool drew for that turn's result; eval rows are the probes' answers."""
@@ -50,7 +50,7 @@ def test_grpo_samples_with_a_tool_that_returns_images(tool_model, tool_data, tmp
     for row in rows:
         responses = [r for g in groups if g["step"] == row["step"] for r in g["responses"]]
         assert len(responses) == 8
-        mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+        mean = lambda xs: sum(xs) / len(xs)
         assert mean([r["reward"] for r in responses]) == pytest.approx(row["reward_mean"], abs=1e-6)
         assert mean([r["rewards"]["exact_match"] for r in responses]) == pytest.approx(row["reward/exact_match"])
         assert mean([r["correct"] for r in responses]) == pytest.approx(row["accuracy"])

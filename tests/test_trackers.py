@@ -2,10 +2,11 @@
 metrics' scalars and the eval sample table reach each tracker, read back from what it wrote."""
 
 import json
+from pathlib import Path
 
 import pytest
-
 from helpers import tiny_sft_config
+
 from vlforge.engine.metrics import read_metrics
 from vlforge.engine.samples import read_samples
 
@@ -32,7 +33,7 @@ def test_mlflow_local_store_holds_the_scalars_and_the_sample_table(shapes_dir, t
     probes = read_samples(out, "eval")
     for step in (1, 2):
         path = client.download_artifacts(run.info.run_id, f"samples/eval/step_{step:06d}.json", str(tmp_path / "dl"))
-        assert json.loads(open(path).read()) == [p for p in probes if p["step"] == step]
+        assert json.loads(Path(path).read_text()) == [p for p in probes if p["step"] == step]
     images = {a.path.rsplit("/", 1)[1] for a in client.list_artifacts(run.info.run_id, "samples/img")}
     assert images == {name.removeprefix("img/") for p in probes for name in p["images"]}
 

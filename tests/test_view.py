@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 import pytest
-
 from helpers import tiny_sft_config
 from test_samples import shapes_grpo
+
 from vlforge.engine.metrics import read_metrics
 from vlforge.engine.samples import read_samples
 
@@ -177,9 +177,9 @@ def test_run_states_from_the_lock_and_the_metrics(runs, tmp_path):
     run = tmp_path / "grpo"
     shutil.copytree(runs / "grpo", run)
     assert run_summary(run)["state"] == "finished"
-    holder = subprocess.Popen([sys.executable, "-c", f"from vlforge.engine.runtime import lock_output_dir as l; "
-                               f"l({str(run)!r}); print('held', flush=True); import time; time.sleep(60)"],
-                              stdout=subprocess.PIPE, text=True)
+    hold = (f"from vlforge.engine.runtime import lock_output_dir as lock; lock({str(run)!r}); "
+            "print('held', flush=True); import time; time.sleep(60)")
+    holder = subprocess.Popen([sys.executable, "-c", hold], stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "held"
         assert run_summary(run)["state"] == "running"
@@ -195,3 +195,20 @@ def test_run_states_from_the_lock_and_the_metrics(runs, tmp_path):
     assert find_runs([tmp_path]) == [run.resolve()]
     with pytest.raises(Exception, match="neither a run directory"):
         find_runs([tmp_path / "grpo" / "samples"])
+
+
+def test_view_refuses_what_is_not_a_run_and_serves_only_thumbnails(runs, tmp_path, capsys):
+    from fastapi.testclient import TestClient
+
+    from vlforge.cli import main
+    from vlforge.view.app import build_app
+
+    assert main(["view", str(tmp_path / "none"), "--export", str(tmp_path / "r.html")]) == 2
+    assert "no such directory" in capsys.readouterr().err and not (tmp_path / "r.html").exists()
+    client = TestClient(build_app([runs]))
+    assert [r["name"] for r in client.get("/api/runs").json()] == ["grpo", "sft"]
+    name = read_samples(runs / "grpo", "grpo")[0]["images"][0]
+    assert client.get(f"/img/0/{name}").content == (runs / "grpo" / "samples" / name).read_bytes()
+    for bad in ("/img/0/img/..%2F..%2Fconfig.yaml", "/img/0/img/" + "0" * 24 + ".png", f"/img/2/{name}",
+                "/static/..%2Fapp.py", "/api/run/2"):
+        assert client.get(bad).status_code == 404, bad

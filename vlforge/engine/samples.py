@@ -24,6 +24,7 @@ from pathlib import Path
 
 from PIL import Image
 
+from vlforge.data.jsonl import open_image
 from vlforge.engine.metrics import _rows
 from vlforge.engine.runtime import SAMPLES_DIR
 
@@ -67,10 +68,9 @@ class SampleLog:
     def due(self, step: int) -> bool:
         return bool(self.write and self.every and self.per_step and step % self.every == 0 and not self.full)
 
-    def image(self, image: Image.Image | str | Path) -> str:
+    def image(self, image: Image.Image) -> str:
         """The thumbnail's file name (img/HASH.png), written once per distinct image."""
-        im = image if isinstance(image, Image.Image) else Image.open(image)
-        im = im.convert("RGB")
+        im = image.convert("RGB")
         digest = hashlib.sha256(f"{im.size}".encode() + im.tobytes()).hexdigest()[:24]
         path = self.dir / "img" / f"{digest}.png"
         if not path.exists():
@@ -108,14 +108,13 @@ class SampleLog:
             return
         rows = []
         for i, (s, a, h) in enumerate(list(zip(samples, answers, hits))[:self.eval_rows]):
-            rows.append({"step": step, "probe": i, "source": s.source, "images": self._images(s.images),
+            rows.append({"step": step, "probe": i, "source": s.source, "images": self.images(s.images),
                          "question": cut(prompt_text(s.prompt_messages)), "answer": cut(a),
                          "reference": cut(s.answer), "correct": bool(h)})
         self._append("eval.jsonl", rows)
 
-    def _images(self, images) -> list[str]:
-        from vlforge.data.jsonl import open_image  # the dataset's own checked opener (bytes or files)
-
+    def images(self, images) -> list[str]:
+        """The thumbnails of a sample's images (files or embedded bytes, data/jsonl.Sample.images)."""
         names = []
         for path in images:
             with open_image(path) as im:
@@ -124,7 +123,7 @@ class SampleLog:
 
 
 def prompt_text(messages: list[dict]) -> str:
-    """The prompt as a reader wants it: the user turns' text (the last one, with any system text before)."""
+    """The prompt as a reader wants it: its system and user turns' text (images are shown apart)."""
     return "\n\n".join(text_of(m["content"]) for m in messages if m["role"] in ("system", "user")).strip()
 
 
@@ -138,7 +137,8 @@ def grpo_groups(log: SampleLog, shown: dict, batches: list, group_size: int) -> 
     adv: dict[int, float] = {}
     for b in batches:
         if b.rollout is rollout:
-            adv.update({s: float(b.advantages[s]) for s in b.seqs})
+            values = b.advantages.cpu().tolist()  # one read of the device tensor, not one per sequence
+            adv.update({s: values[s] for s in b.seqs})
     lengths = rollout.loss_mask.sum(1).tolist()
     finished = rollout.finished.tolist()
     groups = []
@@ -153,7 +153,7 @@ def grpo_groups(log: SampleLog, shown: dict, batches: list, group_size: int) -> 
                 r["turns"] = [_turn(log, m) for m in shown["transcripts"][n]]
             responses.append(r)
         groups.append({"group": g, "source": sample.source, "prompt": cut(prompt_text(sample.prompt_messages)),
-                       "images": log._images(sample.images), "reference": cut(sample.answer),
+                       "images": log.images(sample.images), "reference": cut(sample.answer),
                        "responses": responses})
     return groups
 
