@@ -29,7 +29,7 @@ from vlforge.data.encode import (Encoder, ImageLimits, collate, encode, encode_p
                                  visuals_per_prompt)
 from vlforge.data.jsonl import DataError, Video, parse_row, read_jsonl, read_video_header
 from vlforge.data.synth import synth_motion
-from vlforge.data.video import VideoLimits, frame_timestamps, sampled_frames
+from vlforge.data.video import VideoLimits, decode_file_frames, frame_timestamps, sampled_frames
 from vlforge.engine.losses import sft_loss_sum
 from vlforge.recipes.sft import run_sft
 
@@ -622,3 +622,38 @@ def test_a_rotated_video_file_is_shown_upright(tiny, tmp_path, degrees):
     ours = encode(encoder, sample, tokenize_sample(encoder, sample, 4096, "fail"), videos_as_images=False)
     _, h, w = ours["video_grid_thw"][0].tolist()
     assert (h > w) == bool(turns % 2)  # portrait when turned a quarter
+
+
+def test_a_variable_rate_file_is_sampled_by_time_and_stamped_with_its_own_timestamps(tiny, tmp_path):
+    """A phone or screen recording varies its frame rate: here 30 fps for its first second, then 5 fps
+    for 6 s. Its frames are spread evenly over its time (by index, as the processor spreads a constant
+    rate, most would fall in the first second), the prompt's `<t seconds>` are the container's own
+    timestamps of the frames shown (PyAV's decoded frame.time, read here independently), and the frames
+    decoded are those. A constant-rate file keeps the processor's i / fps (tested equal to it above)."""
+    _, processor = tiny
+    pts = [round(k * 1000 / 30) for k in range(30)] + [1000 + k * 200 for k in range(30)]
+    path = _encode(tmp_path / "vfr.mp4", len(pts), 30, "mpeg4", gop=10, b_frames=2, pts=pts)
+    video = read_video_header(path, "v")
+    with av.open(str(path)) as container:
+        decoded = [(f.time, f.to_ndarray(format="rgb24")) for f in container.decode(video=0)]
+    real = [t - decoded[0][0] for t, _ in decoded]
+    assert video.times == pytest.approx(real, abs=1e-6) and real[-1] == pytest.approx(6.8)
+    assert read_video_header(write_mp4(tmp_path / "cfr.mp4", 20, 8), "v").times is None
+
+    encoder = Encoder(processor, IMAGE_LIMITS, VIDEO_LIMITS)
+    shown = encoder.video_frames(video)
+    assert len(shown) == int(60 / video.fps * 2)  # the count the average rate gives, as before
+    step = real[-1] / (len(shown) - 1)
+    for k, i in enumerate(shown):  # each within half the slow part's frame interval of its evenly spaced time
+        assert abs(real[i] - k * step) <= 0.1 + 1e-6, (k, i, real[i])
+    assert sum(real[i] < 1.0 for i in shown) <= 2  # by index: 5 of 13 in the first second
+
+    stamps = [s.split(" seconds")[0] for s in encoder.video_text(video).split("<")[1:] if " seconds>" in s]
+    patch = processor.video_processor.temporal_patch_size
+    padded = shown + [shown[-1]] * (-len(shown) % patch)
+    expected = [f"{(real[padded[k]] + real[padded[k + patch - 1]]) / 2:.1f}" for k in range(0, len(padded), patch)]
+    assert stamps == expected
+    by_index = frame_timestamps(shown, video.fps, patch)  # what the average rate alone would have stamped
+    assert [f"{t:.1f}" for t in by_index] != expected
+    got = decode_file_frames(video, shown, "v")
+    assert np.array_equal(got, np.stack([decoded[i][1] for i in shown]))

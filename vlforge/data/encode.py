@@ -142,7 +142,7 @@ class Encoder:
         vp = self._video_processor()
         _, h, w = self.video_grid(video)
         tokens = h * w // vp.merge_size**2
-        seconds = frame_timestamps(self.video_frames(video), video.fps, vp.temporal_patch_size)
+        seconds = frame_timestamps(self.video_frames(video), video.fps, vp.temporal_patch_size, video.times)
         return "".join(f"<{t:.1f} seconds><|vision_start|>{VIDEO_PAD * tokens}<|vision_end|>" for t in seconds)
 
     def _video_processor(self):

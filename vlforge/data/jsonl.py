@@ -69,6 +69,9 @@ class Video:
     # quarter turns counterclockwise that show a file's frames upright (its display matrix: phones
     # store portrait video as landscape frames with a rotation to apply); 0 for frame lists
     rotation: int = 0
+    # a file whose frame rate varies (phones, screen recorders): each frame's time in seconds from the
+    # first, from its packet's timestamp; None at a constant rate, where frame i is at i / fps
+    times: tuple[float, ...] | None = None
 
     @property
     def coded_size(self) -> tuple[int, int]:
@@ -279,7 +282,28 @@ def read_video_header(source: Path | bytes, where: str, decode: bool = False,
         raise DataError(f"{where}: video {video} is {size[0]}x{size[1]}: the video processor refuses aspect "
                         f"ratios over {MAX_ASPECT}; crop or pad it, or drop the row")
     turns = _quarter_turns(video, av, where)
-    return Video(source, frames, fps, size[::-1] if turns % 2 else size, turns)
+    with video.open(av) as container:
+        times = frame_times(container, frames, fps)
+    return Video(source, frames, fps, size[::-1] if turns % 2 else size, turns, times)
+
+
+def frame_times(container, frames: int, fps: float) -> tuple[float, ...] | None:
+    """Each frame's presentation time in seconds from the first (frame i: the i-th smallest timestamp
+    of the video stream's packets, as a decode counts frames), for a file whose rate varies; None at a
+    constant rate (frame i at i / fps, how transformers' processor stamps every video) and where the
+    packets do not give one distinct timestamp a frame. The packets are read (not decoded) only where
+    the header's average rate differs from the rate its timestamps tick at (FFmpeg's r_frame_rate): a
+    constant-rate file has them equal, and reading every packet of each video costs a pass over it."""
+    stream = container.streams.video[0]
+    if not stream.average_rate or not stream.base_rate or stream.average_rate == stream.base_rate:
+        return None
+    stamps = sorted(p.pts for p in container.demux(stream) if p.size and p.pts is not None)
+    if len(stamps) != frames or len(set(stamps)) != len(stamps):
+        return None
+    times = tuple(float((p - stamps[0]) * stream.time_base) for p in stamps)
+    if all(abs(t - i / fps) <= 0.5 / fps for i, t in enumerate(times)):
+        return None  # within half a frame of the constant rate: stamped as the processor stamps it
+    return times
 
 
 def _quarter_turns(video: Video, av, where: str) -> int:

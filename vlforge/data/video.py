@@ -31,19 +31,30 @@ class VideoLimits:
 def sampled_frames(video: Video, limits: VideoLimits, min_frames: int = 4) -> list[int]:
     """The indices of the frames a video is shown by, spread evenly over it (as transformers'
     Qwen3-VL video processor samples): a file at limits.fps frames per second (at least
-    `min_frames`), a frame list all its frames; either at most limits.max_frames."""
+    `min_frames`), a frame list all its frames; either at most limits.max_frames. A file whose rate
+    varies (video.times) is spread evenly over its time, not its frame count: the frames nearest
+    evenly spaced times (the processor spreads them by index, which bunches them where the rate is
+    high), each frame once."""
     n = video.frames
     if video.is_file:
         n = max(int(video.frames / video.fps * limits.fps), min_frames)
     n = min(n, limits.max_frames, video.frames)
-    return np.linspace(0, video.frames - 1, n).round().astype(int).tolist()
+    if video.times is None:
+        return np.linspace(0, video.frames - 1, n).round().astype(int).tolist()
+    times = np.asarray(video.times)
+    wanted = np.linspace(times[0], times[-1], n)
+    after = np.searchsorted(times, wanted).clip(1, len(times) - 1)
+    nearest = np.where(wanted - times[after - 1] <= times[after] - wanted, after - 1, after)
+    return np.unique(nearest).tolist()
 
 
-def frame_timestamps(indices: list[int], fps: float, temporal_patch: int) -> list[float]:
+def frame_timestamps(indices: list[int], fps: float, temporal_patch: int,
+                     times: tuple[float, ...] | None = None) -> list[float]:
     """Seconds into the video of each temporal patch: the mean time of its first and last frame (the
-    last frame repeated to fill the last patch), as Qwen3-VL's processor writes them in the prompt."""
+    last frame repeated to fill the last patch), as Qwen3-VL's processor writes them in the prompt.
+    A frame's time is i / fps, or its own timestamp where the rate varies (`times`, Video.times)."""
     indices = list(indices) + [indices[-1]] * (-len(indices) % temporal_patch)
-    seconds = [i / fps for i in indices]
+    seconds = [times[i] if times is not None else i / fps for i in indices]
     return [(seconds[k] + seconds[k + temporal_patch - 1]) / 2 for k in range(0, len(seconds), temporal_patch)]
 
 
