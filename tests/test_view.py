@@ -212,3 +212,21 @@ def test_view_refuses_what_is_not_a_run_and_serves_only_thumbnails(runs, tmp_pat
     for bad in ("/img/0/img/..%2F..%2Fconfig.yaml", "/img/0/img/" + "0" * 24 + ".png", f"/img/2/{name}",
                 "/static/..%2Fapp.py", "/api/run/2"):
         assert client.get(bad).status_code == 404, bad
+
+
+def test_the_page_follows_a_run_as_it_logs(runs, shapes_dir, browser, server):
+    """The served page polls: the GRPO run resumed for two more steps while the page is open, its
+    curve gains their points and the rollout browser moves to the newest step (last in this file:
+    the run it grows is the module's)."""
+    from vlforge.recipes.grpo import run_grpo
+
+    browser.get(server)
+    chart = "document.querySelector('.chart[data-metric=\"reward_mean\"]')"
+    assert wait_for(browser, f"{chart} && {chart}.data && {chart}.data[0].x.length") == 4
+    run_grpo(shapes_grpo(shapes_dir, runs / "grpo", runs, "log.samples_per_step=2", "train.max_steps=6",
+                         "train.resume=auto"))
+    wait_for(browser, f"{chart}.data[0].x.length == 6 && {chart}.querySelectorAll('path.point').length == 6")
+    wait_for(browser, "document.getElementById('rollout-step-value').textContent == '6 (6 of 6 logged)'")
+    texts = [r["text"] for g in read_samples(runs / "grpo", "grpo") if g["step"] == 6 for r in g["responses"]]
+    assert browser.execute_script("return [...document.querySelectorAll('#rollouts .response-text')]"
+                                  ".map(e => e.textContent)") == texts
