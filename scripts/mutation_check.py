@@ -103,6 +103,12 @@ MUTATIONS = [
         ("tests/test_master_weights.py::test_sft_accumulates_micro_batch_gradients_in_fp32",
          "tests/test_master_weights.py::test_sft_trains_as_fp32_masters_do"),
         "SFT's accumulated bf16 gradients are summed in bf16 under master_weights=optimizer"),
+    Mutation(
+        "video-times", "vlforge/data/encode.py",
+        "vp.temporal_patch_size, video.times)",
+        "vp.temporal_patch_size)",
+        ("tests/test_video.py::test_a_variable_rate_file_is_sampled_by_time_and_stamped_with_its_own_timestamps",),
+        "a variable-rate video's prompt is stamped at index / average rate, not its frames' own times"),
 ]
 
 
