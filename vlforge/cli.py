@@ -164,18 +164,9 @@ def cmd_data_convert(args) -> int:
 
 
 def cmd_view(args) -> int:
-    from vlforge.view.app import export_html, serve_view  # the viewer (docs/view.md)
+    from vlforge.view.app import command  # the viewer (docs/view.md)
 
-    if args.export:
-        from vlforge.engine.metrics import check_writable
-
-        check_writable(args.export, "--export")
-        print(f"wrote {export_html(args.runs, args.export)}")
-        return 0
-    if not 0 <= args.port <= 65535:
-        raise ConfigError(f"--port {args.port}: must be 0..65535")
-    serve_view(args.runs, args.host, args.port)
-    return 0
+    return command(args.runs, args.host, args.port, args.export)
 
 
 def cmd_doctor(args) -> int:
@@ -278,11 +269,17 @@ def _grpo_run(source: str):
 def cmd_eval(args) -> int:
     from vlforge.config import RolloutConfig
     from vlforge.engine.metrics import check_writable, write_json_atomic
-    from vlforge.recipes.infer import evaluate_jsonl
+    from vlforge.config import DataConfig
+    from vlforge.data.sources import check_readable
+    from vlforge.recipes.infer import evaluate_dataset
     from vlforge.rl.rewards import RewardSpec
 
     if args.out:
         check_writable(args.out, "--out")  # before the model loads and every answer is computed
+    columns = dict(c.partition("=")[::2] for c in args.column)
+    if bad := [c for c in args.column if "=" not in c or not all(c.partition("=")[::2])]:
+        raise ConfigError(f"--column {bad[0]}: give FIELD=NAME, e.g. --column prompt=problem")
+    check_readable(args.data, cfg=DataConfig(columns=columns))  # any format training reads; before the model loads
     rewards = tools = None
     reward_specs, tool_specs, flag = args.reward, args.tool, "--reward"
     rollout = RolloutConfig()  # the tool settings: rollout's defaults, or the run's; the flags given override
@@ -321,8 +318,9 @@ def cmd_eval(args) -> int:
         from vlforge.rollout.multiturn import check_tool_template
 
         check_tool_template(engine.encoder, "--tool" if args.tool else flag)  # the chat template renders a tool turn
-    report = evaluate_jsonl(engine, args.data, batch_size=args.batch_size, max_new_tokens=max_new_tokens,
-                            max_samples=args.max_samples, rewards=rewards, tools=tools, tool_settings=rollout)
+    report = evaluate_dataset(engine, args.data, batch_size=args.batch_size, max_new_tokens=max_new_tokens,
+                              max_samples=args.max_samples, rewards=rewards, tools=tools, tool_settings=rollout,
+                              data=DataConfig(columns=columns))
     if args.out:
         write_json_atomic(report, args.out)
     tasks = " ".join(f"{k} {v:.3f}" for k, v in report["by_task"].items())
@@ -492,9 +490,12 @@ def build_parser() -> argparse.ArgumentParser:
     chat.add_argument("--max-new-tokens", type=_at_least(1), default=512)
     chat.set_defaults(func=cmd_chat)
 
-    ev = sub.add_parser("eval", help="batched greedy answers + exact-match accuracy on a JSONL")
+    ev = sub.add_parser("eval", help="batched greedy answers + exact-match accuracy on a dataset")
     _model_source_args(ev)
-    ev.add_argument("--data", required=True, help="JSONL with reference answers (the training schemas)")
+    ev.add_argument("--data", required=True, help="a dataset with reference answers, in any format training reads "
+                    "(JSONL, ShareGPT/LLaVA, OpenAI messages, parquet, a datasets folder: docs/data-formats.md)")
+    ev.add_argument("--column", action="append", default=[], metavar="FIELD=NAME",
+                    help="the dataset's column for FIELD (prompt, answer, images, ...), as data.columns; repeatable")
     ev.add_argument("--batch-size", type=_at_least(1), default=16)
     ev.add_argument("--max-new-tokens", type=_at_least(1),
                     help="default 16; with --rewards-from, the run's (rollout.max_new_tokens with tools, "

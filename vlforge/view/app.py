@@ -17,6 +17,7 @@ import re
 from pathlib import Path
 
 from vlforge.config import ConfigError
+from vlforge.engine.metrics import check_writable
 from vlforge.engine.samples import FOLDER
 from vlforge.view.runs import find_runs, run_data, run_summary
 
@@ -115,6 +116,18 @@ def _image_names(row: dict) -> list[str]:
         for turn in response.get("turns", []):
             names += turn.get("images", [])
     return names
+
+
+def command(paths: list[str], host: str, port: int, export: str | None) -> int:
+    """`vlforge view`: serve the page, or write it to `export`."""
+    if export:
+        check_writable(export, "--export")  # before the runs are read
+        print(f"wrote {export_html(paths, export)}")
+        return 0
+    if not 0 <= port <= 65535:
+        raise ConfigError(f"--port {port}: must be 0..65535")
+    serve_view(paths, host, port)
+    return 0
 
 
 def serve_view(paths: list[str | Path], host: str = "127.0.0.1", port: int = 8600) -> None:
