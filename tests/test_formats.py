@@ -340,3 +340,28 @@ def test_open_source_reads_no_rows_and_read_samples_and_data_check_count_them(fo
     report = check_file(str(folder / "geo.parquet"), processor, DataConfig(columns={"prompt": "problem"}))
     assert (report["rows"], report["valid_rows"], report["errors"], report["images"]) == (3, 3, 0, 3)
     assert report["image_tokens_mean"] > 0 and report["tokens"]["max"] > 0
+
+
+def test_eval_answers_a_parquet_set_as_its_jsonl_equivalent(folder):
+    """`vlforge eval --data` reads every format training reads: an embedded-image parquet set (its
+    question column mapped by --column) gets the answers, references and accuracy of the same rows as
+    native JSONL; a set it cannot read is refused before the model loads."""
+    from vlforge.cli import main
+
+    write_geometry(folder, n=4)
+    (folder / "blue.png").write_bytes(png("blue"))
+    (folder / "red.png").write_bytes(png("red"))
+    native = [{"image": "red.png" if i % 2 else "blue.png", "prompt": f"Which colour is shape {i}?",
+               "answer": "red" if i % 2 else "blue"} for i in range(4)]
+    jsonl(folder / "native.jsonl", native)
+    reports = {}
+    for name, extra in (("native.jsonl", []), ("geo.parquet", ["--column", "prompt=problem"])):
+        out = folder / f"{name}.json"
+        assert main(["eval", "tiny", "--device", "cpu", "--data", str(folder / name), "--max-new-tokens", "4",
+                     "--out", str(out), *extra]) == 0
+        reports[name] = json.loads(out.read_text())
+    assert reports["geo.parquet"]["n"] == 4
+    strip = lambda report: [{k: v for k, v in row.items() if k != "source"} for row in report["answers"]]  # noqa: E731
+    assert strip(reports["geo.parquet"]) == strip(reports["native.jsonl"])
+    assert main(["eval", "tiny", "--device", "cpu", "--data", str(folder / "geo.parquet")]) == 2  # no question column
+    assert main(["eval", "tiny", "--device", "cpu", "--data", str(folder / "geo.parquet"), "--column", "prompt"]) == 2

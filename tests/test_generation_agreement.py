@@ -15,7 +15,7 @@ from vlforge.data.dataset import load_dataset
 from vlforge.data.encode import collate, encode_prompt
 from vlforge.engine.evaluate import _generate_answers_hf, generate_answers
 from vlforge.engine.precision import PrecisionPolicy
-from vlforge.recipes.infer import evaluate_jsonl
+from vlforge.recipes.infer import evaluate_dataset
 from vlforge.serve.engine import InferenceEngine
 
 
@@ -34,7 +34,7 @@ def _eval_answers_equal_served(model, processor, encoder, samples, shapes_dir) -
     answers = generate_answers(model, encoder, samples, batch_size=4, max_new_tokens=8, policy=FP32,
                                device=torch.device("cpu"))
     engine = InferenceEngine(model, processor, torch.device("cpu"), "tiny")
-    served = [row["answer"] for row in evaluate_jsonl(engine, shapes_dir / "val.jsonl", batch_size=3,
+    served = [row["answer"] for row in evaluate_dataset(engine, shapes_dir / "val.jsonl", batch_size=3,
                                                       max_new_tokens=8)["answers"]]
     assert served == answers
     return answers

@@ -370,12 +370,12 @@ def test_vlforge_eval_answers_video_rows_as_the_trainers_eval_does(tiny, motion)
     from vlforge.config import PrecisionConfig
     from vlforge.engine.evaluate import generate_answers
     from vlforge.engine.precision import PrecisionPolicy
-    from vlforge.recipes.infer import evaluate_jsonl
+    from vlforge.recipes.infer import evaluate_dataset
     from vlforge.serve.engine import InferenceEngine
 
     model, processor = tiny
     engine = InferenceEngine(copy.deepcopy(model), processor, torch.device("cpu"), "tiny")  # it freezes its model
-    report = evaluate_jsonl(engine, motion / "val.jsonl", batch_size=3, max_new_tokens=6)
+    report = evaluate_dataset(engine, motion / "val.jsonl", batch_size=3, max_new_tokens=6)
     samples = read_jsonl(motion / "val.jsonl")
     assert report["n"] == len(samples) == 4 and all(s.videos for s in samples)
     answers = generate_answers(model, engine.encoder, samples, batch_size=2, max_new_tokens=6,

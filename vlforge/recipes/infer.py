@@ -3,10 +3,12 @@
     vlforge infer merged/ --image cat.png --prompt "What animal is this?" [--quant nf4] [--task classify]
     vlforge chat merged/ [--quant nf4]                 # /image PATH attaches an image, /reset, /quit
     vlforge eval merged/ --data val.jsonl [--quant nf4] [--out answers.json] [--reward SPEC] [--tool SPEC]
+    vlforge eval merged/ --data geometry3k/test.parquet --column prompt=problem
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 from pathlib import Path
 from typing import Callable
@@ -14,8 +16,9 @@ from typing import Callable
 import torch
 from PIL import Image
 
-from vlforge.config import RolloutConfig
-from vlforge.data.jsonl import DataError, Video, read_jsonl, read_video_header
+from vlforge.config import DataConfig, RolloutConfig
+from vlforge.data.jsonl import DataError, Video, read_video_header
+from vlforge.data.sources import iter_samples
 from vlforge.engine.stop import sigint_sets
 from vlforge.rl.rewards import CombinedReward, exact_match
 from vlforge.rl.tools import Tool
@@ -107,18 +110,19 @@ def chat(engine: InferenceEngine, read: Callable[[str], str] = input, write: Cal
         history.append({"role": "assistant", "content": [{"type": "text", "text": reply.text}]})
 
 
-def evaluate_jsonl(engine: InferenceEngine, path: str | Path, *, batch_size: int = 16,
-                   max_new_tokens: int = MAX_NEW_TOKENS["classify"], max_samples: int | None = None,
-                   rewards: CombinedReward | None = None, tools: dict[str, Tool] | None = None,
-                   tool_settings: RolloutConfig = RolloutConfig()) -> dict:
-    """Batched greedy answers on a JSONL's prompts; exact-match accuracy overall and by task, and
+def evaluate_dataset(engine: InferenceEngine, path: str | Path, *, batch_size: int = 16,
+                     max_new_tokens: int = MAX_NEW_TOKENS["classify"], max_samples: int | None = None,
+                     rewards: CombinedReward | None = None, tools: dict[str, Tool] | None = None,
+                     tool_settings: RolloutConfig = RolloutConfig(), data: DataConfig | None = None) -> dict:
+    """Batched greedy answers on a dataset's prompts (any format training reads: data/sources.py;
+    `data`: its data.format and data.columns); exact-match accuracy overall and by task, and
     with `rewards` (rl/rewards.py, as GRPO's rl.rewards) each answer's scores and their means.
     With `tools` (rl/tools.load_tools) each prompt is answered as a conversation with them, as GRPO's
     rollouts and evaluation do (rollout/multiturn.py; `max_new_tokens` the whole response's budget):
     the answer is the last assistant turn, and rewards also get the transcript and call counts;
     `tool_settings` gives the rollout.tool_* keys (turns, result tokens and image pixels, timeout,
     processes)."""
-    samples = read_jsonl(path)[:max_samples]
+    samples = list(itertools.islice(iter_samples(path, data or DataConfig()), max_samples))
     rows, hits, by_task = [], 0, defaultdict(lambda: [0, 0])
     cfg = RolloutConfig(temperature=0.0, max_new_tokens=max_new_tokens, compile=False,
                         tools=[t.spec for t in (tools or {}).values()],
