@@ -102,6 +102,18 @@ def test_sft_eval_samples_and_the_switch(shapes_dir, tmp_path):
     assert [p["answer"] for p in probes if p["step"] == 2] == [e["generated"] for e in examples][:3]
     run_sft(tiny_sft_config(shapes_dir, tmp_path / "off", "eval.every=1", "log.samples_eval=0"))
     assert read_samples(tmp_path / "off", "eval") == []
+    # train.overwrite removes the run's samples/, and refuses a samples/ holding a file of the user's
+    from vlforge.config import ConfigError
+    from vlforge.engine.runtime import prepare_output_dir, release_output_dir
+
+    (out / "samples" / "notes.txt").write_text("mine")
+    with pytest.raises(ConfigError, match="also holds samples/"):
+        prepare_output_dir(out, "never", overwrite=True)
+    assert (out / "samples" / "notes.txt").read_text() == "mine"
+    (out / "samples" / "notes.txt").unlink()
+    prepare_output_dir(out, "never", overwrite=True)
+    release_output_dir(out)
+    assert not (out / "samples").exists()
 
 
 def test_grpo_samples_resume_without_duplicates_and_stay_bounded(shapes_dir, tmp_path):

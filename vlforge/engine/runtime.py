@@ -189,10 +189,26 @@ def is_run_entry(p: Path) -> bool:
             return written_by_a_run(p)
         if name.startswith(SUPERSEDED_PREFIX):  # checkpoints a branch set aside, and nothing else
             return all(CKPT_RE.match(q.name) and written_by_a_run(q) for q in p.iterdir())
-        return name.startswith(TMP_PREFIX) or name in (TENSORBOARD_DIR, SAMPLES_DIR)
+        if name == SAMPLES_DIR:  # engine/samples.py's files and nothing else: a user's samples/ is not the run's
+            return _is_samples_dir(p)
+        return name.startswith(TMP_PREFIX) or name == TENSORBOARD_DIR
     if name == "config.yaml":
         return _is_run_config(p)
     return name in RUN_FILES or bool(_TB_EVENTS.match(name))
+
+
+_SAMPLE_FILES = re.compile(r"^(grpo|eval)\.jsonl(\.tmp)?$")
+_THUMBNAIL = re.compile(r"^[0-9a-f]{24}\.png(\.tmp)?$")
+
+
+def _is_samples_dir(p: Path) -> bool:
+    """samples/ as engine/samples.py writes it: its two logs, and img/ of hash-named thumbnails."""
+    for q in p.iterdir():
+        if q.is_symlink() or not (_SAMPLE_FILES.match(q.name) and q.is_file() or q.name == "img" and q.is_dir()):
+            return False
+    img = p / "img"
+    return not img.is_dir() or all(q.is_file() and not q.is_symlink() and _THUMBNAIL.match(q.name)
+                                   for q in img.iterdir())
 
 
 def _is_run(out: Path) -> bool:
