@@ -27,6 +27,7 @@ def shapes_grpo(shapes_dir, out, tmp_path, *overrides) -> GRPOConfig:
         "eval.max_samples=3", "eval.max_new_tokens=3", "train.save_every=2", "log.samples_per_step=1", *overrides])
 
 
+@pytest.mark.slow  # the tool model is taught to call first (~30 s), then two GRPO steps with tools
 def test_grpo_samples_with_a_tool_that_returns_images(tool_model, tool_data, tmp_path):  # noqa: F811 (fixtures)
     """Every group of each step (samples_per_step >= prompts_per_step): the rewards' means are the
     metrics' (total, per function, accuracy), the advantages are GRPO's of those rewards, and each tool
