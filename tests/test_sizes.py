@@ -29,12 +29,8 @@ ALLOWED: dict[str, str] = {
     "vlforge/cli.py:build_parser": "issue 42, cli part (cli.py is being edited for other issues now)",
     "vlforge/rl/core.py:policy_loss": "issue 42, rl part (rl/ is being edited for other issues now)",
     # issue 42, part 5: split in the next commits
-    "vlforge/doctor.py": "issue 42, part 5",
-    "vlforge/doctor.py:recipe_checks": "issue 42, part 5",
     "vlforge/engine/optim.py:sharded_8bit": "issue 42, part 5",
     "vlforge/engine/trainable.py:setup_model": "issue 42, part 5",
-    "vlforge/rollout/multiturn.py:generate_with_tools": "issue 42, part 5",
-    "vlforge/serve/app.py:create_app": "issue 42, part 5",
     "vlforge/serve/engine.py": "issue 42, part 5",
 }
 

@@ -196,7 +196,7 @@ def generate_with_tools(model, encoder: Encoder, prompts: dict, images_per_promp
     between turns (module docstring) by `run_calls` (tool_runner's). `prompt_images[b]`: prompt b's
     images (PIL) for tools that take them (tool_images)."""
     seed = rollout_seed() if seed is None else seed
-    G, device, tok = samples_per_prompt or cfg.group_size, prompts["input_ids"].device, encoder.tokenizer
+    G, tok = samples_per_prompt or cfg.group_size, encoder.tokenizer
     base = prompts_of_batch(prompts, images_per_prompt)
     convs = [_Conversation() for _ in range(len(base) * G)]
     sample = dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
@@ -255,8 +255,16 @@ def generate_with_tools(model, encoder: Encoder, prompts: dict, images_per_promp
             running.append(n)
         if not requests:
             break
+    return _tool_rollout(convs, prompts, images_per_prompt, G, generate["banned_ids"], encoder.pad_id)
+
+
+def _tool_rollout(convs: list[_Conversation], prompts: dict, images_per_prompt: list[int], G: int,
+                  banned_ids: list[int], pad_id: int) -> ToolRollout:
+    """The finished conversations as a ToolRollout: their responses right-padded to the longest, on
+    the prompts' device."""
+    device = prompts["input_ids"].device
     R = max(len(c.tokens) for c in convs)
-    ids_NR = torch.full((len(convs), R), encoder.pad_id, dtype=torch.long)
+    ids_NR = torch.full((len(convs), R), pad_id, dtype=torch.long)
     mask_NR = torch.zeros(len(convs), R, dtype=torch.long)
     generated_NR = torch.zeros(len(convs), R, dtype=torch.long)
     logp_NR = torch.zeros(len(convs), R)
@@ -267,7 +275,7 @@ def generate_with_tools(model, encoder: Encoder, prompts: dict, images_per_promp
     rollout = Rollout(prompts["input_ids"], prompts["attention_mask"], prompts.get("pixel_values"),
                       prompts.get("image_grid_thw"), images_per_prompt, ids_NR.to(device), mask_NR.to(device),
                       logp_NR.to(device), torch.tensor([c.finished for c in convs], device=device), G,
-                      generate["banned_ids"], generated_mask=generated_NR.to(device),
+                      banned_ids, generated_mask=generated_NR.to(device),
                       **_tool_image_fields(convs, prompts.get("pixel_values"), device))
     completions = [c.transcript[-1]["content"] for c in convs]  # the last turn (a transcript ends with one)
     return ToolRollout(rollout, completions, [c.calls for c in convs], [c.failed_calls for c in convs],

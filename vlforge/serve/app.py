@@ -238,26 +238,7 @@ def create_app(engine, cfg: ServeConfig | None = None) -> FastAPI:
     if cfg.api_key is not None:
         app.add_middleware(RequireKey, key=cfg.api_key)
     app.add_middleware(CountRequests, metrics=metrics)  # added last: outermost, so refusals are counted too
-
-    @app.exception_handler(APIError)
-    async def _api_error(request, exc: APIError):
-        return exc.response()
-
-    @app.exception_handler(RequestValidationError)
-    async def _validation_error(request, exc: RequestValidationError):
-        message, param = validation_message(exc)
-        return JSONResponse(error_body(message, "invalid_request_error", param, "invalid_value"), status_code=400)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request, exc: StarletteHTTPException):
-        return JSONResponse(error_body(str(exc.detail), "invalid_request_error" if exc.status_code < 500
-                                        else "server_error", None, None),
-                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
-
-    @app.exception_handler(Exception)
-    async def _internal_error(request, exc: Exception):
-        log.exception("internal error")
-        return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "server_error"), status_code=500)
+    _answer_errors_as_openai(app)
 
     @app.get("/health")
     async def health():
@@ -304,6 +285,31 @@ def create_app(engine, cfg: ServeConfig | None = None) -> FastAPI:
                 "usage": usage(c)}
 
     return app
+
+
+def _answer_errors_as_openai(app: FastAPI) -> None:
+    """Every error the app raises answered in OpenAI's error shape: ours (APIError), a body that
+    fails validation (400), Starlette's (404, 405, ...), and anything else (500, logged)."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(request, exc: APIError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request, exc: RequestValidationError):
+        message, param = validation_message(exc)
+        return JSONResponse(error_body(message, "invalid_request_error", param, "invalid_value"), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request, exc: StarletteHTTPException):
+        return JSONResponse(error_body(str(exc.detail), "invalid_request_error" if exc.status_code < 500
+                                        else "server_error", None, None),
+                            status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request, exc: Exception):
+        log.exception("internal error")
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "server_error"), status_code=500)
 
 
 class RequireKey:
