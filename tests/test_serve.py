@@ -22,7 +22,8 @@ from PIL import Image  # noqa: E402
 
 from vlforge.serve.app import create_app, uvicorn_config  # noqa: E402
 from vlforge.serve.config import ServeConfig  # noqa: E402
-from vlforge.serve.engine import Completion, InferenceEngine, Request, _BatchStreamer  # noqa: E402
+from vlforge.serve.engine import Completion, InferenceEngine, Request  # noqa: E402
+from vlforge.serve.streamer import BatchStreamer  # noqa: E402
 
 LIMITS = dict(max_body_bytes=1_000_000, max_image_pixels=1_000_000, max_images=8, max_prompt_tokens=256,
               max_tokens=64)
@@ -707,7 +708,7 @@ def test_streamer_flushes_held_back_text_and_stops_at_end_tokens(engine):
     reqs = [Request([], max_new_tokens=50, stop=["world"]), Request([], max_new_tokens=50),
             Request([], max_new_tokens=50, stop=["wor"])]
     got = ["", "", ""]
-    streamer = _BatchStreamer(engine, reqs, lambda row, text: got.__setitem__(row, got[row] + text))
+    streamer = BatchStreamer(engine, reqs, lambda row, text: got.__setitem__(row, got[row] + text))
     streamer.put(torch.zeros(3, 4, dtype=torch.long))  # the prompt
     for tok in ids:
         streamer.put(torch.tensor([tok] * 3))
@@ -747,7 +748,7 @@ def test_streamer_detokenizes_incrementally_and_exactly(engine, monkeypatch):
     real = tok.decode
     monkeypatch.setattr(tok, "decode", lambda ids, *a, **kw: decoded.append(len(ids)) or real(ids, *a, **kw))
     got = [[] for _ in reqs]
-    streamer = _BatchStreamer(engine, reqs, lambda row, text: got[row].append(text))
+    streamer = BatchStreamer(engine, reqs, lambda row, text: got[row].append(text))
     for row, ids in enumerate(answers):
         for t in ids:
             streamer.push(row, [t])

@@ -356,13 +356,13 @@ def test_a_long_feed_keeps_nothing_of_the_answered_requests(engine, monkeypatch)
             super().__init__(*args, **kwargs)
             results.append(weakref.ref(self))
 
-    class TrackedStreamer(serve_engine._BatchStreamer):
+    class TrackedStreamer(serve_engine.BatchStreamer):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             streamers.append(self)
 
     monkeypatch.setattr(gen_engine, "GenResult", TrackedResult)
-    monkeypatch.setattr(serve_engine, "_BatchStreamer", TrackedStreamer)
+    monkeypatch.setattr(serve_engine, "BatchStreamer", TrackedStreamer)
     total, slots = 24, 4
     sent, done, held = [0], [], []
 

@@ -28,10 +28,6 @@ ALLOWED: dict[str, str] = {
     "vlforge/cli.py": "issue 42, cli part (cli.py is being edited for other issues now)",
     "vlforge/cli.py:build_parser": "issue 42, cli part (cli.py is being edited for other issues now)",
     "vlforge/rl/core.py:policy_loss": "issue 42, rl part (rl/ is being edited for other issues now)",
-    # issue 42, part 5: split in the next commits
-    "vlforge/engine/optim.py:sharded_8bit": "issue 42, part 5",
-    "vlforge/engine/trainable.py:setup_model": "issue 42, part 5",
-    "vlforge/serve/engine.py": "issue 42, part 5",
 }
 
 

@@ -132,77 +132,89 @@ def sharded_8bit(base: type) -> type:
     exact on resume, and resharded by DCP onto another world size. The few tensors whose rows are
     not whole blocks (norms, biases, the 1152-wide vision tower of the 8B/32B models, LoRA's B)
     keep fp32 moments, like bitsandbytes' tensors under 4096 values. Plain tensors pass through."""
-    from torch.distributed.tensor import DTensor
+    name = f"Sharded{base.__name__}"
+    return type(name, (_ShardLocal8bit, base), {"__module__": __name__, "__qualname__": name})
 
-    class Sharded8bit(base):
-        @torch.no_grad()
-        def init_state(self, group, p, gindex, pindex):
-            if not isinstance(p, DTensor):
-                return super().init_state(group, p, gindex, pindex)
-            local = p._local_tensor
-            state = self.state[p]
-            state["step"] = 0
-            if self.get_config(gindex, pindex, group)["optim_bits"] == 8 and eight_bit_rows(p.shape):
-                for i, qmap in ((1, "dynamic"), (2, "udynamic")):
-                    state[f"state{i}"] = self.get_state_buffer(local, dtype=torch.uint8)
-                    state[f"qmap{i}"] = self.name2qmap[qmap].to(local.device)
-                    state[f"absmax{i}"] = torch.zeros(local.numel() // BLOCK, dtype=torch.float32,
-                                                      device=local.device)
-            else:
-                state["state1"] = self.get_state_buffer(local, dtype=torch.float32)
-                state["state2"] = self.get_state_buffer(local, dtype=torch.float32)
 
-        @torch.no_grad()
-        def update_step(self, group, p, gindex, pindex):
-            if not isinstance(p, DTensor):
-                return super().update_step(group, p, gindex, pindex)
-            state, local = self.state[p], p._local_tensor
-            if local.numel() == 0:  # a rank past the last row of a small tensor holds no shard of it
-                state["step"] += 1
-                return
-            # bitsandbytes' own update on the shard: it reads the state under the tensor it steps
-            # (the same dict, aliased for the call) and the gradient from its .grad
-            local.grad = p.grad._local_tensor
-            self.state[local] = state
-            try:
-                super().update_step(group, local, gindex, pindex)
-            finally:
-                del self.state[local]
-                local.grad = None
+class _ShardLocal8bit:
+    """The DTensor half of sharded_8bit's classes (placed before bitsandbytes' optimizer in their
+    bases, so `super()` is bitsandbytes): a DTensor parameter's state is its local shard's."""
 
-        def state_dict(self):
-            """bitsandbytes' state dict, with each DTensor parameter's state as DTensors (DCP's
-            sharded save) and its scalar step; the quantization maps are constants, left out."""
-            out = super().state_dict()
-            params = list(chain.from_iterable(g["params"] for g in self.param_groups))
-            for index in list(out["state"]):
-                p = params[index]
-                if isinstance(p, DTensor):
-                    out["state"][index] = _sharded_entry(p, self.state[p])
-            return out
+    @torch.no_grad()
+    def init_state(self, group, p, gindex, pindex):
+        from torch.distributed.tensor import DTensor
 
-        def load_state_dict(self, state_dict, move_to_device=True):
-            params = list(chain.from_iterable(g["params"] for g in self.param_groups))
-            saved = dict(zip(chain.from_iterable(g["params"] for g in state_dict["param_groups"]), params))
-            sharded = {k: v for k, v in state_dict["state"].items() if isinstance(saved.get(k), DTensor)}
-            rest = {k: v for k, v in state_dict["state"].items() if k not in sharded}
-            super().load_state_dict({**state_dict, "state": rest}, move_to_device)
-            for key, entry in sharded.items():
-                self.state[saved[key]] = self._local_state(saved[key], entry)
-
-        def _local_state(self, p, entry: dict) -> dict:
-            device = p._local_tensor.device
-            local = lambda t: (t.to_local() if isinstance(t, DTensor) else t).to(device).contiguous()
-            state = {"step": int(entry["step"])}
+        if not isinstance(p, DTensor):
+            return super().init_state(group, p, gindex, pindex)
+        local = p._local_tensor
+        state = self.state[p]
+        state["step"] = 0
+        if self.get_config(gindex, pindex, group)["optim_bits"] == 8 and eight_bit_rows(p.shape):
             for i, qmap in ((1, "dynamic"), (2, "udynamic")):
-                state[f"state{i}"] = local(entry[f"state{i}"])
-                if f"absmax{i}" in entry:
-                    state[f"absmax{i}"] = local(entry[f"absmax{i}"]).reshape(-1)
-                    state[f"qmap{i}"] = self.name2qmap[qmap].to(device)
-            return state
+                state[f"state{i}"] = self.get_state_buffer(local, dtype=torch.uint8)
+                state[f"qmap{i}"] = self.name2qmap[qmap].to(local.device)
+                state[f"absmax{i}"] = torch.zeros(local.numel() // BLOCK, dtype=torch.float32,
+                                                  device=local.device)
+        else:
+            state["state1"] = self.get_state_buffer(local, dtype=torch.float32)
+            state["state2"] = self.get_state_buffer(local, dtype=torch.float32)
 
-    Sharded8bit.__name__ = Sharded8bit.__qualname__ = f"Sharded{base.__name__}"
-    return Sharded8bit
+    @torch.no_grad()
+    def update_step(self, group, p, gindex, pindex):
+        from torch.distributed.tensor import DTensor
+
+        if not isinstance(p, DTensor):
+            return super().update_step(group, p, gindex, pindex)
+        state, local = self.state[p], p._local_tensor
+        if local.numel() == 0:  # a rank past the last row of a small tensor holds no shard of it
+            state["step"] += 1
+            return
+        # bitsandbytes' own update on the shard: it reads the state under the tensor it steps
+        # (the same dict, aliased for the call) and the gradient from its .grad
+        local.grad = p.grad._local_tensor
+        self.state[local] = state
+        try:
+            super().update_step(group, local, gindex, pindex)
+        finally:
+            del self.state[local]
+            local.grad = None
+
+    def state_dict(self):
+        """bitsandbytes' state dict, with each DTensor parameter's state as DTensors (DCP's
+        sharded save) and its scalar step; the quantization maps are constants, left out."""
+        from torch.distributed.tensor import DTensor
+
+        out = super().state_dict()
+        params = list(chain.from_iterable(g["params"] for g in self.param_groups))
+        for index in list(out["state"]):
+            p = params[index]
+            if isinstance(p, DTensor):
+                out["state"][index] = _sharded_entry(p, self.state[p])
+        return out
+
+    def load_state_dict(self, state_dict, move_to_device=True):
+        from torch.distributed.tensor import DTensor
+
+        params = list(chain.from_iterable(g["params"] for g in self.param_groups))
+        saved = dict(zip(chain.from_iterable(g["params"] for g in state_dict["param_groups"]), params))
+        sharded = {k: v for k, v in state_dict["state"].items() if isinstance(saved.get(k), DTensor)}
+        rest = {k: v for k, v in state_dict["state"].items() if k not in sharded}
+        super().load_state_dict({**state_dict, "state": rest}, move_to_device)
+        for key, entry in sharded.items():
+            self.state[saved[key]] = self._local_state(saved[key], entry)
+
+    def _local_state(self, p, entry: dict) -> dict:
+        from torch.distributed.tensor import DTensor
+
+        device = p._local_tensor.device
+        local = lambda t: (t.to_local() if isinstance(t, DTensor) else t).to(device).contiguous()
+        state = {"step": int(entry["step"])}
+        for i, qmap in ((1, "dynamic"), (2, "udynamic")):
+            state[f"state{i}"] = local(entry[f"state{i}"])
+            if f"absmax{i}" in entry:
+                state[f"absmax{i}"] = local(entry[f"absmax{i}"]).reshape(-1)
+                state[f"qmap{i}"] = self.name2qmap[qmap].to(device)
+        return state
 
 
 def _sharded_entry(p, state: dict) -> dict:

@@ -254,21 +254,7 @@ def setup_model(cfg: RunConfig, compile_blocks: bool | None = None, world: World
     # weight (the whole vision tower) to fp32; policy.apply below leaves the packed 4-bit weights
     # alone and keeps the rest in their storage dtypes, and non-reentrant checkpointing needs no
     # input that requires grad.
-    source = None  # sharded loading: rank 0's full weights, which fill every rank's shards in `wrap`
-    if meta_init(cfg.distributed, world):
-        model, processor, plan, source = _meta_model(cfg, load_dtype, world)
-    else:
-        plans = []
-
-        def lora(base: nn.Module) -> nn.Module:  # before load_model quantizes any MoE experts (model/quant.py)
-            plans.append(build_plan(base, cfg.tiers))
-            return apply_plan(base, plans[0])
-
-        model, processor = load_model(cfg.model, dtype=load_dtype, device=device, quant=cfg.quant, wrap=lora)
-        plan = plans[0]
-        if cfg.quant.enabled:
-            print(format_report(verify(model, cfg.quant)))
-            keep_trainable(model)  # evals and rollouts switch to eval mode mid-run
+    model, processor, plan, source = _load_planned(cfg, load_dtype, world)
     fp8_plan = {}
     if fp8 is not None:
         fp8_plan = fp8_layer_plan(unwrap(model), cfg.precision.fp8)
@@ -277,17 +263,59 @@ def setup_model(cfg: RunConfig, compile_blocks: bool | None = None, world: World
     if cfg.model.packed_attention == "mask":
         keep_mask_attention(unwrap(model))
     if cfg.precision.gradient_checkpointing:
-        core = unwrap(model)
-        if hasattr(core, "activation_checkpointing_enable"):  # the name in transformers >= 5.2x
-            core.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-        else:
-            core.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        # transformers also hooks the input embeddings to make their output require grad, which only
-        # reentrant checkpointing needs. The hook's requires_grad_() is a graph break for dynamo
-        # (torch 2.11), inside the compiled rollout decode step, where mark_dynamic then failed.
-        core.disable_input_require_grads()
-        if cfg.precision.checkpoint_every > 1:
-            checkpoint_selected_blocks(model, cfg.precision.checkpoint_every)
+        _checkpoint_activations(model, cfg.precision.checkpoint_every)
+    compiled_parts, cuda_graphs = _compile(model, cfg, device, world, compile_blocks)
+    # sharded last: FSDP2 takes the parameters in their storage dtypes (fp32 masters) and gathers
+    # them in the compute dtype; `t.model` stays the (peft / HF) model, its parameters now sharded
+    root = wrap(model, world, cfg.distributed, policy.compute_dtype, policy.master_dtype, source,
+                computes=policy.computes(model))
+    del source  # rank 0's host copy of the whole model
+    model.train()
+    routing = Routing.of(model, cfg.train.router_aux_loss_coef)
+    record_limits(processor, cfg.data)  # its checkpoints are then served at the run's image and video limits
+    return Trainable(model, processor, plan, policy, device, fp8_plan, world, root, routing,
+                     cfg.precision.activation_memory_budget, compiled_parts, cuda_graphs,
+                     cuda_graphs and cfg.precision.cuda_graphs_vision)
+
+
+def _load_planned(cfg: RunConfig, load_dtype: torch.dtype, world: World):
+    """(model, processor, plan, source): the model loaded with its trainable plan applied. `source`
+    is sharded loading's rank-0 copy of the full weights, which fill every rank's shards in `wrap`
+    (None on one process)."""
+    if meta_init(cfg.distributed, world):
+        return _meta_model(cfg, load_dtype, world)
+    plans = []
+
+    def lora(base: nn.Module) -> nn.Module:  # before load_model quantizes any MoE experts (model/quant.py)
+        plans.append(build_plan(base, cfg.tiers))
+        return apply_plan(base, plans[0])
+
+    model, processor = load_model(cfg.model, dtype=load_dtype, device=world.device, quant=cfg.quant, wrap=lora)
+    if cfg.quant.enabled:
+        print(format_report(verify(model, cfg.quant)))
+        keep_trainable(model)  # evals and rollouts switch to eval mode mid-run
+    return model, processor, plans[0], None
+
+
+def _checkpoint_activations(model: nn.Module, every: int) -> None:
+    """Non-reentrant activation checkpointing of the decoder layers (every `every`-th with every > 1)."""
+    core = unwrap(model)
+    if hasattr(core, "activation_checkpointing_enable"):  # the name in transformers >= 5.2x
+        core.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        core.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # transformers also hooks the input embeddings to make their output require grad, which only
+    # reentrant checkpointing needs. The hook's requires_grad_() is a graph break for dynamo
+    # (torch 2.11), inside the compiled rollout decode step, where mark_dynamic then failed.
+    core.disable_input_require_grads()
+    if every > 1:
+        checkpoint_selected_blocks(model, every)
+
+
+def _compile(model: nn.Module, cfg: RunConfig, device: torch.device, world: World,
+             compile_blocks: bool | None) -> tuple[tuple[str, ...], bool]:
+    """Compile the decoder layers (and vision blocks), as CUDA graphs where asked: (what is
+    compiled, for Trainable.compiled; whether the decoder layers replay as CUDA graphs)."""
     measured = not (cfg.quant.enabled or cfg.precision.gradient_checkpointing or world.strategy != "none"
                     or is_moe(unwrap(model).config))
     compiled = default_compile(cfg.precision, device, measured) if compile_blocks is None else compile_blocks
@@ -305,23 +333,13 @@ def setup_model(cfg: RunConfig, compile_blocks: bool | None = None, world: World
                                cuda_graphs_vision=cfg.precision.cuda_graphs_vision)
     elif cfg.precision.activation_memory_budget is not None:  # config requires compile=true: a caller said no
         raise ConfigError("precision.activation_memory_budget acts on compiled layers, and this run compiles none")
-    # sharded last: FSDP2 takes the parameters in their storage dtypes (fp32 masters) and gathers
-    # them in the compute dtype; `t.model` stays the (peft / HF) model, its parameters now sharded
-    root = wrap(model, world, cfg.distributed, policy.compute_dtype, policy.master_dtype, source,
-                computes=policy.computes(model))
-    del source  # rank 0's host copy of the whole model
-    model.train()
-    routing = Routing.of(model, cfg.train.router_aux_loss_coef)
     compiled_parts = ("decoder layers", "vision blocks") if compiled and vision_compiled else \
         ("decoder layers",) if compiled else ()
     if cuda_graphs:
         vision_graphs = cfg.precision.cuda_graphs_vision
         compiled_parts = ("decoder layers (CUDA graphs)",
                           *(("vision blocks (CUDA graphs)",) if vision_graphs else compiled_parts[1:]))
-    record_limits(processor, cfg.data)  # its checkpoints are then served at the run's image and video limits
-    return Trainable(model, processor, plan, policy, device, fp8_plan, world, root, routing,
-                     cfg.precision.activation_memory_budget, compiled_parts, cuda_graphs,
-                     cuda_graphs and cfg.precision.cuda_graphs_vision)
+    return compiled_parts, cuda_graphs
 
 
 def _meta_model(cfg: RunConfig, load_dtype: torch.dtype, world: World):

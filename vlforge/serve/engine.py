@@ -15,7 +15,9 @@ Generation runs on generate/'s engine (the one GRPO rollouts and eval use): ever
 `generate_continuous` also takes requests arriving while it runs (the server's batcher): they join
 at a sync point instead of waiting for the batch. `on_text` receives each request's new text as
 it is produced (at sync points), which the server turns into SSE chunks. `engine="hf"` keeps the
-previous path (transformers `generate`, requests batched by sampling settings) for comparison.
+previous path (transformers `generate`, requests batched by sampling settings: hf_generate.py) for
+comparison. Both keep each answer's text in streamer.py's BatchStreamer (incremental detokenizing,
+stop strings, the text streamed as it grows) and return its Completion.
 """
 
 from __future__ import annotations
@@ -31,8 +33,6 @@ from typing import Callable
 
 import torch
 from PIL import Image
-from tokenizers.decoders import DecodeStream
-from transformers import StoppingCriteria, StoppingCriteriaList
 from transformers.image_utils import SizeDict
 
 from vlforge.config import ConfigError, ModelConfig, QuantConfig
@@ -42,7 +42,9 @@ from vlforge.data.tokens import max_chars_per_token
 from vlforge.generate.engine import Engine, Feed, GenRequest, GenResult, Prompt
 from vlforge.generate.forward import never_generated
 from vlforge.model.presets import PRESETS
-from vlforge.serve.shared_images import image_key, share_identical_images, share_repeated_images
+from vlforge.serve.hf_generate import generate_hf
+from vlforge.serve.shared_images import share_identical_images
+from vlforge.serve.streamer import BatchStreamer, Completion
 
 # Default answer lengths when a request does not say: a class name or a short answer fits in 16 /
 # 64 tokens, and a short cap keeps a model that does not stop from running long; descriptions need more.
@@ -100,174 +102,9 @@ class Request:
     cancelled: threading.Event = field(default_factory=threading.Event, repr=False, compare=False)
 
 
-@dataclass
-class Completion:
-    text: str
-    prompt_tokens: int
-    completion_tokens: int
-    finish_reason: str  # "stop" | "length" | "cancelled"
-
-
-def _partial_stop(text: str, stops: list[str]) -> int:
-    """Length of the longest tail of `text` that is the start of a stop string (held back while
-    streaming: it may yet become a stop string, which the final text leaves out)."""
-    return max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
-
-
-class _RowText:
-    """One answer's text, detokenized incrementally: each token's text comes from tokenizers'
-    `DecodeStream`, which decodes only a short window of ids past the last complete character and
-    yields nothing while the bytes so far end inside a UTF-8 character (a CJK character or an emoji
-    split over byte-level tokens), so a token costs the same at the 4,000th as at the first.
-    (transformers' TextIteratorStreamer re-decodes its whole token cache at every token until a
-    newline resets it: quadratic in a long line. DecodeStream is the tokenizers library's own
-    streaming decode, over the same Rust tokenizer that `decode` runs.)
-    Stop strings are searched in the new text plus the tail before it that a stop string could
-    start in, so that too is linear in the answer's length."""
-
-    __slots__ = ("stream", "stops", "keep", "parts", "tail", "unsent", "pending")
-
-    def __init__(self, stops: list[str]):
-        self.stream = DecodeStream(skip_special_tokens=True)
-        self.stops = [s for s in stops if s]
-        self.keep = max((len(s) for s in self.stops), default=1) - 1  # a stop string starts in these
-        self.parts: list[str] = []  # the text so far but its tail
-        self.tail = ""  # the text's last `keep` characters (every character not streamed yet among them)
-        self.unsent = 0  # characters at the end of the text not streamed yet (a possible stop string's start)
-        self.pending: list[int] = []  # ids whose text the stream holds back (an unfinished character)
-
-    def step(self, backend, tok: int) -> str:
-        piece = self.stream.step(backend, tok)
-        if piece is None:
-            self.pending.append(tok)
-            return ""
-        self.pending.clear()
-        return piece
-
-    def flush(self, backend) -> str:
-        """At the end: the text of the ids the stream still holds (an unfinished character's bytes
-        decode as U+FFFD, as in a full decode). The stream yielded at a complete character, after
-        which UTF-8 decoding starts afresh, so these ids decode alone to the full decode's rest."""
-        rest = backend.decode(self.pending, skip_special_tokens=True) if self.pending else ""
-        self.pending = []
-        return rest
-
-    def add(self, piece: str, final: bool) -> tuple[str, bool]:
-        """Append `piece`: (the text to stream now, whether a stop string ended the answer). Unless
-        `final`, a tail that may still become a stop string is held back; a stop string found starts
-        in held-back text, never in streamed text."""
-        window, unsent = self.tail + piece, self.unsent + len(piece)
-        hits = [i for s in self.stops if (i := window.find(s)) >= 0]
-        if hits:
-            cut = min(hits)
-            window, unsent, final = window[:cut], unsent - (len(window) - cut), True
-        hold = 0 if final else _partial_stop(window, self.stops)
-        out = window[len(window) - unsent:len(window) - hold]
-        self.unsent = hold
-        split = max(0, len(window) - self.keep)
-        if split:
-            self.parts.append(window[:split])
-        self.tail = window[split:]
-        return out, bool(hits)
-
-    def text(self) -> str:
-        return "".join(self.parts) + self.tail
-
-
-class _BatchStreamer:
-    """The per-row bookkeeping of one batched generate(): transformers calls put() with each step's
-    tokens (generate/'s engine: push() with a row's tokens of a sync point; rows join by add());
-    rows finish at an end token, their own max_new_tokens, a stop string or when cancelled, and
-    _RowsDone tells generate() so, which stops computing them. Text goes to on_text(row, new_text)
-    as it grows (_RowText: incremental), holding back a tail that may still become a stop string;
-    `text[row]` is the row's answer once `done[row]`, `count[row]` its tokens. Rows are numbered
-    0, 1, ... as they join; each is a key of the dicts below until `release`d (dicts, not lists: a
-    server's continuous generate runs as long as requests keep coming, and keeps none of the done).
-    """
-
-    def __init__(self, engine: "InferenceEngine", requests: list[Request], on_text: Callable[[int, str], None] | None):
-        self.engine, self.on_text = engine, on_text
-        self.backend = engine.tokenizer.backend_tokenizer  # the Rust tokenizer DecodeStream steps on
-        self.requests: dict[int, Request] = {}
-        self.rows: dict[int, _RowText] = {}
-        self.text: dict[int, str] = {}
-        self.count: dict[int, int] = {}
-        self.done: dict[int, bool] = {}
-        self.finish: dict[int, str] = {}
-        self.joined = 0  # rows added so far: the next row's number
-        self.prompt_seen = False
-        for r in requests:
-            self.add(r)
-
-    def add(self, request: Request) -> int:
-        """A request joining (generate/'s engine, continuous batching): its row."""
-        row, self.joined = self.joined, self.joined + 1
-        self.requests[row], self.rows[row] = request, _RowText(request.stop)
-        self.text[row], self.count[row], self.done[row], self.finish[row] = "", 0, False, "length"
-        return row
-
-    def release(self, row: int) -> None:
-        """The row's answer was delivered: forget it (its request's images, its text, its counts)."""
-        for d in (self.requests, self.rows, self.text, self.count, self.done, self.finish):
-            del d[row]
-
-    def put(self, value: torch.Tensor) -> None:
-        if not self.prompt_seen:  # generate() first hands over the prompt
-            self.prompt_seen = True
-            return
-        for row, tok in enumerate(value.reshape(len(self.rows), -1)[:, -1].tolist()):
-            self.push(row, [tok])
-
-    def push(self, row: int, toks: list[int]) -> None:
-        """The row's next tokens (one per step for generate(), a sync point's for generate/'s engine)."""
-        for tok in toks:
-            if self.done[row]:
-                return  # generate() pads finished rows; the engine's row may run on to the sync point
-            if self.requests[row].cancelled.is_set():  # nobody waits for this row: its token is dropped
-                return self._close(row, "cancelled")
-            if tok in self.engine.end_ids:
-                return self._close(row, "stop")
-            self.count[row] += 1
-            piece = self.rows[row].step(self.backend, tok)
-            if piece and self._send(row, piece, final=False):
-                return self._close(row, "stop")
-            if self.count[row] >= self.requests[row].max_new_tokens:
-                return self._close(row, "length")
-
-    def _send(self, row: int, piece: str, final: bool) -> bool:
-        """Stream what `piece` releases; True if a stop string ended the answer in it."""
-        out, stopped = self.rows[row].add(piece, final)
-        if out and self.on_text is not None:
-            self.on_text(row, out)
-        return stopped
-
-    def _close(self, row: int, finish: str) -> None:
-        """The row is done: what the stream still holds and the held-back tail go out."""
-        text = self.rows[row]
-        if self._send(row, text.flush(self.backend), final=True):
-            finish = "stop"
-        self.text[row], self.done[row], self.finish[row] = text.text(), True, finish
-
-    def end(self, rows=None, finish: str | None = None) -> None:
-        """Rows the generation ended (all by default): done, as `finish` (default: "length")."""
-        for row in list(self.rows) if rows is None else rows:
-            if not self.done[row]:
-                self._close(row, finish or self.finish[row])
-
-
 @contextmanager
 def _nothing():
     yield
-
-
-class _RowsDone(StoppingCriteria):
-    """Per-row stop for generate(): a row is finished once the streamer says so."""
-
-    def __init__(self, streamer: _BatchStreamer):
-        self.streamer = streamer
-
-    def __call__(self, input_ids: torch.Tensor, scores, **kwargs) -> torch.Tensor:
-        return torch.tensor(list(self.streamer.done.values()), device=input_ids.device)
 
 
 def processor_pixel_limits(image_processor) -> tuple[int, int]:
@@ -479,7 +316,8 @@ class InferenceEngine:
             item = frames_as_images(item, encoder)
         return item
 
-    def _inputs(self, requests: list[Request]) -> dict:
+    def batch_inputs(self, requests: list[Request]) -> dict:
+        """The requests' prompts left-padded into one batch, on the engine's device (engine=hf)."""
         items = [self._item(r) for r in requests]
         return {k: v.to(self.device) for k, v in collate(items, self.encoder.pad_id, left_pad=True).items()}
 
@@ -500,7 +338,7 @@ class InferenceEngine:
     def generate(self, requests: list[Request], on_text: Callable[[int, str], None] | None = None) -> list[Completion]:
         """Complete every request (on_text(i, new_text) streams request i's answer)."""
         if self.engine_kind == "hf":
-            return self._generate_hf(requests, on_text)
+            return generate_hf(self, requests, on_text)
         out: dict[int, Completion] = {}
         index = {id(r): i for i, r in enumerate(requests)}
         self.generate_continuous(requests, None if on_text is None else lambda r, text: on_text(index[id(r)], text),
@@ -524,13 +362,13 @@ class InferenceEngine:
         if self.engine_kind == "hf":  # the old path: one batch after another
             batch = list(first)
             while batch:
-                for r, c in zip(batch, self._generate_hf(batch, None if on_text is None else
-                                                         lambda i, text, b=batch: on_text(b[i], text))):
+                for r, c in zip(batch, generate_hf(self, batch, None if on_text is None else
+                                                   lambda i, text, b=batch: on_text(b[i], text))):
                     on_done(r, c)
                 batch = more() if more is not None else []
             return
-        streamer = _BatchStreamer(self, [], None if on_text is None else
-                                  lambda row, text: on_text(streamer.requests[row], text))
+        streamer = BatchStreamer(self, [], None if on_text is None else
+                                 lambda row, text: on_text(streamer.requests[row], text))
         rows: dict[int, int] = {}  # ticket -> streamer row
         prompt_tokens: dict[int, int] = {}
         live: dict[int, Request] = {}
@@ -597,37 +435,3 @@ class InferenceEngine:
     def _prompt(self, r: Request) -> Prompt:
         item = self._item(r)
         return Prompt(item["input_ids"], item.get("pixel_values"), item.get("image_grid_thw"))
-
-    @torch.no_grad()
-    def _generate_hf(self, requests: list[Request], on_text: Callable[[int, str], None] | None = None) -> list[Completion]:
-        """engine=hf: transformers generate, one batch per sampling setting."""
-        results: list[Completion | None] = [None] * len(requests)
-        groups: dict[tuple, list[int]] = {}
-        for i, r in enumerate(requests):
-            groups.setdefault((r.temperature, r.top_p), []).append(i)
-        for (temperature, top_p), index in groups.items():
-            callback = None if on_text is None else (lambda row, text, index=index: on_text(index[row], text))
-            for i, c in zip(index, self._generate_batch([requests[i] for i in index], temperature, top_p, callback)):
-                results[i] = c
-        return results  # type: ignore[return-value]
-
-    def _generate_batch(self, requests: list[Request], temperature: float, top_p: float, on_text) -> list[Completion]:
-        inputs = self._inputs(requests)
-        sampling = {"do_sample": True, "temperature": temperature, "top_p": top_p} if temperature > 0 else {"do_sample": False}
-        if min_new := min(r.min_new_tokens for r in requests):
-            sampling["min_new_tokens"] = min_new
-        # the tokens generate/'s engine never generates either (vision special tokens: issue 11)
-        sampling["suppress_tokens"] = self.banned_ids()
-        streamer = _BatchStreamer(self, requests, on_text)
-        # one key an image of the batch (a request with a video has more images than r.images: not shared)
-        keys = ([image_key(im, self.encoder_for(r).limits) for r in requests for im in r.images]
-                if self.share_images and not any(r.videos for r in requests) else [])
-        with self.lock, torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"), \
-                share_repeated_images(self.model, keys, inputs.get("image_grid_thw")) as shared:
-            self.images_shared += shared
-            self.model.generate(**inputs, max_new_tokens=max(r.max_new_tokens for r in requests),
-                                pad_token_id=self.encoder.pad_id, eos_token_id=self.end_ids, streamer=streamer,
-                                stopping_criteria=StoppingCriteriaList([_RowsDone(streamer)]), **sampling)
-        return [Completion(text, int(n_prompt), count, finish) for text, n_prompt, count, finish
-                in zip(streamer.text.values(), inputs["attention_mask"].sum(1).tolist(), streamer.count.values(),
-                       streamer.finish.values())]
