@@ -184,6 +184,9 @@ def collect_environment() -> dict[str, Any]:
     }
 
 
+# ----------------------------------------------------------------------------- checks
+
+
 def version_checks(env: dict[str, Any], expect_cuda: bool) -> list[Check]:
     checks = []
     py = env["python"]
