@@ -879,22 +879,26 @@ def test_moe_qlora_on_nf4_experts_under_ddp_equals_one_process(shapes_dir, tmp_p
     assert same / sum(t.numel() for t in theirs.values()) > 0.99
 
 
-def test_fsdp2_shards_live_on_the_device_type_the_config_names():
-    """train.device=cpu under FSDP2: every shard is on the run's own mesh (World.mesh, on the CPU), not
-    on fully_shard's default mesh, which takes torch's accelerator: on a machine with a GPU a CPU run's
-    shards went to cuda:0 and met its CPU batches there (11 tests failed so on an H100 machine)."""
+def test_fsdp2_shards_live_on_the_device_type_the_config_names(monkeypatch):
+    """train.device=cpu under FSDP2: every unit is sharded over the run's own mesh (World.mesh, on the
+    CPU), not fully_shard's default mesh, which takes torch's accelerator: on a machine with a GPU a CPU
+    run's shards went to cuda:0 and met its CPU batches there (11 tests failed so on an H100 machine)."""
+    import torch.distributed.fsdp as fsdp
     from torch.distributed.tensor import DTensor
 
     from vlforge.config import SFTConfig, load_config
     from vlforge.engine.distributed import init_world
     from vlforge.engine.trainable import setup_model
 
+    meshes, real = [], fsdp.fully_shard
+    monkeypatch.setattr(fsdp, "fully_shard", lambda *a, **kw: meshes.append(kw.get("mesh")) or real(*a, **kw))
     cfg = load_config(SFTConfig, None, ["model.preset=tiny", "train.device=cpu", "distributed.strategy=fsdp2"])
     world = init_world(cfg.distributed, cfg.train.device)
     try:
         shards = [p for p in setup_model(cfg, world=world).model.parameters() if isinstance(p, DTensor)]
-        assert shards and all(p.device_mesh is world.mesh for p in shards)
+        assert meshes and all(mesh is world.mesh for mesh in meshes)  # every unit, the root included
         assert world.mesh.device_type == "cpu" and {p.device.type for p in shards} == {"cpu"}
+        assert shards and {p.device_mesh.device_type for p in shards} == {"cpu"}
     finally:
         world.close()
 
