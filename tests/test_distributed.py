@@ -866,17 +866,19 @@ def test_moe_qlora_on_nf4_experts_under_ddp_equals_one_process(shapes_dir, tmp_p
     two = launch(args + [DDP, "train.batch_size=2", f"train.output_dir={tmp_path / 'two'}"], tmp_path)
     assert two.returncode == 0, two.stderr[-3000:]
     assert "experts:nf4 4" in two.stdout and "2 processes (ddp)" in two.stdout
-    # bf16: DDP's all-reduce adds in another order (measured on a 2-core machine: <= 5e-5 apart; on a 16-core
-    # one, whose CPU kernels split the sums otherwise, the second step's grad norm 8.7e-4 apart: a quarter of
+    # bf16: DDP's all-reduce adds in another order (measured: losses <= 5e-5 apart; the second step's grad
+    # norm 2.6e-4 to 8.7e-4 apart on other machines than the one the test was written on: under a quarter of
     # a bf16 step, 3.9e-3)
     for key, rel in (("loss", 2e-4), ("grad_norm", 2e-3)):
         assert losses(tmp_path / "two", key) == pytest.approx(losses(tmp_path / "one", key), rel=rel), key
     ours, theirs = (load_file(tmp_path / d / "checkpoint-2" / "adapter_model.safetensors") for d in ("two", "one"))
     assert set(ours) == set(theirs) and any("experts" in k for k in theirs)
     # Adam's first steps are about lr x sign(g): a gradient element near zero may flip sign between the two
-    # reduction orders and land lr away (measured: 99.6% of the values within 1e-5, the worst tensor 98.4%)
+    # reduction orders and land up to ~2 lr away a step (measured: 99.6% of the values within 1e-5 on one
+    # 2-core machine, 96.4% on another); no value further than such flips take it (constant lr, at most 5e-4)
     same = sum(torch.isclose(ours[k], theirs[k], rtol=1e-3, atol=1e-5).sum().item() for k in theirs)
-    assert same / sum(t.numel() for t in theirs.values()) > 0.99
+    assert same / sum(t.numel() for t in theirs.values()) > 0.95
+    assert max(float((ours[k].float() - theirs[k].float()).abs().max()) for k in theirs) <= 2 * 2 * 2 * 5e-4
 
 
 def test_fsdp2_shards_live_on_the_device_type_the_config_names(monkeypatch):
