@@ -423,7 +423,8 @@ def test_grpo_with_tools_on_two_ranks_equals_one_process(tool_model, tool_data, 
             assert two[key] == one[key], key
         for key in ("response_length_mean", "loss", "grad_norm", "kl", "entropy"):
             assert two[key] == pytest.approx(one[key], rel=1e-4, abs=1e-7), key
-    assert rows["one"][0]["tool/calls_mean"] > 0.5 and rows["one"][1]["kl"] > 1e-6  # tools used; the policy moved
+    # tools used (a quarter of the responses or more: 6 of 16 with the image tool), the policy moved
+    assert rows["one"][0]["tool/calls_mean"] >= 0.25 and rows["one"][1]["kl"] > 1e-6
     if images:  # a call that ran returned a picture
         assert any(row["tool/failed_frac"] < 1 for row in rows["one"])
     evals = {name: json.loads((tmp_path / name / "eval.json").read_text()) for name in rows}
