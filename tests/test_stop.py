@@ -27,6 +27,20 @@ TIMEOUT_S = 240
 RECIPE = str(Path(__file__).parent / "resume.yaml")  # the tiny LoRA recipe of the SIGKILL resume test
 
 
+@pytest.fixture(autouse=True)
+def default_signal_actions():
+    """Each test starts from Python's own SIGINT and SIGTERM actions, whatever the process running the
+    suite was given (a job started with SIGINT ignored passes that on to every process it starts, and
+    vlforge keeps an ignored signal ignored) or an earlier test left: the runs these tests start inherit
+    them."""
+    previous = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    yield
+    for s, handler in previous.items():
+        signal.signal(s, handler if handler is not None else signal.SIG_DFL)
+
+
 class Launched:
     """A CLI run in a session of its own (its process group: the run and its helper processes),
     its output in files that can be read while it runs."""
