@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 from helpers import tiny_sft_config
 from test_samples import shapes_grpo
 
@@ -186,6 +187,11 @@ def test_run_states_from_the_lock_and_the_metrics(runs, tmp_path):
     finally:
         holder.kill()
         holder.wait()
+    # a run sized by train.epochs (no max_steps): its last checkpoint records the run's length
+    config = yaml.safe_load((run / "config.yaml").read_text())
+    config["train"]["max_steps"] = None
+    (run / "config.yaml").write_text(yaml.safe_dump(config))
+    assert run_summary(run)["state"] == "finished"
     lines = (run / "metrics.jsonl").read_text().splitlines()
     (run / "metrics.jsonl").write_text("\n".join(l for l in lines if json.loads(l)["step"] <= 3) + "\n")
     shutil.rmtree(run / "checkpoint-4")

@@ -138,6 +138,7 @@ class Run:
             # one-process run's
             fresh_rng(cfg.train.seed, 0, world.rank)
         state[IDENTITY_KEY] = identity
+        state["total_steps"] = total_steps  # in every checkpoint: `vlforge view` tells a finished run from a stopped one
         # after the resume: a checkpoint refused as another config's leaves the config.yaml it was saved with;
         # paths stored absolute, so the run's checkpoints export, infer and serve anywhere
         if world.main:

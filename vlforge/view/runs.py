@@ -7,6 +7,8 @@ subfolders (one level down) are runs.
 
 from __future__ import annotations
 
+import json
+
 import fcntl
 import os
 import struct
@@ -85,7 +87,12 @@ def run_state(run: Path, rows: list[dict], config: dict) -> str:
         return "finished"
     checkpoints = list_checkpoints(run)
     if checkpoints and last and checkpoints[-1].name == f"checkpoint-{last}":
-        return "stopped"
+        # a run sized by train.epochs has no max_steps: its checkpoints record the run's length
+        try:
+            total = json.loads((checkpoints[-1] / "trainer_state.json").read_text()).get("total_steps")
+        except (OSError, ValueError, AttributeError):
+            total = None
+        return "finished" if total == last else "stopped"
     return "crashed" if rows else "starting"
 
 
