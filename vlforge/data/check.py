@@ -32,9 +32,7 @@ def check_file(path: str, processor, cfg: DataConfig) -> dict:
         try:
             m = measure(encoder, s, cfg.max_length)  # a text too long to fit is not tokenized whole: its lower bound
         except DataError as e:  # the chat template or the processor cannot encode it: one more error row
-            report.skipped["cannot be encoded"] += 1
-            if len(report.first_errors) < 5:
-                report.first_errors.append(str(e))
+            report.skip(e, "cannot be encoded")
             continue
         valid += 1
         lengths.append(m.least)

@@ -13,7 +13,7 @@ from pathlib import Path
 from vlforge.config import DataConfig
 from vlforge.data.inline import DataError, ImageBytes
 from vlforge.data.jsonl import LoadReport, Sample, Video, open_image
-from vlforge.data.sources import LazySamples, _reason, open_source
+from vlforge.data.sources import LazySamples, open_source
 
 
 def _image_file(image: ImageBytes, folder: Path) -> Path:
@@ -82,9 +82,7 @@ def convert(src: str | Path, out: str | Path, cfg: DataConfig, on_error: str = "
                 except DataError as e:
                     if on_error == "fail":
                         raise
-                    report.skipped[_reason(e)] += 1
-                    if len(report.first_errors) < 5:
-                        report.first_errors.append(str(e))
+                    report.skip(e)
                     continue
                 f.write(json.dumps(row, ensure_ascii=False) + "\n")
                 report.kept += 1

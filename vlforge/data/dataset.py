@@ -193,10 +193,8 @@ def load_dataset(path: str, processor, cfg: DataConfig) -> ChatDataset:
         except DataError as e:  # an image that fails when measured
             if cfg.on_error == "fail" or cfg.too_long == "fail":
                 raise
-            report.skipped["image cannot be measured"] += 1
+            report.skip(e, "image cannot be measured")
             report.kept -= 1
-            if len(report.first_errors) < 5:
-                report.first_errors.append(str(e))
             continue
         if isinstance(tokens, str):  # the reason it is dropped
             report.skipped[tokens] += 1

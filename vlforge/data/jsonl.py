@@ -118,6 +118,14 @@ class LoadReport:
     skipped: Counter = field(default_factory=Counter)  # reason -> count
     first_errors: list[str] = field(default_factory=list)  # a few full messages, for the user
 
+    def skip(self, error: Exception, reason: str | None = None) -> None:
+        """Count a row left out (data.on_error=skip) under `reason` (default: the error's first clause,
+        after its file:line), keeping the first few full messages."""
+        text = str(error)
+        self.skipped[reason or (text.split(": ", 1)[1] if ": " in text else text).split(" (")[0][:60]] += 1
+        if len(self.first_errors) < 5:
+            self.first_errors.append(text)
+
 
 def _text_of(content) -> str:
     if isinstance(content, str):
@@ -546,10 +554,7 @@ def read_jsonl(path: str | Path, on_error: str = "fail", report: LoadReport | No
             except DataError as e:
                 if on_error == "fail":
                     raise
-                reason = str(e).split(": ", 1)[1].split(" (")[0][:60]
-                report.skipped[reason] += 1
-                if len(report.first_errors) < 5:
-                    report.first_errors.append(str(e))
+                report.skip(e)
     if rows == 0:
         raise DataError(f"{path}: has no rows (the file is empty or holds only blank lines); "
                         "write one JSON object per line")

@@ -239,10 +239,6 @@ class LazySamples:
         return self.parse(row, where=where)
 
 
-def _reason(e: DataError) -> str:
-    return str(e).split(": ", 1)[1].split(" (")[0][:60] if ": " in str(e) else str(e)[:60]
-
-
 def iter_samples(path: str | Path, cfg: DataConfig, on_error: str = "fail", report: LoadReport | None = None,
                  decode_images: bool = False, limit: int | None = None):
     """Every row of `path` (any format) as a Sample, one at a time (data check holds none of them);
@@ -261,9 +257,7 @@ def iter_samples(path: str | Path, cfg: DataConfig, on_error: str = "fail", repo
         except DataError as e:
             if on_error == "fail":
                 raise
-            report.skipped[_reason(e)] += 1
-            if len(report.first_errors) < 5:
-                report.first_errors.append(str(e))
+            report.skip(e)
             continue
         report.kept += 1
         yield sample
