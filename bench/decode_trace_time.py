@@ -29,7 +29,7 @@ def main() -> None:
     grpo = args.setup == "grpo"
     dtype = torch.float32 if grpo else torch.bfloat16
     model, _ = load_model(ModelConfig(preset=args.preset), dtype=dtype, device="cpu")
-    if grpo:  # what GRPO's full fine-tuning hands the engine (recipes/grpo.py, engine/trainable.py)
+    if grpo:  # what GRPO's full fine-tuning hands the engine (recipes/grpo.py, train/trainable.py)
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.enable_input_require_grads()
     model.eval()

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Packed rows: padded vs packed with transformers' dense block-diagonal mask (model.packed_attention=mask,
-# the path measured slower than padding) vs packed with our per-sample attention (engine/packed_attention.py:
+# the path measured slower than padding) vs packed with our per-sample attention (train/packed_attention.py:
 # torch's varlen_attn), eager and compiled, the same samples (--seed 0) in every run; plus the mixed-length
 # set (answers 8-1024 tokens, 1-4 images) by a token budget. One group per device call (each fits 10 min):
 #   OUT=/some/dir GROUP=2b bash bench/gpu_pack.sh      # 2B full: 6 runs

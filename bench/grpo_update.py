@@ -37,9 +37,9 @@ import torch
 
 from vlforge.config import GRPOConfig, load_config
 from vlforge.data.encode import Encoder, ImageLimits, collate, encode_prompt
-from vlforge.engine.health import GradHealth
-from vlforge.engine.optim import build_optimizer
-from vlforge.engine.trainable import setup_model
+from vlforge.train.health import GradHealth
+from vlforge.train.optim import build_optimizer
+from vlforge.train.trainable import setup_model
 from vlforge.generate.forward import vision_token_ids
 from vlforge.model.tiers import param_groups
 from vlforge.recipes.grpo import disable_dropout, update

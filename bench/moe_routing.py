@@ -33,7 +33,7 @@ import torch
 
 from vlforge.config import ModelConfig, RolloutConfig
 from vlforge.data.encode import Encoder, ImageLimits, collate, encode_prompt
-from vlforge.engine.moe import Routing, capture, follow
+from vlforge.train.moe import Routing, capture, follow
 from vlforge.generate.routes import NO_ROUTE
 from vlforge.model.load import load_model
 from vlforge.rollout.engine import generate_groups, route_rows, sequence_logprobs

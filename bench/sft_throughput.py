@@ -46,19 +46,19 @@ from vlforge.config import SFTConfig, load_config
 from vlforge.data.dataset import budget_batches
 from vlforge.data.encode import Encoder, ImageLimits, SampleTokens, VideoLimits, collate, encode, pack
 from vlforge.data.jsonl import Sample, Video
-from vlforge.engine.distributed import init_world
-from vlforge.engine.fp8 import summarize
-from vlforge.engine.health import GradHealth
-from vlforge.engine.losses import count_tokens
-from vlforge.engine.runtime import resolve_num_workers
-from vlforge.engine.optim import build_optimizer
+from vlforge.train.distributed import init_world
+from vlforge.train.fp8 import summarize
+from vlforge.train.health import GradHealth
+from vlforge.train.losses import count_tokens
+from vlforge.train.runtime import resolve_num_workers
+from vlforge.train.optim import build_optimizer
 from vlforge.model.presets import MOE_PRESETS
 from vlforge.model.tiers import param_groups
-from vlforge.engine.trainable import setup_model
+from vlforge.train.trainable import setup_model
 from vlforge.recipes.sft import train_step
 
 try:  # the loader-side step inputs; an older vlforge (an A/B's baseline, bench/gpu_pending.sh) has none
-    from vlforge.engine.losses import HostPrep
+    from vlforge.train.losses import HostPrep
 except ImportError:
     HostPrep = None
 
@@ -174,7 +174,7 @@ def main() -> None:
     ap.add_argument("--library-syncs", action="store_true", help="A/B: transformers' own image-token masks and "
                     "padding check (device reads) instead of the host's (model/host_inputs.py)")
     ap.add_argument("--foreach-clip", action="store_true", help="A/B: clip the gradients with a foreach multiply "
-                    "before the optimizer step instead of inside fused AdamW (engine/health.clips_in_optimizer)")
+                    "before the optimizer step instead of inside fused AdamW (train/health.clips_in_optimizer)")
     ap.add_argument("--layer-compile-mode", help="experiment: torch.compile the language model's decoder layers "
                     "with this mode (e.g. reduce-overhead: CUDA graphs of each layer's forward and backward; a step "
                     "begins with torch.compiler.cudagraph_mark_step_begin()); vision blocks as the recipe compiles them")
@@ -199,7 +199,7 @@ def main() -> None:
     if args.fsdp:
         cfg.distributed.strategy = "fsdp2"
     if args.layer_compile_mode or args.layer_compile_options:
-        import vlforge.engine.trainable as trainable
+        import vlforge.train.trainable as trainable
         from vlforge.model.tiers import unwrap
 
         def compile_layers(model, vision: bool = False, **graphs) -> int:  # compile_decoder_layers, another mode
@@ -246,7 +246,7 @@ def main() -> None:
     if args.library_syncs:
         prepare = WithLibrarySyncs(prepare)
     if args.foreach_clip:
-        import vlforge.engine.health as health_module
+        import vlforge.train.health as health_module
 
         health_module.clips_in_optimizer = lambda optimizer, scaler: False
     loader = iter(torch.utils.data.DataLoader(Steps(batches, args.warmup + args.steps), batch_size=None,
@@ -309,7 +309,7 @@ def main() -> None:
         "transformers": __import__("transformers").__version__, "overrides": args.override,
         "loss_first": losses[0], "loss_last10": sum(losses[-10:]) / len(losses[-10:]),
         "fp8": summarize(t.fp8_plan) if t.fp8_plan else None,
-        # MoE: the expert kernels and the last step's expert load (engine/moe.py)
+        # MoE: the expert kernels and the last step's expert load (train/moe.py)
         "experts_implementation": getattr(getattr(t.model.config, "text_config", None), "_experts_implementation", None),
         "expert_lora": cfg.tiers.expert_lora if cfg.tiers.language.experts else None,
         **{k: v for k, v in out.items() if k.startswith("moe/")},

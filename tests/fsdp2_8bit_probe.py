@@ -1,5 +1,5 @@
 """torchrun --nproc_per_node N tests/fsdp2_8bit_probe.py OUT TAG STEPS [SAVE_AT] [RESUME_FROM]: bitsandbytes'
-8-bit AdamW on FSDP2 shards (engine/optim.sharded_8bit), saved and resumed through DCP on any number of
+8-bit AdamW on FSDP2 shards (train/optim.sharded_8bit), saved and resumed through DCP on any number of
 ranks (tests/test_optim.py runs it). Every step's batch is the same 8 rows whatever the world size,
 split over the ranks; rank 0 writes OUT/TAG.pt: the weights after each step and each tensor's moment
 dtype. TAG `plain`: no FSDP2, bitsandbytes' AdamW8bit as it is."""
@@ -15,7 +15,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from vlforge.config import OptimConfig
-from vlforge.engine.optim import build_optimizer
+from vlforge.train.optim import build_optimizer
 
 
 def build() -> torch.nn.Module:
@@ -58,7 +58,7 @@ def main(out: str, tag: str, steps: int, save_at: int = 0, resume_from: str = ""
     moments = {n: optimizer.state[p]["state1"].dtype for n, p in model.named_parameters()}
     if rank == 0:
         torch.save({"weights": history, "moments": moments}, f"{out}/{tag}.pt")
-    dist.barrier()  # leave together (engine/distributed.World.close says why)
+    dist.barrier()  # leave together (train/distributed.World.close says why)
     dist.destroy_process_group()
 
 

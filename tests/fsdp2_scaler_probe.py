@@ -10,8 +10,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from vlforge.config import HealthConfig, PrecisionConfig
-from vlforge.engine.health import GradHealth
-from vlforge.engine.precision import PrecisionPolicy
+from vlforge.train.health import GradHealth
+from vlforge.train.precision import PrecisionPolicy
 
 
 def main(out: str) -> None:
@@ -38,7 +38,7 @@ def main(out: str) -> None:
     weights = [p.full_tensor() for p in model.parameters()]
     json.dump({"rows": rows, "moved": moved, "scale": scaler.get_scale(),
                "weights": [w.tolist() for w in weights]}, open(f"{out}/scaler-{rank}.json", "w"))
-    dist.barrier()  # leave together (engine/distributed.World.close says why; 2 aborts in 14 runs without)
+    dist.barrier()  # leave together (train/distributed.World.close says why; 2 aborts in 14 runs without)
     dist.destroy_process_group()
 
 

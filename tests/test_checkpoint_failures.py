@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from vlforge.config import ConfigError
-from vlforge.engine.checkpoint import GB, checkpoint_bytes, checkpoints_held, space_problem
-from vlforge.engine.trainable import setup_model
+from vlforge.train.checkpoint import GB, checkpoint_bytes, checkpoints_held, space_problem
+from vlforge.train.trainable import setup_model
 from vlforge.recipes.sft import run_sft
 
 from helpers import tiny_sft_config
@@ -54,7 +54,7 @@ def test_space_problem_says_how_much_is_missing_and_what_to_do(tmp_path):
 
 
 def test_the_run_warns_at_its_start_when_its_checkpoints_will_not_fit(shapes_dir, tmp_path, monkeypatch, capsys):
-    import vlforge.engine.run as run
+    import vlforge.train.run as run
 
     common = ["train.max_steps=1", "eval.every=0", "data.val=null"]
     run_sft(tiny_sft_config(shapes_dir, tmp_path / "roomy", *common))  # this disk has room for ~5 MB

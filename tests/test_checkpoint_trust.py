@@ -14,11 +14,11 @@ import torch
 from safetensors.torch import load_file
 
 from vlforge.config import ConfigError, ModelConfig
-from vlforge.engine import runtime
-from vlforge.engine.checkpoint import space_problem
-from vlforge.engine.manifest import MANIFEST, write_manifest
-from vlforge.engine.rng import restore_rng, rng_state, save_rng
-from vlforge.engine.runtime import prepare_output_dir, release_output_dir
+from vlforge.train import runtime
+from vlforge.train.checkpoint import space_problem
+from vlforge.train.manifest import MANIFEST, write_manifest
+from vlforge.train.rng import restore_rng, rng_state, save_rng
+from vlforge.train.runtime import prepare_output_dir, release_output_dir
 from vlforge.model.load import load_model
 from vlforge.recipes.sft import run_sft
 

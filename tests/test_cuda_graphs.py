@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from vlforge.config import ConfigError, GRPOConfig, load_config
-from vlforge.engine.trainable import CUDA_GRAPH_ROW_MULTIPLE, VISION_SHAPES_WARN, Trainable, cuda_graph_step_begin
+from vlforge.train.trainable import CUDA_GRAPH_ROW_MULTIPLE, VISION_SHAPES_WARN, Trainable, cuda_graph_step_begin
 from vlforge.recipes.grpo import run_grpo
 from vlforge.recipes.sft import run_sft
 

@@ -324,7 +324,7 @@ def test_vision_keepalive_changes_no_loss_and_no_gradient(tiny):
     import copy
 
     from vlforge.data.encode import collate
-    from vlforge.engine.losses import sft_loss_sum
+    from vlforge.train.losses import sft_loss_sum
 
     model = copy.deepcopy(tiny[0]).train()
     tok = tiny[1].tokenizer
@@ -349,7 +349,7 @@ def test_vision_keepalive_changes_no_loss_and_no_gradient(tiny):
 
 def test_what_is_not_built_sharded_is_refused_before_loading(shapes_dir, tmp_path, monkeypatch):
     from vlforge.config import ConfigError, GRPOConfig, load_config
-    from vlforge.engine import trainable
+    from vlforge.train import trainable
     from vlforge.recipes.grpo import run_grpo
 
     monkeypatch.setattr(trainable, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
@@ -749,10 +749,10 @@ def _probe_model(t) -> dict:
 def probe_sharded_setup(out_dir: str, model_dir: str) -> None:
     """Run under torchrun: each rank's model after setup_model, per PROBE_RUNS entry, saved to
     out_dir/NAME-RANK.pt, with how often this rank loaded weights (load_model: whole models)."""
-    import vlforge.engine.trainable as trainable
+    import vlforge.train.trainable as trainable
     import vlforge.model.load as load
-    from vlforge.engine.distributed import init_world, meta_init
-    from vlforge.engine.runtime import seed_everything
+    from vlforge.train.distributed import init_world, meta_init
+    from vlforge.train.runtime import seed_everything
 
     loads = []
     real = load.load_model
@@ -780,9 +780,9 @@ def test_sharded_loading_gives_every_rank_the_one_process_model(tmp_path):
     vision rotary inv_freq / original_inv_freq, which no state dict carries), and the RNG state;
     also from a bf16 directory that rank 0 reads as stored under fp32 masters. `--plan`'s
     estimate of rank 0's host memory is the state dict it sends."""
-    from vlforge.engine.memory import memory_estimate
-    from vlforge.engine.runtime import seed_everything
-    from vlforge.engine.trainable import setup_model
+    from vlforge.train.memory import memory_estimate
+    from vlforge.train.runtime import seed_everything
+    from vlforge.train.trainable import setup_model
     from vlforge.config import ModelConfig
     from vlforge.model.load import build_meta_model, load_model, load_on_host
     from vlforge.model.tiers import apply_plan, build_plan
@@ -889,8 +889,8 @@ def test_fsdp2_shards_live_on_the_device_type_the_config_names(monkeypatch):
     from torch.distributed.tensor import DTensor
 
     from vlforge.config import SFTConfig, load_config
-    from vlforge.engine.distributed import init_world
-    from vlforge.engine.trainable import setup_model
+    from vlforge.train.distributed import init_world
+    from vlforge.train.trainable import setup_model
 
     meshes, real = [], fsdp.fully_shard
     monkeypatch.setattr(fsdp, "fully_shard", lambda *a, **kw: meshes.append(kw.get("mesh")) or real(*a, **kw))
@@ -908,9 +908,9 @@ def test_fsdp2_shards_live_on_the_device_type_the_config_names(monkeypatch):
 def test_more_processes_than_gpus_is_refused_before_anything_loads(monkeypatch):
     """torchrun --nproc_per_node 2 on a one-GPU machine: every process stops with a message naming both
     counts and the ways out (rank 1 used to die alone in torch's "Invalid device id")."""
-    import vlforge.engine.distributed as distributed
+    import vlforge.train.distributed as distributed
     from vlforge.config import ConfigError, DistributedConfig
-    from vlforge.engine.distributed import gpu_shortage
+    from vlforge.train.distributed import gpu_shortage
 
     assert gpu_shortage(0, 1, 1) is None and gpu_shortage(1, 2, 2) is None and gpu_shortage(0, 2, 4) is None
     message = gpu_shortage(0, 2, 1)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vlforge.engine.rng import rank_seed, read_rng, restore_rng, rng_state
+from vlforge.train.rng import rank_seed, read_rng, restore_rng, rng_state
 from vlforge.recipes.sft import run_sft
 
 from helpers import tiny_sft_config
@@ -38,10 +38,10 @@ def probe(tmp: str, train_jsonl: str) -> None:
     """Under torchrun: train 1 step on 2 ranks (tmp/two), then resume each CASES checkpoint and save
     every rank's RNG right after Run.start to tmp/NAME-RANK.pt."""
     from vlforge.config import DistributedConfig, SFTConfig, load_config
-    from vlforge.engine.distributed import init_world
-    from vlforge.engine.run import Run
-    from vlforge.engine.runtime import seed_everything
-    from vlforge.engine.trainable import setup_model
+    from vlforge.train.distributed import init_world
+    from vlforge.train.run import Run
+    from vlforge.train.runtime import seed_everything
+    from vlforge.train.trainable import setup_model
 
     tmp = Path(tmp)
     group = init_world(DistributedConfig(strategy="fsdp2"), "cpu")  # one process group for every run below

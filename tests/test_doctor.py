@@ -26,7 +26,7 @@ from vlforge.doctor import (
     version_checks,
 )
 from vlforge.config import load_recipe_config, recipe_class
-from vlforge.engine.runtime import choose_device, resolve_device
+from vlforge.train.runtime import choose_device, resolve_device
 
 ROOT = Path(__file__).resolve().parents[1]
 # in-process runs see whatever GPUs the machine has; these tests describe a machine with none
@@ -141,7 +141,7 @@ def _recipe(**kw) -> Recipe:
 def test_liger_loss_recipe_is_checked_as_the_run_checks_it(monkeypatch):
     """loss.impl=liger: refused on a CPU device (liger's fused op is Triton kernels) even with
     liger-kernel installed, and in GRPO anywhere; the way out named."""
-    import vlforge.engine.losses as losses
+    import vlforge.train.losses as losses
 
     monkeypatch.setattr(losses, "liger_available", lambda: True)
     loss = lambda recipe: [c for c in recipe_checks(recipe, _libs()) if c.name == "recipe loss"]  # noqa: E731
@@ -157,7 +157,7 @@ def test_liger_loss_recipe_is_checked_as_the_run_checks_it(monkeypatch):
 def test_packing_auto_says_what_the_recipe_will_do(monkeypatch):
     """data.packing=auto: doctor says whether the run packs (what packing_pays decides once the model
     loads), and why not where it pads; nothing to say for true/false."""
-    import vlforge.engine.packed_attention as packed_attention
+    import vlforge.train.packed_attention as packed_attention
 
     packing = lambda recipe: [c for c in recipe_checks(recipe, _libs()) if c.name == "recipe packing"]  # noqa: E731
     (cpu,) = packing(_recipe(packing="auto"))
@@ -185,7 +185,7 @@ def test_packing_auto_says_what_the_recipe_will_do(monkeypatch):
 def test_cuda_graphs_are_checked_as_the_recipe_refuses_them(monkeypatch):
     """precision.cuda_graphs: doctor fails where setup_model would refuse it before loading (the same
     function), and says what it graphs where it runs."""
-    import vlforge.engine.packed_attention as packed_attention
+    import vlforge.train.packed_attention as packed_attention
 
     monkeypatch.setattr(packed_attention, "flash_capable", lambda index: True)
     monkeypatch.setattr(packed_attention, "varlen_kernel", lambda: object())  # a torch with the varlen kernel
@@ -427,9 +427,9 @@ def test_recipe_distributed_section_resolved_and_refused_as_the_run_would():
 
 
 def test_planned_strategy_is_what_init_world_does(monkeypatch):
-    """The doctor's and --plan's resolution (engine/distributed.planned_strategy, which init_world calls) against the real init_world."""
+    """The doctor's and --plan's resolution (train/distributed.planned_strategy, which init_world calls) against the real init_world."""
     from vlforge.config import DistributedConfig
-    from vlforge.engine.distributed import init_world, planned_strategy
+    from vlforge.train.distributed import init_world, planned_strategy
 
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(key, raising=False)  # restored (removed) after the test

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from vlforge.config import ConfigError, FP8Config, ModelConfig
-from vlforge.engine.fp8 import (
+from vlforge.train.fp8 import (
     _missing_library,
     decide,
     fp8_backend,
@@ -20,7 +20,7 @@ from vlforge.engine.fp8 import (
     te_problem,
     token_multiple,
 )
-from vlforge.engine.manifest import write_manifest
+from vlforge.train.manifest import write_manifest
 from vlforge.model.load import build_meta_model
 
 
@@ -68,7 +68,7 @@ def test_dims_must_be_multiples_of_16():
 
 
 def test_fp8_on_cpu_fails_before_loading_with_advice(shapes_dir, tmp_path):
-    from vlforge.engine.trainable import setup_model
+    from vlforge.train.trainable import setup_model
 
     from helpers import tiny_sft_config
 
@@ -105,7 +105,7 @@ def test_torchao_converts_exactly_the_planned_base_layers_under_lora(tiny):
     from torchao.float8.float8_linear import Float8Linear
 
     from vlforge.config import TiersConfig
-    from vlforge.engine.fp8 import TorchaoBackend
+    from vlforge.train.fp8 import TorchaoBackend
     from vlforge.model.tiers import apply_plan, build_plan, unwrap
 
     model = copy.deepcopy(tiny[0])
@@ -131,17 +131,17 @@ def test_torchao_converts_exactly_the_planned_base_layers_under_lora(tiny):
 
 @pytest.mark.gpu
 def test_fp8_training_step_matches_bf16_on_gpu(shapes_dir, tmp_path):
-    from vlforge.engine.hardware import fp8_problem
+    from vlforge.train.hardware import fp8_problem
 
     if not torch.cuda.is_available() or fp8_problem(torch.device("cuda")):
         pytest.skip("needs a GPU with FP8 (compute capability >= 8.9)")
     pytest.importorskip("torchao")
     from vlforge.data.dataset import load_dataset
     from vlforge.data.encode import collate
-    from vlforge.engine.health import GradHealth
-    from vlforge.engine.optim import build_optimizer
+    from vlforge.train.health import GradHealth
+    from vlforge.train.optim import build_optimizer
     from vlforge.model.tiers import param_groups
-    from vlforge.engine.trainable import setup_model
+    from vlforge.train.trainable import setup_model
     from vlforge.recipes.sft import train_step
 
     from helpers import tiny_sft_config
@@ -166,7 +166,7 @@ def test_fp8_training_step_matches_bf16_on_gpu(shapes_dir, tmp_path):
 
 def _need_te():
     """transformer_engine.pytorch on an FP8 GPU, or skip saying what is missing."""
-    from vlforge.engine.hardware import fp8_problem
+    from vlforge.train.hardware import fp8_problem
 
     if not torch.cuda.is_available() or fp8_problem(torch.device("cuda")):
         pytest.skip("needs a GPU with FP8 (compute capability >= 8.9)")
@@ -182,10 +182,10 @@ def test_transformer_engine_backend_on_gpu(shapes_dir, tmp_path):
     te = _need_te()
     from vlforge.data.dataset import load_dataset
     from vlforge.data.encode import collate
-    from vlforge.engine.health import GradHealth
-    from vlforge.engine.optim import build_optimizer
+    from vlforge.train.health import GradHealth
+    from vlforge.train.optim import build_optimizer
     from vlforge.model.tiers import param_groups, unwrap
-    from vlforge.engine.trainable import setup_model
+    from vlforge.train.trainable import setup_model
     from vlforge.recipes.sft import train_step
 
     from helpers import tiny_sft_config
@@ -242,7 +242,7 @@ def _rel(out, ref) -> float:
 def test_te_linear_matches_the_bf16_layer_within_fp8_tolerance(recipe, rows):
     te = _need_te()
     from vlforge.config import TERecipeConfig
-    from vlforge.engine.fp8 import te_autocast, te_linear_from, te_recipe
+    from vlforge.train.fp8 import te_autocast, te_linear_from, te_recipe
 
     torch.manual_seed(0)
     ref = torch.nn.Linear(256, 512, device="cuda", dtype=torch.bfloat16)
@@ -273,7 +273,7 @@ def _tiny_te_model(tiny, **fp8):
     import copy
 
     from vlforge.config import FP8Config
-    from vlforge.engine.fp8 import TEBackend
+    from vlforge.train.fp8 import TEBackend
 
     model = copy.deepcopy(tiny[0]).to("cuda", torch.bfloat16)
     cfg = FP8Config(enabled=True, backend="te", skip_small=False, **fp8)

@@ -229,7 +229,7 @@ def test_rollout_copies_of_fp32_masters_are_fused_and_follow_the_masters(tiny, s
     fuses the copies, and after the masters change the next rollout reads the new values (the
     copies are refreshed into the fused buffers), the tokens of an unfused engine each time."""
     from vlforge.config import PrecisionConfig
-    from vlforge.engine.precision import PrecisionPolicy
+    from vlforge.train.precision import PrecisionPolicy
 
     model = copy.deepcopy(tiny[0]).eval()
     data = load_dataset(str(shapes_dir / "train.jsonl"), tiny[1], DataConfig())
@@ -294,7 +294,7 @@ def test_lora_layers_fuse_their_frozen_base_layers_and_keep_their_adapters(setup
 
 def test_nothing_is_fused_under_fsdp2(setup, tmp_path):
     """FSDP2 for real (fully_shard on a one-rank gloo group): while its units are gathered (GRPO's
-    rollouts: engine/distributed.fully_gathered) the weights are views of its all-gather buffers,
+    rollouts: train/distributed.fully_gathered) the weights are views of its all-gather buffers,
     which a `.data` swap would cut off from the next gather: the engine leaves them there, and
     generates the unsharded model's tokens, also after a reshard and a new gather."""
     import torch.distributed as dist

@@ -1,6 +1,6 @@
 """A run's evaluation answers are the answers its model gives in `vlforge infer`/`eval`/`serve`.
 
-Until one generation engine serves both, training-time eval (engine/evaluate.py) and the
+Until one generation engine serves both, training-time eval (train/evaluate.py) and the
 inference engine (serve/engine.py) are two paths; they must stop at the same tokens and give the
 same greedy text for the same input.
 """
@@ -13,8 +13,8 @@ import torch
 from vlforge.config import DataConfig, PrecisionConfig
 from vlforge.data.dataset import load_dataset
 from vlforge.data.encode import collate, encode_prompt
-from vlforge.engine.evaluate import _generate_answers_hf, generate_answers
-from vlforge.engine.precision import PrecisionPolicy
+from vlforge.train.evaluate import _generate_answers_hf, generate_answers
+from vlforge.train.precision import PrecisionPolicy
 from vlforge.recipes.infer import evaluate_dataset
 from vlforge.serve.engine import InferenceEngine
 

@@ -209,7 +209,7 @@ def test_reward_functions_see_exactly_the_response_text(shapes_dir, tmp_path):
     """Completions given to rewards are the decoded response only: nothing after <|im_end|>."""
     from vlforge.data.dataset import load_dataset
     from vlforge.recipes.grpo import rollout_round
-    from vlforge.engine.trainable import setup_model
+    from vlforge.train.trainable import setup_model
     from vlforge.rl import build_rewards
 
     cfg = grpo_config(shapes_dir, tmp_path / "run", tmp_path, "rollout.max_new_tokens=6")
@@ -242,12 +242,12 @@ def test_a_mini_batch_spanning_rollout_rounds_equals_one_batch(shapes_dir, tmp_p
     """Dynamic sampling keeps groups from several rounds; their mini-batches must not depend on
     which round a group came from."""
     from vlforge.data.dataset import load_dataset
-    from vlforge.engine.health import GradHealth
-    from vlforge.engine.optim import build_optimizer
+    from vlforge.train.health import GradHealth
+    from vlforge.train.optim import build_optimizer
     from vlforge.model.tiers import param_groups
     from vlforge.recipes.grpo import disable_dropout, rollout_round, update
     from vlforge.rollout.minibatch import Batch
-    from vlforge.engine.trainable import setup_model
+    from vlforge.train.trainable import setup_model
     from vlforge.rl import RewardSpec, build_rewards, grpo_advantages
 
     cfg = grpo_config(shapes_dir, tmp_path / "run", tmp_path, "tiers.method=lora", "rl.kl_beta=0.1",
@@ -377,7 +377,7 @@ def test_a_round_with_no_prompt_left_still_draws_its_rollout_seed(shapes_dir, tm
     all skipped (data.on_error=skip): otherwise its RNG falls one draw behind the others' and the
     next rounds' seeds (the same on every rank by construction) differ between ranks."""
     from vlforge.data.dataset import load_dataset
-    from vlforge.engine.trainable import setup_model
+    from vlforge.train.trainable import setup_model
     from vlforge.recipes.grpo import rollout_round
     from vlforge.rollout.engine import rollout_seed
 

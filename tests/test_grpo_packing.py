@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from vlforge.config import ConfigError, DataConfig, GRPOConfig, ModelConfig, RolloutConfig, SFTConfig, load_config
 from vlforge.data.dataset import load_dataset
 from vlforge.data.encode import collate, encode_prompt
-from vlforge.engine.moe import Routing, capture
+from vlforge.train.moe import Routing, capture
 from vlforge.model.load import load_model
 from vlforge.model.tiers import apply_plan, build_plan, unwrap
 from vlforge.recipes.grpo import run_grpo
@@ -228,7 +228,7 @@ def test_packed_layout_keeps_real_tokens_in_sequence_order():
 
 
 def test_auto_packing_is_on_where_attention_runs_per_sample(tiny):
-    from vlforge.engine.packed_attention import keep_mask_attention
+    from vlforge.train.packed_attention import keep_mask_attention
 
     model = copy.deepcopy(tiny[0])
     assert packing_enabled(model, "auto") and not packing_enabled(model, False) and packing_enabled(model, True)
@@ -274,7 +274,7 @@ def test_packed_update_on_cuda_runs_varlen_and_matches_padded_in_bf16(tiny, tiny
     fallback) and gives the padded batch's log-probs and GRPO-loss gradients within bf16 tolerance."""
     import dataclasses
 
-    from vlforge.engine import packed_attention
+    from vlforge.train import packed_attention
 
     _, cpu_rollout = tiny_rollout
     rollout = dataclasses.replace(cpu_rollout, **{f.name: getattr(cpu_rollout, f.name).to("cuda")

@@ -7,10 +7,10 @@ import torch
 from vlforge.config import HealthConfig
 from vlforge.data.dataset import load_dataset
 from vlforge.data.encode import collate
-from vlforge.engine.health import GradHealth, LossSpikes, TrainingDiverged, clip_to, grad_norms
-from vlforge.engine.optim import build_optimizer
+from vlforge.train.health import GradHealth, LossSpikes, TrainingDiverged, clip_to, grad_norms
+from vlforge.train.optim import build_optimizer
 from vlforge.model.tiers import param_groups
-from vlforge.engine.trainable import setup_model
+from vlforge.train.trainable import setup_model
 from vlforge.recipes.sft import train_step
 
 from helpers import tiny_sft_config
@@ -60,7 +60,7 @@ def test_fused_adamw_takes_the_clip_in_its_update(monkeypatch):
     (grad_scale): no pass of its own over the gradients, the same update as clip_to then step (to
     fp32 rounding: a division by the inverted multiplier), nothing left on the optimizer. fp16's
     scaler and non-fused optimizers keep clip_to."""
-    from vlforge.engine import health as health_module
+    from vlforge.train import health as health_module
 
     def run(fused: bool, scaler_on: bool):
         torch.manual_seed(0)

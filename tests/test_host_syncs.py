@@ -3,7 +3,7 @@
 
 Every sync stalls the CPU until the GPU has drained, then the GPU starves while the CPU launches
 the next kernels. vlforge's own code reads what it needs on the host from the batch's CPU copy
-(engine/losses.step_inputs) and reads the step's metrics once per optimizer step; what remains
+(train/losses.step_inputs) and reads the step's metrics once per optimizer step; what remains
 in its frames is pinned here, so a change that adds a sync fails. The library's are printed by
 
     PYTHONPATH=. python tests/test_host_syncs.py      # per call site, padded and packed
@@ -28,10 +28,10 @@ OURS = {("tolist", "vlforge/engine/health.py"): 1, ("item", "vlforge/recipes/sft
 def _step(shapes_dir, tmp_path, packing: bool, steps: int = 1, prepare: bool = False):
     from vlforge.data.dataset import load_dataset
     from vlforge.data.encode import collate, pack
-    from vlforge.engine.health import GradHealth
-    from vlforge.engine.losses import HostPrep
-    from vlforge.engine.optim import build_optimizer
-    from vlforge.engine.trainable import setup_model
+    from vlforge.train.health import GradHealth
+    from vlforge.train.losses import HostPrep
+    from vlforge.train.optim import build_optimizer
+    from vlforge.train.trainable import setup_model
     from vlforge.model.tiers import param_groups
     from vlforge.recipes.sft import train_step
 
@@ -102,7 +102,7 @@ def _host_inputs_give_the_models_loss_and_gradients(model, batch, padding: bool)
 
     from vlforge.config import LossConfig
     from vlforge.data.encode import IGNORE_INDEX
-    from vlforge.engine.losses import sft_loss_sum, step_inputs
+    from vlforge.train.losses import sft_loss_sum, step_inputs
 
     assert "pixel_values" in batch
 
@@ -159,7 +159,7 @@ def test_loader_workers_prepare_the_step_inputs(tiny, shapes_dir, packing):
     from vlforge.config import DataConfig, LossConfig
     from vlforge.data.dataset import Batching, load_dataset
     from vlforge.data.encode import collate, pack
-    from vlforge.engine.losses import HostPrep, sft_loss_sum, step_inputs
+    from vlforge.train.losses import HostPrep, sft_loss_sum, step_inputs
     from vlforge.recipes.sft import micro_batches
 
     model = copy.deepcopy(tiny[0])  # packed rows switch its attention implementation

@@ -81,7 +81,7 @@ def violations(layers: list[list[str]], edges: dict[str, set[str]]) -> list[str]
                                 "each other")
             elif unit in NO_SIBLING_IMPORTS and dep != unit:
                 problems.append(f"{module} imports {dep}: recipes do not import each other (move shared code "
-                                "below them, e.g. to engine/)")
+                                "below them, e.g. to train/)")
     return problems
 
 
@@ -109,7 +109,7 @@ def test_document_lists_every_package_once():
     layers = read_layers()
     units = [u for layer in layers for u in layer]
     assert len(units) == len(set(units))
-    assert {"vlforge.cli", "vlforge.recipes", "vlforge.engine", "vlforge.model", "vlforge.config"} <= set(units)
+    assert {"vlforge.cli", "vlforge.recipes", "vlforge.train", "vlforge.model", "vlforge.config"} <= set(units)
     for u in units:
         assert (PACKAGE.parent / u.replace(".", "/")).is_dir() or \
             (PACKAGE.parent / u.replace(".", "/")).with_suffix(".py").is_file(), f"{u} does not exist"

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from vlforge.config import ConfigError
-from vlforge.engine.losses import (liger_chunk_mem_const, linear_cross_entropy_sum, resolve_loss_impl,
+from vlforge.train.losses import (liger_chunk_mem_const, linear_cross_entropy_sum, resolve_loss_impl,
                                    token_logprobs_entropy)
 
 N, H, V = 53, 24, 97
@@ -144,7 +144,7 @@ def test_liger_without_the_library_is_refused_before_loading(shapes_dir, tmp_pat
     """loss.impl=liger is refused when the run is set up, before any weight loads: the model
     directory does not even exist, and the error is liger's, not the missing directory's."""
     from vlforge.config import LossConfig
-    from vlforge.engine.losses import loss_impl_problem
+    from vlforge.train.losses import loss_impl_problem
     from vlforge.recipes.sft import run_sft
 
     from helpers import tiny_sft_config
@@ -159,8 +159,8 @@ def test_liger_without_the_library_is_refused_before_loading(shapes_dir, tmp_pat
 def test_liger_off_cuda_is_refused_when_the_config_is_resolved(monkeypatch):
     """With the library present (or not), a CPU device is refused from the config and the device."""
     from vlforge.config import LossConfig, SFTConfig, load_config
-    from vlforge.engine import losses
-    from vlforge.engine.trainable import refuse_bad_combinations
+    from vlforge.train import losses
+    from vlforge.train.trainable import refuse_bad_combinations
 
     monkeypatch.setattr(losses, "liger_available", lambda: True)  # only the device is in question here
     cfg = load_config(SFTConfig, None, ["loss.impl=liger", "precision.mode=fp32"])

@@ -1,5 +1,5 @@
 """precision.master_weights=optimizer: bf16 working copies of the linear weights, fp32 masters in
-MasterWeightAdamW (engine/optim.py). Its update against torch.optim.AdamW, the working copies against
+MasterWeightAdamW (train/optim.py). Its update against torch.optim.AdamW, the working copies against
 the masters, a tiny SFT run against master_weights=fp32 (the same forward bits), gradient
 accumulation in fp32, an exact resume, and the refusals."""
 
@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from vlforge.config import ConfigError, PrecisionConfig
-from vlforge.engine.optim import MasterWeightAdamW
+from vlforge.train.optim import MasterWeightAdamW
 
 
 def _groups(params, lr=1e-2):
@@ -205,7 +205,7 @@ def test_resume_continues_exactly_and_other_masters_are_refused(shapes_dir, tmp_
 def test_refusals(shapes_dir, tmp_path):
     from helpers import tiny_sft_config
 
-    from vlforge.engine.trainable import refuse_bad_combinations
+    from vlforge.train.trainable import refuse_bad_combinations
 
     with pytest.raises(ConfigError, match="precision.mode=bf16"):
         PrecisionConfig(mode="fp16", master_weights="optimizer")
@@ -232,7 +232,7 @@ def test_plan_counts_the_held_gradient_sums(shapes_dir, tmp_path, accum):
     """--plan: with gradient accumulation, 4 bytes a working weight of fp32 sums (and none without)."""
     from helpers import tiny_sft_config
 
-    from vlforge.engine.memory import memory_estimate
+    from vlforge.train.memory import memory_estimate
     from vlforge.model.load import build_meta_model
     from vlforge.model.tiers import build_plan
 
@@ -277,7 +277,7 @@ def test_the_plan_names_the_working_copies():
     """--plan's precision table: trainable linears bf16 with their masters in the optimizer; the tied
     embedding, norms and frozen weights as with fp32 masters."""
     from vlforge.config import TiersConfig
-    from vlforge.engine.precision import precision_plan
+    from vlforge.train.precision import precision_plan
     from vlforge.model.load import build_meta_model
     from vlforge.model.tiers import build_plan
 

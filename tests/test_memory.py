@@ -7,7 +7,7 @@ import torch
 
 from vlforge.cli import main
 from vlforge.config import SFTConfig, load_config
-from vlforge.engine.memory import GB, memory_estimate
+from vlforge.train.memory import GB, memory_estimate
 from vlforge.model.load import build_meta_model
 from vlforge.model.tiers import build_plan
 
@@ -70,8 +70,8 @@ def test_estimate_equals_the_tensors_of_a_real_run_and_its_optimizer(tmp_path, m
     """The tiny model as a run loads it (LoRA with bf16 masters; full with fp32 masters beside frozen
     bf16 vision blocks): the estimate equals the bytes of its parameters, their gradients and
     AdamW's real state after a step."""
-    from vlforge.engine.optim import build_optimizer
-    from vlforge.engine.trainable import setup_model
+    from vlforge.train.optim import build_optimizer
+    from vlforge.train.trainable import setup_model
     from vlforge.model.tiers import param_groups
 
     cfg = load_config(SFTConfig, None, ["model.preset=tiny", "train.device=cpu", f"tiers.method={method}",
@@ -150,8 +150,8 @@ def test_grpo_rollout_weight_copies_equal_the_copies_a_rollout_makes(tmp_path, p
     makes (full: the trained linears; LoRA: the adapters' A and B, the fused experts' too, but not
     those an fp32 compute override matches); none with bf16 masters."""
     from vlforge.config import GRPOConfig
-    from vlforge.engine.memory import format_memory
-    from vlforge.engine.trainable import setup_model
+    from vlforge.train.memory import format_memory
+    from vlforge.train.trainable import setup_model
 
     overrides = [f"model.preset={preset}", "train.device=cpu", f"tiers.method={method}", "precision.mode=bf16",
                  f"precision.master_weights={master}", f"train.output_dir={tmp_path}", *extra]
@@ -173,7 +173,7 @@ def test_grpo_rollout_copies_leave_out_fp8_linears(meta_8b):
     """FP8's converted linears are not exact nn.Linear layers: inference_weights makes no copy of
     them (a GPU-only path), so the estimate leaves exactly their weights out."""
     from vlforge.config import GRPOConfig
-    from vlforge.engine.fp8 import fp8_layer_plan
+    from vlforge.train.fp8 import fp8_layer_plan
 
     _, model, _ = meta_8b
     cfg = load_config(GRPOConfig, None, FULL_8B)

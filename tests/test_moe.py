@@ -13,8 +13,8 @@ from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import load_balancin
 from vlforge.config import ConfigError, DataConfig, ModelConfig, QuantConfig, SFTConfig, load_config
 from vlforge.data.dataset import load_dataset
 from vlforge.data.encode import collate
-from vlforge.engine.losses import backbone_hidden
-from vlforge.engine.moe import Routing, load_balancing_loss, load_metrics, router_modules
+from vlforge.train.losses import backbone_hidden
+from vlforge.train.moe import Routing, load_balancing_loss, load_metrics, router_modules
 from vlforge.model.load import build_meta_model, load_model
 from vlforge.model.tiers import apply_plan, build_plan, plan_summary, unwrap
 
@@ -240,7 +240,7 @@ def test_sft_step_changes_exactly_the_trainable_params_and_logs_expert_load(shap
 
 def test_aux_loss_gradient_reaches_the_router(shapes_dir, tmp_path, tiny_moe):
     """With only the aux loss the router still moves: the coefficient is wired into the backward."""
-    from vlforge.engine.moe import aux_term, capture
+    from vlforge.train.moe import aux_term, capture
 
     model = copy.deepcopy(tiny_moe[0])
     routing = Routing.of(model, coef=1.0)
@@ -471,8 +471,8 @@ def test_packed_rows_give_the_padded_batchs_aux_loss_and_expert_load(tiny_moe, s
     """A packed row's router statistics count its real tokens only, as a padded batch's do: the same
     samples packed or padded give the same load-balancing loss and expert counts."""
     from vlforge.data.encode import pack
-    from vlforge.engine.losses import real_tokens, sft_loss_sum
-    from vlforge.engine.moe import capture
+    from vlforge.train.losses import real_tokens, sft_loss_sum
+    from vlforge.train.moe import capture
 
     model = tiny_moe[0]
     routing = Routing.of(model, coef=1.0)
@@ -540,7 +540,7 @@ def test_flex_attention_is_refused_for_the_dense_model_with_the_reason():
 def _step_metrics_on_rank(rank: int, init_file: str, out_dir: str) -> None:
     import torch.distributed as dist
 
-    from vlforge.engine.distributed import World
+    from vlforge.train.distributed import World
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     try:
@@ -554,7 +554,7 @@ def _step_metrics_on_rank(rank: int, init_file: str, out_dir: str) -> None:
         row = routing.step_metrics(world)
         after = world.sums(float(rank + 1))  # the next collective must pair with its own kind
         torch.save((row, after), f"{out_dir}/{rank}.pt")
-        dist.barrier()  # leave together (engine/distributed.World.close says why)
+        dist.barrier()  # leave together (train/distributed.World.close says why)
     finally:
         dist.destroy_process_group()
 

@@ -215,7 +215,7 @@ def test_no_expert_sized_tensor_is_allocated_forward_or_backward(tiny_moe, kerne
 
 
 def test_plan_dropout_memory_and_the_peft_escape_hatch(tiny_moe):
-    from vlforge.engine.memory import expert_lora_copies
+    from vlforge.train.memory import expert_lora_copies
     from vlforge.model.tiers import format_plan, plan_summary
 
     model = tiny_moe[0]

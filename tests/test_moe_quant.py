@@ -281,7 +281,7 @@ def test_a_peft_forward_expert_lora_checkpoint_is_served_fused_on_nf4_experts(sh
 
 
 def test_nf4_expert_refusals(shapes_dir, tmp_path):
-    from vlforge.engine.trainable import setup_model
+    from vlforge.train.trainable import setup_model
 
     with pytest.raises(ConfigError, match="tiers.expert_lora=peft cannot run on NF4 experts: .* stacks one more"):
         setup_model(tiny_sft_config(shapes_dir, tmp_path, "model.preset=tiny-moe", "tiers.method=lora",

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from vlforge.config import ConfigError, OptimConfig
-from vlforge.engine.optim import build_optimizer, optimizer_problem, state_bytes
+from vlforge.train.optim import build_optimizer, optimizer_problem, state_bytes
 from vlforge.recipes.sft import run_sft
 
 from helpers import tiny_sft_config
@@ -47,7 +47,7 @@ def test_optimizer_problem_refuses_before_loading(monkeypatch):
 
 
 def test_paged_on_cpu_is_refused_before_the_model_loads(shapes_dir, tmp_path, monkeypatch):
-    import vlforge.engine.trainable as trainable
+    import vlforge.train.trainable as trainable
 
     monkeypatch.setattr(trainable, "load_model", lambda *a, **k: pytest.fail("the model loaded"))
     with pytest.raises(ConfigError, match="paged_adamw8bit pages optimizer state.*needs CUDA"):
@@ -57,8 +57,8 @@ def test_paged_on_cpu_is_refused_before_the_model_loads(shapes_dir, tmp_path, mo
 def test_8bit_state_is_uint8_and_tier_lrs_reach_the_groups(shapes_dir, tmp_path):
     from vlforge.data.dataset import load_dataset
     from vlforge.data.encode import collate
-    from vlforge.engine.losses import sft_loss_sum
-    from vlforge.engine.trainable import setup_model
+    from vlforge.train.losses import sft_loss_sum
+    from vlforge.train.trainable import setup_model
     from vlforge.model.tiers import param_groups
 
     # vision lr 0: its weights must not move at all (nor decay), while the other tiers do
@@ -114,7 +114,7 @@ def test_adamw8bit_resume_is_bit_identical(shapes_dir, tmp_path, straight):
 
 
 def test_adamw8bit_moves_the_weights_like_adamw(shapes_dir, tmp_path, straight):
-    from vlforge.engine.trainable import setup_model
+    from vlforge.train.trainable import setup_model
 
     start = {n: p.detach() for n, p in setup_model(tiny_sft_config(shapes_dir, tmp_path,
                                                                    "tiers.method=full")).model.named_parameters()}
@@ -239,7 +239,7 @@ def test_adamw_on_local_shards_equals_adamw_through_dtensor(tmp_path, monkeypatc
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    from vlforge.engine.optim import ShardLocalAdamW
+    from vlforge.train.optim import ShardLocalAdamW
 
     dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
     try:

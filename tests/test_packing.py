@@ -20,9 +20,9 @@ from vlforge.config import ConfigError, DataConfig, load_config, SFTConfig
 from vlforge.data.dataset import Batching, budget_batches, global_batches, load_dataset
 from vlforge.data.encode import IGNORE_INDEX, collate, pack
 from vlforge.data.jsonl import DataError
-from vlforge.engine import packed_attention
-from vlforge.engine.losses import count_tokens, packed_position_ids, sft_loss_sum
-from vlforge.engine.packed_attention import PACKED_ATTENTION, PackedRows, packed_rows_attention
+from vlforge.train import packed_attention
+from vlforge.train.losses import count_tokens, packed_position_ids, sft_loss_sum
+from vlforge.train.packed_attention import PACKED_ATTENTION, PackedRows, packed_rows_attention
 from vlforge.recipes.sft import micro_batches, run_sft
 
 from helpers import tiny_sft_config
@@ -82,13 +82,13 @@ class Spy:
 
 @pytest.mark.parametrize("attn,checkpointing", [("sdpa", False), ("sdpa", True), ("eager", False)])
 def test_packed_row_gives_the_padded_loss_and_gradients(tiny, mixed, attn, checkpointing, monkeypatch):
-    """sdpa: our per-sample attention (engine/packed_attention.py), no dense mask built; with
+    """sdpa: our per-sample attention (train/packed_attention.py), no dense mask built; with
     activation checkpointing too (the recomputed layers get the row's sequences again through their
     kwargs). eager: transformers' block-diagonal mask, the reference."""
     model = copy.deepcopy(tiny[0])
     model.config._attn_implementation = attn  # the text model shares this config object
     model.model.language_model.config._attn_implementation = attn
-    if checkpointing:  # as engine/trainable.py turns it on (the method's name changed in transformers 5.2x)
+    if checkpointing:  # as train/trainable.py turns it on (the method's name changed in transformers 5.2x)
         if hasattr(model, "activation_checkpointing_enable"):
             model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
         else:
@@ -237,7 +237,7 @@ def test_token_budget_batches_cover_each_sample_once_and_resume(packed):
 
 @pytest.mark.parametrize("packed", [True, False])
 def test_token_budget_holds_for_rows_padded_for_fp8(packed):
-    """With FP8 every row is padded to a multiple of 16 tokens (engine.fp8.token_multiple): the
+    """With FP8 every row is padded to a multiple of 16 tokens (train.fp8.token_multiple): the
     budget holds for the batches collate / pack actually build, the fixed packed length
     (flex_attention) included, and a sample that fits only unrounded is refused with what to do."""
     rng = random.Random(3)

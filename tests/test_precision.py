@@ -6,11 +6,11 @@ import torch
 from vlforge.config import PrecisionConfig
 from vlforge.data.dataset import load_dataset
 from vlforge.data.encode import collate
-from vlforge.engine.health import GradHealth
-from vlforge.engine.optim import build_optimizer
-from vlforge.engine.precision import PrecisionPolicy
+from vlforge.train.health import GradHealth
+from vlforge.train.optim import build_optimizer
+from vlforge.train.precision import PrecisionPolicy
 from vlforge.model.tiers import param_groups
-from vlforge.engine.trainable import setup_model
+from vlforge.train.trainable import setup_model
 from vlforge.recipes.sft import train_step
 
 from helpers import tiny_sft_config
@@ -35,7 +35,7 @@ def test_policy_storage_dtypes_and_a_finite_step(shapes_dir, tmp_path, mode, fro
 
 
 def test_bf16_loss_is_close_to_fp32(shapes_dir, tmp_path):
-    from vlforge.engine.losses import sft_loss_sum
+    from vlforge.train.losses import sft_loss_sum
 
     losses = {}
     for mode in ("fp32", "bf16"):
@@ -101,7 +101,7 @@ def test_policy_resolves_per_module_overrides_last_match_wins():
 
 
 def test_overrides_change_storage_and_compute_of_the_matching_modules(shapes_dir, tmp_path):
-    from vlforge.engine.losses import sft_loss_sum
+    from vlforge.train.losses import sft_loss_sum
 
     cfg = tiny_sft_config(shapes_dir, tmp_path, "precision.mode=bf16", "tiers.method=lora", OVERRIDES)
     t = setup_model(cfg)
@@ -130,7 +130,7 @@ def test_an_fp32_attention_override_trains_and_generates_in_fp32(shapes_dir, tmp
     bf16 v_proj in training, an fp32 query met the bf16 cache in decoding."""
     from vlforge.config import ModuleOverride, RolloutConfig
     from vlforge.data.encode import encode_prompt
-    from vlforge.engine.losses import sft_loss_sum
+    from vlforge.train.losses import sft_loss_sum
     from vlforge.generate.engine import engine_for
     from vlforge.rollout.engine import generate_groups, sequence_logprobs
 

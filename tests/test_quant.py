@@ -73,10 +73,10 @@ def test_nf4_language_model_needs_less_memory():
 def test_qlora_trains_adapters_only_and_leaves_vision_in_bf16(shapes_dir, tmp_path):
     from vlforge.data.dataset import load_dataset
     from vlforge.data.encode import collate
-    from vlforge.engine.health import GradHealth
-    from vlforge.engine.optim import build_optimizer
+    from vlforge.train.health import GradHealth
+    from vlforge.train.optim import build_optimizer
     from vlforge.model.tiers import param_groups
-    from vlforge.engine.trainable import setup_model
+    from vlforge.train.trainable import setup_model
     from vlforge.recipes.sft import train_step
 
     from helpers import tiny_sft_config
@@ -104,7 +104,7 @@ def test_qlora_trains_adapters_only_and_leaves_vision_in_bf16(shapes_dir, tmp_pa
 
 
 def test_full_fine_tuning_of_a_quantized_model_is_refused(shapes_dir, tmp_path):
-    from vlforge.engine.trainable import setup_model
+    from vlforge.train.trainable import setup_model
 
     from helpers import tiny_sft_config
 
@@ -134,11 +134,11 @@ def test_qlora_checkpoint_loads_on_its_nf4_base_and_exports_merged_unquantized(s
 
 
 def test_fp8_quantization_is_refused_on_a_cpu_before_loading(tmp_path, capsys):
-    """The hardware check lives with the callers (model/ is below engine/hardware.py): each of
+    """The hardware check lives with the callers (model/ is below train/hardware.py): each of
     infer, export and a QLoRA-style training config refuses FP8 weights on a CPU, naming nf4/int8."""
     from vlforge.cli import main
     from vlforge.config import SFTConfig, load_config
-    from vlforge.engine.trainable import setup_model
+    from vlforge.train.trainable import setup_model
 
     assert main(["infer", "tiny", "--quant", "fp8", "--device", "cpu", "--prompt", "hi"]) == 2
     assert "nf4 or int8" in capsys.readouterr().err

@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from vlforge.config import GRPOConfig, OptimConfig, load_config
-from vlforge.engine.optim import build_scheduler
+from vlforge.train.optim import build_scheduler
 
 ROOT = Path(__file__).parents[1]
 

@@ -1,5 +1,5 @@
 """MoE router replay on CPU with tiny-moe: the rollout's recorded experts, the flip metric, replay in
-the trainer's forward and backward, and the config refusals (engine/moe.py, generate/routes.py)."""
+the trainer's forward and backward, and the config refusals (train/moe.py, generate/routes.py)."""
 
 import contextlib
 import copy
@@ -10,7 +10,7 @@ import torch
 from vlforge.config import ConfigError, DataConfig, ModelConfig, RolloutConfig, load_config, GRPOConfig
 from vlforge.data.dataset import load_dataset
 from vlforge.data.encode import collate, encode_prompt
-from vlforge.engine.moe import Routing, capture, follow, replayed
+from vlforge.train.moe import Routing, capture, follow, replayed
 from vlforge.generate.routes import NO_ROUTE, router_modules
 from vlforge.model.load import load_model
 from vlforge.rollout.engine import generate_groups, route_rows, sequence_logprobs

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from vlforge.config import ConfigError, SFTConfig, dump_config
-from vlforge.engine import runtime
-from vlforge.engine.manifest import write_manifest
-from vlforge.engine.metrics import MetricsLog, read_metrics
-from vlforge.engine.runtime import (LOCK_NAME, choose_device, prepare_output_dir, release_output_dir,
+from vlforge.train import runtime
+from vlforge.train.manifest import write_manifest
+from vlforge.train.metrics import MetricsLog, read_metrics
+from vlforge.train.runtime import (LOCK_NAME, choose_device, prepare_output_dir, release_output_dir,
                                     resolve_num_workers)
 
 

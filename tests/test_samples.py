@@ -1,4 +1,4 @@
-"""The sample logs of a run (engine/samples.py): GRPO groups with a tool that returns images, eval
+"""The sample logs of a run (train/samples.py): GRPO groups with a tool that returns images, eval
 answers of SFT and GRPO, bounded, resume-safe. Real runs of the tiny model, read back from disk."""
 
 import json
@@ -10,8 +10,8 @@ from PIL import Image
 from test_tools import IMAGE_TOOL, grpo_by_hand, tool_data, tool_model  # noqa: F401 (fixtures)
 
 from vlforge.config import GRPOConfig, load_config
-from vlforge.engine.metrics import read_metrics
-from vlforge.engine.samples import THUMB_SIDE, read_samples
+from vlforge.train.metrics import read_metrics
+from vlforge.train.samples import THUMB_SIDE, read_samples
 from vlforge.rl.rewards import exact_match
 
 VARIED = "def varied(completion, answer, **row):\n    return float(len(completion) % 3)\n"
@@ -105,7 +105,7 @@ def test_sft_eval_samples_and_the_switch(shapes_dir, tmp_path):
     assert read_samples(tmp_path / "off", "eval") == []
     # train.overwrite removes the run's samples/, and refuses a samples/ holding a file of the user's
     from vlforge.config import ConfigError
-    from vlforge.engine.runtime import prepare_output_dir, release_output_dir
+    from vlforge.train.runtime import prepare_output_dir, release_output_dir
 
     (out / "samples" / "notes.txt").write_text("mine")
     with pytest.raises(ConfigError, match="also holds samples/"):

@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from vlforge.config import ConfigError
-from vlforge.engine.optim import lr_factor
+from vlforge.train.optim import lr_factor
 from vlforge.recipes.sft import run_sft
 
 from helpers import tiny_sft_config
@@ -106,8 +106,8 @@ def test_gradient_checkpointing_gives_the_same_gradients(shapes_dir, tmp_path, m
     requires_grad_() broke the compiled rollout decode step into pieces on torch 2.11)."""
     from vlforge.data.dataset import load_dataset
     from vlforge.data.encode import collate
-    from vlforge.engine.losses import sft_loss_sum
-    from vlforge.engine.trainable import setup_model
+    from vlforge.train.losses import sft_loss_sum
+    from vlforge.train.trainable import setup_model
     from vlforge.model.tiers import unwrap
 
     grads = []
@@ -131,8 +131,8 @@ def test_selective_checkpointing_recomputes_one_block_in_n_with_the_same_gradien
     again in backward (counted), the others once; the gradients are those of no checkpointing."""
     from vlforge.data.dataset import load_dataset
     from vlforge.data.encode import collate
-    from vlforge.engine.losses import sft_loss_sum
-    from vlforge.engine.trainable import setup_model
+    from vlforge.train.losses import sft_loss_sum
+    from vlforge.train.trainable import setup_model
 
     runs = {}
     for name, extra in (("plain", []), ("every2", ["precision.gradient_checkpointing=true",
@@ -163,7 +163,7 @@ def test_activation_memory_budget_is_applied_to_the_training_forward_only(shapes
     import torch._functorch.config as functorch_config
 
     from vlforge.config import SFTConfig, load_config
-    from vlforge.engine.trainable import setup_model
+    from vlforge.train.trainable import setup_model
 
     default = functorch_config.activation_memory_budget
     cfg = tiny_sft_config(shapes_dir, tmp_path / "run", "precision.compile=true",
@@ -186,7 +186,7 @@ def test_vision_blocks_compile_with_the_decoder_layers_and_an_eager_trainable_to
     whose blocks run eager on transformers' per-image loop (measured faster there), a frozen one
     (LoRA on the language model) and compiled ones on varlen; compile_vision=true needs compile=true."""
     from vlforge.config import SFTConfig, load_config
-    from vlforge.engine.trainable import setup_model
+    from vlforge.train.trainable import setup_model
     from vlforge.model.tiers import unwrap
     from vlforge.model.varlen import VISION_ATTENTION
 

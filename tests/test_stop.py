@@ -1,4 +1,4 @@
-"""SIGINT / SIGTERM (engine/stop.py): a training run finishes the step in progress, writes a
+"""SIGINT / SIGTERM (train/stop.py): a training run finishes the step in progress, writes a
 checkpoint of it and exits with a message and 130 / 143; a second Ctrl-C stops at once, keeping
 the finished checkpoints; under torchrun every rank stops after the same step; chat, serve and
 the other commands end on a signal in one line. The runs are the real CLI in a subprocess on the
@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from vlforge.engine.checkpoint import TMP_PREFIX
-from vlforge.engine.stop import Interrupted
+from vlforge.train.checkpoint import TMP_PREFIX
+from vlforge.train.stop import Interrupted
 from vlforge.recipes.sft import run_sft
 
 from helpers import tiny_sft_config

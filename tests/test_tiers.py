@@ -8,10 +8,10 @@ from vlforge.cli import main
 from vlforge.config import SFTConfig, TiersConfig, load_config
 from vlforge.data.dataset import load_dataset
 from vlforge.data.encode import collate
-from vlforge.engine.health import GradHealth
-from vlforge.engine.optim import build_optimizer
+from vlforge.train.health import GradHealth
+from vlforge.train.optim import build_optimizer
 from vlforge.model.tiers import apply_plan, build_plan, param_groups, plan_summary, unwrap
-from vlforge.engine.trainable import setup_model
+from vlforge.train.trainable import setup_model
 from vlforge.recipes.sft import train_step
 
 from helpers import tiny_sft_config

@@ -613,7 +613,7 @@ def test_tool_results_with_images_train_as_context(tiny, shapes_dir, tmp_path):
     from PIL import Image
 
     from vlforge.data.encode import IGNORE_INDEX
-    from vlforge.engine.losses import sft_loss_sum
+    from vlforge.train.losses import sft_loss_sum
 
     model, processor = tiny
     first, crop = shapes_dir / "images" / "000001.png", shapes_dir / "images" / "000002.png"

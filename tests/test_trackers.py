@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 from helpers import tiny_sft_config
 
-from vlforge.engine.metrics import read_metrics
-from vlforge.engine.samples import read_samples
+from vlforge.train.metrics import read_metrics
+from vlforge.train.samples import read_samples
 
 
 def test_mlflow_local_store_holds_the_scalars_and_the_sample_table(shapes_dir, tmp_path):

@@ -30,7 +30,7 @@ from vlforge.data.encode import (Encoder, ImageLimits, collate, encode, encode_p
 from vlforge.data.jsonl import DataError, Video, parse_row, read_jsonl, read_video_header
 from vlforge.data.synth import synth_motion
 from vlforge.data.video import VideoLimits, decode_file_frames, frame_timestamps, sampled_frames
-from vlforge.engine.losses import sft_loss_sum
+from vlforge.train.losses import sft_loss_sum
 from vlforge.recipes.sft import run_sft
 
 from helpers import tiny_sft_config
@@ -311,9 +311,9 @@ def test_frames_as_images_gives_the_models_own_logits(tiny, mixed_video, preset)
 
 
 def test_engine_answers_video_prompts_as_transformers_generate_does(tiny, mixed_video):
-    from vlforge.engine.evaluate import _generate_answers_hf, generate_answers
+    from vlforge.train.evaluate import _generate_answers_hf, generate_answers
     from vlforge.config import PrecisionConfig
-    from vlforge.engine.precision import PrecisionPolicy
+    from vlforge.train.precision import PrecisionPolicy
 
     model, _ = tiny
     data, _, _ = mixed_video
@@ -368,8 +368,8 @@ def test_grpo_trains_on_video_prompts(motion, tmp_path, monkeypatch):
 def test_vlforge_eval_answers_video_rows_as_the_trainers_eval_does(tiny, motion):
     """`vlforge eval` (the serving engine's requests, videos decoded there) == SFT's evaluation."""
     from vlforge.config import PrecisionConfig
-    from vlforge.engine.evaluate import generate_answers
-    from vlforge.engine.precision import PrecisionPolicy
+    from vlforge.train.evaluate import generate_answers
+    from vlforge.train.precision import PrecisionPolicy
     from vlforge.recipes.infer import evaluate_dataset
     from vlforge.serve.engine import InferenceEngine
 

@@ -19,8 +19,8 @@ import yaml
 from helpers import tiny_sft_config
 from test_samples import shapes_grpo
 
-from vlforge.engine.metrics import read_metrics
-from vlforge.engine.samples import read_samples
+from vlforge.train.metrics import read_metrics
+from vlforge.train.samples import read_samples
 
 CHROMIUM, CHROMEDRIVER = "/usr/bin/chromium", "/usr/bin/chromedriver"
 SCREENSHOT = Path(__file__).parent.parent / "docs" / "img" / "view.png"
@@ -178,7 +178,7 @@ def test_run_states_from_the_lock_and_the_metrics(runs, tmp_path):
     run = tmp_path / "grpo"
     shutil.copytree(runs / "grpo", run)
     assert run_summary(run)["state"] == "finished"
-    hold = (f"from vlforge.engine.runtime import lock_output_dir as lock; lock({str(run)!r}); "
+    hold = (f"from vlforge.train.runtime import lock_output_dir as lock; lock({str(run)!r}); "
             "print('held', flush=True); import time; time.sleep(60)")
     holder = subprocess.Popen([sys.executable, "-c", hold], stdout=subprocess.PIPE, text=True)
     try:

@@ -103,13 +103,13 @@ def test_compiled_vision_blocks_do_not_compile_again_for_each_number_of_images()
 
 
 def test_a_compiled_block_keeps_a_graph_for_every_variant_a_training_step_makes(monkeypatch):
-    """One vision block's code, compiled as the recipe compiles it (engine/trainable.compile_decoder_layers),
+    """One vision block's code, compiled as the recipe compiles it (train/trainable.compile_decoder_layers),
     called as a training step calls its blocks: weights in fp32 (trainable) or bf16 (frozen), an input
     that requires grad or not, a view (the tower's reshape; a graph made for a view guards on its base)
     or not, lengths and image counts that change (static, then dynamic): 9 graphs of one code object,
     the H200's mixed-image step's pattern. With torch's default limit (8) dynamo would run the last
     eager; fail_on_recompile_limit_hit turns that into an error here."""
-    from vlforge.engine.trainable import compile_decoder_layers
+    from vlforge.train.trainable import compile_decoder_layers
 
     model, _ = load_model(ModelConfig(preset="tiny"))
     compile_ = torch.nn.Module.compile

@@ -12,9 +12,9 @@ from pathlib import Path
 
 from vlforge.config import ConfigError, GRPOConfig, SFTConfig, dump_config, load_config
 from vlforge.data.jsonl import DataError
-from vlforge.engine.errors import CheckpointWriteError
-from vlforge.engine.health import TrainingDiverged
-from vlforge.engine.stop import signal_name, sigterm_interrupts
+from vlforge.train.errors import CheckpointWriteError
+from vlforge.train.health import TrainingDiverged
+from vlforge.train.stop import signal_name, sigterm_interrupts
 from vlforge.rl.rewards import RewardError
 
 
@@ -37,8 +37,8 @@ def _print_plan(cfg, as_json: bool, world_size: int) -> None:
     """`--plan`: what trains (tiers, ranks, lrs, parameter counts), in which precision, and the
     per-process memory on `world_size` processes, from a meta-device model (no weights: works for
     32B on a laptop)."""
-    from vlforge.engine.memory import format_memory, memory_estimate
-    from vlforge.engine.precision import format_precision_plan, precision_plan
+    from vlforge.train.memory import format_memory, memory_estimate
+    from vlforge.train.precision import format_precision_plan, precision_plan
     from vlforge.model.load import build_meta_model
     from vlforge.model.tiers import build_plan, format_plan, plan_summary
 
@@ -216,8 +216,8 @@ def _engine(args, slots: int = 1):
 
 def cmd_export(args) -> int:
     from vlforge.config import QuantConfig
-    from vlforge.engine.hardware import quant_problem
-    from vlforge.engine.runtime import resolve_device
+    from vlforge.train.hardware import quant_problem
+    from vlforge.train.runtime import resolve_device
     from vlforge.model.export import export
     from vlforge.model.load import DTYPES
 
@@ -268,7 +268,7 @@ def _grpo_run(source: str):
 
 def cmd_eval(args) -> int:
     from vlforge.config import RolloutConfig
-    from vlforge.engine.metrics import check_writable, write_json_atomic
+    from vlforge.train.metrics import check_writable, write_json_atomic
     from vlforge.config import DataConfig
     from vlforge.data.sources import check_readable
     from vlforge.recipes.infer import evaluate_dataset
@@ -568,7 +568,7 @@ def _main_process() -> bool:
 
 
 def _interrupted(command: str, e: KeyboardInterrupt) -> int:
-    """Ctrl-C (KeyboardInterrupt) or SIGTERM (engine/stop.Interrupted): one line, no traceback, and the
+    """Ctrl-C (KeyboardInterrupt) or SIGTERM (train/stop.Interrupted): one line, no traceback, and the
     shell's code for the signal, 128 + its number (130, 143). A training run's stop says what it
     saved (its rank 0 said it already when every rank stopped after one step)."""
     signum = getattr(e, "signum", signal.SIGINT)

@@ -73,7 +73,7 @@ class ModelConfig:
     preset: str | None = None
     # flex_attention (MoE models only in transformers 5.17-5.24): torch's flex_attention, a
     # block-sparse document mask for data.packing; flash_attention_2 needs the flash-attn package
-    # (varlen kernels when packed); sdpa packs rows through engine/packed_attention.py (each
+    # (varlen kernels when packed); sdpa packs rows through train/packed_attention.py (each
     # sample's own causal attention: torch's varlen_attn on CUDA), eager through a dense mask
     attn_implementation: Literal["sdpa", "eager", "flash_attention_2", "flex_attention"] = "sdpa"
     # data.packing with sdpa: per_sample (above), or mask = transformers' dense block-diagonal
@@ -82,7 +82,7 @@ class ModelConfig:
     # the vision tower under sdpa: varlen = every image of a forward in one call (model/varlen.py:
     # torch's varlen_attn on CUDA, exact per-image SDPA elsewhere), sdpa = transformers' own loop,
     # one SDPA call per image in every block; auto = varlen but for a trainable vision tower whose
-    # blocks run eager, where the loop measured faster (engine/trainable.vision_attention_for_training)
+    # blocks run eager, where the loop measured faster (train/trainable.vision_attention_for_training)
     vision_attention: Literal["auto", "varlen", "sdpa"] = "auto"
     # MoE models: transformers' expert kernels; auto = grouped_mm (grouped GEMM) on CUDA, eager
     # (the reference loop over experts) elsewhere (model/load.experts_implementation)
@@ -121,11 +121,11 @@ class DataConfig:
     video_max_frames: int = 64
     video_min_pixels: int = 128 * 32 * 32
     video_max_pixels: int = 768 * 32 * 32
-    num_workers: int | Literal["auto"] = "auto"  # DataLoader workers; auto: engine.runtime.resolve_num_workers
+    num_workers: int | Literal["auto"] = "auto"  # DataLoader workers; auto: train.runtime.resolve_num_workers
     # Padding-free packing: a micro-batch's samples concatenated into one row, attention kept inside
     # each sample (block-diagonal, from per-sample position ids) and M-RoPE computed per sample.
     # See docs/packing.md. auto = on where a packed row runs torch's varlen flash kernel (CUDA sm80+,
-    # bf16/fp16, model.attn_implementation=sdpa with packed_attention=per_sample: engine/packed_attention.
+    # bf16/fp16, model.attn_implementation=sdpa with packed_attention=per_sample: train/packed_attention.
     # packing_pays), measured at least as fast as padding there (docs/benchmarks.md); off elsewhere (CPU,
     # fp32, eager, flex_attention, flash_attention_2, packed_attention=mask: doctor --config says which)
     packing: bool | Literal["auto"] = "auto"
@@ -170,7 +170,7 @@ class DataConfig:
 
 @dataclass
 class LossConfig:
-    """How the lm_head + cross-entropy (SFT loss) is computed; engine/losses.py. All keep fp32 math."""
+    """How the lm_head + cross-entropy (SFT loss) is computed; train/losses.py. All keep fp32 math."""
 
     # auto = chunked: ours, [chunk_size, V] logits at a time in forward and backward (on the H200 at
     # least as fast as liger: 2B full 1.03x in one call, inside the ~7% spread between calls; 8B LoRA
@@ -316,7 +316,7 @@ class FP8Config:
 
 @dataclass
 class PrecisionConfig:
-    """The one precision policy; engine/precision.py applies it. See docs/precision.md."""
+    """The one precision policy; train/precision.py applies it. See docs/precision.md."""
 
     # Compute dtype (autocast). Norms, softmax, losses, log-probs and advantages are fp32 regardless.
     mode: Literal["bf16", "fp16", "fp32"] = "bf16"
@@ -324,7 +324,7 @@ class PrecisionConfig:
     # (halves weight/optimizer memory; updates smaller than bf16's resolution are lost), or
     # `optimizer`: fp32 masters kept by the optimizer while the model's linear weights are bf16
     # working copies it rewrites in the same pass (bf16 only, one process): no per-step weight
-    # casts; the same forward and gradients as fp32 (engine/optim.MasterWeightAdamW).
+    # casts; the same forward and gradients as fp32 (train/optim.MasterWeightAdamW).
     master_weights: Literal["fp32", "compute", "optimizer"] = "fp32"
     overrides: list[ModuleOverride] = field(default_factory=list)
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
@@ -339,7 +339,7 @@ class PrecisionConfig:
     # activation memory budget; null = its default, 1: keep what it would). A memory knob finer than
     # whole-layer checkpointing, chosen op by op.
     activation_memory_budget: float | None = None
-    # torch.compile each decoder layer; auto = on where measured faster (engine/trainable.default_compile),
+    # torch.compile each decoder layer; auto = on where measured faster (train/trainable.default_compile),
     # and when FP8 (torchao) runs on a GPU, where its casts must be fused to pay off.
     compile: bool | Literal["auto"] = "auto"
     # With compiled decoder layers: also torch.compile each vision block (its attention one varlen
@@ -406,7 +406,7 @@ class OptimConfig:
     # bytes/param (tensors under 4096 values, i.e. biases and norms, stay fp32). `paged_adamw8bit`
     # also lets CUDA page that state out to host memory under GPU memory pressure (CUDA only).
     # Both 8-bit ones need `pip install 'vlforge[quant]'`. Under FSDP2 they step each rank's shards,
-    # with uint8 moments where a tensor's rows are whole 256-value blocks (engine/optim.sharded_8bit).
+    # with uint8 moments where a tensor's rows are whole 256-value blocks (train/optim.sharded_8bit).
     name: Literal["adamw", "adamw8bit", "paged_adamw8bit"] = "adamw"
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
@@ -438,7 +438,7 @@ class TrainConfig:
     keep_last: int = 2
     resume: Literal["auto", "never"] | str = "never"  # auto | never | path to a checkpoint-STEP dir
     overwrite: bool = False
-    # MoE models: x the router load-balancing loss (engine/moe.py), added to the training loss.
+    # MoE models: x the router load-balancing loss (train/moe.py), added to the training loss.
     # SFT default 0.001: the coefficient Qwen3-VL-30B-A3B / 235B-A22B ship in config.json, i.e. what
     # their training balanced with. GRPO defaults to 0: the aux gradient sits outside the clipped policy
     # objective, tied to no reward, and moves routing (rollout/trainer agreement) from the start's
@@ -458,7 +458,7 @@ class TrainConfig:
 
 @dataclass
 class DistributedConfig:
-    """Training on several processes (torchrun: FSDP2 or DDP), and FSDP2 on one. engine/distributed.py applies it.
+    """Training on several processes (torchrun: FSDP2 or DDP), and FSDP2 on one. train/distributed.py applies it.
 
     One process per GPU: `torchrun --nproc_per_node N -m vlforge sft CONFIG`. Mixed precision comes
     from the `precision` section (FSDP2 gathers parameters in the compute dtype, keeps fp32 master
@@ -507,14 +507,14 @@ class LogConfig:
     every: int = 1
     tensorboard: bool = False
     progress: bool = True
-    # samples/ in the run directory (engine/samples.py, `vlforge view`): GRPO groups every
+    # samples/ in the run directory (train/samples.py, `vlforge view`): GRPO groups every
     # samples_every steps (0: none), samples_per_step of them; samples_eval probes per evaluation;
     # the folder stops growing at samples_max_mb
     samples_every: int = 1
     samples_per_step: int = 2
     samples_eval: int = 32
     samples_max_mb: float = 100.0
-    # trackers (engine/trackers.py), rank 0 only: wandb (WANDB_MODE=offline: no network) and MLflow
+    # trackers (train/trackers.py), rank 0 only: wandb (WANDB_MODE=offline: no network) and MLflow
     # (mlflow_uri, default a SQLite store, output_dir/mlflow.db); project: wandb's project, MLflow's
     # experiment; run_name: default the output directory's name
     wandb: bool = False

@@ -20,8 +20,8 @@ from pathlib import Path
 from vlforge.config import ConfigError, GRPOConfig, SFTConfig, load_config
 from vlforge.data.dataset import load_dataset
 from vlforge.data.synth import synth_shapes
-from vlforge.engine.evaluate import evaluate
-from vlforge.engine.trainable import setup_model
+from vlforge.train.evaluate import evaluate
+from vlforge.train.trainable import setup_model
 from vlforge.recipes.grpo import run_grpo
 from vlforge.recipes.sft import run_sft
 

@@ -247,7 +247,7 @@ def budget_batches(lengths: list[int], max_tokens: int, packed: bool, seed: int,
     samples, in epoch order, as fit `max_tokens`: packed, their total length; padded, rows x the
     longest row. Every sample of the epoch is in exactly one batch (the last may be small).
 
-    `multiple`: the row length `collate` / `pack` round up to (FP8 GEMMs: 16, engine.fp8.token_multiple);
+    `multiple`: the row length `collate` / `pack` round up to (FP8 GEMMs: 16, train.fp8.token_multiple);
     the budget holds for the rounded rows, the tokens the step actually computes.
 
     Greedy in the (seed, epoch) order, so a batch depends only on where it starts: resuming from
@@ -283,7 +283,7 @@ class Batching:
 
     @classmethod
     def of(cls, cfg: DataConfig, batch_size: int, multiple: int = 1, packed: bool | None = None) -> "Batching":
-        """`packed`: data.packing resolved (engine/packed_attention.packing_pays for auto); None: the
+        """`packed`: data.packing resolved (train/packed_attention.packing_pays for auto); None: the
         config's own true/false."""
         if packed is None:
             if cfg.packing == "auto":

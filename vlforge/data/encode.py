@@ -549,7 +549,7 @@ def pack(items: list, pad_id: int, multiple: int = 1, pad_to: int | None = None)
     """Concatenate encoded samples into ONE row, without padding between them (data.packing).
 
     The row carries `seq_lens` [n] (each sample's length, in order) instead of an attention mask;
-    the model's forward turns it into per-sample position ids (engine.losses.packed_position_ids),
+    the model's forward turns it into per-sample position ids (train.losses.packed_position_ids),
     from which transformers restricts attention to each sample. Each sample's first label is
     ignored, so no position is trained to predict the next sample's first token (its labels are
     never supervised anyway: every sample starts with <|im_start|>). Images are concatenated in

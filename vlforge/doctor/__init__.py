@@ -18,7 +18,7 @@ a person's patience. The doctor finds those problems up front, in one command:
 - with a recipe (`--config` + overrides): what that recipe needs (device, bf16, FP8 and its
   backend, flash-attention, a local model directory, the optimizer), failed when this machine
   cannot give it, and what its `distributed` section does in this launch (the strategy as
-  engine/distributed.init_world resolves it, and what is refused under FSDP2).
+  train/distributed.init_world resolves it, and what is refused under FSDP2).
 
 Each finding is a `Check` (ok | warn | fail | skip, a detail, and advice saying what to do).
 `run_checks` returns a JSON-able report; `format_report` renders it for people. Only "fail"

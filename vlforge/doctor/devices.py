@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from vlforge.doctor.environment import Check, dist_version, one_line, try_import
-from vlforge.engine.hardware import bf16_problem, capability, fp8_problem
+from vlforge.train.hardware import bf16_problem, capability, fp8_problem
 
 BF16_TOLERANCE = 2e-2  # bf16 keeps 8 significant bits: <= 0.4% rounding per operand
 FP8_TOLERANCE = 0.1  # e4m3 keeps 4: <= 6% per element, averaging down over the 256-term sums
@@ -190,7 +190,7 @@ def te_matmul_error(device: torch.device) -> float:
     import transformer_engine.pytorch as te
     from transformer_engine.common import recipe
 
-    from vlforge.engine.fp8 import te_autocast
+    from vlforge.train.fp8 import te_autocast
 
     a, b, ref = _operands(device)
     layer = te.Linear(MATMUL_SIZE, MATMUL_SIZE, bias=False, params_dtype=torch.bfloat16, device=device)

@@ -16,7 +16,7 @@ from vlforge.doctor.environment import Check, Status
 class Launch:
     """The torchrun launch this process is in, read from LAUNCH_VARS (pure; see `parse_launch`)."""
 
-    torchrun: bool  # RANK and WORLD_SIZE set: engine/distributed.torchrun_env() sees a launch
+    torchrun: bool  # RANK and WORLD_SIZE set: train/distributed.torchrun_env() sees a launch
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0

@@ -1,7 +1,7 @@
 """The doctor's recipe checks: what a training config asks of this machine (device, bf16, FP8 and
 its backend, quantization, flash-attention, liger, packing, CUDA graphs, tools, a local model
 directory, the optimizer), failed when the machine cannot give it, and what its `distributed`
-section does in this launch (the strategy as engine/distributed.init_world resolves it, and what
+section does in this launch (the strategy as train/distributed.init_world resolves it, and what
 is refused under FSDP2), each refused as the run would refuse it before any model loads.
 """
 
@@ -17,8 +17,8 @@ from vlforge.config import ConfigError, GRPOConfig, SFTConfig
 from vlforge.doctor.devices import LIBRARY_BY_NAME
 from vlforge.doctor.environment import Check, one_line, try_import
 from vlforge.doctor.launch import parse_launch
-from vlforge.engine.hardware import bf16_problem, fp8_problem
-from vlforge.engine.runtime import choose_device
+from vlforge.train.hardware import bf16_problem, fp8_problem
+from vlforge.train.runtime import choose_device
 
 # The module each recipe feature imports: narrower than the top-level package, so a package
 # whose top level imports but whose torch extension does not is still caught.
@@ -73,7 +73,7 @@ def recipe_from_config(cfg: SFTConfig | GRPOConfig, config: str | None, cuda_ava
     device, problem = choose_device(cfg.train.device, cuda_available, gpu_count)
     graphs, graphs_ok = None, True
     if cfg.precision.cuda_graphs and device is not None:  # the refusal setup_model makes before loading
-        from vlforge.engine.trainable import cuda_graphs_problem
+        from vlforge.train.trainable import cuda_graphs_problem
 
         graphs = cuda_graphs_problem(cfg, device)
         graphs_ok = graphs is None
@@ -130,8 +130,8 @@ def _split(message: str) -> tuple[str, str]:
 def distributed_recipe_checks(cfg: SFTConfig | GRPOConfig, env: dict[str, Any], recipe: Recipe) -> list[Check]:
     """What the recipe's `distributed` and `optim` sections do in this launch, refused as the run
     would refuse them (before any model loads), without initialising anything."""
-    from vlforge.engine.distributed import World, planned_strategy, refuse_unsupported
-    from vlforge.engine.optim import optimizer_problem
+    from vlforge.train.distributed import World, planned_strategy, refuse_unsupported
+    from vlforge.train.optim import optimizer_problem
 
     launch = parse_launch(env.get("_launch", {}))
     size = launch.world_size if launch.torchrun else 1
@@ -278,7 +278,7 @@ def _kernel_checks(recipe: Recipe, libs: dict[str, dict[str, Any]]) -> list[Chec
 
     if recipe.loss_impl == "liger" and device is not None:  # the check setup_model makes before loading
         from vlforge.config import LossConfig
-        from vlforge.engine.losses import loss_impl_problem
+        from vlforge.train.losses import loss_impl_problem
 
         problem = ("loss.impl=liger: GRPO's log-probs need banned vision tokens and the entropy, which liger's "
                    "fused op cannot give" if recipe.grpo else loss_impl_problem(LossConfig(impl="liger"), device))
@@ -287,7 +287,7 @@ def _kernel_checks(recipe: Recipe, libs: dict[str, dict[str, Any]]) -> list[Chec
                       Check("recipe loss", "ok", f"loss.impl=liger: liger-kernel's fused cross-entropy on {device}"))
 
     if recipe.packing == "auto" and device is not None:  # what the recipe will do; informational
-        from vlforge.engine.packed_attention import packing_problem
+        from vlforge.train.packed_attention import packing_problem
 
         problem = packing_problem(device, recipe.attn_implementation, recipe.packed_attention, recipe.precision_mode)
         checks.append(Check("recipe packing", "ok", f"data.packing=auto -> padded rows: {problem}" if problem else

@@ -1236,7 +1236,7 @@ class Engine:
 
     def _kv_dtypes(self, device) -> tuple[torch.dtype, ...]:
         """Each layer's key dtype: the usual one (_kv_dtype), or the dtype a precision override runs
-        the layer's attention in (engine/precision.py marks each module it wraps with
+        the layer's attention in (train/precision.py marks each module it wraps with
         `_vlforge_compute`; the innermost of the model, the language model, the layer and its
         attention decides): an fp32 attention's keys are fp32 as in training, not rounded to bf16."""
         usual, out = self._kv_dtype(device), []

@@ -7,7 +7,7 @@
     with recorder.write_to(routes_LSTk, rows_S, write_S):   # a decode step (CUDA graph, compiled)
         forward_shared(...)                       # routes_LSTk[:, rows_S, write_S] = each row's experts
 
-Written for router replay (engine/moe.py replays them in the trainer's forward): the rollout's
+Written for router replay (train/moe.py replays them in the trainer's forward): the rollout's
 expert choices, recorded where it made them, in its own kernels.
 
 The routers are transformers' `Qwen3VLMoeTextTopKRouter` (`mlp.gate`); their forward returns

@@ -32,7 +32,7 @@ from vlforge.model.presets import is_moe
 
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
 BASE_FILE = "vlforge_base.json"
-SHARDED_DIR = "dcp"  # a sharded (FSDP2) checkpoint's weights and optimizer state: engine/checkpoint.py  # an adapter export's base model (what a checkpoint's run config.yaml says)
+SHARDED_DIR = "dcp"  # a sharded (FSDP2) checkpoint's weights and optimizer state: train/checkpoint.py  # an adapter export's base model (what a checkpoint's run config.yaml says)
 
 
 def run_config(checkpoint: Path) -> RunConfig:
@@ -167,7 +167,7 @@ def load_merged(checkpoint: Path, dtype: torch.dtype = torch.bfloat16):
 def export(checkpoint: str | Path, out: str | Path, *, merge: bool = False, quant: QuantConfig | None = None,
            dtype: torch.dtype = torch.bfloat16, overwrite: bool = False, device: str | torch.device = "cpu") -> dict:
     """Write `out`; returns {"out", "kind", "quant", "files"}. `device`: where a --quant reload
-    runs (bitsandbytes / torchao quantize there; the caller checks it can, engine.hardware)."""
+    runs (bitsandbytes / torchao quantize there; the caller checks it can, train.hardware)."""
     checkpoint, out = Path(checkpoint), Path(out)
     kind = _check_checkpoint(checkpoint)
     quant = quant or QuantConfig()

@@ -116,7 +116,7 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: str
     With `quant` enabled the weights go through transformers' quantizer (bitsandbytes / torchao)
     as they load, and an MoE's experts through model/quant.quantize_experts, with exactly the
     weights of model/quant.py's plan quantized (checked). Callers check first that the device can
-    run it (engine.hardware.quant_problem). `wrap` (peft's LoRA: returns the wrapped model) runs on
+    run it (train.hardware.quant_problem). `wrap` (peft's LoRA: returns the wrapped model) runs on
     the loaded model before its experts are quantized, and the result is what comes back.
     """
     _offline()
@@ -144,7 +144,7 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: str
 
 
 def _vision_attention(cfg: ModelConfig, model) -> None:
-    if cfg.vision_attention != "sdpa":  # auto: varlen too (training may switch back: engine/trainable)
+    if cfg.vision_attention != "sdpa":  # auto: varlen too (training may switch back: train/trainable)
         use_vision_varlen(model)
 
 
@@ -217,7 +217,7 @@ def _save_local(model, out: Path) -> None:
 
 def build_meta_model(cfg: ModelConfig, dtype: torch.dtype | None = None, device: str | torch.device | None = None):
     """The model's module tree and shapes without allocating weights: for `--plan` on 8B or
-    30B-A3B on a laptop, and for sharded loading (engine/distributed.materialize fills its
+    30B-A3B on a laptop, and for sharded loading (train/distributed.materialize fills its
     shards), where `dtype` and `device` (the one it will run on: it picks the attention and expert
     kernels) make it the model load_model would build there."""
     processor = load_processor(cfg)

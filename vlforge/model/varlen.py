@@ -1,5 +1,5 @@
 """torch's variable-length attention (`torch.nn.attention.varlen.varlen_attn`: flash kernels over
-cu_seqlens), shared by packed training rows (engine/packed_attention.py) and the vision tower (here).
+cu_seqlens), shared by packed training rows (train/packed_attention.py) and the vision tower (here).
 
     varlen_kernel       varlen_attn and its parameter names, or None (a torch without it)
     flash_capable       whether a CUDA device runs its flash kernels (sm80+)

@@ -26,18 +26,18 @@ from vlforge.data.dataset import ChatDataset, batches_from, load_dataset
 from vlforge.data.encode import collate, encode_engine_prompt, visuals_per_prompt
 from vlforge.data.jsonl import DataError
 from vlforge.data.sources import check_readable
-from vlforge.engine.distributed import (World, frozen_sharded_copy, fully_gathered, no_sync, planned_strategy,
+from vlforge.train.distributed import (World, frozen_sharded_copy, fully_gathered, no_sync, planned_strategy,
                                        torchrun_env)
-from vlforge.engine.evaluate import to_device
-from vlforge.engine.health import GradHealth
-from vlforge.engine.losses import drop_keepalive_grads
-from vlforge.engine.packed_attention import keep_mask_attention
-from vlforge.engine.metrics import plot_metric, read_metrics
-from vlforge.engine.moe import aux_term, capture, follow
-from vlforge.engine.optim import hold_gradients
-from vlforge.engine.run import Run, begin_run
-from vlforge.engine.stop import StopSignals
-from vlforge.engine.trainable import Trainable, cuda_graphs_problem, setup_model
+from vlforge.train.evaluate import to_device
+from vlforge.train.health import GradHealth
+from vlforge.train.losses import drop_keepalive_grads
+from vlforge.train.packed_attention import keep_mask_attention
+from vlforge.train.metrics import plot_metric, read_metrics
+from vlforge.train.moe import aux_term, capture, follow
+from vlforge.train.optim import hold_gradients
+from vlforge.train.run import Run, begin_run
+from vlforge.train.stop import StopSignals
+from vlforge.train.trainable import Trainable, cuda_graphs_problem, setup_model
 from vlforge.generate.engine import engine_for
 from vlforge.model.load import build_meta_model, dir_config
 from vlforge.model.presets import MOE_PRESETS, is_moe
@@ -130,7 +130,7 @@ def rollout_round(t: Trainable, data: ChatDataset, idx: list[int], cfg: GRPOConf
     reward_N -= cfg.rl.overlong_penalty * (~rollout.finished).float().cpu()
     return rollout, {"reward": reward_N, "per_fn": scored.per_fn,
                      "correct": [exact_match(c, a) for c, a in zip(texts, answers)], "tools": tool_stats,
-                     # what the sample log shows (engine/samples.py): this rank's groups as they were
+                     # what the sample log shows (train/samples.py): this rank's groups as they were
                      "rollout": rollout, "texts": texts, "samples": samples, "transcripts": transcripts}
 
 
@@ -248,7 +248,7 @@ def update(t: Trainable, ref_model, batches: list[Batch], optimizer, scaler, hea
     """
     rl, world = cfg.rl, t.world
     packing = packing_enabled(t.model, rl.packing)  # the log-prob forwards on real tokens only (one row)
-    replay = cfg.rollout.router_replay is True  # MoE: the rollout's experts in every forward (engine/moe.py)
+    replay = cfg.rollout.router_replay is True  # MoE: the rollout's experts in every forward (train/moe.py)
     recompute = rl.old_logprobs == "trainer"
     gap = logprobs_before_update(t, ref_model, batches, spare, cfg.rollout.temperature, rl.kl_beta > 0, recompute,
                                  packing, replay)
@@ -326,7 +326,7 @@ def part_loss(t: Trainable, b: Batch, part: list[int], seqs: list[int], mask: to
               packing: bool):
     """One part's policy loss (+ beta x KL to the reference) over its response tokens, aggregated on its
     own; with the loss's statistics, the KL's token mean (0 without a KL), the token entropies and the
-    MoE routes its forward took (engine/moe.capture)."""
+    MoE routes its forward took (train/moe.capture)."""
     rl = cfg.rl
     with t.policy.autocast(), capture(t.routing, token_rows(b.rollout, seqs, packing)) as routed:  # MoE
         logp, entropy = t.forward(sequence_logprobs, b.rollout, cfg.rollout.temperature, seq_index=seqs,
@@ -346,7 +346,7 @@ def part_loss(t: Trainable, b: Batch, part: list[int], seqs: list[int], mask: to
 
 
 def tool_answers(t: Trainable, cfg: GRPOConfig, tools: dict[str, Tool], run_calls):
-    """The evaluation's answers with rollout.tools (engine.evaluate.generate_answers' signature):
+    """The evaluation's answers with rollout.tools (train.evaluate.generate_answers' signature):
     each held-out prompt answered greedily as a conversation with the tools, one sample a prompt,
     within rollout.max_new_tokens (the budget of a whole response, as in training; eval.max_new_tokens
     is for single-turn answers); the answer is the last assistant turn, scored as rollouts are."""
@@ -501,7 +501,7 @@ def run_grpo(cfg: GRPOConfig) -> dict:
     strategy, _ = planned_strategy(cfg.distributed.strategy, world_size, cfg.train.device)
     if strategy != "none":
         refuse_unsupported_sharded(cfg, world_size, strategy)
-    # SIGINT/SIGTERM (engine/stop.py): once training runs, the step in progress finishes, then a checkpoint
+    # SIGINT/SIGTERM (train/stop.py): once training runs, the step in progress finishes, then a checkpoint
     with StopSignals() as stop, begin_run(cfg) as (world, resume_from), tool_runner(tools, cfg.rollout) as run_calls:
         for fn in rewards.fns:  # a judge model loads on this rank's device, beside the policy (serve/judge.py)
             if isinstance(fn, ModelJudge) and fn.device == "auto":

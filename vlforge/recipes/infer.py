@@ -19,7 +19,7 @@ from PIL import Image
 from vlforge.config import DataConfig, RolloutConfig
 from vlforge.data.jsonl import DataError, Video, read_video_header
 from vlforge.data.sources import iter_samples
-from vlforge.engine.stop import sigint_sets
+from vlforge.train.stop import sigint_sets
 from vlforge.rl.rewards import CombinedReward, exact_match
 from vlforge.rl.tools import Tool
 from vlforge.rollout.multiturn import answer_with_tools, tool_runner

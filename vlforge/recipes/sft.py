@@ -23,18 +23,18 @@ from vlforge.data.dataset import Batching, ChatDataset, global_batches, load_dat
 from vlforge.data.encode import collate, pack
 from vlforge.data.jsonl import DataError
 from vlforge.data.sources import check_readable
-from vlforge.engine.distributed import no_sync
-from vlforge.engine.health import GradHealth
-from vlforge.engine.losses import (HostPrep, count_supervised, count_tokens, drop_keepalive_grads, real_tokens,
+from vlforge.train.distributed import no_sync
+from vlforge.train.health import GradHealth
+from vlforge.train.losses import (HostPrep, count_supervised, count_tokens, drop_keepalive_grads, real_tokens,
                                    sft_loss_sum, step_inputs)
-from vlforge.engine.metrics import plot_metric, read_metrics
-from vlforge.engine.moe import aux_term, capture
-from vlforge.engine.optim import hold_gradients
-from vlforge.engine.packed_attention import packing_pays
-from vlforge.engine.run import Run, begin_run
-from vlforge.engine.runtime import resolve_device, resolve_num_workers
-from vlforge.engine.stop import StopSignals, ignore_stop_signals
-from vlforge.engine.trainable import Trainable, cuda_graph_step_begin, cuda_graphs_problem, setup_model
+from vlforge.train.metrics import plot_metric, read_metrics
+from vlforge.train.moe import aux_term, capture
+from vlforge.train.optim import hold_gradients
+from vlforge.train.packed_attention import packing_pays
+from vlforge.train.run import Run, begin_run
+from vlforge.train.runtime import resolve_device, resolve_num_workers
+from vlforge.train.stop import StopSignals, ignore_stop_signals
+from vlforge.train.trainable import Trainable, cuda_graph_step_begin, cuda_graphs_problem, setup_model
 from vlforge.model.tiers import plan_summary, unwrap
 
 
@@ -89,7 +89,7 @@ def micro_batches(data: ChatDataset, batch_size: int | Batching, seed: int, epoc
 def train_step(t: Trainable, micro: list[dict], optimizer, scaler, health: GradHealth,
                max_grad_norm: float | None, loss: LossConfig = LossConfig(), stop: StopSignals | None = None) -> dict:
     """One optimizer step over the accumulated micro-batches (padded or packed). Returns step metrics.
-    `stop`: its ranks' stop votes ride on the step's first all-reduce (engine/stop.py)."""
+    `stop`: its ranks' stop votes ride on the step's first all-reduce (train/stop.py)."""
     # data.on_error=skip: rows whose image failed to decode are left out of their batch (counted)
     skipped_rows = sum(int(b.get("skipped_rows", 0)) for b in micro)
     skipped = {"skipped_rows": skipped_rows} if skipped_rows else {}
@@ -186,7 +186,7 @@ def run_sft(cfg: SFTConfig) -> dict:
     # before the run begins (its directory, the model): what can be told from the config and the device
     if cfg.precision.cuda_graphs and (problem := cuda_graphs_problem(cfg, resolve_device(cfg.train.device))):
         raise ConfigError(problem)
-    # SIGINT/SIGTERM (engine/stop.py): once training runs, the step in progress finishes, then a checkpoint
+    # SIGINT/SIGTERM (train/stop.py): once training runs, the step in progress finishes, then a checkpoint
     with StopSignals() as stop, begin_run(cfg) as (world, resume_from):
         t = setup_model(cfg, world=world)
         train_data = load_dataset(cfg.data.train, t.processor, cfg.data)

@@ -22,7 +22,7 @@ from vlforge.rl.tools import Tool, _run_one, read_frame, tool_function, write_fr
 
 def main() -> None:
     # Ctrl-C reaches every process of the terminal's group, a scheduler's SIGTERM every process of the
-    # job: a trainer finishing its step on either (engine/stop.py) still needs its calls answered. It
+    # job: a trainer finishing its step on either (train/stop.py) still needs its calls answered. It
     # ends this worker itself: the end of stdin, or SIGKILL at a call's timeout.
     for s in (signal.SIGINT, signal.SIGTERM):
         signal.signal(s, signal.SIG_IGN)

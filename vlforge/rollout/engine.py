@@ -23,8 +23,8 @@ import torch
 
 from vlforge.config import RolloutConfig
 from vlforge.data.encode import Encoder
-from vlforge.engine.losses import packed_position_ids_host, token_logprobs_entropy, vision_keepalive
-from vlforge.engine.packed_attention import (PackedRows, packed_forward, per_sample_attention, runs_sdpa,
+from vlforge.train.losses import packed_position_ids_host, token_logprobs_entropy, vision_keepalive
+from vlforge.train.packed_attention import (PackedRows, packed_forward, per_sample_attention, runs_sdpa,
                                             use_packed_attention)
 from vlforge.generate.engine import GenRequest, engine_for, prompts_of_batch
 from vlforge.generate.forward import (ImageFeatures, cache_of, encode_images, feature_groups,  # noqa: F401
@@ -297,7 +297,7 @@ class PackedLayout:
 
 def packing_enabled(model, setting: bool | str) -> bool:
     """rl.packing for this model: auto = on where a packed row attends per sample without a dense
-    [T, T] mask (sdpa, engine/packed_attention.py: varlen kernels on CUDA, per-sample SDPA elsewhere);
+    [T, T] mask (sdpa, train/packed_attention.py: varlen kernels on CUDA, per-sample SDPA elsewhere);
     eager / flex_attention / model.packed_attention=mask would build that mask over the whole row."""
     return per_sample_attention(unwrap(model)) if setting == "auto" else bool(setting)
 
@@ -311,7 +311,7 @@ def _packed_hidden(core, ids_1T: torch.Tensor, host_ids_1T: torch.Tensor, grid: 
                    seq_lens: list[int], feats: ImageFeatures | None, prompt_of_seq: list[int | tuple[int, ...]],
                    keepalive: torch.Tensor | None):
     """Last hidden states [T, H] of a packed row (`ids_1T`, and `host_ids_1T` its host copy, which
-    the positions and the image tokens' places are read from); as engine.losses.backbone_hidden, but
+    the positions and the image tokens' places are read from); as train.losses.backbone_hidden, but
     with the image features of each prompt (encoded once) gathered into every packed copy of its image
     tokens (forward_shared: the row's image tokens are in sequence order, as the padded batch's are)."""
     mm_1T = (host_ids_1T == core.config.image_token_id).long()
@@ -335,7 +335,7 @@ def sequence_logprobs(model, rollout: Rollout, temperature: float, seq_index: li
     a multi-turn rollout's tool results, which are read but not scored), recomputed by teacher
     forcing with gradients; the images of the prompts those sequences belong to (only
     those) are encoded once for all their sequences. `keep_vision`: run the vision tower even
-    when those prompts have no image (sharded runs: engine.losses.vision_keepalive).
+    when those prompts have no image (sharded runs: train.losses.vision_keepalive).
     `packing`: the forward runs on the sequences' real tokens only, one row (PackedLayout), with
     per-sequence M-RoPE and attention; the same numbers as the padded batch, to rounding (tested).
     Returns (logp, entropy or None)."""
@@ -375,12 +375,12 @@ def sequence_logprobs(model, rollout: Rollout, temperature: float, seq_index: li
         pos = rope_positions(core, ids_h, mask_h, core.config.image_token_id, grid, device=device)
         mask = host_to_device(mask_h, device)
         if runs_sdpa(core):
-            # the mask transformers' sdpa path builds, without its device check for padding (engine/losses.py)
+            # the mask transformers' sdpa path builds, without its device check for padding (train/losses.py)
             mask = causal_padding_mask(mask) if not bool(mask_h.all()) else None
         hidden = forward_shared(core, ids, mask, pos, feats, local, keepalive=keepalive,
                                 placeholders=_placeholders(ids_h, core, feats, device)).last_hidden_state
         hidden_NH = hidden[rows_d, P - 1 + cols_d]
-    # logits only at response tokens, a chunk at a time (engine.losses.token_logprobs_entropy); 0 elsewhere
+    # logits only at response tokens, a chunk at a time (train.losses.token_logprobs_entropy); 0 elsewhere
     tokens_N = host_to_device(host.response_ids[seq_index][rows_N, cols_N], device)
     logp_N, entropy_N = token_logprobs_entropy(hidden_NH, core.lm_head, tokens_N, temperature, rollout.banned_ids,
                                                with_entropy, chunk_size)

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 import torch
 
 from vlforge.data.jsonl import DataError
-from vlforge.engine.distributed import World, reshard_all
-from vlforge.engine.losses import Root
-from vlforge.engine.moe import follow
-from vlforge.engine.trainable import Trainable
+from vlforge.train.distributed import World, reshard_all
+from vlforge.train.losses import Root
+from vlforge.train.moe import follow
+from vlforge.train.trainable import Trainable
 from vlforge.model.host_inputs import host_to_device
 from vlforge.rollout.engine import PackedLayout, Rollout, route_rows, sequence_logprobs, token_mask
 

@@ -45,7 +45,7 @@ import torch
 
 from vlforge.config import ConfigError, GRPOConfig, RolloutConfig
 from vlforge.data.encode import Encoder, ImageLimits, collate, encode_engine_prompt, open_images, visuals_per_prompt
-from vlforge.engine.evaluate import to_device
+from vlforge.train.evaluate import to_device
 from vlforge.generate.engine import GenRequest, Prompt, engine_for, prompts_of_batch
 from vlforge.generate.forward import never_generated
 from vlforge.model.load import load_processor

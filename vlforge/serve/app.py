@@ -495,7 +495,7 @@ def serve(app, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info
     """Serve `app` (create_app's) with uvicorn until SIGINT/SIGTERM, then drain (DrainingServer).
     Returns the signal it stopped on (None: it stopped otherwise). uvicorn raises that signal again
     once shut down, so that the process ends as the signal would have ended it: Ctrl-C's
-    KeyboardInterrupt (and SIGTERM's, where the CLI makes it one: engine/stop.py) is that end, not
+    KeyboardInterrupt (and SIGTERM's, where the CLI makes it one: train/stop.py) is that end, not
     an error, and its traceback would say nothing."""
     server = _draining_server()(uvicorn_config(app, host, port, log_level))
     try:

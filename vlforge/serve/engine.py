@@ -249,8 +249,8 @@ class InferenceEngine:
 
     @classmethod
     def _load(cls, source: str, quant: QuantConfig | None, device: str, dtype: torch.dtype) -> "InferenceEngine":
-        from vlforge.engine.hardware import quant_problem
-        from vlforge.engine.runtime import resolve_device
+        from vlforge.train.hardware import quant_problem
+        from vlforge.train.runtime import resolve_device
         from vlforge.model.export import is_sharded, run_config
         from vlforge.model.load import load_model
         from vlforge.model.quant import verify

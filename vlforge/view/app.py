@@ -17,8 +17,8 @@ import re
 from pathlib import Path
 
 from vlforge.config import ConfigError
-from vlforge.engine.metrics import check_writable
-from vlforge.engine.samples import FOLDER
+from vlforge.train.metrics import check_writable
+from vlforge.train.samples import FOLDER
 from vlforge.view.runs import find_runs, run_data, run_summary
 
 STATIC = Path(__file__).parent / "static"

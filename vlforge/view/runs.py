@@ -1,7 +1,7 @@
 """The runs `vlforge view` shows, read from their directories (nothing written there).
 
-A run directory is one a recipe wrote: config.yaml and metrics.jsonl (engine/run.py), samples/
-(engine/samples.py), checkpoint-STEP/. A path given to the viewer is a run, or a folder whose
+A run directory is one a recipe wrote: config.yaml and metrics.jsonl (train/run.py), samples/
+(train/samples.py), checkpoint-STEP/. A path given to the viewer is a run, or a folder whose
 subfolders (one level down) are runs.
 """
 
@@ -18,10 +18,10 @@ from pathlib import Path
 import yaml
 
 from vlforge.config import ConfigError
-from vlforge.engine.checkpoint import list_checkpoints
-from vlforge.engine.metrics import read_metrics
-from vlforge.engine.runtime import LOCK_NAME
-from vlforge.engine.samples import read_samples
+from vlforge.train.checkpoint import list_checkpoints
+from vlforge.train.metrics import read_metrics
+from vlforge.train.runtime import LOCK_NAME
+from vlforge.train.samples import read_samples
 
 # The settings a reader of the run wants first: what trained, in which precision, with what memory plan
 KEY_CONFIG = {
@@ -54,7 +54,7 @@ def find_runs(paths: list[str | Path]) -> list[Path]:
 
 
 def lock_held(run: Path) -> bool:
-    """Whether a live process holds the run's output-directory lock (engine/runtime.OutputDirLock).
+    """Whether a live process holds the run's output-directory lock (train/runtime.OutputDirLock).
     F_GETLK asks without taking the lock: a probe that took it, even for a moment, could refuse a
     run (a resume) starting then. Where F_GETLK is unavailable, the pid written in the file is asked."""
     path = run / LOCK_NAME

@@ -25,8 +25,8 @@ from pathlib import Path
 from PIL import Image
 
 from vlforge.data.jsonl import open_image
-from vlforge.engine.metrics import _rows
-from vlforge.engine.runtime import SAMPLES_DIR
+from vlforge.train.metrics import _rows
+from vlforge.train.runtime import SAMPLES_DIR
 
 TEXT_CHARS = 4000  # a response's text past this is cut (a note says how much): rows stay small
 THUMB_SIDE = 256  # the longer side of a thumbnail, in pixels: enough to see what the model saw

@@ -7,7 +7,7 @@ transformers' dense Qwen3-VL refuses flex_attention and flash-attn is not instal
 module registers one more implementation through transformers' own extension points:
 
 - `AttentionInterface` "vlforge_packed": a call that carries `packed_rows` (a `PackedRows`, passed
-  by engine/losses.backbone_hidden as a model kwarg, which transformers forwards to every decoder
+  by train/losses.backbone_hidden as a model kwarg, which transformers forwards to every decoder
   layer's attention) attends within each sample; every other call (padded batches, eval,
   generation, the vision tower) is transformers' own `sdpa_attention_forward`, unchanged.
 - `AttentionMaskInterface` "vlforge_packed": transformers' `sdpa_mask`, except inside a packed

@@ -28,19 +28,19 @@ import torch
 
 from vlforge.config import ConfigError, RunConfig, dump_config, resolve_paths
 from vlforge.data.dataset import ChatDataset
-from vlforge.engine.checkpoint import (checkpoint_bytes, checkpoints_held, list_checkpoints, load_checkpoint,
+from vlforge.train.checkpoint import (checkpoint_bytes, checkpoints_held, list_checkpoints, load_checkpoint,
                                        load_sharded_checkpoint, save_checkpoint, save_sharded_checkpoint, space_problem)
-from vlforge.engine.distributed import World, gathered, init_world
-from vlforge.engine.evaluate import EvalRecorder
-from vlforge.engine.health import GradHealth
-from vlforge.engine.identity import KEY as IDENTITY_KEY, check_resume_identity, model_identity
-from vlforge.engine.metrics import MetricsLog, NullMetrics
-from vlforge.engine.optim import build_optimizer, build_scheduler
-from vlforge.engine.rng import fresh_rng
-from vlforge.engine.samples import SampleLog
-from vlforge.engine.trackers import TrackedMetrics, Trackers
-from vlforge.engine.runtime import prepare_output_dir, release_output_dir, seed_everything
-from vlforge.engine.trainable import Trainable
+from vlforge.train.distributed import World, gathered, init_world
+from vlforge.train.evaluate import EvalRecorder
+from vlforge.train.health import GradHealth
+from vlforge.train.identity import KEY as IDENTITY_KEY, check_resume_identity, model_identity
+from vlforge.train.metrics import MetricsLog, NullMetrics
+from vlforge.train.optim import build_optimizer, build_scheduler
+from vlforge.train.rng import fresh_rng
+from vlforge.train.samples import SampleLog
+from vlforge.train.trackers import TrackedMetrics, Trackers
+from vlforge.train.runtime import prepare_output_dir, release_output_dir, seed_everything
+from vlforge.train.trainable import Trainable
 from vlforge.model.tiers import param_groups
 
 
@@ -104,8 +104,8 @@ class Run:
               answer: Callable | None = None) -> "Run":
         """Build the optimizer set, resume, write config.yaml (only now, when the run can start).
         `shared_rng`: the recipe keeps one RNG stream in lockstep on every rank (GRPO), so a resume
-        gives every rank rank 0's; otherwise each rank its own (engine.checkpoint.restore_rng).
-        `answer`: how the evaluation answers its prompts (engine.evaluate.generate_answers' signature;
+        gives every rank rank 0's; otherwise each rank its own (train.checkpoint.restore_rng).
+        `answer`: how the evaluation answers its prompts (train.evaluate.generate_answers' signature;
         GRPO with tools: as conversations with them)."""
         out, world = Path(cfg.train.output_dir), t.world
         optimizer = build_optimizer(param_groups(t.model, t.plan, cfg.optim.weight_decay), cfg.optim, t.device.type,
@@ -114,7 +114,7 @@ class Run:
         scaler = t.policy.grad_scaler()
         health = GradHealth(t.model, t.plan, cfg.health, cfg.precision.mode, spikes=spikes)
         state = {"epoch": 0, "position": 0, **(state or {})}
-        # what this run trains from, saved in every checkpoint's trainer_state.json (engine/identity.py)
+        # what this run trains from, saved in every checkpoint's trainer_state.json (train/identity.py)
         identity = model_identity(cfg.model, cfg.tiers.method, t.processor.tokenizer)
         if resume_from is not None:
             # before any weight is read: a checkpoint of another model is refused, naming both
@@ -156,7 +156,7 @@ class Run:
         trackers = Trackers(cfg.log, out, dataclasses.asdict(resolve_paths(cfg))) \
             if world.main and (cfg.log.wandb or cfg.log.mlflow) else None
         metrics = TrackedMetrics(metrics, trackers) if trackers else metrics  # the same rows to wandb / MLflow
-        lc = cfg.log  # samples/ (engine/samples.py): rank 0 writes
+        lc = cfg.log  # samples/ (train/samples.py): rank 0 writes
         samples = SampleLog(out, every=lc.samples_every, per_step=lc.samples_per_step, eval_rows=lc.samples_eval,
                             max_mb=lc.samples_max_mb, resume_step=step if resume_from else 0, write=world.main,
                             trackers=trackers)
@@ -201,7 +201,7 @@ class Run:
 
     def save(self) -> None:
         """Write checkpoint-STEP now (every rank calls it: under torchrun the save is collective);
-        finish_step when due, engine/stop.py when a signal stops the run."""
+        finish_step when due, train/stop.py when a signal stops the run."""
         args = (self.out, self.step, self.t.model, self.t.processor, self.optimizer, self.scheduler, self.scaler,
                 self.state, self.cfg.train.keep_last)
         if self.t.world.sharded:

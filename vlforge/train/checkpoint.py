@@ -6,7 +6,7 @@
         optimizer.pt  scheduler.pt  scaler.pt  rng.pt  (DDP: + rng-RANK.pt of the other ranks)
         fp8_state.pt                                       (TransformerEngine layers only: FP8 scales, amax history)
         trainer_state.json                                 (step, epoch, data position, the model's identity, ...)
-        vlforge-manifest.json                              (every file's size and sha256: engine/manifest.py)
+        vlforge-manifest.json                              (every file's size and sha256: train/manifest.py)
 
 A checkpoint is written under a temporary name and renamed into place only once complete, so a
 crash (even SIGKILL) leaves either the previous checkpoint set or the new one, never a torn one. A
@@ -16,11 +16,11 @@ when the disk has less room than its checkpoints will take (`checkpoint_bytes`, 
 
 A resume reads a checkpoint as data someone may have handed us: every .pt file with
 torch.load(weights_only=True) (tensors, numbers, strings and their containers; the RNG states are
-saved as tensors), weights through safetensors, DCP's files through engine/safe_dcp.py; a file that
+saved as tensors), weights through safetensors, DCP's files through model/safe_load.py; a file that
 holds other objects is refused (rng.pt: the RNG starts fresh, with a warning), never unpickled.
 Before anything loads, its shapes are compared with this run's model (a changed LoRA rank is named,
-not a size-mismatch traceback); the model it was trained from is checked by engine/identity.py and
-its files by the manifest (engine/runtime.prepare_output_dir).
+not a size-mismatch traceback); the model it was trained from is checked by train/identity.py and
+its files by the manifest (train/runtime.prepare_output_dir).
 
 RNG streams on resume (`restore_rng`): weights, optimizer, schedule and data position resume on
 any number of processes, but the RNG (dropout masks) resumes exactly only on the world size that
@@ -48,10 +48,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from vlforge.config import ConfigError
-from vlforge.engine.errors import CheckpointWriteError
-from vlforge.engine.fp8 import fp8_state, load_fp8_state
-from vlforge.engine.manifest import is_checkpoint, write_manifest, written_by_a_run
-from vlforge.engine.rng import restore_rng, save_rng
+from vlforge.train.errors import CheckpointWriteError
+from vlforge.train.fp8 import fp8_state, load_fp8_state
+from vlforge.train.manifest import is_checkpoint, write_manifest, written_by_a_run
+from vlforge.train.rng import restore_rng, save_rng
 from vlforge.model.safe_load import SafeLoadPlanner, SafeReader, load_failure, load_trusted, read_metadata
 from vlforge.model.export import SHARDED_DIR, is_sharded
 
@@ -78,7 +78,7 @@ def checkpoint_bytes(model, optimizer_name: str, masters_in_optimizer: bool = Fa
 
     from torch.distributed.tensor import DTensor
 
-    from vlforge.engine.optim import state_bytes
+    from vlforge.train.optim import state_bytes
 
     params = list(model.parameters())  # a tied weight once, as save_pretrained writes it
     trainable = [p for p in params if p.requires_grad]
@@ -163,7 +163,7 @@ def _is_write_failure(error: BaseException) -> bool:
 
 def list_checkpoints(output_dir: str | Path) -> list[Path]:
     """Checkpoints, oldest first: checkpoint-STEP directories holding one (a manifest, or a
-    trainer_state.json from before manifests), intact or not (engine/manifest.py tells); temporary
+    trainer_state.json from before manifests), intact or not (train/manifest.py tells); temporary
     directories and a folder that merely has such a name are never listed."""
     out = Path(output_dir)
     if not out.is_dir():
@@ -175,7 +175,7 @@ def list_checkpoints(output_dir: str | Path) -> list[Path]:
 
 def save_checkpoint(output_dir: str | Path, step: int, model, processor, optimizer, scheduler, scaler,
                     state: dict, keep_last: int, world=None) -> Path:
-    """Write checkpoint-STEP atomically. `world` (DDP, engine.distributed.World): every rank calls
+    """Write checkpoint-STEP atomically. `world` (DDP, train.distributed.World): every rank calls
     this; the replicas are identical, so rank 0 writes the one-process checkpoint and each other
     rank only its RNG state (rng-RANK.pt: dropout and sampling streams differ per rank), and rank 0
     renames the directory into place once every rank has written. Such a checkpoint resumes on one
@@ -216,7 +216,7 @@ def save_checkpoint(output_dir: str | Path, step: int, model, processor, optimiz
 
 def _start_directory(out: Path, tmp: Path) -> None:
     # Torn leftovers of a crashed save. Never another live run's save in progress: a run holds
-    # output_dir's lock (engine/runtime.py) for its whole life.
+    # output_dir's lock (train/runtime.py) for its whole life.
     for stale in out.glob(f"{TMP_PREFIX}*"):
         shutil.rmtree(stale, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -361,7 +361,7 @@ def load_checkpoint(path: str | Path, model, optimizer, scheduler, scaler, rank:
         _load_adapters(path, model)
     else:
         _load_weights(path, model)
-    from vlforge.engine.optim import MasterWeightAdamW
+    from vlforge.train.optim import MasterWeightAdamW
 
     saved = load_trusted(path / "optimizer.pt")
     if not isinstance(optimizer, MasterWeightAdamW) and any("master" in s for s in saved["state"].values()):

@@ -21,17 +21,17 @@ import torch
 import yaml
 
 from vlforge.config import ConfigError
-from vlforge.engine.checkpoint import CKPT_RE, TMP_PREFIX, list_checkpoints
-from vlforge.engine.manifest import MANIFEST, checksum_problem, read_manifest, size_problem, written_by_a_run
+from vlforge.train.checkpoint import CKPT_RE, TMP_PREFIX, list_checkpoints
+from vlforge.train.manifest import MANIFEST, checksum_problem, read_manifest, size_problem, written_by_a_run
 
 LOCK_NAME = ".vlforge.lock"
 SUPERSEDED_PREFIX = "superseded-"
-# Files a run writes at the top of output_dir (recipes, engine/metrics.py, engine/evaluate.py); with
+# Files a run writes at the top of output_dir (recipes, train/metrics.py, train/evaluate.py); with
 # checkpoint-STEP/, .tmp-checkpoint-*/, superseded-*/ and TensorBoard's events they are all it writes.
 RUN_FILES = frozenset({"config.yaml", "metrics.jsonl", "metrics.jsonl.tmp", "eval.json", "eval.json.tmp",
                        "loss.png", "reward.png", LOCK_NAME})
 TENSORBOARD_DIR = "tensorboard"  # MetricsLog's SummaryWriter directory
-SAMPLES_DIR = "samples"  # engine/samples.py's sample logs and thumbnails
+SAMPLES_DIR = "samples"  # train/samples.py's sample logs and thumbnails
 _TB_EVENTS = re.compile(r"^events\.out\.tfevents\.")
 
 
@@ -189,7 +189,7 @@ def is_run_entry(p: Path) -> bool:
             return written_by_a_run(p)
         if name.startswith(SUPERSEDED_PREFIX):  # checkpoints a branch set aside, and nothing else
             return all(CKPT_RE.match(q.name) and written_by_a_run(q) for q in p.iterdir())
-        if name == SAMPLES_DIR:  # engine/samples.py's files and nothing else: a user's samples/ is not the run's
+        if name == SAMPLES_DIR:  # train/samples.py's files and nothing else: a user's samples/ is not the run's
             return _is_samples_dir(p)
         return name.startswith(TMP_PREFIX) or name == TENSORBOARD_DIR
     if name == "config.yaml":
@@ -202,7 +202,7 @@ _THUMBNAIL = re.compile(r"^[0-9a-f]{24}\.png(\.tmp)?$")
 
 
 def _is_samples_dir(p: Path) -> bool:
-    """samples/ as engine/samples.py writes it: its two logs, and img/ of hash-named thumbnails."""
+    """samples/ as train/samples.py writes it: its two logs, and img/ of hash-named thumbnails."""
     for q in p.iterdir():
         if q.is_symlink() or not (_SAMPLE_FILES.match(q.name) and q.is_file() or q.name == "img" and q.is_dir()):
             return False

@@ -1,6 +1,6 @@
 """Several processes, one training run: torchrun's process group, FSDP2 or DDP wrapping, and
-the few collectives the recipes need. PyTorch's own engine throughout (torch.distributed, FSDP2
-`fully_shard`, DistributedDataParallel, DCP in engine/checkpoint.py); nothing here re-implements
+the few collectives the recipes need. PyTorch's own machinery throughout (torch.distributed, FSDP2
+`fully_shard`, DistributedDataParallel, DCP in train/checkpoint.py); nothing here re-implements
 sharding or gradient averaging.
 
     torchrun --nproc_per_node 8 -m vlforge sft CONFIG          # one process per GPU
@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from vlforge.config import ConfigError, DistributedConfig
-from vlforge.engine.runtime import resolve_device
+from vlforge.train.runtime import resolve_device
 from vlforge.model.tiers import unwrap
 
 
@@ -385,7 +385,7 @@ def _shard_units(model: torch.nn.Module, kwargs: dict, vision: dict, per_unit: i
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import DTensor
 
-    from vlforge.engine.losses import Root
+    from vlforge.train.losses import Root
 
     core = unwrap(model)
     visual = core.model.visual
@@ -457,7 +457,7 @@ def _enter_root(root: torch.nn.Module) -> None:
 def frozen_sharded_copy(model: torch.nn.Module, empty: torch.nn.Module, world: World, cfg: DistributedConfig,
                         policy) -> torch.nn.Module:
     """A frozen copy of the FSDP2-sharded `model`, sharded the same way, its weights stored as the
-    precision `policy` (engine/precision.PrecisionPolicy) stores frozen ones (the compute dtype, an
+    precision `policy` (train/precision.PrecisionPolicy) stores frozen ones (the compute dtype, an
     override's storage) and computing as it says: GRPO's KL reference for full fine-tuning. `empty`:
     the same architecture built on the meta device (model.load.build_meta_model). Returns its root
     (losses.Root: `root(fn, *args)` runs `fn(copy, *args)`, gathering each unit as its forward
@@ -502,7 +502,7 @@ def _wrap_ddp(model: torch.nn.Module, world: World) -> torch.nn.Module:
     initialisation drew random numbers differently."""
     from torch.nn.parallel import DistributedDataParallel
 
-    from vlforge.engine.losses import Root
+    from vlforge.train.losses import Root
 
     return DistributedDataParallel(Root(model), broadcast_buffers=False)
 

@@ -1,5 +1,5 @@
 """What torch.compile keeps per compiled function: shared by the compiled decoder layers and vision
-blocks (engine/trainable.py) and MasterWeightAdamW's update (engine/optim.py)."""
+blocks (train/trainable.py) and MasterWeightAdamW's update (train/optim.py)."""
 
 from __future__ import annotations
 

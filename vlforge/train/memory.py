@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
-from vlforge.engine.distributed import layers_per_unit, planned_strategy
-from vlforge.engine.optim import state_bytes
-from vlforge.engine.precision import NAMES, PrecisionPolicy, linear_only_weights
+from vlforge.train.distributed import layers_per_unit, planned_strategy
+from vlforge.train.optim import state_bytes
+from vlforge.train.precision import NAMES, PrecisionPolicy, linear_only_weights
 
 GB = 1e9  # decimal gigabytes, as GPU datasheets count them (an H200 has 141 GB)
 
@@ -36,7 +36,7 @@ QUANT_BYTES = {"nf4": 0.5 + 1 / 64 + 4 / (64 * 256), "int8": 1.0, "fp8": 1.0}
 
 @dataclass(frozen=True)
 class _Tensor:
-    unit: str  # the FSDP2 unit it is sharded in (engine/distributed.wrap's units)
+    unit: str  # the FSDP2 unit it is sharded in (train/distributed.wrap's units)
     shape: tuple[int, ...]
     dtype_bytes: float
     trainable: bool
@@ -54,7 +54,7 @@ class _Tensor:
 
 
 def _unit(name: str) -> str:
-    """The FSDP2 unit of parameter/module `name`, as engine/distributed.wrap builds them."""
+    """The FSDP2 unit of parameter/module `name`, as train/distributed.wrap builds them."""
     parts = name.split(".")
     if name.startswith("model.visual.blocks.") and len(parts) > 3:
         return f"vision block {parts[3]}"
@@ -197,13 +197,13 @@ def memory_estimate(model: nn.Module, plan: list, cfg, world_size: int = 1) -> d
 
 def _load(tensors: list[_Tensor], cfg, world_size: int, strategy: str) -> dict:
     """Memory while the model loads, before training starts. The model is first read in its load
-    dtype (engine/trainable.setup_model: full fine-tuning in the master dtype, every weight; LoRA
+    dtype (train/trainable.setup_model: full fine-tuning in the master dtype, every weight; LoRA
     the base in the compute dtype, peft's adapters in fp32), then cast to the storage dtypes.
     Sharded loading (distributed.meta_init): rank 0 holds that whole model in host memory (full
     fine-tuning of a narrower checkpoint: as stored, model.load.host_dtype), and each GPU its
     shards plus one whole tensor at a time (the one being sent out). Otherwise each process
     holds the whole model on its device first."""
-    from vlforge.engine.distributed import World, meta_init
+    from vlforge.train.distributed import World, meta_init
     from vlforge.model.load import host_dtype
 
     policy = PrecisionPolicy(cfg.precision, "cpu")
@@ -265,7 +265,7 @@ def _held_for_backward(per_layer: dict[str, int], cfg, compute_bytes: int) -> fl
         return 0.0
     if not cfg.precision.gradient_checkpointing:
         return float(sum(per_layer.values()) * compute_bytes)
-    # recomputed layers (1 of every checkpoint_every: engine/trainable.checkpoint_selected_blocks) hold
+    # recomputed layers (1 of every checkpoint_every: train/trainable.checkpoint_selected_blocks) hold
     # one copy at a time, in backward; the others keep theirs from forward to backward
     every = cfg.precision.checkpoint_every
     recomputed = [n for unit, n in per_layer.items() if int(unit.split()[-1]) % every == 0]
@@ -297,7 +297,7 @@ def rollout_weight_copies(model: nn.Module, plan: list, cfg, sharded: bool) -> f
     The same selection as inference_weights: weights used only by exact nn.Linear layers computing in
     the compute dtype (not FP8's converted linears, not fp32-compute overrides), LoRA's A and B
     (peft's nn.Linear layers, the fused experts' too) included."""
-    from vlforge.engine.fp8 import fp8_layer_plan
+    from vlforge.train.fp8 import fp8_layer_plan
     from vlforge.model.tiers import expert_shape
 
     policy = PrecisionPolicy(cfg.precision, "cpu")
@@ -327,9 +327,9 @@ def rollout_weight_copies(model: nn.Module, plan: list, cfg, sharded: bool) -> f
 
 def fsdp2_problem(cfg, world_size: int) -> str | None:
     """Why the run would refuse `cfg` under FSDP2 (and so cpu_offload), or None: the refusals
-    engine/distributed.refuse_unsupported raises before loading."""
+    train/distributed.refuse_unsupported raises before loading."""
     from vlforge.config import ConfigError
-    from vlforge.engine.distributed import World, refuse_unsupported
+    from vlforge.train.distributed import World, refuse_unsupported
 
     try:
         refuse_unsupported(cfg, World(size=world_size, strategy="fsdp2"))

@@ -98,7 +98,7 @@ def build_optimizer(groups: list[dict], cfg: OptimConfig, device_type: str,
     `masters`: the fp32 values of parameters the model computes with in bf16
     (precision.master_weights=optimizer: PrecisionPolicy.take_masters), which MasterWeightAdamW keeps."""
     if masters is not None:
-        if cfg.name != "adamw":  # refused before loading too (engine/trainable.refuse_bad_combinations)
+        if cfg.name != "adamw":  # refused before loading too (train/trainable.refuse_bad_combinations)
             raise ConfigError(MASTERS_NEED_ADAMW.format(name=cfg.name))
         return MasterWeightAdamW(groups, masters, betas=cfg.betas, eps=cfg.eps, compiled=device_type == "cuda")
     if cfg.name == "adamw":
@@ -282,7 +282,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
     bf16 once: the precision of one micro-batch's bf16 gradient. The state (masters included) is
     saved and loaded in fp32, so a resumed run continues exactly."""
 
-    takes_grad_scale = True  # the clip rides in the update (engine/health.clips_in_optimizer)
+    takes_grad_scale = True  # the clip rides in the update (train/health.clips_in_optimizer)
 
     def __init__(self, groups: list[dict], masters: dict, betas=(0.9, 0.999), eps: float = 1e-8,
                  compiled: bool = False):
@@ -293,7 +293,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         self._sums: dict[torch.Tensor, torch.Tensor] = {}
         self._held: set[torch.Tensor] = set()
         if compiled:
-            from vlforge.engine.compiled import allow_compiled_variants
+            from vlforge.train.compiled import allow_compiled_variants
 
             allow_compiled_variants()
         self._update = torch.compile(_update_group, dynamic=False) if compiled else _update_group

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from vlforge.config import ConfigError, FP8Config, TERecipeConfig
-from vlforge.engine.hardware import fp8_problem
+from vlforge.train.hardware import fp8_problem
 from vlforge.model.tiers import canonical_name
 
 

@@ -18,16 +18,16 @@ from torch import nn
 
 from vlforge.config import ConfigError, GRPOConfig, ModelConfig, PrecisionConfig, RunConfig
 from vlforge.data.encode import record_limits
-from vlforge.engine.compiled import allow_compiled_variants
-from vlforge.engine.distributed import World, meta_init, outside_state_dict, refuse_unsupported, wrap
-from vlforge.engine.fp8 import fp8_backend, fp8_layer_plan, token_multiple
-from vlforge.engine.hardware import bf16_problem, quant_problem
-from vlforge.engine.losses import loss_impl_problem
-from vlforge.engine.moe import Routing
-from vlforge.engine.optim import MASTERS_NEED_ADAMW, optimizer_problem
-from vlforge.engine.packed_attention import keep_mask_attention, packing_problem
-from vlforge.engine.precision import PrecisionPolicy
-from vlforge.engine.runtime import resolve_device
+from vlforge.train.compiled import allow_compiled_variants
+from vlforge.train.distributed import World, meta_init, outside_state_dict, refuse_unsupported, wrap
+from vlforge.train.fp8 import fp8_backend, fp8_layer_plan, token_multiple
+from vlforge.train.hardware import bf16_problem, quant_problem
+from vlforge.train.losses import loss_impl_problem
+from vlforge.train.moe import Routing
+from vlforge.train.optim import MASTERS_NEED_ADAMW, optimizer_problem
+from vlforge.train.packed_attention import keep_mask_attention, packing_problem
+from vlforge.train.precision import PrecisionPolicy
+from vlforge.train.runtime import resolve_device
 from vlforge.model.load import build_meta_model, host_dtype, load_model, load_on_host
 from vlforge.model.presets import MOE_PRESETS, is_moe
 from vlforge.model.quant import format_report, keep_trainable, verify
@@ -47,7 +47,7 @@ class Trainable:
     fp8_plan: dict = field(default_factory=dict)  # linear name -> fp8.Decision (empty without FP8)
     world: World = field(default_factory=World)  # this process's rank in the run (one process: rank 0 of 1)
     root: torch.nn.Module | None = None  # sharded: the FSDP2 root unit (a losses.Root) the step calls
-    routing: Routing | None = None  # MoE: router hooks for the aux loss and expert-load metrics (engine/moe.py)
+    routing: Routing | None = None  # MoE: router hooks for the aux loss and expert-load metrics (train/moe.py)
     activation_memory_budget: float | None = None  # precision.activation_memory_budget (compiled layers)
     compiled: tuple[str, ...] = ()  # what torch.compile wraps: "decoder layers", "vision blocks" (precision.compile*)
     cuda_graphs: bool = False  # precision.cuda_graphs: the compiled decoder layers replay as CUDA graphs

@@ -9,7 +9,7 @@ chunked. Cross-entropy, log-probs and entropy are fp32 math.
 
 Packed batches (data.packing: one row of several samples, `seq_lens` instead of an attention mask)
 get per-sample position ids here (`packed_position_ids`); with sdpa, attention runs per sample
-through engine/packed_attention.py (varlen kernels on CUDA), with eager / flash_attention_2 /
+through train/packed_attention.py (varlen kernels on CUDA), with eager / flash_attention_2 /
 flex_attention transformers restricts it from the positions (docs/packing.md, per implementation).
 """
 
@@ -25,7 +25,7 @@ from torch.utils.checkpoint import checkpoint
 
 from vlforge.config import ConfigError, LossConfig
 from vlforge.data.encode import IGNORE_INDEX
-from vlforge.engine.packed_attention import PackedRows, packed_forward, runs_sdpa, use_packed_attention
+from vlforge.train.packed_attention import PackedRows, packed_forward, runs_sdpa, use_packed_attention
 from vlforge.model.host_inputs import (Placeholders, RopeIndex, VisionGrid, causal_padding_mask, host_to_device,
                                        placeholders_from_host)
 from vlforge.model.tiers import unwrap
@@ -196,7 +196,7 @@ def backbone_hidden(model, batch: dict) -> torch.Tensor:
             inputs["attention_mask"] = causal_padding_mask(inputs["attention_mask"]) if host.padding else None
         if host.packed_rows is None:  # padded; or packed with eager / flash / flex / packed_attention=mask
             return core.model(**inputs, use_cache=False).last_hidden_state
-        # packed, sdpa: attention per sample (engine/packed_attention.py), no [T, T] mask
+        # packed, sdpa: attention per sample (train/packed_attention.py), no [T, T] mask
         stack.enter_context(packed_forward())
         return core.model(**inputs, use_cache=False, packed_rows=host.packed_rows).last_hidden_state
 

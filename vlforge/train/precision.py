@@ -9,12 +9,12 @@
 On top of the mode:
 - `precision.overrides`: per-module regexes that change a module's frozen-weight storage and/or
   its compute dtype (e.g. norms in fp32, the vision tower in bf16 while the rest is fp16);
-- `precision.fp8` (engine/fp8.py): eligible linears run their matmuls in FP8; their weights keep
+- `precision.fp8` (train/fp8.py): eligible linears run their matmuls in FP8; their weights keep
   the storage above, everything around them keeps the autocast dtype.
 
 Norms, softmax, the loss and log-probs run in fp32 whatever the mode: Qwen3-VL's RMSNorm upcasts
-internally, autocast keeps layer_norm/softmax/log_softmax in fp32, `engine/losses.py` and the
-rollout engine upcast logits explicitly, and rewards/advantages are fp32 tensors. Optimizer state
+internally, autocast keeps layer_norm/softmax/log_softmax in fp32, `train/losses.py` and the
+rollout upcast logits explicitly, and rewards/advantages are fp32 tensors. Optimizer state
 lives with the master weights. Recipes ask this object; nothing else casts parameters.
 """
 
@@ -93,7 +93,7 @@ class PrecisionPolicy:
     # ------------------------------------------------------------------ per-module resolution
 
     def module_compute(self, name: str) -> torch.dtype:
-        """The dtype a module's arithmetic runs in (before FP8, which engine/fp8.py layers on top):
+        """The dtype a module's arithmetic runs in (before FP8, which train/fp8.py layers on top):
         the last override with a compute dtype that matches the module's own name, else that of its
         nearest ancestor with one (apply's wrapper runs an fp32 module's whole forward with autocast
         off and fp32 inputs, a half one in a nested autocast: what is inside computes so too), else
@@ -176,7 +176,7 @@ class PrecisionPolicy:
     def computes(self, model: nn.Module) -> dict[nn.Module, torch.dtype]:
         """Every module of `model` (after `apply`) -> the dtype its arithmetic runs in: that of the
         nearest module `apply` wrapped in an override (itself or an ancestor), else the compute dtype.
-        What FSDP2 must gather a module's weights in (engine/distributed.py)."""
+        What FSDP2 must gather a module's weights in (train/distributed.py)."""
         out: dict[nn.Module, torch.dtype] = {}
         by_name: dict[str, torch.dtype] = {}
         for name, module in model.named_modules():  # pre-order: a parent before its children
@@ -289,7 +289,7 @@ def precision_plan(model: nn.Module, plan: list, cfg: PrecisionConfig, quant: Qu
 
     `model` is the plain (not yet peft-wrapped, possibly meta-device) model and `plan` its tier plan.
     """
-    from vlforge.engine.fp8 import fp8_layer_plan, summarize
+    from vlforge.train.fp8 import fp8_layer_plan, summarize
     from vlforge.model.quant import quant_plan
 
     full_roots = [e.module for e in plan if e.kind == "full"]

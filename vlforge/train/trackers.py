@@ -65,7 +65,7 @@ class Trackers:
             self.mlflow.log_batch(self.mlflow_run, metrics=[Metric(k, v, now, step) for k, v in scalars.items()])
 
     def samples(self, kind: str, rows: list[dict], folder: Path) -> None:
-        """One sample log's new rows (engine/samples.py), `folder` holding their img/ thumbnails."""
+        """One sample log's new rows (train/samples.py), `folder` holding their img/ thumbnails."""
         if not rows:
             return
         step = rows[0]["step"]

@@ -17,10 +17,10 @@ import torch
 from vlforge.config import EvalConfig, LossConfig
 from vlforge.data.dataset import ChatDataset
 from vlforge.data.encode import Encoder, collate, encode, encode_engine_prompt, encode_prompt
-from vlforge.engine.losses import sft_loss_sum
-from vlforge.engine.metrics import MetricsLog, write_json_atomic
-from vlforge.engine.precision import PrecisionPolicy
-from vlforge.engine.samples import SampleLog
+from vlforge.train.losses import sft_loss_sum
+from vlforge.train.metrics import MetricsLog, write_json_atomic
+from vlforge.train.precision import PrecisionPolicy
+from vlforge.train.samples import SampleLog
 from vlforge.generate.engine import GenRequest, Prompt, engine_for
 from vlforge.generate.forward import never_generated
 from vlforge.model.host_inputs import host_to_device
@@ -94,7 +94,7 @@ def evaluate(model, data: ChatDataset, *, batch_size: int, max_new_tokens: int, 
     """{"loss", "accuracy", "n", "by_task"} on the first `max_samples` samples of `data`; the
     held-out loss computed as the run computes its training loss (`loss`: the run's loss.impl).
     `answer`: generate_answers' stand-in (same signature), e.g. GRPO's answers with its tools.
-    `record(samples, answers, hits)`: given every evaluated probe (engine/samples.SampleLog.eval)."""
+    `record(samples, answers, hits)`: given every evaluated probe (train/samples.SampleLog.eval)."""
     was_training = model.training
     model.eval()
     n = len(data) if max_samples is None else min(max_samples, len(data))

@@ -19,7 +19,7 @@ evaluation or save: a save being written completes), a checkpoint of that step i
 process exits with 130 (SIGINT) or 143 (SIGTERM), naming it. Not 0: the run is not finished, and
 schedulers and job controllers rerun (requeue, restart) a task that ended on a signal's code;
 `train.resume=auto` then continues from the checkpoint. A second Ctrl-C raises at once (Interrupted):
-checkpoints are only ever renamed into place when complete (engine/checkpoint.py), so the finished
+checkpoints are only ever renamed into place when complete (train/checkpoint.py), so the finished
 ones stay intact and a torn save is never resumed from. A repeated SIGTERM is ignored: a scheduler
 signals every process of a job and torchrun forwards its own, so one rank may get two.
 
@@ -163,7 +163,7 @@ class StopSignals:
             print(f"({signal_name(self.signum)} arrived during the last step: the run is complete)", file=sys.stderr)
 
     def watch(self, run) -> None:
-        """From now on a signal lets the step in progress finish: `run` (engine/run.py's Run) is
+        """From now on a signal lets the step in progress finish: `run` (train/run.py's Run) is
         what a stop saves, with its steps, output directory and world."""
         self.run = run
 
@@ -211,7 +211,7 @@ class StopSignals:
     def checkpoint(self) -> None:
         """Stopped early: write checkpoint-STEP, unless finish_step just wrote it (it was due), and say
         so (rank 0, for every rank: they stopped after the same step)."""
-        from vlforge.engine.run import due
+        from vlforge.train.run import due
 
         run = self.run
         if not self.early:
@@ -222,9 +222,9 @@ class StopSignals:
             print(self._stopped_message(), file=sys.stderr, flush=True)
 
     def _partial_save(self) -> Path | None:
-        """The temporary directory of a checkpoint of this step being written (engine/checkpoint.py
+        """The temporary directory of a checkpoint of this step being written (train/checkpoint.py
         names it after the step: with this process's pid, or alone when ranks write together)."""
-        from vlforge.engine.checkpoint import TMP_PREFIX
+        from vlforge.train.checkpoint import TMP_PREFIX
 
         out, step = self.run.out, self.run.step
         found = [p for p in (out / f"{TMP_PREFIX}{step}", out / f"{TMP_PREFIX}{step}-{self._pid}") if p.is_dir()]
@@ -245,7 +245,7 @@ class StopSignals:
                 "train.resume=auto to continue from it")
 
     def _at_once_message(self, signum: int) -> str:
-        from vlforge.engine.checkpoint import list_checkpoints
+        from vlforge.train.checkpoint import list_checkpoints
 
         run = self.run
         text = (f"stopped at once by a second {signal_name(signum)} after step {run.step} of {run.total_steps}: "
