@@ -230,7 +230,7 @@ def main() -> None:
                 print(json.dumps({"agreement_compiled_vs_eager_layers": {"first_token": first, "first_8": prefix}}))
             if args.profile:
                 profile_decode(engine, encoder, requests_of(small, 8, 8, 64), args.profile)
-        if "vlforge-boolmask" in paths:  # the boolean step mask (before the thirteenth session; compiles again)
+        if "vlforge-boolmask" in paths:  # the boolean step mask (the earlier default, kept for comparison; compiles again)
             engine.additive_mask = False
             attempt(lambda: {**case_engine("64x256", core, engine, encoder, requests_of(small, 8, 8, 256)),
                              "path": "vlforge-boolmask"})

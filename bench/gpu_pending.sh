@@ -440,13 +440,13 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', '--tb=line', 
        (cd bench && timeout 250 python3 train.py --preset qwen3vl-2b --method full --steps 12 --warmup 12 --samples 64 \
           --paths peer,graphs+vision+mw,graphs+vision,graphs+vision+mw --ours precision.compile=true \
           --json "$OUT/mw25.json" 2>"$OUT/err-mw25.txt" | tail -12 > "$OUT/mw25.txt")
-       timeout 120 python3 -m pytest -q -rxXs -m gpu -p no:cacheprovider tests/test_serve_engine.py \
+       timeout 120 python3 -m pytest -q -rxXs -m gpu -p no:cacheprovider tests/test_infer_model.py \
          tests/test_moe_quant.py -k cuda_graphs --tb=short > "$OUT/pytest-q25.txt" 2>&1 ;;
   q25) # session 25 (carry .whl): s24's profile showed the NF4 30B-A3B decode eager (serve turned CUDA graphs off for
        # every quantized model), host-bound: 3.3 s of host time for 313 ms of GPU work. Which quantized methods replay
        # from graphs with the eager tokens (nf4 claimed; int8 and fp8 run as expected failures: XPASS = could join),
        # then 30B-A3B NF4 served with graphs. Prediction: batch-1 decode from 4.9 to ~40-70 tokens/s (bf16: 83)
-       timeout 170 python3 -m pytest -q -rxXs -m gpu -p no:cacheprovider tests/test_serve_engine.py \
+       timeout 170 python3 -m pytest -q -rxXs -m gpu -p no:cacheprovider tests/test_infer_model.py \
          tests/test_moe_quant.py -k cuda_graphs --tb=short > "$OUT/pytest-q25.txt" 2>&1
        timeout 410 python3 bench/quant_inference.py --preset qwen3vl-30b-a3b --quant nf4 --tmp /dev/shm \
          > "$OUT/quant30.jsonl" 2>"$OUT/err-quant.txt" ;;

@@ -5,12 +5,12 @@
 
 The engine's grouped decode (generate/engine.py `_decode_attention_grouped`) runs per group one SDPA
 call of G x (q heads / kv heads) query rows against the prompt's keys followed by the G rows'
-interleaved generated keys, masked so a row sees the prompt and its own tokens. In the eleventh
-session's 2B profile that call took ~23 us a layer (cudnn's flash kernel) where its KV bytes take
+interleaved generated keys, masked so a row sees the prompt and its own tokens. In the 2B profile of
+docs/benchmarks-log.md 2026-12-03 ("Batched joins") that call took ~23 us a layer (cudnn's flash kernel) where its KV bytes take
 ~2.5 us at HBM speed. This times the same call through each SDPA backend torch offers for a masked
 call (cudnn, efficient, math), with a boolean and an additive mask, and flex_attention (compiled),
 at the step's shapes: P groups x G rows, Lk positions read, timed inside a CUDA graph as the
-engine runs them (the twelfth session's numbers were eager, launch cost included). Prints one JSON
+engine runs them (the earlier 2026-12-03 numbers were eager, launch cost included). Prints one JSON
 line per case.
 """
 

@@ -44,7 +44,8 @@ from vlforge.generate.forward import vision_token_ids
 from vlforge.model.tiers import param_groups
 from vlforge.recipes.grpo import disable_dropout, update
 from vlforge.rollout.minibatch import Batch
-from vlforge.rollout.engine import Rollout, sequence_logprobs
+from vlforge.rollout.groups import Rollout
+from vlforge.rollout.logprobs import sequence_logprobs
 
 from sft_throughput import synthetic_samples
 

@@ -36,7 +36,8 @@ from vlforge.data.encode import Encoder, ImageLimits, collate, encode_prompt
 from vlforge.train.moe import Routing, capture, follow
 from vlforge.generate.routes import NO_ROUTE
 from vlforge.model.load import load_model
-from vlforge.rollout.engine import generate_groups, route_rows, sequence_logprobs
+from vlforge.rollout.groups import generate_groups
+from vlforge.rollout.logprobs import route_rows, sequence_logprobs
 
 from sft_throughput import synthetic_samples
 

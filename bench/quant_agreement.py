@@ -14,7 +14,7 @@ import json
 
 from vlforge.config import QuantConfig
 from vlforge.recipes.infer import evaluate_dataset
-from vlforge.serve.engine import InferenceEngine
+from vlforge.infer.model import InferenceModel
 
 
 def main() -> None:
@@ -24,11 +24,11 @@ def main() -> None:
     ap.add_argument("--quant", nargs="+", default=["nf4", "int8"])
     ap.add_argument("--device", default="auto")
     args = ap.parse_args()
-    reference = evaluate_dataset(InferenceEngine.load(args.model, device=args.device), args.data)
+    reference = evaluate_dataset(InferenceModel.load(args.model, device=args.device), args.data)
     ref_answers = [a["answer"] for a in reference["answers"]]
     print(json.dumps({"quant": "none (bf16)", "n": reference["n"], "accuracy": reference["accuracy"]}))
     for method in args.quant:
-        engine = InferenceEngine.load(args.model, quant=QuantConfig.from_flag(method), device=args.device)
+        engine = InferenceModel.load(args.model, quant=QuantConfig.from_flag(method), device=args.device)
         report = evaluate_dataset(engine, args.data)
         same = sum(a["answer"] == r for a, r in zip(report["answers"], ref_answers))
         print(json.dumps({"quant": method, "n": report["n"], "identical_to_bf16": same / report["n"],

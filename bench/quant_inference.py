@@ -25,10 +25,10 @@ from PIL import Image
 from vlforge.config import ModelConfig, QuantConfig
 from vlforge.model.load import load_model
 from vlforge.model.quant import verify
-from vlforge.serve.engine import InferenceEngine, Request
+from vlforge.infer.model import InferenceModel, Request
 
 
-def timed(engine: InferenceEngine, requests: list[Request]) -> float:
+def timed(engine: InferenceModel, requests: list[Request]) -> float:
     torch.cuda.synchronize()
     start = time.perf_counter()
     engine.generate(requests)
@@ -61,7 +61,7 @@ def main() -> None:
         start = time.perf_counter()
         model, processor = load_model(ModelConfig(preset=args.preset), dtype=torch.bfloat16, device="cuda", quant=quant)
         load_s = time.perf_counter() - start
-        engine = InferenceEngine(model, processor, torch.device("cuda"), args.preset,
+        engine = InferenceModel(model, processor, torch.device("cuda"), args.preset,
                                  verify(model, quant) if quant.enabled else None)
         weights_gb = torch.cuda.memory_allocated() / 1e9
         one = lambda b, n: [Request(message, [image], max_new_tokens=n, min_new_tokens=n) for _ in range(b)]

@@ -29,7 +29,7 @@ from vlforge.data.encode import Encoder, ImageLimits, collate, encode_prompt
 from vlforge.model.load import load_model
 from vlforge.model.presets import MOE_PRESETS
 from vlforge.model.tiers import apply_plan, build_plan
-from vlforge.rollout.engine import generate_groups
+from vlforge.rollout.groups import generate_groups
 
 from sft_throughput import synthetic_samples
 

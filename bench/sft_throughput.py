@@ -49,7 +49,7 @@ from vlforge.data.jsonl import Sample, Video
 from vlforge.train.distributed import init_world
 from vlforge.train.fp8 import summarize
 from vlforge.train.health import GradHealth
-from vlforge.train.losses import count_tokens
+from vlforge.train.inputs import count_tokens
 from vlforge.train.runtime import resolve_num_workers
 from vlforge.train.optim import build_optimizer
 from vlforge.model.presets import MOE_PRESETS
@@ -58,7 +58,7 @@ from vlforge.train.trainable import setup_model
 from vlforge.recipes.sft import train_step
 
 try:  # the loader-side step inputs; an older vlforge (an A/B's baseline, bench/gpu_pending.sh) has none
-    from vlforge.train.losses import HostPrep
+    from vlforge.train.inputs import HostPrep
 except ImportError:
     HostPrep = None
 

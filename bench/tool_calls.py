@@ -1,5 +1,5 @@
 """What a round of GRPO tool calls costs: threads in the trainer (rollout.tool_processes: 0) against
-worker processes (rollout.tool_processes: N, rl/tools.ToolProcesses), same process, same calls.
+worker processes (rollout.tool_processes: N, tools/runner.ToolProcesses), same process, same calls.
 
     python bench/tool_calls.py [--calls 64] [--workers 8,16] [--repeats 5]
 
@@ -18,7 +18,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from vlforge.rl.tools import ToolCall, ToolProcesses, load_tools, run_tool_calls
+from vlforge.tools.calls import ToolCall
+
+from vlforge.tools.registry import load_tools
+
+from vlforge.tools.runner import ToolProcesses, run_tool_calls
 
 SLEEPER = ("import time\n"
            "def wait(ms: int) -> str:\n    '''Sleep.\n\n    Args:\n        ms: Milliseconds.\n    '''\n"

@@ -23,7 +23,7 @@ the projector and the last two vision blocks' attention (three tiers; the peer's
 same modules, listed by our plan). Each path runs `--warmup`
 untimed steps, then `--steps` timed ones over the same cycled batches, so their losses after N
 steps compare (they must agree within bf16 noise; the table shows the spread). Ours is fed as the recipe
-feeds it: a DataLoader whose workers compute the step's host inputs (train/losses.HostPrep) and pin them;
+feeds it: a DataLoader whose workers compute the step's host inputs (train/inputs.HostPrep) and pin them;
 the peer moves its batch to the device in the step, as transformers' own training loop does.
 
 MFU = model FLOPs per second / 989e12 (H100/H200 dense bf16 peak). Model FLOPs of a step (the same
@@ -50,7 +50,7 @@ from PIL import Image
 from vlforge.config import ModelConfig, SFTConfig, load_config
 from vlforge.data.encode import Encoder, ImageLimits, SampleTokens, collate, encode, pack
 from vlforge.train.health import GradHealth
-from vlforge.train.losses import HostPrep
+from vlforge.train.inputs import HostPrep
 from vlforge.train.optim import build_optimizer
 from vlforge.train.runtime import resolve_num_workers
 from vlforge.train.trainable import CUDA_GRAPH_ROW_MULTIPLE, setup_model
@@ -321,7 +321,7 @@ def main() -> None:
             torch.cuda.empty_cache()
         print(json.dumps({k: v for k, v in results[-1].items() if k != "losses"}), flush=True)
 
-    print(f"\n| path | tokens/s | step | MFU | peak GB | loss first -> last 5 |\n| --- | --- | --- | --- | --- | --- |")
+    print("\n| path | tokens/s | step | MFU | peak GB | loss first -> last 5 |\n| --- | --- | --- | --- | --- | --- |")
     for r in results:
         if "error" in r:
             print(f"| {r['path']} | error: {r['error'][:120]} | | | | |")

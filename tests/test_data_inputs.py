@@ -205,14 +205,14 @@ def test_decompression_bombs_are_refused_from_the_header(folder, tiny):
 
 def test_infer_and_chat_refuse_a_bomb_and_chat_goes_on(folder, capsys):
     from vlforge.recipes.infer import chat
-    from vlforge.serve.engine import InferenceEngine
+    from vlforge.infer.model import InferenceModel
 
     bomb = png_header(folder / "bomb.png", 20000, 20000)
     assert main(["infer", "tiny", "--image", str(bomb), "--prompt", "colour?", "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: image {bomb} is too large to decode safely") and "Traceback" not in err
 
-    engine = InferenceEngine.load("tiny", device="cpu", dtype=torch.float32)
+    engine = InferenceModel.load("tiny", device="cpu", dtype=torch.float32)
     lines = iter([f"/image {bomb}", f"/image {folder / 'red.png'}", "what colour?", "/quit"])
     said = []
     chat(engine, read=lambda _: next(lines), write=said.append, max_new_tokens=2)

@@ -751,7 +751,8 @@ def probe_sharded_setup(out_dir: str, model_dir: str) -> None:
     out_dir/NAME-RANK.pt, with how often this rank loaded weights (load_model: whole models)."""
     import vlforge.train.trainable as trainable
     import vlforge.model.load as load
-    from vlforge.train.distributed import init_world, meta_init
+    from vlforge.train.distributed import init_world
+    from vlforge.train.sharding import meta_init
     from vlforge.train.runtime import seed_everything
 
     loads = []

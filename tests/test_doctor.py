@@ -471,7 +471,7 @@ def test_grpo_tools_are_checked_as_the_run_checks_them(tmp_path):
     (tmp_path / "t.py").write_text(good)
     (worker,) = tools(f"rollout.tools=['{tmp_path / 't.py'}:f']", "rollout.tool_processes=2")
     assert worker.status == "ok" and "a worker process loads them" in worker.detail
-    in_worker = "import sys\nif getattr(sys.modules['__main__'].__spec__, 'name', '') == 'vlforge.rl.tool_worker':\n"
+    in_worker = "import sys\nif getattr(sys.modules['__main__'].__spec__, 'name', '') == 'vlforge.tools.worker':\n"
     (tmp_path / "t.py").write_text(in_worker + "    raise ImportError('no')\n" + good)  # this process imports it
     (broken,) = tools(f"rollout.tools=['{tmp_path / 't.py'}:f']", "rollout.tool_processes=2")
     assert broken.status == "fail" and "worker process" in broken.detail and "ImportError('no')" in broken.detail

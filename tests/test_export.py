@@ -143,7 +143,7 @@ def test_runs_and_adapter_exports_load_from_any_directory(shapes_dir, tmp_path, 
 
     from vlforge.config import ModelConfig
     from vlforge.model.load import load_model
-    from vlforge.serve.engine import InferenceEngine, Request
+    from vlforge.infer.model import InferenceModel, Request
 
     work = tmp_path / "work"
     model, processor = load_model(ModelConfig(preset="tiny"))
@@ -157,6 +157,6 @@ def test_runs_and_adapter_exports_load_from_any_directory(shapes_dir, tmp_path, 
 
     monkeypatch.chdir(tmp_path)  # somewhere else
     ask = Request([{"role": "user", "content": [{"type": "text", "text": "what colour?"}]}], max_new_tokens=4)
-    answers = [InferenceEngine.load(str(work / src), device="cpu", dtype=torch.float32).generate([ask])[0].text
+    answers = [InferenceModel.load(str(work / src), device="cpu", dtype=torch.float32).generate([ask])[0].text
                for src in ("run/checkpoint-1", "adapter")]
     assert answers[0] == answers[1]

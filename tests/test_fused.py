@@ -294,7 +294,7 @@ def test_lora_layers_fuse_their_frozen_base_layers_and_keep_their_adapters(setup
 
 def test_nothing_is_fused_under_fsdp2(setup, tmp_path):
     """FSDP2 for real (fully_shard on a one-rank gloo group): while its units are gathered (GRPO's
-    rollouts: train/distributed.fully_gathered) the weights are views of its all-gather buffers,
+    rollouts: train/sharding.fully_gathered) the weights are views of its all-gather buffers,
     which a `.data` swap would cut off from the next gather: the engine leaves them there, and
     generates the unsharded model's tokens, also after a reshard and a new gather."""
     import torch.distributed as dist

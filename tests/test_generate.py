@@ -12,7 +12,8 @@ from vlforge.data.encode import collate, encode_prompt
 from vlforge.generate.engine import Engine, Feed, GenRequest, Prompt, engine_for
 from vlforge.generate.forward import vision_token_ids
 from vlforge.generate.sampling import _first_above, inverse_cdf, row_key, sample, unit_interval
-from vlforge.rollout.engine import generate_groups, sequence_logprobs
+from vlforge.rollout.groups import generate_groups
+from vlforge.rollout.logprobs import sequence_logprobs
 
 from helpers import compiled_on_cpu
 

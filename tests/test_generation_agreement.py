@@ -1,7 +1,7 @@
 """A run's evaluation answers are the answers its model gives in `vlforge infer`/`eval`/`serve`.
 
 Until one generation engine serves both, training-time eval (train/evaluate.py) and the
-inference engine (serve/engine.py) are two paths; they must stop at the same tokens and give the
+inference engine (infer/model.py) are two paths; they must stop at the same tokens and give the
 same greedy text for the same input.
 """
 
@@ -16,7 +16,7 @@ from vlforge.data.encode import collate, encode_prompt
 from vlforge.train.evaluate import _generate_answers_hf, generate_answers
 from vlforge.train.precision import PrecisionPolicy
 from vlforge.recipes.infer import evaluate_dataset
-from vlforge.serve.engine import InferenceEngine
+from vlforge.infer.model import InferenceModel
 
 
 FP32 = PrecisionPolicy(PrecisionConfig(mode="fp32"), "cpu")
@@ -33,7 +33,7 @@ def _eval_answers_equal_served(model, processor, encoder, samples, shapes_dir) -
     """Training-time eval's greedy answers, checked equal to `vlforge eval`'s through the serve engine."""
     answers = generate_answers(model, encoder, samples, batch_size=4, max_new_tokens=8, policy=FP32,
                                device=torch.device("cpu"))
-    engine = InferenceEngine(model, processor, torch.device("cpu"), "tiny")
+    engine = InferenceModel(model, processor, torch.device("cpu"), "tiny")
     served = [row["answer"] for row in evaluate_dataset(engine, shapes_dir / "val.jsonl", batch_size=3,
                                                       max_new_tokens=8)["answers"]]
     assert served == answers
@@ -68,7 +68,7 @@ def test_eval_serve_and_rollouts_never_generate_the_same_tokens(tiny, shapes_dir
     generate.forward.never_generated) and still answer alike."""
     from vlforge.config import RolloutConfig
     from vlforge.generate.forward import never_generated
-    from vlforge.rollout.engine import generate_groups
+    from vlforge.rollout.groups import generate_groups
 
     model, processor = copy.deepcopy(tiny[0]).eval(), tiny[1]
     val = load_dataset(str(shapes_dir / "val.jsonl"), processor, DataConfig())

@@ -379,7 +379,7 @@ def test_a_round_with_no_prompt_left_still_draws_its_rollout_seed(shapes_dir, tm
     from vlforge.data.dataset import load_dataset
     from vlforge.train.trainable import setup_model
     from vlforge.recipes.grpo import rollout_round
-    from vlforge.rollout.engine import rollout_seed
+    from vlforge.rollout.groups import rollout_seed
 
     row = json.loads((shapes_dir / "train.jsonl").read_text().splitlines()[0])
     broken = tmp_path / "broken.png"  # its header reads (the row loads), its pixels do not (the round skips it)

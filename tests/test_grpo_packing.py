@@ -24,8 +24,9 @@ from vlforge.model.tiers import apply_plan, build_plan, unwrap
 from vlforge.recipes.grpo import run_grpo
 from vlforge.rollout.minibatch import token_rows
 from vlforge.rl import kl_penalty, policy_loss
-from vlforge.rollout import engine as rollout_engine
-from vlforge.rollout.engine import PackedLayout, generate_groups, packing_enabled, sequence_logprobs
+from vlforge.rollout import logprobs as rollout_logprobs
+from vlforge.rollout.groups import generate_groups
+from vlforge.rollout.logprobs import PackedLayout, packing_enabled, sequence_logprobs
 
 from test_grpo import grpo_config
 
@@ -246,8 +247,8 @@ def test_one_grpo_step_with_packing_equals_without(shapes_dir, tmp_path, monkeyp
     """Two mini-batch updates (8 sequences, mini-batches of 4), KL to the reference, through run_grpo;
     under activation checkpointing the packed row's sequences reach the recomputed layers too."""
     calls = []
-    real = rollout_engine._packed_hidden
-    monkeypatch.setattr(rollout_engine, "_packed_hidden", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = rollout_logprobs._packed_hidden
+    monkeypatch.setattr(rollout_logprobs, "_packed_hidden", lambda *a, **k: calls.append(1) or real(*a, **k))
     rows, weights = {}, {}
     for packing in ("false", "true"):
         out = tmp_path / packing

@@ -3,7 +3,7 @@
 
 Every sync stalls the CPU until the GPU has drained, then the GPU starves while the CPU launches
 the next kernels. vlforge's own code reads what it needs on the host from the batch's CPU copy
-(train/losses.step_inputs) and reads the step's metrics once per optimizer step; what remains
+(train/inputs.step_inputs) and reads the step's metrics once per optimizer step; what remains
 in its frames is pinned here, so a change that adds a sync fails. The library's are printed by
 
     PYTHONPATH=. python tests/test_host_syncs.py      # per call site, padded and packed
@@ -22,14 +22,14 @@ from test_grpo_packing import prompts_jsonl  # noqa: E402,F401  (the fixture: pr
 
 # vlforge's own syncs per optimizer step: the per-group gradient norms, read once (GradHealth decides
 # skip and clip from them on the host), and the step's loss, read once
-OURS = {("tolist", "vlforge/engine/health.py"): 1, ("item", "vlforge/recipes/sft.py"): 1}
+OURS = {("tolist", "vlforge/train/health.py"): 1, ("item", "vlforge/recipes/sft.py"): 1}
 
 
 def _step(shapes_dir, tmp_path, packing: bool, steps: int = 1, prepare: bool = False):
     from vlforge.data.dataset import load_dataset
     from vlforge.data.encode import collate, pack
     from vlforge.train.health import GradHealth
-    from vlforge.train.losses import HostPrep
+    from vlforge.train.inputs import HostPrep
     from vlforge.train.optim import build_optimizer
     from vlforge.train.trainable import setup_model
     from vlforge.model.tiers import param_groups
@@ -102,7 +102,8 @@ def _host_inputs_give_the_models_loss_and_gradients(model, batch, padding: bool)
 
     from vlforge.config import LossConfig
     from vlforge.data.encode import IGNORE_INDEX
-    from vlforge.train.losses import sft_loss_sum, step_inputs
+    from vlforge.train.inputs import step_inputs
+    from vlforge.train.losses import sft_loss_sum
 
     assert "pixel_values" in batch
 
@@ -159,7 +160,8 @@ def test_loader_workers_prepare_the_step_inputs(tiny, shapes_dir, packing):
     from vlforge.config import DataConfig, LossConfig
     from vlforge.data.dataset import Batching, load_dataset
     from vlforge.data.encode import collate, pack
-    from vlforge.train.losses import HostPrep, sft_loss_sum, step_inputs
+    from vlforge.train.inputs import HostPrep, step_inputs
+    from vlforge.train.losses import sft_loss_sum
     from vlforge.recipes.sft import micro_batches
 
     model = copy.deepcopy(tiny[0])  # packed rows switch its attention implementation
@@ -253,7 +255,7 @@ def test_generation_prefill_reads_no_device_tensor_on_the_host(tiny, shapes_dir)
 
 @pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
 def test_grpo_update_forward_reads_no_device_value(tiny, prompts_jsonl, packing):
-    """GRPO's log-prob forward (rollout/engine.sequence_logprobs: the update's and the KL reference's)
+    """GRPO's log-prob forward (rollout/logprobs.sequence_logprobs: the update's and the KL reference's)
     lays out its rows from the rollout's host copy, made once per rollout: after it, the forward and
     backward of a mini-batch part read no device value of vlforge's, and of transformers' only its
     packed-sequence detection (packed rows); the image and deepstack features are placed by index."""
@@ -261,7 +263,7 @@ def test_grpo_update_forward_reads_no_device_value(tiny, prompts_jsonl, packing)
     import dataclasses
 
     from test_grpo_packing import mixed_rollout
-    from vlforge.rollout.engine import sequence_logprobs
+    from vlforge.rollout.logprobs import sequence_logprobs
 
     model = copy.deepcopy(tiny[0])
     rollout = mixed_rollout(model.eval(), tiny[1], prompts_jsonl)

@@ -8,12 +8,12 @@ import pytest
 import torch
 from PIL import Image
 
-from vlforge.serve.engine import InferenceEngine, Request
+from vlforge.infer.model import InferenceModel, Request
 
 
 @pytest.fixture(scope="module")
 def engine():
-    return InferenceEngine.load("tiny", device="cpu", dtype=torch.float32)
+    return InferenceModel.load("tiny", device="cpu", dtype=torch.float32)
 
 
 def _requests():
@@ -206,7 +206,7 @@ def test_greedy_answer_equals_transformers_generate(tiny_dir, tmp_path, size):
         out = model.generate(**inputs, max_new_tokens=n, do_sample=False)
     expected = processor.tokenizer.decode(out[0, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
 
-    engine = InferenceEngine.load(str(tiny_dir), device="cpu", dtype=torch.float32)
+    engine = InferenceModel.load(str(tiny_dir), device="cpu", dtype=torch.float32)
     assert (engine.encoder.limits.min_pixels, engine.encoder.limits.max_pixels) == (MIN_PIXELS, MAX_PIXELS)
     request = Request([user_message(prompt, 1)], [image], max_new_tokens=n)
     assert engine.prompt_tokens(request) == inputs["input_ids"].shape[1]
@@ -219,10 +219,10 @@ def test_pixel_limits_overridden_for_tokens_and_pixels_alike(tiny_dir):
 
     # a bound not given stays the directory's: one that ends up above the other is an error naming both
     with pytest.raises(ConfigError, match=r"min pixels 4096 \(the model's own.*max pixels 2304 \(--max-pixels\)"):
-        InferenceEngine.load(str(tiny_dir), device="cpu", dtype=torch.float32, max_pixels=48 * 48)
+        InferenceModel.load(str(tiny_dir), device="cpu", dtype=torch.float32, max_pixels=48 * 48)
     with pytest.raises(ConfigError, match=r"\(--min-pixels\) is above max pixels 16384 \(the model's own"):
-        InferenceEngine.load(str(tiny_dir), device="cpu", dtype=torch.float32, min_pixels=200 * 200)
-    engine = InferenceEngine.load(str(tiny_dir), device="cpu", dtype=torch.float32, min_pixels=16 * 16,
+        InferenceModel.load(str(tiny_dir), device="cpu", dtype=torch.float32, min_pixels=200 * 200)
+    engine = InferenceModel.load(str(tiny_dir), device="cpu", dtype=torch.float32, min_pixels=16 * 16,
                                   max_pixels=48 * 48)
     assert (engine.encoder.limits.min_pixels, engine.encoder.limits.max_pixels) == (16 * 16, 48 * 48)
     image = _noise((300, 200))

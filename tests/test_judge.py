@@ -18,8 +18,8 @@ from vlforge.config import ConfigError
 from vlforge.data.jsonl import read_jsonl
 from vlforge.rl import RewardSpec, batched, build_rewards
 from vlforge.rl.rewards import RewardError
-from vlforge.serve import judge as judge_module
-from vlforge.serve.judge import DEFAULT_PROMPT, JudgeError, ModelJudge, parse_score
+from vlforge.infer import judge as judge_module
+from vlforge.infer.judge import DEFAULT_PROMPT, JudgeError, ModelJudge, parse_score
 
 # The judge is taught (judge_dir) two templates on the first four shapes samples: the default one,
 # answered "yes" when the candidate is the sample's answer and "no" when it is WRONG, and TOPIC
@@ -113,7 +113,7 @@ def judge_dir(shown, tmp_path_factory):
 
     from vlforge.config import SFTConfig, load_config
     from vlforge.recipes.sft import run_sft
-    from vlforge.serve.engine import InferenceEngine, Request
+    from vlforge.infer.model import InferenceModel, Request
 
     out = tmp_path_factory.mktemp("judge")
     taught = []
@@ -132,7 +132,7 @@ def judge_dir(shown, tmp_path_factory):
         "optim.weight_decay=0.0", "optim.max_grad_norm=1.0", "eval.every=0", "eval.at_start=false"]))
     losses = [json.loads(line)["loss"] for line in (out / "run" / "metrics.jsonl").read_text().splitlines()]
     assert losses[-1] < 0.05 * losses[0], losses
-    engine = InferenceEngine.load(str(out / "run" / "checkpoint-80"), device="cpu")
+    engine = InferenceModel.load(str(out / "run" / "checkpoint-80"), device="cpu")
     asked = [Request([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}],
                      [Image.open(s.images[0]).convert("RGB")], max_new_tokens=4) for s, text, _ in taught]
     assert [c.text for c in engine.generate(asked)] == [reply for _, _, reply in taught]
@@ -227,9 +227,9 @@ def served_judge(judge_dir):
     from test_serve import LiveServer
     from vlforge.serve.app import create_app
     from vlforge.serve.config import ServeConfig
-    from vlforge.serve.engine import InferenceEngine
+    from vlforge.infer.model import InferenceModel
 
-    engine = InferenceEngine.load(str(judge_dir), device="cpu")
+    engine = InferenceModel.load(str(judge_dir), device="cpu")
     with LiveServer(create_app(engine, ServeConfig(max_tokens=64))) as server:
         yield server.url + "/v1"
 

@@ -124,9 +124,9 @@ def test_no_import_cycles():
 
 
 @pytest.mark.parametrize("edges, problem", [
-    ({"vlforge.model.export": {"vlforge.serve.engine"}}, "a higher layer"),
+    ({"vlforge.model.export": {"vlforge.infer.model"}}, "a higher layer"),
     ({"vlforge.recipes.grpo": {"vlforge.recipes.sft"}}, "recipes do not import each other"),
-    ({"vlforge.serve.engine": {"vlforge.rollout.engine"}}, "share a layer"),
+    ({"vlforge.serve.app": {"vlforge.rollout.groups"}}, "share a layer"),
     ({"vlforge.nowhere": set()}, "in no layer"),
 ])
 def test_the_checker_catches(edges, problem):

@@ -316,7 +316,8 @@ def test_recipes_add_the_router_aux_loss_to_the_backward(shapes_dir, tmp_path, m
 def test_grpo_rollout_logprobs_and_routing_agree_with_the_trainer(tiny_moe, shapes_dir):
     from vlforge.config import RolloutConfig
     from vlforge.data.encode import encode_prompt
-    from vlforge.rollout.engine import generate_groups, sequence_logprobs
+    from vlforge.rollout.groups import generate_groups
+    from vlforge.rollout.logprobs import sequence_logprobs
 
     model = copy.deepcopy(tiny_moe[0])
     model = apply_plan(model, build_plan(model, _tiers("tiers.language.experts=true"))).eval()
@@ -471,7 +472,8 @@ def test_packed_rows_give_the_padded_batchs_aux_loss_and_expert_load(tiny_moe, s
     """A packed row's router statistics count its real tokens only, as a padded batch's do: the same
     samples packed or padded give the same load-balancing loss and expert counts."""
     from vlforge.data.encode import pack
-    from vlforge.train.losses import real_tokens, sft_loss_sum
+    from vlforge.train.inputs import real_tokens
+    from vlforge.train.losses import sft_loss_sum
     from vlforge.train.moe import capture
 
     model = tiny_moe[0]

@@ -18,7 +18,7 @@ from vlforge.model.moe_lora import experts_base
 from vlforge.model.nf4 import routed_expert_weights
 from vlforge.model.quant import EXPERT_WEIGHTS, expert_modules, expert_state_bytes, verify
 from vlforge.model.tiers import apply_plan, build_plan
-from vlforge.serve.engine import Request
+from vlforge.infer.model import Request
 
 from helpers import tiny_sft_config
 
@@ -228,7 +228,7 @@ def test_moe_qlora_trains_expert_adapters_on_nf4_experts_and_serves_them(shapes_
 
     from vlforge.model.export import export
     from vlforge.recipes.sft import run_sft
-    from vlforge.serve.engine import InferenceEngine
+    from vlforge.infer.model import InferenceModel
 
     run_sft(tiny_sft_config(shapes_dir, tmp_path / "run", "model.preset=tiny-moe", "precision.mode=bf16",
                             "tiers.method=lora", "tiers.language.experts=true", "quant.language=nf4",
@@ -239,7 +239,7 @@ def test_moe_qlora_trains_expert_adapters_on_nf4_experts_and_serves_them(shapes_
     adapters = load_file(ckpt / "adapter_model.safetensors")
     expert_b = [v for k, v in adapters.items() if "experts" in k and "lora_B" in k]
     assert len(expert_b) == 4 and all(v.abs().max() > 0 for v in expert_b)  # trained from B = 0
-    engine = InferenceEngine.load(str(ckpt), device="cpu")  # the run's own base: NF4 attention and experts
+    engine = InferenceModel.load(str(ckpt), device="cpu")  # the run's own base: NF4 attention and experts
     assert engine.quant_report["linears"]["experts:nf4"] == 4 and engine.quant_report["linears"]["language:nf4"] == 8
 
     def requests():
@@ -263,12 +263,12 @@ def test_a_peft_forward_expert_lora_checkpoint_is_served_fused_on_nf4_experts(sh
     parametrization on them every call), and the same request gives the same answer twice."""
     from vlforge.model.moe_lora import FusedExpertsLoRA
     from vlforge.recipes.sft import run_sft
-    from vlforge.serve.engine import InferenceEngine
+    from vlforge.infer.model import InferenceModel
 
     run_sft(tiny_sft_config(shapes_dir, tmp_path / "run", "model.preset=tiny-moe", "precision.mode=bf16",
                             "tiers.method=lora", "tiers.language.experts=true", "tiers.expert_lora=peft",
                             "train.max_steps=1", "data.val=null"))
-    engine = InferenceEngine.load(str(tmp_path / "run" / "checkpoint-1"), quant=QuantConfig.from_flag("nf4"),
+    engine = InferenceModel.load(str(tmp_path / "run" / "checkpoint-1"), quant=QuantConfig.from_flag("nf4"),
                                   device="cpu")
     assert engine.quant_report["linears"]["experts:nf4"] == 4
     layers = engine.model.base_model.model.model.language_model.layers

@@ -21,7 +21,8 @@ from vlforge.data.dataset import Batching, budget_batches, global_batches, load_
 from vlforge.data.encode import IGNORE_INDEX, collate, pack
 from vlforge.data.jsonl import DataError
 from vlforge.train import packed_attention
-from vlforge.train.losses import count_tokens, packed_position_ids, sft_loss_sum
+from vlforge.train.inputs import count_tokens, packed_position_ids
+from vlforge.train.losses import sft_loss_sum
 from vlforge.train.packed_attention import PACKED_ATTENTION, PackedRows, packed_rows_attention
 from vlforge.recipes.sft import micro_batches, run_sft
 

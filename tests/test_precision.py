@@ -132,7 +132,8 @@ def test_an_fp32_attention_override_trains_and_generates_in_fp32(shapes_dir, tmp
     from vlforge.data.encode import encode_prompt
     from vlforge.train.losses import sft_loss_sum
     from vlforge.generate.engine import engine_for
-    from vlforge.rollout.engine import generate_groups, sequence_logprobs
+    from vlforge.rollout.groups import generate_groups
+    from vlforge.rollout.logprobs import sequence_logprobs
 
     policy = PrecisionPolicy(PrecisionConfig(mode="bf16", overrides=[ModuleOverride(r"self_attn$", compute="fp32"),
                                                                      ModuleOverride(r"o_proj$", compute="bf16")]), "cpu")

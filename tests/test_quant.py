@@ -117,16 +117,16 @@ def test_qlora_checkpoint_loads_on_its_nf4_base_and_exports_merged_unquantized(s
 
     from vlforge.model.export import export
     from vlforge.recipes.sft import run_sft
-    from vlforge.serve.engine import InferenceEngine
+    from vlforge.infer.model import InferenceModel
 
     from helpers import tiny_sft_config
 
     run_sft(tiny_sft_config(shapes_dir, tmp_path / "run", "precision.mode=bf16", "tiers.method=lora",
                             "quant.language=nf4", "train.max_steps=1", "data.val=null"))
     ckpt = tmp_path / "run" / "checkpoint-1"
-    engine = InferenceEngine.load(str(ckpt), device="cpu")  # quant=None: the run's own NF4 base
+    engine = InferenceModel.load(str(ckpt), device="cpu")  # quant=None: the run's own NF4 base
     assert engine.quant_report["linears"]["language:nf4"] == 14
-    assert not InferenceEngine.load(str(ckpt), quant=QuantConfig(), device="cpu").quant_report  # asked: bf16
+    assert not InferenceModel.load(str(ckpt), quant=QuantConfig(), device="cpu").quant_report  # asked: bf16
     export(ckpt, tmp_path / "merged", merge=True)  # merged into the unquantized base, never into NF4
     merged = Qwen3VLForConditionalGeneration.from_pretrained(tmp_path / "merged", local_files_only=True)
     assert getattr(merged.config, "quantization_config", None) is None

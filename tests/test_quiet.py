@@ -145,7 +145,7 @@ def test_a_warmup_longer_than_the_run_is_warned_about(capsys):
 
 
 class BurstEngine:
-    """Stands in for InferenceEngine: streams "Hel", waits for `burst`, then 50 pieces at once."""
+    """Stands in for InferenceModel: streams "Hel", waits for `burst`, then 50 pieces at once."""
 
     name = "burst"
 
@@ -159,7 +159,7 @@ class BurstEngine:
         return 3
 
     def generate(self, requests, on_text=None):
-        from vlforge.serve.engine import Completion
+        from vlforge.infer.model import Completion
 
         on_text(0, "Hel")
         assert self.burst.wait(30)

@@ -6,8 +6,9 @@ import torch
 from vlforge.config import DataConfig, RolloutConfig
 from vlforge.data.dataset import load_dataset
 from vlforge.data.encode import collate, encode_prompt
-from vlforge.rollout.engine import (encode_images, filter_logits, forward_shared, generate_groups, rope_positions,
-                                    sequence_logprobs)
+from vlforge.generate.forward import encode_images, filter_logits, forward_shared, rope_positions
+from vlforge.rollout.groups import generate_groups
+from vlforge.rollout.logprobs import sequence_logprobs
 
 
 @pytest.fixture

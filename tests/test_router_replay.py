@@ -13,7 +13,8 @@ from vlforge.data.encode import collate, encode_prompt
 from vlforge.train.moe import Routing, capture, follow, replayed
 from vlforge.generate.routes import NO_ROUTE, router_modules
 from vlforge.model.load import load_model
-from vlforge.rollout.engine import generate_groups, route_rows, sequence_logprobs
+from vlforge.rollout.groups import generate_groups
+from vlforge.rollout.logprobs import route_rows, sequence_logprobs
 
 
 @pytest.fixture(scope="module")

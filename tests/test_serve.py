@@ -22,8 +22,8 @@ from PIL import Image  # noqa: E402
 
 from vlforge.serve.app import create_app, uvicorn_config  # noqa: E402
 from vlforge.serve.config import ServeConfig  # noqa: E402
-from vlforge.serve.engine import Completion, InferenceEngine, Request  # noqa: E402
-from vlforge.serve.streamer import BatchStreamer  # noqa: E402
+from vlforge.infer.model import Completion, InferenceModel, Request  # noqa: E402
+from vlforge.infer.streamer import BatchStreamer  # noqa: E402
 
 LIMITS = dict(max_body_bytes=1_000_000, max_image_pixels=1_000_000, max_images=8, max_prompt_tokens=256,
               max_tokens=64)
@@ -122,7 +122,7 @@ def files(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine():
-    return InferenceEngine.load("tiny", device="cpu")
+    return InferenceModel.load("tiny", device="cpu")
 
 
 @pytest.fixture(scope="module")
@@ -383,7 +383,7 @@ def test_bad_requests_get_openai_errors_and_server_keeps_serving(client, files):
 
 
 class ScriptedEngine:
-    """Stands in for InferenceEngine: streams "Hel", optionally waits to be released, then "lo"."""
+    """Stands in for InferenceModel: streams "Hel", optionally waits to be released, then "lo"."""
 
     name = "scripted"
 
@@ -500,7 +500,7 @@ def test_generation_error_is_reported_and_server_recovers():
     size: torch's own shape error, raised in generate/'s prefill with the server's batcher running):
     each client gets a 500 naming the error (an error event then [DONE] when streaming), and once
     the model is whole again the same engine answers as it did before the failures."""
-    engine = InferenceEngine.load("tiny", device="cpu")
+    engine = InferenceModel.load("tiny", device="cpu")
     payload = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0}
     lm_head = engine.model.lm_head
     broken = torch.nn.Linear(lm_head.in_features + 1, lm_head.out_features, bias=False)
@@ -1043,7 +1043,7 @@ class Hide(importlib.abc.MetaPathFinder):  # as if uvicorn were not installed
             raise ModuleNotFoundError(f"No module named {name!r}", name=name)
 
 sys.meta_path.insert(0, Hide())
-import vlforge.recipes.infer, vlforge.serve.engine  # infer, chat and eval load models through these
+import vlforge.recipes.infer, vlforge.infer.model  # infer, chat and eval load models through these
 assert not {"uvicorn", "fastapi", "prometheus_client"} & set(sys.modules), "engine/infer pulled in the serve extra"
 from vlforge.serve.app import create_app  # the app itself (e.g. for another ASGI server) needs no uvicorn
 
@@ -1053,8 +1053,8 @@ sys.exit(vlforge.cli.main(["serve", "tiny", "--device", "cpu"]))
 '''
 
 
-def test_serve_engine_imports_without_uvicorn_and_the_cli_names_the_extra():
-    """InferenceEngine (infer, chat, eval) needs none of the serve extra; `vlforge serve` without
+def test_the_inference_model_imports_without_uvicorn_and_the_cli_names_the_extra():
+    """InferenceModel (infer, chat, eval) needs none of the serve extra; `vlforge serve` without
     uvicorn says what to install, before loading a model, instead of a traceback."""
     import os
     import subprocess

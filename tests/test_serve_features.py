@@ -20,14 +20,14 @@ from vlforge.config import ConfigError  # noqa: E402
 from vlforge.data.encode import ImageLimits  # noqa: E402
 from vlforge.serve.app import create_app  # noqa: E402
 from vlforge.serve.config import API_KEY_ENV, ServeConfig  # noqa: E402
-from vlforge.serve.engine import InferenceEngine, Request  # noqa: E402
+from vlforge.infer.model import InferenceModel, Request  # noqa: E402
 
 KEY = "vlf-test-0123456789abcdef"
 
 
 @pytest.fixture(scope="module")
 def engine():
-    return InferenceEngine.load("tiny", device="cpu")
+    return InferenceModel.load("tiny", device="cpu")
 
 
 def post_together(url: str, payloads: list[dict], headers=None) -> list[dict]:

@@ -306,9 +306,9 @@ def test_chat_ctrl_c_stops_the_reply_and_a_second_one_the_chat():
     import dataclasses
 
     from vlforge.recipes.infer import chat
-    from vlforge.serve.engine import InferenceEngine
+    from vlforge.infer.model import InferenceModel
 
-    engine = InferenceEngine.load("tiny", device="cpu", dtype=torch.float32)
+    engine = InferenceModel.load("tiny", device="cpu", dtype=torch.float32)
     handler = signal.getsignal(signal.SIGINT)
     said, replies, presses = [], [], []
     original = engine.generate

@@ -1,4 +1,4 @@
-"""How a round of tool calls runs (rl/tools.py): on threads of the trainer or in worker processes
+"""How a round of tool calls runs (tools/): on threads of the trainer or in worker processes
 (rollout.tool_processes), every failure an error result the model reads (unknown tools, bad
 arguments, exceptions, sys.exit, exceptions whose message cannot be read, timeouts, crashes), the
 same results in both modes, and results cut at rollout.tool_result_chars."""
@@ -9,7 +9,9 @@ import time
 import pytest
 
 from vlforge.config import ConfigError, RolloutConfig
-from vlforge.rl.tools import ToolCall, ToolProcesses, load_tools, run_tool_calls
+from vlforge.tools.calls import ToolCall
+from vlforge.tools.registry import load_tools
+from vlforge.tools.runner import ToolProcesses, run_tool_calls
 
 
 def test_tool_results_report_every_failure_to_the_model_and_slow_tools_time_out(tmp_path):

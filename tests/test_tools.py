@@ -1,4 +1,4 @@
-"""Multi-turn tool rollouts: rl/tools (tools, calls, results; how calls run: test_tool_runs.py), tool
+"""Multi-turn tool rollouts: tools/ (tools, calls, results; how calls run: test_tool_runs.py), tool
 messages in the data and the chat template, rollout/multiturn on a tiny model taught the calculator
 by SFT, GRPO with tools."""
 
@@ -12,10 +12,11 @@ from vlforge.data.dataset import load_dataset
 from vlforge.data.encode import collate, encode_prompt
 from vlforge.data.jsonl import DataError, read_jsonl
 from vlforge.data.synth import synth_tool_use
-from vlforge.rl.builtin_tools import calculator
-from vlforge.rl.tools import (ToolCall, ToolCallStream, ToolProcesses, load_tools, parse_tool_calls,
-                              run_tool_calls, split_tool_calls)
-from vlforge.rollout.engine import sequence_logprobs
+from vlforge.tools.builtin import calculator
+from vlforge.tools.calls import ToolCall, ToolCallStream, parse_tool_calls, split_tool_calls
+from vlforge.tools.registry import load_tools
+from vlforge.tools.runner import ToolProcesses, run_tool_calls
+from vlforge.rollout.logprobs import sequence_logprobs
 from vlforge.rollout.multiturn import generate_with_tools, tool_image_encoder
 
 CALL = '<tool_call>\n{"name": "calculator", "arguments": {"expression": "%s"}}\n</tool_call>'
@@ -30,7 +31,7 @@ def calculator(expression: str, images: list) -> list:
     Args:
         expression: The expression.
     """
-    from vlforge.rl.builtin_tools import calculator as real
+    from vlforge.tools.builtin import calculator as real
 
     value = real(expression)
     shade = 40 * (len(value) % 6)  # the picture depends on the result
@@ -499,9 +500,9 @@ def test_served_model_calls_tools_openai_style(tool_model, tool_data):
 
     from vlforge.serve.app import create_app
     from vlforge.serve.config import ServeConfig
-    from vlforge.serve.engine import InferenceEngine
+    from vlforge.infer.model import InferenceModel
 
-    engine = InferenceEngine.load(str(tool_model), device="cpu", dtype=torch.float32)  # as it was trained
+    engine = InferenceModel.load(str(tool_model), device="cpu", dtype=torch.float32)  # as it was trained
     row = json.loads(tool_data["prompts"].read_text().splitlines()[0])
     png = (tool_data["prompts"].parent / row["image"]).read_bytes()
     question = [{"role": "user", "content": [
@@ -654,7 +655,7 @@ def test_tools_read_the_prompts_images_and_return_images(tmp_path):
     coordinates; worker processes give the threads' results, images included."""
     from PIL import Image
 
-    from vlforge.rl.builtin_tools import ZOOM_MIN_SIDE, zoom_in
+    from vlforge.tools.builtin import ZOOM_MIN_SIDE, zoom_in
 
     (tmp_path / "t.py").write_text(IMAGE_TOOL + '''
 
@@ -863,7 +864,7 @@ def test_synth_zoom_rows_are_what_the_builtin_zoom_in_returns(tiny, tmp_path):
 
     from vlforge.cli import main
     from vlforge.data.synth import RGB
-    from vlforge.rl.builtin_tools import zoom_in
+    from vlforge.tools.builtin import zoom_in
 
     assert main(["data", "synth", "zoom", "--n", "6", "--out", str(tmp_path)]) == 0
     assert main(["data", "check", str(tmp_path / "zoom_sft.jsonl"), "data.max_length=2048"]) == 0

@@ -371,10 +371,10 @@ def test_vlforge_eval_answers_video_rows_as_the_trainers_eval_does(tiny, motion)
     from vlforge.train.evaluate import generate_answers
     from vlforge.train.precision import PrecisionPolicy
     from vlforge.recipes.infer import evaluate_dataset
-    from vlforge.serve.engine import InferenceEngine
+    from vlforge.infer.model import InferenceModel
 
     model, processor = tiny
-    engine = InferenceEngine(copy.deepcopy(model), processor, torch.device("cpu"), "tiny")  # it freezes its model
+    engine = InferenceModel(copy.deepcopy(model), processor, torch.device("cpu"), "tiny")  # it freezes its model
     report = evaluate_dataset(engine, motion / "val.jsonl", batch_size=3, max_new_tokens=6)
     samples = read_jsonl(motion / "val.jsonl")
     assert report["n"] == len(samples) == 4 and all(s.videos for s in samples)
@@ -408,10 +408,10 @@ def test_infer_answers_a_video_file_from_the_command_line(media, capsys):
 
 def test_chat_attaches_videos_and_keeps_them_in_the_history(tiny, media):
     from vlforge.recipes.infer import chat
-    from vlforge.serve.engine import InferenceEngine
+    from vlforge.infer.model import InferenceModel
 
     model, processor = tiny
-    engine = InferenceEngine(copy.deepcopy(model), processor, torch.device("cpu"), "tiny")  # it freezes its model
+    engine = InferenceModel(copy.deepcopy(model), processor, torch.device("cpu"), "tiny")  # it freezes its model
     script = iter([f"/video {media / 'clip.mp4'}", "what happens?", "and then?", f"/video {media / 'nope.mp4'}",
                    "/reset", "hi", "/quit"])
     said, seen = [], []
@@ -430,7 +430,7 @@ def test_chat_attaches_videos_and_keeps_them_in_the_history(tiny, media):
 
 
 def test_a_judge_is_shown_the_samples_videos(motion):
-    from vlforge.serve.judge import ModelJudge
+    from vlforge.infer.judge import ModelJudge
 
     samples = read_jsonl(motion / "val.jsonl")[:2]
     judge = ModelJudge.from_kwargs(model="tiny", score="yes_no", max_new_tokens=3, batch_size=2, device="cpu")
@@ -525,13 +525,13 @@ def test_a_chat_template_without_video_parts_is_a_data_error_naming_the_row(tiny
 def test_checkpoints_carry_the_runs_image_and_video_limits_to_inference(motion, tmp_path):
     """A run's data.* image and video limits are written into the processor its checkpoints save, so
     `vlforge serve/eval/infer` read its videos (and images) as it was trained on them."""
-    from vlforge.serve.engine import InferenceEngine
+    from vlforge.infer.model import InferenceModel
 
     cfg = tiny_sft_config(motion, tmp_path / "run", "train.max_steps=1", "data.val=null", "data.max_pixels=65536",
                           "data.video_min_pixels=512", "data.video_max_pixels=20480", "data.video_fps=1.5",
                           "data.video_max_frames=12")
     run_sft(cfg)
-    engine = InferenceEngine.load(str(tmp_path / "run" / "checkpoint-1"), device="cpu")
+    engine = InferenceModel.load(str(tmp_path / "run" / "checkpoint-1"), device="cpu")
     assert engine.encoder.limits.max_pixels == 65536
     assert engine.encoder.video_limits == VideoLimits(fps=1.5, max_frames=12, min_pixels=512, max_pixels=20480)
 

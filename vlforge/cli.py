@@ -184,34 +184,34 @@ def cmd_doctor(args) -> int:
     return 0 if report["ok"] else 1
 
 
-def _engine(args, slots: int = 1):
-    """The loaded InferenceEngine; with --compile its decode step is compiled and warmed now, at
+def _load_model(args, slots: int = 1):
+    """The loaded InferenceModel; with --compile its decode step is compiled and warmed now, at
     `slots` decode slots (the batch its command generates: serve's --max-batch, eval's --batch-size)."""
     from vlforge.config import QuantConfig
-    from vlforge.serve.engine import InferenceEngine
+    from vlforge.infer.model import InferenceModel
 
     quant = None if args.quant is None else QuantConfig.from_flag(args.quant)  # None: a QLoRA checkpoint's own
     if args.min_pixels is not None and args.max_pixels is not None and args.min_pixels > args.max_pixels:
         raise ConfigError(f"--min-pixels {args.min_pixels} is above --max-pixels {args.max_pixels}")  # before loading
-    engine = InferenceEngine.load(args.source, quant=quant, device=args.device, min_pixels=args.min_pixels,
+    vlm = InferenceModel.load(args.source, quant=quant, device=args.device, min_pixels=args.min_pixels,
                                   max_pixels=args.max_pixels, engine=getattr(args, "engine", "vlforge"),
                                   compile=args.compile)
-    if engine.quant_report:
+    if vlm.quant_report:
         from vlforge.model.quant import format_report
 
-        print(format_report(engine.quant_report), file=sys.stderr)
+        print(format_report(vlm.quant_report), file=sys.stderr)
     if args.compile:
-        if problem := engine.compile_problem():
+        if problem := vlm.compile_problem():
             print(f"--compile: not applied ({problem}); decoding eager", file=sys.stderr)
         else:
             print("--compile: compiling the decode step (a minute or two; once per process) ...", file=sys.stderr,
                   flush=True)
-            seconds = engine.warm_up(slots)
-            if failure := engine.gen_engine().compile_failure:  # _compiled_once warned and runs eager
+            seconds = vlm.warm_up(slots)
+            if failure := vlm.gen_engine().compile_failure:  # _compiled_once warned and runs eager
                 print(f"--compile: the decode step did not compile ({failure}); decoding eager", file=sys.stderr)
             else:
                 print(f"--compile: decode step compiled and warmed in {seconds:.0f} s", file=sys.stderr)
-    return engine
+    return vlm
 
 
 def cmd_export(args) -> int:
@@ -233,8 +233,8 @@ def cmd_export(args) -> int:
 def cmd_infer(args) -> int:
     from vlforge.recipes.infer import answer
 
-    engine = _engine(args)
-    text = answer(engine, args.prompt, args.image or [], max_new_tokens=args.max_new_tokens, task=args.task,
+    vlm = _load_model(args)
+    text = answer(vlm, args.prompt, args.image or [], max_new_tokens=args.max_new_tokens, task=args.task,
                   temperature=args.temperature, on_text=lambda text: print(text, end="", flush=True),
                   video_paths=args.video or [])
     print()
@@ -247,7 +247,7 @@ def cmd_infer(args) -> int:
 def cmd_chat(args) -> int:
     from vlforge.recipes.infer import chat
 
-    chat(_engine(args), stream=lambda text: print(text, end="", flush=True), max_new_tokens=args.max_new_tokens)
+    chat(_load_model(args), stream=lambda text: print(text, end="", flush=True), max_new_tokens=args.max_new_tokens)
     return 0
 
 
@@ -296,7 +296,7 @@ def cmd_eval(args) -> int:
     given = {"tool_turns": args.tool_turns, "tool_processes": args.tool_processes}
     rollout = dataclasses.replace(rollout, **{k: v for k, v in given.items() if v is not None})
     if tool_specs:  # loaded before the model, as GRPO's rollout.tools
-        from vlforge.rl.tools import load_tools
+        from vlforge.tools.registry import load_tools
 
         try:
             tools = load_tools(tool_specs)
@@ -304,21 +304,21 @@ def cmd_eval(args) -> int:
             raise ConfigError(f"{'--tool' if args.tool else flag}: {e}") from e
     if reward_specs:  # loaded before the model: a typo fails at once
         from vlforge.rl.rewards import build_rewards
-        from vlforge.serve.judge import ModelJudge
+        from vlforge.infer.judge import ModelJudge
 
-        try:  # a judge reward (serve/judge.py) as GRPO builds it; its model loads at first use, on --device
+        try:  # a judge reward (infer/judge.py) as GRPO builds it; its model loads at first use, on --device
             rewards = build_rewards(reward_specs, factories={"judge": ModelJudge.from_kwargs})
         except (ValueError, FileNotFoundError, AttributeError, TypeError, ImportError) as e:
             raise ConfigError(f"{flag}: {e}") from e
         for fn in rewards.fns:
             if isinstance(fn, ModelJudge) and fn.device == "auto":
                 fn.device = args.device
-    engine = _engine(args, slots=args.batch_size)
+    vlm = _load_model(args, slots=args.batch_size)
     if tools:
         from vlforge.rollout.multiturn import check_tool_template
 
-        check_tool_template(engine.encoder, "--tool" if args.tool else flag)  # the chat template renders a tool turn
-    report = evaluate_dataset(engine, args.data, batch_size=args.batch_size, max_new_tokens=max_new_tokens,
+        check_tool_template(vlm.encoder, "--tool" if args.tool else flag)  # the chat template renders a tool turn
+    report = evaluate_dataset(vlm, args.data, batch_size=args.batch_size, max_new_tokens=max_new_tokens,
                               max_samples=args.max_samples, rewards=rewards, tools=tools, tool_settings=rollout,
                               data=DataConfig(columns=columns))
     if args.out:
@@ -343,7 +343,7 @@ def cmd_serve(args) -> int:
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port {args.port}: must be 0..65535")
     cfg = ServeConfig.from_flags(vars(args), environ=os.environ)  # checked before the model loads
-    app = create_app(_engine(args, slots=cfg.max_batch), cfg)
+    app = create_app(_load_model(args, slots=cfg.max_batch), cfg)
     name = app.state.vlforge.model_name
     if args.host not in ("127.0.0.1", "localhost", "::1") and cfg.api_key is None:
         print(f"warning: listening on {args.host} without authentication; anyone who can reach the port can use "

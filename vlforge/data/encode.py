@@ -62,7 +62,7 @@ class ImageLimits:
 
 def record_limits(processor, cfg: DataConfig) -> None:
     """The run's image and video limits written into its processor (in place), so that the checkpoints
-    and exports it saves are served, evaluated and chatted with (serve/engine reads the processor's
+    and exports it saves are served, evaluated and chatted with (infer/model reads the processor's
     own settings) at the resolution and frame rate the model was trained at."""
     processor.image_processor.size = SizeDict(shortest_edge=cfg.min_pixels, longest_edge=cfg.max_pixels)
     video = getattr(processor, "video_processor", None)
@@ -549,7 +549,7 @@ def pack(items: list, pad_id: int, multiple: int = 1, pad_to: int | None = None)
     """Concatenate encoded samples into ONE row, without padding between them (data.packing).
 
     The row carries `seq_lens` [n] (each sample's length, in order) instead of an attention mask;
-    the model's forward turns it into per-sample position ids (train.losses.packed_position_ids),
+    the model's forward turns it into per-sample position ids (train/inputs.packed_position_ids),
     from which transformers restricts attention to each sample. Each sample's first label is
     ignored, so no position is trained to predict the next sample's first token (its labels are
     never supervised anyway: every sample starts with <|im_start|>). Images are concatenated in

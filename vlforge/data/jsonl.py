@@ -484,7 +484,7 @@ def parse_obj(row, base: Path, where: str, max_image_pixels: int = MAX_IMAGE_PIX
 def _openai_tool_calls(msg: dict, at: str) -> str:
     """An assistant message's OpenAI-style "tool_calls" ([{"type": "function", "function": {"name",
     "arguments" (a JSON object, as text or as an object)}}]) in Qwen's <tool_call> format; "" without."""
-    from vlforge.rl.tools import ToolCall, format_tool_calls
+    from vlforge.tools.calls import ToolCall, format_tool_calls
 
     raw = msg.get("tool_calls")
     if not raw:

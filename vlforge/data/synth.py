@@ -186,8 +186,8 @@ def synth_tool_use(out_dir: str | Path, n: int, *, seed: int = 0, size: int = 64
     final `<answer>`; the calculator's schema in "tools": SFT teaches the format), out_dir/tools_prompts.jsonl
     (the same questions with the final answer, for GRPO with rollout.tools=[calculator]) and the images.
     Returns {"sft": path, "prompts": path}."""
-    from vlforge.rl.builtin_tools import calculator
-    from vlforge.rl.tools import load_tools
+    from vlforge.tools.builtin import calculator
+    from vlforge.tools.registry import load_tools
 
     schemas = [tool.schema for tool in load_tools(["calculator"]).values()]
     out = Path(out_dir)
@@ -222,8 +222,8 @@ def synth_zoom(out_dir: str | Path, n: int, *, seed: int = 0, size: int = 64) ->
     0..1000 coordinates, the builtin tool's own result as a tool message, its crop an image part,
     then the `<answer>`; SFT teaches the pattern), out_dir/zoom_prompts.jsonl (the questions and
     answers, for GRPO with rollout.tools=[zoom_in]) and the images. Returns {"sft": path, "prompts": path}."""
-    from vlforge.rl.builtin_tools import zoom_in
-    from vlforge.rl.tools import load_tools
+    from vlforge.tools.builtin import zoom_in
+    from vlforge.tools.registry import load_tools
 
     schemas = [tool.schema for tool in load_tools(["zoom_in"]).values()]
     out = Path(out_dir)

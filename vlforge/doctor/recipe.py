@@ -82,7 +82,8 @@ def recipe_from_config(cfg: SFTConfig | GRPOConfig, config: str | None, cuda_ava
                             + " replay as CUDA graphs, on packed rows padded to multiples of 256 tokens")
     tools, tools_ok = None, True
     if isinstance(cfg, GRPOConfig) and cfg.rollout.tools:  # run_grpo's check, before any model loads
-        from vlforge.rl.tools import ToolCall, ToolProcesses
+        from vlforge.tools.calls import ToolCall
+        from vlforge.tools.runner import ToolProcesses
         from vlforge.rollout.multiturn import rollout_tools
 
         try:

@@ -433,7 +433,7 @@ def step_mask(keep: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
     `dtype` is given, else `keep` itself. Built once a step where SDPA converts a boolean mask in
     every layer. (An eager microbenchmark had the grouped attention ~2x faster with it; in the
     compiled, captured 2B step the two measured the same, 3.61 vs 3.62 ms on an H200: the
-    benchmark's gap was launch cost. docs/benchmarks.md, thirteenth session.)"""
+    benchmark's gap was launch cost. docs/benchmarks-log.md, 2026-12-03, "The additive step mask".)"""
     if dtype is None:
         return keep
     return torch.where(keep, 0.0, torch.finfo(dtype).min).to(dtype)
@@ -545,7 +545,7 @@ class Engine:
     capture_s). Worth it for a GRPO run, not for one eval pass. Default for generate(compile=None).
     decode_attention: "sdpa" (default; measured) or "flex" (flex_attention's decode kernel, compiled
     steps only, eager ones keep sdpa). Measured on an H200 (64 x 256): 1.66x (2B) and 2.07x (8B)
-    slower than sdpa's decode, so sdpa stays the default (docs/benchmarks.md, eighth session).
+    slower than sdpa's decode, so sdpa stays the default (docs/benchmarks-log.md, 2026-12-02, "sdpa vs flex decode").
     compact: at a sync point with nobody waiting, move running rows down into freed slots when that
     shrinks the step's slot bucket (_compact); False keeps every row in its first slot.
     share_prompt: a call whose requests all have the same n >= 2 samples (and no feed) stores each
@@ -557,7 +557,7 @@ class Engine:
     waits for it), for at most MAX_JOIN_HOLD sync points, so that one prefill serves several joins.
     Measured on an H200 (2B, 256 requests of 16-512 tokens through 64 slots, joins at every sync
     point): 92 prefills of ~59 ms each took 5.4 s of the 11.3 s run, the decode steps 5.8 s
-    (docs/benchmarks.md, tenth session). 0: join at every sync point where a slot freed.
+    (docs/benchmarks-log.md, 2026-12-02, "FSDP2 units at world size 1"). 0: join at every sync point where a slot freed.
     additive_mask: the decode step's mask additive in the KV dtype, built once a step (step_mask);
     False passes the boolean one (SDPA then converts it in every layer; kept for bench/generate.py's A/B).
     fuse_projections: each decoder layer's q/k/v projections, and its MLP's gate/up, computed as one

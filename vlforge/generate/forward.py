@@ -78,7 +78,7 @@ def forward_shared(core, input_ids_NT: torch.Tensor, attention_mask_NT: torch.Te
 
     Equivalent to the HF forward with each prompt's pixels repeated per sequence (tested), without
     running the vision tower again. Returns the language model output (last_hidden_state, cache).
-    `keepalive` (a zero from train.losses.vision_keepalive) joins the embeddings where image
+    `keepalive` (a zero from train/sharding.vision_keepalive) joins the embeddings where image
     features would: a sharded text-only mini-batch then reduces gradients like one with images.
     `lm_kwargs` go to the language model as they are (a packed row's `packed_rows`). `placeholders`
     (the image tokens' places, read from the host copy of `input_ids_NT`, on its device): the image

@@ -5,7 +5,7 @@
         out = core.model.language_model(...)  # each group of projections computed as one GEMM
 
 Why: in a decode step (tens of rows) each projection is a small GEMM bound by reading its weight
-plus a launch. Measured in the compiled 2B step on an H200 (docs/benchmarks.md, thirteenth session):
+plus a launch. Measured in the compiled 2B step on an H200 (docs/benchmarks-log.md, 2026-12-03, "One GEMM for q/k/v"):
 q/o 6.0 us and k/v 5.7 us a layer, 15-28% of HBM bandwidth, gate/up 9.5 us each at ~55%. One GEMM
 over the group's weights reads the same bytes in one launch at the wider GEMM's efficiency.
 

@@ -140,8 +140,8 @@ class Placeholders:
     forward and again in the backward. Each is a sync: the CPU waits for the GPU queue to drain, then
     the GPU waits for the CPU. With the positions as indices the same reads and writes need no sync.
     (On one H200 taking them out changed no step time measurably: the compiled 2B step's host work
-    is about as long as its GPU work, so running ahead gains little; docs/benchmarks.md, fifteenth
-    session. They cost once the host's share shrinks.)"""
+    is about as long as its GPU work, so running ahead gains little; docs/benchmarks-log.md, 2026-12-03,
+    "FSDP2 + `cpu_offload`". They cost once the host's share shrinks.)"""
 
     flat_positions: torch.Tensor  # long [N]: row * T + column of each image token, in row-major order
     image_tokens: int  # N

@@ -217,7 +217,7 @@ def _save_local(model, out: Path) -> None:
 
 def build_meta_model(cfg: ModelConfig, dtype: torch.dtype | None = None, device: str | torch.device | None = None):
     """The model's module tree and shapes without allocating weights: for `--plan` on 8B or
-    30B-A3B on a laptop, and for sharded loading (train/distributed.materialize fills its
+    30B-A3B on a laptop, and for sharded loading (train/sharding.materialize fills its
     shards), where `dtype` and `device` (the one it will run on: it picks the attention and expert
     kernels) make it the model load_model would build there."""
     processor = load_processor(cfg)

@@ -26,11 +26,11 @@ from vlforge.data.dataset import ChatDataset, batches_from, load_dataset
 from vlforge.data.encode import collate, encode_engine_prompt, visuals_per_prompt
 from vlforge.data.jsonl import DataError
 from vlforge.data.sources import check_readable
-from vlforge.train.distributed import (World, frozen_sharded_copy, fully_gathered, no_sync, planned_strategy,
-                                       torchrun_env)
+from vlforge.train.distributed import World, planned_strategy, torchrun_env
+from vlforge.train.sharding import frozen_sharded_copy, fully_gathered, no_sync
 from vlforge.train.evaluate import to_device
 from vlforge.train.health import GradHealth
-from vlforge.train.losses import drop_keepalive_grads
+from vlforge.train.sharding import drop_keepalive_grads
 from vlforge.train.packed_attention import keep_mask_attention
 from vlforge.train.metrics import plot_metric, read_metrics
 from vlforge.train.moe import aux_term, capture, follow
@@ -42,11 +42,13 @@ from vlforge.generate.engine import engine_for
 from vlforge.model.load import build_meta_model, dir_config
 from vlforge.model.presets import MOE_PRESETS, is_moe
 from vlforge.rl import RewardSpec, agg_loss, build_rewards, exact_match, kl_penalty, outcome_advantages, policy_loss
-from vlforge.rl.tools import Tool, run_tool_calls
-from vlforge.rollout.engine import Rollout, generate_groups, packing_enabled, rollout_seed, route_rows, sequence_logprobs
+from vlforge.tools.registry import Tool
+from vlforge.tools.runner import run_tool_calls
+from vlforge.rollout.groups import Rollout, generate_groups, rollout_seed
+from vlforge.rollout.logprobs import packing_enabled, route_rows, sequence_logprobs
 from vlforge.rollout.minibatch import Batch, logprobs_before_update, part_weights, rank_mini_batches, token_rows
 from vlforge.rollout.multiturn import answer_with_tools, generate_with_tools, rollout_tools, tool_images, tool_runner
-from vlforge.serve.judge import ModelJudge
+from vlforge.infer.judge import ModelJudge
 
 
 def disable_dropout(model) -> None:
@@ -364,7 +366,7 @@ def tool_answers(t: Trainable, cfg: GRPOConfig, tools: dict[str, Tool], run_call
 
 
 def judge_metrics(rewards, world: World) -> dict:
-    """`reward/<key>/unparsed_frac` of each judge reward (serve/judge.py): the share of the step's
+    """`reward/<key>/unparsed_frac` of each judge reward (infer/judge.py): the share of the step's
     replies, every rank's, that gave no score (and scored 0)."""
     row = {}
     for key, fn in zip(rewards.keys, rewards.fns):
@@ -503,7 +505,7 @@ def run_grpo(cfg: GRPOConfig) -> dict:
         refuse_unsupported_sharded(cfg, world_size, strategy)
     # SIGINT/SIGTERM (train/stop.py): once training runs, the step in progress finishes, then a checkpoint
     with StopSignals() as stop, begin_run(cfg) as (world, resume_from), tool_runner(tools, cfg.rollout) as run_calls:
-        for fn in rewards.fns:  # a judge model loads on this rank's device, beside the policy (serve/judge.py)
+        for fn in rewards.fns:  # a judge model loads on this rank's device, beside the policy (infer/judge.py)
             if isinstance(fn, ModelJudge) and fn.device == "auto":
                 fn.device = str(world.device)
         # compile only when asked: rollout decode shapes change every step and would keep recompiling

@@ -1,4 +1,4 @@
-"""Inference recipes on a loaded InferenceEngine: one answer, an interactive chat, a JSONL eval.
+"""Inference recipes on a loaded InferenceModel: one answer, an interactive chat, a JSONL eval.
 
     vlforge infer merged/ --image cat.png --prompt "What animal is this?" [--quant nf4] [--task classify]
     vlforge chat merged/ [--quant nf4]                 # /image PATH attaches an image, /reset, /quit
@@ -21,9 +21,9 @@ from vlforge.data.jsonl import DataError, Video, read_video_header
 from vlforge.data.sources import iter_samples
 from vlforge.train.stop import sigint_sets
 from vlforge.rl.rewards import CombinedReward, exact_match
-from vlforge.rl.tools import Tool
+from vlforge.tools.registry import Tool
 from vlforge.rollout.multiturn import answer_with_tools, tool_runner
-from vlforge.serve.engine import MAX_NEW_TOKENS, InferenceEngine, Request
+from vlforge.infer.model import MAX_NEW_TOKENS, InferenceModel, Request
 
 
 def user_message(prompt: str, n_images: int, n_videos: int = 0) -> dict:
@@ -31,23 +31,23 @@ def user_message(prompt: str, n_images: int, n_videos: int = 0) -> dict:
             + [{"type": "text", "text": prompt}]}
 
 
-def answer(engine: InferenceEngine, prompt: str, image_paths: list[str], *, max_new_tokens: int | None = None,
+def answer(vlm: InferenceModel, prompt: str, image_paths: list[str], *, max_new_tokens: int | None = None,
            task: str = "qa", temperature: float = 0.0, on_text: Callable[[str], None] | None = None,
            video_paths: list[str] = ()) -> str:
     # refused over the pixel limit from the header (DataError); decoded reduced when the processor would shrink it
-    images = [engine.encoder.decode_image(p) for p in image_paths]
+    images = [vlm.encoder.decode_image(p) for p in image_paths]
     videos = [read_video_header(Path(p), p) for p in video_paths]  # files (PyAV), sampled as the model's processor does
     request = Request([user_message(prompt, len(images), len(videos))], images, videos=videos,
                       max_new_tokens=max_new_tokens or MAX_NEW_TOKENS[task], temperature=temperature)
     stream = None if on_text is None else (lambda _row, text: on_text(text))
-    return engine.generate([request], on_text=stream)[0].text
+    return vlm.generate([request], on_text=stream)[0].text
 
 
 CHAT_COMMANDS = ("/image PATH attaches an image, /video PATH a video file (both sent with your next message), "
                  "/reset clears the conversation, /quit (or /exit) ends the chat")
 
 
-def chat(engine: InferenceEngine, read: Callable[[str], str] = input, write: Callable[[str], None] = print,
+def chat(vlm: InferenceModel, read: Callable[[str], str] = input, write: Callable[[str], None] = print,
          stream: Callable[[str], None] | None = None, max_new_tokens: int = MAX_NEW_TOKENS["describe"]) -> None:
     """A REPL keeping the conversation; images (videos) attached with /image (/video) are sent with
     the next message.
@@ -79,10 +79,10 @@ def chat(engine: InferenceEngine, read: Callable[[str], str] = input, write: Cal
             kind, path = line[1:6], line[7:].strip()
             try:
                 if kind == "image":
-                    pending_images.append(engine.encoder.decode_image(path))
+                    pending_images.append(vlm.encoder.decode_image(path))
                 else:
                     video = read_video_header(Path(path), path)
-                    pending_frames.append(engine.encoder.decode_video(video, path))
+                    pending_frames.append(vlm.encoder.decode_video(video, path))
                     pending_videos.append(video)
                 write(f"(attached {path})")
             except DataError as e:  # a bad file ends nothing: say why and keep the conversation
@@ -103,21 +103,21 @@ def chat(engine: InferenceEngine, read: Callable[[str], str] = input, write: Cal
         request = Request(list(history), list(images), videos=list(videos), video_frames=list(frames),
                           max_new_tokens=max_new_tokens)
         with sigint_sets(request.cancelled):  # Ctrl-C ends this reply at its next token; a second one, the chat
-            reply = engine.generate([request], on_text=on_text)[0]
+            reply = vlm.generate([request], on_text=on_text)[0]
         write("" if stream else reply.text)
         if reply.finish_reason == "cancelled":
             write("(reply stopped by Ctrl-C; what it said stays in the conversation)")
         history.append({"role": "assistant", "content": [{"type": "text", "text": reply.text}]})
 
 
-def evaluate_dataset(engine: InferenceEngine, path: str | Path, *, batch_size: int = 16,
+def evaluate_dataset(vlm: InferenceModel, path: str | Path, *, batch_size: int = 16,
                      max_new_tokens: int = MAX_NEW_TOKENS["classify"], max_samples: int | None = None,
                      rewards: CombinedReward | None = None, tools: dict[str, Tool] | None = None,
                      tool_settings: RolloutConfig = RolloutConfig(), data: DataConfig | None = None) -> dict:
     """Batched greedy answers on a dataset's prompts (any format training reads: data/sources.py;
     `data`: its data.format and data.columns); exact-match accuracy overall and by task, and
     with `rewards` (rl/rewards.py, as GRPO's rl.rewards) each answer's scores and their means.
-    With `tools` (rl/tools.load_tools) each prompt is answered as a conversation with them, as GRPO's
+    With `tools` (tools/registry.load_tools) each prompt is answered as a conversation with them, as GRPO's
     rollouts and evaluation do (rollout/multiturn.py; `max_new_tokens` the whole response's budget):
     the answer is the last assistant turn, and rewards also get the transcript and call counts;
     `tool_settings` gives the rollout.tool_* keys (turns, result tokens and image pixels, timeout,
@@ -133,11 +133,11 @@ def evaluate_dataset(engine: InferenceEngine, path: str | Path, *, batch_size: i
         for s in range(0, len(samples), batch_size):
             chunk = samples[s:s + batch_size]
             if tools:
-                texts, fields, used = _tool_answers(engine, chunk, tools, cfg, run_calls)
+                texts, fields, used = _tool_answers(vlm, chunk, tools, cfg, run_calls)
             else:
-                requests = [Request([_placeholders(m) for m in x.prompt_messages], engine.encoder.decode_images(x),
+                requests = [Request([_placeholders(m) for m in x.prompt_messages], vlm.encoder.decode_images(x),
                                     videos=x.videos, max_new_tokens=max_new_tokens) for x in chunk]
-                texts, fields, used = [o.text for o in engine.generate(requests)], [x.fields for x in chunk], None
+                texts, fields, used = [o.text for o in vlm.generate(requests)], [x.fields for x in chunk], None
             rows += _scored_rows(chunk, texts, fields, used, rewards)
     for row in rows:
         hits += row["correct"]
@@ -145,7 +145,7 @@ def evaluate_dataset(engine: InferenceEngine, path: str | Path, *, batch_size: i
         by_task[row["task"]][1] += 1
     n = len(rows)
     report = {"n": n, "accuracy": hits / max(n, 1), "by_task": {k: a / b for k, (a, b) in sorted(by_task.items())},
-              "model": engine.name, "quant": engine.quant_report}
+              "model": vlm.name, "quant": vlm.quant_report}
     if tools:
         report["tool_calls_mean"] = sum(r["tool_calls"] for r in rows) / max(n, 1)
     if rewards is not None:
@@ -154,12 +154,12 @@ def evaluate_dataset(engine: InferenceEngine, path: str | Path, *, batch_size: i
     return {**report, "answers": rows}
 
 
-def _tool_answers(engine: InferenceEngine, chunk: list, tools: dict[str, Tool], cfg: RolloutConfig, run_calls):
+def _tool_answers(vlm: InferenceModel, chunk: list, tools: dict[str, Tool], cfg: RolloutConfig, run_calls):
     """(the last assistant turns, the rows' fields with GRPO's tool fields, each answer's tool use) of a
     chunk answered greedily as conversations with the tools, on the engine's model."""
-    with engine.lock, torch.no_grad(), \
-            torch.autocast(engine.device.type, dtype=torch.bfloat16, enabled=engine.device.type == "cuda"):
-        multi = answer_with_tools(engine.model, engine.encoder, chunk, cfg, tools, engine.device, run_calls)
+    with vlm.lock, torch.no_grad(), \
+            torch.autocast(vlm.device.type, dtype=torch.bfloat16, enabled=vlm.device.type == "cuda"):
+        multi = answer_with_tools(vlm.model, vlm.encoder, chunk, cfg, tools, vlm.device, run_calls)
     used = [{"tool_calls": k, "failed_tool_calls": f, "turns": t}
             for k, f, t in zip(multi.calls, multi.failed_calls, multi.turns)]
     return multi.completions, multi.reward_fields([x.fields for x in chunk]), used

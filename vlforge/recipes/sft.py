@@ -23,10 +23,11 @@ from vlforge.data.dataset import Batching, ChatDataset, global_batches, load_dat
 from vlforge.data.encode import collate, pack
 from vlforge.data.jsonl import DataError
 from vlforge.data.sources import check_readable
-from vlforge.train.distributed import no_sync
+from vlforge.train.sharding import no_sync
 from vlforge.train.health import GradHealth
-from vlforge.train.losses import (HostPrep, count_supervised, count_tokens, drop_keepalive_grads, real_tokens,
-                                   sft_loss_sum, step_inputs)
+from vlforge.train.inputs import HostPrep, count_supervised, count_tokens, real_tokens, step_inputs
+from vlforge.train.losses import sft_loss_sum
+from vlforge.train.sharding import drop_keepalive_grads
 from vlforge.train.metrics import plot_metric, read_metrics
 from vlforge.train.moe import aux_term, capture
 from vlforge.train.optim import hold_gradients

@@ -1,7 +1,7 @@
 """GRPO reinforcement learning: advantage / loss / KL math (``core``) and reward functions (``rewards``).
 
-The names load on first use (PEP 562): a tool worker process (rl/tool_worker.py) imports
-rl/tools.py without torch, which ``core`` needs.
+The names load on first use (PEP 562): the CLI imports ``rewards``' errors at start, and ``core``
+would import torch before a `--help`.
 """
 
 import importlib

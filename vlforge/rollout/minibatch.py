@@ -12,12 +12,14 @@ from dataclasses import dataclass
 import torch
 
 from vlforge.data.jsonl import DataError
-from vlforge.train.distributed import World, reshard_all
-from vlforge.train.losses import Root
+from vlforge.train.distributed import World
+from vlforge.train.sharding import reshard_all
+from vlforge.train.sharding import Root
 from vlforge.train.moe import follow
 from vlforge.train.trainable import Trainable
 from vlforge.model.host_inputs import host_to_device
-from vlforge.rollout.engine import PackedLayout, Rollout, route_rows, sequence_logprobs, token_mask
+from vlforge.rollout.groups import Rollout
+from vlforge.rollout.logprobs import PackedLayout, route_rows, sequence_logprobs, token_mask
 
 
 @dataclass

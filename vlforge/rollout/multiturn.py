@@ -7,7 +7,7 @@
 
 A round of turns on generate/'s engine: every sequence's turn decodes in one engine call (the first
 turn shares each prompt's prefill across its G samples); the turns that end in <tool_call> blocks
-(rl/tools.parse_tool_calls) have their calls run together (a thread each); each such sequence
+(tools/calls.parse_tool_calls) have their calls run together (a thread each); each such sequence
 continues with the results as a tool message and the assistant header (Encoder.tool_turn_ids, the
 chat template's own rendering) in the next engine call, prefilled from its whole conversation so
 far. A sequence ends at a turn without a tool call (or one ended by <|endoftext|> rather than
@@ -26,12 +26,12 @@ re-prefill of each continuing conversation (the engine keeps no KV across calls)
 go through the vision tower once a turn, however many of its samples continue (the engine encodes
 each pixel tensor of a call once, and a prompt's continuing samples share its tensor).
 
-A tool may return images (rl/tools.py): they go into its tool message as image parts, at most
+A tool may return images (tools/): they go into its tool message as image parts, at most
 rollout.tool_image_max_pixels each (tool_image_encoder), and the conversation's next turns see them
 after the prompt's images (the engine encodes a prompt's images once a turn, and each
 conversation's tool images once).
 The Rollout keeps each sequence's tool images (`response_pixel_values`), which the trainer's
-forwards encode once per sequence beside its prompt's (rollout/engine.sequence_logprobs). Tools that
+forwards encode once per sequence beside its prompt's (rollout/logprobs.sequence_logprobs). Tools that
 take `images` get the prompt's images (`prompt_images`, per prompt).
 """
 
@@ -49,8 +49,10 @@ from vlforge.train.evaluate import to_device
 from vlforge.generate.engine import GenRequest, Prompt, engine_for, prompts_of_batch
 from vlforge.generate.forward import never_generated
 from vlforge.model.load import load_processor
-from vlforge.rl.tools import Tool, ToolProcesses, load_tools, parse_tool_calls, run_tool_calls
-from vlforge.rollout.engine import Rollout, rollout_seed
+from vlforge.tools.calls import parse_tool_calls
+from vlforge.tools.registry import Tool, load_tools
+from vlforge.tools.runner import ToolProcesses, run_tool_calls
+from vlforge.rollout.groups import Rollout, rollout_seed
 
 _TURN_SEED_STRIDE = 0x9E3779B97F4A7C15  # a turn's seed: far from the others' (odd, so turns never collide)
 
@@ -154,7 +156,7 @@ def check_tool_template(encoder: Encoder, key: str, showing: list[str] = ()) -> 
 @contextmanager
 def tool_runner(tools: dict[str, Tool], cfg: RolloutConfig):
     """What runs a round of calls (run_tool_calls' signature): threads in this process, or with
-    rollout.tool_processes worker processes (rl/tools.ToolProcesses), stopped after the block."""
+    rollout.tool_processes worker processes (tools/runner.ToolProcesses), stopped after the block."""
     if not tools or cfg.tool_processes <= 0:
         yield functools.partial(run_tool_calls, max_chars=cfg.tool_result_chars)
         return

@@ -8,9 +8,9 @@ import asyncio
 import json
 import uuid
 
-from vlforge.rl.tools import ToolCall, ToolCallStream, split_tool_calls
+from vlforge.tools.calls import ToolCall, ToolCallStream, split_tool_calls
 from vlforge.serve.batcher import Job, ShuttingDown
-from vlforge.serve.engine import Completion
+from vlforge.infer.model import Completion
 from vlforge.serve.schema import APIError, error_body
 
 
@@ -56,7 +56,7 @@ def call_json(call: ToolCall) -> dict:
 
 async def sse_stream(job: Job, rid: str, created: int, model: str, include_usage: bool, tool_calls: int = 0):
     """The answer as server-sent events. With tools (`tool_calls` != 0) the text goes out as it
-    comes, but for what may be a <tool_call> block (rl/tools.ToolCallStream); each block becomes a
+    comes, but for what may be a <tool_call> block (tools/calls.ToolCallStream); each block becomes a
     call once it closes, sent as a tool_calls delta with its index (OpenAI's chunk shape): the
     deltas add up to the non-streamed answer (answer_message)."""
     def chunk(delta: dict, finish: str | None) -> str:

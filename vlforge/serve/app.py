@@ -1,9 +1,9 @@
-"""OpenAI-compatible HTTP server around an `InferenceEngine` (FastAPI + uvicorn): the routes and
+"""OpenAI-compatible HTTP server around an `InferenceModel` (FastAPI + uvicorn): the routes and
 server-sent events. The request schema is in schema.py, the batcher in batcher.py, image loading
 in images.py, the settings in config.py.
 
-    engine = InferenceEngine.load("merged/", quant=QuantConfig.from_flag("nf4"))
-    app = create_app(engine, ServeConfig(allow_files="/data/images", max_batch=8))
+    vlm = InferenceModel.load("merged/", quant=QuantConfig.from_flag("nf4"))
+    app = create_app(vlm, ServeConfig(allow_files="/data/images", max_batch=8))
     serve(app, host="127.0.0.1", port=8000)               # what `vlforge serve` does (uvicorn)
 
 Endpoints: `POST /v1/chat/completions` (OpenAI's chat completions shape, `stream: true` for
@@ -46,11 +46,11 @@ from starlette.requests import Request as HTTPRequest
 
 from vlforge.config import ConfigError
 from vlforge.data.jsonl import DataError
-from vlforge.rl.tools import ToolCall, format_tool_calls
+from vlforge.tools.calls import ToolCall, format_tool_calls
 from vlforge.serve.answers import aborted, answer_message, generation_error, shutdown_error, sse_stream, usage
 from vlforge.serve.batcher import Batcher, Job
 from vlforge.serve.config import ServeConfig
-from vlforge.serve.engine import Completion, Request
+from vlforge.infer.model import Completion, Request
 from vlforge.serve.images import ImageLoader
 from vlforge.serve.metrics import CountRequests, ServeMetrics
 from vlforge.serve.schema import (APIError, ChatRequest, error_body, image_limits, parse_chat_request,
@@ -61,10 +61,10 @@ ABORT_GRACE_S = 30.0  # after the drain timeout: how long the cancelled requests
 
 
 class _Server:
-    """State shared by the handlers: the engine, its batcher, the settings."""
+    """State shared by the handlers: the vlm, its batcher, the settings."""
 
-    def __init__(self, engine, cfg: ServeConfig, images: ImageLoader, batcher: Batcher):
-        self.engine, self.cfg, self.images, self.batcher = engine, cfg, images, batcher
+    def __init__(self, vlm, cfg: ServeConfig, images: ImageLoader, batcher: Batcher):
+        self.vlm, self.cfg, self.images, self.batcher = vlm, cfg, images, batcher
         self.model_name = cfg.model_name
         self.created = int(time.time())
 
@@ -131,7 +131,7 @@ class _Server:
 
     def build(self, req: ChatRequest) -> Request:
         """The engine's request: prompt length bounded, images decoded, prompt tokens counted. An
-        assistant message's tool calls become its text in the model's own format (rl/tools.py's
+        assistant message's tool calls become its text in the model's own format (tools/calls.py's
         format_tool_calls: what the model generated), a tool message the chat template's tool turn."""
         messages, image_urls, video_urls, tool_images = [], [], [], set()
         for i, m in enumerate(req.messages):
@@ -162,14 +162,14 @@ class _Server:
         limit = self.cfg.max_prompt_tokens
         # a bound from the prompt's length in characters, before any tokenizing or image decoding: a
         # long text is refused without the tokenizer's memory for it (hundreds of bytes per character)
-        at_least = self._count(self.engine.min_prompt_tokens, messages)
+        at_least = self._count(self.vlm.min_prompt_tokens, messages)
         if at_least > limit:
             raise APIError(400, f"the prompt is at least {at_least} tokens (from its length in characters); the "
                                 f"limit is {limit}", param="messages", code="context_length_exceeded")
         limits = self.limits(req)
         images = [self.images.load(url, param, limits and limits.max_pixels) for url, param in image_urls]
-        if tool_images and (bound := self.cfg.tool_image_max_pixels or self.engine.tool_image_max_pixels):
-            encoder = self.engine.encoder_at(limits)
+        if tool_images and (bound := self.cfg.tool_image_max_pixels or self.vlm.tool_image_max_pixels):
+            encoder = self.vlm.encoder_at(limits)
             images = [encoder.fit_within(im, bound) if k in tool_images else im for k, im in enumerate(images)]
         videos = [self.images.load_video(url, param) for url, param in video_urls]  # headers: nothing decoded
         temperature = 1.0 if req.temperature is None else req.temperature
@@ -182,7 +182,7 @@ class _Server:
                           max_new_tokens=req.asked_tokens or min(self.cfg.default_max_tokens, self.cfg.max_tokens),
                           temperature=temperature, top_p=top_p, stop=req.stops, min_new_tokens=req.min_tokens or 0,
                           image_limits=limits, seed=req.seed)
-        n_prompt = self._count(self.engine.prompt_tokens, request)  # videos counted from their headers
+        n_prompt = self._count(self.vlm.prompt_tokens, request)  # videos counted from their headers
         if n_prompt > limit:
             raise APIError(400, f"the prompt is {n_prompt} tokens (images included); the limit is {limit}",
                            param="messages", code="context_length_exceeded")
@@ -192,7 +192,7 @@ class _Server:
 
     def limits(self, req: ChatRequest):
         """The request's own ImageLimits (its min_pixels/max_pixels within the engine's), or None."""
-        own = getattr(getattr(self.engine, "encoder", None), "limits", None)
+        own = getattr(getattr(self.vlm, "encoder", None), "limits", None)
         asked = image_limits(req, None if own is None else (own.min_pixels, own.max_pixels))
         return None if asked is None else replace(own, min_pixels=asked[0], max_pixels=asked[1])
 
@@ -200,7 +200,7 @@ class _Server:
         """The frames of `video` the model sees, decoded now: a corrupt video fails its own request
         here, not the batch it would join."""
         try:
-            return self.engine.encoder.decode_video(video, param)
+            return self.vlm.encoder.decode_video(video, param)
         except DataError as e:
             raise APIError(400, str(e).removeprefix(f"{param}: "), param=param, code="invalid_video") from None
 
@@ -212,17 +212,18 @@ class _Server:
             raise APIError(400, f"cannot build the prompt: {e}", param="messages", code="invalid_value") from None
 
 
-def create_app(engine, cfg: ServeConfig | None = None) -> FastAPI:
-    """The ASGI app serving `engine` (anything with `name`, `min_prompt_tokens(messages)`,
-    `prompt_tokens(request)` and `generate(requests, on_text)`) with the settings `cfg`."""
+def create_app(vlm, cfg: ServeConfig | None = None) -> FastAPI:
+    """The ASGI app serving `vlm` (an infer/model.InferenceModel, or anything with `name`,
+    `min_prompt_tokens(messages)`, `prompt_tokens(request)` and `generate(requests, on_text)`) with the
+    settings `cfg`."""
     cfg = cfg or ServeConfig()
-    cfg = replace(cfg, model_name=cfg.model_name or engine.name)
+    cfg = replace(cfg, model_name=cfg.model_name or vlm.name)
     metrics = ServeMetrics()
-    batcher = Batcher(engine, max_batch=cfg.max_batch, window_s=cfg.batch_window_s, max_queue=cfg.max_queue,
+    batcher = Batcher(vlm, max_batch=cfg.max_batch, window_s=cfg.batch_window_s, max_queue=cfg.max_queue,
                       metrics=metrics)
-    metrics.watch(batcher, engine)
-    keep = getattr(getattr(engine, "encoder", None), "limits", None)
-    state = _Server(engine, cfg, ImageLoader(cfg, keep.max_pixels if keep else None), batcher)
+    metrics.watch(batcher, vlm)
+    keep = getattr(getattr(vlm, "encoder", None), "limits", None)
+    state = _Server(vlm, cfg, ImageLoader(cfg, keep.max_pixels if keep else None), batcher)
     preparing = asyncio.Semaphore(max(2, cfg.max_batch))  # bounds images decoded but not yet queued
 
     @asynccontextmanager

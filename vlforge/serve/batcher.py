@@ -1,9 +1,9 @@
-"""The batcher: one background thread owns the engine. It takes whatever requests are waiting (up
+"""The batcher: one background thread owns the vlm. It takes whatever requests are waiting (up
 to `max_batch`, after a gather window of a few ms) and, with a continuous engine (generate/'s:
-`engine.continuous`), keeps feeding it: at each sync point of the running batch, waiting requests
+`vlm.continuous`), keeps feeding it: at each sync point of the running batch, waiting requests
 join while fewer than `max_batch` decode, and each finished one answers at once (a short request
 no longer waits for the longest of its batch). Other engines (engine=hf, test doubles) get one
-`engine.generate` per batch. Each request's streamed text goes to its asyncio queue through
+`vlm.generate` per batch. Each request's streamed text goes to its asyncio queue through
 `loop.call_soon_threadsafe`.
 
 A job whose client goes away is cancelled (`Job.cancel`): skipped if it has not started, else its
@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from vlforge.serve.engine import Request
+from vlforge.infer.model import Request
 from vlforge.serve.schema import APIError
 
 log = logging.getLogger("vlforge.serve")
@@ -64,10 +64,10 @@ class Job:
 
 
 class Batcher:
-    """A single thread owning the engine: gathers waiting jobs into one `engine.generate` call."""
+    """A single thread owning the vlm: gathers waiting jobs into one `vlm.generate` call."""
 
-    def __init__(self, engine, max_batch: int = 8, window_s: float = 0.005, max_queue: int = 64, metrics=None):
-        self.engine, self.max_batch, self.window_s, self.max_queue = engine, max_batch, window_s, max_queue
+    def __init__(self, vlm, max_batch: int = 8, window_s: float = 0.005, max_queue: int = 64, metrics=None):
+        self.vlm, self.max_batch, self.window_s, self.max_queue = vlm, max_batch, window_s, max_queue
         self.metrics = metrics  # a ServeMetrics, or None
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._thread: threading.Thread | None = None
@@ -184,7 +184,7 @@ class Batcher:
             batch = [j for j in batch if not j.cancelled]
             if not batch:
                 continue
-            if getattr(self.engine, "continuous", False):
+            if getattr(self.vlm, "continuous", False):
                 stop = self._run_continuous(batch) or stop
             else:
                 self._run_batch(batch)
@@ -258,7 +258,7 @@ class Batcher:
 
         self._admit(batch, jobs)
         try:
-            self.engine.generate_continuous([j.request for j in batch], on_text, on_done, more=more,
+            self.vlm.generate_continuous([j.request for j in batch], on_text, on_done, more=more,
                                             slots=self.max_batch, on_error=on_error)
         except Exception as e:  # noqa: BLE001 - answered to each client; the server keeps serving
             log.exception("generation failed with %d requests running", len(jobs))
@@ -274,7 +274,7 @@ class Batcher:
         return stopping
 
     def _run_batch(self, batch: list[Job]) -> None:
-        """One engine.generate for the batch (engines that take no requests while they run)."""
+        """One vlm.generate for the batch (engines that take no requests while they run)."""
 
         def on_text(i: int, text: str, batch=batch) -> None:
             job = batch[i]
@@ -289,7 +289,7 @@ class Batcher:
         if self.metrics is not None:
             self.metrics.batch_size.observe(len(batch))
         try:
-            completions = self.engine.generate([j.request for j in batch], on_text=on_text)
+            completions = self.vlm.generate([j.request for j in batch], on_text=on_text)
         except Exception as e:  # noqa: BLE001 - answered to each client; the server keeps serving
             log.exception("generation failed for a batch of %d", len(batch))
             outcomes = [("error", e)] * len(batch)

@@ -1,8 +1,8 @@
 """The settings of `vlforge serve`: one typed config read by the CLI (its flags and defaults come
-from here), `create_app(engine, cfg)` and the app.
+from here), `create_app(vlm, cfg)` and the app.
 
     cfg = ServeConfig(allow_files="/data/images", max_batch=4)    # range-checked on construction
-    app = create_app(engine, cfg)
+    app = create_app(vlm, cfg)
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ class ServeConfig:
                                   "largest image (width x height), checked on its header before decoding")
     max_images: int = _flag(8, "--max-images", "images per request")
     # GRPO trained its tools' images at most rollout.tool_image_max_pixels: served, a tool message's images
-    # are resized so too (InferenceEngine.tool_image_max_pixels: a GRPO checkpoint's own, from its run)
+    # are resized so too (InferenceModel.tool_image_max_pixels: a GRPO checkpoint's own, from its run)
     tool_image_max_pixels: int | None = field(default=None, metadata={
         "flag": "--tool-image-max-pixels", "metavar": "N", "minimum": 1024,
         "help": "resize the images of tool messages to at most N pixels (default: the rollout.tool_image_max_pixels "

@@ -4,7 +4,7 @@ outside it); never http(s) (the server fetches nothing). Pixels are checked on t
 before decoding, and a decoded image is shrunk at once to what the processor keeps of it; a video's
 header (frames, rate, size) is read through PyAV, its frames decoded when the request is prepared.
 
-    loader = ImageLoader(cfg, keep_pixels=engine.encoder.limits.max_pixels)
+    loader = ImageLoader(cfg, keep_pixels=vlm.encoder.limits.max_pixels)
     image = loader.load(url, "messages.0.content.1.image_url")      # PIL RGB, or raises APIError
     video = loader.load_video(url, "messages.0.content.2.video_url")  # data.jsonl.Video, or raises APIError
 """

@@ -1,7 +1,7 @@
 """The server's Prometheus metrics (`GET /metrics`, text format), kept with `prometheus_client`.
 
     metrics = ServeMetrics()
-    metrics.watch(batcher, engine)            # gauges read the queue when scraped
+    metrics.watch(batcher, vlm)            # gauges read the queue when scraped
     app.add_middleware(CountRequests, metrics=metrics)
 
 Each app has its own registry (not the process-wide default), so several servers in one process
@@ -60,12 +60,12 @@ class ServeMetrics:
         self.ttft = Histogram("vlforge_time_to_first_token_seconds", "from a request's arrival to the first text of "
                                                                      "its answer", buckets=SECONDS, registry=r)
 
-    def watch(self, batcher, engine) -> None:
+    def watch(self, batcher, vlm) -> None:
         """Gauges and the engine's own counter read their sources when scraped."""
         self.queue.set_function(lambda: batcher.waiting)
         self.running.set_function(lambda: batcher.running)
-        if hasattr(engine, "images_shared"):
-            self.registry.register(_EngineCounters(engine))
+        if hasattr(vlm, "images_shared"):
+            self.registry.register(_ModelCounters(vlm))
 
     def finished(self, job, completion, now: float) -> None:
         """A job's generation ended with `completion` (the batcher's thread; prometheus_client is thread-safe)."""
@@ -82,15 +82,15 @@ class ServeMetrics:
         return generate_latest(self.registry)
 
 
-class _EngineCounters:
+class _ModelCounters:
     """A collector reading the engine's own count when scraped (the engine knows nothing of Prometheus)."""
 
-    def __init__(self, engine):
-        self.engine = engine
+    def __init__(self, vlm):
+        self.vlm = vlm
 
     def collect(self):
         yield CounterMetricFamily("vlforge_images_shared", "images not encoded again because an identical one was "
-                                                           "in their batch", value=self.engine.images_shared)
+                                                           "in their batch", value=self.vlm.images_shared)
 
 
 class CountRequests:

@@ -11,8 +11,8 @@ import torch
 # grad x whether the input is a view (the tower's first block gets a reshape) x a static, then a
 # dynamic, length; and below MasterWeightAdamW's update, compiled once per param group (and per set
 # of tensors with gradients). Past the limit dynamo runs the function eager for every input no graph
-# matches: the 2B full step on the mixed-image set hit it on the H200 (docs/benchmarks.md,
-# seventeenth session). The sets are bounded: one compile per variant, once.
+# matches: the 2B full step on the mixed-image set hit it on the H200 (docs/benchmarks-log.md,
+# 2026-12-04, "Layers several to a compiled region"). The sets are bounded: one compile per variant, once.
 COMPILED_VARIANTS = 32
 
 

@@ -97,8 +97,8 @@ def clips_in_optimizer(optimizer: torch.optim.Optimizer, scaler: torch.amp.GradS
     """Whether the clip can ride in the optimizer's update: torch's fused Adam/AdamW divides every
     gradient by the tensor in its `grad_scale` attribute inside its one kernel (the hook GradScaler
     uses to unscale fp16 gradients), so the clip costs no pass of its own over the gradients (at 2B
-    full fine-tuning ~4 ms a step on an H200, a foreach read and write of 8.5 GB: docs/benchmarks.md,
-    fifteenth session). Not with the loss scaler on (fp16: GradScaler.step sets grad_scale itself),
+    full fine-tuning ~4 ms a step on an H200, a foreach read and write of 8.5 GB: docs/benchmarks-log.md,
+    2026-12-03, "FSDP2 + `cpu_offload`"). Not with the loss scaler on (fp16: GradScaler.step sets grad_scale itself),
     nor for other optimizers (bitsandbytes' 8-bit ones, torch's foreach AdamW ignore or refuse it)."""
     fused = isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)) and bool(optimizer.defaults.get("fused"))
     return (fused or getattr(optimizer, "takes_grad_scale", False)) and not scaler.is_enabled()

@@ -23,7 +23,9 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
-from vlforge.train.distributed import layers_per_unit, planned_strategy
+from vlforge.train.distributed import planned_strategy
+
+from vlforge.train.sharding import layers_per_unit
 from vlforge.train.optim import state_bytes
 from vlforge.train.precision import NAMES, PrecisionPolicy, linear_only_weights
 
@@ -36,7 +38,7 @@ QUANT_BYTES = {"nf4": 0.5 + 1 / 64 + 4 / (64 * 256), "int8": 1.0, "fp8": 1.0}
 
 @dataclass(frozen=True)
 class _Tensor:
-    unit: str  # the FSDP2 unit it is sharded in (train/distributed.wrap's units)
+    unit: str  # the FSDP2 unit it is sharded in (train/sharding.wrap's units)
     shape: tuple[int, ...]
     dtype_bytes: float
     trainable: bool
@@ -54,7 +56,7 @@ class _Tensor:
 
 
 def _unit(name: str) -> str:
-    """The FSDP2 unit of parameter/module `name`, as train/distributed.wrap builds them."""
+    """The FSDP2 unit of parameter/module `name`, as train/sharding.wrap builds them."""
     parts = name.split(".")
     if name.startswith("model.visual.blocks.") and len(parts) > 3:
         return f"vision block {parts[3]}"
@@ -203,7 +205,8 @@ def _load(tensors: list[_Tensor], cfg, world_size: int, strategy: str) -> dict:
     fine-tuning of a narrower checkpoint: as stored, model.load.host_dtype), and each GPU its
     shards plus one whole tensor at a time (the one being sent out). Otherwise each process
     holds the whole model on its device first."""
-    from vlforge.train.distributed import World, meta_init
+    from vlforge.train.distributed import World
+    from vlforge.train.sharding import meta_init
     from vlforge.model.load import host_dtype
 
     policy = PrecisionPolicy(cfg.precision, "cpu")

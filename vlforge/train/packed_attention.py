@@ -107,7 +107,7 @@ def packing_pays(core, device: torch.device, precision: str = "bf16") -> bool:
     sdpa without packed_attention=mask). Measured there
     (one H200, docs/benchmarks.md, same process): 2B full at BASELINES.md's shapes (16% padding) 1.01-1.12x
     padding, 8B three-tier LoRA 1.17x, the mixed set (36% padding) 1.60x, eager 2B 1.07x; never
-    slower since the step's host syncs went (fifteenth session). Not measured on the GPU: packed rows
+    slower since the step's host syncs went (docs/benchmarks-log.md, 2026-12-03). Not measured on the GPU: packed rows
     with FP8, QLoRA or an MoE model (MoE's packed rows equal its padded batch on the CPU,
     tests/test_moe.py). Elsewhere a packed row attends through the per-sample SDPA loop (CPU), a dense
     [T, T] mask (eager, packed_attention=mask) or paths not measured packed (flex_attention,

@@ -30,7 +30,8 @@ from vlforge.config import ConfigError, RunConfig, dump_config, resolve_paths
 from vlforge.data.dataset import ChatDataset
 from vlforge.train.checkpoint import (checkpoint_bytes, checkpoints_held, list_checkpoints, load_checkpoint,
                                        load_sharded_checkpoint, save_checkpoint, save_sharded_checkpoint, space_problem)
-from vlforge.train.distributed import World, gathered, init_world
+from vlforge.train.distributed import World, init_world
+from vlforge.train.sharding import gathered
 from vlforge.train.evaluate import EvalRecorder
 from vlforge.train.health import GradHealth
 from vlforge.train.identity import KEY as IDENTITY_KEY, check_resume_identity, model_identity

@@ -19,7 +19,8 @@ from torch import nn
 from vlforge.config import ConfigError, GRPOConfig, ModelConfig, PrecisionConfig, RunConfig
 from vlforge.data.encode import record_limits
 from vlforge.train.compiled import allow_compiled_variants
-from vlforge.train.distributed import World, meta_init, outside_state_dict, refuse_unsupported, wrap
+from vlforge.train.distributed import World, refuse_unsupported
+from vlforge.train.sharding import meta_init, outside_state_dict, wrap
 from vlforge.train.fp8 import fp8_backend, fp8_layer_plan, token_multiple
 from vlforge.train.hardware import bf16_problem, quant_problem
 from vlforge.train.losses import loss_impl_problem
@@ -46,7 +47,7 @@ class Trainable:
     device: torch.device
     fp8_plan: dict = field(default_factory=dict)  # linear name -> fp8.Decision (empty without FP8)
     world: World = field(default_factory=World)  # this process's rank in the run (one process: rank 0 of 1)
-    root: torch.nn.Module | None = None  # sharded: the FSDP2 root unit (a losses.Root) the step calls
+    root: torch.nn.Module | None = None  # sharded: the FSDP2 root unit (a train/sharding.Root) the step calls
     routing: Routing | None = None  # MoE: router hooks for the aux loss and expert-load metrics (train/moe.py)
     activation_memory_budget: float | None = None  # precision.activation_memory_budget (compiled layers)
     compiled: tuple[str, ...] = ()  # what torch.compile wraps: "decoder layers", "vision blocks" (precision.compile*)
@@ -55,7 +56,7 @@ class Trainable:
     vision_shapes: set = field(default_factory=set)  # image layouts the vision graphs were recorded for
 
     def forward(self, fn, *args, **kwargs):
-        """`fn(model, *args)`, entered through the FSDP2 root unit when the run is sharded (losses.Root).
+        """`fn(model, *args)`, entered through the FSDP2 root unit when the run is sharded (train/sharding.Root).
         With an activation memory budget the forward runs under it: compiled layers are compiled
         (forward and backward graphs partitioned) at their first forward, which reads it then."""
         with memory_budget(self.activation_memory_budget):
@@ -179,7 +180,7 @@ def cuda_graphs_problem(cfg: RunConfig, device: torch.device, strategy: str = "n
 def vision_attention_for_training(core, model_cfg: ModelConfig, precision: PrecisionConfig, layers_compiled: bool) -> bool:
     """Settle `model.vision_attention: auto` and `precision.compile_vision: auto` for a training run;
     returns whether the vision blocks compile. Measured on one H200 (2B full SFT with compiled decoder
-    layers, two calls in opposite orders, docs/benchmarks.md, thirteenth session): compiled vision
+    layers, two calls in opposite orders, docs/benchmarks-log.md, 2026-12-03, "The additive step mask"): compiled vision
     blocks on the one-call varlen attention were the fastest (1.05-1.06x transformers' per-image
     loop), but eager vision blocks trained 4-9% faster on the loop than on the varlen call. So auto
     compiles the blocks where the decoder layers compile, and a trainable tower left eager goes back

@@ -1,5 +1,5 @@
 """The tools vlforge ships (`rollout.tools: [calculator, zoom_in]`): plain functions with type hints and
-a docstring with an Args section, as any tool (rl/tools.py turns them into the schemas the model sees).
+a docstring with an Args section, as any tool (tools/ turns them into the schemas the model sees).
 
     calculator(expression)              arithmetic on numbers, + - * / // % ** and parentheses, nothing else
     zoom_in(bbox_2d, image=1, images)   a region of one of the prompt's images, at full resolution

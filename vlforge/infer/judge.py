@@ -12,7 +12,7 @@ A reply that parses as neither scores 0.0 and is counted (logged by the recipe a
 
 Where the judge runs, one of:
 - `model`: a local model, loaded once in the run's process beside the policy on the same device,
-  batched on generate/'s engine (InferenceEngine, the loader of `vlforge infer`: a model directory,
+  batched on generate/'s engine (InferenceModel, the loader of `vlforge infer`: a model directory,
   a checkpoint or the preset `tiny`; never a download); its memory is the model's weights and the
   KV of `batch_size` prompts.
 - `endpoint`: an OpenAI-compatible chat-completions server (`vlforge serve` on another GPU or
@@ -48,7 +48,7 @@ import torch
 
 from vlforge.config import ConfigError, QuantConfig
 from vlforge.data.jsonl import open_image
-from vlforge.serve.engine import InferenceEngine, Request
+from vlforge.infer.model import InferenceModel, Request
 
 DEFAULT_PROMPT = ("You grade answers to questions about images.\nQuestion: {question}\nReference answer: {answer}\n"
                   "Candidate answer: {completion}\nDoes the candidate answer mean the same as the reference answer? "
@@ -96,7 +96,7 @@ def videos_of(messages: list[dict]) -> list:
 
 
 class _Deadline(threading.Event):
-    """A request's `cancelled` flag that is also set once `at` (time.monotonic) has passed: the engine
+    """A request's `cancelled` flag that is also set once `at` (time.monotonic) has passed: the vlm
     reads it at every sync point of the generating thread, so a late batch stops there, no timer thread."""
 
     def __init__(self, at: float):
@@ -138,8 +138,8 @@ class ModelJudge:
         return cls(**kwargs)
 
     @functools.cached_property
-    def engine(self) -> InferenceEngine:
-        return InferenceEngine.load(self.model, device=self.device,
+    def vlm(self) -> InferenceModel:
+        return InferenceModel.load(self.model, device=self.device,
                                     quant=QuantConfig.from_flag(self.quant) if self.quant else None)
 
     @classmethod
@@ -193,10 +193,10 @@ class ModelJudge:
             try:
                 for p in paths:
                     if p not in decoded:
-                        decoded[p] = self.engine.encoder.decode_image(Path(p), f"judge {self.where}, sample {i}")
+                        decoded[p] = self.vlm.encoder.decode_image(Path(p), f"judge {self.where}, sample {i}")
                 for v in videos:  # decoded once for the prompt's G responses, as its images are
                     if v not in decoded:
-                        decoded[v] = self.engine.encoder.decode_video(v, f"judge {self.where}, sample {i}")
+                        decoded[v] = self.vlm.encoder.decode_video(v, f"judge {self.where}, sample {i}")
             except (ValueError, OSError) as e:  # DataError (a ValueError) names the file and the sample
                 raise JudgeError(f"{e}; fix or drop the row (the judge is shown the sample's images and videos; "
                                  "images: false shows it none)") from e
@@ -229,7 +229,7 @@ class ModelJudge:
         for r in requests:
             r.cancelled = deadline
         try:
-            done = self.engine.generate(requests)
+            done = self.vlm.generate(requests)
         except torch.OutOfMemoryError as e:
             if retries <= 0 or len(requests) == 1:
                 raise JudgeError(f"judge {self.where}: out of memory answering samples {_span(index)} "

@@ -1,36 +1,14 @@
-"""Tools for multi-turn GRPO rollouts: what a tool is, how the model calls one, how a call runs.
-
-A tool is a Python function with type hints and a Google-style docstring; transformers'
-`get_json_schema` turns it into the JSON schema the chat template shows the model::
-
-    def calculator(expression: str) -> str:
-        \"\"\"Evaluate an arithmetic expression.
-
-        Args:
-            expression: The expression, e.g. "(2 + 3) * 4".
-        \"\"\"
-
-`rollout.tools` names builtins (rl/builtin_tools.py: ``calculator``, ``zoom_in``) or
-``path/to/file.py:function``. A tool may return images (a PIL image, or a list of text and images):
-the model sees them in its tool message, before the text. A tool with a parameter named ``images``
-gets the prompt's images there (PIL, RGB, full size, in order; the parameter is not in its schema,
-so the model never writes it): how a tool crops or measures what the model is looking at.
-The model calls tools as Qwen3-VL's chat template teaches it: one or more
-``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` blocks in an assistant turn. Each
-call's result (the function's return value as text, or an error the model can read: unknown tool,
-bad arguments, an exception, a timeout) goes back to it as a tool message, its text cut at
-``rollout.tool_result_chars`` with a note saying so. Pure functions, and a call runs on a thread
-(run_tool_calls) or in a worker process (ToolProcesses, rl/tool_worker.py); the rollout loop that
-uses them is rollout/multiturn.py.
+"""How a tool call runs: its result (the function's return value as text and images, or an error
+the model can read: unknown tool, bad arguments, an exception, a timeout), its text cut at the
+configured bound with a note saying so; calls run on threads (run_tool_calls) or in worker
+processes (ToolProcesses, tools/worker.py), each with a timeout. The rollout loop that uses them is
+rollout/multiturn.py.
 """
 
 from __future__ import annotations
 
-import functools
-import inspect
 import json
 import pickle
-import re
 import selectors
 import struct
 import subprocess
@@ -39,40 +17,13 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass, replace
-from typing import Any, BinaryIO, Callable, Sequence
+from typing import BinaryIO, Sequence
 
 from PIL import Image
 
 from vlforge.config import RolloutConfig
-from vlforge.rl.builtin_tools import BUILTIN_TOOLS
-from vlforge.rl.rewards import load_callable
-
-# Qwen's tool-call format (its chat template's "For each function call ..." instruction). Parsed by
-# hand: transformers' response parsing needs a response schema the Qwen3-VL tokenizers do not ship.
-_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
-TOOL_SIGNATURE = "fn(**arguments) -> str (type hints and a docstring with an Args section)"
-IMAGES_ARGUMENT = "images"  # a tool parameter the rollout fills with the prompt's images (not in the schema)
-
-
-@dataclass(frozen=True)
-class Tool:
-    name: str
-    fn: Callable[..., Any]
-    schema: dict  # {"type": "function", "function": {name, description, parameters}}: what the template renders
-    spec: str = ""  # the rollout.tools entry it came from (a worker process loads it again from this)
-
-    @property
-    def takes_images(self) -> bool:
-        """Whether the function has an `images` parameter: the prompt's images are passed there."""
-        return takes_images(self.fn)
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    name: str | None
-    arguments: dict
-    error: str | None = None  # a block that is not a call: the model is told why
-
+from vlforge.tools.calls import ToolCall
+from vlforge.tools.registry import IMAGES_ARGUMENT, Tool
 
 @dataclass(frozen=True)
 class ToolResult:
@@ -81,173 +32,6 @@ class ToolResult:
     images: tuple[Image.Image, ...] = ()  # RGB images the tool returned: shown to the model before the text
     cut: int = 0  # characters of the text cut off past rollout.tool_result_chars (a note in the text says so)
 
-
-def takes_images(fn: Callable[..., Any]) -> bool:
-    return IMAGES_ARGUMENT in inspect.signature(fn).parameters
-
-
-def _schema_view(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`fn` as the model sees it: without its `images` parameter (filled by the rollout), so that
-    transformers' get_json_schema neither shows it nor asks the docstring to describe it."""
-    if not takes_images(fn):
-        return fn
-    signature = inspect.signature(fn)
-
-    @functools.wraps(fn)  # its name, docstring and module globals (string annotations resolve there)
-    def view(*args, **kwargs):
-        return fn(*args, **kwargs)
-
-    view.__signature__ = signature.replace(parameters=[p for name, p in signature.parameters.items()
-                                                       if name != IMAGES_ARGUMENT])
-    view.__annotations__ = {k: v for k, v in fn.__annotations__.items() if k != IMAGES_ARGUMENT}
-    return view
-
-
-def load_tools(specs: Sequence[str]) -> dict[str, Tool]:
-    """The tools of `specs` (builtin names or ``path.py:function``) by name, each with its schema;
-    a spec that is not a usable tool raises a ValueError naming it and what to fix."""
-    from transformers.utils import get_json_schema
-
-    tools: dict[str, Tool] = {}
-    for spec in specs:
-        fn = tool_function(spec)
-        try:
-            schema = get_json_schema(_schema_view(fn))
-        except Exception as e:  # transformers raises its own TypeError / DocstringParsingException
-            raise ValueError(f"tool {spec!r}: no JSON schema from its signature and docstring ({e}); give every "
-                             "argument a type hint and document it in an 'Args:' section") from e
-        # OpenAI's function schema has no return type: the prompts of training are then the ones an
-        # OpenAI client's `tools` give the served model (vlforge serve renders those)
-        schema["function"].pop("return", None)
-        name = schema["function"]["name"]
-        if name in tools:
-            raise ValueError(f"tool {spec!r}: a second tool named {name!r}; tool names must be unique")
-        tools[name] = Tool(name, fn, schema, spec)
-    return tools
-
-
-def tool_function(spec: str) -> Callable[..., Any]:
-    """The function of one rollout.tools entry: a builtin name or ``path.py:function`` (ValueError
-    naming what to fix)."""
-    if spec in BUILTIN_TOOLS:
-        return BUILTIN_TOOLS[spec]
-    if ":" in spec:
-        try:
-            return load_callable(spec, "tool", TOOL_SIGNATURE)
-        except (FileNotFoundError, ImportError, AttributeError, TypeError) as e:
-            raise ValueError(str(e)) from e
-    raise ValueError(f"unknown tool {spec!r}: use a builtin ({', '.join(BUILTIN_TOOLS)}) or "
-                     "'path/to/file.py:function_name'")
-
-
-def parse_tool_calls(text: str) -> list[ToolCall]:
-    """The tool calls of one assistant turn, in order. A block whose body is not a JSON object with
-    a string "name" and an object "arguments" becomes a call with an `error` (the model is told)."""
-    calls = []
-    for body in _TOOL_CALL.findall(text):
-        try:
-            call = json.loads(body.strip())
-        except json.JSONDecodeError as e:
-            calls.append(ToolCall(None, {}, f"the tool call is not valid JSON ({e.msg} at column {e.colno})"))
-            continue
-        arguments = call.get("arguments", {}) if isinstance(call, dict) else None
-        if isinstance(arguments, str):  # some models write the arguments as a JSON string
-            try:
-                arguments = json.loads(arguments)
-            except json.JSONDecodeError:
-                arguments = None
-        if not isinstance(call, dict) or not isinstance(call.get("name"), str) or not isinstance(arguments, dict):
-            calls.append(ToolCall(None, {}, 'a tool call must be {"name": <function-name>, "arguments": {...}}'))
-            continue
-        calls.append(ToolCall(call["name"], arguments))
-    return calls
-
-
-def split_tool_calls(text: str) -> tuple[str, list[ToolCall]]:
-    """(the text outside the well-formed tool-call blocks, stripped; those calls) of an assistant
-    reply: what an OpenAI-style server answers as `content` and `tool_calls`. A malformed block
-    stays in the text, where the client can see it."""
-    calls, kept = [], []
-    for match in _TOOL_CALL.finditer(text):
-        (call,) = parse_tool_calls(match.group(0))
-        if call.error is None:
-            calls.append(call)
-            kept.append(match.span())
-    rest, at = [], 0
-    for start, end in kept:
-        rest.append(text[at:start])
-        at = end
-    return "".join(rest + [text[at:]]).strip(), calls
-
-
-class ToolCallStream:
-    """split_tool_calls for a reply that arrives in pieces (serve's streaming): `feed` each piece,
-    then `finish`; each returns events, ("content", text) or ("call", ToolCall), in order. Text
-    goes out as soon as it cannot be part of a call: only a possible start of "<tool_call>" is held,
-    a block until it closes, and whitespace until more content follows it (split_tool_calls strips
-    the content). The content and calls of all events together are split_tool_calls' for the whole
-    text (tested at every split); `max_calls` > 0 keeps only the first that many calls (the other
-    well-formed blocks are dropped, as the one-call answer drops them)."""
-
-    OPEN, CLOSE = "<tool_call>", "</tool_call>"
-
-    def __init__(self, max_calls: int = 0):
-        self.max_calls, self.calls = max_calls, 0
-        self.pending = ""  # text not yet sent: a possible "<tool_call>" start, or an open block
-        self.spaces = ""  # whitespace held until content follows it
-        self.started = False  # content sent already (leading whitespace is dropped before that)
-
-    def feed(self, text: str) -> list[tuple[str, Any]]:
-        self.pending += text
-        events = []
-        while self.pending:
-            if self.pending.startswith(self.OPEN):
-                end = self.pending.find(self.CLOSE)
-                if end < 0:
-                    break  # an open block: held until it closes (or the reply ends)
-                end += len(self.CLOSE)
-                block, self.pending = self.pending[:end], self.pending[end:]
-                (call,) = parse_tool_calls(block)
-                if call.error is not None:
-                    events += self._content(block)  # malformed: stays in the text, as split_tool_calls keeps it
-                elif not self.max_calls or self.calls < self.max_calls:
-                    self.calls += 1
-                    events.append(("call", call))
-                else:
-                    self.calls += 1  # past max_calls: dropped
-                continue
-            at = self.pending.find(self.OPEN)
-            if at < 0:  # hold the longest end that could begin "<tool_call>"
-                at = next((len(self.pending) - k for k in range(min(len(self.OPEN) - 1, len(self.pending)), 0, -1)
-                           if self.OPEN.startswith(self.pending[-k:])), len(self.pending))
-                if at == 0:
-                    break
-            text, self.pending = self.pending[:at], self.pending[at:]
-            events += self._content(text)
-        return events
-
-    def finish(self) -> list[tuple[str, Any]]:
-        """The rest: an unclosed block or a held "<tool_c" is content; trailing whitespace is dropped."""
-        rest, self.pending = self.pending, ""
-        return self._content(rest)
-
-    def _content(self, text: str) -> list[tuple[str, Any]]:
-        text = self.spaces + text
-        body = text.rstrip()
-        self.spaces = text[len(body):]
-        if not self.started:
-            body = body.lstrip()
-        if not body:
-            return []
-        self.started = True
-        return [("content", body)]
-
-
-def format_tool_calls(calls: Sequence[ToolCall]) -> str:
-    """Calls as an assistant turn writes them in Qwen's format (the inverse of parse_tool_calls):
-    how a conversation's earlier calls are given back to the model."""
-    return "\n".join("<tool_call>\n" + json.dumps({"name": c.name, "arguments": c.arguments}) + "\n</tool_call>"
-                     for c in calls)
 
 
 MAX_RESULT_CHARS = RolloutConfig.tool_result_chars  # the default bound of a result's text

@@ -1,6 +1,6 @@
 """Inference: load a model directory or checkpoint (optionally quantized) and generate in batches.
 
-    engine = InferenceEngine.load("merged/", quant=QuantConfig.from_flag("nf4"))
+    engine = InferenceModel.load("merged/", quant=QuantConfig.from_flag("nf4"))
     [out] = engine.generate([Request(messages=[{"role": "user", "content": [
                 {"type": "image"}, {"type": "text", "text": "What colour is the shape?"}]}],
                 images=[Image.open("x.png")], max_new_tokens=16)])
@@ -42,9 +42,9 @@ from vlforge.data.tokens import max_chars_per_token
 from vlforge.generate.engine import Engine, Feed, GenRequest, GenResult, Prompt
 from vlforge.generate.forward import never_generated
 from vlforge.model.presets import PRESETS
-from vlforge.serve.hf_generate import generate_hf
-from vlforge.serve.shared_images import share_identical_images
-from vlforge.serve.streamer import BatchStreamer, Completion
+from vlforge.infer.hf_generate import generate_hf
+from vlforge.infer.shared_images import share_identical_images
+from vlforge.infer.streamer import BatchStreamer, Completion
 
 # Default answer lengths when a request does not say: a class name or a short answer fits in 16 /
 # 64 tokens, and a short cap keeps a model that does not stop from running long; descriptions need more.
@@ -54,7 +54,7 @@ SYNC_EVERY = 4  # decode steps between sync points: how often text streams, rows
 # Quantization methods whose kernels replay from CUDA graphs with the eager steps' tokens: bitsandbytes'
 # NF4 (its gemv at one row, dequantize + GEMM above: custom ops allocating through torch's caching
 # allocator), verified on an H100 by tests/test_moe_quant.py's gpu probe (NF4 attention linears and
-# experts through generate/'s engine). tests/test_serve_engine.py's gpu probe runs nf4, int8 and fp8
+# experts through generate/'s engine). tests/test_infer_model.py's gpu probe runs nf4, int8 and fp8
 # through serve (int8 and fp8 as expected failures: an XPASS says a method can join; not yet run on a GPU).
 REPLAYABLE_QUANT = frozenset({"none", "nf4"})
 
@@ -134,7 +134,7 @@ def processor_video_limits(video_processor) -> VideoLimits:
                        min_pixels=int(min(lo, hi)), max_pixels=int(hi))
 
 
-class InferenceEngine:
+class InferenceModel:
     def __init__(self, model, processor, device: torch.device, name: str, quant_report: dict | None = None, *,
                  min_pixels: int | None = None, max_pixels: int | None = None, engine: str = "vlforge",
                  compile: bool = False):
@@ -232,7 +232,7 @@ class InferenceEngine:
     @classmethod
     def load(cls, source: str, quant: QuantConfig | None = None, device: str = "auto",
              dtype: torch.dtype = torch.bfloat16, *, min_pixels: int | None = None,
-             max_pixels: int | None = None, engine: str = "vlforge", compile: bool = False) -> "InferenceEngine":
+             max_pixels: int | None = None, engine: str = "vlforge", compile: bool = False) -> "InferenceModel":
         """`quant=None`: unquantized, except a LoRA checkpoint of a QLoRA run, which gets its run's quant.
         `min_pixels`/`max_pixels`: image resize bounds; None: the model's processor's own. `engine`:
         "vlforge" (generate/'s engine) or "hf" (transformers generate, for comparison). `compile`:
@@ -248,7 +248,7 @@ class InferenceEngine:
         return engine
 
     @classmethod
-    def _load(cls, source: str, quant: QuantConfig | None, device: str, dtype: torch.dtype) -> "InferenceEngine":
+    def _load(cls, source: str, quant: QuantConfig | None, device: str, dtype: torch.dtype) -> "InferenceModel":
         from vlforge.train.hardware import quant_problem
         from vlforge.train.runtime import resolve_device
         from vlforge.model.export import is_sharded, run_config

@@ -1,11 +1,11 @@
-"""One tool worker process (rl/tools.ToolProcesses starts it): `python -m vlforge.rl.tool_worker`.
+"""One tool worker process (tools/runner.ToolProcesses starts it): `python -m vlforge.tools.worker`.
 
 It reads frames from stdin and writes frames to the stdout it was started with; a frame is an
 8-byte length and a pickle. The first frame holds the tools as (name, spec) pairs, loaded here from
 their specs (a builtin name or ``path.py:function``, as rollout.tools names them); each next frame
 is answered with None once they are loaded (or with the error that stopped it); each next frame
 holds one ToolCall, the prompt's images it may take and the most characters of its result's text
-(rollout.tool_result_chars), answered with its ToolResult (rl/tools._run_one: an error the model
+(rollout.tool_result_chars), answered with its ToolResult (tools/runner._run_one: an error the model
 can read when the call fails, the text cut here, before the pipe). A None frame or the end of
 stdin ends it. A tool's own prints go to stderr: stdout carries only frames. Imports no torch (rl/__init__.py loads its names lazily): a worker
 starts in well under a second.
@@ -17,7 +17,9 @@ import os
 import signal
 import sys
 
-from vlforge.rl.tools import Tool, _run_one, read_frame, tool_function, write_frame
+from vlforge.tools.registry import Tool, tool_function
+
+from vlforge.tools.runner import _run_one, read_frame, write_frame
 
 
 def main() -> None:

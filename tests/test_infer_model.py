@@ -19,12 +19,12 @@ from test_serve import LiveServer, body, data_url, png_bytes, user  # noqa: E402
 from vlforge.config import ConfigError  # noqa: E402
 from vlforge.serve.app import create_app  # noqa: E402
 from vlforge.serve.config import ServeConfig  # noqa: E402
-from vlforge.serve.engine import InferenceEngine, Request  # noqa: E402
+from vlforge.infer.model import InferenceModel, Request  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def engine():
-    return InferenceEngine.load("tiny", device="cpu", dtype=torch.float32)
+    return InferenceModel.load("tiny", device="cpu", dtype=torch.float32)
 
 
 def _msg(text: str, images: int = 0) -> list[dict]:
@@ -58,7 +58,7 @@ def test_greedy_batch_equals_the_old_generate_path(engine):
 
 def test_unknown_engine_is_a_clear_error():
     with pytest.raises(ConfigError, match="--engine 'vllm': one of vlforge, hf"):
-        InferenceEngine.load("tiny", device="cpu", engine="vllm")
+        InferenceModel.load("tiny", device="cpu", engine="vllm")
 
 
 def test_sampled_and_greedy_requests_share_one_decode_batch(engine):
@@ -182,7 +182,7 @@ def test_lora_checkpoint_and_nf4_model_answer_as_on_the_old_path(shapes_dir, tmp
     asks = [Request(_msg("what colour?"), max_new_tokens=6), Request(_msg("hi"), max_new_tokens=4)]
     for source, quant, dtype in ((tmp_path / "run" / "checkpoint-1", None, torch.float32),
                                  ("tiny", QuantConfig.from_flag("nf4"), torch.bfloat16)):
-        e = InferenceEngine.load(str(source), quant=quant, device="cpu", dtype=dtype)
+        e = InferenceModel.load(str(source), quant=quant, device="cpu", dtype=dtype)
         assert (e.quant_report is not None) == (quant is not None)
         assert e.gen_engine().use_graphs is None  # NF4 (REPLAYABLE_QUANT) decodes under CUDA graphs on a GPU
         ours = [e.generate([a])[0].text for a in asks]
@@ -191,7 +191,7 @@ def test_lora_checkpoint_and_nf4_model_answer_as_on_the_old_path(shapes_dir, tmp
 
 
 def test_which_quantized_weights_decode_under_cuda_graphs():
-    from vlforge.serve.engine import unreplayable_quant
+    from vlforge.infer.model import unreplayable_quant
 
     assert unreplayable_quant(None) == [] == unreplayable_quant({"linears": {"language:nf4": 4, "experts:nf4": 2,
                                                                              "vision:none": 3}})
@@ -203,7 +203,7 @@ def test_which_quantized_weights_decode_under_cuda_graphs():
 @pytest.mark.parametrize("method", ["nf4", "int8", "fp8"])
 def test_serve_captures_cuda_graphs_only_for_quantized_weights_verified_to_replay(method):
     """Serve's own engine on a quantized language model (a batch of four with images): a method
-    verified to replay from CUDA graphs (serve/engine.REPLAYABLE_QUANT: nf4) captures its decode
+    verified to replay from CUDA graphs (infer/model.REPLAYABLE_QUANT: nf4) captures its decode
     steps, the others (int8, fp8) decode eagerly; every request is answered within its limits.
 
     The tokens are not compared with an eager run's: quantized decoding of the random tiny model is
@@ -211,9 +211,9 @@ def test_serve_captures_cuda_graphs_only_for_quantized_weights_verified_to_repla
     texts, nf4 and int8, fp32 and bf16: H100, 2026-12-07), so such an equality was a coin toss (the
     xfail(strict=False) this replaces passed either way). Forcing graphs on int8 fails the capture."""
     from vlforge.config import QuantConfig
-    from vlforge.serve.engine import REPLAYABLE_QUANT
+    from vlforge.infer.model import REPLAYABLE_QUANT
 
-    e = InferenceEngine.load("tiny", quant=QuantConfig(language=method), device="cuda", dtype=torch.bfloat16)
+    e = InferenceModel.load("tiny", quant=QuantConfig(language=method), device="cuda", dtype=torch.bfloat16)
     requests = _requests()
     done = e.generate(requests)
     assert bool(e.gen_engine().graphs) == (method in REPLAYABLE_QUANT), e.gen_engine().graphs
@@ -225,9 +225,9 @@ def test_serve_captures_cuda_graphs_only_for_quantized_weights_verified_to_repla
 def test_a_request_too_long_for_the_running_cache_does_not_hold_up_short_ones():
     """A 300-token request joining a call sized for 20 waits for the next call, but the short one
     queued behind it passes it and finishes while the first request still decodes."""
-    from vlforge.serve.engine import InferenceEngine, Request
+    from vlforge.infer.model import InferenceModel, Request
 
-    engine = InferenceEngine.load("tiny", device="cpu")
+    engine = InferenceModel.load("tiny", device="cpu")
     msgs = lambda t: [{"role": "user", "content": t}]  # noqa: E731
     late = [Request(msgs("second one, long"), max_new_tokens=300, min_new_tokens=300),
             Request(msgs("third short"), max_new_tokens=3)]
@@ -244,9 +244,9 @@ def test_a_request_too_long_for_the_running_cache_does_not_hold_up_short_ones():
 
 
 def test_a_joining_request_that_cannot_be_prepared_fails_alone():
-    from vlforge.serve.engine import InferenceEngine, Request
+    from vlforge.infer.model import InferenceModel, Request
 
-    engine = InferenceEngine.load("tiny", device="cpu")
+    engine = InferenceModel.load("tiny", device="cpu")
     msgs = lambda t: [{"role": "user", "content": t}]  # noqa: E731
     bad = Request([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "x"}]}], max_new_tokens=3)
     calls, done, errors = {"n": 0}, [], []
@@ -275,7 +275,7 @@ def test_a_request_cancelled_while_queued_in_a_feed_is_never_prefilled(monkeypat
     (passed over: too long for the running cache), leave with empty results, never prefilled."""
     from vlforge.generate.engine import Feed, GenRequest
 
-    engine = InferenceEngine.load("tiny", device="cpu")
+    engine = InferenceModel.load("tiny", device="cpu")
     prefilled = _prefilled(monkeypatch, engine)
     prompt = engine._prompt(Request(_msg("hi")))
     feed = Feed()
@@ -312,17 +312,17 @@ def test_an_answered_request_is_not_kept_while_the_call_goes_on(monkeypatch):
     import gc
     import weakref
 
-    import vlforge.serve.engine as serve_engine
+    import vlforge.infer.model as infer_model
 
-    engine = InferenceEngine.load("tiny", device="cpu")
+    engine = InferenceModel.load("tiny", device="cpu")
     fed = []
 
-    class RecordingFeed(serve_engine.Feed):
+    class RecordingFeed(infer_model.Feed):
         def put(self, request):
             fed.append(weakref.ref(request))
             return super().put(request)
 
-    monkeypatch.setattr(serve_engine, "Feed", RecordingFeed)
+    monkeypatch.setattr(infer_model, "Feed", RecordingFeed)
     red = Image.new("RGB", (64, 48), (200, 30, 30))
     short = [Request(_msg("What colour?", 1), [red], max_new_tokens=2)]
     asked = weakref.ref(short[0])
@@ -347,7 +347,7 @@ def test_a_long_feed_keeps_nothing_of_the_answered_requests(engine, monkeypatch)
     import weakref
 
     import vlforge.generate.engine as gen_engine
-    import vlforge.serve.engine as serve_engine
+    import vlforge.infer.model as infer_model
 
     results, streamers = [], []
 
@@ -356,13 +356,13 @@ def test_a_long_feed_keeps_nothing_of_the_answered_requests(engine, monkeypatch)
             super().__init__(*args, **kwargs)
             results.append(weakref.ref(self))
 
-    class TrackedStreamer(serve_engine.BatchStreamer):
+    class TrackedStreamer(infer_model.BatchStreamer):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             streamers.append(self)
 
     monkeypatch.setattr(gen_engine, "GenResult", TrackedResult)
-    monkeypatch.setattr(serve_engine, "BatchStreamer", TrackedStreamer)
+    monkeypatch.setattr(infer_model, "BatchStreamer", TrackedStreamer)
     total, slots = 24, 4
     sent, done, held = [0], [], []
 
@@ -392,7 +392,7 @@ def test_compile_warms_every_sampling_mode_so_requests_compile_nothing(monkeypat
     from helpers import compiled_on_cpu
     from torch._dynamo.utils import counters
 
-    warm = InferenceEngine.load("tiny", device="cpu", dtype=torch.float32, compile=True)
+    warm = InferenceModel.load("tiny", device="cpu", dtype=torch.float32, compile=True)
     assert "only on CUDA" in warm.compile_problem() and warm.warm_up(slots=4) is None  # on the CPU: nothing to do
     compiled_on_cpu(warm.gen_engine(), monkeypatch)
     monkeypatch.setattr(warm, "compile_problem", lambda: None)
@@ -412,7 +412,7 @@ def test_compile_warms_every_sampling_mode_so_requests_compile_nothing(monkeypat
     graphs = counters["stats"]["unique_graphs"]
     ours = warm.generate(requests())
     assert counters["stats"]["unique_graphs"] == graphs  # nothing traced after the warm-up
-    plain = InferenceEngine.load("tiny", device="cpu", dtype=torch.float32).generate(requests())
+    plain = InferenceModel.load("tiny", device="cpu", dtype=torch.float32).generate(requests())
     assert [(c.text, c.completion_tokens) for c in ours] == [(c.text, c.completion_tokens) for c in plain]
     assert ours[0].completion_tokens == 12 and ours[3].prompt_tokens > 128
 
@@ -425,11 +425,11 @@ def test_compile_flag_says_why_it_does_not_apply_on_the_cpu(capsys):
 
 
 def test_a_grpo_checkpoint_serves_tool_images_at_its_rollout_limit(tmp_path):
-    """InferenceEngine.load takes a GRPO checkpoint's rollout.tool_image_max_pixels from its run's
+    """InferenceModel.load takes a GRPO checkpoint's rollout.tool_image_max_pixels from its run's
     config.yaml (a tool message's images are then resized as the rollout resized them); an SFT run's
     checkpoint, a preset or a directory without a run has none."""
     from vlforge.config import GRPOConfig, SFTConfig, dump_config, load_config
-    from vlforge.serve.engine import trained_tool_image_limit
+    from vlforge.infer.model import trained_tool_image_limit
 
     for kind, cls, extra in (("grpo", GRPOConfig, ["rollout.tool_image_max_pixels=8192"]), ("sft", SFTConfig, [])):
         (tmp_path / kind / "checkpoint-1").mkdir(parents=True)

@@ -1,7 +1,7 @@
 """A batched generation's answers as they stream: each row's text detokenized incrementally
 (tokenizers' DecodeStream), stop strings found without rescanning, the text sent as it grows with
 any tail that may still become a stop string held back, and the Completion each row ends as.
-Both of serve's generation paths (generate/'s engine, and transformers generate for comparison:
+Both of serve's generation paths (generate/'s vlm, and transformers generate for comparison:
 hf_generate.py) keep their rows here.
 """
 
@@ -90,7 +90,7 @@ class _RowText:
 
 class BatchStreamer:
     """The per-row bookkeeping of one batched generate(): transformers calls put() with each step's
-    tokens (generate/'s engine: push() with a row's tokens of a sync point; rows join by add());
+    tokens (generate/'s vlm: push() with a row's tokens of a sync point; rows join by add());
     rows finish at an end token, their own max_new_tokens, a stop string or when cancelled, and
     hf_generate.RowsDone tells generate() so, which stops computing them. Text goes to
     on_text(row, new_text) as it grows (_RowText: incremental), holding back a tail that may still
@@ -100,10 +100,10 @@ class BatchStreamer:
     keeps none of the done).
     """
 
-    def __init__(self, engine, requests: list, on_text: Callable[[int, str], None] | None):
+    def __init__(self, vlm, requests: list, on_text: Callable[[int, str], None] | None):
         """`engine`: the serve engine (its tokenizer and end ids); `requests`: its Requests, the first rows."""
-        self.engine, self.on_text = engine, on_text
-        self.backend = engine.tokenizer.backend_tokenizer  # the Rust tokenizer DecodeStream steps on
+        self.vlm, self.on_text = vlm, on_text
+        self.backend = vlm.tokenizer.backend_tokenizer  # the Rust tokenizer DecodeStream steps on
         self.requests: dict[int, object] = {}  # row -> its Request
         self.rows: dict[int, _RowText] = {}
         self.text: dict[int, str] = {}
@@ -116,7 +116,7 @@ class BatchStreamer:
             self.add(r)
 
     def add(self, request) -> int:
-        """A request joining (generate/'s engine, continuous batching): its row."""
+        """A request joining (generate/'s vlm, continuous batching): its row."""
         row, self.joined = self.joined, self.joined + 1
         self.requests[row], self.rows[row] = request, _RowText(request.stop)
         self.text[row], self.count[row], self.done[row], self.finish[row] = "", 0, False, "length"
@@ -135,13 +135,13 @@ class BatchStreamer:
             self.push(row, [tok])
 
     def push(self, row: int, toks: list[int]) -> None:
-        """The row's next tokens (one per step for generate(), a sync point's for generate/'s engine)."""
+        """The row's next tokens (one per step for generate(), a sync point's for generate/'s vlm)."""
         for tok in toks:
             if self.done[row]:
                 return  # generate() pads finished rows; the engine's row may run on to the sync point
             if self.requests[row].cancelled.is_set():  # nobody waits for this row: its token is dropped
                 return self._close(row, "cancelled")
-            if tok in self.engine.end_ids:
+            if tok in self.vlm.end_ids:
                 return self._close(row, "stop")
             self.count[row] += 1
             piece = self.rows[row].step(self.backend, tok)

@@ -1,7 +1,7 @@
 """engine=hf: transformers' own `generate`, kept beside generate/'s engine for comparison
 (`vlforge serve --engine hf`, bench/): requests batched by their sampling settings, one batch after
 another, each row stopped by the streamer (RowsDone) at its own end token, length or stop string.
-The functions take the serve engine (serve/engine.InferenceEngine) and its Requests.
+The functions take the serve engine (infer/model.InferenceModel) and its Requests.
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Callable
 import torch
 from transformers import StoppingCriteria, StoppingCriteriaList
 
-from vlforge.serve.shared_images import image_key, share_repeated_images
-from vlforge.serve.streamer import BatchStreamer, Completion
+from vlforge.infer.shared_images import image_key, share_repeated_images
+from vlforge.infer.streamer import BatchStreamer, Completion
 
 
 class RowsDone(StoppingCriteria):

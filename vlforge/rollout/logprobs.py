@@ -1,16 +1,12 @@
-"""Batched GRPO rollouts: each prompt's image is encoded once and shared by its G responses.
+"""The trainer's log-probs of a rollout's response tokens (the same forward as generation:
+generate.forward), on the padded [n, P + R] batch or packed into one row (rl.packing: PackedLayout).
 
-Shapes: B prompts, G responses per prompt, N = B*G sequences, P prompt length (left-padded),
-R response length (right-padded), H hidden size, V vocabulary.
-
-    generate_groups     G responses per prompt on generate/'s engine (each prompt prefilled once)
-    sequence_logprobs   the trainer's log-probs of response tokens (same forward: generate.forward),
-                        on the padded [n, P + R] batch or packed into one row (rl.packing: PackedLayout)
+    sequence_logprobs   the log-probs (and entropies) of the response tokens of some sequences
     route_rows          MoE: the rollout's recorded experts for the token rows sequence_logprobs runs
     token_mask          those token rows' mask, on the host (Rollout.host: the rollout's one host copy)
 
 Log-probs are of the temperature-scaled policy, log_softmax(logits / T), before top-k/top-p
-truncation (as verl's actor computes them), in fp32. Vision special tokens are never sampled.
+truncation (as verl's actor computes them), in fp32. Shapes as rollout/groups.py.
 """
 
 from __future__ import annotations
@@ -21,138 +17,19 @@ from dataclasses import dataclass
 
 import torch
 
-from vlforge.config import RolloutConfig
-from vlforge.data.encode import Encoder
-from vlforge.train.losses import packed_position_ids_host, token_logprobs_entropy, vision_keepalive
+from vlforge.train.inputs import packed_position_ids_host
+
+from vlforge.train.losses import token_logprobs_entropy
+
+from vlforge.train.sharding import vision_keepalive
 from vlforge.train.packed_attention import (PackedRows, packed_forward, per_sample_attention, runs_sdpa,
                                             use_packed_attention)
-from vlforge.generate.engine import GenRequest, engine_for, prompts_of_batch
 from vlforge.generate.forward import (ImageFeatures, cache_of, encode_images, feature_groups,  # noqa: F401
                                       filter_logits, forward_shared, never_generated, rope_positions, token_logprobs)
-from vlforge.generate.routes import NO_ROUTE
 from vlforge.model.host_inputs import Placeholders, causal_padding_mask, host_to_device
 from vlforge.model.tiers import unwrap
 
-
-@dataclass
-class Rollout:
-    prompt_ids: torch.Tensor  # [B, P] left-padded
-    prompt_mask: torch.Tensor  # [B, P]
-    pixel_values: torch.Tensor | None
-    image_grid_thw: torch.Tensor | None
-    images_per_prompt: list[int]
-    response_ids: torch.Tensor  # [N, R] right-padded with pad_id
-    response_mask: torch.Tensor  # [N, R] 1 on generated tokens (EOS included)
-    logprobs: torch.Tensor  # [N, R] rollout policy log-probs of the sampled tokens (0 where masked)
-    finished: torch.Tensor  # [N] ended with EOS (False: hit max_new_tokens)
-    group_size: int
-    banned_ids: list[int]  # never sampled; masked identically when the trainer recomputes log-probs
-    # rollout.router_replay (MoE): [L, N, P + R, k] int16 top-k expert ids per MoE layer of every prompt and
-    # response token, in the columns of cat(prompt_ids, response_ids); NO_ROUTE (-1) where none was recorded
-    # (padding, each response's last token: the rollout never ran it)
-    routes: torch.Tensor | None = None
-    # multi-turn tool rollouts (rollout/multiturn.py): [N, R] 1 on the tokens the policy generated, 0 on
-    # the tool results and chat headers between its turns (in response_mask: attended, not trained);
-    # None: every response token was generated
-    generated_mask: torch.Tensor | None = None
-    # multi-turn rollouts whose tools returned images: every sequence's tool images' patch rows, one
-    # sequence after another, their grids, and how many each sequence has (None: no tool images)
-    response_pixel_values: torch.Tensor | None = None
-    response_image_grid_thw: torch.Tensor | None = None
-    images_per_response: list[int] | None = None
-
-    def images_of_seq(self, n: int) -> int:
-        """The images sequence n's forward reads: its prompt's, and those its tools returned."""
-        own = self.images_per_response[n] if self.images_per_response is not None else 0
-        return self.images_per_prompt[self.prompt_of_seq[n]] + own
-
-    @property
-    def loss_mask(self) -> torch.Tensor:
-        """[N, R] the response tokens the policy generated: the ones its loss and log-probs are of."""
-        return self.response_mask if self.generated_mask is None else self.generated_mask
-
-    @property
-    def prompt_of_seq(self) -> list[int]:
-        return [n // self.group_size for n in range(self.response_ids.shape[0])]
-
-    @functools.cached_property
-    def host(self) -> RolloutHost:
-        """The token ids, masks and image grids on the host, copied once (a sync on a GPU, at the first
-        read: the update's first forward) for every forward of the update: sequence_logprobs lays out
-        its forwards (positions, packing, the response tokens' places) from them, reading no device
-        value. The rollout's tensors are not changed after it is made (a change would not reach here)."""
-        cpu = lambda t: None if t is None else t.to("cpu", copy=True)  # noqa: E731  (a copy on the CPU too)
-        return RolloutHost(cpu(self.prompt_ids), cpu(self.prompt_mask), cpu(self.response_ids),
-                           cpu(self.response_mask), cpu(self.image_grid_thw), cpu(self.loss_mask),
-                           cpu(self.response_image_grid_thw))
-
-
-@dataclass(frozen=True)
-class RolloutHost:
-    """A Rollout's token ids, masks and image grids on the host (Rollout.host)."""
-
-    prompt_ids: torch.Tensor
-    prompt_mask: torch.Tensor
-    response_ids: torch.Tensor
-    response_mask: torch.Tensor
-    image_grid_thw: torch.Tensor | None
-    loss_mask: torch.Tensor
-    response_image_grid_thw: torch.Tensor | None = None
-
-
-@torch.no_grad()
-def rollout_seed() -> int:
-    """The seed of one rollout round, from the global RNG: the same on every rank as long as every
-    rank draws it once per round (GRPO's rollout_round draws it before a rank with no prompt left
-    returns, so the ranks' RNG streams stay in step)."""
-    return int(torch.randint(2**62, (1,)))
-
-
-def generate_groups(model, encoder: Encoder, prompts: dict, images_per_prompt: list[int],
-                    cfg: RolloutConfig, first_row: int = 0, all_rows: int | None = None,
-                    seed: int | None = None) -> Rollout:
-    """Sample `cfg.group_size` responses for each of the B prompts of a left-padded prompt batch.
-
-    On generate/'s engine: each prompt prefilled once into its G slots. The noise of a response's
-    token is a function of (`seed`, default one drawn by rollout_seed(); its global row first_row +
-    n; step), so N ranks sample what one process samples, whatever the split (`all_rows` is only
-    used by rollout.engine=hf)."""
-    seed = rollout_seed() if seed is None else seed
-    if cfg.engine == "hf":
-        return _generate_groups_hf(model, encoder, prompts, images_per_prompt, cfg, first_row, all_rows, seed)
-    G, device = cfg.group_size, prompts["input_ids"].device
-    requests = [GenRequest(p, n=G, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-                           top_k=cfg.top_k, seed=seed, first_row=first_row + b * G)
-                for b, p in enumerate(prompts_of_batch(prompts, images_per_prompt))]
-    banned = never_generated(encoder, model)
-    record = cfg.router_replay is not False  # "record" or true
-    results = engine_for(model).generate(requests, stop_ids=encoder.end_ids, banned_ids=banned,
-                                         image_token_id=encoder.image_token_id, pad_id=encoder.pad_id,
-                                         compile=cfg.compile, record_routes=record, slots=cfg.max_slots or None)
-    R = max(len(r.tokens) for r in results)
-    ids_NR = torch.full((len(results), R), encoder.pad_id, dtype=torch.long)
-    logp_NR = torch.zeros(len(results), R)
-    mask_NR = torch.zeros(len(results), R, dtype=torch.long)
-    for n, r in enumerate(results):
-        ids_NR[n, :len(r.tokens)], logp_NR[n, :len(r.tokens)], mask_NR[n, :len(r.tokens)] = r.tokens, r.logprobs, 1
-    finished = torch.tensor([r.stopped for r in results])
-    routes = _rollout_routes(results, prompts["attention_mask"].sum(1).tolist(), prompts["input_ids"].shape[1], R, G) \
-        if record else None
-    return Rollout(prompts["input_ids"], prompts["attention_mask"], prompts.get("pixel_values"),
-                   prompts.get("image_grid_thw"), images_per_prompt, ids_NR.to(device), mask_NR.to(device),
-                   logp_NR.to(device), finished.to(device), G, banned,
-                   None if routes is None else routes.to(device))
-
-
-def _rollout_routes(results, prompt_lengths: list[int], P: int, R: int, G: int) -> torch.Tensor:
-    """The results' routes ([L, plen + R_n - 1, k] each) in the Rollout's columns: prompt b's tokens
-    end at column P (left padding), response n starts there."""
-    L, _, k = results[0].routes.shape
-    routes = torch.full((L, len(results), P + R, k), NO_ROUTE, dtype=results[0].routes.dtype)
-    for n, r in enumerate(results):
-        start = P - prompt_lengths[n // G]
-        routes[:, n, start:start + r.routes.shape[1]] = r.routes
-    return routes
+from vlforge.rollout.groups import Rollout
 
 
 def route_rows(rollout: Rollout, seq_index: list[int], packing: bool = False) -> torch.Tensor | None:
@@ -174,66 +51,6 @@ def token_mask(rollout: Rollout, seq_index: list[int]) -> torch.Tensor:
     host = rollout.host
     prompts = [rollout.prompt_of_seq[s] for s in seq_index]
     return torch.cat([host.prompt_mask[prompts], host.response_mask[seq_index]], dim=1)
-
-
-@torch.no_grad()
-def _generate_groups_hf(model, encoder: Encoder, prompts: dict, images_per_prompt: list[int],
-                    cfg: RolloutConfig, first_row: int = 0, all_rows: int | None = None,
-                    seed: int = 0) -> Rollout:
-    """rollout.engine=hf: the plain decode loop on transformers' DynamicCache (for comparison).
-
-    Sampling is Gumbel-max with noise drawn for the rollout's `all_rows` sequences of every rank
-    (this batch being rows first_row.. of them) from one seed taken from the global RNG: a
-    response's tokens depend on its place in the global batch, not on how the batch is split
-    over processes, so N ranks sample what one process samples (the same distribution as
-    multinomial sampling)."""
-    core = unwrap(model)
-    G, device = cfg.group_size, prompts["input_ids"].device
-    ids_BP, mask_BP = prompts["input_ids"], prompts["attention_mask"]
-    grid = prompts.get("image_grid_thw")
-    feats = encode_images(core, prompts.get("pixel_values"), grid, images_per_prompt)
-    pos_3BP = rope_positions(core, ids_BP, mask_BP, encoder.image_token_id, grid)
-
-    out = forward_shared(core, ids_BP, mask_BP, pos_3BP, feats, list(range(len(ids_BP))), use_cache=True)
-    cache = cache_of(out)
-    cache.batch_repeat_interleave(G)  # the G responses of a prompt share its prefill
-    hidden_NH = out.last_hidden_state[:, -1].repeat_interleave(G, 0)
-    mask_NT = mask_BP.repeat_interleave(G, 0)
-    next_pos_N = pos_3BP.amax(dim=(0, 2)).repeat_interleave(G, 0) + 1
-    banned = torch.tensor(never_generated(encoder, model), device=device)
-    end_ids = torch.tensor(encoder.end_ids, device=device)
-
-    N = hidden_NH.shape[0]
-    all_rows = N if all_rows is None else all_rows
-    noise = torch.Generator(device=device).manual_seed(seed)  # the same on every rank
-    tokens, logps = [], []
-    alive_N = torch.ones(N, dtype=torch.bool, device=device)
-    alive_steps = []
-    for step in range(cfg.max_new_tokens):
-        logits_NV = core.lm_head(hidden_NH).float()
-        logits_NV[:, banned] = float("-inf")
-        if cfg.temperature == 0:
-            tok_N = logits_NV.argmax(-1)
-        else:
-            filtered_NV = filter_logits(logits_NV / cfg.temperature, cfg.top_k, cfg.top_p)
-            uniform_NV = torch.rand(all_rows, filtered_NV.shape[-1], generator=noise, device=device)
-            gumbel_NV = -torch.log(-torch.log(uniform_NV[first_row:first_row + N].clamp_min(1e-20)))
-            tok_N = (filtered_NV + gumbel_NV).argmax(-1)
-        tok_N = torch.where(alive_N, tok_N, torch.full_like(tok_N, encoder.pad_id))
-        logps.append(torch.where(alive_N, token_logprobs(logits_NV, tok_N, max(cfg.temperature, 1e-6)), 0.0))
-        tokens.append(tok_N)
-        alive_steps.append(alive_N.clone())
-        alive_N = alive_N & ~torch.isin(tok_N, end_ids)
-        if not bool(alive_N.any()) or step == cfg.max_new_tokens - 1:
-            break
-        mask_NT = torch.cat([mask_NT, alive_steps[-1][:, None].long()], dim=1)
-        pos_3N1 = (next_pos_N + step)[None, :, None].expand(3, -1, -1)
-        out = forward_shared(core, tok_N[:, None], mask_NT, pos_3N1, None, [], cache=cache, use_cache=True)
-        cache = cache_of(out)
-        hidden_NH = out.last_hidden_state[:, -1]
-    response_mask = torch.stack(alive_steps, 1).long()
-    return Rollout(ids_BP, mask_BP, prompts.get("pixel_values"), grid, images_per_prompt,
-                   torch.stack(tokens, 1), response_mask, torch.stack(logps, 1), ~alive_N, G, banned.tolist())
 
 
 def _images_of(pixel_values: torch.Tensor | None, grid: torch.Tensor | None, per_owner: list[int] | None,
@@ -335,7 +152,7 @@ def sequence_logprobs(model, rollout: Rollout, temperature: float, seq_index: li
     a multi-turn rollout's tool results, which are read but not scored), recomputed by teacher
     forcing with gradients; the images of the prompts those sequences belong to (only
     those) are encoded once for all their sequences. `keep_vision`: run the vision tower even
-    when those prompts have no image (sharded runs: train.losses.vision_keepalive).
+    when those prompts have no image (sharded runs: train/sharding.vision_keepalive).
     `packing`: the forward runs on the sequences' real tokens only, one row (PackedLayout), with
     per-sequence M-RoPE and attention; the same numbers as the padded batch, to rounding (tested).
     Returns (logp, entropy or None)."""
@@ -388,4 +205,3 @@ def sequence_logprobs(model, rollout: Rollout, temperature: float, seq_index: li
     logp = logp_N.new_zeros(len(seq_index), R).index_put((rows_d, cols_d), logp_N)
     entropy = entropy_N.new_zeros(len(seq_index), R).index_put((rows_d, cols_d), entropy_N) if with_entropy else None
     return logp, entropy
-

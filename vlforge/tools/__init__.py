@@ -1,0 +1,1 @@
+"""Tools a model calls: the call format, the tool definitions, how calls run."""
