@@ -45,7 +45,8 @@ from PIL import Image
 from vlforge.config import SFTConfig, load_config
 from vlforge.data.dataset import budget_batches
 from vlforge.data.encode import Encoder, ImageLimits, SampleTokens, VideoLimits, collate, encode, pack
-from vlforge.data.jsonl import Sample, Video
+from vlforge.data.jsonl import Sample
+from vlforge.data.video import Video
 from vlforge.train.distributed import init_world
 from vlforge.train.fp8 import summarize
 from vlforge.train.health import GradHealth

@@ -25,7 +25,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import vlforge.data.video as video_frames  # noqa: E402
-from vlforge.data.jsonl import read_video_header  # noqa: E402
+from vlforge.data.video import read_video_header  # noqa: E402
 
 
 def synthetic(path: Path, seconds: int, fps: int = 30, size=(640, 360)) -> Path:

@@ -9,7 +9,8 @@ from vlforge.config import DataConfig
 from vlforge.data.check import check_file
 from vlforge.data.dataset import load_dataset
 from vlforge.data.encode import IGNORE_INDEX, collate
-from vlforge.data.jsonl import DataError, read_jsonl
+from vlforge.data.inline import DataError
+from vlforge.data.jsonl import read_jsonl
 from vlforge.data.synth import synth_shapes
 
 

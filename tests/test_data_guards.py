@@ -14,7 +14,9 @@ from vlforge.config import DataConfig
 from vlforge.data.check import check_file, format_check
 from vlforge.data.dataset import CUT_MARGIN, load_dataset
 from vlforge.data.encode import IGNORE_INDEX, IMAGE_PAD, Encoder, ImageLimits
-from vlforge.data.jsonl import DataError, LoadReport, read_jsonl, read_video_header
+from vlforge.data.inline import DataError
+from vlforge.data.jsonl import LoadReport, read_jsonl
+from vlforge.data.video import read_video_header
 
 
 @pytest.fixture

@@ -16,7 +16,8 @@ from vlforge.config import ConfigError, DataConfig
 from vlforge.data.check import check_file
 from vlforge.data.dataset import load_dataset
 from vlforge.data.encode import Encoder, ImageLimits, SkippedRow, encode
-from vlforge.data.jsonl import DataError, LoadReport, read_jsonl
+from vlforge.data.inline import DataError
+from vlforge.data.jsonl import LoadReport, read_jsonl
 from vlforge.data.sources import check_readable
 from vlforge.recipes.sft import micro_batches
 

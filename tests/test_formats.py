@@ -25,7 +25,8 @@ from vlforge.data.check import check_file  # noqa: E402
 from vlforge.data.convert import convert  # noqa: E402
 from vlforge.data.dataset import StreamDataset, block_order, load_dataset  # noqa: E402
 from vlforge.data.encode import SkippedRow  # noqa: E402
-from vlforge.data.jsonl import DataError, LoadReport  # noqa: E402
+from vlforge.data.inline import DataError  # noqa: E402
+from vlforge.data.jsonl import LoadReport
 from vlforge.data.sources import open_source, read_samples  # noqa: E402
 from vlforge.recipes.sft import micro_batches, run_sft  # noqa: E402
 

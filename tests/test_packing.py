@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 from vlforge.config import ConfigError, DataConfig, load_config, SFTConfig
 from vlforge.data.dataset import Batching, budget_batches, global_batches, load_dataset
 from vlforge.data.encode import IGNORE_INDEX, collate, pack
-from vlforge.data.jsonl import DataError
+from vlforge.data.inline import DataError
 from vlforge.train import packed_attention
 from vlforge.train.inputs import count_tokens, packed_position_ids
 from vlforge.train.losses import sft_loss_sum

@@ -1077,7 +1077,7 @@ def test_video_url_parts_are_answered_as_the_engine_answers_the_video(engine, tm
     av = pytest.importorskip("av")  # the `video` extra (CI installs it with `test`)
     import numpy as np
 
-    from vlforge.data.jsonl import read_video_header
+    from vlforge.data.video import read_video_header
 
     with av.open(str(tmp_path / "clip.mp4"), "w") as container:
         stream = container.add_stream("mpeg4", rate=8)

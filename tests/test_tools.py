@@ -10,7 +10,8 @@ import torch
 from vlforge.config import ConfigError, DataConfig, GRPOConfig, RolloutConfig, SFTConfig, load_config
 from vlforge.data.dataset import load_dataset
 from vlforge.data.encode import collate, encode_prompt
-from vlforge.data.jsonl import DataError, read_jsonl
+from vlforge.data.inline import DataError
+from vlforge.data.jsonl import read_jsonl
 from vlforge.data.synth import synth_tool_use
 from vlforge.tools.builtin import calculator
 from vlforge.tools.calls import ToolCall, ToolCallStream, parse_tool_calls, split_tool_calls

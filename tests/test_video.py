@@ -27,7 +27,9 @@ from vlforge.data.check import check_file
 from vlforge.data.dataset import load_dataset, tokenize_sample
 from vlforge.data.encode import (Encoder, ImageLimits, collate, encode, encode_prompt, frames_as_images, pack,
                                  visuals_per_prompt)
-from vlforge.data.jsonl import DataError, Video, parse_row, read_jsonl, read_video_header
+from vlforge.data.inline import DataError
+from vlforge.data.jsonl import parse_row, read_jsonl
+from vlforge.data.video import Video, read_video_header
 from vlforge.data.synth import synth_motion
 from vlforge.data.video import VideoLimits, decode_file_frames, frame_timestamps, sampled_frames
 from vlforge.train.losses import sft_loss_sum

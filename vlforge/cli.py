@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 from vlforge.config import ConfigError, GRPOConfig, SFTConfig, dump_config, load_config
-from vlforge.data.jsonl import DataError
+from vlforge.data.inline import DataError
 from vlforge.train.errors import CheckpointWriteError
 from vlforge.train.health import TrainingDiverged
 from vlforge.train.stop import signal_name, sigterm_interrupts

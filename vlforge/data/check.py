@@ -7,7 +7,8 @@ from collections import Counter
 from vlforge.config import DataConfig
 from vlforge.data.dataset import measure
 from vlforge.data.encode import IGNORE_INDEX, Encoder, ImageLimits, VideoLimits
-from vlforge.data.jsonl import DataError, LoadReport
+from vlforge.data.inline import DataError
+from vlforge.data.jsonl import LoadReport
 from vlforge.data.sources import iter_samples
 
 

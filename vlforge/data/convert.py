@@ -12,7 +12,8 @@ from pathlib import Path
 
 from vlforge.config import DataConfig
 from vlforge.data.inline import DataError, ImageBytes
-from vlforge.data.jsonl import LoadReport, Sample, Video, open_image
+from vlforge.data.jsonl import LoadReport, Sample, open_image
+from vlforge.data.video import Video
 from vlforge.data.sources import LazySamples, open_source
 
 

@@ -15,7 +15,8 @@ from tqdm import tqdm
 
 from vlforge.config import DataConfig
 from vlforge.data.encode import IGNORE_INDEX, Encoder, ImageLimits, SampleTokens, SkippedRow, VideoLimits, encode
-from vlforge.data.jsonl import MAX_IMAGE_PIXELS, DataError, LoadReport, Sample, open_image
+from vlforge.data.inline import MAX_IMAGE_PIXELS, DataError
+from vlforge.data.jsonl import LoadReport, Sample, open_image
 from vlforge.data.sources import LazySamples, open_source, read_samples
 
 

@@ -32,7 +32,9 @@ from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import smart_resize as video_smart_resize
 
 from vlforge.config import DataConfig
-from vlforge.data.jsonl import MAX_IMAGE_PIXELS, DataError, Sample, Video, load_pixels, open_image
+from vlforge.data.inline import MAX_IMAGE_PIXELS, DataError
+from vlforge.data.jsonl import Sample, load_pixels, open_image
+from vlforge.data.video import Video
 from vlforge.data.tokens import TEXT_MARK, mark_texts, max_chars_per_token
 from vlforge.data.video import VideoLimits, decode_file_frames, frame_timestamps, sampled_frames
 

@@ -18,7 +18,8 @@ from pathlib import Path
 
 from vlforge.config import DataConfig
 from vlforge.data.inline import DataError
-from vlforge.data.jsonl import MAX_IMAGE_PIXELS, LoadReport, Sample, _text_line, parse_obj, path_problem
+from vlforge.data.inline import MAX_IMAGE_PIXELS, path_problem
+from vlforge.data.jsonl import LoadReport, Sample, _text_line, parse_obj
 
 FORMATS = ("jsonl", "json", "parquet", "arrow")
 PREFLIGHT_ROWS = 16  # the rows of a streamed set a run's pre-flight reads

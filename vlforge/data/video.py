@@ -6,12 +6,143 @@ and pixels.
 
 from __future__ import annotations
 
+import io
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 
 from vlforge.config import DataConfig
-from vlforge.data.jsonl import DataError, Video, require_pyav
+from vlforge.data.inline import MAX_ASPECT, MAX_IMAGE_PIXELS, DataError, path_problem
+
+
+@dataclass(frozen=True)
+class Video:
+    """A sample's video as its headers describe it: frame image files in order, or a video file."""
+
+    source: Path | bytes | tuple[Path, ...]  # a video file (or its bytes: serve's data URLs), or the frame files
+    frames: int  # how many frames the source has
+    fps: float  # the source's frames per second (a frame list's: the row's "fps")
+    size: tuple[int, int]  # (width, height) of every frame, as shown (after `rotation`)
+    # quarter turns counterclockwise that show a file's frames upright (its display matrix: phones
+    # store portrait video as landscape frames with a rotation to apply); 0 for frame lists
+    rotation: int = 0
+    # a file whose frame rate varies (phones, screen recorders): each frame's time in seconds from the
+    # first, from its packet's timestamp; None at a constant rate, where frame i is at i / fps
+    times: tuple[float, ...] | None = None
+
+    @property
+    def coded_size(self) -> tuple[int, int]:
+        """(width, height) of the frames as stored (before `rotation`)."""
+        return self.size[::-1] if self.rotation % 2 else self.size
+
+    @property
+    def is_file(self) -> bool:
+        return not isinstance(self.source, tuple)
+
+    def __str__(self) -> str:
+        if isinstance(self.source, bytes):
+            return f"an inline video of {len(self.source)} bytes"
+        return str(self.source) if self.is_file else f"the frames {self.source[0]} .. {self.source[-1]}"
+
+    def open(self, av):
+        """The video file as a PyAV container (`av`: the module, require_pyav's)."""
+        return av.open(io.BytesIO(self.source) if isinstance(self.source, bytes) else str(self.source))
+
+
+def read_video_header(source: Path | bytes, where: str, decode: bool = False,
+                      max_pixels: int = MAX_IMAGE_PIXELS) -> Video:
+    """A video file's (or its bytes') frame count, rate and frame size, from its container (PyAV),
+    nothing decoded (`decode`: every frame decoded too and counted against the header, for data
+    check: a truncated or corrupt file fails here, not mid-run). Frames over `max_pixels` are refused,
+    as images are (a guard against decompression bombs)."""
+    if isinstance(source, Path) and (problem := path_problem(source)):
+        raise DataError(f"{where}: video file {source} {problem}")
+    av = require_pyav(where)
+    video = Video(source, 0, 0.0, (0, 0))  # opened, and named in the messages, before its header is known
+    try:
+        with video.open(av) as container:
+            if not container.streams.video:
+                raise DataError(f"{where}: video file {video} has no video stream")
+            stream = container.streams.video[0]
+            fps = float(stream.average_rate or stream.guessed_rate or 0)
+            size = (stream.codec_context.width, stream.codec_context.height)
+            # some containers (MKV, WebM, MPEG-TS) count no frames: then the video stream's packets, one a
+            # frame (read, not decoded; the container's duration would count a longer audio track too)
+            frames = stream.frames or sum(1 for packet in container.demux(stream) if packet.size)
+            if decode:
+                container.seek(0)
+                sizes = [(f.width, f.height) for f in container.decode(video=0)]
+                if any(other != size for other in sizes):
+                    other = next(other for other in sizes if other != size)
+                    raise DataError(f"{where}: video file {video} changes its frame size from {size[0]}x{size[1]} "
+                                    f"to {other[0]}x{other[1]}; every frame of a video must have the same size: "
+                                    "re-encode it at one size")
+                if len(sizes) < frames:  # training takes frames by the header's count: they must decode
+                    raise DataError(f"{where}: video file {video} decodes to {len(sizes)} of the {frames} frames "
+                                    "its header counts (truncated or corrupt); re-encode it")
+    except av.FFmpegError as e:
+        raise DataError(f"{where}: video file {video} cannot be read ({e}); re-encode it (e.g. H.264 MP4) "
+                        "or give the video as a list of frame images") from None
+    if not fps or frames < 2 or min(size) < 1:
+        raise DataError(f"{where}: video file {video} has {frames} frames at {fps:g} fps ({size[0]}x{size[1]}); "
+                        "a video needs at least 2 frames, a known rate and a size: re-encode it")
+    if size[0] * size[1] > max_pixels:
+        raise DataError(f"{where}: video {video} has frames of {size[0]}x{size[1]} = {size[0] * size[1]:,} pixels, "
+                        f"over the limit of {max_pixels:,} (a guard against decompression bombs); downscale it, "
+                        "or raise data.max_image_pixels")
+    if max(size) > MAX_ASPECT * min(size):
+        raise DataError(f"{where}: video {video} is {size[0]}x{size[1]}: the video processor refuses aspect "
+                        f"ratios over {MAX_ASPECT}; crop or pad it, or drop the row")
+    turns = _quarter_turns(video, av, where)
+    with video.open(av) as container:
+        times = frame_times(container, frames, fps)
+    return Video(source, frames, fps, size[::-1] if turns % 2 else size, turns, times)
+
+
+def frame_times(container, frames: int, fps: float) -> tuple[float, ...] | None:
+    """Each frame's presentation time in seconds from the first (frame i: the i-th smallest timestamp
+    of the video stream's packets, as a decode counts frames), for a file whose rate varies; None at a
+    constant rate (frame i at i / fps, how transformers' processor stamps every video) and where the
+    packets do not give one distinct timestamp a frame. The packets are read (not decoded) only where
+    the header's average rate differs from the rate its timestamps tick at (FFmpeg's r_frame_rate): a
+    constant-rate file has them equal, and reading every packet of each video costs a pass over it."""
+    stream = container.streams.video[0]
+    if not stream.average_rate or not stream.base_rate or stream.average_rate == stream.base_rate:
+        return None
+    stamps = sorted(p.pts for p in container.demux(stream) if p.size and p.pts is not None)
+    if len(stamps) != frames or len(set(stamps)) != len(stamps):
+        return None
+    times = tuple(float((p - stamps[0]) * stream.time_base) for p in stamps)
+    if all(abs(t - i / fps) <= 0.5 / fps for i, t in enumerate(times)):
+        return None  # within half a frame of the constant rate: stamped as the processor stamps it
+    return times
+
+
+def _quarter_turns(video: Video, av, where: str) -> int:
+    """Quarter turns counterclockwise that show the file's frames upright: its display matrix
+    (PyAV's frame.rotation, degrees counterclockwise; a phone's portrait video: -90, one turn
+    clockwise). PyAV reads the matrix only with a decoded frame, so the first frame is decoded."""
+    try:
+        with video.open(av) as container:
+            first = next(container.decode(video=0), None)
+    except av.FFmpegError as e:
+        raise DataError(f"{where}: video file {video} cannot be decoded ({e}); re-encode it (e.g. H.264 MP4) "
+                        "or give the video as a list of frame images") from None
+    degrees = (getattr(first, "rotation", 0) or 0) if first is not None else 0  # a PyAV without it: none read
+    if degrees % 90:
+        raise DataError(f"{where}: video file {video} is to be shown rotated by {degrees} degrees; only quarter "
+                        "turns are supported: re-encode it upright")
+    return round(degrees / 90) % 4
+
+
+def require_pyav(where: str):
+    try:
+        import av
+    except ImportError:
+        raise DataError(f"{where}: reading a video file needs PyAV: pip install 'vlforge[video]' "
+                        "(or give the video as a list of frame images)") from None
+    return av
 
 
 @dataclass(frozen=True)

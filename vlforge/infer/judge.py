@@ -90,7 +90,7 @@ def image_paths(messages: list[dict]) -> list[str]:
 
 
 def videos_of(messages: list[dict]) -> list:
-    """The videos of the prompt's messages, in order (dataset video parts carry a data.jsonl.Video)."""
+    """The videos of the prompt's messages, in order (dataset video parts carry a data.video.Video)."""
     return [p["video"] for m in messages if not isinstance(m["content"], str)
             for p in m["content"] if p.get("type") == "video" and p.get("video") is not None]
 

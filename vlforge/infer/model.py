@@ -37,7 +37,7 @@ from transformers.image_utils import SizeDict
 
 from vlforge.config import ConfigError, ModelConfig, QuantConfig
 from vlforge.data.encode import Encoder, ImageLimits, VideoLimits, collate, frames_as_images, mm_token_types
-from vlforge.data.jsonl import Video
+from vlforge.data.video import Video
 from vlforge.data.tokens import max_chars_per_token
 from vlforge.generate.engine import Engine, Feed, GenRequest, GenResult, Prompt
 from vlforge.generate.forward import never_generated

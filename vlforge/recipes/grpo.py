@@ -24,7 +24,7 @@ from tqdm import tqdm
 from vlforge.config import ConfigError, GRPOConfig
 from vlforge.data.dataset import ChatDataset, batches_from, load_dataset
 from vlforge.data.encode import collate, encode_engine_prompt, visuals_per_prompt
-from vlforge.data.jsonl import DataError
+from vlforge.data.inline import DataError
 from vlforge.data.sources import check_readable
 from vlforge.train.distributed import World, planned_strategy, torchrun_env
 from vlforge.train.sharding import frozen_sharded_copy, fully_gathered, no_sync

@@ -17,7 +17,8 @@ import torch
 from PIL import Image
 
 from vlforge.config import DataConfig, RolloutConfig
-from vlforge.data.jsonl import DataError, Video, read_video_header
+from vlforge.data.inline import DataError
+from vlforge.data.video import Video, read_video_header
 from vlforge.data.sources import iter_samples
 from vlforge.train.stop import sigint_sets
 from vlforge.rl.rewards import CombinedReward, exact_match

@@ -21,7 +21,7 @@ from tqdm import tqdm
 from vlforge.config import ConfigError, LossConfig, SFTConfig, TrainConfig
 from vlforge.data.dataset import Batching, ChatDataset, global_batches, load_dataset, micro_batches_per_epoch
 from vlforge.data.encode import collate, pack
-from vlforge.data.jsonl import DataError
+from vlforge.data.inline import DataError
 from vlforge.data.sources import check_readable
 from vlforge.train.sharding import no_sync
 from vlforge.train.health import GradHealth

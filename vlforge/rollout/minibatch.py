@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from vlforge.data.jsonl import DataError
+from vlforge.data.inline import DataError
 from vlforge.train.distributed import World
 from vlforge.train.sharding import reshard_all
 from vlforge.train.sharding import Root

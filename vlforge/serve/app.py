@@ -45,7 +45,7 @@ from starlette.requests import ClientDisconnect
 from starlette.requests import Request as HTTPRequest
 
 from vlforge.config import ConfigError
-from vlforge.data.jsonl import DataError
+from vlforge.data.inline import DataError
 from vlforge.tools.calls import ToolCall, format_tool_calls
 from vlforge.serve.answers import aborted, answer_message, generation_error, shutdown_error, sse_stream, usage
 from vlforge.serve.batcher import Batcher, Job

@@ -6,7 +6,7 @@ header (frames, rate, size) is read through PyAV, its frames decoded when the re
 
     loader = ImageLoader(cfg, keep_pixels=vlm.encoder.limits.max_pixels)
     image = loader.load(url, "messages.0.content.1.image_url")      # PIL RGB, or raises APIError
-    video = loader.load_video(url, "messages.0.content.2.video_url")  # data.jsonl.Video, or raises APIError
+    video = loader.load_video(url, "messages.0.content.2.video_url")  # data.video.Video, or raises APIError
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ from urllib.parse import unquote, urlparse
 
 from PIL import Image, UnidentifiedImageError
 
-from vlforge.data.jsonl import DataError, Video, read_video_header
+from vlforge.data.inline import DataError
+
+from vlforge.data.video import Video, read_video_header
 from vlforge.serve.config import ServeConfig
 from vlforge.serve.schema import APIError
 
