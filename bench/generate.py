@@ -5,9 +5,7 @@
 
 Paths: vlforge (the engine as GRPO uses it: CUDA graphs of a torch.compile'd step),
 vlforge-nocompile (CUDA graphs of the eager layers), vlforge-noshare (64x256: SlotCache, every row
-reading its own copy of its prompt's KV, instead of GroupCache), vlforge-flex (the compiled step with
-flex_attention's decode kernel instead of SDPA), vlforge-boolmask (64x256: the step's boolean mask,
-which SDPA converts in every layer, instead of the additive one built once a step), vlforge-unfused
+reading its own copy of its prompt's KV, instead of GroupCache), vlforge-unfused
 (64x256: one GEMM per q/k/v and gate/up projection, as transformers, instead of generate/fused.py's
 one GEMM per group), vision (the
 vision tower alone on the 8 prompts' images; vision-sdpa: through transformers' per-image sdpa
@@ -230,11 +228,6 @@ def main() -> None:
                 print(json.dumps({"agreement_compiled_vs_eager_layers": {"first_token": first, "first_8": prefix}}))
             if args.profile:
                 profile_decode(engine, encoder, requests_of(small, 8, 8, 64), args.profile)
-        if "vlforge-boolmask" in paths:  # the boolean step mask (the earlier default, kept for comparison; compiles again)
-            engine.additive_mask = False
-            attempt(lambda: {**case_engine("64x256", core, engine, encoder, requests_of(small, 8, 8, 256)),
-                             "path": "vlforge-boolmask"})
-            engine.additive_mask = True
         if "vlforge-unfused" in paths:  # one GEMM per projection, as transformers (the step compiles again)
             engine.fuse_projections = False
             attempt(lambda: {**case_engine("64x256", core, engine, encoder, requests_of(small, 8, 8, 256)),
@@ -252,12 +245,6 @@ def main() -> None:
             attempt(lambda: {**case_engine("64x256", core, engine, encoder, requests_of(small, 8, 8, 256)),
                              "path": "vlforge-noshare"})
             engine.share_prompt = True
-        if "vlforge-flex" in paths:  # the decode attention through flex_attention's decode kernel (another compile)
-            flex = Engine(model, sync_every=args.sync_every, compile=True, decode_attention="flex")
-            flex.reserve(64, 300 + 256)
-            attempt(lambda: {**case_engine("64x256", core, flex, encoder, requests_of(small, 8, 8, 256)),
-                             "path": "vlforge-flex"})
-            del flex
         if "hf-dynamic" in paths:
             attempt(lambda: case_hf("64x256", core, encoder, small, 8, 256))
         if "hf-static" in paths:

@@ -162,9 +162,9 @@ case $GROUP in
           [ -n "${GEN2B:-}" ] && (cd bench && timeout 260 python3 generate.py --preset qwen3vl-2b --paths vlforge,hf-static \
             --cases 64x256 --out "$OUT/gen-2b.jsonl" 2>"$OUT/err-gen.txt") ;;  # GEN2B=1: 2B vs hf-static again
   mask13) [ "${PRESET:-qwen3vl-2b}" = qwen3vl-2b ] && timeout 200 python3 -m pytest -q -rs -m gpu -p no:cacheprovider \
-            tests/test_generate.py -k "cuda_graph or flex_decode_engine" --tb=short > "$OUT/pytest.txt" 2>&1
+            tests/test_generate.py -k "cuda_graph" --tb=short > "$OUT/pytest.txt" 2>&1
           (cd bench && timeout ${LIMIT:-380} python3 generate.py --preset ${PRESET:-qwen3vl-2b} \
-            --paths vlforge,vlforge-boolmask,vision,hf-static --cases 64x256 --profile "$OUT/prof-gen.txt" \
+            --paths vlforge,vision,hf-static --cases 64x256 --profile "$OUT/prof-gen.txt" \
             --out "$OUT/gen.jsonl" 2>"$OUT/err-gen.txt") ;;  # issue 11: the additive step mask, A/B in one process
   vis13) timeout 200 python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_vision_attention.py tests/test_packing.py \
            tests/test_generate.py -k "vision or varlen or cuda_graph_grouped" --tb=short > "$OUT/pytest.txt" 2>&1
@@ -331,13 +331,13 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', '--tb=line', 
            timeout 200 python3 bench/serve_load.py --preset qwen3vl-2b --requests 2 --serve-arg="$a" \
              --out "$OUT/serve-$n.json" > /dev/null 2>"$OUT/err-$n.txt"; done ;;
   fp8) for side in 8b-bf16 8b-fp8; do OUT=$OUT timeout 290 bash bench/gpu_fp8.sh $side > "$OUT/fp8-$side.txt" 2>&1; done ;;
-  gen3)  timeout 120 python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_generate.py -k "flex or cuda_graph" \
+  gen3)  timeout 120 python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_generate.py -k "cuda_graph" \
            --tb=short > "$OUT/pytest.txt" 2>&1
-         (cd bench && timeout 420 python3 generate.py --preset qwen3vl-2b --paths vlforge,vlforge-flex --cases 64x256,tail \
+         (cd bench && timeout 420 python3 generate.py --preset qwen3vl-2b --paths vlforge --cases 64x256,tail \
            --out "$OUT/gen-2b.jsonl" 2>"$OUT/err-gen.txt") ;;
-  gen4)  (cd bench && timeout 300 python3 generate.py --preset qwen3vl-2b --paths vlforge,vlforge-flex,hf-static \
+  gen4)  (cd bench && timeout 300 python3 generate.py --preset qwen3vl-2b --paths vlforge,hf-static \
            --cases 64x256 --out "$OUT/gen-2b.jsonl" 2>"$OUT/err-gen2b.txt"
-         timeout 240 python3 generate.py --preset qwen3vl-8b --paths vlforge,vlforge-flex --cases 64x256 \
+         timeout 240 python3 generate.py --preset qwen3vl-8b --paths vlforge --cases 64x256 \
            --out "$OUT/gen-8b.jsonl" 2>"$OUT/err-gen8b.txt") ;;
   tests3) timeout 300 python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_generate.py --tb=short \
            > "$OUT/pytest.txt" 2>&1 ;;

@@ -7,7 +7,8 @@
 8 prompts (one 448x448 image + ~64 prompt tokens each) x 8 samples = 64 sequences, 256 new
 tokens sampled at temperature 1 (EOS disabled so every sequence runs the full length), bf16,
 random weights. Warm: one full-length rollout first (CUDA graphs captured, the decode step
-compiled: `first_run_s`), then the timed one. `--engine hf` times the plain loop (rollout.engine=hf).
+compiled: `first_run_s`), then the timed one (transformers' own generate on the same workload:
+bench/generate.py's hf-dynamic / hf-static paths).
 `--lora fused|peft`: the model carries a LoRA adapter as a GRPO policy does (r=16 on the language
 attention, and on every expert of a MoE preset, router frozen; lora_B drawn so the update is not
 zero), with expert LoRA fused (model/moe_lora.py) or through peft's folding ParamWrapper.
@@ -40,7 +41,6 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=256)
-    ap.add_argument("--engine", default="vlforge", choices=["vlforge", "hf"])
     ap.add_argument("--lora", default="none", choices=["none", "fused", "peft"])
     args = ap.parse_args()
     model, processor = load_model(ModelConfig(preset=args.preset), dtype=torch.bfloat16, device="cuda")
@@ -61,7 +61,7 @@ def main() -> None:
         samples = synthetic_samples(args.prompts, tmp, 448, random.Random(0))
         prompts = collate([encode_prompt(encoder, s) for s in samples], encoder.pad_id, left_pad=True)
     prompts = {k: v.cuda() for k, v in prompts.items()}
-    cfg = RolloutConfig(group_size=args.group, max_new_tokens=args.new_tokens, temperature=1.0, engine=args.engine)
+    cfg = RolloutConfig(group_size=args.group, max_new_tokens=args.new_tokens, temperature=1.0)
     start = time.perf_counter()
     generate_groups(model, encoder, prompts, [1] * args.prompts, cfg)  # warm-up at full length
     torch.cuda.synchronize()
@@ -74,7 +74,7 @@ def main() -> None:
     print(json.dumps({"preset": args.preset, "sequences": args.prompts * args.group, "new_tokens": args.new_tokens,
                       "generated_tokens": generated, "seconds": seconds, "tokens_per_s": generated / seconds,
                       "ms_per_decode_step": 1000 * seconds / args.new_tokens, "first_run_s": first_run_s,
-                      "engine": args.engine, "lora": args.lora, "gpu": torch.cuda.get_device_name(),
+                      "lora": args.lora, "gpu": torch.cuda.get_device_name(),
                       "peak_gb": torch.cuda.max_memory_allocated() / 1e9}))
 
 

@@ -14,16 +14,14 @@ request to its last byte; time to first token (TTFT) to its first streamed text;
 the client. The server's own /metrics gives the mean batch size of each level.
 
 Prints a table, then the whole report as one JSON line (also written to --out). `--serve-arg`
-passes extra flags to `vlforge serve` (to compare engines or batch sizes on the same workload);
-a value holding spaces is split like a shell line. The old generation path against the default
-(generate/'s engine, continuous batching):
+passes extra flags to `vlforge serve` (to compare settings on the same workload); a value holding
+spaces is split like a shell line:
 
-    python bench/serve_load.py --preset qwen3vl-2b --out new.json
-    python bench/serve_load.py --preset qwen3vl-2b --serve-arg "--engine hf" --out old.json
+    python bench/serve_load.py --preset qwen3vl-2b --out eager.json
+    python bench/serve_load.py --preset qwen3vl-2b --serve-arg=--compile --out compiled.json
 
-`mean_batch` is the server's vlforge_batch_size histogram: requests per batch with --engine hf,
-requests joining the running batch together with the default engine; `max_running` (from
-/health) is the most requests generating at once so far.
+`mean_batch` is the server's vlforge_batch_size histogram: requests joining the running batch
+together; `max_running` (from /health) is the most requests generating at once so far.
 """
 
 from __future__ import annotations

@@ -30,3 +30,25 @@ def compiled_on_cpu(engine, monkeypatch, buckets=None):
 
     monkeypatch.setattr(engine, "_run_steps", run_steps)
     return engine
+
+
+@torch.no_grad()
+def transformers_answers(vlm, requests) -> list[tuple[str, str]]:
+    """transformers' own `generate` on an InferenceModel's requests, greedy, one request at a time
+    (no padding): (text, finish reason) each. The reference the engine's answers are compared with;
+    stop strings are not applied (the requests compared have none that occur)."""
+    from vlforge.data.encode import collate
+
+    out = []
+    for r in requests:
+        batch = collate([vlm._item(r)], vlm.encoder.pad_id, left_pad=True)
+        inputs = {k: v.to(vlm.device) for k, v in batch.items()}
+        with torch.autocast(vlm.device.type, dtype=torch.bfloat16, enabled=vlm.device.type == "cuda"):
+            ids = vlm.model.generate(**inputs, max_new_tokens=r.max_new_tokens, do_sample=False,
+                                     min_new_tokens=r.min_new_tokens or None, pad_token_id=vlm.encoder.pad_id,
+                                     eos_token_id=vlm.end_ids, suppress_tokens=vlm.banned_ids())
+        new = ids[0, inputs["input_ids"].shape[1]:].tolist()
+        ended = bool(new) and new[-1] in vlm.end_ids
+        out.append((vlm.tokenizer.decode(new[:-1] if ended else new, skip_special_tokens=True),
+                    "stop" if ended else "length"))
+    return out

@@ -103,31 +103,40 @@ def test_shared_prompt_kv_gives_the_tokens_of_a_copy_per_row(setup):
     assert engine._group == 0
 
 
-def test_the_additive_step_mask_gives_the_tokens_of_the_boolean_one(setup):
-    """The decode step's additive mask (built once a step) against the boolean one SDPA converts
-    per layer, fp32: the same tokens and log-probs through GroupCache (3 samples a request) and
-    SlotCache (1), sampled; a row that reads nothing (a padding row) gets finite output, not NaN."""
-    from vlforge.generate.engine import _decode_attention_grouped, step_mask
+def test_the_additive_step_mask_attends_as_torch_sdpa_with_the_boolean_mask():
+    """The decode step's additive mask (built once a step, in the KV dtype) through the engine's two
+    decode attentions against torch's SDPA given the boolean mask with the KV heads repeated (an
+    independent reference): the same output; a row that reads nothing (a padding row) gets finite
+    output, not NaN; a row sees nothing past its length."""
+    import torch.nn.functional as F
 
-    model, encoder, samples = setup
-    for n in (3, 1):
-        requests = [GenRequest(prompt_of(encoder, samples[i]), n=n, max_new_tokens=4 + 3 * i, temperature=1.0,
-                               top_k=20, seed=4, first_row=n * i) for i in range(3)]
-        additive, boolean = (Engine(model, sync_every=2, additive_mask=a) for a in (True, False))
-        ours = run(additive, encoder, requests, stop_ids=[])
-        assert additive._mask_dtype == torch.float32 and boolean._mask_dtype is None
-        assert additive._group == (3 if n == 3 else 0)
-        for a, b in zip(ours, run(boolean, encoder, requests, stop_ids=[])):
-            assert torch.equal(a.tokens, b.tokens), (n, a.request, a.sample)
-            torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=1e-5)
+    from vlforge.generate.engine import _decode_attention, _decode_attention_grouped, step_mask
+
     keep = torch.tensor([[True, False, True], [False, False, False]])
     mask = step_mask(keep, torch.bfloat16)
     assert mask.dtype == torch.bfloat16 and mask[0].tolist() == [0, torch.finfo(torch.bfloat16).min, 0]
-    assert step_mask(keep, None) is keep
     q, kv = torch.randn(2, 4, 1, 8), torch.randn(1, 2, 3, 8)  # 2 rows of one group, 4 q heads, 2 kv heads
     mask_P1QL = step_mask(keep[:, None].expand(2, 2, 3).reshape(1, 1, 4, 3), torch.float32)
     out, _ = _decode_attention_grouped(None, q, kv, kv, mask_P1QL, scaling=0.3)
     assert torch.isfinite(out).all()
+    want = F.scaled_dot_product_attention(q[:1], kv.repeat_interleave(2, dim=1), kv.repeat_interleave(2, dim=1),
+                                          attn_mask=keep[0][None, None, None], scale=0.3)  # row 0 reads 0 and 2
+    torch.testing.assert_close(out[0], want[0].transpose(0, 1))
+
+    torch.manual_seed(0)
+    S, Hq, Hkv, Lb, D = 5, 8, 2, 256, 16
+    q, k, v = torch.randn(S, Hq, 1, D), torch.randn(S, Hkv, Lb, D), torch.randn(S, Hkv, Lb, D)
+    lengths = torch.tensor([1, 17, 128, 200, 256])
+    keep_S11L = (torch.arange(Lb)[None] < lengths[:, None])[:, None, None, :]
+    ours, _ = _decode_attention(None, q, k, v, step_mask(keep_S11L, torch.float32), scaling=0.3)
+    want = F.scaled_dot_product_attention(q, k.repeat_interleave(Hq // Hkv, dim=1), v.repeat_interleave(Hq // Hkv, dim=1),
+                                          attn_mask=keep_S11L, scale=0.3)
+    assert ours.shape == (S, 1, Hq, D)
+    torch.testing.assert_close(ours, want.transpose(1, 2), atol=1e-5, rtol=1e-5)
+    k2 = k.clone()
+    k2[0, :, 1:] = 100.0  # past row 0's length
+    torch.testing.assert_close(_decode_attention(None, q, k2, v, step_mask(keep_S11L, torch.float32), scaling=0.3)[0][0],
+                               ours[0])
 
 
 def test_prefill_pixels_cast_on_the_host_give_the_tokens_of_the_towers_own_cast(setup, monkeypatch):
@@ -328,42 +337,6 @@ def test_two_level_inverse_cdf_draws_the_full_vocabulary_inverse_cdf():
     cdf = torch.tensor([[0.2, 0.5, 0.5], [0.2, 0.5, 0.9]])
     possible = torch.tensor([[True, True, False], [True, True, True]])
     assert _first_above(cdf, torch.tensor([0.5, 0.3]), possible).tolist() == [1, 1]
-
-
-def test_flex_decode_attention_equals_sdpa():
-    """The flex decode attention (grouped-query heads, rows masked at their own lengths) equals the
-    sdpa one on the same [S, heads, 1, D] queries and [S, kv heads, Lb, D] cache."""
-    from vlforge.generate.engine import _decode_attention, _decode_attention_flex
-
-    torch.manual_seed(0)
-    S, Hq, Hkv, Lb, D = 5, 8, 2, 256, 16
-    q, k, v = torch.randn(S, Hq, 1, D), torch.randn(S, Hkv, Lb, D), torch.randn(S, Hkv, Lb, D)
-    lengths = torch.tensor([1, 17, 128, 200, 256])
-    mask = (torch.arange(Lb)[None] < lengths[:, None])[:, None, None, :]
-    flex, _ = _decode_attention_flex(None, q, k, v, mask, scaling=0.3)
-    sdpa, _ = _decode_attention(None, q, k, v, mask, scaling=0.3)
-    assert flex.shape == sdpa.shape == (S, 1, Hq, D)
-    torch.testing.assert_close(flex, sdpa, atol=1e-5, rtol=1e-5)
-    # a row sees nothing past its length: changing the cache there leaves its output alone
-    k2 = k.clone()
-    k2[0, :, 1:] = 100.0
-    torch.testing.assert_close(_decode_attention_flex(None, q, k2, v, mask, scaling=0.3)[0][0], flex[0])
-    with pytest.raises(ValueError, match="decode_attention"):
-        Engine(torch.nn.Linear(1, 1), decode_attention="flash")
-
-
-@pytest.mark.gpu
-def test_flex_decode_engine_equals_sdpa_on_cuda(setup):
-    """Compiled CUDA-graph steps with decode_attention="flex" give the sdpa engine's tokens (fp32)."""
-    model, encoder, samples = setup
-    model = model.cuda()
-    requests = [GenRequest(prompt_of(encoder, samples[i]), n=2, max_new_tokens=4 + 6 * i, temperature=1.0, seed=3,
-                           first_row=2 * i) for i in range(3)]
-    reference = run(Engine(model, use_graphs=True, compile=True), encoder, requests, stop_ids=[])
-    flex = Engine(model, use_graphs=True, compile=True, decode_attention="flex")
-    for a, b in zip(run(flex, encoder, requests, stop_ids=[]), reference):
-        assert torch.equal(a.tokens, b.tokens)
-        torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("share_prompt", [False, True])

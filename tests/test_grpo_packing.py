@@ -229,15 +229,11 @@ def test_packed_layout_keeps_real_tokens_in_sequence_order():
 
 
 def test_auto_packing_is_on_where_attention_runs_per_sample(tiny):
-    from vlforge.train.packed_attention import keep_mask_attention
-
     model = copy.deepcopy(tiny[0])
     assert packing_enabled(model, "auto") and not packing_enabled(model, False) and packing_enabled(model, True)
     eager = copy.deepcopy(model)
     eager.model.language_model.config._attn_implementation = "eager"
     assert not packing_enabled(eager, "auto")
-    keep_mask_attention(model)  # model.packed_attention=mask: a dense [T, T] mask
-    assert not packing_enabled(model, "auto")
     with pytest.raises(ConfigError, match="rl.packing"):
         load_config(GRPOConfig, None, ["rl.packing=sometimes"])
 

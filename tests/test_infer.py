@@ -312,21 +312,6 @@ def test_cancelled_row_stops_at_the_next_token_and_the_batch_goes_on(engine):
     assert done.text == alone.text and done.completion_tokens == n and done.finish_reason == "length"
 
 
-def test_engine_flag_keeps_the_old_generate_path(tiny_dir, capsys):
-    """`--engine hf` answers through transformers generate, the default through generate/'s engine:
-    the same greedy answer; a bad name is a usage error."""
-    from vlforge.cli import main
-
-    answers = []
-    for flag in ([], ["--engine", "hf"]):
-        assert main(["infer", str(tiny_dir), "--device", "cpu", "--prompt", "hi", "--max-new-tokens", "6", *flag]) == 0
-        answers.append(capsys.readouterr().out)
-    assert answers[0] == answers[1] and answers[0].strip()
-    with pytest.raises(SystemExit) as e:
-        main(["infer", str(tiny_dir), "--engine", "vllm", "--prompt", "hi"])
-    assert e.value.code == 2 and "invalid choice" in capsys.readouterr().err
-
-
 def test_infer_sends_the_videos_frames_to_the_model(engine, tmp_path, monkeypatch):
     """`vlforge infer --video` (recipes/infer.answer): what generate/'s engine prefills holds the
     video as transformers' processor makes it of the decoded file (PyAV, sampled by its video

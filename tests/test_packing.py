@@ -305,8 +305,8 @@ def test_packed_training_equals_padded_and_keeps_grad_accum_invariance(shapes_di
     run_sft(tiny_sft_config(shapes_dir, tmp_path / "pack", *common, "train.batch_size=4", "data.packing=true"))
     assert ours.calls == 2 * 2 and masks.calls == 0  # 2 steps x 2 decoder layers
     run_sft(tiny_sft_config(shapes_dir, tmp_path / "mask", *common, "train.batch_size=4", "data.packing=true",
-                            "model.packed_attention=mask"))
-    assert ours.calls == 2 * 2  # the dense-mask path, kept for measurements: transformers' own sdpa
+                            "model.attn_implementation=eager"))
+    assert ours.calls == 2 * 2  # the reference: transformers' eager attention through its dense block-diagonal mask
     run_sft(tiny_sft_config(shapes_dir, tmp_path / "accum", *common, "train.batch_size=2", "train.grad_accum=2",
                             "data.packing=true"))
     pad = _final(tmp_path / "pad")
@@ -319,7 +319,7 @@ def test_packed_training_equals_padded_and_keeps_grad_accum_invariance(shapes_di
 
 def test_packing_auto_packs_where_the_varlen_flash_kernel_runs(tiny, monkeypatch):
     """data.packing=auto resolves per model and device: a CUDA device of sm80+ with sdpa's per-sample
-    attention packs; the CPU, an older GPU, eager attention and the dense-mask path do not. An
+    attention packs; the CPU, an older GPU, and eager attention (a dense mask) do not. An
     unresolved auto never reaches the batching."""
     model = copy.deepcopy(tiny[0])
     monkeypatch.setattr(packed_attention, "flash_capable", lambda index: index == 0)  # device 0 is an sm80+ GPU
@@ -335,8 +335,6 @@ def test_packing_auto_packs_where_the_varlen_flash_kernel_runs(tiny, monkeypatch
     eager = copy.deepcopy(model)
     eager.model.language_model.config._attn_implementation = "eager"
     assert not packed_attention.packing_pays(eager, torch.device("cuda", 0))
-    packed_attention.keep_mask_attention(model)  # model.packed_attention=mask
-    assert not packed_attention.packing_pays(model, torch.device("cuda", 0))
     cfg = load_config(SFTConfig, None, [])
     assert cfg.data.packing == "auto"
     with pytest.raises(ValueError, match="must be resolved"):

@@ -194,8 +194,7 @@ def _load_model(args, slots: int = 1):
     if args.min_pixels is not None and args.max_pixels is not None and args.min_pixels > args.max_pixels:
         raise ConfigError(f"--min-pixels {args.min_pixels} is above --max-pixels {args.max_pixels}")  # before loading
     vlm = InferenceModel.load(args.source, quant=quant, device=args.device, min_pixels=args.min_pixels,
-                                  max_pixels=args.max_pixels, engine=getattr(args, "engine", "vlforge"),
-                                  compile=args.compile)
+                              max_pixels=args.max_pixels, compile=args.compile)
     if vlm.quant_report:
         from vlforge.model.quant import format_report
 
@@ -390,9 +389,6 @@ def _model_source_args(p: argparse.ArgumentParser) -> None:
                    help="quantize the language model at load (vision tower and projector stay bf16); default "
                         "none, except a QLoRA checkpoint, which loads on its run's quantized base")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--engine", choices=["vlforge", "hf"], default="vlforge",
-                   help="generation: vlforge = generate/'s engine (continuous batching, as GRPO rollouts); hf = "
-                        "transformers generate, requests batched by sampling settings (the old path, for comparison)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile generate/'s decode step (CUDA, unquantized; 1.9x faster decode steps for 64 "
                         "rows of the 2B on an H200) "

@@ -44,7 +44,6 @@ class Recipe:
     packing: bool | str = False  # data.packing (SFT): auto packs where the varlen flash kernel runs
     precision_mode: str = "bf16"
     attn_implementation: str = "sdpa"
-    packed_attention: str = "per_sample"
     cuda_graphs_detail: str | None = None  # precision.cuda_graphs: what it graphs here, or why it is refused
     cuda_graphs_ok: bool = True
     tools: str | None = None  # GRPO rollout.tools: the tools loaded, or why they cannot run
@@ -112,7 +111,6 @@ def recipe_from_config(cfg: SFTConfig | GRPOConfig, config: str | None, cuda_ava
         grpo=isinstance(cfg, GRPOConfig),
         packing=False if isinstance(cfg, GRPOConfig) else cfg.data.packing,  # GRPO packs by rl.packing
         attn_implementation=cfg.model.attn_implementation,
-        packed_attention=cfg.model.packed_attention,
         precision_mode=cfg.precision.mode,
         cuda_graphs_detail=graphs,
         cuda_graphs_ok=graphs_ok,
@@ -290,7 +288,7 @@ def _kernel_checks(recipe: Recipe, libs: dict[str, dict[str, Any]]) -> list[Chec
     if recipe.packing == "auto" and device is not None:  # what the recipe will do; informational
         from vlforge.train.packed_attention import packing_problem
 
-        problem = packing_problem(device, recipe.attn_implementation, recipe.packed_attention, recipe.precision_mode)
+        problem = packing_problem(device, recipe.attn_implementation, recipe.precision_mode)
         checks.append(Check("recipe packing", "ok", f"data.packing=auto -> padded rows: {problem}" if problem else
                             f"data.packing=auto -> packed rows on {device} (torch's varlen flash kernel)"))
 

@@ -72,7 +72,7 @@ MAX_STOP_IDS = 8
 # what a failed torch.compile of a decode step raises (graph breaks under fullgraph, guards that
 # specialized a marked size, backend failures): errors of the model itself are none of these
 COMPILE_ERRORS = (torch._dynamo.exc.TorchDynamoException, ConstraintViolationError)
-DECODE_ATTENTION = {"sdpa": "vlforge_decode", "flex": "vlforge_decode_flex"}  # Engine(decode_attention=...)
+DECODE_ATTENTION = "vlforge_decode"  # the decode step's attention (SlotCache), registered below
 GROUPED_ATTENTION = "vlforge_decode_grouped"  # GroupCache's (Engine(share_prompt=True))
 
 
@@ -226,9 +226,9 @@ class Feed:
 
 
 def _mask_for(mask, query):
-    """The step mask as SDPA takes it for `query`: boolean, or additive in the query's dtype (the
-    engine builds one additive mask in the usual dtype; a layer an override runs in fp32 casts it)."""
-    return mask if mask is None or mask.dtype in (torch.bool, query.dtype) else mask.to(query.dtype)
+    """The additive step mask in the query's dtype (the engine builds one additive mask in the usual
+    dtype; a layer an override runs in fp32 casts it)."""
+    return mask if mask is None or mask.dtype == query.dtype else mask.to(query.dtype)
 
 
 def _decode_attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -242,27 +242,6 @@ def _decode_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     out = F.scaled_dot_product_attention(query.reshape(S, Hkv, Hq // Hkv, D), key, value,
                                          attn_mask=_mask_for(attention_mask, query), scale=scaling)
     return out.reshape(S, Hq, 1, D).transpose(1, 2), None
-
-
-def _decode_attention_flex(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
-    """The same attention through torch's flex_attention (grouped-query heads in the kernel). When
-    compiled, inductor picks its decode kernel for one query token: the KV length split across
-    blocks (flash-decoding), where SDPA's kernels parallelise over rows and heads only (cudnn's read
-    the 2B decode cache at ~60% of HBM bandwidth). Eager (uncompiled) flex is a slow reference
-    path, so the engine takes it only with compile. Masked by the [S, 1, 1, Lb] mask's row (boolean
-    or additive).
-    Kept for comparison: on an H200 it was slower than sdpa (6.33 vs 3.82 ms a 2B step)."""
-    from torch.nn.attention.flex_attention import flex_attention
-
-    keep_SL = attention_mask[:, 0, 0]
-    if keep_SL.dtype != torch.bool:  # the additive step mask: 0 where a row reads
-        keep_SL = keep_SL == 0
-
-    def length_mask(score, b, h, q_idx, kv_idx):
-        return torch.where(keep_SL[b, kv_idx], score, float("-inf"))
-
-    out = flex_attention(query, key, value, score_mod=length_mask, enable_gqa=True, scale=scaling)
-    return out.transpose(1, 2), None
 
 
 def _decode_attention_grouped(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
@@ -281,9 +260,8 @@ def _decode_attention_grouped(module, query, key, value, attention_mask, dropout
     return out.reshape(P, Hkv, G, Hq // Hkv, D).transpose(1, 2).reshape(S, 1, Hq, D), None
 
 
-AttentionInterface.register(DECODE_ATTENTION["sdpa"], _decode_attention)
+AttentionInterface.register(DECODE_ATTENTION, _decode_attention)
 AttentionInterface.register(GROUPED_ATTENTION, _decode_attention_grouped)
-AttentionInterface.register(DECODE_ATTENTION["flex"], _decode_attention_flex)
 
 
 class SlotCache:
@@ -427,15 +405,12 @@ def _attention(config, name: str):
         config._attn_implementation = previous
 
 
-def step_mask(keep: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor:
+def step_mask(keep: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """A decode step's attention mask from its boolean `keep`: additive (0 where read, the dtype's
-    minimum elsewhere: finite, so a padding row that reads nothing gets finite garbage, not NaN) when
-    `dtype` is given, else `keep` itself. Built once a step where SDPA converts a boolean mask in
-    every layer. (An eager microbenchmark had the grouped attention ~2x faster with it; in the
+    minimum elsewhere: finite, so a padding row that reads nothing gets finite garbage, not NaN).
+    Built once a step where SDPA would convert a boolean mask in every layer. (An eager microbenchmark had the grouped attention ~2x faster with it; in the
     compiled, captured 2B step the two measured the same, 3.61 vs 3.62 ms on an H200: the
     benchmark's gap was launch cost. docs/benchmarks-log.md, 2026-12-03, "The additive step mask".)"""
-    if dtype is None:
-        return keep
     return torch.where(keep, 0.0, torch.finfo(dtype).min).to(dtype)
 
 
@@ -543,9 +518,6 @@ class Engine:
     1.9x faster steps on an H200 (2B, 64 rows: 7.4 -> 3.8 ms) for a compile of ~80-95 s, once per
     engine (dynamic shapes: one compile serves every bucket of 2 slots or more; its time counts in
     capture_s). Worth it for a GRPO run, not for one eval pass. Default for generate(compile=None).
-    decode_attention: "sdpa" (default; measured) or "flex" (flex_attention's decode kernel, compiled
-    steps only, eager ones keep sdpa). Measured on an H200 (64 x 256): 1.66x (2B) and 2.07x (8B)
-    slower than sdpa's decode, so sdpa stays the default (docs/benchmarks-log.md, 2026-12-02, "sdpa vs flex decode").
     compact: at a sync point with nobody waiting, move running rows down into freed slots when that
     shrinks the step's slot bucket (_compact); False keeps every row in its first slot.
     share_prompt: a call whose requests all have the same n >= 2 samples (and no feed) stores each
@@ -558,8 +530,6 @@ class Engine:
     Measured on an H200 (2B, 256 requests of 16-512 tokens through 64 slots, joins at every sync
     point): 92 prefills of ~59 ms each took 5.4 s of the 11.3 s run, the decode steps 5.8 s
     (docs/benchmarks-log.md, 2026-12-02, "FSDP2 units at world size 1"). 0: join at every sync point where a slot freed.
-    additive_mask: the decode step's mask additive in the KV dtype, built once a step (step_mask);
-    False passes the boolean one (SDPA then converts it in every layer; kept for bench/generate.py's A/B).
     fuse_projections: each decoder layer's q/k/v projections, and its MLP's gate/up, computed as one
     GEMM each in the prefill and the decode steps (generate/fused.py; weights that need no gradient
     only: inference models, frozen LoRA bases and GRPO's rollout copies). False: one GEMM per
@@ -568,10 +538,7 @@ class Engine:
 
     def __init__(self, model, *, max_slots: int = 256, sync_every: int = 8, use_graphs: bool | None = None,
                  compile: bool = False, max_prefill_tokens: int = 32768, compact: bool = True,
-                 decode_attention: str = "sdpa", join_share: float = 0.125, share_prompt: bool = True,
-                 additive_mask: bool = True, fuse_projections: bool = True):
-        if decode_attention not in DECODE_ATTENTION:
-            raise ValueError(f"decode_attention: one of {sorted(DECODE_ATTENTION)}, got {decode_attention!r}")
+                 join_share: float = 0.125, share_prompt: bool = True, fuse_projections: bool = True):
         self._core = weakref.ref(unwrap(model))  # the engine lives as long as its model, not longer
         self.lm = self.core.model.language_model
         self.text_config = self.lm.layers[0].self_attn.config
@@ -582,13 +549,11 @@ class Engine:
         if not 0.0 <= join_share <= 1.0:
             raise ValueError(f"join_share: a share of the slots in [0, 1], got {join_share}")
         self.join_share = join_share
-        self.decode_attention = decode_attention
         self.share_prompt = share_prompt
-        self.additive_mask = additive_mask
         self.fuse_projections = fuse_projections
         self._fused: FusedProjections | None = None  # the model's fusable groups (built at the first call)
         self._fusing = False  # this call's forwards run the fused projections (part of the graph key)
-        self._mask_dtype: torch.dtype | None = None  # this call's step mask dtype (None: boolean)
+        self._mask_dtype = torch.float32  # this call's step mask dtype (the usual KV dtype)
         self._group = 0  # this call's GroupCache group size G (0: SlotCache)
         self._compiled = self._compiled_pick = self._compiled_grouped = None
         # what _step calls: eager or compiled, set per call
@@ -734,9 +699,8 @@ class Engine:
                                                         st.pos[:S].view(P, G))
         else:
             self.cache.bind(length_S, span_L)
-            attention = DECODE_ATTENTION["flex" if self.decode_attention == "flex" and self._step_compiled else "sdpa"]
             mask_S11L = step_mask((span_L[None] <= length_S[:, None])[:, None, None, :], self._mask_dtype)  # own slot too
-            with _attention(self.text_config, attention), routes, self._fusion():
+            with _attention(self.text_config, DECODE_ATTENTION), routes, self._fusion():
                 hidden_SH = self._decode_hidden(self.core, self.cache, st.tok[:S, None], mask_S11L, st.pos[:S])
         tok_S, logp_S = self._pick(self.core.lm_head(hidden_SH), self.banned, self.is_stop, st.count[:S] < st.min_new[:S],
                                    st.temperature[:S], st.top_k[:S], st.top_p[:S], st.key[:S], st.count[:S], mode)
@@ -929,7 +893,7 @@ class Engine:
                              f"{n_slots} slots (raise slots / max_slots)")
         kv_dtype = self._kv_dtypes(device)
         # the additive step mask in the usual KV dtype (a layer computing in another casts it: _decode_attention)
-        self._mask_dtype = self._kv_dtype(device) if self.additive_mask else None
+        self._mask_dtype = self._kv_dtype(device)
         use_graphs = self._graphs_on(device)
         compiled = use_graphs and (compile if compile is not None else self.compile)
         # torch.compile specializes a dimension of size 1 (dynamic=True or not): a one-row step would
@@ -945,8 +909,8 @@ class Engine:
         sizes = {r.n for r in requests.values()}
         # every request n = G >= 2 samples, all known now (GRPO, eval with n > 1): a GroupCache, each
         # prompt's KV read once per group
-        self._group = G = sizes.pop() if (self.share_prompt and feed is None and len(sizes) == 1 and min(sizes) >= 2
-                                          and self.decode_attention == "sdpa") else 0
+        self._group = G = sizes.pop() if (self.share_prompt and feed is None and len(sizes) == 1
+                                          and min(sizes) >= 2) else 0
         prompt_span = max(len(r.prompt.input_ids) for r in requests.values())
         if G:
             groups = n_slots // G  # the call's groups; a step runs a bucket of them (a compiled one at least 2)

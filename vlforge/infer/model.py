@@ -14,10 +14,10 @@ Generation runs on generate/'s engine (the one GRPO rollouts and eval use): ever
 `max_new_tokens`, an end token or a stop string, and its slot is freed at the next sync point.
 `generate_continuous` also takes requests arriving while it runs (the server's batcher): they join
 at a sync point instead of waiting for the batch. `on_text` receives each request's new text as
-it is produced (at sync points), which the server turns into SSE chunks. `engine="hf"` keeps the
-previous path (transformers `generate`, requests batched by sampling settings: hf_generate.py) for
-comparison. Both keep each answer's text in streamer.py's BatchStreamer (incremental detokenizing,
-stop strings, the text streamed as it grows) and return its Completion.
+it is produced (at sync points), which the server turns into SSE chunks. Each answer's text is
+kept in streamer.py's BatchStreamer (incremental detokenizing, stop strings, the text streamed as it
+grows), which returns its Completion. (transformers' own `generate` on the same requests was measured
+3-10x slower under load: docs/benchmarks.md, Serving.)
 """
 
 from __future__ import annotations
@@ -36,20 +36,18 @@ from PIL import Image
 from transformers.image_utils import SizeDict
 
 from vlforge.config import ConfigError, ModelConfig, QuantConfig
-from vlforge.data.encode import Encoder, ImageLimits, VideoLimits, collate, frames_as_images, mm_token_types
+from vlforge.data.encode import Encoder, ImageLimits, VideoLimits, frames_as_images, mm_token_types
 from vlforge.data.video import Video
 from vlforge.data.tokens import max_chars_per_token
 from vlforge.generate.engine import Engine, Feed, GenRequest, GenResult, Prompt
 from vlforge.generate.forward import never_generated
 from vlforge.model.presets import PRESETS
-from vlforge.infer.hf_generate import generate_hf
 from vlforge.infer.shared_images import share_identical_images
 from vlforge.infer.streamer import BatchStreamer, Completion
 
 # Default answer lengths when a request does not say: a class name or a short answer fits in 16 /
 # 64 tokens, and a short cap keeps a model that does not stop from running long; descriptions need more.
 MAX_NEW_TOKENS = {"classify": 16, "qa": 64, "describe": 512}
-ENGINES = ("vlforge", "hf")  # generate/'s engine (default) | transformers generate (the old path, for comparison)
 SYNC_EVERY = 4  # decode steps between sync points: how often text streams, rows leave and requests join
 # Quantization methods whose kernels replay from CUDA graphs with the eager steps' tokens: bitsandbytes'
 # NF4 (its gemv at one row, dequantize + GEMM above: custom ops allocating through torch's caching
@@ -136,7 +134,7 @@ def processor_video_limits(video_processor) -> VideoLimits:
 
 class InferenceModel:
     def __init__(self, model, processor, device: torch.device, name: str, quant_report: dict | None = None, *,
-                 min_pixels: int | None = None, max_pixels: int | None = None, engine: str = "vlforge",
+                 min_pixels: int | None = None, max_pixels: int | None = None,
                  compile: bool = False):
         self.model, self.processor, self.device, self.name = model, processor, device, name
         self.compile = compile  # generate/'s engine compiles its decode step (see warm_up)
@@ -149,9 +147,6 @@ class InferenceModel:
         self.lock = threading.Lock()  # one generate at a time on the model
         self.share_images = True  # a batch's repeated images go through the vision tower once
         self.images_shared = 0  # images not encoded again because an identical one was in their batch
-        if engine not in ENGINES:
-            raise ConfigError(f"--engine {engine!r}: one of {', '.join(ENGINES)}")
-        self.engine_kind = engine
         self.sync_every = SYNC_EVERY
         self._gen: Engine | None = None
         # an inference model: no gradients, and generate/'s engine fuses its projections (generate/fused.py)
@@ -160,10 +155,7 @@ class InferenceModel:
         # tools' images were resized to at most this, and serve resizes a tool message's images so too
         self.tool_image_max_pixels: int | None = None
 
-    @property
-    def continuous(self) -> bool:
-        """Requests can join a running generate (the server's batcher feeds them): generate/'s engine."""
-        return self.engine_kind == "vlforge"
+    continuous = True  # requests can join a running generate (the server's batcher feeds them)
 
     def gen_engine(self) -> Engine:
         """generate/'s engine for this model (its own, not GRPO's engine_for: its slots follow the server).
@@ -178,8 +170,6 @@ class InferenceModel:
     def compile_problem(self) -> str | None:
         """Why `compile` does not apply to this engine (None: it does). The compiled decode step is
         replayed from CUDA graphs: without them (CPU, quantized weights) the steps stay eager."""
-        if not self.continuous:
-            return "the hf engine is transformers generate"
         if self.device.type != "cuda":
             return "the decode step is compiled only on CUDA (it is replayed from CUDA graphs)"
         if self.quant_report:
@@ -232,20 +222,16 @@ class InferenceModel:
     @classmethod
     def load(cls, source: str, quant: QuantConfig | None = None, device: str = "auto",
              dtype: torch.dtype = torch.bfloat16, *, min_pixels: int | None = None,
-             max_pixels: int | None = None, engine: str = "vlforge", compile: bool = False) -> "InferenceModel":
+             max_pixels: int | None = None, compile: bool = False) -> "InferenceModel":
         """`quant=None`: unquantized, except a LoRA checkpoint of a QLoRA run, which gets its run's quant.
-        `min_pixels`/`max_pixels`: image resize bounds; None: the model's processor's own. `engine`:
-        "vlforge" (generate/'s engine) or "hf" (transformers generate, for comparison). `compile`:
+        `min_pixels`/`max_pixels`: image resize bounds; None: the model's processor's own. `compile`:
         generate/'s engine compiles its decode step (call warm_up before serving)."""
-        if engine not in ENGINES:  # before any weight loads
-            raise ConfigError(f"--engine {engine!r}: one of {', '.join(ENGINES)}")
         loaded = cls._load(source, quant, device, dtype)
-        loaded.engine_kind, loaded.compile = engine, compile
-        engine = loaded
+        loaded.compile = compile
         if min_pixels is not None or max_pixels is not None:
-            engine.set_image_limits(min_pixels, max_pixels)
-        engine.tool_image_max_pixels = trained_tool_image_limit(Path(source))
-        return engine
+            loaded.set_image_limits(min_pixels, max_pixels)
+        loaded.tool_image_max_pixels = trained_tool_image_limit(Path(source))
+        return loaded
 
     @classmethod
     def _load(cls, source: str, quant: QuantConfig | None, device: str, dtype: torch.dtype) -> "InferenceModel":
@@ -316,11 +302,6 @@ class InferenceModel:
             item = frames_as_images(item, encoder)
         return item
 
-    def batch_inputs(self, requests: list[Request]) -> dict:
-        """The requests' prompts left-padded into one batch, on the engine's device (engine=hf)."""
-        items = [self._item(r) for r in requests]
-        return {k: v.to(self.device) for k, v in collate(items, self.encoder.pad_id, left_pad=True).items()}
-
     def prompt_tokens(self, request: Request) -> int:
         return len(self.encoder_for(request).token_ids(request.messages, [im.size for im in request.images],
                                                        add_generation_prompt=True, tools=request.tools,
@@ -337,8 +318,6 @@ class InferenceModel:
 
     def generate(self, requests: list[Request], on_text: Callable[[int, str], None] | None = None) -> list[Completion]:
         """Complete every request (on_text(i, new_text) streams request i's answer)."""
-        if self.engine_kind == "hf":
-            return generate_hf(self, requests, on_text)
         out: dict[int, Completion] = {}
         index = {id(r): i for i, r in enumerate(requests)}
         self.generate_continuous(requests, None if on_text is None else lambda r, text: on_text(index[id(r)], text),
@@ -359,14 +338,6 @@ class InferenceModel:
         if on_error is None:
             def on_error(r: Request, e: Exception) -> None:
                 raise e
-        if self.engine_kind == "hf":  # the old path: one batch after another
-            batch = list(first)
-            while batch:
-                for r, c in zip(batch, generate_hf(self, batch, None if on_text is None else
-                                                   lambda i, text, b=batch: on_text(b[i], text))):
-                    on_done(r, c)
-                batch = more() if more is not None else []
-            return
         streamer = BatchStreamer(self, [], None if on_text is None else
                                  lambda row, text: on_text(streamer.requests[row], text))
         rows: dict[int, int] = {}  # ticket -> streamer row

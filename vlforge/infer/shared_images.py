@@ -1,25 +1,17 @@
-"""Identical images in one batch go through the vision tower once.
+"""Identical images of one vision-tower call go through it once.
 
-transformers' `generate` runs the vision tower over every image of its `pixel_values` at prefill,
-so two requests of a batch that send the same picture cost two vision passes. Around one generate
-call, `share_repeated_images` puts two hooks on the vision tower: before it runs, it keeps only the
-first copy of each repeated image's patches (and its grid row); after, it copies each result row
-(the merged image embeddings, every deepstack layer's features, the last hidden state) back to
-every image that repeats it, so the language model gets exactly the rows it would have had.
+A server batch often holds requests that send the same picture; the vision tower would encode each
+copy. Around the engine's calls, `share_identical_images(model, count)` puts two hooks on the vision
+tower: before it runs, it keeps only the first copy of each repeated image's patches (and its grid
+row), keyed by its grid and a digest of its patch rows (equal patches at an equal grid give equal
+features); after, it copies each result row (the merged image embeddings, every deepstack layer's
+features, the last hidden state) back to every image that repeats it, so the language model gets
+exactly the rows it would have had.
 
 Sharing changes nothing but the work: the vision tower's attention is per image (`cu_seqlens`) and
 its position embeddings come from the image's own grid, so an image's features depend on its own
-patches only. "Identical" is decided by the caller's keys (the serve engine: the decoded image's
-bytes, mode and size, and the resize bounds, which fix its pixel values and grid). Hooks, not a
-second vision path: `generate` keeps computing positions, masks and the KV cache its own way.
-
-    keys = [image_key(im, limits) for im in images]      # one per image, in pixel_values order
-    with share_repeated_images(model, keys, inputs["image_grid_thw"]) as saved:
-        model.generate(**inputs, ...)                     # saved: images not encoded again
-
-generate/'s engine prefills requests whenever they join a running batch, so no one call's images
-are known up front: `share_identical_images(model, count)` keys each vision call's images by
-their grid and patch rows instead (equal patches at an equal grid give equal features).
+patches only. Hooks, not a second vision path: the engine's prefill keeps computing positions and
+the KV cache its own way.
 """
 
 from __future__ import annotations
@@ -29,16 +21,9 @@ from contextlib import contextmanager
 from typing import Callable, Iterator
 
 import torch
-from PIL import Image
 
 from vlforge.model.host_inputs import VISION_GRID_KWARGS, VisionGrid
 from vlforge.model.tiers import unwrap
-
-
-def image_key(image: Image.Image, limits) -> tuple:
-    """What makes two images' vision features equal: the same pixels at the same resize bounds."""
-    digest = hashlib.blake2b(image.tobytes(), digest_size=32).digest()
-    return image.mode, image.size, limits.min_pixels, limits.max_pixels, digest
 
 
 class _Plan:
@@ -125,24 +110,6 @@ def _hooked(model, plan_for) -> Iterator[None]:
             h.remove()
 
 
-@contextmanager
-def share_repeated_images(model, keys: list, grid_thw: torch.Tensor | None) -> Iterator[int]:
-    """Within the block, the vision tower of `model` encodes each distinct key once. Yields how many
-    images are not encoded again (0: nothing repeats, and no hook is set)."""
-    if grid_thw is None or len(set(keys)) == len(keys):
-        yield 0
-        return
-    if len(keys) != len(grid_thw):
-        raise ValueError(f"{len(keys)} image keys for {len(grid_thw)} images")
-    plan = _Plan(keys, grid_thw, unwrap(model).model.visual.spatial_merge_size ** 2, grid_thw.device)
-
-    def plan_for(hidden, grid):  # another call (not this batch's images) is left alone
-        return plan if hidden.shape[0] == plan.total and torch.equal(grid, grid_thw) else None
-
-    with _hooked(model, plan_for):
-        yield plan.saved
-
-
 def patch_keys(hidden: torch.Tensor, grid_thw: torch.Tensor) -> list:
     """One key per image of a vision call: its grid and a digest of its patch rows (what the tower
     sees; one device-to-host copy of them)."""
@@ -175,4 +142,4 @@ def share_identical_images(model, count: Callable[[int], None] | None = None) ->
         yield
 
 
-__all__ = ["image_key", "patch_keys", "share_identical_images", "share_repeated_images"]
+__all__ = ["patch_keys", "share_identical_images"]

@@ -31,7 +31,6 @@ from vlforge.train.sharding import frozen_sharded_copy, fully_gathered, no_sync
 from vlforge.train.evaluate import to_device
 from vlforge.train.health import GradHealth
 from vlforge.train.sharding import drop_keepalive_grads
-from vlforge.train.packed_attention import keep_mask_attention
 from vlforge.train.metrics import plot_metric, read_metrics
 from vlforge.train.moe import aux_term, capture, follow
 from vlforge.train.optim import hold_gradients
@@ -96,7 +95,7 @@ def rollout_round(t: Trainable, data: ChatDataset, idx: list[int], cfg: GRPOConf
     # every rank's prompts left after data.on_error=skip: this rank's rows of the global batch are
     # the ones one process would give these prompts (its rollout noise, tested)
     counts = t.world.gather_objects(len(samples))
-    first_row, all_rows = sum(counts[:t.world.rank]) * G, sum(counts) * G
+    first_row = sum(counts[:t.world.rank]) * G
     seed = rollout_seed()  # drawn on every rank, also one with no prompt left: the RNG streams stay in step
     if not samples:
         with fully_gathered(t.root):  # sharded: gathered with the ranks that do roll out
@@ -119,7 +118,7 @@ def rollout_round(t: Trainable, data: ChatDataset, idx: list[int], cfg: GRPOConf
             tool_fields, transcripts = multi.reward_fields, multi.transcripts
         else:
             rollout = generate_groups(t.model, data.encoder, prompts, images, cfg.rollout,
-                                      first_row=first_row, all_rows=all_rows, seed=seed)
+                                      first_row=first_row, seed=seed)
             tok = data.encoder.tokenizer  # decode only each response's own tokens (not the padding after EOS)
             texts = [tok.decode(ids[m.bool()], skip_special_tokens=True)
                      for ids, m in zip(rollout.response_ids.cpu(), rollout.response_mask.cpu())]
@@ -476,8 +475,6 @@ def reference_model(cfg: GRPOConfig, t: Trainable, world: World):
         return None
     if world.sharded:  # sharded as the policy is (each rank copies its own shards)
         empty, _ = build_meta_model(cfg.model, dtype=t.policy.compute_dtype, device=world.device)
-        if cfg.model.packed_attention == "mask":  # as setup_model sets the policy's
-            keep_mask_attention(empty)
         ref_model = frozen_sharded_copy(t.model, empty, world, cfg.distributed, t.policy)
         if t.routing is not None:  # MoE: its routers follow the rollout's experts as the policy's do
             t.routing.attach(empty)
@@ -537,7 +534,7 @@ def run_grpo(cfg: GRPOConfig) -> dict:
             start = time.perf_counter()
             t.model.eval()  # rollouts sample from the policy without dropout
             batches, stats, spare = collect(t, data, stream, run.state, cfg, rewards, tools, run_calls)
-            if not cfg.rollout.keep_kv and cfg.rollout.engine == "vlforge":
+            if not cfg.rollout.keep_kv:
                 engine_for(t.model).release()  # the update gets the KV slots' memory (rollout.keep_kv)
             t_rollout = time.perf_counter() - start
             t.model.train()

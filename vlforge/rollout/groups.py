@@ -23,7 +23,6 @@ from vlforge.generate.engine import GenRequest, engine_for, prompts_of_batch
 from vlforge.generate.forward import (ImageFeatures, cache_of, encode_images, feature_groups,  # noqa: F401
                                       filter_logits, forward_shared, never_generated, rope_positions, token_logprobs)
 from vlforge.generate.routes import NO_ROUTE
-from vlforge.model.tiers import unwrap
 
 
 
@@ -102,17 +101,13 @@ def rollout_seed() -> int:
 
 
 def generate_groups(model, encoder: Encoder, prompts: dict, images_per_prompt: list[int],
-                    cfg: RolloutConfig, first_row: int = 0, all_rows: int | None = None,
-                    seed: int | None = None) -> Rollout:
+                    cfg: RolloutConfig, first_row: int = 0, seed: int | None = None) -> Rollout:
     """Sample `cfg.group_size` responses for each of the B prompts of a left-padded prompt batch.
 
     On generate/'s engine: each prompt prefilled once into its G slots. The noise of a response's
     token is a function of (`seed`, default one drawn by rollout_seed(); its global row first_row +
-    n; step), so N ranks sample what one process samples, whatever the split (`all_rows` is only
-    used by rollout.engine=hf)."""
+    n; step), so N ranks sample what one process samples, whatever the split."""
     seed = rollout_seed() if seed is None else seed
-    if cfg.engine == "hf":
-        return _generate_groups_hf(model, encoder, prompts, images_per_prompt, cfg, first_row, all_rows, seed)
     G, device = cfg.group_size, prompts["input_ids"].device
     requests = [GenRequest(p, n=G, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                            top_k=cfg.top_k, seed=seed, first_row=first_row + b * G)
@@ -146,63 +141,3 @@ def _rollout_routes(results, prompt_lengths: list[int], P: int, R: int, G: int) 
         start = P - prompt_lengths[n // G]
         routes[:, n, start:start + r.routes.shape[1]] = r.routes
     return routes
-
-
-@torch.no_grad()
-def _generate_groups_hf(model, encoder: Encoder, prompts: dict, images_per_prompt: list[int],
-                    cfg: RolloutConfig, first_row: int = 0, all_rows: int | None = None,
-                    seed: int = 0) -> Rollout:
-    """rollout.engine=hf: the plain decode loop on transformers' DynamicCache (for comparison).
-
-    Sampling is Gumbel-max with noise drawn for the rollout's `all_rows` sequences of every rank
-    (this batch being rows first_row.. of them) from one seed taken from the global RNG: a
-    response's tokens depend on its place in the global batch, not on how the batch is split
-    over processes, so N ranks sample what one process samples (the same distribution as
-    multinomial sampling)."""
-    core = unwrap(model)
-    G, device = cfg.group_size, prompts["input_ids"].device
-    ids_BP, mask_BP = prompts["input_ids"], prompts["attention_mask"]
-    grid = prompts.get("image_grid_thw")
-    feats = encode_images(core, prompts.get("pixel_values"), grid, images_per_prompt)
-    pos_3BP = rope_positions(core, ids_BP, mask_BP, encoder.image_token_id, grid)
-
-    out = forward_shared(core, ids_BP, mask_BP, pos_3BP, feats, list(range(len(ids_BP))), use_cache=True)
-    cache = cache_of(out)
-    cache.batch_repeat_interleave(G)  # the G responses of a prompt share its prefill
-    hidden_NH = out.last_hidden_state[:, -1].repeat_interleave(G, 0)
-    mask_NT = mask_BP.repeat_interleave(G, 0)
-    next_pos_N = pos_3BP.amax(dim=(0, 2)).repeat_interleave(G, 0) + 1
-    banned = torch.tensor(never_generated(encoder, model), device=device)
-    end_ids = torch.tensor(encoder.end_ids, device=device)
-
-    N = hidden_NH.shape[0]
-    all_rows = N if all_rows is None else all_rows
-    noise = torch.Generator(device=device).manual_seed(seed)  # the same on every rank
-    tokens, logps = [], []
-    alive_N = torch.ones(N, dtype=torch.bool, device=device)
-    alive_steps = []
-    for step in range(cfg.max_new_tokens):
-        logits_NV = core.lm_head(hidden_NH).float()
-        logits_NV[:, banned] = float("-inf")
-        if cfg.temperature == 0:
-            tok_N = logits_NV.argmax(-1)
-        else:
-            filtered_NV = filter_logits(logits_NV / cfg.temperature, cfg.top_k, cfg.top_p)
-            uniform_NV = torch.rand(all_rows, filtered_NV.shape[-1], generator=noise, device=device)
-            gumbel_NV = -torch.log(-torch.log(uniform_NV[first_row:first_row + N].clamp_min(1e-20)))
-            tok_N = (filtered_NV + gumbel_NV).argmax(-1)
-        tok_N = torch.where(alive_N, tok_N, torch.full_like(tok_N, encoder.pad_id))
-        logps.append(torch.where(alive_N, token_logprobs(logits_NV, tok_N, max(cfg.temperature, 1e-6)), 0.0))
-        tokens.append(tok_N)
-        alive_steps.append(alive_N.clone())
-        alive_N = alive_N & ~torch.isin(tok_N, end_ids)
-        if not bool(alive_N.any()) or step == cfg.max_new_tokens - 1:
-            break
-        mask_NT = torch.cat([mask_NT, alive_steps[-1][:, None].long()], dim=1)
-        pos_3N1 = (next_pos_N + step)[None, :, None].expand(3, -1, -1)
-        out = forward_shared(core, tok_N[:, None], mask_NT, pos_3N1, None, [], cache=cache, use_cache=True)
-        cache = cache_of(out)
-        hidden_NH = out.last_hidden_state[:, -1]
-    response_mask = torch.stack(alive_steps, 1).long()
-    return Rollout(ids_BP, mask_BP, prompts.get("pixel_values"), grid, images_per_prompt,
-                   torch.stack(tokens, 1), response_mask, torch.stack(logps, 1), ~alive_N, G, banned.tolist())

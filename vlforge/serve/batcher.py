@@ -2,8 +2,8 @@
 to `max_batch`, after a gather window of a few ms) and, with a continuous engine (generate/'s:
 `vlm.continuous`), keeps feeding it: at each sync point of the running batch, waiting requests
 join while fewer than `max_batch` decode, and each finished one answers at once (a short request
-no longer waits for the longest of its batch). Other engines (engine=hf, test doubles) get one
-`vlm.generate` per batch. Each request's streamed text goes to its asyncio queue through
+no longer waits for the longest of its batch). A model without `continuous` (the tests' scripted
+ones) gets one `vlm.generate` per batch. Each request's streamed text goes to its asyncio queue through
 `loop.call_soon_threadsafe`.
 
 A job whose client goes away is cancelled (`Job.cancel`): skipped if it has not started, else its

@@ -138,7 +138,7 @@ class ChatRequest(_Schema):
     stream_options: _StreamOptions | None = None
     n: _Int | None = 1
     # OpenAI's: sampling with the same seed (and prompt and settings) gives the same answer (generate/'s
-    # engine: the noise is a function of the seed and the step; engine=hf ignores it)
+    # engine: the noise is a function of the seed and the step)
     seed: _Int | None = None
     # vLLM's extension: no end of turn before this many tokens (benchmarks, and tests of long generations)
     min_tokens: _Int | None = Field(None, ge=0)

@@ -81,12 +81,6 @@ def packed_forward():
         _IN_PACKED_FORWARD.reset(token)
 
 
-def keep_mask_attention(core) -> None:
-    """model.packed_attention=mask: this model's packed rows keep transformers' block-diagonal mask
-    (the previous behaviour, for measurements against it)."""
-    core._vlforge_packed_mask = True  # a plain module attribute: never saved with the weights
-
-
 def runs_sdpa(core) -> bool:
     """Whether the language model's unpacked calls run transformers' sdpa path: `sdpa`, or this
     module's implementation (which is sdpa for every call without packed rows)."""
@@ -95,33 +89,31 @@ def runs_sdpa(core) -> bool:
 
 def per_sample_attention(core) -> bool:
     """Whether this model's packed rows would attend per sample without a [T, T] mask: sdpa (this
-    module; already switched or not) unless model.packed_attention=mask. eager, flex_attention and
-    the mask path build a dense mask over the whole row; flash_attention_2 is varlen too, but not
-    installed where this is tested."""
-    return runs_sdpa(core) and not getattr(core, "_vlforge_packed_mask", False)
+    module; already switched or not). eager and flex_attention build a dense mask over the whole
+    row; flash_attention_2 is varlen too, but not installed where this is tested."""
+    return runs_sdpa(core)
 
 
 def packing_pays(core, device: torch.device, precision: str = "bf16") -> bool:
     """data.packing=auto: pack where a packed row runs the varlen flash kernel (a CUDA device of sm80+,
     a torch with varlen_attn, bf16/fp16 compute (`precision`: precision.mode), per-sample attention:
-    sdpa without packed_attention=mask). Measured there
+    sdpa). Measured there
     (one H200, docs/benchmarks.md, same process): 2B full at BASELINES.md's shapes (16% padding) 1.01-1.12x
     padding, 8B three-tier LoRA 1.17x, the mixed set (36% padding) 1.60x, eager 2B 1.07x; never
     slower since the step's host syncs went (docs/benchmarks-log.md, 2026-12-03). Not measured on the GPU: packed rows
     with FP8, QLoRA or an MoE model (MoE's packed rows equal its padded batch on the CPU,
     tests/test_moe.py). Elsewhere a packed row attends through the per-sample SDPA loop (CPU), a dense
-    [T, T] mask (eager, packed_attention=mask) or paths not measured packed (flex_attention,
+    [T, T] mask (eager) or paths not measured packed (flex_attention,
     flash_attention_2): padded."""
     return per_sample_attention(core) and packing_problem(device, precision=precision) is None
 
 
-def packing_problem(device: torch.device, attn_implementation: str = "sdpa", packed_attention: str = "per_sample",
-                    precision: str = "bf16") -> str | None:
+def packing_problem(device: torch.device, attn_implementation: str = "sdpa", precision: str = "bf16") -> str | None:
     """Why data.packing=auto pads on `device` with these model settings (None: it packs); what
     packing_pays decides, from the config alone (vlforge doctor asks before any model loads)."""
-    if attn_implementation != "sdpa" or packed_attention != "per_sample":
-        return (f"model.attn_implementation={attn_implementation}, model.packed_attention={packed_attention}: auto "
-                "packs only sdpa's per-sample attention (measured); data.packing=true packs anyway")
+    if attn_implementation != "sdpa":
+        return (f"model.attn_implementation={attn_implementation}: auto packs only sdpa's per-sample attention "
+                "(measured); data.packing=true packs anyway")
     if device.type != "cuda":
         return f"on {device.type} a packed row attends through a per-sample SDPA loop, not measured faster than padding"
     if precision not in ("bf16", "fp16"):
@@ -141,7 +133,7 @@ def use_packed_attention(core) -> bool:
     flex_attention restrict packed rows themselves. The switch is permanent for the model (a
     recomputed layer in backward must call the same implementation as its forward did)."""
     text_config = core.model.language_model.config
-    if text_config._attn_implementation == "sdpa" and not getattr(core, "_vlforge_packed_mask", False):
+    if text_config._attn_implementation == "sdpa":
         text_config._attn_implementation = PACKED_ATTENTION
     return text_config._attn_implementation == PACKED_ATTENTION
 

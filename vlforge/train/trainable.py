@@ -26,7 +26,7 @@ from vlforge.train.hardware import bf16_problem, quant_problem
 from vlforge.train.losses import loss_impl_problem
 from vlforge.train.moe import Routing
 from vlforge.train.optim import MASTERS_NEED_ADAMW, optimizer_problem
-from vlforge.train.packed_attention import keep_mask_attention, packing_problem
+from vlforge.train.packed_attention import packing_problem
 from vlforge.train.precision import PrecisionPolicy
 from vlforge.train.runtime import resolve_device
 from vlforge.model.load import build_meta_model, host_dtype, load_model, load_on_host
@@ -171,7 +171,7 @@ def cuda_graphs_problem(cfg: RunConfig, device: torch.device, strategy: str = "n
         return (f"precision.cuda_graphs runs on one CUDA GPU with a dense model's plain layers, not with {where}: "
                 "turn precision.cuda_graphs off")
     if cfg.data.packing == "auto" and (problem := packing_problem(device, cfg.model.attn_implementation,
-                                                                  cfg.model.packed_attention, cfg.precision.mode)):
+                                                                  cfg.precision.mode)):
         return (f"precision.cuda_graphs is built for packed rows, and data.packing=auto pads here ({problem}): set "
                 "data.packing=true, or turn precision.cuda_graphs off")
     return None
@@ -261,8 +261,6 @@ def setup_model(cfg: RunConfig, compile_blocks: bool | None = None, world: World
         fp8_plan = fp8_layer_plan(unwrap(model), cfg.precision.fp8)
         fp8.convert(unwrap(model), fp8_plan)
     policy.apply(model)
-    if cfg.model.packed_attention == "mask":
-        keep_mask_attention(unwrap(model))
     if cfg.precision.gradient_checkpointing:
         _checkpoint_activations(model, cfg.precision.checkpoint_every)
     compiled_parts, cuda_graphs = _compile(model, cfg, device, world, compile_blocks)
