@@ -690,7 +690,7 @@ def test_cli_serve_defaults_are_the_configs(monkeypatch, capsys):
     args = build_parser().parse_args(["serve", "tiny"])
     assert ServeConfig.from_flags(vars(args)) == ServeConfig()  # one set of defaults, not two
     loaded = []
-    monkeypatch.setattr("vlforge.cli._engine", lambda args: loaded.append(args))
+    monkeypatch.setattr("vlforge.commands.inference.load_model", lambda *a, **k: loaded.append(a))
     assert main(["serve", "tiny", "--max-batch", "0"]) == 2
     assert main(["serve", "tiny", "--max-body-mb", "-1"]) == 2
     assert main(["serve", "tiny", "--drain-timeout", "-1"]) == 2
@@ -1047,8 +1047,8 @@ import vlforge.recipes.infer, vlforge.infer.model  # infer, chat and eval load m
 assert not {"uvicorn", "fastapi", "prometheus_client"} & set(sys.modules), "engine/infer pulled in the serve extra"
 from vlforge.serve.app import create_app  # the app itself (e.g. for another ASGI server) needs no uvicorn
 
-import vlforge.cli
-vlforge.cli._engine = lambda args: sys.exit("the model loaded before uvicorn was checked")
+import vlforge.cli, vlforge.commands.inference
+vlforge.commands.inference.load_model = lambda *a, **k: sys.exit("the model loaded before uvicorn was checked")
 sys.exit(vlforge.cli.main(["serve", "tiny", "--device", "cpu"]))
 '''
 
