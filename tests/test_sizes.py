@@ -25,7 +25,6 @@ ALLOWED: dict[str, str] = {
     "vlforge/generate/engine.py": "issue 44 (the engine rewrite)",
     "vlforge/generate/engine.py:Engine.generate": "issue 44 (the engine rewrite)",
     "vlforge/config.py": "issue 42, config ownership (each component owns its config)",
-    "vlforge/rl/core.py:policy_loss": "issue 42, rl part (rl/ is being edited for other issues now)",
 }
 
 

@@ -224,24 +224,7 @@ def policy_loss(
         fraction where dual clip binds; 0 when disabled), ``approx_kl`` (ppo_kl: masked mean of the
         clamped old_logp - logp), ``ratio_mean`` (masked mean of the ratio).
     """
-    if logp.shape != old_logp.shape or logp.shape != mask.shape or logp.dim() != 2:
-        raise ValueError(
-            f"logp, old_logp, mask must all be [N, T]; got {tuple(logp.shape)}, "
-            f"{tuple(old_logp.shape)}, {tuple(mask.shape)}"
-        )
-    if dual_clip is not None and dual_clip <= 1.0:
-        raise ValueError(f"dual_clip must be > 1 (or None to disable), got {dual_clip}")
-    if kind not in POLICY_LOSSES:
-        raise ValueError(f"unknown policy loss {kind!r}; valid: {', '.join(POLICY_LOSSES)}")
-    if dual_clip is not None and kind != "ppo":
-        raise ValueError(f"dual_clip is PPO's (kind='ppo'), not {kind!r}'s")
-    if agg not in AGG_MODES:
-        raise ValueError(f"unknown loss aggregation {agg!r}; valid: {', '.join(AGG_MODES)}")
-    adv = advantages.detach().to(logp.dtype)
-    if adv.shape not in (logp.shape[:1], logp.shape):
-        raise ValueError(f"advantages must be [N] or [N, T] with N, T = {tuple(logp.shape)}, got {tuple(adv.shape)}")
-    adv_NT = adv.unsqueeze(-1).expand_as(logp) if adv.dim() == 1 else adv
-    mask_NT = mask.to(logp.dtype)
+    adv_NT, mask_NT = _policy_loss_inputs(logp, old_logp, advantages, mask, dual_clip, agg, kind)
 
     log_ratio_NT = torch.clamp(logp - old_logp.detach(), -20.0, 20.0)
     ratio_NT = torch.exp(log_ratio_NT)
@@ -267,6 +250,29 @@ def policy_loss(
 
     return agg_loss(loss_NT, mask_NT, agg, norm_length), _stats(clip_frac, clip_frac_lower, log_ratio_NT, ratio_NT,
                                                                mask_NT)
+
+
+def _policy_loss_inputs(logp: Tensor, old_logp: Tensor, advantages: Tensor, mask: Tensor, dual_clip: float | None,
+                        agg: str, kind: str) -> tuple[Tensor, Tensor]:
+    """policy_loss's arguments checked (a ValueError naming the bad one): (adv_NT detached, mask_NT)
+    in logp's dtype."""
+    if logp.shape != old_logp.shape or logp.shape != mask.shape or logp.dim() != 2:
+        raise ValueError(
+            f"logp, old_logp, mask must all be [N, T]; got {tuple(logp.shape)}, "
+            f"{tuple(old_logp.shape)}, {tuple(mask.shape)}"
+        )
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1 (or None to disable), got {dual_clip}")
+    if kind not in POLICY_LOSSES:
+        raise ValueError(f"unknown policy loss {kind!r}; valid: {', '.join(POLICY_LOSSES)}")
+    if dual_clip is not None and kind != "ppo":
+        raise ValueError(f"dual_clip is PPO's (kind='ppo'), not {kind!r}'s")
+    if agg not in AGG_MODES:
+        raise ValueError(f"unknown loss aggregation {agg!r}; valid: {', '.join(AGG_MODES)}")
+    adv = advantages.detach().to(logp.dtype)
+    if adv.shape not in (logp.shape[:1], logp.shape):
+        raise ValueError(f"advantages must be [N] or [N, T] with N, T = {tuple(logp.shape)}, got {tuple(adv.shape)}")
+    return (adv.unsqueeze(-1).expand_as(logp) if adv.dim() == 1 else adv), mask.to(logp.dtype)
 
 
 def _stats(clip_frac: Tensor, clip_frac_lower: Tensor, log_ratio_NT: Tensor, ratio_NT: Tensor,
