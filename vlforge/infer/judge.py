@@ -116,7 +116,7 @@ class ModelJudge:
                  scale: float = 10.0, max_new_tokens: int = 8, batch_size: int = 32, images: bool = True,
                  device: str = "auto", quant: str | None = None, endpoint: str | None = None,
                  timeout_s: float = 120.0, retries: int = 2):
-        """Settings only: a local model loads at the first use of `engine`, so that the recipe can build
+        """Settings only: a local model loads at the first use of `vlm`, so that the recipe can build
         its rewards (and fail on a bad spec) before any model loads and set `device` once the run knows it."""
         self.model = model if model in (None, "tiny") or endpoint else str(Path(model).expanduser())
         self.endpoint = endpoint.rstrip("/") if endpoint else None

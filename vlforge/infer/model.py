@@ -1,7 +1,7 @@
 """Inference: load a model directory or checkpoint (optionally quantized) and generate in batches.
 
-    engine = InferenceModel.load("merged/", quant=QuantConfig.from_flag("nf4"))
-    [out] = engine.generate([Request(messages=[{"role": "user", "content": [
+    vlm = InferenceModel.load("merged/", quant=QuantConfig.from_flag("nf4"))
+    [out] = vlm.generate([Request(messages=[{"role": "user", "content": [
                 {"type": "image"}, {"type": "text", "text": "What colour is the shape?"}]}],
                 images=[Image.open("x.png")], max_new_tokens=16)])
 
@@ -168,7 +168,7 @@ class InferenceModel:
         return self._gen
 
     def compile_problem(self) -> str | None:
-        """Why `compile` does not apply to this engine (None: it does). The compiled decode step is
+        """Why `compile` does not apply to this model's decoding (None: it does). The compiled decode step is
         replayed from CUDA graphs: without them (CPU, quantized weights) the steps stay eager."""
         if self.device.type != "cuda":
             return "the decode step is compiled only on CUDA (it is replayed from CUDA graphs)"

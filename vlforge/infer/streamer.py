@@ -101,7 +101,7 @@ class BatchStreamer:
     """
 
     def __init__(self, vlm, requests: list, on_text: Callable[[int, str], None] | None):
-        """`engine`: the serve engine (its tokenizer and end ids); `requests`: its Requests, the first rows."""
+        """`vlm`: the InferenceModel (its tokenizer and end ids); `requests`: its Requests, the first rows."""
         self.vlm, self.on_text = vlm, on_text
         self.backend = vlm.tokenizer.backend_tokenizer  # the Rust tokenizer DecodeStream steps on
         self.requests: dict[int, object] = {}  # row -> its Request

@@ -1,6 +1,6 @@
 """The batcher: one background thread owns the vlm. It takes whatever requests are waiting (up
-to `max_batch`, after a gather window of a few ms) and, with a continuous engine (generate/'s:
-`vlm.continuous`), keeps feeding it: at each sync point of the running batch, waiting requests
+to `max_batch`, after a gather window of a few ms) and, with a continuous model (generate/'s
+engine: `vlm.continuous`), keeps feeding it: at each sync point of the running batch, waiting requests
 join while fewer than `max_batch` decode, and each finished one answers at once (a short request
 no longer waits for the longest of its batch). A model without `continuous` (the tests' scripted
 ones) gets one `vlm.generate` per batch. Each request's streamed text goes to its asyncio queue through
@@ -274,7 +274,7 @@ class Batcher:
         return stopping
 
     def _run_batch(self, batch: list[Job]) -> None:
-        """One vlm.generate for the batch (engines that take no requests while they run)."""
+        """One vlm.generate for the batch (a model that takes no requests while it runs)."""
 
         def on_text(i: int, text: str, batch=batch) -> None:
             job = batch[i]
