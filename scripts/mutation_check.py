@@ -50,7 +50,7 @@ class Mutation:
 
 MUTATIONS = [
     Mutation(
-        "judge", "vlforge/infer/judge.py",
+        "judge", "vlforge/rl/judge.py",
         # at the top of ModelJudge.__call__ (its signature's last line): every reply unparsed, no model asked
         "                 prompts: list[list[dict]]) -> list[float]:\n",
         "                 prompts: list[list[dict]]) -> list[float]:\n"

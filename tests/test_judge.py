@@ -5,6 +5,7 @@ loopback; the scores are checked against what it was taught. Judges that fail (u
 an endpoint that never answers, refuses or is busy, a batch out of time or memory) stop with an
 error naming the judge and the sample, after bounded retries."""
 
+import functools
 import json
 import socket
 import threading
@@ -16,10 +17,11 @@ import torch
 
 from vlforge.config import ConfigError
 from vlforge.data.jsonl import read_jsonl
+from vlforge.infer.model import InferenceModel
 from vlforge.rl import RewardSpec, batched, build_rewards
 from vlforge.rl.rewards import RewardError
-from vlforge.infer import judge as judge_module
-from vlforge.infer.judge import DEFAULT_PROMPT, JudgeError, ModelJudge, parse_score
+from vlforge.rl import judge as judge_module
+from vlforge.rl.judge import DEFAULT_PROMPT, JudgeError, ModelJudge, parse_score
 
 # The judge is taught (judge_dir) two templates on the first four shapes samples: the default one,
 # answered "yes" when the candidate is the sample's answer and "no" when it is WRONG, and TOPIC
@@ -93,6 +95,10 @@ def test_bad_judge_settings_fail_before_loading(tmp_path):
     with pytest.raises(ConfigError, match=r"retries an integer >= 0 \(got -1\)"):
         ModelJudge.validate(model="tiny", retries=-1)
     ModelJudge.validate(endpoint="http://127.0.0.1:8000/v1", model="served-name")  # a name, not a directory
+    with pytest.raises(ConfigError, match="unexpected keyword argument 'load'; valid keys: model, prompt"):
+        ModelJudge.validate(model="tiny", load="os:system")  # the recipe's loader, never a reward kwarg
+    with pytest.raises(JudgeError, match="judge model tiny: no model loader was given"):
+        ModelJudge.from_kwargs(model="tiny", device="cpu")(["yes"], ["yes"], [{}], [[{"role": "user", "content": "q"}]])
 
 
 # ------------------------------------------------------------------------------ the taught judge
@@ -154,7 +160,7 @@ def test_the_judge_scores_what_its_model_answers_to_each_samples_images_and_resp
     """Each response gets one request (its sample's images, the template filled in with its question,
     reference and response), answered greedily by the judge's model in batches: the scores are what
     the model was taught to answer (yes 1, no 0), in order; every reply parsed."""
-    judge = ModelJudge.from_kwargs(model=str(judge_dir), max_new_tokens=4, batch_size=3, device="cpu")
+    judge = ModelJudge.from_kwargs(load=InferenceModel.load, model=str(judge_dir), max_new_tokens=4, batch_size=3, device="cpu")
     completions, answers, prompts = graded(shown)
     requests = judge.requests(completions, answers, prompts)
     assert [len(r.images) for r in requests] == [1] * 8
@@ -166,7 +172,7 @@ def test_the_judge_scores_what_its_model_answers_to_each_samples_images_and_resp
 
 def test_replies_that_give_no_score_score_0_and_are_counted(shown):
     """The untaught tiny preset (random weights) answers neither yes nor no to these prompts."""
-    judge = ModelJudge.from_kwargs(model="tiny", max_new_tokens=4, device="cpu")
+    judge = ModelJudge.from_kwargs(load=InferenceModel.load, model="tiny", max_new_tokens=4, device="cpu")
     completions, answers, prompts = graded(shown)
     assert judge(completions[:3], answers[:3], [{}] * 3, prompts[:3]) == [0.0] * 3
     assert judge.take_counts() == (3, 3)
@@ -351,7 +357,7 @@ def test_an_endpoint_that_never_answers_or_is_not_there_stops_the_step_after_its
     with Silent() as gone:
         url = gone.url
     rewards = build_rewards([RewardSpec("judge", kwargs={"endpoint": url, "retries": 1})],
-                            factories={"judge": ModelJudge.from_kwargs})
+                            factories={"judge": functools.partial(ModelJudge.from_kwargs, load=InferenceModel.load)})
     with pytest.raises(RewardError, match=r"reward 'judge' failed on a batch of 1: JudgeError: judge endpoint "
                                           rf"{url} gave no reply for sample 0 .* in 2 tries \(last: ConnectionRefused"):
         rewards(completions[:1], answers[:1], [{}], prompts=prompts[:1])
@@ -364,7 +370,7 @@ def test_an_image_the_judge_cannot_read_is_an_error_naming_the_judge_and_the_sam
                                             {"type": "text", "text": "What colour is the shape?"}]}]
     broken = [{"role": "user", "content": [{"type": "image", "image": str(tmp_path / "broken.png")},
                                            {"type": "text", "text": "What colour is the shape?"}]}]
-    local = ModelJudge.from_kwargs(model=str(judge_dir), max_new_tokens=4, device="cpu")
+    local = ModelJudge.from_kwargs(load=InferenceModel.load, model=str(judge_dir), max_new_tokens=4, device="cpu")
     remote = ModelJudge.from_kwargs(endpoint="http://127.0.0.1:9/v1", retries=0)  # fails before it asks
     for judge in (local, remote):
         with pytest.raises(JudgeError, match=rf"judge {judge.where}, sample 1: image file .*gone.png (is missing|not "
@@ -380,12 +386,12 @@ def test_a_local_judge_out_of_time_or_memory(judge_dir, shown, monkeypatch):
     model's); past them, an error naming the samples and what to lower. The out-of-memory is raised
     in front of the real engine for batches over 2 requests: a device whose memory holds two."""
     completions, answers, prompts = graded(shown)
-    late = ModelJudge.from_kwargs(model=str(judge_dir), max_new_tokens=4, device="cpu", timeout_s=1e-9)
+    late = ModelJudge.from_kwargs(load=InferenceModel.load, model=str(judge_dir), max_new_tokens=4, device="cpu", timeout_s=1e-9)
     with pytest.raises(JudgeError, match=rf"judge model {judge_dir}: no reply within timeout_s=1e-09 s for samples "
                                          r"\[0, 1, 2\] \(a batch of 3, up to max_new_tokens=4 each\); raise timeout_s"):
         late(completions[:3], answers[:3], [{}] * 3, prompts[:3])
-    judge = ModelJudge.from_kwargs(model=str(judge_dir), max_new_tokens=4, device="cpu", batch_size=8, retries=2)
-    real, sizes = judge.engine.generate, []
+    judge = ModelJudge.from_kwargs(load=InferenceModel.load, model=str(judge_dir), max_new_tokens=4, device="cpu", batch_size=8, retries=2)
+    real, sizes = judge.vlm.generate, []
 
     def small_device(requests, *args, **kwargs):
         sizes.append(len(requests))
@@ -393,7 +399,7 @@ def test_a_local_judge_out_of_time_or_memory(judge_dir, shown, monkeypatch):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return real(requests, *args, **kwargs)
 
-    monkeypatch.setattr(judge.engine, "generate", small_device)
+    monkeypatch.setattr(judge.vlm, "generate", small_device)
     assert judge(completions, answers, [{}] * 8, prompts) == WANT
     assert sizes == [8, 4, 2, 2, 4, 2, 2]
     judge.retries = 1

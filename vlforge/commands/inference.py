@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import sys
 from pathlib import Path
@@ -182,10 +183,12 @@ def cmd_eval(args) -> int:
             raise ConfigError(f"{'--tool' if args.tool else flag}: {e}") from e
     if reward_specs:  # loaded before the model: a typo fails at once
         from vlforge.rl.rewards import build_rewards
-        from vlforge.infer.judge import ModelJudge
+        from vlforge.infer.model import InferenceModel
+        from vlforge.rl.judge import ModelJudge
 
-        try:  # a judge reward (infer/judge.py) as GRPO builds it; its model loads at first use, on --device
-            rewards = build_rewards(reward_specs, factories={"judge": ModelJudge.from_kwargs})
+        try:  # a judge reward (rl/judge.py) as GRPO builds it; its model loads at first use, on --device
+            rewards = build_rewards(reward_specs,
+                                    factories={"judge": functools.partial(ModelJudge.from_kwargs, load=InferenceModel.load)})
         except (ValueError, FileNotFoundError, AttributeError, TypeError, ImportError) as e:
             raise ConfigError(f"{flag}: {e}") from e
         for fn in rewards.fns:

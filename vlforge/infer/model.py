@@ -27,17 +27,15 @@ import secrets
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
-from PIL import Image
 from transformers.image_utils import SizeDict
 
 from vlforge.config import ConfigError, ModelConfig, QuantConfig
 from vlforge.data.encode import Encoder, ImageLimits, VideoLimits, frames_as_images, mm_token_types
-from vlforge.data.video import Video
+from vlforge.data.request import MAX_NEW_TOKENS, Request  # noqa: F401 (the model's API)
 from vlforge.data.tokens import max_chars_per_token
 from vlforge.generate.engine import Engine, Feed, GenRequest, GenResult, Prompt
 from vlforge.generate.forward import never_generated
@@ -45,10 +43,8 @@ from vlforge.model.presets import PRESETS
 from vlforge.infer.shared_images import share_identical_images
 from vlforge.infer.streamer import BatchStreamer, Completion
 
-# Default answer lengths when a request does not say: a class name or a short answer fits in 16 /
-# 64 tokens, and a short cap keeps a model that does not stop from running long; descriptions need more.
-MAX_NEW_TOKENS = {"classify": 16, "qa": 64, "describe": 512}
 SYNC_EVERY = 4  # decode steps between sync points: how often text streams, rows leave and requests join
+
 # Quantization methods whose kernels replay from CUDA graphs with the eager steps' tokens: bitsandbytes'
 # NF4 (its gemv at one row, dequantize + GEMM above: custom ops allocating through torch's caching
 # allocator), verified on an H100 by tests/test_moe_quant.py's gpu probe (NF4 attention linears and
@@ -76,28 +72,6 @@ def unreplayable_quant(report: dict | None) -> list[str]:
     CUDA graphs (not in REPLAYABLE_QUANT); [] for a plain model."""
     methods = {key.partition(":")[2] for key, n in (report or {}).get("linears", {}).items() if n}
     return sorted(methods - REPLAYABLE_QUANT)
-
-
-@dataclass
-class Request:
-    messages: list[dict]  # chat messages; image (video) parts are {"type": "image"} ({"type": "video"}) placeholders
-    images: list[Image.Image] = field(default_factory=list)
-    videos: list[Video] = field(default_factory=list)  # in order
-    # their frames the model sees (Encoder.decode_video), decoded already (the server does, so that a
-    # corrupt video fails its own request); None: decoded when the request is prepared
-    video_frames: list | None = None
-    max_new_tokens: int = MAX_NEW_TOKENS["qa"]
-    temperature: float = 0.0  # 0 = greedy
-    top_p: float = 1.0
-    stop: list[str] = field(default_factory=list)
-    min_new_tokens: int = 0  # suppress end-of-turn before this many tokens (benchmarks)
-    seed: int | None = None  # sampling noise (generate/'s engine); None: a fresh one per request
-    # this request's image resize bounds (the server's per-request min_pixels/max_pixels); None: the engine's
-    image_limits: ImageLimits | None = None
-    tools: list[dict] | None = None  # function schemas the chat template lists (the client's `tools`)
-    # set from another thread (the server, when the client disconnects): the request's row stops at the
-    # next token, the rest of its batch goes on
-    cancelled: threading.Event = field(default_factory=threading.Event, repr=False, compare=False)
 
 
 @contextmanager

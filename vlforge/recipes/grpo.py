@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import sys
 import time
 
@@ -27,10 +28,9 @@ from vlforge.data.encode import collate, encode_engine_prompt, visuals_per_promp
 from vlforge.data.inline import DataError
 from vlforge.data.sources import check_readable
 from vlforge.train.distributed import World, planned_strategy, torchrun_env
-from vlforge.train.sharding import frozen_sharded_copy, fully_gathered, no_sync
 from vlforge.train.evaluate import to_device
 from vlforge.train.health import GradHealth
-from vlforge.train.sharding import drop_keepalive_grads
+from vlforge.train.sharding import drop_keepalive_grads, frozen_sharded_copy, fully_gathered, no_sync
 from vlforge.train.metrics import plot_metric, read_metrics
 from vlforge.train.moe import aux_term, capture, follow
 from vlforge.train.optim import hold_gradients
@@ -47,7 +47,8 @@ from vlforge.rollout.groups import Rollout, generate_groups, rollout_seed
 from vlforge.rollout.logprobs import packing_enabled, route_rows, sequence_logprobs
 from vlforge.rollout.minibatch import Batch, logprobs_before_update, part_weights, rank_mini_batches, token_rows
 from vlforge.rollout.multiturn import answer_with_tools, generate_with_tools, rollout_tools, tool_images, tool_runner
-from vlforge.infer.judge import ModelJudge
+from vlforge.infer.model import InferenceModel
+from vlforge.rl.judge import ModelJudge
 
 
 def disable_dropout(model) -> None:
@@ -365,7 +366,7 @@ def tool_answers(t: Trainable, cfg: GRPOConfig, tools: dict[str, Tool], run_call
 
 
 def judge_metrics(rewards, world: World) -> dict:
-    """`reward/<key>/unparsed_frac` of each judge reward (infer/judge.py): the share of the step's
+    """`reward/<key>/unparsed_frac` of each judge reward (rl/judge.py): the share of the step's
     replies, every rank's, that gave no score (and scored 0)."""
     row = {}
     for key, fn in zip(rewards.keys, rewards.fns):
@@ -490,7 +491,8 @@ def run_grpo(cfg: GRPOConfig) -> dict:
     try:  # before any model loading: a typo in a reward spec should fail in a second, not after minutes
         # (a judge's model loads at its first use, on the device set below)
         rewards = build_rewards([RewardSpec(r.name, r.weight, dict(r.kwargs)) for r in cfg.rl.rewards],
-                                factories={"judge": ModelJudge.from_kwargs})
+                                factories={"judge": functools.partial(ModelJudge.from_kwargs,
+                                                                       load=InferenceModel.load)})
     except (ValueError, FileNotFoundError, AttributeError, TypeError, ImportError) as e:
         raise ConfigError(f"rl.rewards: {e}") from e
     tools = rollout_tools(cfg)  # a tool or chat template that cannot work fails now, not at the first call
@@ -502,7 +504,7 @@ def run_grpo(cfg: GRPOConfig) -> dict:
         refuse_unsupported_sharded(cfg, world_size, strategy)
     # SIGINT/SIGTERM (train/stop.py): once training runs, the step in progress finishes, then a checkpoint
     with StopSignals() as stop, begin_run(cfg) as (world, resume_from), tool_runner(tools, cfg.rollout) as run_calls:
-        for fn in rewards.fns:  # a judge model loads on this rank's device, beside the policy (infer/judge.py)
+        for fn in rewards.fns:  # a judge model loads on this rank's device, beside the policy (rl/judge.py)
             if isinstance(fn, ModelJudge) and fn.device == "auto":
                 fn.device = str(world.device)
         # compile only when asked: rollout decode shapes change every step and would keep recompiling

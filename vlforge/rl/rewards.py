@@ -21,7 +21,7 @@ arguments are bound with ``functools.partial`` (e.g. ``load_reward("numeric", to
 A batched reward (decorated with :func:`batched`, or any callable with ``batched = True``) scores
 the whole batch in one call, ``fn(completions, answers, fields, prompts) -> list of numbers``:
 ``prompts[i]`` is sample i's prompt messages (chat messages; image parts carry the image path), so
-a reward that runs a model (infer/judge.py's ModelJudge) can batch its work. Names the recipe
+a reward that runs a model (rl/judge.py's ModelJudge) can batch its work. Names the recipe
 builds itself (``judge``) come in as ``factories``.
 """
 

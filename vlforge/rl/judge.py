@@ -12,9 +12,10 @@ A reply that parses as neither scores 0.0 and is counted (logged by the recipe a
 
 Where the judge runs, one of:
 - `model`: a local model, loaded once in the run's process beside the policy on the same device,
-  batched on generate/'s engine (InferenceModel, the loader of `vlforge infer`: a model directory,
-  a checkpoint or the preset `tiny`; never a download); its memory is the model's weights and the
-  KV of `batch_size` prompts.
+  batched on generate/'s engine (through `load`, which the recipe passes: infer/model.InferenceModel.load,
+  the loader of `vlforge infer`: a model directory, a checkpoint or the preset `tiny`; never a
+  download); its memory is the model's weights and the KV of `batch_size` prompts. The judge sees
+  the loaded model only through JudgeModel, so this module stays below the inference package.
 - `endpoint`: an OpenAI-compatible chat-completions server (`vlforge serve` on another GPU or
   machine, vLLM, ...) at that base URL (`http://host:8000/v1`), `batch_size` requests at once, the
   images and video files sent inline as data URLs; `model` is then the served model's name (optional).
@@ -41,6 +42,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Protocol
 from pathlib import Path
 from urllib.parse import urlparse
 
@@ -48,7 +50,7 @@ import torch
 
 from vlforge.config import ConfigError, QuantConfig
 from vlforge.data.jsonl import open_image
-from vlforge.infer.model import InferenceModel, Request
+from vlforge.data.request import Request
 
 DEFAULT_PROMPT = ("You grade answers to questions about images.\nQuestion: {question}\nReference answer: {answer}\n"
                   "Candidate answer: {completion}\nDoes the candidate answer mean the same as the reference answer? "
@@ -107,6 +109,15 @@ class _Deadline(threading.Event):
         return super().is_set() or time.monotonic() >= self.at
 
 
+class JudgeModel(Protocol):
+    """What the judge needs of a local model (infer/model.InferenceModel has it): images and videos
+    decoded as its processor takes them, and greedy completions of chat requests."""
+
+    encoder: Any  # data/encode.Encoder: decode_image(path, where), decode_video(video, where)
+
+    def generate(self, requests: list[Request]) -> list: ...  # completions with .text and .finish_reason
+
+
 class ModelJudge:
     """A batched reward (rl/rewards.py): `judge(completions, answers, fields, prompts)` -> scores."""
 
@@ -115,9 +126,12 @@ class ModelJudge:
     def __init__(self, model: str | None = None, prompt: str = DEFAULT_PROMPT, score: str = "yes_no",
                  scale: float = 10.0, max_new_tokens: int = 8, batch_size: int = 32, images: bool = True,
                  device: str = "auto", quant: str | None = None, endpoint: str | None = None,
-                 timeout_s: float = 120.0, retries: int = 2):
-        """Settings only: a local model loads at the first use of `vlm`, so that the recipe can build
-        its rewards (and fail on a bad spec) before any model loads and set `device` once the run knows it."""
+                 timeout_s: float = 120.0, retries: int = 2, *,
+                 load: Callable[..., JudgeModel] | None = None):
+        """Settings only: a local model loads at the first use of `vlm` (through `load(model, device=,
+        quant=)`, the recipe's loader: not a reward kwarg), so that the recipe can build its rewards
+        (and fail on a bad spec) before any model loads and set `device` once the run knows it."""
+        self.load = load
         self.model = model if model in (None, "tiny") or endpoint else str(Path(model).expanduser())
         self.endpoint = endpoint.rstrip("/") if endpoint else None
         self.prompt, self.score, self.scale = prompt, score, scale
@@ -132,15 +146,17 @@ class ModelJudge:
         return f"endpoint {self.endpoint}" if self.endpoint else f"model {self.model}"
 
     @classmethod
-    def from_kwargs(cls, **kwargs) -> "ModelJudge":
-        """A judge from a reward spec's kwargs, checked first (validate)."""
+    def from_kwargs(cls, load: Callable[..., JudgeModel] | None = None, **kwargs) -> "ModelJudge":
+        """A judge from a reward spec's kwargs, checked first (validate); `load`: the recipe's model loader."""
         cls.validate(**kwargs)
-        return cls(**kwargs)
+        return cls(**kwargs, load=load)
 
     @functools.cached_property
-    def vlm(self) -> InferenceModel:
-        return InferenceModel.load(self.model, device=self.device,
-                                    quant=QuantConfig.from_flag(self.quant) if self.quant else None)
+    def vlm(self) -> JudgeModel:
+        if self.load is None:  # a recipe that builds judges passes its loader (rewards' factories)
+            raise JudgeError(f"judge {self.where}: no model loader was given (ModelJudge.from_kwargs(load=...))")
+        return self.load(self.model, device=self.device,
+                         quant=QuantConfig.from_flag(self.quant) if self.quant else None)
 
     @classmethod
     def validate(cls, **kwargs) -> None:
@@ -148,10 +164,12 @@ class ModelJudge:
         before any model loads): known keys, a local model (a directory, or the test preset `tiny`: the
         other presets are random weights, no judge) or an endpoint URL, the template, the score kind,
         the quant method, the limits."""
+        keys = [k for k in inspect.signature(cls.__init__).parameters if k not in ("self", "load")]
         try:
+            if "load" in kwargs:  # the recipe's loader, never a reward kwarg
+                raise TypeError("got an unexpected keyword argument 'load'")
             bound = inspect.signature(cls.__init__).bind(None, **kwargs)
         except TypeError as e:
-            keys = [k for k in inspect.signature(cls.__init__).parameters if k != "self"]
             raise ConfigError(f"rl.rewards judge kwargs: {e}; valid keys: {', '.join(keys)}") from None
         bound.apply_defaults()
         a = bound.arguments
