@@ -120,7 +120,7 @@ def packing_problem(device: torch.device, attn_implementation: str = "sdpa", pac
     """Why data.packing=auto pads on `device` with these model settings (None: it packs); what
     packing_pays decides, from the config alone (vlforge doctor asks before any model loads)."""
     if attn_implementation != "sdpa" or packed_attention != "per_sample":
-        return (f"model.attn_implementation={attn_implementation}, model.packed_attention={packed_attention}: auto "
+        return (f"model.attention.implementation={attn_implementation}, model.packed_attention={packed_attention}: auto "
                 "packs only sdpa's per-sample attention (measured); data.packing=true packs anyway")
     if device.type != "cuda":
         return f"on {device.type} a packed row attends through a per-sample SDPA loop, not measured faster than padding"

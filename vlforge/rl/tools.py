@@ -10,7 +10,7 @@ A tool is a Python function with type hints and a Google-style docstring; transf
             expression: The expression, e.g. "(2 + 3) * 4".
         \"\"\"
 
-`rollout.tools` names builtins (rl/builtin_tools.py: ``calculator``, ``zoom_in``) or
+`tools.names` names builtins (rl/builtin_tools.py: ``calculator``, ``zoom_in``) or
 ``path/to/file.py:function``. A tool may return images (a PIL image, or a list of text and images):
 the model sees them in its tool message, before the text. A tool with a parameter named ``images``
 gets the prompt's images there (PIL, RGB, full size, in order; the parameter is not in its schema,
@@ -19,7 +19,7 @@ The model calls tools as Qwen3-VL's chat template teaches it: one or more
 ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`` blocks in an assistant turn. Each
 call's result (the function's return value as text, or an error the model can read: unknown tool,
 bad arguments, an exception, a timeout) goes back to it as a tool message, its text cut at
-``rollout.tool_result_chars`` with a note saying so. Pure functions, and a call runs on a thread
+``tools.result_chars`` with a note saying so. Pure functions, and a call runs on a thread
 (run_tool_calls) or in a worker process (ToolProcesses, rl/tool_worker.py); the rollout loop that
 uses them is rollout/multiturn.py.
 """
@@ -43,7 +43,7 @@ from typing import Any, BinaryIO, Callable, Sequence
 
 from PIL import Image
 
-from vlforge.config import RolloutConfig
+from vlforge.config import ToolsConfig
 from vlforge.rl.builtin_tools import BUILTIN_TOOLS
 from vlforge.rl.rewards import load_callable
 
@@ -59,7 +59,7 @@ class Tool:
     name: str
     fn: Callable[..., Any]
     schema: dict  # {"type": "function", "function": {name, description, parameters}}: what the template renders
-    spec: str = ""  # the rollout.tools entry it came from (a worker process loads it again from this)
+    spec: str = ""  # the tools.names entry it came from (a worker process loads it again from this)
 
     @property
     def takes_images(self) -> bool:
@@ -79,7 +79,7 @@ class ToolResult:
     text: str
     ok: bool
     images: tuple[Image.Image, ...] = ()  # RGB images the tool returned: shown to the model before the text
-    cut: int = 0  # characters of the text cut off past rollout.tool_result_chars (a note in the text says so)
+    cut: int = 0  # characters of the text cut off past tools.result_chars (a note in the text says so)
 
 
 def takes_images(fn: Callable[..., Any]) -> bool:
@@ -127,7 +127,7 @@ def load_tools(specs: Sequence[str]) -> dict[str, Tool]:
 
 
 def tool_function(spec: str) -> Callable[..., Any]:
-    """The function of one rollout.tools entry: a builtin name or ``path.py:function`` (ValueError
+    """The function of one tools.names entry: a builtin name or ``path.py:function`` (ValueError
     naming what to fix)."""
     if spec in BUILTIN_TOOLS:
         return BUILTIN_TOOLS[spec]
@@ -250,7 +250,7 @@ def format_tool_calls(calls: Sequence[ToolCall]) -> str:
                      for c in calls)
 
 
-MAX_RESULT_CHARS = RolloutConfig.tool_result_chars  # the default bound of a result's text
+MAX_RESULT_CHARS = ToolsConfig.result_chars  # the default bound of a result's text
 
 
 def _run_one(call: ToolCall, tools: dict[str, Tool], images: Sequence[Image.Image] = (),
@@ -261,7 +261,7 @@ def _run_one(call: ToolCall, tools: dict[str, Tool], images: Sequence[Image.Imag
         return result
     # cut here, where the call returns (in a worker, before the pipe): a tool that returns megabytes
     # costs neither the trainer's memory nor the tokenizer's time. The note goes first, so that the model
-    # reads it whatever rollout.tool_result_tokens then keeps of the text
+    # reads it whatever tools.result_tokens then keeps of the text
     note = f"(cut: the tool returned {len(result.text):,} characters; the first {max_chars:,} follow)\n"
     return replace(result, text=note + result.text[:max_chars], cut=len(result.text) - max_chars)
 
@@ -339,7 +339,7 @@ def run_tool_calls(calls: Sequence[Sequence[ToolCall]], tools: dict[str, Tool], 
     on a daemon thread, so it does not hold the process at exit (concurrent.futures' pools join
     their threads at exit, hence plain threads here). A tool that holds the GIL in one long C call
     delays everything: tools should bound their own work. `images[i]`: the images sequence i's
-    prompt holds, for tools that take them; `max_chars`: rollout.tool_result_chars."""
+    prompt holds, for tools that take them; `max_chars`: tools.result_chars."""
     flat = [(i, j, call) for i, seq in enumerate(calls) for j, call in enumerate(seq)]
     box: dict[tuple[int, int], ToolResult] = {}
 
@@ -363,12 +363,12 @@ def run_tool_calls(calls: Sequence[Sequence[ToolCall]], tools: dict[str, Tool], 
 
 def _warn_cut(results: list[list[ToolResult]], calls: Sequence[Sequence[ToolCall]],
               max_chars: int) -> list[list[ToolResult]]:
-    """`results`, after a warning for each one cut at `max_chars` (rollout.tool_result_chars)."""
+    """`results`, after a warning for each one cut at `max_chars` (tools.result_chars)."""
     for seq, answers in zip(calls, results):
         for call, result in zip(seq, answers):
             if result.cut:
                 warnings.warn(f"vlforge: tool {call.name!r} returned {max_chars + result.cut:,} characters; cut to "
-                              f"rollout.tool_result_chars={max_chars:,}, with a note the model reads", stacklevel=3)
+                              f"tools.result_chars={max_chars:,}, with a note the model reads", stacklevel=3)
     return results
 
 
@@ -394,7 +394,7 @@ def read_frame(stream: BinaryIO):
 
 
 class ToolProcesses:
-    """Tool calls in worker processes (rollout.tool_processes = N > 0), for tools that must not run in
+    """Tool calls in worker processes (tools.processes = N > 0), for tools that must not run in
     the trainer: a call still running at the timeout is stopped (its worker killed, a new one
     started when needed), and a tool that holds the GIL, leaks memory or crashes its interpreter (a
     C extension's segfault) affects its worker only. Workers are `python -m vlforge.rl.tool_worker`
@@ -434,7 +434,7 @@ class ToolProcesses:
                 self._stop(proc)
             from vlforge.config import ConfigError  # the run stops with the reason, as for a bad key
 
-            raise ConfigError(f"rollout.tools: a worker process (rollout.tool_processes) could not load "
+            raise ConfigError(f"tools.names: a worker process (tools.processes) could not load "
                               f"{[spec for _, spec in self.specs]}: {problem}")
         return procs
 

@@ -118,7 +118,7 @@ def generate_groups(model, encoder: Encoder, prompts: dict, images_per_prompt: l
     n; step), so N ranks sample what one process samples, whatever the split (`all_rows` is only
     used by rollout.engine=hf)."""
     seed = rollout_seed() if seed is None else seed
-    if cfg.engine == "hf":
+    if getattr(cfg, "engine", "vlforge") == "hf":  # no config key any more (bench/ sets it on its own)
         return _generate_groups_hf(model, encoder, prompts, images_per_prompt, cfg, first_row, all_rows, seed)
     G, device = cfg.group_size, prompts["input_ids"].device
     requests = [GenRequest(p, n=G, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
