@@ -7,7 +7,7 @@
 8 prompts (one 448x448 image + ~64 prompt tokens each) x 8 samples = 64 sequences, 256 new
 tokens sampled at temperature 1 (EOS disabled so every sequence runs the full length), bf16,
 random weights. Warm: one full-length rollout first (CUDA graphs captured, the decode step
-compiled: `first_run_s`), then the timed one. `--engine hf` times the plain loop (rollout.engine=hf).
+compiled: `first_run_s`), then the timed one. `--engine hf` times the plain loop on transformers' cache (a comparison path, no config key).
 `--lora fused|peft`: the model carries a LoRA adapter as a GRPO policy does (r=16 on the language
 attention, and on every expert of a MoE preset, router frozen; lora_B drawn so the update is not
 zero), with expert LoRA fused (model/moe_lora.py) or through peft's folding ParamWrapper.
@@ -61,7 +61,8 @@ def main() -> None:
         samples = synthetic_samples(args.prompts, tmp, 448, random.Random(0))
         prompts = collate([encode_prompt(encoder, s) for s in samples], encoder.pad_id, left_pad=True)
     prompts = {k: v.cuda() for k, v in prompts.items()}
-    cfg = RolloutConfig(group_size=args.group, max_new_tokens=args.new_tokens, temperature=1.0, engine=args.engine)
+    cfg = RolloutConfig(group_size=args.group, max_new_tokens=args.new_tokens, temperature=1.0)
+    cfg.engine = args.engine  # the comparison loop is chosen here only (rollout/engine.generate_groups reads it)
     start = time.perf_counter()
     generate_groups(model, encoder, prompts, [1] * args.prompts, cfg)  # warm-up at full length
     torch.cuda.synchronize()

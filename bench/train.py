@@ -47,7 +47,7 @@ import time
 import torch
 from PIL import Image
 
-from vlforge.config import ModelConfig, SFTConfig, load_config
+from vlforge.config import AttentionConfig, ModelConfig, SFTConfig, load_config
 from vlforge.data.encode import Encoder, ImageLimits, SampleTokens, collate, encode, pack
 from vlforge.engine.health import GradHealth
 from vlforge.engine.losses import HostPrep
@@ -110,7 +110,7 @@ def run_peer(args, batches) -> dict:
     peft LoRA, fused AdamW."""
     lora = args.method == "lora"
     # the peer is plain transformers: its own per-image sdpa loop in the vision tower too
-    model, _ = load_model(ModelConfig(preset=args.preset, seed=args.seed, vision_attention="sdpa"), dtype=torch.bfloat16 if lora else torch.float32,
+    model, _ = load_model(ModelConfig(preset=args.preset, seed=args.seed, attention=AttentionConfig(vision="sdpa")), dtype=torch.bfloat16 if lora else torch.float32,
                           device=DEVICE)
     if lora:
         from peft import LoraConfig, get_peft_model
@@ -193,7 +193,7 @@ def run_trl(args, samples, n_steps: int) -> dict:
     from trl import SFTConfig as TRLConfig, SFTTrainer
 
     lora = args.method == "lora"
-    model, processor = load_model(ModelConfig(preset=args.preset, seed=args.seed, vision_attention="sdpa"),
+    model, processor = load_model(ModelConfig(preset=args.preset, seed=args.seed, attention=AttentionConfig(vision="sdpa")),
                                   dtype=torch.bfloat16 if lora else torch.float32, device=DEVICE)
     rows = [{"messages": [{"role": m["role"], "content": [{"type": "image"} if c.get("type") == "image" else c
                                                            for c in (m["content"] if isinstance(m["content"], list)

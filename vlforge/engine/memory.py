@@ -265,7 +265,7 @@ def _held_for_backward(per_layer: dict[str, int], cfg, compute_bytes: int) -> fl
         return 0.0
     if not cfg.activation_checkpointing.enabled:
         return float(sum(per_layer.values()) * compute_bytes)
-    # recomputed layers (1 of every checkpoint_every: engine/trainable.checkpoint_selected_blocks) hold
+    # recomputed layers (1 of every activation_checkpointing.every: engine/trainable.checkpoint_selected_blocks) hold
     # one copy at a time, in backward; the others keep theirs from forward to backward
     every = cfg.activation_checkpointing.every
     recomputed = [n for unit, n in per_layer.items() if int(unit.split()[-1]) % every == 0]

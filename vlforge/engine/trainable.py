@@ -230,8 +230,8 @@ def refuse_bad_combinations(cfg: RunConfig, device: torch.device) -> None:
         raise ConfigError("precision.fp8 and quant cannot be combined: FP8 training converts plain bf16 linears, "
                           "a quantized base has none; use QLoRA (quant) or FP8, not both")
     if cfg.precision.fp8.enabled and cfg.precision.fp8.backend == "te" and cfg.activation_checkpointing.enabled:
-        raise ConfigError("precision.fp8.backend=te with gradient_checkpointing: the recomputation runs outside "
-                          "te.autocast; use the torchao backend or turn checkpointing off")
+        raise ConfigError("precision.fp8.backend=te with activation_checkpointing.enabled: the recomputation runs "
+                          "outside te.autocast; use the torchao backend or turn activation checkpointing off")
 
 
 def setup_model(cfg: RunConfig, compile_blocks: bool | None = None, world: World | None = None) -> Trainable:
