@@ -41,9 +41,23 @@ class RunConfig:
     distributed: DistributedConfig = field(default_factory=DistributedConfig)  # FSDP2 / DDP
 
     def __post_init__(self):
-        _require(not (self.compile.cuda_graphs and (self.activation_checkpointing.enabled or self.precision.fp8.enabled)),
+        """The checks across sections, at load (before any model loads), each naming its keys."""
+        fp8, quant, checkpointing = self.precision.fp8, self.quant, self.activation_checkpointing.enabled
+        _require(not (self.compile.cuda_graphs and (checkpointing or fp8.enabled)),
                  "compile.cuda_graphs is built and measured for non-FP8 layers without recomputation: turn off "
                  "activation_checkpointing.enabled and precision.fp8.enabled, or compile.cuda_graphs")
+        _require(not (quant.enabled and self.tiers.method != "lora"),
+                 "quant (QLoRA) needs tiers.method=lora: quantized base weights cannot be trained directly")
+        _require(not (quant.expert_method != "none" and self.tiers.language.experts and self.tiers.expert_lora == "peft"),
+                 "tiers.expert_lora=peft cannot run on NF4 experts: peft's forward adds its update as a "
+                 "parametrization after bitsandbytes' dequantizing one and does not remove it, so every "
+                 "call stacks one more; use tiers.expert_lora=fused (the default) or quant.experts=none")
+        _require(not (fp8.enabled and quant.enabled),
+                 "precision.fp8 and quant cannot be combined: FP8 training converts plain bf16 linears, "
+                 "a quantized base has none; use QLoRA (quant) or FP8, not both")
+        _require(not (fp8.enabled and fp8.backend == "te" and checkpointing),
+                 "precision.fp8.backend=te with activation_checkpointing.enabled: the recomputation runs "
+                 "outside te.autocast; use the torchao backend or turn activation checkpointing off")
 
 
 @dataclass

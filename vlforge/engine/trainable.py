@@ -218,20 +218,8 @@ def refuse_bad_combinations(cfg: RunConfig, device: torch.device) -> None:
         raise ConfigError(MASTERS_NEED_ADAMW.format(name=cfg.optim.name))
     if problem := loss_impl_problem(cfg.loss, device):  # else it would fail at the first step, after loading
         raise ConfigError(problem)
-    if cfg.quant.enabled and cfg.tiers.method != "lora":
-        raise ConfigError("quant (QLoRA) needs tiers.method=lora: quantized base weights cannot be trained directly")
     if cfg.quant.enabled and (problem := quant_problem(cfg.quant, device)):
         raise ConfigError(problem)
-    if cfg.quant.expert_method != "none" and cfg.tiers.language.experts and cfg.tiers.expert_lora == "peft":
-        raise ConfigError("tiers.expert_lora=peft cannot run on NF4 experts: peft's forward adds its update as a "
-                          "parametrization after bitsandbytes' dequantizing one and does not remove it, so every "
-                          "call stacks one more; use tiers.expert_lora=fused (the default) or quant.experts=none")
-    if cfg.precision.fp8.enabled and cfg.quant.enabled:
-        raise ConfigError("precision.fp8 and quant cannot be combined: FP8 training converts plain bf16 linears, "
-                          "a quantized base has none; use QLoRA (quant) or FP8, not both")
-    if cfg.precision.fp8.enabled and cfg.precision.fp8.backend == "te" and cfg.activation_checkpointing.enabled:
-        raise ConfigError("precision.fp8.backend=te with activation_checkpointing.enabled: the recomputation runs "
-                          "outside te.autocast; use the torchao backend or turn activation checkpointing off")
 
 
 def setup_model(cfg: RunConfig, compile_blocks: bool | None = None, world: World | None = None) -> Trainable:
