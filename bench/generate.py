@@ -235,7 +235,7 @@ def main() -> None:
             engine.fuse_projections = True
         if "vision" in paths:  # the vision tower's share of the prefill: its 8 images alone, warm
             attempt(lambda: case_vision("64x256", core, small))
-        if "vision-sdpa" in paths:  # the same through transformers' per-image sdpa loop (model.vision_attention=sdpa)
+        if "vision-sdpa" in paths:  # the same through transformers' per-image sdpa loop (model.attention.vision=sdpa)
             config = core.model.visual.config
             config._attn_implementation, varlen = "sdpa", config._attn_implementation
             attempt(lambda: {**case_vision("64x256", core, small), "path": "vision-sdpa"})

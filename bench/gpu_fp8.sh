@@ -20,21 +20,21 @@ case "${1:-2b}" in
       tests/test_health.py tests/test_doctor.py 2>&1 | tail -4 | tee "$OUT/pytest.txt"
     ;;
   2b)
-    run 2b_bf16_eager --preset qwen3vl-2b --method full --steps 30 --samples 64 --override $LR precision.compile=false
-    run 2b_bf16 --preset qwen3vl-2b --method full --steps 200 --samples 256 --override $LR precision.compile=true
+    run 2b_bf16_eager --preset qwen3vl-2b --method full --steps 30 --samples 64 --override $LR compile.enabled=false
+    run 2b_bf16 --preset qwen3vl-2b --method full --steps 200 --samples 256 --override $LR compile.enabled=true
     run 2b_fp8 --preset qwen3vl-2b --method full --steps 200 --samples 256 --override $LR precision.fp8.enabled=true
     ;;
   # 8B full does not fit with fp32 master weights + AdamW (16 bytes/param): bf16 masters for both
   8b-bf16)
     run 8b_bf16 --preset qwen3vl-8b --method full --steps 200 --samples 256 --override $LR \
-      precision.master_weights=compute precision.compile=true
+      precision.master_weights=compute compile.enabled=true
     ;;
   8b-fp8)
     run 8b_fp8 --preset qwen3vl-8b --method full --steps 200 --samples 256 --override $LR \
       precision.master_weights=compute precision.fp8.enabled=true
     ;;
   8b-lora)
-    run 8b_lora_bf16 --preset qwen3vl-8b --method lora --steps 30 --samples 64 --override precision.compile=true
+    run 8b_lora_bf16 --preset qwen3vl-8b --method lora --steps 30 --samples 64 --override compile.enabled=true
     run 8b_lora_fp8 --preset qwen3vl-8b --method lora --steps 30 --samples 64 --override precision.fp8.enabled=true
     ;;
 esac

@@ -15,7 +15,7 @@ run() { n=$((n+1)); echo "+ $*" >&2; timeout ${LIMIT:-240} python3 bench/grpo_up
         || { echo "run $n failed: $*"; grep -v -i warn "$OUT/err-$GROUP-$n.txt" | tail -4; }; }
 case $GROUP in
   2b) run --recipe qwen3vl-2b-grpo
-      run --recipe qwen3vl-2b-grpo --override precision.compile=true ;;
+      run --recipe qwen3vl-2b-grpo --override compile.enabled=true ;;
   8b) run --recipe qwen3vl-8b-grpo ;;
   *) echo "GROUP must be 2b or 8b"; exit 2 ;;
 esac

@@ -7,9 +7,9 @@ n=0
 run() { n=$((n+1)); echo "+ $*" >&2; timeout ${LIMIT:-240} python3 bench/sft_throughput.py "$@" 2>"$OUT/err$n.txt" | tail -1 \
         | tee -a "$OUT/runs.jsonl" || { echo "run $n failed: $*"; grep -v -i warn "$OUT/err$n.txt" | tail -4; }; }
 run --preset qwen3vl-30b-a3b --method lora --grad-ckpt --steps 4 --warmup 2
-run --preset qwen3vl-2b --method full --max-tokens-per-batch 4608 --steps 8 --override precision.compile=true
+run --preset qwen3vl-2b --method full --max-tokens-per-batch 4608 --steps 8 --override compile.enabled=true
 run --preset qwen3vl-2b --method full --max-tokens-per-batch 4608 --packing --steps 8 \
-    --override precision.compile=true model.attn_implementation=flex_attention
-run --preset qwen3vl-8b --method lora --steps 8 --override precision.compile=true
+    --override compile.enabled=true model.attention.implementation=flex_attention
+run --preset qwen3vl-8b --method lora --steps 8 --override compile.enabled=true
 # run --preset qwen3vl-2b --method full --fsdp --steps 6 --warmup 2
 # run --preset qwen3vl-2b --method full --fsdp --steps 6 --warmup 2 --override distributed.reshard_after_forward=false

@@ -39,7 +39,7 @@
 #   Thirteenth session: mask13 (gpu tests of the engine; 2B additive vs boolean step mask, the vision tower's share of
 #   the prefill, hf-static beside): no gain from the mask (3.61 vs 3.62 ms). tune13 (inductor's GEMM autotuning in the
 #   decode step, since removed): slower (3.76 vs 3.60 ms). vis13: the vision tower's attention in one varlen call
-#   (model.vision_attention) and compiled vision blocks (precision.compile_vision), 2B SFT and the prefill; vis13b:
+#   (model.attention.vision) and compiled vision blocks (compile.vision), 2B SFT and the prefill; vis13b:
 #   bench/train.py peer vs ours with compiled vision blocks, and vis13's SFT runs in reverse order. gen13 (2B vlforge
 #   vs hf-static with the varlen prefill tower and host-cast pixels) was refused: run it next, then PRESET=qwen3vl-8b
 #   LIMIT=330, visprof (a profile of eager varlen vs the per-image loop in training: why 4-9% slower?),
@@ -60,7 +60,7 @@
 #   recipes and the mixed set; now recipes18 and mixed19), mixed19; loans then paused. Next: mixed19 again (the raised recompile limit: no recompile_limit line expected), grpo17 (GRPO's update
 #   without the log-prob forward's syncs vs before, bench/ab.sh).
 #   Eighteenth session ran mixed19 (no recompile_limit), grpo17 (no difference), prof19 (the packed 2B step's kernels),
-#   cg19 (CUDA graphs per decoder layer: 1.10-1.15x), graphs19 and graphs19b (precision.cuda_graphs as built: 2B 1.05-
+#   cg19 (CUDA graphs per decoder layer: 1.10-1.15x), graphs19 and graphs19b (compile.cuda_graphs as built: 2B 1.05-
 #   1.08x, 8B LoRA 0.98x; its gpu tests), visg19 (the vision blocks graphed too: 1.04x more). Next: final19 (the gpu
 #   tests again, peer vs both graph options in one process), then a long run with cuda_graphs on varied data;
 #   rl19 (session 19, prepared: GSPO / CISPO / RLOO through the 2B recipe, the engine's log-prob gap).
@@ -94,37 +94,37 @@ case $GROUP in
   tests) timeout 150 python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_packing.py tests/test_router_replay.py \
            tests/test_grpo_packing.py tests/test_generate.py --tb=short > "$OUT/pytest.txt" 2>&1
          b="--preset qwen3vl-2b --method full --steps 8 --warmup 5"
-         r 1 $b --override precision.compile=false
-         r 2 $b --packing --override precision.compile=false
-         r 3 $b --packing --override precision.compile=true
-         r 4 $b --override precision.compile=true ;;
+         r 1 $b --override compile.enabled=false
+         r 2 $b --packing --override compile.enabled=false
+         r 3 $b --packing --override compile.enabled=true
+         r 4 $b --override compile.enabled=true ;;
   pack)  timeout 150 python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_packing.py tests/test_router_replay.py \
            tests/test_grpo_packing.py tests/test_generate.py --tb=short > "$OUT/pytest.txt" 2>&1
-         b="--preset qwen3vl-2b --method full --steps 8 --warmup 5 --override precision.compile=true"
+         b="--preset qwen3vl-2b --method full --steps 8 --warmup 5 --override compile.enabled=true"
          r 7 $b --profile "$OUT/profile-padded.txt"
          TORCH_LOGS=graph_breaks,recompiles r 8 $b --packing --profile "$OUT/profile-packed.txt"
-         m="--preset qwen3vl-2b --method full --mixed --max-tokens-per-batch 16384 --steps 8 --warmup 5 --override precision.compile=true"
+         m="--preset qwen3vl-2b --method full --mixed --max-tokens-per-batch 16384 --steps 8 --warmup 5 --override compile.enabled=true"
          r 5 $m
          r 6 $m --packing ;;
   liger) timeout 100 python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_router_replay.py tests/test_losses.py \
            --tb=short > "$OUT/pytest.txt" 2>&1
-         b="--preset qwen3vl-2b --method full --steps 8 --warmup 5 --override precision.compile=true"
+         b="--preset qwen3vl-2b --method full --steps 8 --warmup 5 --override compile.enabled=true"
          r 9 $b
          r 10 $b --packing
          r 11 $b loss.impl=chunked
-         r 12 --preset qwen3vl-8b --method lora --steps 8 --warmup 5 --override precision.compile=true ;;
+         r 12 --preset qwen3vl-8b --method lora --steps 8 --warmup 5 --override compile.enabled=true ;;
   final) (cd bench && timeout 230 python3 train.py --preset qwen3vl-2b --method full --paths peer,ours,packed --steps 12 \
-           --samples 32 --ours precision.compile=true 2>"$OUT/err-train2b.txt" | tail -6 > "$OUT/train2b.txt")
-         r 13 --preset qwen3vl-8b --method lora --steps 8 --warmup 5 --override precision.compile=true loss.impl=chunked
-         m="--preset qwen3vl-2b --method full --mixed --max-tokens-per-batch 16384 --steps 8 --warmup 5 --override precision.compile=true"
+           --samples 32 --ours compile.enabled=true 2>"$OUT/err-train2b.txt" | tail -6 > "$OUT/train2b.txt")
+         r 13 --preset qwen3vl-8b --method lora --steps 8 --warmup 5 --override compile.enabled=true loss.impl=chunked
+         m="--preset qwen3vl-2b --method full --mixed --max-tokens-per-batch 16384 --steps 8 --warmup 5 --override compile.enabled=true"
          r 14 $m
          r 15 $m --packing ;;
   fsdp1) b="--preset qwen3vl-2b --method full --steps 10 --warmup 4"
-         r 1 $b --override precision.compile=false
-         r 2 $b --fsdp --override precision.compile=false
-         r 3 $b --fsdp --override precision.compile=false distributed.reshard_after_forward=false
-         r 4 $b --override precision.compile=true
-         r 5 $b --fsdp --override precision.compile=true ;;
+         r 1 $b --override compile.enabled=false
+         r 2 $b --fsdp --override compile.enabled=false
+         r 3 $b --fsdp --override compile.enabled=false distributed.reshard_after_forward=false
+         r 4 $b --override compile.enabled=true
+         r 5 $b --fsdp --override compile.enabled=true ;;
   fsdpgen) LIMIT=100 GROUP=fsdp1 bash "$0"
          (cd bench && timeout 200 python3 generate.py --preset qwen3vl-2b --paths vlforge --cases mixed,tail \
            --out "$OUT/gen-2b.jsonl" 2>"$OUT/err-gen.txt") ;;
@@ -133,13 +133,13 @@ case $GROUP in
           timeout 220 python3 bench/serve_load.py --preset qwen3vl-2b --requests 1 --clients 32 --serve-arg "--engine hf" \
            --out "$OUT/serve-old32.json" > /dev/null 2>"$OUT/err-s2.txt" ;;
   fp8prof) b="--preset qwen3vl-8b --method full --steps 6 --warmup 6 --override precision.master_weights=compute"
-           r 1 $b precision.compile=true --profile "$OUT/prof-8b-bf16.txt"
+           r 1 $b compile.enabled=true --profile "$OUT/prof-8b-bf16.txt"
            r 2 $b precision.fp8.enabled=true --profile "$OUT/prof-8b-fp8.txt" ;;
   fp8b) b="--preset qwen3vl-8b --method full --batch 16 --steps 6 --warmup 6 --override precision.master_weights=compute"
-        r 1 $b precision.compile=true
+        r 1 $b compile.enabled=true
         r 2 $b precision.fp8.enabled=true
         r 3 $b precision.fp8.enabled=true precision.fp8.recipe=rowwise ;;
-  gen6f) b="--preset qwen3vl-2b --method full --steps 10 --warmup 4 --override precision.compile=false"
+  gen6f) b="--preset qwen3vl-2b --method full --steps 10 --warmup 4 --override compile.enabled=false"
          r 1 $b; r 2 $b --fsdp; r 3 $b; r 4 $b --fsdp  # issue 10's <= 10%: plain and FSDP2 eager, twice, one call
          (cd bench && timeout 240 python3 generate.py --preset qwen3vl-2b --paths vlforge --cases mixed \
            --out "$OUT/gen-2b.jsonl" 2>"$OUT/err-gen.txt") ;;
@@ -149,11 +149,11 @@ case $GROUP in
            --cases 64x256 --out "$OUT/gen-2b.jsonl" 2>"$OUT/err-gen.txt") ;;
   gen8)  (cd bench && timeout 540 python3 generate.py --preset qwen3vl-8b --paths vlforge,vlforge-noshare \
            --cases 64x256 --out "$OUT/gen-8b.jsonl" 2>"$OUT/err-gen.txt") ;;
-  prof12) b="--preset qwen3vl-2b --method full --steps 6 --warmup 3 --override precision.compile=false"
+  prof12) b="--preset qwen3vl-2b --method full --steps 6 --warmup 3 --override compile.enabled=false"
          r 1 $b --profile "$OUT/prof-plain.txt"; r 2 $b --fsdp --profile "$OUT/prof-fsdp.txt"  # issue 10: host time
          (cd bench && timeout 330 python3 generate.py --preset qwen3vl-2b --paths vlforge,hf-static --cases 64x256 \
            --profile "$OUT/prof-gen.txt" --out "$OUT/gen-2b.jsonl" 2>"$OUT/err-gen.txt") ;;  # issue 11: the prefill
-  fsdp8s) b="--preset qwen3vl-2b --method full --steps 8 --warmup 3 --override precision.compile=false"
+  fsdp8s) b="--preset qwen3vl-2b --method full --steps 8 --warmup 3 --override compile.enabled=false"
          LIMIT=75; r 1 $b; r 2 $b --fsdp; r 3 $b; r 4 $b --fsdp  # FSDP2 world 1: local-shard AdamW, bf16 "reduce"
          (cd bench && timeout 320 python3 generate.py --preset qwen3vl-8b --paths vlforge,hf-static --cases 64x256 \
            --out "$OUT/gen-8b.jsonl" 2>"$OUT/err-gen.txt") ;;  # issue 11: 8B against hf-static in one process
@@ -168,16 +168,16 @@ case $GROUP in
             --out "$OUT/gen.jsonl" 2>"$OUT/err-gen.txt") ;;  # issue 11: the additive step mask, A/B in one process
   vis13) timeout 200 python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_vision_attention.py tests/test_packing.py \
            tests/test_generate.py -k "vision or varlen or cuda_graph_grouped" --tb=short > "$OUT/pytest.txt" 2>&1
-         b="--preset qwen3vl-2b --method full --steps 8 --warmup 4 --override precision.compile=true"
-         LIMIT=110; r 1 $b model.vision_attention=sdpa; r 2 $b; r 3 $b precision.compile_vision=true
+         b="--preset qwen3vl-2b --method full --steps 8 --warmup 4 --override compile.enabled=true"
+         LIMIT=110; r 1 $b model.attention.vision=sdpa; r 2 $b; r 3 $b compile.vision=true
          (cd bench && timeout 200 python3 generate.py --preset qwen3vl-2b --paths vlforge,vision,vision-sdpa --cases 64x256 \
            --out "$OUT/gen.jsonl" 2>"$OUT/err-gen.txt") ;;  # the vision tower in one varlen call: training and the prefill
   vis13b) (cd bench && timeout 260 python3 train.py --preset qwen3vl-2b --method full --paths peer,ours,packed --steps 12 \
-            --samples 32 --ours precision.compile=true precision.compile_vision=true 2>"$OUT/err-train2b.txt" \
+            --samples 32 --ours compile.enabled=true compile.vision=true 2>"$OUT/err-train2b.txt" \
             | tail -6 > "$OUT/train2b.txt")  # issue 13: peer vs ours with compiled vision blocks, same process
-          b="--preset qwen3vl-2b --method full --steps 8 --warmup 4 --override precision.compile=true"
-          LIMIT=100; r 1 $b precision.compile_vision=true; r 2 $b; r 3 $b model.vision_attention=sdpa ;;  # vis13 reversed
-  fsdp14) b="--preset qwen3vl-2b --method full --steps 8 --warmup 3 --fsdp --override precision.compile=false"
+          b="--preset qwen3vl-2b --method full --steps 8 --warmup 4 --override compile.enabled=true"
+          LIMIT=100; r 1 $b compile.vision=true; r 2 $b; r 3 $b model.attention.vision=sdpa ;;  # vis13 reversed
+  fsdp14) b="--preset qwen3vl-2b --method full --steps 8 --warmup 3 --fsdp --override compile.enabled=false"
          LIMIT=80; r 1 ${b/--fsdp/}  # FSDP2 world 1 with K decoder layers / vision blocks a unit, no sharding around
          for k in 1 4 2 8; do r $((k + 1)) $b distributed.layers_per_unit=$k; done; r 99 ${b/--fsdp/} ;;
   offload14) LIMIT=240 r 1 --preset qwen3vl-4b --method full --fsdp --steps 3 --warmup 1 \
@@ -189,41 +189,41 @@ case $GROUP in
            --paths ${PATHS:-vlforge,vlforge-unfused,hf-static} --cases 64x256 --out "$OUT/gen.jsonl" 2>"$OUT/err-gen.txt") ;;
   gen13) (cd bench && timeout ${LIMIT:-200} python3 generate.py --preset ${PRESET:-qwen3vl-2b} --paths vlforge,hf-static --cases 64x256 \
            --out "$OUT/gen.jsonl" 2>"$OUT/err-gen.txt") ;;  # issue 11: the prefill with varlen vision and host-cast pixels
-  prof15) b="--preset qwen3vl-2b --method full --steps 6 --warmup 3 --override precision.compile=true"
+  prof15) b="--preset qwen3vl-2b --method full --steps 6 --warmup 3 --override compile.enabled=true"
           LIMIT=150; r 1 $b --profile "$OUT/prof-2b.txt"  # issue 13: where the compiled 2B step's 0.19 s goes
-          LIMIT=240; r 2 --preset qwen3vl-8b --method lora --steps 6 --warmup 3 --override precision.compile=true \
+          LIMIT=240; r 2 --preset qwen3vl-8b --method lora --steps 6 --warmup 3 --override compile.enabled=true \
             --profile "$OUT/prof-8b-lora.txt"  # and the 8B LoRA step's 0.36 s
           find "$OUT" -empty -delete ;;  # at most 8 files come back from a device call
-  host15) b="--preset qwen3vl-2b --method full --steps 8 --warmup 4 --override precision.compile=true"
+  host15) b="--preset qwen3vl-2b --method full --steps 8 --warmup 4 --override compile.enabled=true"
           # issue 13: prof15 found the compiled 2B step ~30% GPU-idle (host-bound vision tower and backward): is it the
           # loader's threads, inductor's Python wrapper (cpp_wrapper) or launches (CUDA graphs of each compiled block)?
           LIMIT=120; r 1 $b; TORCHINDUCTOR_CUDAGRAPHS=1 TORCH_LOGS=perf_hints LIMIT=150 r 2 $b
           TORCHINDUCTOR_CPP_WRAPPER=1 LIMIT=150 r 3 $b; LIMIT=80 r 4 $b --workers 0; LIMIT=80 r 5 $b
           for f in "$OUT"/err-*.txt; do echo "== $f"; tail -c 6000 "$f"; done > "$OUT/errors.txt"; rm -f "$OUT"/err-*.txt ;;
-  sync15) b="--preset qwen3vl-2b --method full --steps 8 --warmup 4 --override precision.compile=true"
+  sync15) b="--preset qwen3vl-2b --method full --steps 8 --warmup 4 --override compile.enabled=true"
           # issue 13: the image-token positions and the padding flag read on the host (no library syncs left in a
           # padded step) vs transformers' device reads (--library-syncs), alternating; then peer vs ours, one process
           LIMIT=120; r 1 $b; r 2 $b --library-syncs; r 3 $b; r 4 $b --library-syncs
           (cd bench && timeout 260 python3 train.py --preset qwen3vl-2b --method full --paths peer,ours,packed --steps 12 \
-            --samples 32 --ours precision.compile=true 2>"$OUT/err-train2b.txt" | tail -6 > "$OUT/train2b.txt")
+            --samples 32 --ours compile.enabled=true 2>"$OUT/err-train2b.txt" | tail -6 > "$OUT/train2b.txt")
           LIMIT=100; r 5 ${b/--steps 8/--steps 4} --profile "$OUT/prof-2b.txt"  # the GPU's idle share now
           for f in "$OUT"/err-*.txt; do echo "== $f"; tail -c 3000 "$f"; done > "$OUT/errors.txt"; rm -f "$OUT"/err-*.txt ;;
   sync15b) (cd bench && timeout 200 python3 train.py --preset qwen3vl-2b --method full --paths peer,ours,packed --steps 12 \
-            --samples 32 --ours precision.compile=true 2>"$OUT/err-train2b.txt" | tail -6 > "$OUT/train2b.txt")
+            --samples 32 --ours compile.enabled=true 2>"$OUT/err-train2b.txt" | tail -6 > "$OUT/train2b.txt")
           # issue 13: peer vs ours with ours fed by the recipe's loader (HostPrep in workers); then the sync A/B again
-          b="--preset qwen3vl-2b --method full --steps 8 --warmup 4 --override precision.compile=true"
+          b="--preset qwen3vl-2b --method full --steps 8 --warmup 4 --override compile.enabled=true"
           LIMIT=70; r 1 $b --library-syncs; r 2 $b
           for f in "$OUT"/err-*.txt; do echo "== $f"; tail -c 3000 "$f"; done > "$OUT/errors.txt"; rm -f "$OUT"/err-*.txt ;;
-  next16) b="--preset qwen3vl-2b --method full --steps 8 --warmup 4 --override precision.compile=true"
+  next16) b="--preset qwen3vl-2b --method full --steps 8 --warmup 4 --override compile.enabled=true"
           # issue 13, after the fifteenth session: the clip inside fused AdamW vs a foreach multiply (alternating),
           # then 8B three-tier LoRA (language attention + projector + last 2 vision blocks) peer vs ours
           LIMIT=80; r 1 $b --foreach-clip; r 2 $b; r 3 $b --foreach-clip; r 4 $b
           LIMIT=150; r 5 $b --layer-compile-mode reduce-overhead  # CUDA graphs of the decoder layers only: works?
           (cd bench && timeout 330 python3 train.py --preset qwen3vl-8b --method lora --lora-tiers three \
-            --paths peer,ours,packed --steps 10 --samples 32 --ours precision.compile=true 2>"$OUT/err-8b.txt" \
+            --paths peer,ours,packed --steps 10 --samples 32 --ours compile.enabled=true 2>"$OUT/err-8b.txt" \
             | tail -6 > "$OUT/train8b.txt")
           for f in "$OUT"/err-*.txt; do echo "== $f"; tail -c 3000 "$f"; done > "$OUT/errors.txt"; rm -f "$OUT"/err-*.txt ;;
-  host16) b="--preset qwen3vl-2b --method full --steps 8 --warmup 4 --override precision.compile=true"
+  host16) b="--preset qwen3vl-2b --method full --steps 8 --warmup 4 --override compile.enabled=true"
           # issue 13, sixteenth session: the compiled 2B step's host work per region: guards skipped after the
           # warmup, kernels launched from inductor's C++ wrapper (decoder layers; the vision blocks' varlen call
           # cannot), alternating with the plain compiled step; then where the 8B three-tier LoRA packed step goes
@@ -233,23 +233,23 @@ case $GROUP in
           t="tiers.language.dropout=0.0 tiers.projector.train=true tiers.vision.train=true"
           for k in r=16 alpha=32 dropout=0.0; do t="$t tiers.projector.$k tiers.vision.$k"; done
           LIMIT=170; r 5 --preset qwen3vl-8b --method lora --packing --steps 6 --warmup 3 --override \
-            precision.compile=true $t --profile "$OUT/prof-8b.txt"
+            compile.enabled=true $t --profile "$OUT/prof-8b.txt"
           for f in "$OUT"/err-*.txt; do echo "== $f"; tail -c 3000 "$f"; done > "$OUT/errors.txt"; rm -f "$OUT"/err-*.txt ;;
   full16) # issue 13: 2B full peer vs ours padded and packed (same process, ours fed by the recipe's loader), then
           # inductor's C++ wrapper for the decoder layers (host16's try passed an int where torch wants a bool)
           (cd bench && timeout 240 python3 train.py --preset qwen3vl-2b --method full --paths peer,ours,packed --steps 12 \
-            --samples 32 --ours precision.compile=true 2>"$OUT/err-train2b.txt" | tail -6 > "$OUT/train2b.txt")
-          b="--preset qwen3vl-2b --method full --steps 8 --warmup 4 --override precision.compile=true"
+            --samples 32 --ours compile.enabled=true 2>"$OUT/err-train2b.txt" | tail -6 > "$OUT/train2b.txt")
+          b="--preset qwen3vl-2b --method full --steps 8 --warmup 4 --override compile.enabled=true"
           LIMIT=150; r 1 $b --layer-compile-options cpp_wrapper=true
           for f in "$OUT"/err-*.txt; do echo "== $f"; tail -c 3000 "$f"; done > "$OUT/errors.txt"; rm -f "$OUT"/err-*.txt ;;
   ratio18) # issue 13: peer vs ours with 5 warmup steps (the 4 batches' shapes, so the compiled paths' one recompile for
           # a new length lands before the timing: group17's first compiled path ran 28% slower than its repeat), each path
           # twice, alternating; then 8B three-tier LoRA the same way; TORCH_LOGS=recompiles shows where recompiles fell
           (cd bench && TORCH_LOGS=recompiles timeout 260 python3 train.py --preset qwen3vl-2b --method full --steps 12 --warmup 5 \
-            --samples 32 --paths peer,ours,packed,peer,ours,packed --ours precision.compile=true --json "$OUT/full2b.json" \
+            --samples 32 --paths peer,ours,packed,peer,ours,packed --ours compile.enabled=true --json "$OUT/full2b.json" \
             2>"$OUT/err-2b.txt" | tail -9 > "$OUT/full2b.txt")
           (cd bench && TORCH_LOGS=recompiles timeout 290 python3 train.py --preset qwen3vl-8b --method lora --lora-tiers three \
-            --steps 10 --warmup 5 --samples 32 --paths peer,ours,packed --ours precision.compile=true --json "$OUT/lora8b.json" \
+            --steps 10 --warmup 5 --samples 32 --paths peer,ours,packed --ours compile.enabled=true --json "$OUT/lora8b.json" \
             2>"$OUT/err-8b.txt" | tail -6 > "$OUT/lora8b.txt") ;;
   recipes18) # the shipped SFT recipes as users run them, 3 steps each on synthetic 448x448 shapes: data.packing=auto
           # must say "packed rows"; each run's directory removed after it (the 8B FP8 checkpoint alone is ~50 GB of the
@@ -264,28 +264,28 @@ case $GROUP in
   mixed19) # the mixed set (1-4 images a sample) after the image-bounds fix (compiled vision blocks hit torch's recompile
           # limit in final18b); each of ours twice; recompiles logged; then the gpu tests of the vision attention
           (cd bench && TORCH_LOGS=recompiles timeout 330 python3 train.py --preset qwen3vl-2b --method full --mixed --steps 10 \
-            --warmup 5 --samples 32 --paths peer,ours,packed,ours,packed --ours precision.compile=true --json "$OUT/mixed2b.json" \
+            --warmup 5 --samples 32 --paths peer,ours,packed,ours,packed --ours compile.enabled=true --json "$OUT/mixed2b.json" \
             2>"$OUT/err-mixed.txt" | tail -8 > "$OUT/mixed2b.txt")
           timeout 120 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_vision_attention.py tests/test_packing.py \
             --tb=short > "$OUT/pytest.txt" 2>&1 ;;
   prof19) # where the 2B packed compiled step's GPU time goes, kernel by kernel (issue 13: the ~149 ms of GPU work is
           # ~62 ms of GEMMs; which of the rest could be less?): the profile's per-kernel table, and its timeline
-          b="--preset qwen3vl-2b --method full --steps 8 --warmup 5 --override precision.compile=true"
+          b="--preset qwen3vl-2b --method full --steps 8 --warmup 5 --override compile.enabled=true"
           r 1 $b --packing --profile "$OUT/prof-2b-packed.txt" ;;
   cg19)  # CUDA graphs of each decoder layer (cudagraph trees, mode reduce-overhead) on packed rows, 2B full: four row
           # lengths cycle, so each layer records four graphs in the 12 warmup steps; alternating with the shipped compile
-          b="--preset qwen3vl-2b --method full --packing --steps 8 --warmup 12 --override precision.compile=true"
+          b="--preset qwen3vl-2b --method full --packing --steps 8 --warmup 12 --override compile.enabled=true"
           r 1 $b
           TORCH_LOGS=perf_hints,recompiles r 2 $b --layer-compile-mode reduce-overhead
           r 3 $b
           r 4 $b --layer-compile-mode reduce-overhead --profile "$OUT/prof-cg.txt" ;;
-  graphs19) # precision.cuda_graphs (built after cg19): its gpu tests, then peer vs packed vs graphs in one process on
+  graphs19) # compile.cuda_graphs (built after cg19): its gpu tests, then peer vs packed vs graphs in one process on
           # 8 batches (64 samples, rows padded to 256 for graphs: ~2-4 lengths), 10 warmup steps (a new length is
           # warmed up once, recorded at its second visit), alternating
           timeout 200 python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_cuda_graphs.py --tb=short \
             > "$OUT/pytest.txt" 2>&1
           (cd bench && timeout 330 python3 train.py --preset qwen3vl-2b --method full --steps 12 --warmup 10 --samples 64 \
-            --paths peer,packed,graphs,packed,graphs --ours precision.compile=true --json "$OUT/graphs2b.json" \
+            --paths peer,packed,graphs,packed,graphs --ours compile.enabled=true --json "$OUT/graphs2b.json" \
             2>"$OUT/err-graphs2b.txt" | tail -8 > "$OUT/graphs2b.txt") ;;
   graphs19b) # its gpu tests again, once more without the gradient buffers made before a step's first micro-batch
           # (the test must fail then), and peer vs packed vs graphs at 8B three-tier LoRA (GPU-bound to ~85%)
@@ -296,16 +296,16 @@ sft.cuda_graph_step_begin = lambda t, micro, i: torch.compiler.cudagraph_mark_st
 sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', '--tb=line', '-k', 'weights and 2',
                       'tests/test_cuda_graphs.py']))" > "$OUT/pytest-without-buffers.txt" 2>&1
           (cd bench && timeout 330 python3 train.py --preset qwen3vl-8b --method lora --lora-tiers three --steps 8 \
-            --warmup 10 --samples 64 --paths peer,graphs,packed,graphs --ours precision.compile=true --json "$OUT/graphs8b.json" \
+            --warmup 10 --samples 64 --paths peer,graphs,packed,graphs --ours compile.enabled=true --json "$OUT/graphs8b.json" \
             2>"$OUT/err-graphs8b.txt" | tail -8 > "$OUT/graphs8b.txt") ;;
-  visg19) # the vision blocks as CUDA graphs too (precision.cuda_graphs_vision; ran as the bench flag it came from),
+  visg19) # the vision blocks as CUDA graphs too (compile.cuda_graphs_vision; ran as the bench flag it came from),
           # 2B full packed, alternating with the decoder layers' graphs alone
-          b="--preset qwen3vl-2b --method full --packing --steps 8 --warmup 12 --override precision.compile=true
-             precision.cuda_graphs=true"
+          b="--preset qwen3vl-2b --method full --packing --steps 8 --warmup 12 --override compile.enabled=true
+             compile.cuda_graphs=true"
           r 1 $b
-          TORCH_LOGS=perf_hints r 2 $b precision.cuda_graphs_vision=true
+          TORCH_LOGS=perf_hints r 2 $b compile.cuda_graphs_vision=true
           r 3 $b
-          r 4 $b precision.cuda_graphs_vision=true ;;
+          r 4 $b compile.cuda_graphs_vision=true ;;
   final19) # prepared, not run (device time spent): cuda_graphs' gpu tests after the review's narrower gradient-buffer
           # rule, the vision-graphs case among them; then issue 13's 2B full, peer vs packed vs both graph options in
           # one process (visg19 measured ~2.5x against another call's peer)
@@ -313,17 +313,17 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', '--tb=line', 
           timeout 240 python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_cuda_graphs.py \
             tests/test_distributed.py --tb=short > "$OUT/pytest.txt" 2>&1
           (cd bench && timeout 300 python3 train.py --preset qwen3vl-2b --method full --steps 12 --warmup 10 --samples 64 \
-            --paths peer,graphs+vision,packed,graphs+vision,packed --ours precision.compile=true \
+            --paths peer,graphs+vision,packed,graphs+vision,packed --ours compile.enabled=true \
             --json "$OUT/final2b.json" 2>"$OUT/err-final2b.txt" | tail -8 > "$OUT/final2b.txt") ;;
   grpo17) # GRPO's update with the log-prob forward's layout read from the rollout's host copy (4090292) against the
           # commit before it, in one call: here `bash bench/ab.sh prepare acfe487` first (side "main" = this checkout's
           # main, "branch" = acfe487), carry [".whl/ab"]; the recipe's update, padded and packed modes alternating
           LIMIT=280 bash bench/ab.sh run grpo_update.py --recipe qwen3vl-2b-grpo > "$OUT/ab-grpo2b.jsonl" ;;
-  visprof) b="--preset qwen3vl-2b --method full --steps 6 --warmup 3 --override precision.compile=true precision.compile_vision=false"
-           LIMIT=120; r 1 $b model.vision_attention=varlen --profile "$OUT/prof-varlen.txt"
-           r 2 $b model.vision_attention=sdpa --profile "$OUT/prof-loop.txt" ;;  # why eager varlen vision blocks train slower
+  visprof) b="--preset qwen3vl-2b --method full --steps 6 --warmup 3 --override compile.enabled=true compile.vision=false"
+           LIMIT=120; r 1 $b model.attention.vision=varlen --profile "$OUT/prof-varlen.txt"
+           r 2 $b model.attention.vision=sdpa --profile "$OUT/prof-loop.txt" ;;  # why eager varlen vision blocks train slower
   lora13) (cd bench && timeout 420 python3 train.py --preset qwen3vl-8b --method lora --paths peer,ours,packed --steps 10 \
-            --samples 32 --ours precision.compile=true 2>"$OUT/err-8b.txt" | tail -6 > "$OUT/train8b.txt") ;;  # issue 13: 8B LoRA
+            --samples 32 --ours compile.enabled=true 2>"$OUT/err-8b.txt" | tail -6 > "$OUT/train8b.txt") ;;  # issue 13: 8B LoRA
             # with compiled (frozen, forward-only) vision blocks on the varlen call, padded and packed, peft beside
   gen6)  (cd bench && timeout 300 python3 generate.py --preset qwen3vl-2b --paths vlforge --cases mixed,tail \
            --out "$OUT/gen-2b.jsonl" 2>"$OUT/err-gen.txt") ;;  # mixed: joins batched (join_share) vs vlforge-joineach
@@ -344,7 +344,7 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', '--tb=line', 
   tests2) timeout 170 python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_packing.py tests/test_losses.py \
            tests/test_router_replay.py tests/test_generate.py --tb=short > "$OUT/pytest.txt" 2>&1 ;;
   lora8b) for impl in chunked liger; do (cd bench && timeout 270 python3 train.py --preset qwen3vl-8b --method lora \
-           --paths peer,ours --steps 10 --samples 32 --ours precision.compile=true loss.impl=$impl \
+           --paths peer,ours --steps 10 --samples 32 --ours compile.enabled=true loss.impl=$impl \
            2>"$OUT/err-8b-$impl.txt" | tail -5 > "$OUT/train8b-$impl.txt"); done ;;
   gen2b) (cd bench && timeout 560 python3 generate.py --preset qwen3vl-2b --out "$OUT/gen-2b.jsonl" 2>"$OUT/err-gen.txt") ;;
   gen8b) (cd bench && timeout 560 python3 generate.py --preset qwen3vl-8b --out "$OUT/gen-8b.jsonl" 2>"$OUT/err-gen.txt") ;;
@@ -396,7 +396,7 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', '--tb=line', 
          # tokens), 2B full compiled: the recipe's form (videos shown as images, one tower call, host-side
          # inputs) vs transformers' own video form (--native-video: two tower calls, device masks), alternating,
          # then packed. Prediction: the recipe's form >= native (the host inputs' gain on images was <= 5%)
-         b="--preset qwen3vl-2b --method full --steps 8 --warmup 4 --video 8 --override precision.compile=true"
+         b="--preset qwen3vl-2b --method full --steps 8 --warmup 4 --video 8 --override compile.enabled=true"
          LIMIT=120; r 1 $b; r 2 $b --native-video; r 3 $b; r 4 $b --native-video; r 5 $b --packing ;;
   s23) # session 23's leftovers (carry .whl/bnb): the staged NF4 load's gpu test (failed on an H100: GPU-quantized
        # expert stacks unlike the CPU's; suspected non-contiguous stacks, quantize_experts now makes them
@@ -406,7 +406,7 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', '--tb=line', 
          > "$OUT/pytest-moeq.txt" 2>&1
        timeout 230 python3 bench/quant_inference.py --preset qwen3vl-30b-a3b --quant none nf4 --tmp /dev/shm \
          > "$OUT/quant30.jsonl" 2>"$OUT/err-quant.txt"
-       b="--preset qwen3vl-2b --method full --steps 6 --warmup 4 --video 8 --override precision.compile=true"
+       b="--preset qwen3vl-2b --method full --steps 6 --warmup 4 --video 8 --override compile.enabled=true"
        LIMIT=75; r 1 $b --native-video; r 2 $b; r 3 $b --native-video ;;
   s24) # session 24's leftovers (carry .whl/bnb): why 30B-A3B with NF4 experts decodes at 6.6 tokens/s (bf16:
        # 83.9): both models' batch-1 decode under the profiler (graphs on or off? per-expert dequantization?),
@@ -414,7 +414,7 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', '--tb=line', 
        timeout 560 python3 bench/quant_inference.py --preset qwen3vl-30b-a3b --quant none nf4 --tmp /dev/shm \
          --profile "$OUT/decode-profile" > "$OUT/quant30.jsonl" 2>"$OUT/err-quant.txt" ;;
   s24b) # the video A/B warm: a first frames-as-images run as warm-up, then native / ours alternating
-       b="--preset qwen3vl-2b --method full --steps 6 --warmup 4 --video 8 --override precision.compile=true"
+       b="--preset qwen3vl-2b --method full --steps 6 --warmup 4 --video 8 --override compile.enabled=true"
        LIMIT=130; r 1 $b; r 2 $b --native-video; r 3 $b; r 4 $b --native-video ;;
   i13) # session 24 (issue 13's 8B 2x): 8B three-tier LoRA with the vision blocks replayed as CUDA graphs too,
        # never measured at 8B (graphs19b graphed only the decoder layers: 0.98x). host16's profile put ~12 ms a
@@ -422,7 +422,7 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', '--tb=line', 
        # graphs+vision 3-5% over packed (0.295 -> ~0.283 s a step), so ~1.95-2.1x the peer in the same process
        (cd bench && timeout 560 python3 train.py --preset qwen3vl-8b --method lora --lora-tiers three --steps 10 \
           --warmup 10 --samples 64 --paths peer,packed,graphs+vision,packed,graphs+vision \
-          --ours precision.compile=true --json "$OUT/i13.json" 2>"$OUT/err-i13.txt" | tail -12 > "$OUT/i13.txt") ;;
+          --ours compile.enabled=true --json "$OUT/i13.json" 2>"$OUT/err-i13.txt" | tail -12 > "$OUT/i13.txt") ;;
   mw25) # session 25 (issue 13's 2B 2.5x): precision.master_weights=optimizer (bf16 linear weights, fp32 masters in
        # MasterWeightAdamW's compiled update) against fp32 masters, packed with both graph options, beside the peer;
        # its gpu test first (the compiled update equals eager on CUDA). Prediction: the 10.2 ms of weight and
@@ -431,14 +431,14 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', '--tb=line', 
        timeout 100 python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_master_weights.py --tb=short \
          > "$OUT/pytest-mw.txt" 2>&1
        (cd bench && timeout 470 python3 train.py --preset qwen3vl-2b --method full --steps 10 --warmup 16 --samples 64 \
-          --paths peer,graphs+vision+mw,graphs+vision,graphs+vision+mw,graphs+vision --ours precision.compile=true \
+          --paths peer,graphs+vision+mw,graphs+vision,graphs+vision+mw,graphs+vision --ours compile.enabled=true \
           --json "$OUT/mw25.json" 2>"$OUT/err-mw25.txt" | tail -12 > "$OUT/mw25.txt") ;;
   s25) # session 25's one call (device time short; carry .whl): mw25's gpu test and its bench with 4 paths, then
        # q25's pytest (which quantized methods replay from CUDA graphs); q25's 30B-A3B NF4 decode left for later
        timeout 60 python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_master_weights.py --tb=short \
          > "$OUT/pytest-mw.txt" 2>&1
        (cd bench && timeout 250 python3 train.py --preset qwen3vl-2b --method full --steps 12 --warmup 12 --samples 64 \
-          --paths peer,graphs+vision+mw,graphs+vision,graphs+vision+mw --ours precision.compile=true \
+          --paths peer,graphs+vision+mw,graphs+vision,graphs+vision+mw --ours compile.enabled=true \
           --json "$OUT/mw25.json" 2>"$OUT/err-mw25.txt" | tail -12 > "$OUT/mw25.txt")
        timeout 120 python3 -m pytest -q -rxXs -m gpu -p no:cacheprovider tests/test_infer_model.py \
          tests/test_moe_quant.py -k cuda_graphs --tb=short > "$OUT/pytest-q25.txt" 2>&1 ;;
@@ -451,9 +451,9 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', '--tb=line', 
        timeout 410 python3 bench/quant_inference.py --preset qwen3vl-30b-a3b --quant nf4 --tmp /dev/shm \
          > "$OUT/quant30.jsonl" 2>"$OUT/err-quant.txt" ;;
   mem) b="--preset qwen3vl-8b --method full --steps 6 --warmup 3 --override optim.name=adamw8bit"
-       r 1 $b precision.gradient_checkpointing=true
-       r 2 $b precision.gradient_checkpointing=true precision.checkpoint_every=2
-       r 3 $b precision.compile=true precision.activation_memory_budget=0.5
-       r 4 $b precision.compile=true ;;
+       r 1 $b activation_checkpointing.enabled=true
+       r 2 $b activation_checkpointing.enabled=true activation_checkpointing.every=2
+       r 3 $b compile.enabled=true compile.activation_memory_budget=0.5
+       r 4 $b compile.enabled=true ;;
   *) echo "GROUP must be one of the groups above"; exit 2 ;;
 esac

@@ -169,10 +169,10 @@ case "$cmd" in
     # GRPO: TE delayed on the language model, current scaling (no amax history to go stale) on the
     # vision tower; one mini-batch per step, so approx_kl is the rollout/trainer log-prob mismatch
     stamp "grpo te"; bash "$0" grpo grpo_te precision.fp8.enabled=true precision.fp8.backend=te \
-      precision.gradient_checkpointing=false "precision.fp8.include=[language_model.layers,visual.blocks]" \
+      activation_checkpointing.enabled=false "precision.fp8.include=[language_model.layers,visual.blocks]" \
       precision.fp8.te.recipe=delayed precision.fp8.te_vision.recipe=current
-    stamp "grpo bf16"; bash "$0" grpo grpo_bf16 precision.gradient_checkpointing=false
-    stamp "8b bf16"; bash "$0" 8b 8b_bf16 precision.compile=true
+    stamp "grpo bf16"; bash "$0" grpo grpo_bf16 activation_checkpointing.enabled=false
+    stamp "8b bf16"; bash "$0" 8b 8b_bf16 compile.enabled=true
     stamp "measure done"
     ;;
   *) sed -n 2,15p "$0"; exit 2 ;;

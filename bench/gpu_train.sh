@@ -7,7 +7,7 @@ source "$(dirname "$0")/gpu_env.sh"
 steps=${1:-30}
 cd bench
 python3 train.py --preset qwen3vl-2b --method full --steps $steps --json $OUT/train-2b-full.json 2>$OUT/err-2b.txt | grep -v '^{' 
-python3 train.py --preset qwen3vl-2b --method full --steps $steps --paths ours,packed --ours precision.compile=true \
+python3 train.py --preset qwen3vl-2b --method full --steps $steps --paths ours,packed --ours compile.enabled=true \
   --json $OUT/train-2b-full-compiled.json 2>$OUT/err-2bc.txt | grep -v '^{'
 python3 train.py --preset qwen3vl-8b --method lora --steps $steps --paths peer,ours,packed,trl \
   --json $OUT/train-8b-lora.json 2>$OUT/err-8b.txt | grep -v '^{'

@@ -3,7 +3,7 @@
     python bench/grpo_update.py --recipe qwen3vl-2b-grpo                  # full FT, KL to a frozen copy
     python bench/grpo_update.py --recipe qwen3vl-8b-grpo                  # LoRA, KL to the adapter-disabled model
     python bench/grpo_update.py --recipe qwen3vl-2b-grpo --mixed --max-new 2048
-    python bench/grpo_update.py --recipe qwen3vl-2b-grpo --override precision.compile=true
+    python bench/grpo_update.py --recipe qwen3vl-2b-grpo --override compile.enabled=true
 
 The shipped recipe (configs/RECIPE.yaml on its preset's random weights, bf16, its mini-batch size,
 KL and gradient checkpointing) and the recipe's own `update` (reference log-probs, then
@@ -99,7 +99,7 @@ def main() -> None:
         f"train.device={args.device}", f"rollout.group_size={args.group}", f"rollout.prompts_per_step={args.prompts}",
         f"rollout.max_new_tokens={args.max_new}", *args.override])
     torch.backends.cuda.matmul.allow_tf32 = True
-    t = setup_model(cfg, compile_blocks=cfg.precision.compile is True)  # as run_grpo: compiled only when asked
+    t = setup_model(cfg, compile_blocks=cfg.compile.enabled is True)  # as run_grpo: compiled only when asked
     disable_dropout(t.model)
     t.model.train()
     ref_model = None
@@ -142,8 +142,8 @@ def main() -> None:
                 times[packing].append(time.perf_counter() - start)
                 peaks[packing] = max(peaks[packing], torch.cuda.max_memory_allocated() / 1e9 if cuda else 0.0)
     common = {"recipe": args.recipe, "method": cfg.tiers.method, "sequences": N, "mini_batch": mb,
-              "kl_beta": cfg.rl.kl_beta, "grad_ckpt": cfg.precision.gradient_checkpointing,
-              "compile": cfg.precision.compile, "mixed": args.mixed, "max_new": args.max_new,
+              "kl_beta": cfg.rl.kl_beta, "grad_ckpt": cfg.activation_checkpointing.enabled,
+              "compile": cfg.compile.enabled, "mixed": args.mixed, "max_new": args.max_new,
               "real_tokens": real, "padded_tokens": padded, "pad_fraction": 1 - real / padded,
               "response_len_mean": float(rollout.response_mask.sum(1).float().mean()),
               "gpu": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,

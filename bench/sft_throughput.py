@@ -8,7 +8,7 @@
         --override precision.fp8.enabled=true precision.master_weights=compute
     python bench/sft_throughput.py --preset qwen3vl-2b --method full --packing          # same batches, packed
     python bench/sft_throughput.py --preset qwen3vl-2b --method full --mixed --max-tokens-per-batch 16384 [--packing]
-    python bench/sft_throughput.py ... --packing --override model.attn_implementation=flex_attention loss.impl=plain
+    python bench/sft_throughput.py ... --packing --override model.attention.implementation=flex_attention loss.impl=plain
     python bench/sft_throughput.py --preset qwen3vl-30b-a3b --method lora --grad-ckpt     # MoE: LoRA attention + experts
     python bench/sft_throughput.py --preset qwen3vl-30b-a3b --method lora --grad-ckpt --override model.experts_implementation=eager
     python bench/sft_throughput.py --preset qwen3vl-30b-a3b --method lora --grad-ckpt --expert-lora peft   # peft's folding path
@@ -191,7 +191,7 @@ def main() -> None:
     vision = "tiers.vision.train=false" if args.method == "lora" else "tiers.vision.train=true"
     cfg = load_config(SFTConfig, None, [
         f"model.preset={args.preset}", f"tiers.method={args.method}", "precision.mode=bf16", "train.device=cuda",
-        f"precision.gradient_checkpointing={str(args.grad_ckpt).lower()}", vision,
+        f"activation_checkpointing.enabled={str(args.grad_ckpt).lower()}", vision,
         # the peer baseline trains LoRA on LM attention only
         *(["tiers.projector.train=false", "tiers.language.r=16", "tiers.language.alpha=32"] if args.method == "lora" else []),
         *(["tiers.language.experts=true"] if args.method == "lora" and args.preset in MOE_PRESETS else []),
@@ -235,7 +235,7 @@ def main() -> None:
         index_lists = [list(range(i, min(i + args.batch, len(items)))) for i in range(0, len(items), args.batch)]
     # flex_attention compiles per shape: packed rows of one length (the recipe does the same)
     pad_to = (args.max_tokens_per_batch // t.token_multiple * t.token_multiple if args.packing
-              and args.max_tokens_per_batch and cfg.model.attn_implementation == "flex_attention" else None)
+              and args.max_tokens_per_batch and cfg.model.attention.implementation == "flex_attention" else None)
     batches = [pack([items[i] for i in ix], encoder.pad_id, multiple=t.token_multiple, pad_to=pad_to) if args.packing
                else collate([items[i] for i in ix], encoder.pad_id, multiple=t.token_multiple) for ix in index_lists]
     optimizer = build_optimizer(param_groups(t.model, t.plan, 0.0), cfg.optim, "cuda", masters=t.policy.take_masters())
@@ -295,7 +295,7 @@ def main() -> None:
         "packing": args.packing, "max_tokens_per_batch": args.max_tokens_per_batch, "mixed": args.mixed,
         "video_frames": args.video, "native_video": args.native_video, "micro_batches": len(batches), "rows_mean": sum(len(b["input_ids"]) for b in batches) / len(batches),
         "row_tokens_mean": sum(b["input_ids"].numel() for b in batches) / len(batches),
-        "attn": cfg.model.attn_implementation, "loss_impl": cfg.loss.impl,
+        "attn": cfg.model.attention.implementation, "loss_impl": cfg.loss.impl,
         "strategy": t.world.strategy, "optim": cfg.optim.name, "workers": workers, "library_syncs": args.library_syncs,
         "foreach_clip": args.foreach_clip, "layer_compile_mode": args.layer_compile_mode,
         "layer_compile_options": args.layer_compile_options, "skip_guards": args.skip_guards,

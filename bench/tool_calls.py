@@ -1,5 +1,5 @@
-"""What a round of GRPO tool calls costs: threads in the trainer (rollout.tool_processes: 0) against
-worker processes (rollout.tool_processes: N, tools/runner.ToolProcesses), same process, same calls.
+"""What a round of GRPO tool calls costs: threads in the trainer (tools.processes: 0) against
+worker processes (tools.processes: N, tools/runner.ToolProcesses), same process, same calls.
 
     python bench/tool_calls.py [--calls 64] [--workers 8,16] [--repeats 5]
 

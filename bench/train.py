@@ -2,7 +2,7 @@
 (+peft), TRL's SFTTrainer, and vlforge. Prints a table and one JSON line per path.
 
     python bench/train.py --preset qwen3vl-2b --method full --steps 50
-    python bench/train.py --preset qwen3vl-8b --method lora --steps 50 --ours precision.compile=true
+    python bench/train.py --preset qwen3vl-8b --method lora --steps 50 --ours compile.enabled=true
     python bench/train.py --preset qwen3vl-2b --method full --paths peer,ours,packed --json out.json
     python bench/train.py --preset qwen3vl-30b-a3b --method lora --paths peer,ours --grad-ckpt --steps 8
     python bench/train.py --preset qwen3vl-8b --method lora --lora-tiers three --paths peer,ours,packed
@@ -15,9 +15,9 @@ initial weights for every path (one seed), bf16 autocast, fp32 master weights fo
 fused AdamW at one learning rate, gradient clipping at 1.0, no dropout. `packed` is our path on the
 same micro-batches packed into one row each (data.packing); its FLOPs and tokens are the padded
 batches' (the same samples), so its tokens/s and MFU compare directly. `graphs` is `packed` with
-precision.cuda_graphs (each decoder layer replayed as CUDA graphs; rows padded up to a multiple of
+compile.cuda_graphs (each decoder layer replayed as CUDA graphs; rows padded up to a multiple of
 256 tokens as the recipe pads them then, the filler counted as overhead); `graphs+vision` also replays
-the vision blocks as CUDA graphs (precision.cuda_graphs_vision). LoRA: r=16, alpha=32 on the
+the vision blocks as CUDA graphs (compile.cuda_graphs_vision). LoRA: r=16, alpha=32 on the
 language model's attention projections (the peer baseline's setup); with `--lora-tiers three` also on
 the projector and the last two vision blocks' attention (three tiers; the peer's peft config adapts the
 same modules, listed by our plan). Each path runs `--warmup`
@@ -47,7 +47,7 @@ import time
 import torch
 from PIL import Image
 
-from vlforge.config import ModelConfig, SFTConfig, load_config
+from vlforge.config import AttentionConfig, ModelConfig, SFTConfig, load_config
 from vlforge.data.encode import Encoder, ImageLimits, SampleTokens, collate, encode, pack
 from vlforge.train.health import GradHealth
 from vlforge.train.inputs import HostPrep
@@ -110,7 +110,7 @@ def run_peer(args, batches) -> dict:
     peft LoRA, fused AdamW."""
     lora = args.method == "lora"
     # the peer is plain transformers: its own per-image sdpa loop in the vision tower too
-    model, _ = load_model(ModelConfig(preset=args.preset, seed=args.seed, vision_attention="sdpa"), dtype=torch.bfloat16 if lora else torch.float32,
+    model, _ = load_model(ModelConfig(preset=args.preset, seed=args.seed, attention=AttentionConfig(vision="sdpa")), dtype=torch.bfloat16 if lora else torch.float32,
                           device=DEVICE)
     if lora:
         from peft import LoraConfig, get_peft_model
@@ -164,7 +164,7 @@ MASTERS_IN_OPTIMIZER = "+mw"  # a path name's suffix: precision.master_weights=o
 def run_ours(args, batches, packed: bool = False, graphs: tuple[str, ...] = (), extra: tuple[str, ...] = ()) -> dict:
     lora = args.method == "lora"
     tiers = lora_tier_overrides(args) if lora else ["tiers.vision.train=true"]
-    tiers += ["precision.gradient_checkpointing=true"] if args.grad_ckpt else []
+    tiers += ["activation_checkpointing.enabled=true"] if args.grad_ckpt else []
     cfg = load_config(SFTConfig, None, [
         f"model.preset={args.preset}", f"model.seed={args.seed}", f"tiers.method={args.method}", "precision.mode=bf16",
         f"train.device={DEVICE}", *tiers, *(f"tiers.{t}.lr={args.lr}" for t in ("language", "projector", "vision")),
@@ -193,7 +193,7 @@ def run_trl(args, samples, n_steps: int) -> dict:
     from trl import SFTConfig as TRLConfig, SFTTrainer
 
     lora = args.method == "lora"
-    model, processor = load_model(ModelConfig(preset=args.preset, seed=args.seed, vision_attention="sdpa"),
+    model, processor = load_model(ModelConfig(preset=args.preset, seed=args.seed, attention=AttentionConfig(vision="sdpa")),
                                   dtype=torch.bfloat16 if lora else torch.float32, device=DEVICE)
     rows = [{"messages": [{"role": m["role"], "content": [{"type": "image"} if c.get("type") == "image" else c
                                                            for c in (m["content"] if isinstance(m["content"], list)
@@ -250,7 +250,7 @@ def main() -> None:
     ap.add_argument("--preset", default="qwen3vl-2b")
     ap.add_argument("--method", default="full", choices=["full", "lora"])
     ap.add_argument("--paths", default="peer,trl,ours,packed", help="peer, trl, ours, packed (ours with data.packing), "
-                    "graphs (packed with precision.cuda_graphs), graphs+vision (and cuda_graphs_vision); ours and its variants "
+                    "graphs (packed with compile.cuda_graphs), graphs+vision (and cuda_graphs_vision); ours and its variants "
                     "+mw: with precision.master_weights=optimizer; a path may repeat (alternating runs in one process)")
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--steps", type=int, default=50)

@@ -1,4 +1,4 @@
-"""precision.cuda_graphs (and cuda_graphs_vision): SFT's compiled blocks replayed as CUDA graphs on packed rows.
+"""compile.cuda_graphs (and cuda_graphs_vision): SFT's compiled blocks replayed as CUDA graphs on packed rows.
 
 On CUDA (gpu-marked) the recipe trains to the weights the plainly compiled layers give, with one
 micro-batch a step and with two (gradient accumulation: autograd keeps a backward replay's output as
@@ -19,19 +19,19 @@ from vlforge.recipes.sft import run_sft
 
 from helpers import tiny_sft_config
 
-ON = ["precision.cuda_graphs=true", "precision.compile=true"]
+ON = ["compile.cuda_graphs=true", "compile.enabled=true"]
 
 
 def test_refused_where_it_is_not_built_before_the_model_loads(shapes_dir, tmp_path):
-    with pytest.raises(ConfigError, match="set precision.compile=true"):  # auto may compile nothing
-        tiny_sft_config(shapes_dir, tmp_path, "precision.cuda_graphs=true")
-    with pytest.raises(ConfigError, match="set precision.cuda_graphs=true too"):
-        tiny_sft_config(shapes_dir, tmp_path, "precision.compile=true", "precision.cuda_graphs_vision=true")
-    with pytest.raises(ConfigError, match="precision.gradient_checkpointing"):
-        tiny_sft_config(shapes_dir, tmp_path, *ON, "precision.gradient_checkpointing=true")
+    with pytest.raises(ConfigError, match="set compile.enabled=true"):  # auto may compile nothing
+        tiny_sft_config(shapes_dir, tmp_path, "compile.cuda_graphs=true")
+    with pytest.raises(ConfigError, match="set compile.cuda_graphs=true too"):
+        tiny_sft_config(shapes_dir, tmp_path, "compile.enabled=true", "compile.cuda_graphs_vision=true")
+    with pytest.raises(ConfigError, match="activation_checkpointing.enabled"):
+        tiny_sft_config(shapes_dir, tmp_path, *ON, "activation_checkpointing.enabled=true")
     with pytest.raises(ConfigError, match="packed rows .* data.packing=true"):
         run_sft(tiny_sft_config(shapes_dir, tmp_path / "a", *ON, "data.packing=false"))
-    with pytest.raises(ConfigError, match="precision.cuda_graphs runs on one CUDA GPU .* not with device cpu"):
+    with pytest.raises(ConfigError, match="compile.cuda_graphs runs on one CUDA GPU .* not with device cpu"):
         run_sft(tiny_sft_config(shapes_dir, tmp_path / "b", *ON, "data.packing=true"))
     grpo = load_config(GRPOConfig, None, ["model.preset=tiny", f"data.train={shapes_dir / 'train.jsonl'}",
                                           "train.device=cpu", f"train.output_dir={tmp_path / 'c'}", *ON])
@@ -59,7 +59,7 @@ def test_the_vision_graphs_warn_once_when_image_sizes_vary(monkeypatch):
     assert not any(said)
     said = [cuda_graph_step_begin(both, [images(2, side)], 0) for side in range(2, 12)]  # 3 layouts, then new
     assert sum(map(bool, said)) == 1 and said.index(next(filter(None, said))) == VISION_SHAPES_WARN - 3 - 1
-    assert "precision.cuda_graphs_vision off" in next(filter(None, said))
+    assert "compile.cuda_graphs_vision off" in next(filter(None, said))
     assert cuda_graph_step_begin(both, [{"pixel_values": None}], 0) is None  # a text-only micro-batch
     layers_only = Trainable(torch.nn.Linear(2, 2), None, [], None, torch.device("cpu"), cuda_graphs=True)
     assert not any(cuda_graph_step_begin(layers_only, [images(side)], 0) for side in range(2, 20))
@@ -101,7 +101,7 @@ def _weights(checkpoint) -> dict[str, torch.Tensor]:
 @pytest.mark.gpu
 @pytest.mark.parametrize("grad_accum, graphed", [(1, "layers"), (2, "layers"), (2, "layers+vision")])
 def test_cuda_graphs_train_to_the_compiled_layers_weights(shapes_dir, tmp_path, grad_accum, graphed, monkeypatch):
-    common = ["train.device=cuda", "precision.mode=bf16", "precision.compile=true", "data.packing=true",
+    common = ["train.device=cuda", "precision.mode=bf16", "compile.enabled=true", "data.packing=true",
               "tiers.method=full", f"train.grad_accum={grad_accum}", "train.max_steps=4", "train.save_every=1",
               "train.keep_last=4", "eval.every=2", "optim.schedule=constant", "tiers.language.lr=1e-3",
               "tiers.projector.lr=1e-3", "tiers.vision.lr=1e-3",
@@ -110,8 +110,8 @@ def test_cuda_graphs_train_to_the_compiled_layers_weights(shapes_dir, tmp_path, 
     monkeypatch.setattr(Trainable, "token_multiple", property(lambda self: CUDA_GRAPH_ROW_MULTIPLE))
     plain, graphs = tmp_path / "compiled", tmp_path / "graphs"
     run_sft(tiny_sft_config(shapes_dir, plain, *common))
-    vision = ["precision.cuda_graphs_vision=true"] if graphed == "layers+vision" else []
-    result = run_sft(tiny_sft_config(shapes_dir, graphs, *common, "precision.cuda_graphs=true", *vision))
+    vision = ["compile.cuda_graphs_vision=true"] if graphed == "layers+vision" else []
+    result = run_sft(tiny_sft_config(shapes_dir, graphs, *common, "compile.cuda_graphs=true", *vision))
     assert result["final_step"] == 4 and (graphs / "eval.json").is_file()  # evaluated (eager) between steps
     assert _losses(graphs) == pytest.approx(_losses(plain), rel=1e-2)
     # the two runs' final weights, against how far the compiled run moved them over its last 3 steps (a

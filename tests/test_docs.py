@@ -1,5 +1,5 @@
 """The docs stay true to the code: docs/config.md is what scripts/config_reference.py writes from
-vlforge/config.py now, the README stays a user's few screens, and every docs link resolves."""
+vlforge/config/ now, the README stays a user's few screens, and every docs link resolves."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def _keys(cls: type, prefix: str = "") -> list[str]:
 def test_config_reference_is_current():
     written = REFERENCE.read_text(encoding="utf-8")
     if _script().render() != written:
-        pytest.fail("docs/config.md is stale: vlforge/config.py changed since it was generated. Run "
+        pytest.fail("docs/config.md is stale: vlforge/config/ changed since it was generated. Run "
                     "`python scripts/config_reference.py` and commit docs/config.md with the config change.")
 
 
@@ -60,6 +60,7 @@ def test_config_reference_has_every_key_with_its_default():
     # tiers differ only by their defaults: each section shows its own
     language = text[sections["tiers.language"]:sections["tiers.projector"]]
     vision = text[sections["tiers.vision"]:sections["precision"]]
+    assert "| `last_n_blocks` |" in vision and "| `last_n_blocks` |" not in language  # each tier its own keys
     assert "| `lr` | `float` | `0.0002` |" in language and "| `train` | `bool` | `false` |" in vision
     assert "`runs/sft` (grpo: `runs/grpo`)" in text  # GRPO's own train defaults are named
 
@@ -92,13 +93,16 @@ class Demo:
 
 
 def test_config_reference_takes_another_source(tmp_path):
-    """--source reads another config module (e.g. the last commit's): its comments and defaults, not ours."""
-    src = (ROOT / "vlforge" / "config.py").read_text(encoding="utf-8")
+    """--source reads another config package (e.g. the last commit's): its comments and defaults, not ours."""
+    import shutil
+
+    path = tmp_path / "config"
+    shutil.copytree(ROOT / "vlforge" / "config", path, ignore=shutil.ignore_patterns("__pycache__"))
+    src = (path / "train.py").read_text(encoding="utf-8")
     changed = src.replace("    batch_size: int = 8  # samples per micro-batch",
                           "    batch_size: int = 3  # rows per micro-batch, changed")
     assert changed != src
-    path = tmp_path / "config.py"
-    path.write_text(changed, encoding="utf-8")
+    (path / "train.py").write_text(changed, encoding="utf-8")
     assert "| `batch_size` | `int` | `3` | rows per micro-batch, changed." in _script().render(path)
 
 

@@ -114,7 +114,7 @@ def test_missing_model_path_is_named(tmp_path, capsys):
 
 def test_grpo_recipe_is_recognised(tmp_path):
     cfg = tmp_path / "grpo.yaml"
-    cfg.write_text("rollout: {group_size: 4}\nmodel: {attn_implementation: flash_attention_2}\n")
+    cfg.write_text("rollout: {group_size: 4}\nmodel: {attention: {implementation: flash_attention_2}}\n")
     loaded = load_recipe_config(str(cfg))
     assert isinstance(loaded, GRPOConfig) and loaded.rollout.group_size == 4
     assert isinstance(load_recipe_config(None, ["rl.kl_beta=0.1"]), GRPOConfig)
@@ -183,21 +183,21 @@ def test_packing_auto_says_what_the_recipe_will_do(monkeypatch):
 
 
 def test_cuda_graphs_are_checked_as_the_recipe_refuses_them(monkeypatch):
-    """precision.cuda_graphs: doctor fails where setup_model would refuse it before loading (the same
+    """compile.cuda_graphs: doctor fails where setup_model would refuse it before loading (the same
     function), and says what it graphs where it runs."""
     import vlforge.train.packed_attention as packed_attention
 
     monkeypatch.setattr(packed_attention, "flash_capable", lambda index: True)
     monkeypatch.setattr(packed_attention, "varlen_kernel", lambda: object())  # a torch with the varlen kernel
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # no GPU here: train.device=cuda is device 0
-    on = ["precision.compile=true", "precision.cuda_graphs=true"]
+    on = ["compile.enabled=true", "compile.cuda_graphs=true"]
 
     def check(*overrides, cuda=True, grpo=False):
         cfg = load_recipe_config(None, [*on, *overrides, *(["rl.kl_beta=0.1"] if grpo else [])])
         recipe = recipe_from_config(cfg, None, cuda_available=cuda, gpu_count=int(cuda))
         return [c for c in recipe_checks(recipe, _libs()) if c.name == "recipe cuda graphs"]
 
-    (ok,) = check("train.device=cuda", "precision.cuda_graphs_vision=true")
+    (ok,) = check("train.device=cuda", "compile.cuda_graphs_vision=true")
     assert ok.status == "ok" and "decoder layers and vision blocks replay as CUDA graphs" in ok.detail
     (cpu,) = check("train.device=cpu", cuda=False)
     assert cpu.status == "fail" and "not with device cpu" in cpu.detail
@@ -219,7 +219,7 @@ def test_flash_attention_recipe_needs_flash_attn():
     assert ok.status == "ok" and "flash_attn 9.9 imports" in ok.detail
     (failed,) = [c for c in recipe_checks(recipe, _libs()) if c.name == "recipe flash_attn"]
     assert failed.status == "fail" and "No module named 'flash_attn'" in failed.detail
-    assert failed.advice.startswith("pip install flash-attn") and "attn_implementation=sdpa" in failed.advice
+    assert failed.advice.startswith("pip install flash-attn") and "attention.implementation=sdpa" in failed.advice
 
 
 def test_recipe_library_checks_fail_when_missing():
@@ -458,22 +458,22 @@ def test_under_torchrun_other_ranks_print_only_their_failures(monkeypatch, capsy
 
 
 def test_grpo_tools_are_checked_as_the_run_checks_them(tmp_path):
-    """rollout.tools: doctor loads them and renders a tool turn with the model's chat template, as
+    """tools.names: doctor loads them and renders a tool turn with the model's chat template, as
     run_grpo does before any model loads; a bad spec or a template without tool messages fails."""
     tools = lambda *o: [c for c in recipe_checks(recipe_from_config(  # noqa: E731
         load_recipe_config(None, ["model.preset=tiny", *o]), None, False, 0), _libs()) if c.name == "recipe tools"]
-    (ok,) = tools("rollout.tools=[calculator]")
+    (ok,) = tools("tools.names=[calculator]")
     assert ok.status == "ok" and "calculator" in ok.detail
-    (bad,) = tools("rollout.tools=[calculator, nope]")
+    (bad,) = tools("tools.names=[calculator, nope]")
     assert bad.status == "fail" and "unknown tool 'nope'" in bad.detail
-    # with rollout.tool_processes a worker process loads them too: a tool file it cannot import fails
+    # with tools.processes a worker process loads them too: a tool file it cannot import fails
     good = "def f(x: int) -> str:\n    '''F.\n\n    Args:\n        x: X.\n    '''\n    return str(x)\n"
     (tmp_path / "t.py").write_text(good)
-    (worker,) = tools(f"rollout.tools=['{tmp_path / 't.py'}:f']", "rollout.tool_processes=2")
+    (worker,) = tools(f"tools.names=['{tmp_path / 't.py'}:f']", "tools.processes=2")
     assert worker.status == "ok" and "a worker process loads them" in worker.detail
     in_worker = "import sys\nif getattr(sys.modules['__main__'].__spec__, 'name', '') == 'vlforge.tools.worker':\n"
     (tmp_path / "t.py").write_text(in_worker + "    raise ImportError('no')\n" + good)  # this process imports it
-    (broken,) = tools(f"rollout.tools=['{tmp_path / 't.py'}:f']", "rollout.tool_processes=2")
+    (broken,) = tools(f"tools.names=['{tmp_path / 't.py'}:f']", "tools.processes=2")
     assert broken.status == "fail" and "worker process" in broken.detail and "ImportError('no')" in broken.detail
     from vlforge.config import ModelConfig
     from vlforge.model.load import load_model
@@ -486,8 +486,8 @@ def test_grpo_tools_are_checked_as_the_run_checks_them(tmp_path):
         tool_branch, tool_branch + "{%- elif false -%}")
     model.save_pretrained(plain)
     processor.save_pretrained(plain)
-    (none,) = tools(f"model.path={plain}", "model.preset=null", "rollout.tools=[calculator]")
+    (none,) = tools(f"model.path={plain}", "model.preset=null", "tools.names=[calculator]")
     assert none.status == "fail" and "does not render tool messages" in none.detail
-    (unchecked,) = tools(f"model.path={tmp_path / 'missing'}", "model.preset=null", "rollout.tools=[calculator]")
+    (unchecked,) = tools(f"model.path={tmp_path / 'missing'}", "model.preset=null", "tools.names=[calculator]")
     assert unchecked.status == "skip" and "not checked" in unchecked.detail
     assert not tools()

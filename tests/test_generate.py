@@ -10,7 +10,7 @@ from vlforge.config import DataConfig, RolloutConfig
 from vlforge.data.dataset import load_dataset
 from vlforge.data.encode import collate, encode_prompt
 from vlforge.generate.engine import Engine, Feed, GenRequest, Prompt, engine_for
-from vlforge.generate.forward import vision_token_ids
+from vlforge.generate.forward import never_generated, vision_token_ids
 from vlforge.generate.sampling import _first_above, inverse_cdf, row_key, sample, unit_interval
 from vlforge.rollout.groups import generate_groups
 from vlforge.rollout.logprobs import sequence_logprobs
@@ -254,19 +254,23 @@ def test_rollout_through_fewer_slots_samples_the_same_tokens(setup):
     torch.testing.assert_close(queued.logprobs, at_once.logprobs, atol=1e-5, rtol=1e-5)
     with pytest.raises(ConfigError, match="rollout.max_slots=3 is below rollout.group_size=4"):
         RolloutConfig(group_size=4, max_slots=3)
-    with pytest.raises(ConfigError, match="needs rollout.engine=vlforge"):
-        RolloutConfig(group_size=4, max_slots=8, engine="hf")
 
 
-def test_greedy_rollout_equals_the_hf_loop(setup):
+def test_greedy_rollout_equals_transformers_generate(setup):
+    """A greedy rollout's G samples of each prompt are transformers' own greedy generate of it (the
+    same left-padded batch, the same never-generated ids), token for token up to its end token."""
     model, encoder, samples = setup
     prompts = collate([encode_prompt(encoder, samples[i]) for i in range(3)], encoder.pad_id, left_pad=True)
-    ours = generate_groups(model, encoder, prompts, [1, 1, 1], RolloutConfig(temperature=0.0, max_new_tokens=8))
-    hf = generate_groups(model, encoder, prompts, [1, 1, 1], RolloutConfig(temperature=0.0, max_new_tokens=8,
-                                                                          engine="hf"))
-    assert torch.equal(ours.response_mask, hf.response_mask)
-    assert torch.equal(ours.response_ids * ours.response_mask, hf.response_ids * hf.response_mask)
-    torch.testing.assert_close(ours.logprobs, hf.logprobs, atol=1e-4, rtol=1e-4)
+    cfg = RolloutConfig(temperature=0.0, max_new_tokens=8)
+    ours = generate_groups(model, encoder, prompts, [1, 1, 1], cfg)
+    with torch.no_grad():
+        out = model.generate(**prompts, max_new_tokens=8, do_sample=False, pad_token_id=encoder.pad_id,
+                             eos_token_id=encoder.end_ids, suppress_tokens=never_generated(encoder, model))
+    theirs = out[:, prompts["input_ids"].shape[1]:]
+    assert ours.response_ids.shape[0] == 3 * cfg.group_size
+    for n in range(ours.response_ids.shape[0]):
+        length = int(ours.response_mask[n].sum())
+        assert length > 0 and torch.equal(ours.response_ids[n, :length], theirs[n // cfg.group_size, :length]), n
 
 
 def _chi_square(tokens: torch.Tensor, probs: torch.Tensor) -> float:

@@ -238,7 +238,7 @@ def test_auto_packing_is_on_where_attention_runs_per_sample(tiny):
         load_config(GRPOConfig, None, ["rl.packing=sometimes"])
 
 
-@pytest.mark.parametrize("method,extra", [("lora", []), ("full", ["precision.gradient_checkpointing=true"])])
+@pytest.mark.parametrize("method,extra", [("lora", []), ("full", ["activation_checkpointing.enabled=true"])])
 def test_one_grpo_step_with_packing_equals_without(shapes_dir, tmp_path, monkeypatch, method, extra):
     """Two mini-batch updates (8 sequences, mini-batches of 4), KL to the reference, through run_grpo;
     under activation checkpointing the packed row's sequences reach the recomputed layers too."""

@@ -10,7 +10,7 @@ import torch
 from transformers import Qwen3VLMoeForConditionalGeneration
 from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import load_balancing_loss_func
 
-from vlforge.config import ConfigError, DataConfig, ModelConfig, QuantConfig, SFTConfig, load_config
+from vlforge.config import AttentionConfig, ConfigError, DataConfig, ModelConfig, QuantConfig, SFTConfig, load_config
 from vlforge.data.dataset import load_dataset
 from vlforge.data.encode import collate
 from vlforge.train.losses import backbone_hidden
@@ -221,7 +221,7 @@ def test_sft_step_changes_exactly_the_trainable_params_and_logs_expert_load(shap
 
     captured = _spy_setup(monkeypatch, recipe)
     cfg = tiny_sft_config(shapes_dir, tmp_path / "run", "model.preset=tiny-moe", "data.val=null",
-                          "train.max_steps=2", "tiers.language.lr=0.01", "train.router_aux_loss_coef=0.01", *overrides)
+                          "train.max_steps=2", "tiers.language.lr=0.01", "loss.router_aux_loss_coef=0.01", *overrides)
     recipe.run_sft(cfg)
     t, before = captured["t"], captured["before"]
     trainable = {n for n, p in t.model.named_parameters() if p.requires_grad}
@@ -289,7 +289,7 @@ def test_recipes_add_the_router_aux_loss_to_the_backward(shapes_dir, tmp_path, m
     for coef in (0.0, 0.5, 1.0):
         out = tmp_path / f"coef{coef}"
         common = ["model.preset=tiny-moe", "tiers.method=lora", "tiers.language.router=true",
-                  f"train.router_aux_loss_coef={coef}", "train.max_steps=1", "train.seed=0"]
+                  f"loss.router_aux_loss_coef={coef}", "train.max_steps=1", "train.seed=0"]
         if recipe_name == "sft":
             cfg = tiny_sft_config(shapes_dir, out, *common, "data.val=null", "tiers.language.dropout=0.0")
             run = recipe.run_sft
@@ -346,7 +346,7 @@ def test_grpo_step_on_moe_trains_experts_and_logs_expert_load(shapes_dir, tmp_pa
 
     captured = _spy_setup(monkeypatch, recipe)
     cfg = grpo_config(shapes_dir, tmp_path / "run", tmp_path, "model.preset=tiny-moe", "tiers.method=lora",
-                      "tiers.language.experts=true", "train.router_aux_loss_coef=0.01")
+                      "tiers.language.experts=true", "loss.router_aux_loss_coef=0.01")
     recipe.run_grpo(cfg)
     t, before = captured["t"], captured["before"]
     row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
@@ -424,7 +424,7 @@ def test_plan_json_on_30b_a3b_meta_shows_experts_and_router(capsys):
     from vlforge.cli import main
 
     args = ["sft", "configs/qwen3vl-8b-lora.yaml", "model.preset=qwen3vl-30b-a3b", "tiers.language.experts=true",
-            "tiers.language.router=true", "precision.gradient_checkpointing=true", "--plan", "--json"]
+            "tiers.language.router=true", "activation_checkpointing.enabled=true", "--plan", "--json"]
     assert main(args) == 0
     plan = json.loads(capsys.readouterr().out)
     experts = [e for e in plan["modules"] if e["target"] == "parameter"]
@@ -476,7 +476,7 @@ def test_router_aux_loss_on_two_ranks_equals_one_process_accumulating(shapes_dir
     common = ["model.preset=tiny-moe", "precision.mode=fp32", "train.device=cpu", "log.progress=false", "data.val=null",
               "optim.schedule=constant", "optim.warmup_steps=0", "train.seed=0", "tiers.method=full",
               "tiers.vision.train=true", "tiers.language.router=true", "tiers.language.lr=0.01",
-              "train.router_aux_loss_coef=1.0", "train.max_steps=2", "train.save_every=2", "train.batch_size=2",
+              "loss.router_aux_loss_coef=1.0", "train.max_steps=2", "train.save_every=2", "train.batch_size=2",
               f"data.train={shapes_dir / 'train.jsonl'}"]
     one = tmp_path / "one"
     run_sft(load_config(SFTConfig, None, [*common, f"train.output_dir={one}", "train.grad_accum=2"]))
@@ -503,9 +503,9 @@ def test_router_aux_loss_on_two_ranks_equals_one_process_accumulating(shapes_dir
 def test_flex_attention_is_refused_for_the_dense_model_with_the_reason():
     """transformers' dense Qwen3-VL class declares no flex_attention support (its MoE class does):
     a ConfigError naming the key, not a ValueError from inside from_pretrained."""
-    with pytest.raises(ConfigError, match="model.attn_implementation=flex_attention"):
-        load_model(ModelConfig(preset="tiny", attn_implementation="flex_attention"))
-    model, _ = load_model(ModelConfig(preset="tiny-moe", attn_implementation="flex_attention"))
+    with pytest.raises(ConfigError, match="model.attention.implementation=flex_attention"):
+        load_model(ModelConfig(preset="tiny", attention=AttentionConfig(implementation="flex_attention")))
+    model, _ = load_model(ModelConfig(preset="tiny-moe", attention=AttentionConfig(implementation="flex_attention")))
     assert model.config._attn_implementation == "flex_attention"
 
 

@@ -219,18 +219,18 @@ def test_plan_dropout_memory_and_the_peft_escape_hatch(tiny_moe):
     from vlforge.model.tiers import format_plan, plan_summary
 
     model = tiny_moe[0]
-    cfg = load_config(SFTConfig, None, ["tiers.language.experts=true", "precision.gradient_checkpointing=true"])
+    cfg = load_config(SFTConfig, None, ["tiers.language.experts=true", "activation_checkpointing.enabled=true"])
     fused = build_plan(model, cfg.tiers)
     experts = [e for e in fused if e.target == "parameter"]
     assert {(e.expert_lora, e.dropout) for e in experts} == {("fused", cfg.tiers.language.dropout)}
     assert expert_lora_copies(model, fused, cfg, 2) == 0  # nothing folded
     assert "3-D experts, fused" in format_plan(plan_summary(model, fused))
     cfg = load_config(SFTConfig, None, ["tiers.language.experts=true", "tiers.expert_lora=peft",
-                                        "precision.gradient_checkpointing=true"])
+                                        "activation_checkpointing.enabled=true"])
     plan = build_plan(model, cfg.tiers)
     assert {(e.expert_lora, e.dropout) for e in plan if e.target == "parameter"} == {("peft", 0.0)}
     assert expert_lora_copies(model, plan, cfg, 2) == 8 * 3 * 32 * 64 * 2  # one layer's experts, bf16
-    cfg.precision.checkpoint_every = 2  # tiny-moe's 2 layers: layer 1 is not recomputed, so keeps its copy
+    cfg.activation_checkpointing.every = 2  # tiny-moe's 2 layers: layer 1 is not recomputed, so keeps its copy
     assert expert_lora_copies(model, plan, cfg, 2) == 2 * 8 * 3 * 32 * 64 * 2
     peft_model = apply_plan(copy.deepcopy(model), plan)
     assert type(_experts(peft_model)) is ParamWrapper  # peft's own forward
@@ -269,7 +269,7 @@ def test_sft_with_fused_expert_lora_under_fsdp2_and_gradient_checkpointing_match
               "tiers.language.lr=0.01", "train.save_every=2", "optim.schedule=constant",
               *[f"tiers.{t}.dropout=0" for t in ("language", "projector", "vision")]]
     runs = {"peft": ["tiers.expert_lora=peft"],
-            "fused": ["distributed.strategy=fsdp2", "precision.gradient_checkpointing=true"]}
+            "fused": ["distributed.strategy=fsdp2", "activation_checkpointing.enabled=true"]}
     for name, extra in runs.items():
         run_sft(tiny_sft_config(shapes_dir, tmp_path / name, *common, *extra))
     loss = {name: [json.loads(line)["loss"] for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()

@@ -82,7 +82,7 @@ def test_qlora_trains_adapters_only_and_leaves_vision_in_bf16(shapes_dir, tmp_pa
     from helpers import tiny_sft_config
 
     cfg = tiny_sft_config(shapes_dir, tmp_path, "precision.mode=bf16", "tiers.method=lora", "quant.language=nf4",
-                          "precision.gradient_checkpointing=true")
+                          "activation_checkpointing.enabled=true")
     t = setup_model(cfg)
     data = load_dataset(cfg.data.train, t.processor, cfg.data)
     optimizer = build_optimizer(param_groups(t.model, t.plan, 0.0), cfg.optim, "cpu")

@@ -240,8 +240,8 @@ def test_replay_on_a_dense_model_or_the_hf_loop_is_a_config_error(tiny, shapes_d
     with pytest.raises(ConfigError, match="rollout.router_replay=True: the model \\(tiny\\) is dense"):
         run_grpo(grpo_config(shapes_dir, tmp_path / "run", tmp_path, "rollout.router_replay=true"))
     assert not (tmp_path / "run").exists()
-    with pytest.raises(ConfigError, match="rollout.engine=vlforge"):
-        load_config(GRPOConfig, None, ["rollout.router_replay=record", "rollout.engine=hf"])
+    with pytest.raises(ConfigError, match="tools.names with rollout.router_replay=record"):
+        load_config(GRPOConfig, None, ["rollout.router_replay=record", "tools.names=[calculator]"])
     with pytest.raises(ConfigError, match="router_replay"):
         load_config(GRPOConfig, None, ["rollout.router_replay=always"])
     with pytest.raises(ValueError, match="no mixture-of-experts router"):

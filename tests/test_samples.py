@@ -41,7 +41,7 @@ def test_grpo_samples_with_a_tool_that_returns_images(tool_model, tool_data, tmp
     run_grpo(load_config(GRPOConfig, packaged_config("demo-tools-grpo.yaml"), [
         f"model.path={tool_model}", f"data.train={tool_data['prompts']}", "log.progress=false",
         "rollout.group_size=4", "rollout.prompts_per_step=2", "rl.mini_batch_size=8", "rl.dynamic_sampling=false",
-        f"rollout.tools=['{tmp_path / 't.py'}:calculator']", f"train.output_dir={out}", "train.max_steps=2",
+        f"tools.names=['{tmp_path / 't.py'}:calculator']", f"train.output_dir={out}", "train.max_steps=2",
         f"rl.rewards=[{{name: '{tmp_path / 'rewards.py'}:parity'}}, {{name: exact_match}}]", "log.samples_per_step=2",
         f"data.val={tool_data['prompts']}", "eval.max_samples=2", "eval.every=2"]))
     rows = [r for r in read_metrics(out / "metrics.jsonl") if "reward_mean" in r]

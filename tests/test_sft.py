@@ -113,7 +113,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(shapes_dir, tmp_path, m
     grads = []
     for ckpt in ("false", "true"):
         cfg = tiny_sft_config(shapes_dir, tmp_path / ckpt, f"tiers.method={method}",
-                              f"precision.gradient_checkpointing={ckpt}")
+                              f"activation_checkpointing.enabled={ckpt}")
         torch.manual_seed(0)  # the same LoRA initialisation both times
         t = setup_model(cfg)
         assert not unwrap(t.model).get_input_embeddings()._forward_hooks
@@ -127,7 +127,7 @@ def test_gradient_checkpointing_gives_the_same_gradients(shapes_dir, tmp_path, m
 
 
 def test_selective_checkpointing_recomputes_one_block_in_n_with_the_same_gradients(shapes_dir, tmp_path):
-    """precision.checkpoint_every=2: every other decoder layer and vision block runs its forward
+    """activation_checkpointing.every=2: every other decoder layer and vision block runs its forward
     again in backward (counted), the others once; the gradients are those of no checkpointing."""
     from vlforge.data.dataset import load_dataset
     from vlforge.data.encode import collate
@@ -135,8 +135,8 @@ def test_selective_checkpointing_recomputes_one_block_in_n_with_the_same_gradien
     from vlforge.train.trainable import setup_model
 
     runs = {}
-    for name, extra in (("plain", []), ("every2", ["precision.gradient_checkpointing=true",
-                                                    "precision.checkpoint_every=2"])):
+    for name, extra in (("plain", []), ("every2", ["activation_checkpointing.enabled=true",
+                                                    "activation_checkpointing.every=2"])):
         cfg = tiny_sft_config(shapes_dir, tmp_path / name, "tiers.method=full", *extra)
         t = setup_model(cfg)
         core = t.model
@@ -158,7 +158,7 @@ def test_selective_checkpointing_recomputes_one_block_in_n_with_the_same_gradien
 
 
 def test_activation_memory_budget_is_applied_to_the_training_forward_only(shapes_dir, tmp_path):
-    """precision.activation_memory_budget: torch's partitioner budget inside the step's forward (where
+    """compile.activation_memory_budget: torch's partitioner budget inside the step's forward (where
     compiled layers are compiled), not process-wide; refused from the config unless compile=true."""
     import torch._functorch.config as functorch_config
 
@@ -166,25 +166,25 @@ def test_activation_memory_budget_is_applied_to_the_training_forward_only(shapes
     from vlforge.train.trainable import setup_model
 
     default = functorch_config.activation_memory_budget
-    cfg = tiny_sft_config(shapes_dir, tmp_path / "run", "precision.compile=true",
-                          "precision.activation_memory_budget=0.4")
+    cfg = tiny_sft_config(shapes_dir, tmp_path / "run", "compile.enabled=true",
+                          "compile.activation_memory_budget=0.4")
     t = setup_model(cfg)  # layers wrapped for compile (compiled at their first call, which this test never makes)
     assert t.forward(lambda model: functorch_config.activation_memory_budget) == 0.4
     assert functorch_config.activation_memory_budget == default
-    for bad, match in (("precision.activation_memory_budget=0", "activation_memory_budget"),
-                       ("precision.activation_memory_budget=0.5 precision.compile=false", "acts on compiled layers"),
-                       ("precision.activation_memory_budget=0.5", "set precision.compile=true"),  # auto: refused
-                       ("precision.checkpoint_every=2", "gradient_checkpointing=true too"),
-                       ("precision.checkpoint_every=0", "checkpoint_every")):
+    for bad, match in (("compile.activation_memory_budget=0", "activation_memory_budget"),
+                       ("compile.activation_memory_budget=0.5 compile.enabled=false", "acts on compiled layers"),
+                       ("compile.activation_memory_budget=0.5", "set compile.enabled=true"),  # auto: refused
+                       ("activation_checkpointing.every=2", "activation_checkpointing.enabled=true too"),
+                       ("activation_checkpointing.every=0", "activation_checkpointing.every must be >= 1")):
         with pytest.raises(ConfigError, match=match):
             load_config(SFTConfig, None, bad.split())
 
 
 def test_vision_blocks_compile_with_the_decoder_layers_and_an_eager_trainable_tower_keeps_the_loop(shapes_dir, tmp_path):
-    """precision.compile_vision (auto: with compiled decoder layers and the varlen vision attention)
-    wraps each vision block for torch.compile; model.vision_attention=auto leaves a trainable tower
+    """compile.vision (auto: with compiled decoder layers and the varlen vision attention)
+    wraps each vision block for torch.compile; model.attention.vision=auto leaves a trainable tower
     whose blocks run eager on transformers' per-image loop (measured faster there), a frozen one
-    (LoRA on the language model) and compiled ones on varlen; compile_vision=true needs compile=true."""
+    (LoRA on the language model) and compiled ones on varlen; compile.vision=true needs compile.enabled=true."""
     from vlforge.config import SFTConfig, load_config
     from vlforge.train.trainable import setup_model
     from vlforge.model.tiers import unwrap
@@ -196,18 +196,18 @@ def test_vision_blocks_compile_with_the_decoder_layers_and_an_eager_trainable_to
         return ({b._compiled_call_impl is not None for b in core.language_model.layers},
                 {b._compiled_call_impl is not None for b in core.visual.blocks}, core.visual.config._attn_implementation)
 
-    assert setup("precision.compile=true") == ({True}, {True}, VISION_ATTENTION)
-    assert setup_model(tiny_sft_config(shapes_dir, tmp_path / "run", "precision.compile=true")).compiled == (
+    assert setup("compile.enabled=true") == ({True}, {True}, VISION_ATTENTION)
+    assert setup_model(tiny_sft_config(shapes_dir, tmp_path / "run", "compile.enabled=true")).compiled == (
         "decoder layers", "vision blocks")  # what the run's first line reports
-    assert setup("precision.compile=true", "precision.compile_vision=false") == ({True}, {False}, "sdpa")
-    assert setup("precision.compile=false") == ({False}, {False}, "sdpa")  # full: the tower trains, eager
-    assert setup("precision.compile=false", "model.vision_attention=varlen") == ({False}, {False}, VISION_ATTENTION)
-    assert setup("precision.compile=true", "model.vision_attention=sdpa") == ({True}, {False}, "sdpa")
-    assert setup("precision.compile=false", "tiers.method=lora")[1:] == ({False}, "sdpa")  # LoRA on vision blocks
-    assert setup("precision.compile=false", "tiers.method=lora", "tiers.vision.train=false")[1:] == (
+    assert setup("compile.enabled=true", "compile.vision=false") == ({True}, {False}, "sdpa")
+    assert setup("compile.enabled=false") == ({False}, {False}, "sdpa")  # full: the tower trains, eager
+    assert setup("compile.enabled=false", "model.attention.vision=varlen") == ({False}, {False}, VISION_ATTENTION)
+    assert setup("compile.enabled=true", "model.attention.vision=sdpa") == ({True}, {False}, "sdpa")
+    assert setup("compile.enabled=false", "tiers.method=lora")[1:] == ({False}, "sdpa")  # LoRA on vision blocks
+    assert setup("compile.enabled=false", "tiers.method=lora", "tiers.vision.train=false")[1:] == (
         {False}, VISION_ATTENTION)  # a frozen tower: forward only, as in inference
-    for bad in ("precision.compile_vision=true", "precision.compile_vision=true precision.compile=false"):
-        with pytest.raises(ConfigError, match="compile_vision"):
+    for bad in ("compile.vision=true", "compile.vision=true compile.enabled=false"):
+        with pytest.raises(ConfigError, match="compile.vision compiles the vision blocks"):
             load_config(SFTConfig, None, bad.split())
 
 

@@ -24,7 +24,6 @@ MAX_FILE_LINES = 600
 ALLOWED: dict[str, str] = {
     "vlforge/generate/engine.py": "issue 44 (the engine rewrite)",
     "vlforge/generate/engine.py:Engine.generate": "issue 44 (the engine rewrite)",
-    "vlforge/config.py": "issue 42, config ownership (each component owns its config)",
 }
 
 

@@ -1,14 +1,14 @@
-"""How a round of tool calls runs (tools/): on threads of the trainer or in worker processes
-(rollout.tool_processes), every failure an error result the model reads (unknown tools, bad
+"""How a round of tool calls runs (tools/runner.py): on threads of the trainer or in worker processes
+(tools.processes), every failure an error result the model reads (unknown tools, bad
 arguments, exceptions, sys.exit, exceptions whose message cannot be read, timeouts, crashes), the
-same results in both modes, and results cut at rollout.tool_result_chars."""
+same results in both modes, and results cut at tools.result_chars."""
 
 import json
 import time
 
 import pytest
 
-from vlforge.config import ConfigError, RolloutConfig
+from vlforge.config import ConfigError, ToolsConfig
 from vlforge.tools.calls import ToolCall
 from vlforge.tools.registry import load_tools
 from vlforge.tools.runner import ToolProcesses, run_tool_calls
@@ -40,7 +40,7 @@ def test_tool_results_report_every_failure_to_the_model_and_slow_tools_time_out(
 
 
 def test_tool_processes_give_the_threads_results_and_stop_what_hangs_or_crashes(tmp_path):
-    """rollout.tool_processes: the same results as threads in the trainer; a call past the timeout
+    """tools.processes: the same results as threads in the trainer; a call past the timeout
     is stopped (its worker killed: it never writes its file), a worker that dies (os._exit) answers
     its call with an error and is replaced, a tool's print does not break the channel, and more calls
     than workers wait for a free one, each timed from its own start. A tool a worker cannot load
@@ -149,7 +149,7 @@ def test_a_tool_that_exits_or_whose_error_cannot_be_read_is_answered_with_its_er
 
 @pytest.mark.parametrize("processes", [0, 1])
 def test_a_huge_tool_result_is_cut_with_a_note_and_a_warning(tmp_path, tiny, processes):
-    """A 10 MB result (or error message) comes back cut at rollout.tool_result_chars (the default when
+    """A 10 MB result (or error message) comes back cut at tools.result_chars (the default when
     none is given), with a note the model reads saying how much the tool returned, and a warning; a
     result within the bound is untouched. The setting reaches both runners through tool_runner."""
     from vlforge.data.encode import Encoder, ImageLimits
@@ -158,7 +158,7 @@ def test_a_huge_tool_result_is_cut_with_a_note_and_a_warning(tmp_path, tiny, pro
     (tmp_path / "t.py").write_text(STRANGE_TOOLS)
     tools = load_tools([f"{tmp_path / 't.py'}:dump"])
     big, small = ToolCall("dump", {"n": 10_000_000}), ToolCall("dump", {"n": 10})
-    cfg = RolloutConfig(tools=[f"{tmp_path / 't.py'}:dump"], tool_result_chars=1000, tool_processes=processes)
+    cfg = ToolsConfig(names=[f"{tmp_path / 't.py'}:dump"], result_chars=1000, processes=processes)
     with tool_runner(tools, cfg) as run, pytest.warns(UserWarning) as caught:
         [[cut, kept], [error]] = run([[big, small], [ToolCall("dump", {"n": 5000, "fail": True})]], tools, 30.0)
     note = "(cut: the tool returned 10,000,000 characters; the first 1,000 follow)\n"
@@ -168,10 +168,10 @@ def test_a_huge_tool_result_is_cut_with_a_note_and_a_warning(tmp_path, tiny, pro
     cause = "error: ValueError: " + "y" * 981
     assert error.text == "(cut: the tool returned 5,019 characters; the first 1,000 follow)\n" + cause
     assert sorted(str(w.message) for w in caught) == [
-        f"vlforge: tool 'dump' returned {n} characters; cut to rollout.tool_result_chars=1,000, with a note the "
+        f"vlforge: tool 'dump' returned {n} characters; cut to tools.result_chars=1,000, with a note the "
         "model reads" for n in ("10,000,000", "5,019")]
-    # without a bound given, rollout.tool_result_chars' default applies
-    with pytest.warns(UserWarning, match="cut to rollout.tool_result_chars=65,536"):
+    # without a bound given, tools.result_chars' default applies
+    with pytest.warns(UserWarning, match="cut to tools.result_chars=65,536"):
         [[default]] = run_tool_calls([[big]], tools, 30.0)
     assert default.text == note.replace("1,000", "65,536") + "x" * 65536 and default.cut == 10_000_000 - 65536
     # what the model reads of it: the note, first in its tool message, whatever the token cut keeps

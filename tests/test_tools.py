@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from vlforge.config import ConfigError, DataConfig, GRPOConfig, RolloutConfig, SFTConfig, load_config
+from vlforge.config import ConfigError, DataConfig, GRPOConfig, RolloutConfig, SFTConfig, ToolsConfig, load_config
 from vlforge.data.dataset import load_dataset
 from vlforge.data.encode import collate, encode_prompt
 from vlforge.data.inline import DataError
@@ -223,11 +223,11 @@ def _rollout_setup(tool_model, prompts_path, n_prompts=3):
 def test_multi_turn_rollout_runs_the_calls_and_the_trainer_scores_only_generated_tokens(tool_model, tool_data):
     model, enc, tools, encoded = _rollout_setup(tool_model, tool_data["prompts"])
     prompts = collate(encoded, enc.pad_id, left_pad=True)
-    cfg = RolloutConfig(group_size=4, max_new_tokens=200, temperature=0.7, tools=["calculator"])
+    cfg = RolloutConfig(group_size=4, max_new_tokens=200, temperature=0.7)
     patches = []  # the vision tower's patch rows per call
     hook = model.model.visual.register_forward_pre_hook(lambda m, args: patches.append(args[0].shape[0]))
     try:
-        out = generate_with_tools(model, enc, prompts, [1, 1, 1], cfg, tools, seed=11)
+        out = generate_with_tools(model, enc, prompts, [1, 1, 1], cfg, tools, seed=11, settings=ToolsConfig())
     finally:
         hook.remove()
     r = out.rollout
@@ -282,11 +282,11 @@ def test_multi_turn_rollout_samples_the_same_split_over_ranks(tool_model, tool_d
     """Each sequence's noise is its global row's in every turn: prompts 0-1 as rows 0-7 and prompt 2
     as rows 8-11 (two ranks) sample what the three prompts do in one call."""
     model, enc, tools, encoded = _rollout_setup(tool_model, tool_data["prompts"])
-    cfg = RolloutConfig(group_size=4, max_new_tokens=200, temperature=1.0, tools=["calculator"])
+    cfg = RolloutConfig(group_size=4, max_new_tokens=200, temperature=1.0)
     whole = generate_with_tools(model, enc, collate(encoded, enc.pad_id, left_pad=True), [1, 1, 1], cfg, tools,
-                                seed=5)
+                                seed=5, settings=ToolsConfig())
     parts = [generate_with_tools(model, enc, collate(encoded[a:b], enc.pad_id, left_pad=True), [1] * (b - a), cfg,
-                                 tools, first_row=a * 4, seed=5) for a, b in ((0, 2), (2, 3))]
+                                 tools, first_row=a * 4, seed=5, settings=ToolsConfig()) for a, b in ((0, 2), (2, 3))]
     seqs = lambda o: [ids[m.bool()].tolist() for ids, m in zip(o.rollout.response_ids, o.rollout.response_mask)]  # noqa: E731
     assert seqs(whole) == seqs(parts[0]) + seqs(parts[1])
     assert whole.calls == parts[0].calls + parts[1].calls and sum(whole.turns) > 12
@@ -294,8 +294,9 @@ def test_multi_turn_rollout_samples_the_same_split_over_ranks(tool_model, tool_d
 
 def test_a_call_that_leaves_no_room_for_the_next_turn_ends_the_response_truncated(tool_model, tool_data):
     model, enc, tools, encoded = _rollout_setup(tool_model, tool_data["prompts"], 2)
-    cfg = RolloutConfig(group_size=4, max_new_tokens=72, temperature=0.7, tools=["calculator"])
-    out = generate_with_tools(model, enc, collate(encoded, enc.pad_id, left_pad=True), [1, 1], cfg, tools, seed=11)
+    cfg = RolloutConfig(group_size=4, max_new_tokens=72, temperature=0.7)
+    out = generate_with_tools(model, enc, collate(encoded, enc.pad_id, left_pad=True), [1, 1], cfg, tools, seed=11,
+                              settings=ToolsConfig())
     r = out.rollout
     called = [n for n in range(8) if parse_tool_calls(enc.tokenizer.decode(r.response_ids[n][r.response_mask[n].bool()]))]
     assert called and r.response_mask.sum(1).max() <= 72
@@ -358,29 +359,29 @@ def test_grpo_with_tools_scores_the_last_turn_and_logs_tool_use(tool_model, tool
     assert any(any(m["role"] == "tool" for m in tr) for _, tr, _, _ in given)
     assert all(tr[-1] == {"role": "assistant", "content": c} for c, tr, _, _ in given)
     # the evaluation answers as conversations with the tools too: greedy, the last turn scored (here
-    # with the calls in worker processes, rollout.tool_processes, which the rollouts use as well)
+    # with the calls in worker processes, tools.processes, which the rollouts use as well)
     out = run_grpo(load_config(GRPOConfig, shipped, [*common, f"train.output_dir={tmp_path / 'val'}",
                                                      "train.max_steps=1", f"data.val={tool_data['prompts']}",
                                                      "eval.max_samples=4", "eval.at_start=true",
-                                                     "rollout.tool_processes=2"]))
+                                                     "tools.processes=2"]))
     [step] = [row for line in (tmp_path / "val" / "metrics.jsonl").read_text().splitlines()
               for row in [json.loads(line)] if "tool/calls_mean" in row]
     assert step["tool/calls_mean"] > 0.5 and step["tool/failed_frac"] < 0.5
     examples = json.loads((tmp_path / "val" / "eval.json").read_text())["examples"]
     assert out["first_eval"]["n"] == 4 and len(examples) == 4
     assert all(e["generated"].startswith("<answer>") and "<tool" not in e["generated"] for e in examples), examples
-    with pytest.raises(ConfigError, match="rollout.tools: unknown tool 'nope'"):
+    with pytest.raises(ConfigError, match="tools.names: unknown tool 'nope'"):
         run_grpo(load_config(GRPOConfig, shipped, [*common, f"train.output_dir={tmp_path / 'bad'}",
-                                                   "rollout.tools=[nope]"]))
+                                                   "tools.names=[nope]"]))
     assert not (tmp_path / "bad").exists()  # refused before the run claimed a directory
 
 
-@pytest.mark.parametrize("extra,match", [("rollout.engine=hf", "needs rollout.engine=vlforge"),
+@pytest.mark.parametrize("extra,match", [("rollout.engine=hf", "'rollout.engine' was removed"),
                                          ("rollout.router_replay=record", "not recorded"),
-                                         ("rollout.tool_turns=0", "tool_turns")])
+                                         ("tools.turns=0", "tools.turns")])
 def test_tool_settings_that_cannot_run_are_refused(extra, match):
     with pytest.raises(ConfigError, match=match):
-        load_config(GRPOConfig, None, ["rollout.tools=[calculator]", extra])
+        load_config(GRPOConfig, None, ["tools.names=[calculator]", extra])
 
 
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp2", "fsdp2+images"])
@@ -389,7 +390,7 @@ def test_grpo_with_tools_on_two_ranks_equals_one_process(tool_model, tool_data, 
     on the gathered model: no collectives inside), and the rollouts, rewards, tool use and the
     update (one mini-batch a step: every rank takes its share of it) are one process's; so is the
     evaluation with the tools (greedy conversations on held-out prompts). The 2 ranks run their
-    calls in worker processes (rollout.tool_processes), the one process on threads. `+images`: the
+    calls in worker processes (tools.processes), the one process on threads. `+images`: the
     calculator answers with a picture too (each rank's sequences' pictures through the sharded tower)."""
     import os
     import subprocess
@@ -408,11 +409,11 @@ def test_grpo_with_tools_on_two_ranks_equals_one_process(tool_model, tool_data, 
     strategy, images = strategy.split("+")[0], strategy.endswith("+images")
     if images:
         (tmp_path / "t.py").write_text(IMAGE_TOOL)
-        args.append(f"rollout.tools=['{tmp_path / 't.py'}:calculator']")
+        args.append(f"tools.names=['{tmp_path / 't.py'}:calculator']")
     rows = {}
     for name, prefix in (("one", [sys.executable]), ("two", [sys.executable, "-m", "torch.distributed.run",
                                                               "--standalone", "--nproc_per_node=2"])):
-        extra = [f"distributed.strategy={strategy}", "rollout.tool_processes=2"] if name == "two" else []
+        extra = [f"distributed.strategy={strategy}", "tools.processes=2"] if name == "two" else []
         result = subprocess.run([*prefix, "-m", "vlforge", "grpo", *args, *extra, f"train.output_dir={tmp_path / name}"],
                                 cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stderr[-3000:]
@@ -469,7 +470,7 @@ def test_eval_answers_as_conversations_with_the_tools(tool_model, tool_data, tmp
         "rl:\n  rewards:\n"
         f"    - {{name: '{tmp_path / 'r.py'}:tool_msgs', weight: 2.0}}\n"
         "    - {name: numeric, weight: 0.5, kwargs: {tol: 1.0e+9}}\n"
-        "rollout: {tools: [calculator], max_new_tokens: 160, tool_processes: 2}\n")
+        "rollout: {max_new_tokens: 160}\ntools: {names: [calculator], processes: 2}\n")
     for source in (run / "config.yaml", run / "checkpoint-3"):
         weighted = tmp_path / "weighted.json"
         with contextlib.redirect_stdout(io.StringIO()):
@@ -586,10 +587,9 @@ def test_served_model_calls_tools_openai_style(tool_model, tool_data):
         for name, change in bad.items():
             r = client.post("/v1/chat/completions", json={**ask, "messages": question, **change})
             assert r.status_code == 400 and said.get(name, "") in r.json()["error"]["message"], (name, r.text)
-    # a model GRPO trained saw its tools' images at most rollout.tool_image_max_pixels: served with that
+    # a model GRPO trained saw its tools' images at most tools.image_max_pixels: served with that
     # bound (a GRPO checkpoint's own, or --tool-image-max-pixels), a tool message's image gets the tokens
     # the rollout gave it; a user message's image keeps the server's limits
-    from vlforge.config import RolloutConfig
     from vlforge.rollout.multiturn import tool_image_encoder
 
     big = io.BytesIO()
@@ -600,7 +600,7 @@ def test_served_model_calls_tools_openai_style(tool_model, tool_data):
         again = client.post("/v1/chat/completions", json={**ask, "messages": question}).json()
         resized = client.post("/v1/chat/completions", json={**ask, "messages": [*tool_turn, {
             "role": "tool", "tool_call_id": call["id"], "content": [part, {"type": "text", "text": result}]}]}).json()
-    trained = tool_image_encoder(engine.encoder, RolloutConfig(tool_image_max_pixels=4096))
+    trained = tool_image_encoder(engine.encoder, ToolsConfig(image_max_pixels=4096))
     turn = trained.tool_turn_ids([result], 0, [[(200, 120)]])
     assert again["usage"] == first["usage"]  # the user's image: the server's limits, as before
     assert resized["usage"]["prompt_tokens"] == first["usage"]["prompt_tokens"] + \
@@ -758,9 +758,9 @@ def test_tool_turn_with_images_is_what_the_processor_renders(tiny, shapes_dir):
     ours = prompt + turn(call) + context + turn("<answer>5</answer>") + enc.tokenizer("\n")["input_ids"]
     assert ours == ref["input_ids"][0].tolist()
     assert context.count(enc.image_token_id) == sum(enc.image_tokens(*im.size) for im in returned)
-    # the rollout shows a tool's images at most rollout.tool_image_max_pixels (they spend its token budget)
+    # the rollout shows a tool's images at most tools.image_max_pixels (they spend its token budget)
     big = Image.new("RGB", (1000, 800))
-    shown = tool_image_encoder(enc, RolloutConfig(tool_image_max_pixels=64 * 64))
+    shown = tool_image_encoder(enc, ToolsConfig(image_max_pixels=64 * 64))
     grid = shown.pixels([big])["image_grid_thw"]
     assert int(grid.prod()) * enc.patch**2 <= 64 * 64
     assert shown.image_tokens(*big.size) == int(grid.prod()) // enc.merge**2 < enc.image_tokens(*big.size)
@@ -779,14 +779,15 @@ def test_multi_turn_rollout_with_tool_images_is_scored_as_the_engine_saw_it(tool
     model, enc, _, encoded = _rollout_setup(tool_model, tool_data["prompts"])
     tools = load_tools([f"{tmp_path / 't.py'}:calculator"])
     prompts = collate(encoded, enc.pad_id, left_pad=True)
-    cfg = RolloutConfig(group_size=4, max_new_tokens=200, temperature=0.7, tools=["calculator"])
+    cfg = RolloutConfig(group_size=4, max_new_tokens=200, temperature=0.7)
     from PIL import Image
 
     prompt_images = [[Image.new("RGB", (8, 8))] * (b + 1) for b in range(3)]  # what the tool is given (it counts them)
     patches = []  # the vision tower's patch rows per call
     hook = model.model.visual.register_forward_pre_hook(lambda m, args: patches.append(args[0].shape[0]))
     try:
-        out = generate_with_tools(model, enc, prompts, [1, 1, 1], cfg, tools, seed=11, prompt_images=prompt_images)
+        out = generate_with_tools(model, enc, prompts, [1, 1, 1], cfg, tools, seed=11, prompt_images=prompt_images,
+                                  settings=ToolsConfig())
     finally:
         hook.remove()
     r = out.rollout
@@ -806,7 +807,7 @@ def test_multi_turn_rollout_with_tool_images_is_scored_as_the_engine_saw_it(tool
         # prompt b's pictures are 48 + 16 (b + 1) wide: its tool was given that prompt's images
         pictures = [im for m in out.transcripts[n] for im in m.get("images", [])]
         assert [im.size for im in pictures] == [(48 + 16 * (n // 4 + 1), 64)] * out.calls[n]
-        assert torch.equal(grids, tool_image_encoder(enc, cfg).pixels(pictures)["image_grid_thw"])
+        assert torch.equal(grids, tool_image_encoder(enc, ToolsConfig()).pixels(pictures)["image_grid_thw"])
         image += out.calls[n]
     gen = r.generated_mask.bool()
     with torch.no_grad():
@@ -841,7 +842,7 @@ def test_grpo_with_a_tool_that_returns_images(tool_model, tool_data, tmp_path, m
     recipe.run_grpo(load_config(GRPOConfig, packaged_config("demo-tools-grpo.yaml"), [
         f"model.path={tool_model}", f"data.train={tool_data['prompts']}", "log.progress=false",
         "rollout.group_size=4", "rollout.prompts_per_step=2", "rl.mini_batch_size=8", "rl.dynamic_sampling=false",
-        f"rollout.tools=['{tmp_path / 't.py'}:calculator']", f"train.output_dir={tmp_path / 'run'}",
+        f"tools.names=['{tmp_path / 't.py'}:calculator']", f"train.output_dir={tmp_path / 'run'}",
         "train.max_steps=2", "rl.kl_beta=0.05", f"rl.rewards=[{{name: '{tmp_path / 'rewards.py'}:parity'}}]"]))
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and rows[0]["tool/calls_mean"] > 0.5
@@ -906,7 +907,7 @@ def test_a_template_that_cannot_show_tool_images_is_refused_before_the_run(tiny)
         "{{ m.role }}\n{{ m.content if m.content is string else '' }}<|im_end|>\n{% endif %}{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     limits = ImageLimits(32 * 32, 256 * 256)
-    check_tool_template(Encoder(text_only, limits), "rollout.tools")  # text results: fine
-    check_tool_template(Encoder(processor, limits), "rollout.tools", showing=["zoom_in"])  # the real one shows them
-    with pytest.raises(ConfigError, match="rollout.tools: zoom_in show images, but the chat template produced 0"):
-        check_tool_template(Encoder(text_only, limits), "rollout.tools", showing=["zoom_in"])
+    check_tool_template(Encoder(text_only, limits), "tools.names")  # text results: fine
+    check_tool_template(Encoder(processor, limits), "tools.names", showing=["zoom_in"])  # the real one shows them
+    with pytest.raises(ConfigError, match="tools.names: zoom_in show images, but the chat template produced 0"):
+        check_tool_template(Encoder(text_only, limits), "tools.names", showing=["zoom_in"])

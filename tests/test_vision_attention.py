@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import vlforge.model.varlen as varlen
-from vlforge.config import ModelConfig
+from vlforge.config import AttentionConfig, ModelConfig
 from vlforge.model.load import load_model
 
 
@@ -29,12 +29,12 @@ def test_the_vision_tower_attends_per_image_in_one_call_as_transformers_sdpa_doe
     """Loaded models use VISION_ATTENTION (the language model keeps sdpa); transformers' vision
     attention hands it the images' bounds (its varlen branch, one call a block) and the tower's
     outputs and gradients equal transformers' sdpa loop over the images (fp32, CPU: exact per-image
-    SDPA); model.vision_attention=sdpa keeps transformers' own; nothing of it is saved."""
+    SDPA); model.attention.vision=sdpa keeps transformers' own; nothing of it is saved."""
     model, _ = load_model(ModelConfig(preset="tiny"))
     visual = model.model.visual
     assert visual.config._attn_implementation == varlen.VISION_ATTENTION
     assert model.config.text_config._attn_implementation == "sdpa"
-    reference, _ = load_model(ModelConfig(preset="tiny", vision_attention="sdpa"))
+    reference, _ = load_model(ModelConfig(preset="tiny", attention=AttentionConfig(vision="sdpa")))
     assert reference.model.visual.config._attn_implementation == "sdpa"
     calls = []
     per_image = varlen._vision_per_image
@@ -60,7 +60,7 @@ def test_the_vision_tower_attends_per_image_in_one_call_as_transformers_sdpa_doe
 
 
 def test_only_sdpa_switches_and_the_switch_is_not_saved(tmp_path):
-    eager, _ = load_model(ModelConfig(preset="tiny", attn_implementation="eager"))
+    eager, _ = load_model(ModelConfig(preset="tiny", attention=AttentionConfig(implementation="eager")))
     assert not varlen.use_vision_varlen(eager)
     assert eager.model.visual.config._attn_implementation == "eager"
     model, _ = load_model(ModelConfig(preset="tiny"))

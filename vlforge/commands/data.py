@@ -35,12 +35,12 @@ def cmd_data_synth(args) -> int:
     if args.kind == "tools":
         paths = synth_tool_use(args.out, args.n, seed=args.seed, size=args.size)
         print(f"wrote {paths['sft']} (tool-use conversations, for SFT) and {paths['prompts']} (prompts and answers, "
-              "for GRPO with rollout.tools=[calculator])")
+              "for GRPO with tools.names=[calculator])")
         return 0
     if args.kind == "zoom":
         paths = synth_zoom(args.out, args.n, seed=args.seed, size=args.size)
         print(f"wrote {paths['sft']} (zoom_in conversations, for SFT) and {paths['prompts']} (prompts and answers, "
-              "for GRPO with rollout.tools=[zoom_in])")
+              "for GRPO with tools.names=[zoom_in])")
         return 0
     tasks = tuple(t.strip() for t in args.tasks.split(",")) if args.tasks else None
     kwargs = {"tasks": tasks} if tasks else {}

@@ -116,17 +116,17 @@ def _eval_arguments(p: argparse.ArgumentParser) -> None:
                         "exact_match, choice, numeric, format; or path/to/file.py:function); repeatable: "
                         "the report gives each one's mean")
     p.add_argument("--tool", action="append", default=[], metavar="SPEC",
-                   help="answer each prompt as a conversation with this tool, as GRPO's rollout.tools (a builtin: "
+                   help="answer each prompt as a conversation with this tool, as GRPO's tools.names (a builtin: "
                         "calculator; or path/to/file.py:function); repeatable; --max-new-tokens is then the whole "
                         "response's budget, the answer its last assistant turn")
     p.add_argument("--tool-turns", type=at_least(1),
                    help="assistant turns whose calls run, at most (default 4; with --rewards-from, the run's)")
     p.add_argument("--tool-processes", type=at_least(0),
-                   help="0 (default): tool calls on threads; N: in up to N worker processes (rollout.tool_processes; "
+                   help="0 (default): tool calls on threads; N: in up to N worker processes (tools.processes; "
                         "with --rewards-from, the run's unless given)")
     p.add_argument("--rewards-from", metavar="RUN",
                    help="score with a GRPO run's rl.rewards (names, weights, kwargs) and answer with its "
-                        "rollout.tools and tool settings, as its own evaluation does: the run's config YAML or "
+                        "tools.names and tool settings, as its own evaluation does: the run's config YAML or "
                         "one of its checkpoints")
 
 
@@ -146,7 +146,7 @@ def _grpo_run(source: str):
 
 
 def cmd_eval(args) -> int:
-    from vlforge.config import RolloutConfig
+    from vlforge.config import ToolsConfig
     from vlforge.train.metrics import check_writable, write_json_atomic
     from vlforge.config import DataConfig
     from vlforge.data.sources import check_readable
@@ -161,20 +161,20 @@ def cmd_eval(args) -> int:
     check_readable(args.data, cfg=DataConfig(columns=columns))  # any format training reads; before the model loads
     rewards = tools = None
     reward_specs, tool_specs, flag = args.reward, args.tool, "--reward"
-    rollout = RolloutConfig()  # the tool settings: rollout's defaults, or the run's; the flags given override
+    settings = ToolsConfig()  # the tools section: its defaults, or the run's; the flags given override
     max_new_tokens = args.max_new_tokens or 16
     if args.rewards_from:  # the GRPO run's rewards and tools, as its own evaluation scores and answers
         if args.reward or args.tool:
-            raise ConfigError("--rewards-from takes the run's rl.rewards and rollout.tools: leave out --reward and "
+            raise ConfigError("--rewards-from takes the run's rl.rewards and tools.names: leave out --reward and "
                               "--tool (or use those alone)")
         run = _grpo_run(args.rewards_from)
         reward_specs = [RewardSpec(r.name, r.weight, dict(r.kwargs)) for r in run.rl.rewards]
-        tool_specs, flag, rollout = run.rollout.tools, f"--rewards-from {args.rewards_from}", run.rollout
+        tool_specs, flag, settings = run.tools.names, f"--rewards-from {args.rewards_from}", run.tools
         # GRPO's evaluation: rollout.max_new_tokens for a conversation with tools, eval.max_new_tokens otherwise
         max_new_tokens = args.max_new_tokens or (run.rollout.max_new_tokens if tool_specs else run.eval.max_new_tokens)
-    given = {"tool_turns": args.tool_turns, "tool_processes": args.tool_processes}
-    rollout = dataclasses.replace(rollout, **{k: v for k, v in given.items() if v is not None})
-    if tool_specs:  # loaded before the model, as GRPO's rollout.tools
+    given = {"turns": args.tool_turns, "processes": args.tool_processes}
+    settings = dataclasses.replace(settings, **{k: v for k, v in given.items() if v is not None})
+    if tool_specs:  # loaded before the model, as GRPO's tools.names
         from vlforge.tools.registry import load_tools
 
         try:
@@ -200,7 +200,7 @@ def cmd_eval(args) -> int:
 
         check_tool_template(vlm.encoder, "--tool" if args.tool else flag)  # the chat template renders a tool turn
     report = evaluate_dataset(vlm, args.data, batch_size=args.batch_size, max_new_tokens=max_new_tokens,
-                              max_samples=args.max_samples, rewards=rewards, tools=tools, tool_settings=rollout,
+                              max_samples=args.max_samples, rewards=rewards, tools=tools, tool_settings=settings,
                               data=DataConfig(columns=columns))
     if args.out:
         write_json_atomic(report, args.out)

@@ -260,7 +260,7 @@ def budget_batches(lengths: list[int], max_tokens: int, packed: bool, seed: int,
         n = lengths[order[pos]]
         if _round_up(n, multiple) > max_tokens:
             rounded = (f" ({_round_up(n, multiple)} as a row padded to a multiple of {multiple}: FP8 GEMMs or "
-                       "precision.cuda_graphs)") if multiple > 1 else ""
+                       "compile.cuda_graphs)") if multiple > 1 else ""
             raise DataError(f"a sample of {n} tokens{rounded} exceeds data.max_tokens_per_batch={max_tokens}: "
                             f"raise it to at least {_round_up(n, multiple)} (or lower data.max_length)")
         cost = _round_up(total + n, multiple) if packed else _round_up(max(longest, n), multiple) * (len(batch) + 1)

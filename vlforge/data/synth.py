@@ -184,7 +184,7 @@ def synth_tool_use(out_dir: str | Path, n: int, *, seed: int = 0, size: int = 64
 
     Writes out_dir/tools_sft.jsonl (chat rows: the calculator call, its result as a tool message, the
     final `<answer>`; the calculator's schema in "tools": SFT teaches the format), out_dir/tools_prompts.jsonl
-    (the same questions with the final answer, for GRPO with rollout.tools=[calculator]) and the images.
+    (the same questions with the final answer, for GRPO with tools.names=[calculator]) and the images.
     Returns {"sft": path, "prompts": path}."""
     from vlforge.tools.builtin import calculator
     from vlforge.tools.registry import load_tools
@@ -221,7 +221,7 @@ def synth_zoom(out_dir: str | Path, n: int, *, seed: int = 0, size: int = 64) ->
     Writes out_dir/zoom_sft.jsonl (chat rows: a zoom_in call on the shape's region in Qwen3-VL's
     0..1000 coordinates, the builtin tool's own result as a tool message, its crop an image part,
     then the `<answer>`; SFT teaches the pattern), out_dir/zoom_prompts.jsonl (the questions and
-    answers, for GRPO with rollout.tools=[zoom_in]) and the images. Returns {"sft": path, "prompts": path}."""
+    answers, for GRPO with tools.names=[zoom_in]) and the images. Returns {"sft": path, "prompts": path}."""
     from vlforge.tools.builtin import zoom_in
     from vlforge.tools.registry import load_tools
 

@@ -37,7 +37,7 @@ LIBRARIES = (
             'pip install "vlforge[te]" (or pip install --no-build-isolation "transformer_engine[pytorch]")',
             "FP8 training with precision.fp8.backend=te"),
     Library("flash_attn", ("flash-attn", "flash_attn"), "pip install flash-attn --no-build-isolation",
-            "model.attn_implementation=flash_attention_2"),
+            "model.attention.implementation=flash_attention_2"),
     Library("liger_kernel", ("liger-kernel", "liger_kernel"), "pip install liger-kernel", "fused Triton kernels"),
     Library("av", ("av",), 'pip install "vlforge[video]"', "video files in data rows (frame lists need nothing)"),
 )

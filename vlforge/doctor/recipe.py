@@ -44,9 +44,9 @@ class Recipe:
     packing: bool | str = False  # data.packing (SFT): auto packs where the varlen flash kernel runs
     precision_mode: str = "bf16"
     attn_implementation: str = "sdpa"
-    cuda_graphs_detail: str | None = None  # precision.cuda_graphs: what it graphs here, or why it is refused
+    cuda_graphs_detail: str | None = None  # compile.cuda_graphs: what it graphs here, or why it is refused
     cuda_graphs_ok: bool = True
-    tools: str | None = None  # GRPO rollout.tools: the tools loaded, or why they cannot run
+    tools: str | None = None  # GRPO tools.names: the tools loaded, or why they cannot run
     tools_ok: bool | None = True  # None: not checked (the model's processor did not load)
 
     @property
@@ -71,30 +71,30 @@ def recipe_from_config(cfg: SFTConfig | GRPOConfig, config: str | None, cuda_ava
                        gpu_count: int) -> Recipe:
     device, problem = choose_device(cfg.train.device, cuda_available, gpu_count)
     graphs, graphs_ok = None, True
-    if cfg.precision.cuda_graphs and device is not None:  # the refusal setup_model makes before loading
+    if cfg.compile.cuda_graphs and device is not None:  # the refusal setup_model makes before loading
         from vlforge.train.trainable import cuda_graphs_problem
 
         graphs = cuda_graphs_problem(cfg, device)
         graphs_ok = graphs is None
-        graphs = graphs or ("precision.cuda_graphs: the compiled decoder layers"
-                            + (" and vision blocks" if cfg.precision.cuda_graphs_vision else "")
+        graphs = graphs or ("compile.cuda_graphs: the compiled decoder layers"
+                            + (" and vision blocks" if cfg.compile.cuda_graphs_vision else "")
                             + " replay as CUDA graphs, on packed rows padded to multiples of 256 tokens")
     tools, tools_ok = None, True
-    if isinstance(cfg, GRPOConfig) and cfg.rollout.tools:  # run_grpo's check, before any model loads
+    if isinstance(cfg, GRPOConfig) and cfg.tools.names:  # run_grpo's check, before any model loads
         from vlforge.tools.calls import ToolCall
         from vlforge.tools.runner import ToolProcesses
         from vlforge.rollout.multiturn import rollout_tools
 
         try:
             loaded = rollout_tools(cfg)
-            if cfg.rollout.tool_processes:  # a worker process loads them as the run's will (one call through it)
+            if cfg.tools.processes:  # a worker process loads them as the run's will (one call through it)
                 with ToolProcesses(loaded, 1) as run:
                     run([[ToolCall(None, {}, "a doctor check")]], loaded, 60.0)
-            tools = (f"rollout.tools: {', '.join(loaded)} (the chat template renders their turns"
-                     + ("; a worker process loads them" if cfg.rollout.tool_processes else "") + ")")
+            tools = (f"tools.names: {', '.join(loaded)} (the chat template renders their turns"
+                     + ("; a worker process loads them" if cfg.tools.processes else "") + ")")
         except ConfigError as e:
-            if not str(e).startswith("rollout.tools"):  # the model's processor did not load: "recipe model.path" says why
-                tools, tools_ok = f"rollout.tools: the chat template not checked ({e})", None
+            if not str(e).startswith("tools.names"):  # the model's processor did not load: "recipe model.path" says why
+                tools, tools_ok = f"tools.names: the chat template not checked ({e})", None
             else:
                 tools, tools_ok = str(e), False
     return Recipe(
@@ -104,13 +104,13 @@ def recipe_from_config(cfg: SFTConfig | GRPOConfig, config: str | None, cuda_ava
         device_problem=problem,
         bf16=cfg.precision.mode == "bf16",
         fp8_backend=cfg.precision.fp8.backend if cfg.precision.fp8.enabled else None,
-        flash_attn=cfg.model.attn_implementation == "flash_attention_2",
+        flash_attn=cfg.model.attention.implementation == "flash_attention_2",
         model_path=cfg.model.path,
         quant=frozenset({cfg.quant.language, cfg.quant.vision, cfg.quant.projector, cfg.quant.expert_method} - {"none"}),
         loss_impl=cfg.loss.impl,
         grpo=isinstance(cfg, GRPOConfig),
         packing=False if isinstance(cfg, GRPOConfig) else cfg.data.packing,  # GRPO packs by rl.packing
-        attn_implementation=cfg.model.attn_implementation,
+        attn_implementation=cfg.model.attention.implementation,
         precision_mode=cfg.precision.mode,
         cuda_graphs_detail=graphs,
         cuda_graphs_ok=graphs_ok,
@@ -203,7 +203,7 @@ def recipe_checks(recipe: Recipe, libs: dict[str, dict[str, Any]]) -> list[Check
     if recipe.tools:
         checks.append(Check("recipe tools", "ok", recipe.tools) if recipe.tools_ok else
                       Check("recipe tools", "skip", recipe.tools) if recipe.tools_ok is None else
-                      Check("recipe tools", "fail", recipe.tools, "fix rollout.tools (README: Tools: multi-turn rollouts)"))
+                      Check("recipe tools", "fail", recipe.tools, "fix tools.names (README: Tools: multi-turn rollouts)"))
     if recipe.model_path:
         checks.append(_model_path_check(recipe.model_path))
     return checks
@@ -272,8 +272,8 @@ def _kernel_checks(recipe: Recipe, libs: dict[str, dict[str, Any]]) -> list[Chec
     if recipe.flash_attn:
         info = libs["flash_attn"]
         checks.append(_library_feature_check(
-            "flash_attn", "model.attn_implementation=flash_attention_2", info["error"],
-            "use model.attn_implementation=sdpa", version=info["version"]))
+            "flash_attn", "model.attention.implementation=flash_attention_2", info["error"],
+            "use model.attention.implementation=sdpa", version=info["version"]))
 
     if recipe.loss_impl == "liger" and device is not None:  # the check setup_model makes before loading
         from vlforge.config import LossConfig
@@ -294,7 +294,7 @@ def _kernel_checks(recipe: Recipe, libs: dict[str, dict[str, Any]]) -> list[Chec
 
     if recipe.cuda_graphs_detail:
         checks.append(Check("recipe cuda graphs", "ok", recipe.cuda_graphs_detail) if recipe.cuda_graphs_ok else
-                      Check("recipe cuda graphs", "fail", recipe.cuda_graphs_detail, "set precision.cuda_graphs=false"))
+                      Check("recipe cuda graphs", "fail", recipe.cuda_graphs_detail, "set compile.cuda_graphs=false"))
     return checks
 
 

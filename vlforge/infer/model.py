@@ -54,17 +54,17 @@ REPLAYABLE_QUANT = frozenset({"none", "nf4"})
 
 
 def trained_tool_image_limit(checkpoint: Path) -> int | None:
-    """rollout.tool_image_max_pixels of the GRPO run `checkpoint` belongs to (its parent's
+    """tools.image_max_pixels of the GRPO run `checkpoint` belongs to (its parent's
     config.yaml); None for anything else (a preset, an SFT run, an export: give --tool-image-max-pixels)."""
     from vlforge.model.export import run_config
 
     if not (checkpoint.parent / "config.yaml").is_file():
         return None
     try:
-        rollout = getattr(run_config(checkpoint), "rollout", None)
+        tools = getattr(run_config(checkpoint), "tools", None)
     except ConfigError:
         return None
-    return rollout.tool_image_max_pixels if rollout is not None else None
+    return tools.image_max_pixels if tools is not None else None
 
 
 def unreplayable_quant(report: dict | None) -> list[str]:
@@ -125,7 +125,7 @@ class InferenceModel:
         self._gen: Engine | None = None
         # an inference model: no gradients, and generate/'s engine fuses its projections (generate/fused.py)
         model.eval().requires_grad_(False)
-        # the rollout.tool_image_max_pixels of the GRPO run a checkpoint comes from (load sets it): its
+        # the tools.image_max_pixels of the GRPO run a checkpoint comes from (load sets it): its
         # tools' images were resized to at most this, and serve resizes a tool message's images so too
         self.tool_image_max_pixels: int | None = None
 

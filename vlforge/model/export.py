@@ -52,7 +52,7 @@ def run_config(checkpoint: Path) -> RunConfig:
     if not path.is_file():
         raise ConfigError(f"{path} not found: a checkpoint's base model is named in its run's config.yaml "
                           f"(or, for an adapter export, in {BASE_FILE})")
-    return load_recipe_config(path)
+    return load_recipe_config(path, run=True)
 
 
 def is_sharded(checkpoint: str | Path) -> bool:

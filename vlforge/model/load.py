@@ -89,21 +89,21 @@ def experts_implementation(cfg: ModelConfig, device: torch.device) -> str:
 
 
 def attention_problem(attn: str, cls: type) -> str | None:
-    """Why `model.attn_implementation` cannot run for this model class (None: it can); transformers
+    """Why `model.attention.implementation` cannot run for this model class (None: it can); transformers
     would raise a ValueError / ImportError from deep inside from_pretrained instead."""
     if attn == "flex_attention" and not getattr(cls, "_supports_flex_attn", False):
-        return (f"model.attn_implementation=flex_attention: transformers' {cls.__name__} does not support "
+        return (f"model.attention.implementation=flex_attention: transformers' {cls.__name__} does not support "
                 "flex_attention (its MoE sibling does); use sdpa (packed rows then attend through a block-"
                 "diagonal mask) or flash_attention_2 (pip install flash-attn: varlen kernels for packed rows)")
     if attn == "flash_attention_2" and importlib.util.find_spec("flash_attn") is None:
-        return "model.attn_implementation=flash_attention_2 needs the flash-attn package: pip install flash-attn"
+        return "model.attention.implementation=flash_attention_2 needs the flash-attn package: pip install flash-attn"
     return None
 
 
 def _impl_kwargs(cfg: ModelConfig, config, device: torch.device) -> dict:
-    if problem := attention_problem(cfg.attn_implementation, model_class(config)):
+    if problem := attention_problem(cfg.attention.implementation, model_class(config)):
         raise ConfigError(problem)
-    kwargs = {"attn_implementation": cfg.attn_implementation}
+    kwargs = {"attn_implementation": cfg.attention.implementation}
     if is_moe(config):
         kwargs["experts_implementation"] = experts_implementation(cfg, device)
     return kwargs
@@ -144,7 +144,7 @@ def load_model(cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: str
 
 
 def _vision_attention(cfg: ModelConfig, model) -> None:
-    if cfg.vision_attention != "sdpa":  # auto: varlen too (training may switch back: train/trainable)
+    if cfg.attention.vision != "sdpa":  # auto: varlen too (training may switch back: train/trainable)
         use_vision_varlen(model)
 
 
@@ -169,9 +169,8 @@ def _load_quantized(cfg: ModelConfig, quant: QuantConfig, dtype: torch.dtype, de
             del model
             if device.type == "cuda":
                 torch.cuda.empty_cache()
-            return _load_quantized(ModelConfig(path=tmp, attn_implementation=cfg.attn_implementation,
-                                               experts_implementation=cfg.experts_implementation,
-                                               vision_attention=cfg.vision_attention), quant, dtype, device, wrap)
+            return _load_quantized(ModelConfig(path=tmp, attention=cfg.attention,
+                                               experts_implementation=cfg.experts_implementation), quant, dtype, device, wrap)
     meta, processor = build_meta_model(cfg)
     experts = quant.expert_method != "none" and bool(expert_modules(meta))
     if quant.experts == "nf4" and not is_moe(meta.config):
@@ -258,4 +257,4 @@ def load_on_host(cfg: ModelConfig, dtype: torch.dtype):
     """load_model's weights in host memory, exactly (a preset: the same seeded initialisation as
     load_model on the CPU): what rank 0 sends the other ranks under sharded loading. Nothing
     runs on it, so it takes the sdpa attention whatever the run uses (flash-attn wants a GPU)."""
-    return load_model(replace(cfg, attn_implementation="sdpa"), dtype=dtype, device="cpu")[0]
+    return load_model(replace(cfg, attention=replace(cfg.attention, implementation="sdpa")), dtype=dtype, device="cpu")[0]

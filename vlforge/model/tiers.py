@@ -171,21 +171,12 @@ def build_plan(model: nn.Module, tiers: TiersConfig) -> list[PlanEntry]:
 
 
 def _check_moe_keys(model: nn.Module, tiers: TiersConfig) -> None:
-    for tier in ("projector", "vision"):
-        tcfg = getattr(tiers, tier)
-        for key in ("experts", "router"):
-            if getattr(tcfg, key):
-                raise ConfigError(f"tiers.{tier}.{key}: only the language tier has experts and a router; "
-                                  f"set tiers.language.{key} instead")
     lang = tiers.language
     if (lang.experts or lang.router) and not is_moe_model(model):
         key = "experts" if lang.experts else "router"
         raise ConfigError(f"tiers.language.{key}: this model is dense (no mixture-of-experts layers); "
                           "use a Qwen3-VL MoE model (model.preset=tiny-moe / qwen3vl-30b-a3b, or a 30B-A3B "
                           f"directory) or set tiers.language.{key}=false")
-    if lang.experts and tiers.method == "full":
-        raise ConfigError("tiers.language.experts applies to LoRA: full fine-tuning already trains the experts "
-                          "(every language weight); remove it or use tiers.method=lora")
 
 
 def plan_summary(model: nn.Module, plan: list[PlanEntry]) -> dict:

@@ -5,7 +5,7 @@ cu_seqlens), shared by packed training rows (train/packed_attention.py) and the 
     flash_capable       whether a CUDA device runs its flash kernels (sm80+)
     half_dtype          the half precision an attention call runs in (the query's or autocast's)
     VISION_ATTENTION    the vision tower's attention: every image of a forward in one varlen call
-    use_vision_varlen   switch a loaded Qwen3-VL's vision tower to it (model.vision_attention=varlen)
+    use_vision_varlen   switch a loaded Qwen3-VL's vision tower to it (model.attention.vision=varlen)
 
 Why the vision tower needs one: transformers' Qwen3-VL vision attention, under sdpa, makes one SDPA
 call per image in every block (a Python loop over the images' lengths: 8 images x 24 blocks = 192

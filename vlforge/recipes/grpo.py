@@ -7,7 +7,7 @@ Per step: B prompts x G sampled responses (each prompt's image encoded once, its
 -> rewards -> group-normalised advantages -> `rl.epochs` passes of mini-batch updates with the
 clipped policy loss on the rollout's log-probs (+ beta * KL to the reference on response tokens).
 With LoRA the reference is the same model with adapters disabled; with full fine-tuning, a frozen copy.
-With rollout.tools each response is a conversation: its tool calls run between turns and their
+With tools.names each response is a conversation: its tool calls run between turns and their
 results are read but not trained (rollout/multiturn.py; the loss masks are Rollout.loss_mask).
 """
 
@@ -72,7 +72,7 @@ def prompt_stream(data: ChatDataset, batch_size: int, seed: int, epoch: int, pos
 
 def encode_prompts(data: ChatDataset, idx: list[int], on_error: str,
                    tools: dict[str, Tool] | None = None) -> tuple[list, list[dict]]:
-    """(samples, prompt inputs) of these prompts, `tools` (rollout.tools) listed by the chat template;
+    """(samples, prompt inputs) of these prompts, `tools` (tools.names) listed by the chat template;
     with data.on_error=skip, a prompt whose image fails to decode is left out of the round (a warning
     names its file:line)."""
     schemas = [tool.schema for tool in tools.values()] if tools else []  # only the tools the rollout runs
@@ -112,7 +112,7 @@ def rollout_round(t: Trainable, data: ChatDataset, idx: list[int], cfg: GRPOConf
         if tools:  # multi-turn: the rewards score each response's last assistant turn
             multi = generate_with_tools(t.model, data.encoder, prompts, images, cfg.rollout, tools,
                                         first_row=first_row, seed=seed, run_calls=run_calls,
-                                        prompt_images=tool_images(samples, tools, data.encoder))
+                                        prompt_images=tool_images(samples, tools, data.encoder), settings=cfg.tools)
             rollout, texts = multi.rollout, multi.completions
             tool_stats = {"calls": multi.calls, "failed_calls": multi.failed_calls, "turns": multi.turns,
                           "unshown": multi.unshown}
@@ -305,7 +305,7 @@ def mini_batch_backward(t: Trainable, parts: list, optimizer, scaler, cfg: GRPOC
             mask, w, share = masks[j], weights[j], tokens[j] / max(all_tokens, 1.0)  # real parts come first
             loss, stats, kl_mean, entropy, routed = part_loss(t, b, part, seqs, mask, cfg, packing)
             # gradients of the parts add up to the mini-batch's; x world size: FSDP2 and DDP average
-            # over ranks; MoE: + train.router_aux_loss_coef x the router load-balancing loss (0 by default)
+            # over ranks; MoE: + loss.router_aux_loss_coef x the router load-balancing loss (0 by default)
             aux = aux_term(t.routing, routed, 1) * (len(part) / all_seqs if all_seqs else 0.0)
             scaler.scale((loss * w + aux) * world.size).backward()
             if j < len(parts) - 1:
@@ -348,7 +348,7 @@ def part_loss(t: Trainable, b: Batch, part: list[int], seqs: list[int], mask: to
 
 
 def tool_answers(t: Trainable, cfg: GRPOConfig, tools: dict[str, Tool], run_calls):
-    """The evaluation's answers with rollout.tools (train.evaluate.generate_answers' signature):
+    """The evaluation's answers with tools.names (train.evaluate.generate_answers' signature):
     each held-out prompt answered greedily as a conversation with the tools, one sample a prompt,
     within rollout.max_new_tokens (the budget of a whole response, as in training; eval.max_new_tokens
     is for single-turn answers); the answer is the last assistant turn, scored as rollouts are."""
@@ -359,7 +359,8 @@ def tool_answers(t: Trainable, cfg: GRPOConfig, tools: dict[str, Tool], run_call
         for s in range(0, len(samples), batch_size):
             # compiled layers eager (the decode shapes change every call); sharded: gathered as for rollouts
             with policy.autocast(), torch.compiler.set_stance("force_eager"), fully_gathered(t.root):
-                multi = answer_with_tools(model, encoder, samples[s:s + batch_size], greedy, tools, device, run_calls)
+                multi = answer_with_tools(model, encoder, samples[s:s + batch_size], greedy, tools, device, run_calls,
+                                          settings=cfg.tools)
             out += [c.strip() for c in multi.completions]
         return out
     return answer
@@ -402,7 +403,7 @@ def step_metrics(stats: dict, batches: list[Batch], train_logs: dict, t_rollout:
         "tokens_per_s": tokens / max(t_rollout + t_train, 1e-9),
     }
     tool_stats = stats.get("tools") or {}
-    if calls := tool_stats.get("calls"):  # multi-turn tool rollouts (rollout.tools): every rank's responses
+    if calls := tool_stats.get("calls"):  # multi-turn tool rollouts (tools.names): every rank's responses
         row["tool/calls_mean"] = sum(calls) / len(calls)
         row["tool/failed_frac"] = sum(tool_stats["failed_calls"]) / max(sum(calls), 1)
         row["tool/turns_mean"] = sum(tool_stats["turns"]) / len(tool_stats["turns"])
@@ -449,7 +450,7 @@ def refuse_settings(cfg: GRPOConfig) -> None:
     """What GRPO cannot run, refused (and what runs but looks unintended, warned) before anything loads."""
     if cfg.rollout.temperature <= 0:
         raise ConfigError("rollout.temperature must be > 0 for GRPO: it needs sampled responses and their log-probs")
-    if cfg.precision.cuda_graphs:
+    if cfg.compile.cuda_graphs:
         raise ConfigError(cuda_graphs_problem(cfg, torch.device("cpu")))  # GRPO's refusal, whatever the device
     if not cfg.data.train:
         raise ConfigError("data.train is not set: give a JSONL of prompts with reference answers")
@@ -503,12 +504,12 @@ def run_grpo(cfg: GRPOConfig) -> dict:
     if strategy != "none":
         refuse_unsupported_sharded(cfg, world_size, strategy)
     # SIGINT/SIGTERM (train/stop.py): once training runs, the step in progress finishes, then a checkpoint
-    with StopSignals() as stop, begin_run(cfg) as (world, resume_from), tool_runner(tools, cfg.rollout) as run_calls:
+    with StopSignals() as stop, begin_run(cfg) as (world, resume_from), tool_runner(tools, cfg.tools) as run_calls:
         for fn in rewards.fns:  # a judge model loads on this rank's device, beside the policy (rl/judge.py)
             if isinstance(fn, ModelJudge) and fn.device == "auto":
                 fn.device = str(world.device)
         # compile only when asked: rollout decode shapes change every step and would keep recompiling
-        t = setup_model(cfg, compile_blocks=cfg.precision.compile is True, world=world)
+        t = setup_model(cfg, compile_blocks=cfg.compile.enabled is True, world=world)
         disable_dropout(t.model)
         ref_model = reference_model(cfg, t, world)
         data = load_dataset(cfg.data.train, t.processor, cfg.data)

@@ -16,7 +16,7 @@ from typing import Callable
 import torch
 from PIL import Image
 
-from vlforge.config import DataConfig, RolloutConfig
+from vlforge.config import DataConfig, RolloutConfig, ToolsConfig
 from vlforge.data.inline import DataError
 from vlforge.data.video import Video, read_video_header
 from vlforge.data.sources import iter_samples
@@ -114,7 +114,7 @@ def chat(vlm: InferenceModel, read: Callable[[str], str] = input, write: Callabl
 def evaluate_dataset(vlm: InferenceModel, path: str | Path, *, batch_size: int = 16,
                      max_new_tokens: int = MAX_NEW_TOKENS["classify"], max_samples: int | None = None,
                      rewards: CombinedReward | None = None, tools: dict[str, Tool] | None = None,
-                     tool_settings: RolloutConfig = RolloutConfig(), data: DataConfig | None = None) -> dict:
+                     tool_settings: ToolsConfig = ToolsConfig(), data: DataConfig | None = None) -> dict:
     """Batched greedy answers on a dataset's prompts (any format training reads: data/sources.py;
     `data`: its data.format and data.columns); exact-match accuracy overall and by task, and
     with `rewards` (rl/rewards.py, as GRPO's rl.rewards) each answer's scores and their means.
@@ -125,16 +125,12 @@ def evaluate_dataset(vlm: InferenceModel, path: str | Path, *, batch_size: int =
     processes)."""
     samples = list(itertools.islice(iter_samples(path, data or DataConfig()), max_samples))
     rows, hits, by_task = [], 0, defaultdict(lambda: [0, 0])
-    cfg = RolloutConfig(temperature=0.0, max_new_tokens=max_new_tokens, compile=False,
-                        tools=[t.spec for t in (tools or {}).values()],
-                        **{k: getattr(tool_settings, k) for k in ("tool_turns", "tool_result_tokens",
-                                                                   "tool_result_chars", "tool_image_max_pixels",
-                                                                   "tool_timeout_s", "tool_processes")})
-    with tool_runner(tools or {}, cfg) as run_calls:
+    cfg = RolloutConfig(temperature=0.0, max_new_tokens=max_new_tokens, compile=False)
+    with tool_runner(tools or {}, tool_settings) as run_calls:
         for s in range(0, len(samples), batch_size):
             chunk = samples[s:s + batch_size]
             if tools:
-                texts, fields, used = _tool_answers(vlm, chunk, tools, cfg, run_calls)
+                texts, fields, used = _tool_answers(vlm, chunk, tools, cfg, run_calls, tool_settings)
             else:
                 requests = [Request([_placeholders(m) for m in x.prompt_messages], vlm.encoder.decode_images(x),
                                     videos=x.videos, max_new_tokens=max_new_tokens) for x in chunk]
@@ -155,12 +151,14 @@ def evaluate_dataset(vlm: InferenceModel, path: str | Path, *, batch_size: int =
     return {**report, "answers": rows}
 
 
-def _tool_answers(vlm: InferenceModel, chunk: list, tools: dict[str, Tool], cfg: RolloutConfig, run_calls):
+def _tool_answers(vlm: InferenceModel, chunk: list, tools: dict[str, Tool], cfg: RolloutConfig, run_calls,
+                  settings: ToolsConfig):
     """(the last assistant turns, the rows' fields with GRPO's tool fields, each answer's tool use) of a
-    chunk answered greedily as conversations with the tools, on the engine's model."""
+    chunk answered greedily as conversations with the tools, on the model."""
     with vlm.lock, torch.no_grad(), \
             torch.autocast(vlm.device.type, dtype=torch.bfloat16, enabled=vlm.device.type == "cuda"):
-        multi = answer_with_tools(vlm.model, vlm.encoder, chunk, cfg, tools, vlm.device, run_calls)
+        multi = answer_with_tools(vlm.model, vlm.encoder, chunk, cfg, tools, vlm.device, run_calls,
+                                  settings=settings)
     used = [{"tool_calls": k, "failed_tool_calls": f, "turns": t}
             for k, f, t in zip(multi.calls, multi.failed_calls, multi.turns)]
     return multi.completions, multi.reward_fields([x.fields for x in chunk]), used

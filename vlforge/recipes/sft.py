@@ -185,7 +185,7 @@ def run_sft(cfg: SFTConfig) -> dict:
     for path in filter(None, (cfg.data.train, cfg.data.val)):  # a bad file fails now, not after the model loads
         check_readable(path, cfg.data.on_error, cfg=cfg.data)
     # before the run begins (its directory, the model): what can be told from the config and the device
-    if cfg.precision.cuda_graphs and (problem := cuda_graphs_problem(cfg, resolve_device(cfg.train.device))):
+    if cfg.compile.cuda_graphs and (problem := cuda_graphs_problem(cfg, resolve_device(cfg.train.device))):
         raise ConfigError(problem)
     # SIGINT/SIGTERM (train/stop.py): once training runs, the step in progress finishes, then a checkpoint
     with StopSignals() as stop, begin_run(cfg) as (world, resume_from):
@@ -213,7 +213,7 @@ def run_sft(cfg: SFTConfig) -> dict:
             run.evaluate()
 
         # flex_attention compiles for each new shape: packed rows of one fixed length (the budget) then
-        pad_to = batching.packed_length if cfg.model.attn_implementation == "flex_attention" else None
+        pad_to = batching.packed_length if cfg.model.attention.implementation == "flex_attention" else None
         # the step's host inputs made with the batches (in the workers, with data.num_workers > 0)
         stream = micro_batches(train_data, batching, tc.seed, run.state["epoch"], run.state["position"],
                                resolve_num_workers(cfg.data.num_workers, t.device), batching.multiple,

@@ -8,7 +8,7 @@ A reward function has the signature::
 - ``answer``: the reference answer of the dataset row.
 - ``**sample_fields``: every other field of the dataset row, as keyword arguments (so always
   accept ``**kwargs``; fields named ``completion`` / ``answer`` are not forwarded). With
-  ``rollout.tools`` also ``transcript`` (the response's assistant turns and tool results as chat
+  ``tools.names`` also ``transcript`` (the response's assistant turns and tool results as chat
   messages: rollout/multiturn.ToolRollout.transcripts), ``tool_calls`` and ``failed_tool_calls``.
 - returns a finite number (int, float, bool or any ``numbers.Real``, e.g. numpy scalars);
   anything else, or an exception, becomes a :class:`RewardError` naming the function and sample.

@@ -115,7 +115,7 @@ class PackedLayout:
 def packing_enabled(model, setting: bool | str) -> bool:
     """rl.packing for this model: auto = on where a packed row attends per sample without a dense
     [T, T] mask (sdpa, train/packed_attention.py: varlen kernels on CUDA, per-sample SDPA elsewhere);
-    eager / flex_attention / model.packed_attention=mask would build that mask over the whole row."""
+    eager / flex_attention would build that mask over the whole row."""
     return per_sample_attention(unwrap(model)) if setting == "auto" else bool(setting)
 
 
@@ -138,7 +138,7 @@ def _packed_hidden(core, ids_1T: torch.Tensor, host_ids_1T: torch.Tensor, grid: 
                              ids_1T.device)
     run = functools.partial(forward_shared, core, ids_1T, None, pos_41T, feats, prompt_of_seq, keepalive=keepalive,
                             placeholders=_placeholders(host_ids_1T, core, feats, ids_1T.device))
-    if not use_packed_attention(core):  # eager / flash / flex / packed_attention=mask: transformers' own
+    if not use_packed_attention(core):  # eager / flash / flex: transformers' own
         return run().last_hidden_state[0]
     rows = PackedRows.of(seq_lens, ids_1T.shape[1], ids_1T.device)
     with packed_forward():

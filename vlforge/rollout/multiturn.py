@@ -11,7 +11,7 @@ turn shares each prompt's prefill across its G samples); the turns that end in <
 continues with the results as a tool message and the assistant header (Encoder.tool_turn_ids, the
 chat template's own rendering) in the next engine call, prefilled from its whole conversation so
 far. A sequence ends at a turn without a tool call (or one ended by <|endoftext|> rather than
-<|im_end|>), after `rollout.tool_turns` turns with calls, or when the next turn would not fit
+<|im_end|>), after `tools.turns` turns with calls, or when the next turn would not fit
 `rollout.max_new_tokens` (the budget of the whole response, tool results included: the update's
 sequences stay within it; checked before the calls run with empty results, and after with theirs);
 only that last way counts as truncated.
@@ -21,13 +21,13 @@ policy's own, the only ones with log-probs and loss. A sequence's turn t samples
 (turn seed, its global row, step): N ranks sample what one process samples, as generate_groups does.
 Turns are rounds (every sequence's turn t before any turn t + 1) rather than continuations fed into
 the running engine call: a round's tokens do not depend on the tools' latency (as long as no call
-exceeds `rollout.tool_timeout_s`), and its tool calls overlap one another. The cost is the
+exceeds `tools.timeout_s`), and its tool calls overlap one another. The cost is the
 re-prefill of each continuing conversation (the engine keeps no KV across calls); a prompt's images
 go through the vision tower once a turn, however many of its samples continue (the engine encodes
 each pixel tensor of a call once, and a prompt's continuing samples share its tensor).
 
 A tool may return images (tools/): they go into its tool message as image parts, at most
-rollout.tool_image_max_pixels each (tool_image_encoder), and the conversation's next turns see them
+tools.image_max_pixels each (tool_image_encoder), and the conversation's next turns see them
 after the prompt's images (the engine encodes a prompt's images once a turn, and each
 conversation's tool images once).
 The Rollout keeps each sequence's tool images (`response_pixel_values`), which the trainer's
@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vlforge.config import ConfigError, GRPOConfig, RolloutConfig
+from vlforge.config import ConfigError, GRPOConfig, RolloutConfig, ToolsConfig
 from vlforge.data.encode import Encoder, ImageLimits, collate, encode_engine_prompt, open_images, visuals_per_prompt
 from vlforge.train.evaluate import to_device
 from vlforge.generate.engine import GenRequest, Prompt, engine_for, prompts_of_batch
@@ -122,17 +122,17 @@ class ToolRollout:
 
 
 def rollout_tools(cfg: GRPOConfig) -> dict[str, Tool]:
-    """rollout.tools loaded, and the model's chat template checked to render a tool turn: a typo in
+    """tools.names loaded, and the model's chat template checked to render a tool turn: a typo in
     a tool spec or a template without tool messages fails before any model loads (run_grpo, and
     `vlforge doctor --config`); ConfigError naming the key."""
     try:
-        tools = load_tools(cfg.rollout.tools)
+        tools = load_tools(cfg.tools.names)
     except ValueError as e:
-        raise ConfigError(f"rollout.tools: {e}") from e
+        raise ConfigError(f"tools.names: {e}") from e
     if tools:
         processor = load_processor(cfg.model)  # a model.path problem raises its own error
         check_tool_template(Encoder(processor, ImageLimits(cfg.data.min_pixels, cfg.data.max_pixels,
-                                                           cfg.data.max_image_pixels)), "rollout.tools",
+                                                           cfg.data.max_image_pixels)), "tools.names",
                             showing=[t.name for t in tools.values() if t.takes_images])
     return tools
 
@@ -154,18 +154,18 @@ def check_tool_template(encoder: Encoder, key: str, showing: list[str] = ()) -> 
 
 
 @contextmanager
-def tool_runner(tools: dict[str, Tool], cfg: RolloutConfig):
+def tool_runner(tools: dict[str, Tool], settings: ToolsConfig):
     """What runs a round of calls (run_tool_calls' signature): threads in this process, or with
-    rollout.tool_processes worker processes (tools/runner.ToolProcesses), stopped after the block."""
-    if not tools or cfg.tool_processes <= 0:
-        yield functools.partial(run_tool_calls, max_chars=cfg.tool_result_chars)
+    tools.processes worker processes (tools/runner.ToolProcesses), stopped after the block."""
+    if not tools or settings.processes <= 0:
+        yield functools.partial(run_tool_calls, max_chars=settings.result_chars)
         return
-    with ToolProcesses(tools, cfg.tool_processes, cfg.tool_result_chars) as run:
+    with ToolProcesses(tools, settings.processes, settings.result_chars) as run:
         yield run
 
 
 def answer_with_tools(model, encoder: Encoder, samples: list, cfg: RolloutConfig, tools: dict[str, Tool],
-                      device, run_calls=run_tool_calls) -> ToolRollout:
+                      device, run_calls=run_tool_calls, *, settings: ToolsConfig) -> ToolRollout:
     """One response for each of `samples` (dataset rows), their prompts listing the tools, with the
     noise of seed 0 (greedy when cfg.temperature is 0): the evaluations' answers (GRPO's held-out
     prompts, `vlforge eval --tool`). The caller sets the autocast / gathering its model needs."""
@@ -174,7 +174,7 @@ def answer_with_tools(model, encoder: Encoder, samples: list, cfg: RolloutConfig
     prompts = to_device(collate(items, encoder.pad_id, left_pad=True), device)
     return generate_with_tools(model, encoder, prompts, [visuals_per_prompt(x) for x in items], cfg, tools, seed=0,
                                samples_per_prompt=1, run_calls=run_calls,
-                               prompt_images=tool_images(samples, tools, encoder))
+                               prompt_images=tool_images(samples, tools, encoder), settings=settings)
 
 
 def tool_images(samples: list, tools: dict[str, Tool], encoder: Encoder) -> list[list] | None:
@@ -192,11 +192,11 @@ def turn_seed(seed: int, turn: int) -> int:
 def generate_with_tools(model, encoder: Encoder, prompts: dict, images_per_prompt: list[int], cfg: RolloutConfig,
                         tools: dict[str, Tool], first_row: int = 0, seed: int | None = None,
                         samples_per_prompt: int | None = None, run_calls=run_tool_calls,
-                        prompt_images: list[list] | None = None) -> ToolRollout:
+                        prompt_images: list[list] | None = None, *, settings: ToolsConfig) -> ToolRollout:
     """`cfg.group_size` (or `samples_per_prompt`) multi-turn responses for each prompt of a
     left-padded prompt batch (whose prompts were encoded with the tools' schemas), the tools run
     between turns (module docstring) by `run_calls` (tool_runner's). `prompt_images[b]`: prompt b's
-    images (PIL) for tools that take them (tool_images)."""
+    images (PIL) for tools that take them (tool_images); `settings`: the tools section (turns, bounds, timeout)."""
     seed = rollout_seed() if seed is None else seed
     G, tok = samples_per_prompt or cfg.group_size, encoder.tokenizer
     base = prompts_of_batch(prompts, images_per_prompt)
@@ -207,12 +207,12 @@ def generate_with_tools(model, encoder: Encoder, prompts: dict, images_per_promp
                     slots=cfg.max_slots or None)
     engine = engine_for(model)
     empty_turn = functools.cache(lambda k: len(encoder.tool_turn_ids([""] * k)))  # k calls' context, at least
-    shown = tool_image_encoder(encoder, cfg)  # what the tools' images are resized with
+    shown = tool_image_encoder(encoder, settings)  # what the tools' images are resized with
     # turn 0: each prompt prefilled once for its G samples
     requests = [GenRequest(p, n=G, max_new_tokens=cfg.max_new_tokens, seed=seed, first_row=first_row + b * G, **sample)
                 for b, p in enumerate(base)]
     running = list(range(len(convs)))  # the sequences of this turn's results, in order
-    for turn in range(cfg.tool_turns + 1):
+    for turn in range(settings.turns + 1):
         results = engine.generate(requests, **generate)
         calling, calls = [], []
         for n, r in zip(running, results):
@@ -222,7 +222,7 @@ def generate_with_tools(model, encoder: Encoder, prompts: dict, images_per_promp
             # a turn the model ended with <|im_end|> continues (one ended by <|endoftext|> is over)
             ended_turn = bool(r.stopped) and int(r.tokens[-1]) == encoder.im_end_id
             found = parse_tool_calls(tok.decode(r.tokens, skip_special_tokens=False)) if ended_turn else []
-            if not found or turn == cfg.tool_turns:  # the last turn's calls (past tool_turns) are not run
+            if not found or turn == settings.turns:  # the last turn's calls (past tools.turns) are not run
                 continue
             if len(conv.tokens) + empty_turn(len(found)) >= cfg.max_new_tokens:
                 conv.finished, conv.unshown = False, True  # not even empty results would leave room: none run
@@ -232,7 +232,7 @@ def generate_with_tools(model, encoder: Encoder, prompts: dict, images_per_promp
         if not calling:
             break
         images = [prompt_images[n // G] for n in calling] if prompt_images is not None else None
-        answers = run_calls(calls, tools, cfg.tool_timeout_s, images)
+        answers = run_calls(calls, tools, settings.timeout_s, images)
         requests, running = [], []
         for n, found, results_n in zip(calling, calls, answers):
             conv = convs[n]
@@ -240,11 +240,11 @@ def generate_with_tools(model, encoder: Encoder, prompts: dict, images_per_promp
             conv.failed_calls += sum(not a.ok for a in results_n)
             returned = [im for a in results_n for im in a.images]
             try:
-                context = shown.tool_turn_ids([a.text for a in results_n], cfg.tool_result_tokens,
+                context = shown.tool_turn_ids([a.text for a in results_n], settings.result_tokens,
                                               [[im.size for im in a.images] for a in results_n])
             except ValueError as e:  # a template that does not show a tool's images: the run cannot go on
                 showing = sorted({c.name for c, a in zip(found, results_n) if a.images})
-                raise ConfigError(f"rollout.tools: {', '.join(showing)} returned images, but {e}") from None
+                raise ConfigError(f"tools.names: {', '.join(showing)} returned images, but {e}") from None
             if len(conv.tokens) + len(context) >= cfg.max_new_tokens:  # no room for another turn
                 conv.finished, conv.unshown = False, True
                 continue
@@ -284,12 +284,12 @@ def _tool_rollout(convs: list[_Conversation], prompts: dict, images_per_prompt: 
                        [c.turns for c in convs], [c.unshown for c in convs], [c.transcript for c in convs])
 
 
-def tool_image_encoder(encoder: Encoder, cfg: RolloutConfig) -> Encoder:
-    """`encoder` with the tools' image limits: at most rollout.tool_image_max_pixels (their tokens are
+def tool_image_encoder(encoder: Encoder, settings: ToolsConfig) -> Encoder:
+    """`encoder` with the tools' image limits: at most tools.image_max_pixels (their tokens are
     part of the response's budget), at least data.min_pixels where that is below it."""
     limits = encoder.limits
-    return Encoder(encoder.processor, ImageLimits(min(limits.min_pixels, cfg.tool_image_max_pixels),
-                                                  cfg.tool_image_max_pixels, limits.max_image_pixels),
+    return Encoder(encoder.processor, ImageLimits(min(limits.min_pixels, settings.image_max_pixels),
+                                                  settings.image_max_pixels, limits.max_image_pixels),
                    encoder.video_limits)
 
 

@@ -57,11 +57,11 @@ class ServeConfig:
     max_image_pixels: int = _flag(4096 * 4096, "--max-image-pixels",
                                   "largest image (width x height), checked on its header before decoding")
     max_images: int = _flag(8, "--max-images", "images per request")
-    # GRPO trained its tools' images at most rollout.tool_image_max_pixels: served, a tool message's images
+    # GRPO trained its tools' images at most tools.image_max_pixels: served, a tool message's images
     # are resized so too (InferenceModel.tool_image_max_pixels: a GRPO checkpoint's own, from its run)
     tool_image_max_pixels: int | None = field(default=None, metadata={
         "flag": "--tool-image-max-pixels", "metavar": "N", "minimum": 1024,
-        "help": "resize the images of tool messages to at most N pixels (default: the rollout.tool_image_max_pixels "
+        "help": "resize the images of tool messages to at most N pixels (default: the tools.image_max_pixels "
                 "of the GRPO run a checkpoint comes from; otherwise the server's image limits, as user images)"})
     # decoding reads a video file's frames in order up to the last one sampled: the work a request can ask for
     max_video_frames: int = _flag(3600, "--max-video-frames", "frames a video file may have (its header's count; "

@@ -1,4 +1,4 @@
-"""The tools vlforge ships (`rollout.tools: [calculator, zoom_in]`): plain functions with type hints and
+"""The tools vlforge ships (`tools.names: [calculator, zoom_in]`): plain functions with type hints and
 a docstring with an Args section, as any tool (tools/ turns them into the schemas the model sees).
 
     calculator(expression)              arithmetic on numbers, + - * / // % ** and parentheses, nothing else

@@ -35,7 +35,7 @@ class Tool:
     name: str
     fn: Callable[..., Any]
     schema: dict  # {"type": "function", "function": {name, description, parameters}}: what the template renders
-    spec: str = ""  # the rollout.tools entry it came from (a worker process loads it again from this)
+    spec: str = ""  # the tools.names entry it came from (a worker process loads it again from this)
 
     @property
     def takes_images(self) -> bool:
@@ -89,7 +89,7 @@ def load_tools(specs: Sequence[str]) -> dict[str, Tool]:
 
 
 def tool_function(spec: str) -> Callable[..., Any]:
-    """The function of one rollout.tools entry: a builtin name or ``path.py:function`` (ValueError
+    """The function of one tools.names entry: a builtin name or ``path.py:function`` (ValueError
     naming what to fix)."""
     if spec in BUILTIN_TOOLS:
         return BUILTIN_TOOLS[spec]

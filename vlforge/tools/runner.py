@@ -21,7 +21,7 @@ from typing import BinaryIO, Sequence
 
 from PIL import Image
 
-from vlforge.config import RolloutConfig
+from vlforge.config import ToolsConfig
 from vlforge.tools.calls import ToolCall
 from vlforge.tools.registry import IMAGES_ARGUMENT, Tool
 
@@ -30,11 +30,11 @@ class ToolResult:
     text: str
     ok: bool
     images: tuple[Image.Image, ...] = ()  # RGB images the tool returned: shown to the model before the text
-    cut: int = 0  # characters of the text cut off past rollout.tool_result_chars (a note in the text says so)
+    cut: int = 0  # characters of the text cut off past tools.result_chars (a note in the text says so)
 
 
 
-MAX_RESULT_CHARS = RolloutConfig.tool_result_chars  # the default bound of a result's text
+MAX_RESULT_CHARS = ToolsConfig.result_chars  # the default bound of a result's text
 
 
 def _run_one(call: ToolCall, tools: dict[str, Tool], images: Sequence[Image.Image] = (),
@@ -45,7 +45,7 @@ def _run_one(call: ToolCall, tools: dict[str, Tool], images: Sequence[Image.Imag
         return result
     # cut here, where the call returns (in a worker, before the pipe): a tool that returns megabytes
     # costs neither the trainer's memory nor the tokenizer's time. The note goes first, so that the model
-    # reads it whatever rollout.tool_result_tokens then keeps of the text
+    # reads it whatever tools.result_tokens then keeps of the text
     note = f"(cut: the tool returned {len(result.text):,} characters; the first {max_chars:,} follow)\n"
     return replace(result, text=note + result.text[:max_chars], cut=len(result.text) - max_chars)
 
@@ -123,7 +123,7 @@ def run_tool_calls(calls: Sequence[Sequence[ToolCall]], tools: dict[str, Tool], 
     on a daemon thread, so it does not hold the process at exit (concurrent.futures' pools join
     their threads at exit, hence plain threads here). A tool that holds the GIL in one long C call
     delays everything: tools should bound their own work. `images[i]`: the images sequence i's
-    prompt holds, for tools that take them; `max_chars`: rollout.tool_result_chars."""
+    prompt holds, for tools that take them; `max_chars`: tools.result_chars."""
     flat = [(i, j, call) for i, seq in enumerate(calls) for j, call in enumerate(seq)]
     box: dict[tuple[int, int], ToolResult] = {}
 
@@ -147,12 +147,12 @@ def run_tool_calls(calls: Sequence[Sequence[ToolCall]], tools: dict[str, Tool], 
 
 def _warn_cut(results: list[list[ToolResult]], calls: Sequence[Sequence[ToolCall]],
               max_chars: int) -> list[list[ToolResult]]:
-    """`results`, after a warning for each one cut at `max_chars` (rollout.tool_result_chars)."""
+    """`results`, after a warning for each one cut at `max_chars` (tools.result_chars)."""
     for seq, answers in zip(calls, results):
         for call, result in zip(seq, answers):
             if result.cut:
                 warnings.warn(f"vlforge: tool {call.name!r} returned {max_chars + result.cut:,} characters; cut to "
-                              f"rollout.tool_result_chars={max_chars:,}, with a note the model reads", stacklevel=3)
+                              f"tools.result_chars={max_chars:,}, with a note the model reads", stacklevel=3)
     return results
 
 
@@ -178,11 +178,11 @@ def read_frame(stream: BinaryIO):
 
 
 class ToolProcesses:
-    """Tool calls in worker processes (rollout.tool_processes = N > 0), for tools that must not run in
+    """Tool calls in worker processes (tools.processes = N > 0), for tools that must not run in
     the trainer: a call still running at the timeout is stopped (its worker killed, a new one
     started when needed), and a tool that holds the GIL, leaks memory or crashes its interpreter (a
-    C extension's segfault) affects its worker only. Workers are `python -m vlforge.rl.tool_worker`
-    (rl/tool_worker.py) subprocesses: a fresh interpreter, none of the trainer's CUDA state or
+    C extension's segfault) affects its worker only. Workers are `python -m vlforge.tools.worker`
+    (tools/worker.py) subprocesses: a fresh interpreter, none of the trainer's CUDA state or
     threads, and no multiprocessing start method that would import the trainer's __main__ again.
     Each loads the tools from their specs once and is reused across rounds. Up to N calls run at
     once; the others wait for a free worker, and each call has `timeout_s` from its own start.
@@ -203,7 +203,7 @@ class ToolProcesses:
     def _start(self, count: int = 1) -> list:
         """`count` new workers, started together, once each has loaded the tools (a call's timeout
         does not pay for an interpreter's start)."""
-        procs = [subprocess.Popen([sys.executable, "-m", "vlforge.rl.tool_worker"], stdin=subprocess.PIPE,
+        procs = [subprocess.Popen([sys.executable, "-m", "vlforge.tools.worker"], stdin=subprocess.PIPE,
                                   stdout=subprocess.PIPE) for _ in range(count)]
         problems = []
         for proc in procs:
@@ -218,7 +218,7 @@ class ToolProcesses:
                 self._stop(proc)
             from vlforge.config import ConfigError  # the run stops with the reason, as for a bad key
 
-            raise ConfigError(f"rollout.tools: a worker process (rollout.tool_processes) could not load "
+            raise ConfigError(f"tools.names: a worker process (tools.processes) could not load "
                               f"{[spec for _, spec in self.specs]}: {problem}")
         return procs
 

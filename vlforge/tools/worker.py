@@ -2,10 +2,10 @@
 
 It reads frames from stdin and writes frames to the stdout it was started with; a frame is an
 8-byte length and a pickle. The first frame holds the tools as (name, spec) pairs, loaded here from
-their specs (a builtin name or ``path.py:function``, as rollout.tools names them); each next frame
+their specs (a builtin name or ``path.py:function``, as tools.names names them); each next frame
 is answered with None once they are loaded (or with the error that stopped it); each next frame
 holds one ToolCall, the prompt's images it may take and the most characters of its result's text
-(rollout.tool_result_chars), answered with its ToolResult (tools/runner._run_one: an error the model
+(tools.result_chars), answered with its ToolResult (tools/runner._run_one: an error the model
 can read when the call fails, the text cut here, before the pipe). A None frame or the end of
 stdin ends it. A tool's own prints go to stderr: stdout carries only frames. Imports no torch (rl/__init__.py loads its names lazily): a worker
 starts in well under a second.

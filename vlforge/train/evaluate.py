@@ -58,7 +58,7 @@ def generate_answers(model, encoder: Encoder, samples, *, batch_size: int, max_n
         item = encode_engine_prompt(encoder, x)  # videos as images: the engine prefills images
         prompts.append(Prompt(item["input_ids"], item.get("pixel_values"), item.get("image_grid_thw")))
     requests = [GenRequest(p, max_new_tokens=max_new_tokens) for p in prompts]
-    # compiled decoder layers (precision.compile) run eager here: decode shapes change every call and
+    # compiled decoder layers (compile.enabled) run eager here: decode shapes change every call and
     # would recompile them (the engine compiles its own decode step where that pays: GRPO rollouts)
     with policy.autocast(), torch.compiler.set_stance("force_eager"):
         results = engine_for(model).generate(requests, stop_ids=encoder.end_ids,

@@ -13,7 +13,7 @@ from the benchmark tables in torchao/float8/README.md): below them the cast over
 Backends:
 - torchao (default): `convert_to_float8_training` swaps nn.Linear for Float8Linear (dynamic
   scaling, recipe tensorwise | rowwise | rowwise_with_gw_hp). Its casts are separate kernels
-  unless torch.compile fuses them, so the recipe compiles the decoder blocks (precision.compile=auto).
+  unless torch.compile fuses them, so the recipe compiles the decoder blocks (compile.enabled=auto).
 - te: NVIDIA TransformerEngine, only if importable: te.Linear with the weights copied, run under
   `te.autocast(recipe=...)` per module group (the language model and the vision tower may use
   different recipes: precision.fp8.te / te_vision). TE's FP8 GEMMs refuse inputs whose row count

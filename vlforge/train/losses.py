@@ -59,7 +59,7 @@ def backbone_hidden(model, batch: dict) -> torch.Tensor:
             # the mask transformers' sdpa path would build, without its device check for padding (a sync);
             # the attention mask is read only there once the position ids are given
             inputs["attention_mask"] = causal_padding_mask(inputs["attention_mask"]) if host.padding else None
-        if host.packed_rows is None:  # padded; or packed with eager / flash / flex / packed_attention=mask
+        if host.packed_rows is None:  # padded; or packed with eager / flash / flex
             return core.model(**inputs, use_cache=False).last_hidden_state
         # packed, sdpa: attention per sample (train/packed_attention.py), no [T, T] mask
         stack.enter_context(packed_forward())

@@ -266,11 +266,11 @@ def _held_for_backward(per_layer: dict[str, int], cfg, compute_bytes: int) -> fl
     under gradient checkpointing the kept layers' and one recomputed layer's at a time."""
     if not per_layer:
         return 0.0
-    if not cfg.precision.gradient_checkpointing:
+    if not cfg.activation_checkpointing.enabled:
         return float(sum(per_layer.values()) * compute_bytes)
-    # recomputed layers (1 of every checkpoint_every: train/trainable.checkpoint_selected_blocks) hold
+    # recomputed layers (1 of every activation_checkpointing.every: train/trainable.checkpoint_selected_blocks) hold
     # one copy at a time, in backward; the others keep theirs from forward to backward
-    every = cfg.precision.checkpoint_every
+    every = cfg.activation_checkpointing.every
     recomputed = [n for unit, n in per_layer.items() if int(unit.split()[-1]) % every == 0]
     kept = [n for unit, n in per_layer.items() if int(unit.split()[-1]) % every != 0]
     return float((sum(kept) + max(recomputed, default=0)) * compute_bytes)
@@ -395,7 +395,7 @@ def format_memory(est: dict) -> str:
         lines.append(f"GRPO rollouts: + {_gb(est['rollout_weight_copies'])} of {est['compute']} copies of the "
                      f"{est['master_weights']} linear weights, decoded from and kept across steps")
     lines.append(f"not estimated: {est['not_estimated']} (activations grow with batch, sequence length and "
-                 "images; precision.gradient_checkpointing shrinks them)")
+                 "images; activation_checkpointing.enabled shrinks them)")
     if est["fsdp2_problem"]:
         lines.append(f"FSDP2 columns (and cpu_offload) do not apply, the run refuses them: {est['fsdp2_problem']}")
     if est["problem"]:

@@ -141,7 +141,7 @@ class Routing:
 
     def __init__(self, routers: list[tuple[int, nn.Module]], top_k: int, coef: float = 0.0):
         self.routers, self.top_k = routers, top_k
-        self.coef = coef  # train.router_aux_loss_coef
+        self.coef = coef  # loss.router_aux_loss_coef
         layers = sorted({i for i, _ in routers})
         self.layers, self.n_layers = layers, len(layers)  # the model's index of each MoE layer, in counts' row order
         self._routed: Routed | None = None

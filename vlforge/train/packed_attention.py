@@ -112,8 +112,8 @@ def packing_problem(device: torch.device, attn_implementation: str = "sdpa", pre
     """Why data.packing=auto pads on `device` with these model settings (None: it packs); what
     packing_pays decides, from the config alone (vlforge doctor asks before any model loads)."""
     if attn_implementation != "sdpa":
-        return (f"model.attn_implementation={attn_implementation}: auto packs only sdpa's per-sample attention "
-                "(measured); data.packing=true packs anyway")
+        return (f"model.attention.implementation={attn_implementation}: auto packs only sdpa's per-sample "
+                "attention (measured); data.packing=true packs anyway")
     if device.type != "cuda":
         return f"on {device.type} a packed row attends through a per-sample SDPA loop, not measured faster than padding"
     if precision not in ("bf16", "fp16"):

@@ -174,7 +174,7 @@ class Run:
         """Evaluate now (at self.step) when there is validation data."""
         if self.recorder is None:
             return None
-        # CUDA graphs (precision.cuda_graphs) are recorded per shape: the evaluation's padded batches and
+        # CUDA graphs (compile.cuda_graphs) are recorded per shape: the evaluation's padded batches and
         # generation would record graphs of their own for every length, so it runs eager
         with gathered(self.t.root), (torch.compiler.set_stance("force_eager") if self.t.cuda_graphs
                                      else contextlib.nullcontext()):  # sharded: every rank evaluates, gathered

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from vlforge.config import ConfigError, GRPOConfig, ModelConfig, PrecisionConfig, RunConfig
+from vlforge.config import CompileConfig, ConfigError, FP8Config, GRPOConfig, ModelConfig, RunConfig
 from vlforge.data.encode import record_limits
 from vlforge.train.compiled import allow_compiled_variants
 from vlforge.train.distributed import World, refuse_unsupported
@@ -49,10 +49,10 @@ class Trainable:
     world: World = field(default_factory=World)  # this process's rank in the run (one process: rank 0 of 1)
     root: torch.nn.Module | None = None  # sharded: the FSDP2 root unit (a train/sharding.Root) the step calls
     routing: Routing | None = None  # MoE: router hooks for the aux loss and expert-load metrics (train/moe.py)
-    activation_memory_budget: float | None = None  # precision.activation_memory_budget (compiled layers)
-    compiled: tuple[str, ...] = ()  # what torch.compile wraps: "decoder layers", "vision blocks" (precision.compile*)
-    cuda_graphs: bool = False  # precision.cuda_graphs: the compiled decoder layers replay as CUDA graphs
-    cuda_graphs_vision: bool = False  # precision.cuda_graphs_vision: the compiled vision blocks too
+    activation_memory_budget: float | None = None  # compile.activation_memory_budget (compiled layers)
+    compiled: tuple[str, ...] = ()  # what torch.compile wraps: "decoder layers", "vision blocks" (compile.enabled*)
+    cuda_graphs: bool = False  # compile.cuda_graphs: the compiled decoder layers replay as CUDA graphs
+    cuda_graphs_vision: bool = False  # compile.cuda_graphs_vision: the compiled vision blocks too
     vision_shapes: set = field(default_factory=set)  # image layouts the vision graphs were recorded for
 
     def forward(self, fn, *args, **kwargs):
@@ -69,11 +69,11 @@ class Trainable:
         return max(token_multiple(self.fp8_plan), CUDA_GRAPH_ROW_MULTIPLE if self.cuda_graphs else 1)
 
 
-# precision.cuda_graphs_vision: after this many different image layouts (patches per image in a
+# compile.cuda_graphs_vision: after this many different image layouts (patches per image in a
 # micro-batch) a run warns that its data's image sizes vary (each records the tower's graphs again)
 VISION_SHAPES_WARN = 8
 
-# precision.cuda_graphs: a packed row's length rounded up to this, so that a run's rows come in few
+# compile.cuda_graphs: a packed row's length rounded up to this, so that a run's rows come in few
 # lengths (each records one graph per layer, forward and backward, kept for the run). At the 2B
 # recipe's batch of 8 (~4,300 tokens a row) 256 adds ~3% filler tokens and leaves ~10-20 lengths.
 CUDA_GRAPH_ROW_MULTIPLE = 256
@@ -148,66 +148,65 @@ def cuda_graph_step_begin(t: Trainable, micro: list[dict], i: int) -> str | None
     t.vision_shapes.add(tuple(tuple(grid.prod(-1).tolist()) for grid in grids))
     if len(t.vision_shapes) < VISION_SHAPES_WARN:
         return None
-    return (f"warning: precision.cuda_graphs_vision: the vision tower has met {VISION_SHAPES_WARN} different image "
+    return (f"warning: compile.cuda_graphs_vision: the vision tower has met {VISION_SHAPES_WARN} different image "
             "layouts (patches per image) in a micro-batch; each records its CUDA graphs again (a step several "
-            "times slower). For data whose image sizes vary, turn precision.cuda_graphs_vision off")
+            "times slower). For data whose image sizes vary, turn compile.cuda_graphs_vision off")
 
 
 def cuda_graphs_problem(cfg: RunConfig, device: torch.device, strategy: str = "none") -> str | None:
-    """Why precision.cuda_graphs cannot run here, from the config and the device (before loading;
+    """Why compile.cuda_graphs cannot run here, from the config and the device (before loading;
     `vlforge doctor --config` asks the same). Graphs are recorded per row length, so the rows must be
     packed (few lengths); the blocks' kernels must run without hooks between them."""
-    if not cfg.precision.cuda_graphs:
+    if not cfg.compile.cuda_graphs:
         return None
     if isinstance(cfg, GRPOConfig):  # its update's rows change length with every rollout, and rollouts run between
-        return "precision.cuda_graphs is built for SFT's packed rows, not GRPO's update: turn it off"
+        return "compile.cuda_graphs is built for SFT's packed rows, not GRPO's update: turn it off"
     if cfg.data.packing is False:
-        return ("precision.cuda_graphs is built for packed rows (few row lengths, each recorded once): set "
-                "data.packing=true or auto, or turn precision.cuda_graphs off")
+        return ("compile.cuda_graphs is built for packed rows (few row lengths, each recorded once): set "
+                "data.packing=true or auto, or turn compile.cuda_graphs off")
     where = ("device " + str(device) if device.type != "cuda" else f"distributed.strategy={strategy}"
              if strategy != "none" else "quant (QLoRA's 4-bit layers)" if cfg.quant.enabled else
              f"the MoE model {cfg.model.preset} (its router's hooks)" if cfg.model.preset in MOE_PRESETS else None)
     if where:
-        return (f"precision.cuda_graphs runs on one CUDA GPU with a dense model's plain layers, not with {where}: "
-                "turn precision.cuda_graphs off")
-    if cfg.data.packing == "auto" and (problem := packing_problem(device, cfg.model.attn_implementation,
+        return (f"compile.cuda_graphs runs on one CUDA GPU with a dense model's plain layers, not with {where}: "
+                "turn compile.cuda_graphs off")
+    if cfg.data.packing == "auto" and (problem := packing_problem(device, cfg.model.attention.implementation,
                                                                   cfg.precision.mode)):
-        return (f"precision.cuda_graphs is built for packed rows, and data.packing=auto pads here ({problem}): set "
-                "data.packing=true, or turn precision.cuda_graphs off")
+        return (f"compile.cuda_graphs is built for packed rows, and data.packing=auto pads here ({problem}): set "
+                "data.packing=true, or turn compile.cuda_graphs off")
     return None
 
 
-def vision_attention_for_training(core, model_cfg: ModelConfig, precision: PrecisionConfig, layers_compiled: bool) -> bool:
-    """Settle `model.vision_attention: auto` and `precision.compile_vision: auto` for a training run;
+def vision_attention_for_training(core, model_cfg: ModelConfig, compile_cfg: CompileConfig, layers_compiled: bool) -> bool:
+    """Settle `model.attention.vision: auto` and `compile.vision: auto` for a training run;
     returns whether the vision blocks compile. Measured on one H200 (2B full SFT with compiled decoder
     layers, two calls in opposite orders, docs/benchmarks-log.md, 2026-12-03, "The additive step mask"): compiled vision
     blocks on the one-call varlen attention were the fastest (1.05-1.06x transformers' per-image
     loop), but eager vision blocks trained 4-9% faster on the loop than on the varlen call. So auto
     compiles the blocks where the decoder layers compile, and a trainable tower left eager goes back
     to the loop. Inference keeps varlen (the prefill's tower alone was 1.20x faster on it)."""
-    varlen = model_cfg.vision_attention != "sdpa" and use_vision_varlen(core)
-    compile_blocks = precision.compile_vision is True or (precision.compile_vision == "auto" and layers_compiled
-                                                          and varlen)
+    varlen = model_cfg.attention.vision != "sdpa" and use_vision_varlen(core)
+    compile_blocks = compile_cfg.vision is True or (compile_cfg.vision == "auto" and layers_compiled and varlen)
     trainable = any(p.requires_grad for block in core.model.visual.blocks for p in block.parameters())
-    if model_cfg.vision_attention == "auto" and varlen and trainable and not compile_blocks:
+    if model_cfg.attention.vision == "auto" and varlen and trainable and not compile_blocks:
         core.model.visual.config._attn_implementation = "sdpa"
     return compile_blocks
 
 
-def default_compile(precision: PrecisionConfig, device: torch.device, measured_setup: bool = True) -> bool:
-    """What `precision.compile` means for a training step: true, false, or auto = compile the
+def default_compile(compile_cfg: CompileConfig, fp8: FP8Config, device: torch.device, measured_setup: bool = True) -> bool:
+    """What `compile.enabled` means for a training step: true, false, or auto = compile the
     decoder layers where that was measured faster: on CUDA (one H200, docs/benchmarks.md: 2B full
     1.16x at 8.6 GB less memory, 8B LoRA ~1.2x; torchao FP8 needs it for its casts to fuse), for a
     `measured_setup` (a dense model on one process without quant or checkpointing: compile under
     FSDP2, with recomputation, QLoRA's 4-bit layers or the MoE router hooks is not measured yet), not with TransformerEngine's layers
     (measured eager only), and not on CPU, where compiling costs more than a short run gains.
-    (GRPO passes `precision.compile is True` instead: its training forward's shapes change with
+    (GRPO passes `compile.enabled is True` instead: its training forward's shapes change with
     every rollout's response lengths.)"""
-    if precision.compile == "auto":
-        if precision.fp8.enabled:  # torchao's casts pay only fused (the rule before any bf16 measurement)
-            return precision.fp8.backend == "torchao"
+    if compile_cfg.enabled == "auto":
+        if fp8.enabled:  # torchao's casts pay only fused (the rule before any bf16 measurement)
+            return fp8.backend == "torchao"
         return device.type == "cuda" and measured_setup
-    return bool(precision.compile)
+    return bool(compile_cfg.enabled)
 
 
 def refuse_bad_combinations(cfg: RunConfig, device: torch.device) -> None:
@@ -220,25 +219,13 @@ def refuse_bad_combinations(cfg: RunConfig, device: torch.device) -> None:
         raise ConfigError(MASTERS_NEED_ADAMW.format(name=cfg.optim.name))
     if problem := loss_impl_problem(cfg.loss, device):  # else it would fail at the first step, after loading
         raise ConfigError(problem)
-    if cfg.quant.enabled and cfg.tiers.method != "lora":
-        raise ConfigError("quant (QLoRA) needs tiers.method=lora: quantized base weights cannot be trained directly")
     if cfg.quant.enabled and (problem := quant_problem(cfg.quant, device)):
         raise ConfigError(problem)
-    if cfg.quant.expert_method != "none" and cfg.tiers.language.experts and cfg.tiers.expert_lora == "peft":
-        raise ConfigError("tiers.expert_lora=peft cannot run on NF4 experts: peft's forward adds its update as a "
-                          "parametrization after bitsandbytes' dequantizing one and does not remove it, so every "
-                          "call stacks one more; use tiers.expert_lora=fused (the default) or quant.experts=none")
-    if cfg.precision.fp8.enabled and cfg.quant.enabled:
-        raise ConfigError("precision.fp8 and quant cannot be combined: FP8 training converts plain bf16 linears, "
-                          "a quantized base has none; use QLoRA (quant) or FP8, not both")
-    if cfg.precision.fp8.enabled and cfg.precision.fp8.backend == "te" and cfg.precision.gradient_checkpointing:
-        raise ConfigError("precision.fp8.backend=te with gradient_checkpointing: the recomputation runs outside "
-                          "te.autocast; use the torchao backend or turn checkpointing off")
 
 
 def setup_model(cfg: RunConfig, compile_blocks: bool | None = None, world: World | None = None) -> Trainable:
     """Load, plan, wrap and cast the model; shard it over `world` (FSDP2) when the run is
-    distributed. `compile_blocks` compiles the decoder layers; None: what `precision.compile`
+    distributed. `compile_blocks` compiles the decoder layers; None: what `compile.enabled`
     means for a training step (default_compile)."""
     world = world or World(device=resolve_device(cfg.train.device))
     device = world.device
@@ -261,8 +248,8 @@ def setup_model(cfg: RunConfig, compile_blocks: bool | None = None, world: World
         fp8_plan = fp8_layer_plan(unwrap(model), cfg.precision.fp8)
         fp8.convert(unwrap(model), fp8_plan)
     policy.apply(model)
-    if cfg.precision.gradient_checkpointing:
-        _checkpoint_activations(model, cfg.precision.checkpoint_every)
+    if cfg.activation_checkpointing.enabled:
+        _checkpoint_activations(model, cfg.activation_checkpointing.every)
     compiled_parts, cuda_graphs = _compile(model, cfg, device, world, compile_blocks)
     # sharded last: FSDP2 takes the parameters in their storage dtypes (fp32 masters) and gathers
     # them in the compute dtype; `t.model` stays the (peft / HF) model, its parameters now sharded
@@ -270,11 +257,11 @@ def setup_model(cfg: RunConfig, compile_blocks: bool | None = None, world: World
                 computes=policy.computes(model))
     del source  # rank 0's host copy of the whole model
     model.train()
-    routing = Routing.of(model, cfg.train.router_aux_loss_coef)
+    routing = Routing.of(model, cfg.loss.router_aux_loss_coef)
     record_limits(processor, cfg.data)  # its checkpoints are then served at the run's image and video limits
     return Trainable(model, processor, plan, policy, device, fp8_plan, world, root, routing,
-                     cfg.precision.activation_memory_budget, compiled_parts, cuda_graphs,
-                     cuda_graphs and cfg.precision.cuda_graphs_vision)
+                     cfg.compile.activation_memory_budget, compiled_parts, cuda_graphs,
+                     cuda_graphs and cfg.compile.cuda_graphs_vision)
 
 
 def _load_planned(cfg: RunConfig, load_dtype: torch.dtype, world: World):
@@ -315,27 +302,27 @@ def _compile(model: nn.Module, cfg: RunConfig, device: torch.device, world: Worl
              compile_blocks: bool | None) -> tuple[tuple[str, ...], bool]:
     """Compile the decoder layers (and vision blocks), as CUDA graphs where asked: (what is
     compiled, for Trainable.compiled; whether the decoder layers replay as CUDA graphs)."""
-    measured = not (cfg.quant.enabled or cfg.precision.gradient_checkpointing or world.strategy != "none"
+    measured = not (cfg.quant.enabled or cfg.activation_checkpointing.enabled or world.strategy != "none"
                     or is_moe(unwrap(model).config))
-    compiled = default_compile(cfg.precision, device, measured) if compile_blocks is None else compile_blocks
-    vision_compiled = vision_attention_for_training(unwrap(model), cfg.model, cfg.precision, compiled)
-    cuda_graphs = cfg.precision.cuda_graphs and compiled
-    if cfg.precision.cuda_graphs_vision and not vision_compiled:
-        raise ConfigError("precision.cuda_graphs_vision replays the compiled vision blocks, and this run compiles "
-                          "none (they compile with model.vision_attention varlen/auto on a GPU with precision."
-                          "compile_vision auto/true): turn precision.cuda_graphs_vision off")
-    if cfg.precision.cuda_graphs and is_moe(unwrap(model).config):
-        raise ConfigError("precision.cuda_graphs is built for dense models: the MoE router's hooks run between a "
-                          "layer's kernels; turn precision.cuda_graphs off")
+    compiled = default_compile(cfg.compile, cfg.precision.fp8, device, measured) if compile_blocks is None else compile_blocks
+    vision_compiled = vision_attention_for_training(unwrap(model), cfg.model, cfg.compile, compiled)
+    cuda_graphs = cfg.compile.cuda_graphs and compiled
+    if cfg.compile.cuda_graphs_vision and not vision_compiled:
+        raise ConfigError("compile.cuda_graphs_vision replays the compiled vision blocks, and this run compiles "
+                          "none (they compile with model.attention.vision varlen/auto on a GPU with "
+                          "compile.vision auto/true): turn compile.cuda_graphs_vision off")
+    if cfg.compile.cuda_graphs and is_moe(unwrap(model).config):
+        raise ConfigError("compile.cuda_graphs is built for dense models: the MoE router's hooks run between a "
+                          "layer's kernels; turn compile.cuda_graphs off")
     if compiled:
         compile_decoder_layers(model, vision=vision_compiled, cuda_graphs=cuda_graphs,
-                               cuda_graphs_vision=cfg.precision.cuda_graphs_vision)
-    elif cfg.precision.activation_memory_budget is not None:  # config requires compile=true: a caller said no
-        raise ConfigError("precision.activation_memory_budget acts on compiled layers, and this run compiles none")
+                               cuda_graphs_vision=cfg.compile.cuda_graphs_vision)
+    elif cfg.compile.activation_memory_budget is not None:  # config requires compile=true: a caller said no
+        raise ConfigError("compile.activation_memory_budget acts on compiled layers, and this run compiles none")
     compiled_parts = ("decoder layers", "vision blocks") if compiled and vision_compiled else \
         ("decoder layers",) if compiled else ()
     if cuda_graphs:
-        vision_graphs = cfg.precision.cuda_graphs_vision
+        vision_graphs = cfg.compile.cuda_graphs_vision
         compiled_parts = ("decoder layers (CUDA graphs)",
                           *(("vision blocks (CUDA graphs)",) if vision_graphs else compiled_parts[1:]))
     return compiled_parts, cuda_graphs

@@ -26,7 +26,7 @@ from vlforge.train.samples import read_samples
 # The settings a reader of the run wants first: what trained, in which precision, with what memory plan
 KEY_CONFIG = {
     "model": ("preset", "path"), "tiers": ("method",), "quant": ("language", "vision"),
-    "precision": ("mode", "master_weights", "gradient_checkpointing", "compile"),
+    "precision": ("mode", "master_weights"), "compile": ("enabled",), "activation_checkpointing": ("enabled",),
     "optim": ("name", "schedule"), "train": ("batch_size", "grad_accum", "max_steps", "device"),
     "distributed": ("strategy", "cpu_offload"), "rollout": ("group_size", "prompts_per_step", "tools"),
     "rl": ("advantage", "policy_loss", "kl_beta"),
