@@ -14,7 +14,7 @@ from .model import (DENSE_PRESETS, EXPERT_METHODS_WHY, AttentionConfig, Language
                     QuantConfig, TierConfig, TiersConfig, VisionTier)
 from .recipes import (GRPO_ONLY_SECTIONS, GRPOConfig, RunConfig, SFTConfig, acting_tree, dump_config,
                       load_recipe_config, recipe_class, resolve_paths)
-from .rl import LOSS_CLIP_RANGES, RewardConfig, RLConfig, RolloutConfig, ToolsConfig
+from .rl import LOSS_CLIP_RANGES, RewardConfig, RLConfig, RolloutConfig, RolloutCorrectionConfig, ToolsConfig
 from .train import (ActivationCheckpointingConfig, CompileConfig, DistributedConfig, EvalConfig, FP8Config,
                     HealthConfig, LogConfig, LossConfig, LossScaleConfig, ModuleOverride, OptimConfig,
                     PrecisionConfig, TERecipeConfig, TrainConfig)
@@ -24,7 +24,7 @@ __all__ = [
     "ActivationCheckpointingConfig", "AttentionConfig", "CompileConfig", "ConfigError", "DataConfig",
     "DistributedConfig", "EvalConfig", "FP8Config", "GRPOConfig", "HealthConfig", "LanguageTier", "LogConfig",
     "LossConfig", "LossScaleConfig", "ModelConfig", "ModuleOverride", "OptimConfig", "PrecisionConfig",
-    "ProjectorTier", "QuantConfig", "RLConfig", "RewardConfig", "RolloutConfig", "RunConfig", "SFTConfig",
+    "ProjectorTier", "QuantConfig", "RLConfig", "RewardConfig", "RolloutConfig", "RolloutCorrectionConfig", "RunConfig", "SFTConfig",
     "TERecipeConfig", "TierConfig", "TiersConfig", "ToolsConfig", "TrainConfig", "VisionTier", "acting_tree",
     "dump_config", "load_config", "load_recipe_config", "merge", "migrate_old_keys", "parse_overrides",
     "read_file", "recipe_class", "resolve_paths", "to_dict",

@@ -206,3 +206,8 @@ def _acting_grpo(cfg: Any, tree: dict) -> None:
         _drop(tree["rl"], "dual_clip")
     if cfg.rl.advantage != "grpo":  # validated `group`: GRPO's scaling only
         _drop(tree["rl"], "adv_scale")
+    correction = cfg.rl.rollout_correction
+    if correction.method == "none":
+        _drop(tree["rl"], "rollout_correction")
+    else:  # each method reads its own bound
+        _drop(tree["rl"]["rollout_correction"], "band" if correction.method == "tis" else "cap")

@@ -107,6 +107,25 @@ LOSS_CLIP_RANGES = {"ppo": (0.2, 0.2), "gspo": (3e-4, 4e-4), "cispo": (1.0, 0.2)
 
 
 @dataclass
+class RolloutCorrectionConfig:
+    """Rollout correction (rl/correction.py, docs/grpo.md): each token's loss weighted by rho = the
+    trainer's old probability over the rollout's, against the rollout/trainer mismatch (a bf16 or FP8
+    rollout copy, other kernels). Needs rl.old_logprobs=trainer (the trainer's old log-probs)."""
+
+    # none; tis: weight min(rho, cap) (truncated importance sampling); mis: weight rho, tokens (or
+    # sequences) whose rho leaves the band masked out of the loss (masked importance sampling)
+    method: Literal["none", "tis", "mis"] = "none"
+    level: Literal["token", "sequence"] = "token"  # rho per token, or one per sequence (the product)
+    cap: float = 2.0  # tis: the largest weight (verl's rollout_is_threshold default)
+    band: tuple[float, float] = (0.5, 2.0)  # mis: the rho kept, [lo, hi] (lo: verl's 1 / hi)
+
+    def __post_init__(self):
+        _range(self, "cap", ge=1, why="a cap below 1 would scale down tokens the rollout and trainer agree on")
+        _require(len(self.band) == 2 and 0 < self.band[0] <= 1 <= self.band[1],
+                 f"rl.rollout_correction.band must be [lo, hi] with 0 < lo <= 1 <= hi, got {list(self.band)}")
+
+
+@dataclass
 class RLConfig:
     # the reward functions, summed with their weights into each response's reward (rl/rewards.py)
     rewards: list[RewardConfig] = field(default_factory=lambda: [RewardConfig()])
@@ -129,6 +148,9 @@ class RLConfig:
     # a step, as the KL reference's, verl's recompute: for a clip band as narrow as gspo's, where the
     # engine's and the trainer's numerics already differ by about as much)
     old_logprobs: Literal["rollout", "trainer"] = "rollout"
+    # against the rollout/trainer mismatch: the loss weighted by the trainer's over the rollout's
+    # probabilities (needs old_logprobs: trainer); metrics rollout/* every step with old_logprobs: trainer
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     # auto: seq-mean-token-mean with gspo (its objective: a mean over sequences), else token-mean
     agg: Literal["auto", "token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = "auto"
     kl_beta: float = 0.0  # 0: no KL term and no reference forward
@@ -161,6 +183,9 @@ class RLConfig:
                  f"rl.adv_scale={self.adv_scale} scales GRPO's advantages; rl.advantage={self.advantage} has its own "
                  "scaling: remove rl.adv_scale")
         _range(self, "overlong_penalty", ge=0, why="it is subtracted from the reward")
+        _require(self.rollout_correction.method == "none" or self.old_logprobs == "trainer",
+                 f"rl.rollout_correction.method={self.rollout_correction.method} weighs the trainer's old "
+                 "log-probs against the rollout's: set rl.old_logprobs=trainer too")
 
     # The loss's settings with null / auto resolved (the config keeps them as written: a partial `rl`
     # section is merged over these defaults, so they must not be resolved when the section is built)

@@ -45,7 +45,8 @@ from vlforge.tools.registry import Tool
 from vlforge.tools.runner import run_tool_calls
 from vlforge.rollout.groups import Rollout, generate_groups, rollout_seed
 from vlforge.rollout.logprobs import packing_enabled, route_rows, sequence_logprobs
-from vlforge.rollout.minibatch import Batch, logprobs_before_update, part_weights, rank_mini_batches, token_rows
+from vlforge.rollout.minibatch import (Batch, correct_rollouts, logprobs_before_update, part_weights, rank_mini_batches,
+                                       token_rows)
 from vlforge.rollout.multiturn import answer_with_tools, generate_with_tools, rollout_tools, tool_images, tool_runner
 from vlforge.infer.model import InferenceModel
 from vlforge.rl.judge import ModelJudge
@@ -254,6 +255,8 @@ def update(t: Trainable, ref_model, batches: list[Batch], optimizer, scaler, hea
     recompute = rl.old_logprobs == "trainer"
     gap = logprobs_before_update(t, ref_model, batches, spare, cfg.rollout.temperature, rl.kl_beta > 0, recompute,
                                  packing, replay)
+    c = rl.rollout_correction  # weights (and MIS's mask) from the trainer's old log-probs over the rollout's
+    mismatch = correct_rollouts(batches, world, c.method, c.level, c.cap, tuple(c.band)) if recompute else {}
     # ratio_mean is exactly 1 until the step's first update (a check that rollout and trainer agree);
     # clip_frac_lower is the share of tokens where the dual clip binds
     logged = ["loss", "clip_frac", "ratio_mean", "approx_kl", "entropy"] + (["kl"] if rl.kl_beta > 0 else []) \
@@ -272,6 +275,7 @@ def update(t: Trainable, ref_model, batches: list[Batch], optimizer, scaler, hea
     if recompute:  # how far the rollout engine's log-probs are from the trainer's (approx_kl's estimator)
         total, tokens = world.sums(*gap)
         row["rollout_approx_kl"] = total / max(tokens, 1.0)
+        row.update(mismatch)
     if bad := sorted({g for groups in logs.get("nonfinite_groups", []) for g in groups}):
         row["nonfinite_groups"] = bad
     return row
@@ -284,7 +288,7 @@ def mini_batch_backward(t: Trainable, parts: list, optimizer, scaler, cfg: GRPOC
     zero loss). Returns the mini-batch's metrics, summed over every rank's parts."""
     rl, world = cfg.rl, t.world
     real = [(b, part) for b, part in parts if part is not None]
-    masks = [b.rollout.loss_mask[[b.seqs[i] for i in part]].float() for b, part in real]
+    masks = [b.loss_mask(part) for b, part in real]  # rollout correction's rejected tokens out
     weights, tokens = part_weights(masks, rl.aggregation, world), [float(m.sum()) for m in masks]
     all_tokens = world.sum(sum(tokens))  # the mini-batch's response tokens on every rank
     # MoE: the router loss is the mini-batch's mean over its sequences, whatever rl.agg does
@@ -337,7 +341,8 @@ def part_loss(t: Trainable, b: Batch, part: list[int], seqs: list[int], mask: to
     # norm_length: Dr. GRPO's constant divisor is the length cap, not this batch's longest
     old = b.old_logp[part] if b.old_logp is not None else b.rollout.logprobs[seqs]
     loss, stats = policy_loss(logp, old, b.advantages[seqs], mask, *rl.clip_range, dual_clip=rl.dual_clip,
-                              agg=rl.aggregation, norm_length=cfg.rollout.max_new_tokens, kind=rl.policy_loss)
+                              agg=rl.aggregation, norm_length=cfg.rollout.max_new_tokens, kind=rl.policy_loss,
+                              is_weight=None if b.is_weight is None else b.is_weight[part])
     kl_mean = 0.0
     if rl.kl_beta > 0:
         kl = kl_penalty(logp, b.ref_logp[part], rl.kl_kind)

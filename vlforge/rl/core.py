@@ -190,6 +190,7 @@ def policy_loss(
     agg: str = "token-mean",
     norm_length: int | None = None,
     kind: str = "ppo",
+    is_weight: Tensor | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """The policy-gradient loss: by `kind` (rl.policy_loss), PPO/GRPO's clipped surrogate (verl
     ``compute_policy_loss_vanilla``), GSPO's sequence-level one or CISPO's clipped-weight REINFORCE.
@@ -203,6 +204,8 @@ def policy_loss(
         dual_clip: c > 1 enables dual-clip PPO: tokens with A < 0 take min(loss, -A * c).
             Deviation: verl always applies it (``clip_ratio_c`` default 3.0); here None disables it.
         agg, norm_length: see :func:`agg_loss`.
+        is_weight: ``w_NT`` rollout-correction weights (rl/correction.py), multiplied into each token's
+            loss before aggregation (decoupled PPO, verl ``rollout_is_weights``); None: 1.
 
     ``"ppo"`` (GRPO, DAPO, Dr. GRPO), per token: ratio = exp(clamp(logp - old_logp, -20, 20));
     loss = max(-A * ratio, -A * clamp(ratio, 1 - clip_low, 1 + clip_high)).
@@ -230,7 +233,7 @@ def policy_loss(
     ratio_NT = torch.exp(log_ratio_NT)
     if kind == "cispo":
         weight_NT = torch.clamp(ratio_NT, 1.0 - clip_low, 1.0 + clip_high).detach()
-        loss_NT = -adv_NT * weight_NT * logp
+        loss_NT = -adv_NT * weight_NT * logp * (1.0 if is_weight is None else is_weight.detach())
         clip_frac = masked_mean((weight_NT != ratio_NT.detach()).to(logp.dtype), mask_NT)
         return agg_loss(loss_NT, mask_NT, agg, norm_length), _stats(clip_frac, logp.new_zeros(()), log_ratio_NT,
                                                                    ratio_NT, mask_NT)
@@ -247,7 +250,8 @@ def policy_loss(
         neg_NT = adv_NT < 0
         clip_frac_lower = masked_mean(((loss_NT > cap_NT) & neg_NT).to(logp.dtype), mask_NT)
         loss_NT = torch.where(neg_NT, torch.minimum(loss_NT, cap_NT), loss_NT)
-
+    if is_weight is not None:
+        loss_NT = loss_NT * is_weight.detach()
     return agg_loss(loss_NT, mask_NT, agg, norm_length), _stats(clip_frac, clip_frac_lower, log_ratio_NT, ratio_NT,
                                                                mask_NT)
 

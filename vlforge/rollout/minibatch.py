@@ -13,12 +13,12 @@ import torch
 
 from vlforge.data.inline import DataError
 from vlforge.train.distributed import World
-from vlforge.train.sharding import reshard_all
-from vlforge.train.sharding import Root
+from vlforge.train.sharding import Root, reshard_all
 from vlforge.train.moe import follow
 from vlforge.train.trainable import Trainable
 from vlforge.model.host_inputs import host_to_device
 from vlforge.rollout.groups import Rollout
+from vlforge.rl.correction import mismatch_stats, rollout_correction
 from vlforge.rollout.logprobs import PackedLayout, route_rows, sequence_logprobs, token_mask
 
 
@@ -32,6 +32,15 @@ class Batch:
     ref_logp: torch.Tensor | None  # [len(seqs), R]
     kept_rows: list[int] | None = None  # seqs' positions among the step's kept sequences of every rank
     old_logp: torch.Tensor | None = None  # [len(seqs), R]: rl.old_logprobs=trainer's, else the rollout's
+    is_weight: torch.Tensor | None = None  # [len(seqs), R]: rl.rollout_correction's weights (None: 1)
+    kept_mask: torch.Tensor | None = None  # [len(seqs), R]: the loss mask after MIS's rejection
+
+    def loss_mask(self, part: list[int]) -> torch.Tensor:
+        """[len(part), R] float: the loss mask of rows `part` (positions in seqs), rollout correction's
+        rejected tokens out (they leave the aggregation's denominators too)."""
+        if self.kept_mask is not None:
+            return self.kept_mask[part].float()
+        return self.rollout.loss_mask[[self.seqs[i] for i in part]].float()
 
 
 def reference_logprobs(t: Trainable, ref_model, batch: Batch, temperature: float, packing: bool = False,
@@ -162,3 +171,29 @@ def logprobs_before_update(t: Trainable, ref_model, batches: list[Batch], spare:
                 gap[0] += float(((b.rollout.logprobs[b.seqs] - old) * mask).sum())
                 gap[1] += float(mask.sum())
     return gap
+
+
+def correct_rollouts(batches: list[Batch], world: World, method: str, level: str, cap: float,
+                     band: tuple[float, float]) -> dict[str, float]:
+    """After logprobs_before_update (old_logp: the trainer's): each batch's rollout-correction weights
+    and mask (rl/correction.py; method "none" sets neither), and the step's rollout/trainer mismatch
+    over every rank's response tokens: rollout/k3_kl (mean), rollout/log_ratio_abs_mean and _max,
+    rollout/corrected_frac (the share of tokens truncated by tis or masked by mis)."""
+    sums = dict.fromkeys(("k3_kl_sum", "log_ratio_abs_sum", "tokens", "corrected"), 0.0)
+    largest = 0.0
+    for b in batches:
+        rollout_logp, mask = b.rollout.logprobs[b.seqs], b.rollout.loss_mask[b.seqs]
+        stats = mismatch_stats(b.old_logp, rollout_logp, mask)
+        for k in ("k3_kl_sum", "log_ratio_abs_sum", "tokens"):
+            sums[k] += float(stats[k])
+        largest = max(largest, float(stats["log_ratio_abs_max"]))
+        if method == "none":
+            continue
+        b.is_weight, b.kept_mask, corrected = rollout_correction(b.old_logp, rollout_logp, mask, method, level, cap,
+                                                                 band)
+        sums["corrected"] += float(corrected.sum())
+    k3, abs_sum, tokens, corrected = world.sums(*sums.values())
+    tokens = max(tokens, 1.0)
+    return {"rollout/k3_kl": k3 / tokens, "rollout/log_ratio_abs_mean": abs_sum / tokens,
+            "rollout/log_ratio_abs_max": max(world.gather_objects(largest)),
+            **({"rollout/corrected_frac": corrected / tokens} if method != "none" else {})}
