@@ -109,6 +109,13 @@ MUTATIONS = [
         "vp.temporal_patch_size)",
         ("tests/test_video.py::test_a_variable_rate_file_is_sampled_by_time_and_stamped_with_its_own_timestamps",),
         "a variable-rate video's prompt is stamped at index / average rate, not its frames' own times"),
+    Mutation(
+        "rollout-correction", "vlforge/rl/core.py",
+        "        loss_NT = loss_NT * is_weight.detach()\n",
+        "        loss_NT = loss_NT\n",
+        ("tests/test_rollout_correction.py::test_the_correction_acts_on_the_gradient",
+         "tests/test_rollout_correction.py::test_the_weighted_policy_loss_and_its_gradient_equal_a_hand_written_one"),
+        "rl.rollout_correction's weights never reach the policy loss"),
 ]
 
 
