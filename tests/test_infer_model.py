@@ -414,15 +414,17 @@ def test_compile_flag_says_why_it_does_not_apply_on_the_cpu(capsys):
 
 def test_a_grpo_checkpoint_serves_tool_images_at_its_rollout_limit(tmp_path):
     """InferenceModel.load takes a GRPO checkpoint's tools.image_max_pixels from its run's
-    config.yaml (a tool message's images are then resized as the rollout resized them); an SFT run's
-    checkpoint, a preset or a directory without a run has none."""
+    config.yaml (a tool message's images are then resized as the rollout resized them); a GRPO run
+    without tools, an SFT run's checkpoint, a preset or a directory without a run has none."""
     from vlforge.config import GRPOConfig, SFTConfig, dump_config, load_config
     from vlforge.infer.model import trained_tool_image_limit
 
-    for kind, cls, extra in (("grpo", GRPOConfig, ["tools.image_max_pixels=8192"]), ("sft", SFTConfig, [])):
+    for kind, cls, extra in (("grpo", GRPOConfig, ["tools.names=[zoom_in]", "tools.image_max_pixels=8192"]),
+                             ("plain", GRPOConfig, ["tools.image_max_pixels=8192"]), ("sft", SFTConfig, [])):
         (tmp_path / kind / "checkpoint-1").mkdir(parents=True)
         cfg = load_config(cls, None, ["model.preset=tiny", f"train.output_dir={tmp_path / kind}", *extra])
         (tmp_path / kind / "config.yaml").write_text(dump_config(cfg))
     assert trained_tool_image_limit(tmp_path / "grpo" / "checkpoint-1") == 8192
+    assert trained_tool_image_limit(tmp_path / "plain" / "checkpoint-1") is None  # no tools: no tool images
     assert trained_tool_image_limit(tmp_path / "sft" / "checkpoint-1") is None
     assert trained_tool_image_limit(tmp_path / "elsewhere") is None

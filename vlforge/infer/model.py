@@ -54,8 +54,9 @@ REPLAYABLE_QUANT = frozenset({"none", "nf4"})
 
 
 def trained_tool_image_limit(checkpoint: Path) -> int | None:
-    """tools.image_max_pixels of the GRPO run `checkpoint` belongs to (its parent's
-    config.yaml); None for anything else (a preset, an SFT run, an export: give --tool-image-max-pixels)."""
+    """tools.image_max_pixels of the GRPO run with tools `checkpoint` belongs to (its parent's
+    config.yaml); None for anything else (a preset, an SFT run, a run without tools, an export: give
+    --tool-image-max-pixels)."""
     from vlforge.model.export import run_config
 
     if not (checkpoint.parent / "config.yaml").is_file():
@@ -64,7 +65,7 @@ def trained_tool_image_limit(checkpoint: Path) -> int | None:
         tools = getattr(run_config(checkpoint), "tools", None)
     except ConfigError:
         return None
-    return tools.image_max_pixels if tools is not None else None
+    return tools.image_max_pixels if tools is not None and tools.names else None
 
 
 def unreplayable_quant(report: dict | None) -> list[str]:
