@@ -15,7 +15,8 @@ import time
 import torch
 
 from vlforge.config import ModelConfig
-from vlforge.generate.engine import Engine, GenRequest, Prompt
+from vlforge.generate.engine import Engine
+from vlforge.generate.requests import GenRequest, Prompt
 from vlforge.model.load import load_model
 
 
@@ -36,8 +37,9 @@ def main() -> None:
     compile_ = torch.compile
     torch.compile = lambda fn, **kw: compile_(fn, **{**kw, "backend": "aot_eager"})
     engine = Engine(model, compile=True)
-    engine._graphs_on = lambda device: True  # the compiled path, steps run one by one (no CUDA graphs)
-    engine._run_steps = lambda S, Lb, mode, steps, graphs: [engine._step(S, Lb, mode) for _ in range(steps)]
+    engine.graphs_on = lambda device: True  # the compiled path, steps run one by one (no CUDA graphs)
+    engine.runner.run_steps = lambda plan, S, Lb, mode, steps, stats: [engine.runner.step(plan, S, Lb, mode)
+                                                                        for _ in range(steps)]
     request = GenRequest(Prompt(torch.randint(0, 100, (40,))), n=4, max_new_tokens=3, temperature=1.0, seed=1)
     start = time.perf_counter()
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=grpo):

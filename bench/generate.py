@@ -39,8 +39,9 @@ import torch
 
 from vlforge.config import ModelConfig
 from vlforge.data.encode import Encoder, ImageLimits, collate, encode_prompt
-from vlforge.generate.engine import Engine, GenRequest, prompts_of_batch
+from vlforge.generate.engine import Engine
 from vlforge.generate.forward import encode_images, vision_token_ids
+from vlforge.generate.requests import GenRequest, prompts_of_batch
 from vlforge.model.load import load_model
 
 from sft_throughput import synthetic_samples, write_trace
@@ -105,7 +106,7 @@ def case_engine(name, core, engine, encoder, requests, slots=None):
     return {"case": name, "path": "vlforge", "sequences": len(results), "slots": slots or len(results),
             "generated_tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "ms_per_step": ms,
             "decode_steps": st.steps, "prefill_s": st.prefill_s, "prefills": st.prefills,
-            "capture_s": capture_s, "first_run_s": first_s, "graphs": len(engine.graphs),
+            "capture_s": capture_s, "first_run_s": first_s, "graphs": len(engine.runner.graphs),
             "row_steps": st.row_steps, "compactions": st.compactions,
             "peak_gb": torch.cuda.max_memory_allocated() / 1e9, "floor_ms": floor, "floor_frac": floor / ms}
 

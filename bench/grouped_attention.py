@@ -3,7 +3,7 @@
     python bench/grouped_attention.py            # 2B shapes (16 query / 8 KV heads, head dim 128)
     python bench/grouped_attention.py --q-heads 32 --kv-heads 8   # 8B
 
-The engine's grouped decode (generate/engine.py `_decode_attention_grouped`) runs per group one SDPA
+The engine's grouped decode (generate/cache.py `_decode_attention_grouped`) runs per group one SDPA
 call of G x (q heads / kv heads) query rows against the prompt's keys followed by the G rows'
 interleaved generated keys, masked so a row sees the prompt and its own tokens. In the 2B profile of
 docs/benchmarks-log.md 2026-12-03 ("Batched joins") that call took ~23 us a layer (cudnn's flash kernel) where its KV bytes take

@@ -59,8 +59,8 @@ MUTATIONS = [
         ("tests/test_judge.py",),
         "the judge reward scores every reply as unparsed without asking its model"),
     Mutation(
-        "fusion", "vlforge/generate/engine.py",
-        "return self._fused.installed() if self._fusing else nullcontext()",
+        "fusion", "vlforge/generate/runner.py",
+        "return self.fused.installed() if plan.fusing else nullcontext()",
         "return nullcontext()",
         ("tests/test_fused.py::test_the_engines_prefill_and_decode_steps_run_one_gemm_per_group",),
         "the engine's forwards run one GEMM per projection although it prepared fused ones"),

@@ -20,15 +20,15 @@ def compiled_on_cpu(engine, monkeypatch, buckets=None):
     compile_ = torch.compile
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, **{**kw, "backend": "aot_eager"}))
     torch._dynamo.reset()
-    monkeypatch.setattr(engine, "_graphs_on", lambda device: True)
+    monkeypatch.setattr(engine, "graphs_on", lambda device: True)
 
-    def run_steps(S, Lb, mode, steps, use_graphs):
+    def run_steps(plan, S, Lb, mode, steps, stats):
         if buckets is not None:
             buckets.add(S)
         for _ in range(steps):
-            engine._step(S, Lb, mode)
+            engine.runner.step(plan, S, Lb, mode)
 
-    monkeypatch.setattr(engine, "_run_steps", run_steps)
+    monkeypatch.setattr(engine.runner, "run_steps", run_steps)
     return engine
 
 

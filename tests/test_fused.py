@@ -10,9 +10,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from vlforge.config import DataConfig
 from vlforge.data.dataset import load_dataset
 from vlforge.data.encode import encode_prompt
-from vlforge.generate.engine import Engine, GenRequest, Prompt
+from vlforge.generate.engine import Engine
 from vlforge.generate.forward import vision_token_ids
 from vlforge.generate.fused import FusedProjections
+from vlforge.generate.requests import GenRequest, Prompt
 
 from helpers import compiled_on_cpu
 
@@ -143,7 +144,7 @@ def test_the_engine_with_fused_projections_gives_the_tokens_of_one_gemm_per_proj
         requests = requests_of(encoder, samples[:3], n=n, temperature=temperature)
         fused_engine = Engine(model)
         fused = run(fused_engine, encoder, requests)
-        assert fused_engine._fusing
+        assert fused_engine.plan.fusing
         plain = run(Engine(model, fuse_projections=False), encoder, requests)
         for a, b in zip(fused, plain):
             assert torch.equal(a.tokens, b.tokens), (n, temperature)
@@ -166,18 +167,18 @@ class GemmOperands(TorchDispatchMode):
 
 
 def gemms_per_call(engine) -> dict[str, list[list]]:
-    """The GEMM operands of each prefill and each decode step the engine runs (its own methods,
-    wrapped on the instance: the engine calls them through self)."""
+    """The GEMM operands of each prefill and each decode step the engine runs (its runner's methods,
+    wrapped on the instance: the engine and the runner call them through it)."""
     calls: dict[str, list[list]] = {"prefill": [], "step": []}
     for name in calls:
-        original = getattr(engine, f"_{name}")
+        original = getattr(engine.runner, name)
 
         def counted(*args, original=original, name=name):
             with GemmOperands() as mode:
                 out = original(*args)
             calls[name].append(mode.seen)
             return out
-        setattr(engine, f"_{name}", counted)
+        setattr(engine.runner, name, counted)
     return calls
 
 
@@ -194,7 +195,7 @@ def test_the_engines_prefill_and_decode_steps_run_one_gemm_per_group(setup):
     fused, plain = run(fused_engine, encoder, requests), run(plain_engine, encoder, requests)
     for a, b in zip(fused, plain):
         assert torch.equal(a.tokens, b.tokens)
-    buffers = {g.buffer.untyped_storage().data_ptr(): tuple(g.buffer.t().shape) for g in fused_engine._fused.groups}
+    buffers = {g.buffer.untyped_storage().data_ptr(): tuple(g.buffer.t().shape) for g in fused_engine.runner.fused.groups}
     assert len(buffers) == 2 * layers
     assert len(fused_calls["step"]) == len(plain_calls["step"]) > 3 and fused_calls["prefill"]
     for kind in ("prefill", "step"):
@@ -217,7 +218,7 @@ def test_the_compiled_decode_step_traces_the_fused_projections_as_one_graph(setu
     graphs = counters["stats"]["unique_graphs"]
     compiled = run(engine, encoder, requests)
     run(engine, encoder, requests)
-    assert engine._fusing and engine.compile_failure is None
+    assert engine.plan.fusing and engine.compile_failure is None
     assert counters["stats"]["unique_graphs"] - graphs == 2  # the layers once, _pick once
     eager = run(Engine(model, fuse_projections=False), encoder, requests)
     for a, b in zip(compiled, eager):
@@ -242,7 +243,7 @@ def test_rollout_copies_of_fp32_masters_are_fused_and_follow_the_masters(tiny, s
     for round_ in range(2):
         with policy.autocast(), policy.inference_weights(model):
             fused = run(fused_engine, data.encoder, requests)
-            assert fused_engine._fusing
+            assert fused_engine.plan.fusing
             plain = run(plain_engine, data.encoder, requests)
         for a, b in zip(fused, plain):
             assert torch.equal(a.tokens, b.tokens), round_
@@ -262,7 +263,7 @@ def test_cuda_graphs_of_the_compiled_fused_step_give_the_unfused_eager_tokens(se
         requests = requests_of(encoder, samples[:4], n=n, temperature=1.0)
         graphs = Engine(model, use_graphs=True, compile=True)
         fused = run(graphs, encoder, requests)
-        assert graphs._fusing and graphs.graphs and graphs.compile_failure is None
+        assert graphs.plan.fusing and graphs.runner.graphs and graphs.compile_failure is None
         eager = run(Engine(model, use_graphs=False, fuse_projections=False), encoder, requests)
         for a, b in zip(fused, eager):
             assert torch.equal(a.tokens, b.tokens)
@@ -282,8 +283,8 @@ def test_lora_layers_fuse_their_frozen_base_layers_and_keep_their_adapters(setup
     requests = requests_of(encoder, samples[:3], n=2, temperature=1.0)
     fused_engine = Engine(lora)
     fused = run(fused_engine, encoder, requests)
-    assert fused_engine._fusing and len(fused_engine._fused._active) == 2 * layers
-    assert fused_engine._fused.groups[0].linears[0] is core.model.language_model.layers[0].self_attn.q_proj.base_layer
+    assert fused_engine.plan.fusing and len(fused_engine.runner.fused._active) == 2 * layers
+    assert fused_engine.runner.fused.groups[0].linears[0] is core.model.language_model.layers[0].self_attn.q_proj.base_layer
     plain = run(Engine(lora, fuse_projections=False), encoder, requests)
     without_adapters = run(Engine(model, fuse_projections=False), encoder, requests)
     for a, b in zip(fused, plain):
@@ -320,7 +321,7 @@ def test_nothing_is_fused_under_fsdp2(setup, tmp_path):
             assert FusedProjections(sharded).prepare() == 0
             engine = Engine(sharded)
             results = run(engine, encoder, requests)
-            assert not engine._fusing and "forward" not in attn.q_proj.__dict__
+            assert not engine.plan.fusing and "forward" not in attn.q_proj.__dict__
             assert [m.weight.data_ptr() for m in (attn.q_proj, attn.k_proj, attn.v_proj)] == gathered, gather
             for a, b in zip(results, expected):
                 assert torch.equal(a.tokens, b.tokens), gather
@@ -346,5 +347,5 @@ def test_fused_greedy_equals_transformers_generate(setup):
     engine = Engine(model)
     results = engine.generate(requests, stop_ids=[], banned_ids=[], image_token_id=encoder.image_token_id,
                               pad_id=encoder.pad_id)
-    assert engine._fusing
+    assert engine.plan.fusing
     assert torch.equal(torch.stack([r.tokens for r in results]), reference)

@@ -9,8 +9,10 @@ import torch
 from vlforge.config import DataConfig, RolloutConfig
 from vlforge.data.dataset import load_dataset
 from vlforge.data.encode import collate, encode_prompt
-from vlforge.generate.engine import Engine, Feed, GenRequest, Prompt, engine_for
+from vlforge.generate.engine import Engine, engine_for
 from vlforge.generate.forward import never_generated, vision_token_ids
+from vlforge.generate.prefill import pixel_dtype
+from vlforge.generate.requests import Feed, GenRequest, Prompt
 from vlforge.generate.sampling import _first_above, inverse_cdf, row_key, sample, unit_interval
 from vlforge.rollout.groups import generate_groups
 from vlforge.rollout.logprobs import sequence_logprobs
@@ -90,7 +92,7 @@ def test_shared_prompt_kv_gives_the_tokens_of_a_copy_per_row(setup):
             joined = engine.stats.prefills
             # then a short group in group 0 and a long one above it: the long one moves down
             results[share] += run(engine, encoder, requests[1:2] + requests[:1], stop_ids=[])
-            stats[share] = (engine._group, joined, engine.stats.compactions)
+            stats[share] = (engine.plan.group, joined, engine.stats.compactions)
         assert stats[True][0] == 3 and stats[False][0] == 0
         assert stats[True][1] > 1 and stats[True][2] > 0  # groups joined later and moved down
         for a, b in zip(results[True], results[False]):
@@ -100,7 +102,7 @@ def test_shared_prompt_kv_gives_the_tokens_of_a_copy_per_row(setup):
         assert len({len(r.tokens) for r in results[True][:15]}) == len(requests)
     engine = Engine(model)
     run(engine, encoder, [GenRequest(prompt_of(encoder, samples[0]), n=2), GenRequest(prompt_of(encoder, samples[1]))])
-    assert engine._group == 0
+    assert engine.plan.group == 0
 
 
 def test_the_additive_step_mask_attends_as_torch_sdpa_with_the_boolean_mask():
@@ -110,7 +112,7 @@ def test_the_additive_step_mask_attends_as_torch_sdpa_with_the_boolean_mask():
     output, not NaN; a row sees nothing past its length."""
     import torch.nn.functional as F
 
-    from vlforge.generate.engine import _decode_attention, _decode_attention_grouped, step_mask
+    from vlforge.generate.cache import _decode_attention, _decode_attention_grouped, step_mask
 
     keep = torch.tensor([[True, False, True], [False, False, False]])
     mask = step_mask(keep, torch.bfloat16)
@@ -150,11 +152,11 @@ def test_prefill_pixels_cast_on_the_host_give_the_tokens_of_the_towers_own_cast(
     requests = [GenRequest(prompt_of(encoder, samples[i]), n=2, max_new_tokens=5, temperature=1.0, seed=2,
                            first_row=2 * i) for i in range(3)]
     engine = Engine(model)
-    assert engine._pixel_dtype == torch.bfloat16
+    assert pixel_dtype(engine.core) == torch.bfloat16
     host_cast = run(engine, encoder, requests, stop_ids=[])
     seen = []
     joined = joined_to_device
-    monkeypatch.setattr("vlforge.generate.engine.joined_to_device",
+    monkeypatch.setattr("vlforge.generate.prefill.joined_to_device",
                         lambda parts, device, dtype=None: seen.append(dtype) or joined(parts, device))  # fp32 pixels
     tower_cast = run(Engine(model), encoder, requests, stop_ids=[])
     assert seen == [torch.bfloat16]
@@ -171,7 +173,7 @@ def test_joins_wait_for_a_share_of_the_slots_and_change_no_token(setup):
     4 (half the slots) while rows run, instead of one prefill per sync point at which a slot freed;
     every request gets the same greedy tokens either way. A lone waiting request is not held, and
     no request is held longer than MAX_JOIN_HOLD sync points while long rows keep the slots."""
-    from vlforge.generate.engine import MAX_JOIN_HOLD
+    from vlforge.generate.scheduler import MAX_JOIN_HOLD
 
     model, encoder, samples = setup
 
@@ -227,7 +229,7 @@ def test_rollout_logprobs_with_filters_match_trainer(setup):
     prompts = collate([encode_prompt(encoder, samples[i]) for i in range(3)], encoder.pad_id, left_pad=True)
     cfg = RolloutConfig(group_size=3, max_new_tokens=10, temperature=0.8, top_k=40, top_p=0.8)
     rollout = generate_groups(model, encoder, prompts, [1, 1, 1], cfg)
-    assert engine_for(model)._group == 3  # GRPO's groups decode on GroupCache (one copy of each prompt's KV)
+    assert engine_for(model).plan.group == 3  # GRPO's groups decode on GroupCache (one copy of each prompt's KV)
     with torch.no_grad():
         logp, _ = sequence_logprobs(model, rollout, cfg.temperature)
     mask = rollout.response_mask.bool()
@@ -363,7 +365,7 @@ def test_one_compile_serves_every_slot_bucket(setup, monkeypatch, share_prompt):
     compiled = run(engine, encoder, requests, stop_ids=[])  # every row to its max_new_tokens
     # slots 8 (the buffers' size), then fewer; GroupCache: 4 groups, then 2 (a compiled step's least)
     assert buckets == ({8, 4} if share_prompt else {8, 4, 2})
-    assert engine._group == (2 if share_prompt else 0) and engine.stats.compactions > 0
+    assert engine.plan.group == (2 if share_prompt else 0) and engine.stats.compactions > 0
     run(engine, encoder, requests[:1], stop_ids=[])
     long = GenRequest(prompt_of(encoder, samples[1]), n=2, max_new_tokens=120, temperature=1.0, seed=2)
     run(engine, encoder, [long], stop_ids=[])  # its rows cross from the 128- into the 256-token length bucket
@@ -389,10 +391,10 @@ def test_a_decode_step_that_does_not_compile_as_one_graph_runs_eager_with_a_warn
     with pytest.warns(RuntimeWarning, match="did not compile as one graph") as caught:
         compiled = run(engine, encoder, requests, stop_ids=[])
         run(engine, encoder, requests, stop_ids=[])
-    assert sum("_decode_hidden" in str(w.message) for w in caught) == 1  # said once, not every step
-    # 2 samples a request: GroupCache's step (_decode_hidden_grouped)
-    assert engine._compiled_grouped.compile_failure
-    assert engine.compile_failure == engine._compiled_grouped.compile_failure[0]
+    assert sum("decode_hidden" in str(w.message) for w in caught) == 1  # said once, not every step
+    # 2 samples a request: GroupCache's step (decode_hidden_grouped)
+    assert engine.runner.compiled.decode_hidden_grouped.compile_failure
+    assert engine.compile_failure == engine.runner.compiled.decode_hidden_grouped.compile_failure[0]
     eager = run(Engine(model), encoder, requests, stop_ids=[])
     for a, b in zip(compiled, eager):
         assert torch.equal(a.tokens, b.tokens)
@@ -407,7 +409,7 @@ def test_cuda_graph_decode_equals_eager(setup, compiled):
                            first_row=i) for i in range(5) for t in (0.0, 1.0)]
     graphs = Engine(model, use_graphs=True, compile=compiled)
     with_graphs = run(graphs, encoder, requests, slots=4)
-    assert graphs.graphs and graphs.stats.capture_s > 0
+    assert graphs.runner.graphs and graphs.stats.capture_s > 0
     if compiled:  # a 1-row step would compile the layers again (size-1 specialization): never below 2 slots
         assert min(key[0] for key in graphs.stats.graphs) == 2
     eager = run(Engine(model, use_graphs=False), encoder, requests, slots=4)
@@ -427,7 +429,7 @@ def test_cuda_graph_grouped_decode_equals_eager_copies(setup, compiled):
                            first_row=3 * i) for i, t in zip(range(5), (0.0, 1.0, 1.0, 0.0, 1.0))]
     graphs = Engine(model, use_graphs=True, compile=compiled)
     with_graphs = run(graphs, encoder, requests, slots=6, stop_ids=[])
-    assert graphs._group == 3 and graphs.graphs and graphs.stats.prefills > 1
+    assert graphs.plan.group == 3 and graphs.runner.graphs and graphs.stats.prefills > 1
     eager = run(Engine(model, use_graphs=False, share_prompt=False), encoder, requests, slots=6, stop_ids=[])
     for a, b in zip(with_graphs, eager):
         assert torch.equal(a.tokens, b.tokens)
@@ -544,7 +546,7 @@ def test_greedy_equals_transformers_generate_on_a_saved_2b_architecture(shapes_d
                                   pad_id=encoder.pad_id)
     finally:
         torch.backends.cuda.matmul.allow_tf32 = tf32
-    assert engine.graphs  # the CUDA-graph decode, as GRPO and serve run it
+    assert engine.runner.graphs  # the CUDA-graph decode, as GRPO and serve run it
     assert torch.equal(torch.stack([r.tokens for r in results]), reference)
 
 

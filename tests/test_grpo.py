@@ -190,7 +190,7 @@ def test_rollout_keep_kv_frees_the_kv_slots_before_each_update(shapes_dir, tmp_p
     held, real = [], recipe.update
 
     def update(t, *args, **kwargs):  # a spy: the real update, noting the engine's buffers
-        held.append(engine_for(t.model).cache is not None)
+        held.append(engine_for(t.model).runner.cache is not None)
         return real(t, *args, **kwargs)
 
     monkeypatch.setattr(recipe, "update", update)

@@ -227,8 +227,9 @@ def test_generation_prefill_reads_no_device_tensor_on_the_host(tiny, shapes_dir)
     from vlforge.config import DataConfig
     from vlforge.data.dataset import load_dataset
     from vlforge.data.encode import encode_prompt
-    from vlforge.generate.engine import Engine, GenRequest, Prompt
+    from vlforge.generate.engine import Engine
     from vlforge.generate.forward import vision_token_ids
+    from vlforge.generate.requests import GenRequest, Prompt
 
     model, processor = tiny
     model = copy.deepcopy(model).eval()
@@ -246,7 +247,7 @@ def test_generation_prefill_reads_no_device_tensor_on_the_host(tiny, shapes_dir)
             Engine(model, sync_every=4).generate(requests(k), stop_ids=[], banned_ids=vision_token_ids(encoder),
                                                  image_token_id=encoder.image_token_id, pad_id=encoder.pad_id)
         assert syncs.total() > 0  # the counter sees the library's syncs: it can fail
-        assert _ours(syncs) == {("cpu", "vlforge/generate/engine.py"): 5}, syncs.table()  # sync point + harvest
+        assert _ours(syncs) == {("cpu", "vlforge/generate/runner.py"): 5}, syncs.table()  # sync point + harvest
         library = {site for (_, site) in syncs.by_site() if not site.startswith("vlforge/")}
         assert not [s for s in library if "get_rope_index" in s or "vision" in s or "listcomp" in s], syncs.table()
         counts.append(syncs.total())

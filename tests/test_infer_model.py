@@ -204,7 +204,7 @@ def test_serve_captures_cuda_graphs_only_for_quantized_weights_verified_to_repla
     e = InferenceModel.load("tiny", quant=QuantConfig(language=method), device="cuda", dtype=torch.bfloat16)
     requests = _requests()
     done = e.generate(requests)
-    assert bool(e.gen_engine().graphs) == (method in REPLAYABLE_QUANT), e.gen_engine().graphs
+    assert bool(e.gen_engine().runner.graphs) == (method in REPLAYABLE_QUANT), e.gen_engine().runner.graphs
     for r, c in zip(requests, done):
         assert r.min_new_tokens <= c.completion_tokens <= r.max_new_tokens and c.finish_reason in ("stop", "length")
         assert c.prompt_tokens == e.prompt_tokens(r)
@@ -261,7 +261,7 @@ def _prefilled(monkeypatch, engine) -> list:
 def test_a_request_cancelled_while_queued_in_a_feed_is_never_prefilled(monkeypatch):
     """A request finished before a call takes it, and one finished while it waits in the feed
     (passed over: too long for the running cache), leave with empty results, never prefilled."""
-    from vlforge.generate.engine import Feed, GenRequest
+    from vlforge.generate.requests import Feed, GenRequest
 
     engine = InferenceModel.load("tiny", device="cpu")
     prefilled = _prefilled(monkeypatch, engine)
@@ -334,12 +334,12 @@ def test_a_long_feed_keeps_nothing_of_the_answered_requests(engine, monkeypatch)
     import gc
     import weakref
 
-    import vlforge.generate.engine as gen_engine
+    import vlforge.generate.scheduler as gen_scheduler
     import vlforge.infer.model as infer_model
 
     results, streamers = [], []
 
-    class TrackedResult(gen_engine.GenResult):
+    class TrackedResult(gen_scheduler.GenResult):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             results.append(weakref.ref(self))
@@ -349,7 +349,7 @@ def test_a_long_feed_keeps_nothing_of_the_answered_requests(engine, monkeypatch)
             super().__init__(*args, **kwargs)
             streamers.append(self)
 
-    monkeypatch.setattr(gen_engine, "GenResult", TrackedResult)
+    monkeypatch.setattr(gen_scheduler, "GenResult", TrackedResult)
     monkeypatch.setattr(infer_model, "BatchStreamer", TrackedStreamer)
     total, slots = 24, 4
     sent, done, held = [0], [], []
@@ -387,7 +387,7 @@ def test_compile_warms_every_sampling_mode_so_requests_compile_nothing(monkeypat
     graphs = counters["stats"]["unique_graphs"]
     assert warm.warm_up(slots=4) > 0
     assert counters["stats"]["unique_graphs"] - graphs == 4  # the layers once, _pick per mode (3)
-    assert warm.gen_engine().cache.slots == 4
+    assert warm.gen_engine().runner.cache.slots == 4
 
     def requests():
         return [Request(_msg("hi"), max_new_tokens=12, min_new_tokens=12),

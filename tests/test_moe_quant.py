@@ -408,12 +408,13 @@ def test_the_staged_load_maps_the_checkpoint_instead_of_copying_it(tmp_path):
 
 @pytest.mark.gpu
 def test_nf4_expert_decode_under_cuda_graphs_equals_eager(shapes_dir):
-    """NF4-expert models decode under CUDA graphs (generate/engine `_graphs_on` lets them since this
+    """NF4-expert models decode under CUDA graphs (generate/plan.py `graphs_possible` lets them since this
     passed on an H100, 2026-12-05): the captured decode steps (grouped_mm, the routed path at 1-2
     rows) give the eager steps' tokens."""
     from vlforge.data.encode import encode_prompt
-    from vlforge.generate.engine import Engine, GenRequest, Prompt
+    from vlforge.generate.engine import Engine
     from vlforge.generate.forward import vision_token_ids
+    from vlforge.generate.requests import GenRequest, Prompt
 
     model, processor = load_model(ModelConfig(preset="tiny-moe"), dtype=torch.bfloat16, device="cuda",
                                   quant=QuantConfig.from_flag("nf4"))
@@ -426,7 +427,7 @@ def test_nf4_expert_decode_under_cuda_graphs_equals_eager(shapes_dir):
                   pad_id=data.encoder.pad_id)
     graphs = Engine(model.eval(), use_graphs=True)
     captured = graphs.generate(requests, **kwargs)
-    assert graphs.graphs
+    assert graphs.runner.graphs
     eager = Engine(model, use_graphs=False).generate(requests, **kwargs)
     for a, b in zip(captured, eager):
         assert torch.equal(a.tokens, b.tokens)

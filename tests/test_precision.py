@@ -157,7 +157,7 @@ def test_an_fp32_attention_override_trains_and_generates_in_fp32(shapes_dir, tmp
         rollout = generate_groups(t.model, data.encoder, prompts, [len(data.samples[i].images) for i in range(2)],
                                   rollout_cfg, seed=3)
         logp, _ = sequence_logprobs(t.model, rollout, rollout_cfg.temperature)
-    cache = engine_for(t.model).cache
+    cache = engine_for(t.model).runner.cache
     assert {k.dtype for k in cache.keys} == {torch.float32}  # every layer's attention is fp32 here
     real = rollout.response_mask.bool()
     torch.testing.assert_close(logp[real], rollout.logprobs[real], atol=1e-5, rtol=0)  # measured: 5e-7

@@ -234,7 +234,8 @@ def test_gradient_reaches_a_trained_router_and_checkpointing_replays_too(tiny_mo
 
 def test_replay_on_a_dense_model_or_the_hf_loop_is_a_config_error(tiny, shapes_dir, tmp_path):
     from test_grpo import grpo_config
-    from vlforge.generate.engine import Engine, GenRequest, Prompt
+    from vlforge.generate.engine import Engine
+    from vlforge.generate.requests import GenRequest, Prompt
     from vlforge.recipes.grpo import run_grpo
 
     with pytest.raises(ConfigError, match="rollout.router_replay=True: the model \\(tiny\\) is dense"):
@@ -322,8 +323,9 @@ def test_grpo_update_replays_the_rollouts_experts_where_the_router_would_choose_
 
 
 def _engine_routes(model, prompts, **engine_kwargs):
-    from vlforge.generate.engine import Engine, GenRequest, prompts_of_batch
+    from vlforge.generate.engine import Engine
     from vlforge.generate.forward import vision_token_ids
+    from vlforge.generate.requests import GenRequest, prompts_of_batch
 
     encoder, batch = prompts
     requests = [GenRequest(p, n=2, max_new_tokens=6 + 3 * b, temperature=1.0, seed=3, first_row=2 * b)
@@ -353,13 +355,13 @@ def test_a_decode_step_that_did_not_record_is_an_error_not_stale_routes(tiny_moe
 def test_compiled_decode_step_traces_the_recording_hooks(tiny_moe, prompts, monkeypatch):
     """torch.compile of the decode step (fullgraph: the hooks trace, no graph break) records the
     routes the eager step records (aot_eager: the same tracing as inductor, no code generation)."""
-    from vlforge.generate import engine as engine_module
+    from vlforge.generate import decode as decode_module
 
     model = copy.deepcopy(tiny_moe[0]).eval()
     model.set_experts_implementation("batched_mm")  # the eager experts' loop over hit experts does not trace whole
     _, eager = _engine_routes(model, prompts, use_graphs=False)
-    compiled = torch.compile(engine_module._decode_hidden, backend="aot_eager", dynamic=True, fullgraph=True)
-    monkeypatch.setattr(engine_module, "_decode_hidden", compiled)
+    compiled = torch.compile(decode_module.decode_hidden, backend="aot_eager", dynamic=True, fullgraph=True)
+    monkeypatch.setattr(decode_module, "decode_hidden", compiled)
     _, traced = _engine_routes(model, prompts, use_graphs=False)
     for a, b in zip(eager, traced):
         assert torch.equal(a.tokens, b.tokens) and torch.equal(a.routes, b.routes)
@@ -374,8 +376,9 @@ def test_engine_compiled_recording_step_compiles_once(tiny_moe, prompts, monkeyp
     from torch._dynamo.utils import counters
 
     from helpers import compiled_on_cpu
-    from vlforge.generate.engine import Engine, GenRequest, prompts_of_batch
+    from vlforge.generate.engine import Engine
     from vlforge.generate.forward import vision_token_ids
+    from vlforge.generate.requests import GenRequest, prompts_of_batch
 
     model = copy.deepcopy(tiny_moe[0]).eval()
     model.set_experts_implementation("batched_mm")  # the eager experts' loop over hit experts does not trace whole
@@ -388,7 +391,7 @@ def test_engine_compiled_recording_step_compiles_once(tiny_moe, prompts, monkeyp
         engine.generate(requests, stop_ids=[], banned_ids=vision_token_ids(encoder),
                         image_token_id=encoder.image_token_id, pad_id=encoder.pad_id, slots=8 if share_prompt else 4,
                         record_routes=True)
-        assert engine._group == (2 if share_prompt else 0)
+        assert engine.plan.group == (2 if share_prompt else 0)
     assert ({8, 4} if share_prompt else {4, 2}) <= buckets
     assert counters["stats"]["unique_graphs"] - graphs == 2  # the layers once, _pick once
 
@@ -403,7 +406,7 @@ def test_cuda_graph_decode_records_the_eager_routes(tiny_moe, prompts, compiled)
     encoder, batch = prompts
     on_gpu = (encoder, {k: v.cuda() if torch.is_tensor(v) else v for k, v in batch.items()})
     graphs, with_graphs = _engine_routes(model, on_gpu, use_graphs=True, compile=compiled)
-    assert graphs.graphs and graphs.stats.capture_s > 0
+    assert graphs.runner.graphs and graphs.stats.capture_s > 0
     _, eager = _engine_routes(model, on_gpu, use_graphs=False)
     for a, b in zip(with_graphs, eager):
         assert torch.equal(a.tokens, b.tokens) and torch.equal(a.routes, b.routes)
@@ -417,9 +420,9 @@ def test_grouped_mm_experts_capture_in_bf16_and_decode_eagerly_in_fp32(prompts):
     encoder, batch = prompts
     on_gpu = (encoder, {k: v.cuda() if torch.is_tensor(v) else v for k, v in batch.items()})
     fp32, results = _engine_routes(model, on_gpu)
-    assert not fp32.graphs and len(results) == 6
+    assert not fp32.runner.graphs and len(results) == 6
     bf16, results = _engine_routes(model.to(torch.bfloat16), on_gpu)
-    assert bf16.graphs and bf16.stats.capture_s > 0 and len(results) == 6
+    assert bf16.runner.graphs and bf16.stats.capture_s > 0 and len(results) == 6
 
 
 @pytest.mark.gpu
@@ -430,15 +433,16 @@ def test_moe_with_the_eager_expert_loop_decodes_without_cuda_graphs(tiny_moe, pr
     encoder, batch = prompts
     on_gpu = (encoder, {k: v.cuda() if torch.is_tensor(v) else v for k, v in batch.items()})
     engine, results = _engine_routes(model, on_gpu)
-    assert not engine.graphs and len(results) == 6
+    assert not engine.runner.graphs and len(results) == 6
 
 
 def test_compaction_moves_recorded_routes_with_their_rows(tiny_moe, prompts):
-    """Rows moved into lower slots (Engine._compact: the long request's pair in slots 2-3 moves to
+    """Rows moved into lower slots (Scheduler._compact: the long request's pair in slots 2-3 moves to
     0-1 once the short one's pair is done) keep their recorded experts: the same routes, tokens and
     log-probs as without compaction."""
-    from vlforge.generate.engine import Engine, GenRequest, prompts_of_batch
+    from vlforge.generate.engine import Engine
     from vlforge.generate.forward import vision_token_ids
+    from vlforge.generate.requests import GenRequest, prompts_of_batch
 
     model = copy.deepcopy(tiny_moe[0]).eval()
     encoder, batch = prompts

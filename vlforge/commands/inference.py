@@ -37,7 +37,7 @@ def load_model(args, slots: int = 1):
             print("--compile: compiling the decode step (a minute or two; once per process) ...", file=sys.stderr,
                   flush=True)
             seconds = vlm.warm_up(slots)
-            if failure := vlm.gen_engine().compile_failure:  # _compiled_once warned and runs eager
+            if failure := vlm.gen_engine().compile_failure:  # decode.compiled_once warned and runs eager
                 print(f"--compile: the decode step did not compile ({failure}); decoding eager", file=sys.stderr)
             else:
                 print(f"--compile: decode step compiled and warmed in {seconds:.0f} s", file=sys.stderr)

@@ -37,8 +37,9 @@ from vlforge.config import ConfigError, ModelConfig, QuantConfig
 from vlforge.data.encode import Encoder, ImageLimits, VideoLimits, frames_as_images, mm_token_types
 from vlforge.data.request import MAX_NEW_TOKENS, Request  # noqa: F401 (the model's API)
 from vlforge.data.tokens import max_chars_per_token
-from vlforge.generate.engine import Engine, Feed, GenRequest, GenResult, Prompt
+from vlforge.generate.engine import Engine
 from vlforge.generate.forward import never_generated
+from vlforge.generate.requests import Feed, GenRequest, GenResult, Prompt
 from vlforge.model.presets import PRESETS
 from vlforge.infer.shared_images import share_identical_images
 from vlforge.infer.streamer import BatchStreamer, Completion
@@ -149,7 +150,7 @@ class InferenceModel:
             return "the decode step is compiled only on CUDA (it is replayed from CUDA graphs)"
         if self.quant_report:
             return "the compiled decode step is verified on unquantized weights only (NF4 replays its eager steps)"
-        if not self.gen_engine()._graphs_on(self.device):
+        if not self.gen_engine().graphs_on(self.device):
             return "this model decodes without CUDA graphs"
         return None
 

@@ -19,7 +19,8 @@ import torch
 
 from vlforge.config import RolloutConfig
 from vlforge.data.encode import Encoder
-from vlforge.generate.engine import GenRequest, engine_for, prompts_of_batch
+from vlforge.generate.engine import engine_for
+from vlforge.generate.requests import GenRequest, prompts_of_batch
 from vlforge.generate.forward import (ImageFeatures, cache_of, encode_images, feature_groups,  # noqa: F401
                                       filter_logits, forward_shared, never_generated, rope_positions, token_logprobs)
 from vlforge.generate.routes import NO_ROUTE

@@ -46,8 +46,9 @@ import torch
 from vlforge.config import ConfigError, GRPOConfig, RolloutConfig, ToolsConfig
 from vlforge.data.encode import Encoder, ImageLimits, collate, encode_engine_prompt, open_images, visuals_per_prompt
 from vlforge.train.evaluate import to_device
-from vlforge.generate.engine import GenRequest, Prompt, engine_for, prompts_of_batch
+from vlforge.generate.engine import engine_for
 from vlforge.generate.forward import never_generated
+from vlforge.generate.requests import GenRequest, Prompt, prompts_of_batch
 from vlforge.model.load import load_processor
 from vlforge.tools.calls import parse_tool_calls
 from vlforge.tools.registry import Tool, load_tools

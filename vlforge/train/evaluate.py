@@ -21,8 +21,9 @@ from vlforge.train.losses import sft_loss_sum
 from vlforge.train.metrics import MetricsLog, write_json_atomic
 from vlforge.train.precision import PrecisionPolicy
 from vlforge.train.samples import SampleLog
-from vlforge.generate.engine import GenRequest, Prompt, engine_for
+from vlforge.generate.engine import engine_for
 from vlforge.generate.forward import never_generated
+from vlforge.generate.requests import GenRequest, Prompt
 from vlforge.model.host_inputs import host_to_device
 from vlforge.model.tiers import unwrap
 from vlforge.rl.rewards import exact_match
