@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 from typing import Callable
 
+
 def load_callable(spec: str, kind: str, signature: str) -> Callable:
     """The function `name` of the Python file of a ``path/to/file.py:name`` spec (a user's reward
     or tool); every failure a clear error naming the spec and what to do."""

@@ -63,8 +63,6 @@ def _rule(ge, gt, le, lt) -> str:
     return "a finite number"
 
 
-
-
 def _suggest(key: str, valid: list[str]) -> str:
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.5)
     hint = f"did you mean '{close[0]}'? " if close else ""
@@ -292,6 +290,8 @@ RENAMED: dict[str, str] = {
     "tiers.vision.experts": "removed: only the language tier has experts (tiers.language.experts)",
     "tiers.vision.router": "removed: only the language tier has a router (tiers.language.router)",
 }
+
+
 def _old_keys(tree: dict) -> list[str]:
     """The RENAMED keys present in a config tree (a section given as a mapping is walked)."""
     found = []

@@ -73,7 +73,6 @@ def record_limits(processor, cfg: DataConfig) -> None:
         video.fps, video.max_frames = cfg.video_fps, cfg.video_max_frames
 
 
-
 class Encoder:
     """Holds the processor and the special-token ids; encodes samples and prompts."""
 

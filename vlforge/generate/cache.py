@@ -183,4 +183,3 @@ def _layer_kv(cache, layer: int):
     if hasattr(cache, "layers"):
         return cache.layers[layer].keys, cache.layers[layer].values
     return cache.key_cache[layer], cache.value_cache[layer]  # older DynamicCache
-

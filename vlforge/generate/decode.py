@@ -115,7 +115,6 @@ def pick_varying(logits_SV, banned_V, is_stop_V, *per_row_and_mode):
     return [(logits_SV, 0), *((t, 0) for t in per_row_and_mode[:-1])]  # the last one is the mode string
 
 
-
 class CompiledStep:
     """The compiled decode step's three parts (made once per engine, at its first compiled call): the
     same names as this module's eager functions, so the runner takes either as a namespace."""

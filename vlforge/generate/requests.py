@@ -12,6 +12,7 @@ from typing import Callable
 
 import torch
 
+
 @dataclass
 class Prompt:
     input_ids: torch.Tensor  # [P] token ids, no padding
@@ -213,4 +214,3 @@ class SlotState:
         for t in vars(self).values():
             t[dst] = t[src]
         self.alive[src] = False
-

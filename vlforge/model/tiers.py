@@ -296,4 +296,3 @@ def param_groups(model: nn.Module, plan: list[PlanEntry], weight_decay: float) -
                                               "weight_decay": weight_decay if decay else 0.0})
         g["params"].append(p)
     return list(groups.values())
-

@@ -144,7 +144,6 @@ def load_reward(spec: str, **kwargs: Any) -> RewardFn:
     return functools.partial(fn, **kwargs) if kwargs else fn
 
 
-
 def batched(fn: Callable) -> Callable:
     """Mark ``fn(completions, answers, fields, prompts) -> list[float]`` as a batched reward."""
     fn.batched = True

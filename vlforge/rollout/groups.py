@@ -26,7 +26,6 @@ from vlforge.generate.forward import (ImageFeatures, cache_of, encode_images, fe
 from vlforge.generate.routes import NO_ROUTE
 
 
-
 @dataclass
 class Rollout:
     prompt_ids: torch.Tensor  # [B, P] left-padded

@@ -171,7 +171,6 @@ class ImageLoader:
         return rgb
 
 
-
 def _shown(raw: str, keep: int = 80) -> str:
     """A path as an error message shows it: quoted, and cut when long (a client may send any length)."""
     return repr(raw) if len(raw) <= keep else f"{raw[:keep]!r}... ({len(raw)} characters)"

@@ -8,7 +8,7 @@
             expression: The expression, e.g. "(2 + 3) * 4".
         \"\"\"
 
-`tools.tools` names builtins (tools/builtin.py: ``calculator``, ``zoom_in``) or
+`tools.names` lists builtins (tools/builtin.py: ``calculator``, ``zoom_in``) or
 ``path/to/file.py:function``. A tool may return images (a PIL image, or a list of text and images):
 the model sees them in its tool message, before the text. A tool with a parameter named ``images``
 gets the prompt's images there (PIL, RGB, full size, in order; the parameter is not in its schema,
@@ -41,7 +41,6 @@ class Tool:
     def takes_images(self) -> bool:
         """Whether the function has an `images` parameter: the prompt's images are passed there."""
         return takes_images(self.fn)
-
 
 
 def takes_images(fn: Callable[..., Any]) -> bool:

@@ -25,13 +25,13 @@ from vlforge.config import ToolsConfig
 from vlforge.tools.calls import ToolCall
 from vlforge.tools.registry import IMAGES_ARGUMENT, Tool
 
+
 @dataclass(frozen=True)
 class ToolResult:
     text: str
     ok: bool
     images: tuple[Image.Image, ...] = ()  # RGB images the tool returned: shown to the model before the text
     cut: int = 0  # characters of the text cut off past tools.result_chars (a note in the text says so)
-
 
 
 MAX_RESULT_CHARS = ToolsConfig.result_chars  # the default bound of a result's text

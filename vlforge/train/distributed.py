@@ -223,4 +223,3 @@ def refuse_unsupported(cfg, world: World) -> None:
         raise ConfigError(f"distributed.strategy={world.strategy} does not support {', '.join(bad)} yet: "
                           "use distributed.strategy=ddp if the model's training state fits one GPU, train on one "
                           "process (distributed.strategy=none), or turn them off")
-

@@ -168,4 +168,3 @@ def real_tokens(batch: dict) -> torch.Tensor:
         return batch["attention_mask"]
     T = batch["input_ids"].shape[1]
     return (torch.arange(T, device=batch["input_ids"].device) < batch["seq_lens"].sum())[None].long()
-

@@ -32,6 +32,7 @@ from vlforge.model.tiers import unwrap
 from vlforge.train.inputs import MODEL_INPUTS, HostFacts, step_inputs
 from vlforge.train.sharding import vision_keepalive
 
+
 def backbone_hidden(model, batch: dict) -> torch.Tensor:
     """Last hidden states [B, T, H] of the language model (vision features merged in), of a batch
     from step_inputs (or a plain one, which it goes through first)."""
@@ -208,4 +209,3 @@ def sft_loss_sum(model, batch: dict, keep_vision: bool = False, loss: LossConfig
     loss_sum = linear_cross_entropy_sum(hidden_NH, unwrap(model).lm_head, batch["label_targets"], loss.impl,
                                         loss.chunk_size)
     return loss_sum, batch["host"].supervised
-

@@ -351,7 +351,6 @@ def fully_gathered(root):
             unit.set_reshard_after_forward(reshard, recurse=False)
 
 
-
 def vision_keepalive(model, device: torch.device) -> torch.Tensor:
     """0 x the vision tower's output on one blank image (its smallest grid), with a graph to every
     vision parameter. A rank whose micro-batch has no image runs it: sharded (FSDP2), the vision
@@ -390,4 +389,3 @@ class Root(torch.nn.Module):
 
     def forward(self, fn, *args, **kwargs):
         return fn(self.model, *args, **kwargs)
-
