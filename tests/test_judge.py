@@ -160,7 +160,8 @@ def test_the_judge_scores_what_its_model_answers_to_each_samples_images_and_resp
     """Each response gets one request (its sample's images, the template filled in with its question,
     reference and response), answered greedily by the judge's model in batches: the scores are what
     the model was taught to answer (yes 1, no 0), in order; every reply parsed."""
-    judge = ModelJudge.from_kwargs(load=InferenceModel.load, model=str(judge_dir), max_new_tokens=4, batch_size=3, device="cpu")
+    judge = ModelJudge.from_kwargs(load=InferenceModel.load, model=str(judge_dir), max_new_tokens=4, batch_size=3,
+                                   device="cpu")
     completions, answers, prompts = graded(shown)
     requests = judge.requests(completions, answers, prompts)
     assert [len(r.images) for r in requests] == [1] * 8
@@ -357,7 +358,8 @@ def test_an_endpoint_that_never_answers_or_is_not_there_stops_the_step_after_its
     with Silent() as gone:
         url = gone.url
     rewards = build_rewards([RewardSpec("judge", kwargs={"endpoint": url, "retries": 1})],
-                            factories={"judge": functools.partial(ModelJudge.from_kwargs, load=InferenceModel.load)})
+                            factories={"judge": functools.partial(ModelJudge.from_kwargs,
+                                                                  load=InferenceModel.load)})
     with pytest.raises(RewardError, match=r"reward 'judge' failed on a batch of 1: JudgeError: judge endpoint "
                                           rf"{url} gave no reply for sample 0 .* in 2 tries \(last: ConnectionRefused"):
         rewards(completions[:1], answers[:1], [{}], prompts=prompts[:1])
@@ -386,11 +388,13 @@ def test_a_local_judge_out_of_time_or_memory(judge_dir, shown, monkeypatch):
     model's); past them, an error naming the samples and what to lower. The out-of-memory is raised
     in front of the real engine for batches over 2 requests: a device whose memory holds two."""
     completions, answers, prompts = graded(shown)
-    late = ModelJudge.from_kwargs(load=InferenceModel.load, model=str(judge_dir), max_new_tokens=4, device="cpu", timeout_s=1e-9)
+    late = ModelJudge.from_kwargs(load=InferenceModel.load, model=str(judge_dir), max_new_tokens=4, device="cpu",
+                                  timeout_s=1e-9)
     with pytest.raises(JudgeError, match=rf"judge model {judge_dir}: no reply within timeout_s=1e-09 s for samples "
                                          r"\[0, 1, 2\] \(a batch of 3, up to max_new_tokens=4 each\); raise timeout_s"):
         late(completions[:3], answers[:3], [{}] * 3, prompts[:3])
-    judge = ModelJudge.from_kwargs(load=InferenceModel.load, model=str(judge_dir), max_new_tokens=4, device="cpu", batch_size=8, retries=2)
+    judge = ModelJudge.from_kwargs(load=InferenceModel.load, model=str(judge_dir), max_new_tokens=4, device="cpu",
+                                   batch_size=8, retries=2)
     real, sizes = judge.vlm.generate, []
 
     def small_device(requests, *args, **kwargs):

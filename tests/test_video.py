@@ -436,18 +436,20 @@ def test_a_judge_is_shown_the_samples_videos(motion):
     from vlforge.rl.judge import ModelJudge
 
     samples = read_jsonl(motion / "val.jsonl")[:2]
-    judge = ModelJudge.from_kwargs(load=InferenceModel.load, model="tiny", score="yes_no", max_new_tokens=3, batch_size=2, device="cpu")
+    judge = ModelJudge.from_kwargs(load=InferenceModel.load, model="tiny", score="yes_no", max_new_tokens=3,
+                                   batch_size=2, device="cpu")
     prompts = [s.prompt_messages for s in samples]
     requests = judge.requests(["left", "right"], [s.answer for s in samples], prompts)
     assert [r.videos for r in requests] == [s.videos for s in samples] and all(r.videos for r in requests)
     assert all(sum(p.get("type") == "video" for p in r.messages[0]["content"]) == 1 for r in requests)
     twice = judge.requests(["left", "right"], [samples[0].answer] * 2, [prompts[0]] * 2)  # one prompt's G responses
     assert twice[0].video_frames[0] is twice[1].video_frames[0]  # decoded once
-    with_videos = judge.engine.prompt_tokens(requests[0])
+    with_videos = judge.vlm.prompt_tokens(requests[0])
     assert len(judge(["left", "right"], [s.answer for s in samples], [{}, {}], prompts)) == 2
-    blind = ModelJudge.from_kwargs(load=InferenceModel.load, model="tiny", score="yes_no", images=False, device="cpu")
+    blind = ModelJudge.from_kwargs(load=InferenceModel.load, model="tiny", score="yes_no", images=False,
+                                   device="cpu")
     plain = blind.requests(["left"], [samples[0].answer], prompts[:1])[0]
-    assert not plain.videos and blind.engine.prompt_tokens(plain) < with_videos
+    assert not plain.videos and blind.vlm.prompt_tokens(plain) < with_videos
 
 
 def test_a_container_without_a_frame_count_counts_its_video_packets(tmp_path):
