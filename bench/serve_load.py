@@ -17,8 +17,8 @@ Prints a table, then the whole report as one JSON line (also written to --out). 
 passes extra flags to `vlforge serve` (to compare settings on the same workload); a value holding
 spaces is split like a shell line:
 
-    python bench/serve_load.py --preset qwen3vl-2b --out eager.json
-    python bench/serve_load.py --preset qwen3vl-2b --serve-arg=--compile --out compiled.json
+    python bench/serve_load.py --preset qwen3vl-2b --out compiled.json         # serve's default: compiled
+    python bench/serve_load.py --preset qwen3vl-2b --serve-arg=--no-compile --out eager.json
 
 `mean_batch` is the server's vlforge_batch_size histogram: requests joining the running batch
 together; `max_running` (from /health) is the most requests generating at once so far.

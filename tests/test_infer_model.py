@@ -412,6 +412,30 @@ def test_compile_flag_says_why_it_does_not_apply_on_the_cpu(capsys):
     assert "--compile: not applied (the decode step is compiled only on CUDA" in capsys.readouterr().err
 
 
+def test_serve_compiles_by_default_where_it_applies_and_says_what_it_chose(capsys, monkeypatch):
+    """serve's load: no flag means compile where it applies (here the CPU: eager, and why); --no-compile
+    means eager and nothing said; infer, chat and eval compile only when asked. Where it applies (the
+    check answered for a GPU here), the default compiles and warms the decode step at serve's batch."""
+    import argparse
+
+    from vlforge.commands.inference import load_model
+
+    def args(flag):
+        return argparse.Namespace(source="tiny", quant=None, device="cpu", min_pixels=None, max_pixels=None,
+                                  compile=flag)
+
+    vlm = load_model(args(None), slots=4, compile_by_default=True)
+    assert not vlm.compile and "decode step: eager (the decode step is compiled only on CUDA" in capsys.readouterr().err
+    vlm = load_model(args(False), slots=4, compile_by_default=True)
+    assert not vlm.compile and "compile" not in capsys.readouterr().err
+    assert not load_model(args(None), slots=4).compile  # infer / chat / eval
+    warmed = []
+    monkeypatch.setattr(InferenceModel, "compile_problem", lambda self: None)
+    monkeypatch.setattr(InferenceModel, "warm_up", lambda self, slots: warmed.append(slots) or 1.0)
+    vlm = load_model(args(None), slots=4, compile_by_default=True)
+    assert vlm.compile and warmed == [4] and "decode step compiled and warmed" in capsys.readouterr().err
+
+
 def test_a_grpo_checkpoint_serves_tool_images_at_its_rollout_limit(tmp_path):
     """InferenceModel.load takes a GRPO checkpoint's tools.image_max_pixels from its run's
     config.yaml (a tool message's images are then resized as the rollout resized them); a GRPO run

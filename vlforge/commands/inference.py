@@ -15,24 +15,29 @@ from vlforge.config import ConfigError, GRPOConfig
 from vlforge.train.stop import signal_name
 
 
-def load_model(args, slots: int = 1):
-    """The loaded InferenceModel; with --compile its decode step is compiled and warmed now, at
-    `slots` decode slots (the batch its command generates: serve's --max-batch, eval's --batch-size)."""
+def load_model(args, slots: int = 1, compile_by_default: bool = False):
+    """The loaded InferenceModel; with --compile (or, `compile_by_default`, without --no-compile: serve)
+    its decode step is compiled and warmed now, at `slots` decode slots (the batch its command
+    generates: serve's --max-batch, eval's --batch-size). What was chosen, and why, goes to stderr."""
     from vlforge.config import QuantConfig
     from vlforge.infer.model import InferenceModel
 
     quant = None if args.quant is None else QuantConfig.from_flag(args.quant)  # None: a QLoRA checkpoint's own
     if args.min_pixels is not None and args.max_pixels is not None and args.min_pixels > args.max_pixels:
         raise ConfigError(f"--min-pixels {args.min_pixels} is above --max-pixels {args.max_pixels}")  # before loading
+    asked = args.compile  # True (--compile), False (--no-compile) or None (the command's default)
+    want = asked if asked is not None else compile_by_default
     vlm = InferenceModel.load(args.source, quant=quant, device=args.device, min_pixels=args.min_pixels,
-                              max_pixels=args.max_pixels, compile=args.compile)
+                              max_pixels=args.max_pixels, compile=want)
     if vlm.quant_report:
         from vlforge.model.quant import format_report
 
         print(format_report(vlm.quant_report), file=sys.stderr)
-    if args.compile:
+    if want:
         if problem := vlm.compile_problem():
-            print(f"--compile: not applied ({problem}); decoding eager", file=sys.stderr)
+            vlm.compile = False
+            print(f"--compile: not applied ({problem}); decoding eager" if asked else
+                  f"decode step: eager ({problem})", file=sys.stderr)
         else:
             print("--compile: compiling the decode step (a minute or two; once per process) ...", file=sys.stderr,
                   flush=True)
@@ -44,18 +49,20 @@ def load_model(args, slots: int = 1):
     return vlm
 
 
-def model_source_arguments(p: argparse.ArgumentParser) -> None:
+def model_source_arguments(p: argparse.ArgumentParser, compiles_by_default: bool = False) -> None:
     p.add_argument("source", help="model directory (export output, full checkpoint, released weights), "
                                   "a LoRA checkpoint-STEP directory, or the preset 'tiny'")
     p.add_argument("--quant", choices=["none", "nf4", "int8", "fp8"],
                    help="quantize the language model at load (vision tower and projector stay bf16); default "
                         "none, except a QLoRA checkpoint, which loads on its run's quantized base")
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    p.add_argument("--compile", action="store_true",
+    # serve compiles by default: under load the compiled step served 1.33x the requests/s of the eager
+    # one at 32 clients (H200, docs/benchmarks.md, Serving); a one-off infer does not repay the compile
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=None,
                    help="torch.compile generate/'s decode step (CUDA, unquantized; 1.9x faster decode steps for 64 "
-                        "rows of the 2B on an H200) "
-                        "and warm it up at start-up, which takes a minute or two; worth it for serve, chat and "
-                        "long evals")
+                        "rows of the 2B on an H200) and warm it up at start-up, which takes a minute or two; "
+                        + ("default on where it applies (--no-compile: eager)" if compiles_by_default else
+                           "default off: worth it for chat and long evals"))
     p.add_argument("--min-pixels", type=at_least(1), help="images smaller than this (width x height) are "
                                                            "upscaled; default: the model's preprocessor config")
     p.add_argument("--max-pixels", type=at_least(1), help="images larger than this are downscaled; default: the "
@@ -214,7 +221,7 @@ def cmd_eval(args) -> int:
 
 
 def _serve_arguments(p: argparse.ArgumentParser) -> None:
-    model_source_arguments(p)
+    model_source_arguments(p, compiles_by_default=True)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
     from vlforge.serve.config import ServeConfig  # no fastapi needed: the flags and defaults are the config's
@@ -244,7 +251,7 @@ def cmd_serve(args) -> int:
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port {args.port}: must be 0..65535")
     cfg = ServeConfig.from_flags(vars(args), environ=os.environ)  # checked before the model loads
-    app = create_app(load_model(args, slots=cfg.max_batch), cfg)
+    app = create_app(load_model(args, slots=cfg.max_batch, compile_by_default=True), cfg)
     name = app.state.vlforge.model_name
     if args.host not in ("127.0.0.1", "localhost", "::1") and cfg.api_key is None:
         print(f"warning: listening on {args.host} without authentication; anyone who can reach the port can use "
