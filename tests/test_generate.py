@@ -581,3 +581,93 @@ def test_compaction_with_a_feed_joining_and_finishing_moved_rows(setup):
     for s in range(2):
         cut = by[tickets["long"], s].tokens
         assert 0 < len(cut) < 30 and torch.equal(cut, alone["long"][s].tokens[:len(cut)])
+
+
+def open_pull(engine, encoder, **kwargs):
+    kwargs.setdefault("stop_ids", encoder.end_ids)
+    engine.open(banned_ids=vision_token_ids(encoder), image_token_id=encoder.image_token_id, pad_id=encoder.pad_id,
+                **kwargs)
+
+
+def pull_all(engine, requests, max_steps=200) -> list:
+    """add every request, step until all finished: their results in request order (each's samples in turn),
+    checking that each row's streamed tokens joined are its result's tokens."""
+    ids = [engine.add(r) for r in requests]
+    streamed, results = {i: [[] for _ in range(r.n)] for i, r in zip(ids, requests)}, {}
+    for _ in range(max_steps):
+        for out in engine.step():
+            for s, new in enumerate(out.new_tokens):
+                streamed[out.id][s] += new
+            if out.finished:
+                results[out.id] = out.results
+        if len(results) == len(ids):
+            break
+    for i in ids:
+        assert [r.tokens.tolist() for r in results[i]] == streamed[i]
+    return [res for i in ids for res in results[i]]
+
+
+def test_add_step_gives_the_tokens_and_logprobs_of_generate(setup):
+    """The pull API (add, step until done) against generate on the same requests: greedy and seeded
+    sampling, with top-k/top-p, several samples a request, and more samples than slots (joins)."""
+    model, encoder, samples = setup
+    engine = Engine(model, sync_every=3)
+    for temperature, top_k in ((0.0, 0), (1.0, 0), (1.0, 5)):
+        requests = [GenRequest(prompt_of(encoder, samples[i]), n=1 + i % 3, max_new_tokens=4 + 3 * i,
+                               temperature=temperature, top_k=top_k, seed=7, first_row=10 * i) for i in range(5)]
+        reference = run(engine, encoder, requests, slots=4)
+        open_pull(engine, encoder, slots=4)
+        pulled = pull_all(engine, requests)
+        assert engine.stats.prefills > 1  # requests joined the running batch
+        base = pulled[0].request  # ids count on across the engine's requests
+        assert [(r.request - base, r.sample) for r in pulled] == [(r.request, r.sample) for r in reference]
+        for a, b in zip(pulled, reference):
+            assert torch.equal(a.tokens, b.tokens), (temperature, top_k, a.request, a.sample)
+            torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-5, rtol=1e-5)
+            assert a.stopped == b.stopped
+
+
+def test_a_request_added_while_others_decode_decodes_at_the_next_step(setup):
+    """A request added while 8 others decode (slots free) has its first tokens within 2 steps, and the
+    batch it joins is the running one (no drain: the 8 are still decoding)."""
+    model, encoder, samples = setup
+    engine = Engine(model, sync_every=4)
+    open_pull(engine, encoder, slots=16, stop_ids=[])
+    running = [engine.add(GenRequest(prompt_of(encoder, samples[i % 4]), max_new_tokens=40)) for i in range(8)]
+    for _ in range(2):
+        assert {o.id for o in engine.step() if not o.finished} == set(running)
+    late = engine.add(GenRequest(prompt_of(encoder, samples[5]), max_new_tokens=8, temperature=1.0, seed=3))
+    first = None
+    for step in range(1, 3):
+        outputs = {o.id: o for o in engine.step()}
+        assert set(running) <= set(outputs) and not any(outputs[i].finished for i in running)
+        if late in outputs and outputs[late].new_tokens[0]:
+            first = step
+            break
+    assert first == 1  # admitted, prefilled and decoded in the step after it was added
+
+
+def test_cancel_frees_the_slots_at_the_next_step(setup):
+    """cancel(id) of a running request: at the next step its rows leave (result: the tokens streamed so
+    far, stopped=False, as a Feed.finish'ed request's in generate), a waiting request takes its slot in
+    that step; cancel of a request still waiting: empty results, never prefilled."""
+    model, encoder, samples = setup
+    engine = Engine(model, sync_every=2)
+    open_pull(engine, encoder, slots=2, stop_ids=[])
+    a, b, c, d = (engine.add(GenRequest(prompt_of(encoder, samples[i]), max_new_tokens=20)) for i in range(4))
+    first = {o.id: o for o in engine.step()}
+    assert set(first) == {a, b} and engine.stats.prefills == 1  # c, d wait: no slot free
+    slot_of_a = [slot for slot, (t, _) in engine._batch.sched.occupant.items() if t == a]
+    engine.cancel(a)
+    engine.cancel(d)
+    second = {o.id: o for o in engine.step()}
+    assert second[a].cancelled and second[a].finished and not second[a].new_tokens[0]
+    [res] = second[a].results
+    assert res.tokens.tolist() == list(first[a].new_tokens[0]) and not res.stopped and len(res.tokens) == 3
+    assert second[d].cancelled and [len(r.tokens) for r in second[d].results] == [0]
+    assert second[c].new_tokens[0] and not second[c].finished  # took a's slot in this same step
+    assert [slot for slot, (t, _) in engine._batch.sched.occupant.items() if t == c] == slot_of_a
+    assert not second[b].finished and engine.stats.prefills == 2
+    engine.cancel(b)
+    engine.cancel(c)
+    assert all(o.cancelled for o in engine.step()) and engine._batch is None

@@ -5,6 +5,9 @@
                                           temperature=1.0, seed=s)], stop_ids=encoder.end_ids,
                               banned_ids=vision_token_ids(encoder))
 
+    engine.open(stop_ids=..., banned_ids=..., image_token_id=..., pad_id=...)   # or pull: add, step, cancel
+    id = engine.add(GenRequest(...)); outputs = engine.step()   # StepOutput: id, new tokens, results
+
     feed = Feed(refill)                              # requests joining a running call (the server's)
     ticket = feed.put(GenRequest(...))               # from any thread; joins at the next sync point
     engine.generate([], ..., feed=feed, on_tokens=..., on_result=...)    # feed.finish(ticket) ends one
@@ -42,13 +45,16 @@ from __future__ import annotations
 import math
 import time
 import weakref
+from collections import deque
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
 from vlforge.generate.cache import LENGTH_BUCKET, bucket
 from vlforge.generate.plan import Plan, cuda_autocast, graphs_possible, kv_dtype, kv_dtypes
-from vlforge.generate.requests import Feed, GenRequest, GenResult, GenStats, check_request, sampling_mode
+from vlforge.generate.requests import Feed, GenRequest, GenResult, GenStats, StepOutput, check_request, \
+    sampling_mode
 from vlforge.generate.runner import MAX_STOP_IDS, Runner
 from vlforge.generate.scheduler import Scheduler
 from vlforge.model.tiers import unwrap
@@ -94,7 +100,15 @@ class Engine:
         self.compile, self.compact, self.join_share = compile, compact, join_share
         self.share_prompt, self.fuse_projections = share_prompt, fuse_projections
         self.plan: Plan | None = None  # what the last call decided (read by tests and benchmarks)
-        self.stats = GenStats()  # the last call's
+        self.stats = GenStats()  # the last call's (the pull API: the running or last batch's)
+        self._pull: PullSettings | None = None  # open()'s settings
+        self._batch: Batch | None = None  # the pull API's running batch
+        self._waiting: deque[tuple[int, GenRequest]] = deque()  # added, not yet in a batch
+        self._results: dict[int, list[GenResult | None]] = {}  # id -> its rows' results (added, not finished)
+        self._cancel: set[int] = set()
+        self._new: dict[int, list[list[int]]] = {}  # this step's new tokens: id -> per sample
+        self._finished: list[int] = []  # this step's
+        self._next_id = 0
 
     @property
     def core(self):
@@ -149,13 +163,15 @@ class Engine:
         call runs as long as requests come (a server), so it keeps nothing of an answered request."""
         if feed is not None and requests:
             raise ValueError("with a feed, every request comes through it (pass requests=[])")
+        if self._batch is not None:  # its buffers and slots are in use
+            raise RuntimeError("generate: a batch added with add() is still running (step() until it drains)")
         if len(stop_ids) > MAX_STOP_IDS:
             raise ValueError(f"at most {MAX_STOP_IDS} stop token ids, got {len(stop_ids)}")
         taken = self._intake(requests, feed)
         if not taken:
             return []
         keep = feed is None or on_result is None  # the results are returned
-        plan, sched = self._start(taken, slots, compile, feed, record_routes, keep, on_result)
+        plan, sched = self._start(taken, slots, compile, feed is not None, record_routes, keep, on_result)
         taken = None  # a fed call may run as long as requests come: the scheduler alone holds them
         self.runner.prepare(plan, stop_ids, banned_ids, pad_id, sched.prompt_span)
         mode = sampling_mode(list(sched.requests.values()), "greedy")
@@ -178,6 +194,96 @@ class Engine:
                 sched.finish(done, self.runner)
         return sched.collect()
 
+    # -- the pull API: add requests, step the running batch, read its outputs ----------------------
+
+    def open(self, *, stop_ids: list[int], banned_ids: list[int], image_token_id: int, pad_id: int,
+             slots: int | None = None, compile: bool | None = None, record_routes: bool = False) -> None:
+        """The settings add/step run with (generate's per-call arguments, same meanings; `slots` defaults to
+        max_slots); a change applies from the next running batch (see step)."""
+        if len(stop_ids) > MAX_STOP_IDS:
+            raise ValueError(f"at most {MAX_STOP_IDS} stop token ids, got {len(stop_ids)}")
+        self._pull = PullSettings(tuple(stop_ids), tuple(banned_ids), image_token_id, pad_id, slots, compile,
+                                  record_routes)
+
+    def add(self, request: GenRequest) -> int:
+        """Queue a request (its n samples: one id) for the next step; returns its id. add, cancel and step
+        are called from one thread (the caller's loop)."""
+        if self._pull is None:
+            raise RuntimeError("Engine.add: call open(stop_ids=..., ...) first")
+        check_request(self._next_id, request)
+        if request.n > (cap := bucket(min(self._pull.slots or self.max_slots, self.max_slots))):
+            raise ValueError(f"a request asks for {request.n} samples; the engine has {cap} slots")
+        id, self._next_id = self._next_id, self._next_id + 1
+        self._waiting.append((id, request))
+        self._results[id] = [None] * request.n
+        return id
+
+    def cancel(self, id: int) -> None:
+        """End a request at the next step: its rows stop and free their slots before that step admits
+        anyone; its output says cancelled (unknown or finished ids: nothing)."""
+        if id in self._results:
+            self._cancel.add(id)
+
+    @torch.no_grad()
+    def step(self) -> list[StepOutput]:
+        """One step of the running batch, then what it produced. A step: cancelled requests leave (their
+        slots freed); waiting requests join the running batch while they fit its KV length (in order:
+        one that does not waits, with those behind it, until the batch drains; with no batch running,
+        a new one starts, its Plan and buffers decided for the requests waiting then); the scheduler
+        admits those it has slots for, and they are prefilled (first token sampled); then `sync_every`
+        decode steps and their sync point (generate's cadence: one host read per step, plus the copy of
+        the new tokens); finished rows leave. A request added between steps thus decodes in the next
+        step when a slot is free (Engine(sync_every=1): one decode step a step)."""
+        cancelled, self._cancel, self._new, self._finished = self._cancel, set(), {}, []
+        for id, r in [(i, r) for i, r in self._waiting if i in cancelled]:  # never in a batch: empty results
+            self._waiting.remove((id, r))
+            for s in range(r.n):
+                self._answered(GenResult(id, s, torch.zeros(0, dtype=torch.long), torch.zeros(0), False))
+        self._join_waiting()
+        if (b := self._batch) is not None:
+            sched, runner = b.sched, self.runner
+            running = set(sched.queue) | {t for t, _ in sched.occupant.values()}
+            if (ended := cancelled & running) and (done := sched.finish_early(ended, [], runner)):
+                sched.finish(done, runner)
+            if admitted := sched.admit():
+                b.mode = sampling_mode([r for _, r, _ in admitted], b.mode)
+                self._prefill(admitted, b.plan, b.settings.image_token_id, b.settings.pad_id, b.mode)
+                sched.prefilled(admitted)
+            if done := self._decode(b.plan, sched, b.mode, self._streamed) if sched.occupant else []:
+                sched.finish(done, runner)
+            if not sched.busy:
+                self._batch = None  # drained: the next request starts a batch of its own Plan
+        return [self._output(id, id in cancelled) for id in sorted(set(self._new) | set(self._finished))]
+
+    def _join_waiting(self) -> None:
+        if not self._waiting:
+            return
+        if self._batch is None:
+            s = self._pull
+            plan, sched = self._start(dict(self._waiting), s.slots, s.compile, True, s.record_routes, False,
+                                      self._answered)
+            self.runner.prepare(plan, list(s.stop_ids), list(s.banned_ids), s.pad_id, sched.prompt_span)
+            self._batch = Batch(plan, sched, s)
+            self._waiting.clear()
+        else:
+            taken = []
+            while self._waiting and self._batch.sched.fits(self._waiting[0][1]):
+                taken.append(self._waiting.popleft())
+            self._batch.sched.join(taken)
+
+    def _output(self, id: int, cancelled: bool) -> StepOutput:
+        new = tuple(tuple(ids) for ids in self._new.get(id, [[] for _ in self._results[id]]))
+        return StepOutput(id, new, tuple(self._results.pop(id)) if id in self._finished else (), cancelled)
+
+    def _streamed(self, id: int, sample: int, ids: list[int]) -> None:
+        self._new.setdefault(id, [[] for _ in self._results[id]])[sample] += ids
+
+    def _answered(self, res: GenResult) -> None:
+        per = self._results[res.request]
+        per[res.sample] = res
+        if all(r is not None for r in per):
+            self._finished.append(res.request)
+
     def _intake(self, requests: list[GenRequest], feed: Feed | None) -> dict[int, GenRequest]:
         """The call's first requests, checked, by ticket (without a feed: the position in `requests`)."""
         if feed is not None and feed.refill is not None:
@@ -187,18 +293,19 @@ class Engine:
             check_request(t, r)
         return dict(taken)
 
-    def _start(self, requests: dict[int, GenRequest], slots: int | None, compile: bool | None, feed: Feed | None,
+    def _start(self, requests: dict[int, GenRequest], slots: int | None, compile: bool | None, fed: bool,
                record_routes: bool, keep: bool, on_result) -> tuple[Plan, Scheduler]:
-        """The call's plan, its KV buffers (sized for the requests known now) and its scheduler."""
+        """The call's plan, its KV buffers (sized for the requests known now) and its scheduler (`fed`:
+        more requests may join while it runs)."""
         device = self.core.lm_head.weight.device
         total = sum(r.n for r in requests.values())
-        n_slots = bucket(min(slots or self.max_slots, self.max_slots, total if feed is None else self.max_slots))
+        n_slots = bucket(min(slots or self.max_slots, self.max_slots, self.max_slots if fed else total))
         if max(r.n for r in requests.values()) > n_slots:
             raise ValueError(f"a request asks for {max(r.n for r in requests.values())} samples; the engine has "
                              f"{n_slots} slots (raise slots / max_slots)")
         if record_routes and self.runner.recorder is None:
             raise ValueError("record_routes: the model has no mixture-of-experts router to record")
-        self.plan = plan = self._plan(requests, feed, compile, record_routes, device)
+        self.plan = plan = self._plan(requests, fed, compile, record_routes, device)
         kv = kv_dtypes(self.core, self.runner.lm, device)
         prompt_span = max(len(r.prompt.input_ids) for r in requests.values())
         if G := plan.group:  # groups: a step runs a bucket of them (a compiled one at least 2)
@@ -211,9 +318,9 @@ class Engine:
         self.stats = GenStats()
         return plan, Scheduler(requests, n_slots, self.runner.cache.length, prompt_span, plan, self.stats,
                                join_share=self.join_share, max_prefill_tokens=self.max_prefill_tokens,
-                               compact=self.compact, fed=feed is not None, keep=keep, on_result=on_result)
+                               compact=self.compact, fed=fed, keep=keep, on_result=on_result)
 
-    def _plan(self, requests: dict[int, GenRequest], feed: Feed | None, compile: bool | None, record_routes: bool,
+    def _plan(self, requests: dict[int, GenRequest], fed: bool, compile: bool | None, record_routes: bool,
               device) -> Plan:
         graphs = self.graphs_on(device)
         sizes = {r.n for r in requests.values()}
@@ -222,7 +329,7 @@ class Engine:
         return Plan(
             # every request n = G >= 2 samples, all known now (GRPO, eval with n > 1): a GroupCache, each
             # prompt's KV read once per group
-            group=min(sizes) if self.share_prompt and feed is None and len(sizes) == 1 and min(sizes) >= 2 else 0,
+            group=min(sizes) if self.share_prompt and not fed and len(sizes) == 1 and min(sizes) >= 2 else 0,
             graphs=graphs, compiled=graphs and (compile if compile is not None else self.compile), fusing=fusing,
             recording=bool(record_routes), weights=hash(tuple(p.data_ptr() for p in self.core.parameters())),
             mask_dtype=kv_dtype(self.runner.lm, device), training=self.core.training, autocast=cuda_autocast())
@@ -248,6 +355,27 @@ class Engine:
         if on_tokens is not None:
             sched.stream(self.runner, S, on_tokens)
         return [slot for slot in sched.occupant if not alive[slot]]
+
+
+@dataclass(frozen=True)
+class PullSettings:
+    """Engine.open's: what generate takes per call, for the pull API's batches."""
+    stop_ids: tuple[int, ...]
+    banned_ids: tuple[int, ...]
+    image_token_id: int
+    pad_id: int
+    slots: int | None
+    compile: bool | None
+    record_routes: bool
+
+
+@dataclass
+class Batch:
+    """The pull API's running batch: its Plan and scheduler live until it drains."""
+    plan: Plan
+    sched: Scheduler
+    settings: PullSettings  # open()'s when it started
+    mode: str = "greedy"  # the sampling mode its steps run (raised as requests needing more join)
 
 
 def _elapsed(start: float, device) -> float:

@@ -1,7 +1,7 @@
 """A request's state, from its arrival to its result: what callers hand the engine (Prompt,
-GenRequest; Feed for requests that join a running call), what comes back (GenResult, GenStats),
-and the per-slot decode state on the device that a request's rows live in while they decode
-(SlotState: every decode step reads and writes it in place)."""
+GenRequest; Feed for requests that join a running call), what comes back (GenResult, GenStats;
+StepOutput from Engine.step), and the per-slot decode state on the device that a request's rows
+live in while they decode (SlotState: every decode step reads and writes it in place)."""
 
 from __future__ import annotations
 
@@ -77,6 +77,24 @@ class GenResult:
     # generate(record_routes=True), MoE: [L, P + R - 1, k] int16 top-k expert ids of each MoE layer for the
     # prompt's tokens and every generated one the model read (all but the last), CPU (generate/routes.py)
     routes: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one Engine.step() says about one added request (the id Engine.add returned): the tokens each
+    of its n rows generated since the last step that reported it and, once every row has finished, its
+    results (a row's new tokens of every step joined are its result's tokens). A step reports a request
+    only when it has new tokens or finished."""
+    id: int
+    new_tokens: tuple[tuple[int, ...], ...]  # [n]: each sample's ids since the last output (maybe none)
+    results: tuple[GenResult, ...] = ()  # its n results in sample order once all have finished, else ()
+    # ended by Engine.cancel: its results hold the tokens generated until then, stopped=False (none if it
+    # never started), as a Feed.finish'ed request's in generate
+    cancelled: bool = False
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.results)
 
 
 @dataclass
