@@ -185,7 +185,7 @@ def main() -> None:
     ap.add_argument("--image-size", type=int, default=448, help="side of each request's image; 0: text only")
     ap.add_argument("--max-batch", type=int, default=32)
     ap.add_argument("--serve-arg", action="append", default=[], help="extra `vlforge serve` arguments (repeatable; split like a shell line), "
-                                                                  "e.g. \"--engine hf\"")
+                                                                  "e.g. \"--no-compile\"")
     ap.add_argument("--startup-timeout-s", type=float, default=900)
     ap.add_argument("--timeout-s", type=float, default=1800, help="per request")
     ap.add_argument("--out", help="write the JSON report here too")

@@ -709,13 +709,12 @@ def test_streamer_flushes_held_back_text_and_stops_at_end_tokens(engine):
             Request([], max_new_tokens=50, stop=["wor"])]
     got = ["", "", ""]
     streamer = BatchStreamer(engine, reqs, lambda row, text: got.__setitem__(row, got[row] + text))
-    streamer.put(torch.zeros(3, 4, dtype=torch.long))  # the prompt
-    for tok in ids:
-        streamer.put(torch.tensor([tok] * 3))
+    for row in range(3):
+        streamer.push(row, ids)
     assert got[0] == "hello " and got[1] == "hello wor" and got[2] == "hello "  # "wor" may become "world"
     # row 0 ends (<|im_end|>): its held-back "wor" is text after all; row 1 emits <|endoftext|>: it ends too
-    streamer.put(torch.tensor([engine.encoder.im_end_id, engine.encoder.pad_id, ids[0]]))
-    streamer.put(torch.tensor([ids[0]] * 3))
+    for row, tok in enumerate([engine.encoder.im_end_id, engine.encoder.pad_id, ids[0]]):
+        streamer.push(row, [tok, ids[0]])
     assert got == ["hello wor", "hello wor", "hello "]
     assert list(streamer.done.values()) == [True, True, True]
     assert engine.encoder.pad_id in engine.end_ids and engine.encoder.im_end_id in engine.end_ids

@@ -1,8 +1,7 @@
 """A batched generation's answers as they stream: each row's text detokenized incrementally
 (tokenizers' DecodeStream), stop strings found without rescanning, the text sent as it grows with
 any tail that may still become a stop string held back, and the Completion each row ends as.
-Both of serve's generation paths (generate/'s vlm, and transformers generate for comparison:
-hf_generate.py) keep their rows here.
+The InferenceModel keeps its rows here as generate/'s engine hands over each sync point's tokens.
 """
 
 from __future__ import annotations
@@ -10,7 +9,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-import torch
 from tokenizers.decoders import DecodeStream
 
 
@@ -89,10 +87,9 @@ class _RowText:
 
 
 class BatchStreamer:
-    """The per-row bookkeeping of one batched generate(): transformers calls put() with each step's
-    tokens (generate/'s vlm: push() with a row's tokens of a sync point; rows join by add());
-    rows finish at an end token, their own max_new_tokens, a stop string or when cancelled, and
-    hf_generate.RowsDone tells generate() so, which stops computing them. Text goes to
+    """The per-row bookkeeping of one batched generation: push() with a row's tokens of a sync point
+    (rows join by add()); rows finish at an end token, their own max_new_tokens, a stop string or when
+    cancelled (the engine then frees their slots). Text goes to
     on_text(row, new_text) as it grows (_RowText: incremental), holding back a tail that may still
     become a stop string; `text[row]` is the row's answer once `done[row]`, `count[row]` its tokens.
     Rows are numbered 0, 1, ... as they join; each is a key of the dicts below until `release`d
@@ -111,7 +108,6 @@ class BatchStreamer:
         self.done: dict[int, bool] = {}
         self.finish: dict[int, str] = {}
         self.joined = 0  # rows added so far: the next row's number
-        self.prompt_seen = False
         for r in requests:
             self.add(r)
 
@@ -127,18 +123,11 @@ class BatchStreamer:
         for d in (self.requests, self.rows, self.text, self.count, self.done, self.finish):
             del d[row]
 
-    def put(self, value: torch.Tensor) -> None:
-        if not self.prompt_seen:  # generate() first hands over the prompt
-            self.prompt_seen = True
-            return
-        for row, tok in enumerate(value.reshape(len(self.rows), -1)[:, -1].tolist()):
-            self.push(row, [tok])
-
     def push(self, row: int, toks: list[int]) -> None:
-        """The row's next tokens (one per step for generate(), a sync point's for generate/'s vlm)."""
+        """The row's next tokens (a sync point's)."""
         for tok in toks:
             if self.done[row]:
-                return  # generate() pads finished rows; the engine's row may run on to the sync point
+                return  # the engine's row may run on to the sync point
             if self.requests[row].cancelled.is_set():  # nobody waits for this row: its token is dropped
                 return self._close(row, "cancelled")
             if tok in self.vlm.end_ids:
