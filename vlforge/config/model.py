@@ -52,6 +52,14 @@ class ModelConfig:
         return self.path is None and self.preset in DENSE_PRESETS
 
 
+def _check_tier(tier) -> None:
+    """The ranges every tier shares (each tier class adds its own)."""
+    _range(tier, "lr", ge=0)
+    _range(tier, "r", ge=1)
+    _range(tier, "alpha", gt=0, why="LoRA scales its update by alpha / r")
+    _range(tier, "dropout", ge=0, lt=1)
+
+
 @dataclass
 class LanguageTier:
     """The language model's decoder layers (and, full, its embeddings, norm and lm_head).
@@ -69,10 +77,7 @@ class LanguageTier:
     router: bool = False
 
     def __post_init__(self):
-        _range(self, "lr", ge=0)
-        _range(self, "r", ge=1)
-        _range(self, "alpha", gt=0, why="LoRA scales its update by alpha / r")
-        _range(self, "dropout", ge=0, lt=1)
+        _check_tier(self)
 
 
 @dataclass
@@ -87,10 +92,7 @@ class ProjectorTier:
     dropout: float = 0.05  # LoRA dropout on the adapters' input (training only)
 
     def __post_init__(self):
-        _range(self, "lr", ge=0)
-        _range(self, "r", ge=1)
-        _range(self, "alpha", gt=0, why="LoRA scales its update by alpha / r")
-        _range(self, "dropout", ge=0, lt=1)
+        _check_tier(self)
 
 
 @dataclass
@@ -107,10 +109,7 @@ class VisionTier:
     last_n_blocks: int | None = 2  # the last N blocks train; null = every block (+ patch embedding when full)
 
     def __post_init__(self):
-        _range(self, "lr", ge=0)
-        _range(self, "r", ge=1)
-        _range(self, "alpha", gt=0, why="LoRA scales its update by alpha / r")
-        _range(self, "dropout", ge=0, lt=1)
+        _check_tier(self)
         _range(self, "last_n_blocks", ge=1)  # or null
 
 
