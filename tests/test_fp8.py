@@ -150,7 +150,7 @@ def test_fp8_training_step_matches_bf16_on_gpu(shapes_dir, tmp_path):
     for fp8 in (False, True):
         cfg = tiny_sft_config(shapes_dir, tmp_path / str(fp8), "precision.mode=bf16", "train.device=cuda",
                               "tiers.method=full", f"precision.fp8.enabled={str(fp8).lower()}",
-                              "precision.fp8.skip_small=false")
+                              "precision.fp8.skip_small=false", f"compile.enabled={'auto' if fp8 else 'false'}")
         t = setup_model(cfg)
         assert t.token_multiple == (16 if fp8 else 1)
         data = load_dataset(cfg.data.train, t.processor, cfg.data)
