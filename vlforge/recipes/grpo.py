@@ -36,6 +36,7 @@ from vlforge.train.moe import aux_term, capture, follow
 from vlforge.train.optim import hold_gradients
 from vlforge.train.run import Run, begin_run
 from vlforge.train.stop import StopSignals
+from vlforge.train.throughput import peak_memory
 from vlforge.train.trainable import Trainable, cuda_graphs_problem, setup_model
 from vlforge.generate.engine import engine_for
 from vlforge.model.load import build_meta_model, dir_config
@@ -553,11 +554,13 @@ def run_grpo(cfg: GRPOConfig) -> dict:
             t_train = time.perf_counter() - start - t_rollout
             row = {**step_metrics(stats, batches, train_logs, t_rollout, t_train, world, G), "lr": lr,
                    **(t.routing.step_metrics(world) if t.routing else {}),  # MoE: the update's expert load
-                   **judge_metrics(rewards, world)}
+                   **judge_metrics(rewards, world), "step_time_s": t_rollout + t_train, **peak_memory(t.device)}
             run.samples.grpo(run.step + 1, stats.get("shown"), batches, G)  # samples/grpo.jsonl, when due
             run.finish_step(row, always_log=bool(row.get("skipped")))  # bad steps always logged
             bar.update(1)
-            bar.set_postfix(reward=f"{row['reward_mean']:.3f}", acc=f"{row['accuracy']:.2f}")
+            bar.set_postfix(reward=f"{row['reward_mean']:.3f}", acc=f"{row['accuracy']:.2f}",
+                            tok_s=f"{row['tokens_per_s']:.0f}",
+                            mem=f"{row.get('mem/peak_allocated_gb', row.get('mem/peak_rss_gb', 0)):.1f}GB")
             if stop.agreed():  # every rank: one all-reduce of the votes (after step_metrics' syncs)
                 break
         stop.checkpoint()
