@@ -5,9 +5,9 @@ import json
 
 import pytest
 import torch
+from helpers import tiny_sft_config
 from torch import nn
 
-from helpers import tiny_sft_config
 from vlforge.config import DataConfig, ModelConfig
 from vlforge.data.dataset import load_dataset
 from vlforge.data.encode import collate, pack

@@ -58,7 +58,7 @@ class FlopWeights:
     attention: float  # per unit of sum(T^2) / 2
 
     @classmethod
-    def of(cls, model: nn.Module) -> "FlopWeights":
+    def of(cls, model: nn.Module) -> FlopWeights:
         share = _expert_share(model)
         vision_trains = any(p.requires_grad for n, p in model.named_parameters() if "visual" in n)
         parts = {"decoder": 0.0, "head": 0.0, "vision": 0.0}
