@@ -1,0 +1,155 @@
+"""rollout.precision=fp8 (generate/fp8.py, rollout/precision.py): GRPO's rollouts run the decoder
+projections on FP8 copies of the trained weights (torch._scaled_mm, row-wise scales), refreshed before
+every step's rollouts, with LoRA deltas merged in; the trainer's parameters untouched; the
+rollout/trainer mismatch reported. Real GRPO runs of the tiny model on the CPU (torch._scaled_mm has
+a CPU kernel), and on a GPU the 2B architecture."""
+
+import copy
+import json
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from test_grpo import grpo_config
+from vlforge.generate.fp8 import Fp8Projections, fp8_projections, quantize_rows
+from vlforge.model.tiers import unwrap
+from vlforge.recipes import grpo as recipe
+
+
+class CountScaledMM(TorchDispatchMode):
+    """Counts the FP8 GEMMs (aten._scaled_mm) run inside."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._scaled_mm.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def dequantized(weight: torch.Tensor) -> torch.Tensor:
+    q = quantize_rows(weight)
+    return q.qdata.float() * q.scale
+
+
+def projections(core):
+    """(name, module) of every decoder projection the FP8 copies cover (a LoRA layer where peft wrapped one)."""
+    out = []
+    for i, layer in enumerate(core.model.language_model.layers):
+        for owner, names in (("self_attn", ("q_proj", "k_proj", "v_proj", "o_proj")),
+                             ("mlp", ("gate_proj", "up_proj", "down_proj"))):
+            out += [(f"{i}.{owner}.{n}", getattr(getattr(layer, owner), n)) for n in names]
+    return out
+
+
+def merged_weight(module) -> torch.Tensor:
+    """W + scale * B @ A written out from peft's layer parts (not through get_delta_weight), in fp32."""
+    base = getattr(module, "base_layer", module)
+    weight = base.weight.detach().float()
+    if base is module:
+        return weight
+    for name in module.active_adapters:
+        weight = weight + module.scaling[name] * (module.lora_B[name].weight.float() @ module.lora_A[name].weight.float())
+    return weight
+
+
+def run_spied(shapes_dir, tmp_path, name, monkeypatch, *overrides):
+    """A GRPO run whose every rollout round is observed: the FP8 GEMMs it ran, its sampled tokens, the
+    trainer's parameters just before and after it, and (fp8) how each projection's FP8 copy compares to
+    the quantized current weights. Returns (metric rows, per-round records, the Trainable)."""
+    captured, rounds = {}, []
+    setup, real_round, real_groups = recipe.setup_model, recipe.rollout_round, recipe.generate_groups
+
+    def capture(c, **kwargs):
+        captured["t"] = setup(c, **kwargs)
+        return captured["t"]
+
+    def observed_groups(model, *args, **kwargs):
+        calls = []  # the language model's forwards: the prefill and every decode step
+        hook = unwrap(model).model.language_model.layers[0].register_forward_pre_hook(lambda *_: calls.append(1))
+        with CountScaledMM() as counted:
+            rollout = real_groups(model, *args, **kwargs)
+        hook.remove()
+        rounds[-1].update(scaled_mm=counted.count, forwards=len(calls), rollout=rollout)
+        return rollout
+
+    def observed_round(t, *args, **kwargs):
+        before = {n: p.detach().clone() for n, p in t.model.named_parameters()}
+        copies = fp8_projections(t.model, made=False)
+        record = {"before": before, "fresh": None if copies is None else all(
+            torch.equal(copies.copy_of(m), dequantized(merged_weight(m))) for _, m in projections(unwrap(t.model)))}
+        rounds.append(record)
+        out = real_round(t, *args, **kwargs)
+        record["after"] = {n: p.detach().clone() for n, p in t.model.named_parameters()}
+        return out
+
+    monkeypatch.setattr(recipe, "setup_model", capture)
+    monkeypatch.setattr(recipe, "rollout_round", observed_round)
+    monkeypatch.setattr(recipe, "generate_groups", observed_groups)
+    cfg = grpo_config(shapes_dir, tmp_path / name, tmp_path, *overrides)
+    recipe.run_grpo(cfg)
+    monkeypatch.undo()
+    rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    return rows, rounds, captured["t"]
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_an_fp8_rollout_runs_the_projections_as_fp8_gemms_and_leaves_the_trainer_untouched(
+        shapes_dir, tmp_path, monkeypatch, precision):
+    """fp8: the rollout's prefill and decode steps run 4 FP8 GEMMs a decoder layer a forward (q/k/v
+    and gate/up fused, o and down), bf16 none; its tokens are valid samples; the trainer's parameters
+    are the same bits after the rollout as before it."""
+    rows, rounds, t = run_spied(shapes_dir, tmp_path, precision, monkeypatch, "tiers.method=full",
+                                f"rollout.precision={precision}")
+    layers = len(unwrap(t.model).model.language_model.layers)
+    (r,) = rounds
+    if precision == "fp8":
+        assert r["forwards"] > 1 and r["scaled_mm"] == r["forwards"] * 4 * layers
+        assert rows[0]["rollout/fp8_refresh_s"] >= 0
+    else:
+        assert r["scaled_mm"] == 0 and "rollout/fp8_refresh_s" not in rows[0]
+    for n, p in r["before"].items():
+        assert torch.equal(p, r["after"][n]) and p.dtype == r["after"][n].dtype, n
+    rollout, vocab = r["rollout"], unwrap(t.model).config.text_config.vocab_size
+    on = rollout.response_mask.bool()
+    ids = rollout.response_ids[on]
+    assert on[:, 0].all() and ((ids >= 0) & (ids < vocab)).all()
+    assert not torch.isin(ids, torch.tensor(rollout.banned_ids)).any()
+    logp = rollout.logprobs[on]
+    assert torch.isfinite(logp).all() and (logp <= 0).all()
+
+
+def test_each_rollouts_fp8_copies_are_made_from_the_weights_of_that_step(shapes_dir, tmp_path, monkeypatch):
+    """Two steps of full fine-tuning: each step's rollout reads FP8 copies equal to the quantized weights
+    the trainer has then (the second step's: after the first optimizer step, which moved them), and
+    every step logs the refresh's time."""
+    rows, rounds, _ = run_spied(shapes_dir, tmp_path, "run", monkeypatch, "tiers.method=full",
+                                "rollout.precision=fp8", "train.max_steps=2")
+    assert len(rows) == 2 and all(row["rollout/fp8_refresh_s"] >= 0 for row in rows)
+    first, second = rounds
+    moved = [n for n in first["before"] if "language_model.layers" in n and "proj" in n
+             and not torch.equal(first["before"][n], second["before"][n])]
+    assert moved  # the first update changed the projections
+    assert first["fresh"] and second["fresh"]
+
+
+@pytest.mark.parametrize("method,extra", [("lora", []), ("full", []), ("full", ["precision.mode=bf16"])])
+def test_a_grpo_step_with_fp8_rollouts_reports_a_small_mismatch_and_trains_exactly_the_trainable_params(
+        shapes_dir, tmp_path, monkeypatch, method, extra):
+    """rollout.precision=fp8 with the trainer's old log-probs and TIS: rollout/k3_kl between the FP8
+    rollout's log-probs and the trainer's is reported, above what the same weights give without FP8
+    (~1e-7 in fp32) and below 1e-3 on the tiny model (measured: ~1e-5); the step changes exactly the
+    trainable parameters (LoRA: A and B, with two mini-batches)."""
+    rows, rounds, t = run_spied(shapes_dir, tmp_path, "run", monkeypatch, f"tiers.method={method}", "train.seed=1",
+                                "rollout.precision=fp8", "rl.old_logprobs=trainer", "rl.rollout_correction.method=tis",
+                                *extra)
+    row = rows[0]
+    assert 1e-7 < row["rollout/k3_kl"] < 1e-3, row["rollout/k3_kl"]
+    assert "rollout/fp8_refresh_s" in row and "rollout/corrected_frac" in row
+    before = rounds[0]["before"]  # the parameters before the step (the rollout leaves them as they are)
+    for n, p in t.model.named_parameters():
+        changed = not torch.equal(before[n], p.detach())
+        assert changed == p.requires_grad, f"{n}: trainable={p.requires_grad} changed={changed}"
