@@ -140,16 +140,66 @@ def test_each_rollouts_fp8_copies_are_made_from_the_weights_of_that_step(shapes_
 def test_a_grpo_step_with_fp8_rollouts_reports_a_small_mismatch_and_trains_exactly_the_trainable_params(
         shapes_dir, tmp_path, monkeypatch, method, extra):
     """rollout.precision=fp8 with the trainer's old log-probs and TIS: rollout/k3_kl between the FP8
-    rollout's log-probs and the trainer's is reported, above what the same weights give without FP8
-    (~1e-7 in fp32) and below 1e-3 on the tiny model (measured: ~1e-5); the step changes exactly the
-    trainable parameters (LoRA: A and B, with two mini-batches)."""
+    rollout's log-probs and the trainer's is reported, above what the same weights give without FP8 and
+    below 1e-4 (measured on the tiny model, seed 1: fp8 1.7e-5 (LoRA), 1.9e-5 (full, fp32 and bf16);
+    bf16 rollouts 0 in fp32, 3.3e-8 under bf16 autocast); the step changes exactly the trainable
+    parameters (LoRA: A and B, with two mini-batches)."""
     rows, rounds, t = run_spied(shapes_dir, tmp_path, "run", monkeypatch, f"tiers.method={method}", "train.seed=1",
                                 "rollout.precision=fp8", "rl.old_logprobs=trainer", "rl.rollout_correction.method=tis",
                                 *extra)
     row = rows[0]
-    assert 1e-7 < row["rollout/k3_kl"] < 1e-3, row["rollout/k3_kl"]
+    assert 1e-6 < row["rollout/k3_kl"] < 1e-4, row["rollout/k3_kl"]
     assert "rollout/fp8_refresh_s" in row and "rollout/corrected_frac" in row
     before = rounds[0]["before"]  # the parameters before the step (the rollout leaves them as they are)
     for n, p in t.model.named_parameters():
         changed = not torch.equal(before[n], p.detach())
         assert changed == p.requires_grad, f"{n}: trainable={p.requires_grad} changed={changed}"
+
+
+def test_a_lora_layers_fp8_copy_is_the_quantized_merged_weight(tiny):
+    """Every LoRA layer's FP8 copy is quantize(W + scale * B @ A) (B made non-zero: at init the delta is
+    0), not quantize(W); a forward on the copies is close to the merged model's; the adapters and the
+    base weights are the trainer's, unchanged."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    model = get_peft_model(copy.deepcopy(tiny[0]), LoraConfig(r=4, lora_alpha=8, target_modules=targets)).eval()
+    torch.manual_seed(0)
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            p.data.normal_(0, 0.05)
+    core = unwrap(model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    copies = Fp8Projections(core)
+    assert len(copies.groups) == 4 * len(core.model.language_model.layers)
+    for name, module in projections(core):
+        assert hasattr(module, "lora_A"), name  # peft's lora.Linear
+        assert torch.equal(copies.copy_of(module), dequantized(merged_weight(module))), name
+        assert not torch.equal(copies.copy_of(module), dequantized(module.base_layer.weight)), name
+    ids = torch.randint(0, core.config.text_config.vocab_size, (2, 9))
+    with torch.no_grad():
+        with copies.installed():
+            fp8 = core.lm_head(core.model.language_model(input_ids=ids).last_hidden_state)
+        merged = copy.deepcopy(model).merge_and_unload()
+        want = merged.lm_head(merged.model.language_model(input_ids=ids).last_hidden_state)
+        with model.disable_adapter():
+            base = core.lm_head(core.model.language_model(input_ids=ids).last_hidden_state)
+    # measured: 6.5% of the logits' norm off the merged model's, the base model 80% (FP8's 3 mantissa bits)
+    assert (fp8 - want).norm() < 0.1 * want.norm() and (fp8 - want).norm() < 0.2 * (base - want).norm()
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]) and p.requires_grad == ("lora_" in n), n
+
+
+def test_moe_experts_keep_their_weights_and_the_attention_runs_in_fp8(tiny_moe):
+    """On a mixture-of-experts model the copies cover each layer's attention projections (2 groups a
+    layer: q/k/v and o); the fused expert stacks and the routers are not copied."""
+    core = copy.deepcopy(tiny_moe[0]).eval()
+    copies = Fp8Projections(core)
+    layers = core.model.language_model.layers
+    assert len(copies.groups) == 2 * len(layers)
+    covered = {id(w) for g in copies.groups for w in g.wrappers}
+    assert all(id(layer.self_attn.q_proj) in covered and id(layer.mlp.gate) not in covered for layer in layers)
+    ids = torch.randint(0, core.config.text_config.vocab_size, (2, 5))
+    with torch.no_grad(), copies.installed(), CountScaledMM() as counted:
+        core.model.language_model(input_ids=ids)
+    assert counted.count == 2 * len(layers)
