@@ -8,9 +8,11 @@
 What is copied: each decoder layer's q/k/v, o, gate/up and down projections, as float8_e4m3fn with one
 scale per output channel (row-wise: the row's amax / 448); each GEMM quantizes its input per token
 (dynamic scales): the usual FP8 inference recipe, as vLLM's and verl's FP8 rollouts. The vision tower,
-the embeddings, lm_head, the norms and MoE experts keep their own weights (torchao's Float8Tensor does
-take torch._grouped_mm, but transformers' experts kernels read the 3-D stacks in layouts it refuses,
-and a copy of every expert is the memory MoE runs are short of: experts decode in their own dtype).
+the embeddings, lm_head, the norms and MoE experts keep their own weights. Experts: torchao's
+Float8Tensor implements torch._grouped_mm (row-wise scales), but only for a transposed [E, in, out]
+operand, and transformers' experts kernels (grouped_mm, batched_mm, the eager loop) index and
+transpose the 3-D stacks in ways not tried with it; a copy of every expert is also the memory a MoE
+run is short of. So experts decode in their own dtype (bf16), not built in FP8.
 
 The trainer's weights are only read: the copies are tensors of their own, and they replace the
 projections' forwards only inside the engine's forwards (Runner.fusion), so nothing the trainer
