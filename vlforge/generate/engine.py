@@ -46,11 +46,11 @@ import math
 import time
 import weakref
 from collections import deque
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from vlforge.generate.batch import Batch, BatchSettings, Outputs
 from vlforge.generate.cache import LENGTH_BUCKET, bucket
 from vlforge.generate.plan import Plan, cuda_autocast, graphs_possible, kv_dtype, kv_dtypes
 from vlforge.generate.requests import Feed, GenRequest, GenResult, GenStats, StepOutput, check_request, \
@@ -101,13 +101,11 @@ class Engine:
         self.share_prompt, self.fuse_projections = share_prompt, fuse_projections
         self.plan: Plan | None = None  # what the last call decided (read by tests and benchmarks)
         self.stats = GenStats()  # the last call's (the pull API: the running or last batch's)
-        self._pull: PullSettings | None = None  # open()'s settings
+        self._pull: BatchSettings | None = None  # open()'s settings
         self._batch: Batch | None = None  # the pull API's running batch
         self._waiting: deque[tuple[int, GenRequest]] = deque()  # added, not yet in a batch
-        self._results: dict[int, list[GenResult | None]] = {}  # id -> its rows' results (added, not finished)
+        self.outputs = Outputs()  # what the added requests produced, by id
         self._cancel: set[int] = set()
-        self._new: dict[int, list[list[int]]] = {}  # this step's new tokens: id -> per sample
-        self._finished: list[int] = []  # this step's
         self._next_id = 0
 
     @property
@@ -202,8 +200,8 @@ class Engine:
         max_slots); a change applies from the next running batch (see step)."""
         if len(stop_ids) > MAX_STOP_IDS:
             raise ValueError(f"at most {MAX_STOP_IDS} stop token ids, got {len(stop_ids)}")
-        self._pull = PullSettings(tuple(stop_ids), tuple(banned_ids), image_token_id, pad_id, slots, compile,
-                                  record_routes)
+        self._pull = BatchSettings(tuple(stop_ids), tuple(banned_ids), image_token_id, pad_id, slots, compile,
+                                   record_routes)
 
     def add(self, request: GenRequest) -> int:
         """Queue a request (its n samples: one id) for the next step; returns its id. add, cancel and step
@@ -215,13 +213,13 @@ class Engine:
             raise ValueError(f"a request asks for {request.n} samples; the engine has {cap} slots")
         id, self._next_id = self._next_id, self._next_id + 1
         self._waiting.append((id, request))
-        self._results[id] = [None] * request.n
+        self.outputs.added(id, request.n)
         return id
 
     def cancel(self, id: int) -> None:
         """End a request at the next step: its rows stop and free their slots before that step admits
         anyone; its output says cancelled (unknown or finished ids: nothing)."""
-        if id in self._results:
+        if id in self.outputs.results:
             self._cancel.add(id)
 
     @torch.no_grad()
@@ -234,11 +232,10 @@ class Engine:
         decode steps and their sync point (generate's cadence: one host read per step, plus the copy of
         the new tokens); finished rows leave. A request added between steps thus decodes in the next
         step when a slot is free (Engine(sync_every=1): one decode step a step)."""
-        cancelled, self._cancel, self._new, self._finished = self._cancel, set(), {}, []
+        cancelled, self._cancel = self._cancel, set()
         for id, r in [(i, r) for i, r in self._waiting if i in cancelled]:  # never in a batch: empty results
             self._waiting.remove((id, r))
-            for s in range(r.n):
-                self._answered(GenResult(id, s, torch.zeros(0, dtype=torch.long), torch.zeros(0), False))
+            self.outputs.unstarted(id)
         self._join_waiting()
         if (b := self._batch) is not None:
             sched, runner = b.sched, self.runner
@@ -249,11 +246,11 @@ class Engine:
                 b.mode = sampling_mode([r for _, r, _ in admitted], b.mode)
                 self._prefill(admitted, b.plan, b.settings.image_token_id, b.settings.pad_id, b.mode)
                 sched.prefilled(admitted)
-            if done := self._decode(b.plan, sched, b.mode, self._streamed) if sched.occupant else []:
+            if done := self._decode(b.plan, sched, b.mode, self.outputs.streamed) if sched.occupant else []:
                 sched.finish(done, runner)
             if not sched.busy:
                 self._batch = None  # drained: the next request starts a batch of its own Plan
-        return [self._output(id, id in cancelled) for id in sorted(set(self._new) | set(self._finished))]
+        return self.outputs.take(cancelled)
 
     def _join_waiting(self) -> None:
         if not self._waiting:
@@ -261,7 +258,7 @@ class Engine:
         if self._batch is None:
             s = self._pull
             plan, sched = self._start(dict(self._waiting), s.slots, s.compile, True, s.record_routes, False,
-                                      self._answered)
+                                      self.outputs.answered)
             self.runner.prepare(plan, list(s.stop_ids), list(s.banned_ids), s.pad_id, sched.prompt_span)
             self._batch = Batch(plan, sched, s)
             self._waiting.clear()
@@ -270,19 +267,6 @@ class Engine:
             while self._waiting and self._batch.sched.fits(self._waiting[0][1]):
                 taken.append(self._waiting.popleft())
             self._batch.sched.join(taken)
-
-    def _output(self, id: int, cancelled: bool) -> StepOutput:
-        new = tuple(tuple(ids) for ids in self._new.get(id, [[] for _ in self._results[id]]))
-        return StepOutput(id, new, tuple(self._results.pop(id)) if id in self._finished else (), cancelled)
-
-    def _streamed(self, id: int, sample: int, ids: list[int]) -> None:
-        self._new.setdefault(id, [[] for _ in self._results[id]])[sample] += ids
-
-    def _answered(self, res: GenResult) -> None:
-        per = self._results[res.request]
-        per[res.sample] = res
-        if all(r is not None for r in per):
-            self._finished.append(res.request)
 
     def _intake(self, requests: list[GenRequest], feed: Feed | None) -> dict[int, GenRequest]:
         """The call's first requests, checked, by ticket (without a feed: the position in `requests`)."""
@@ -355,27 +339,6 @@ class Engine:
         if on_tokens is not None:
             sched.stream(self.runner, S, on_tokens)
         return [slot for slot in sched.occupant if not alive[slot]]
-
-
-@dataclass(frozen=True)
-class PullSettings:
-    """Engine.open's: what generate takes per call, for the pull API's batches."""
-    stop_ids: tuple[int, ...]
-    banned_ids: tuple[int, ...]
-    image_token_id: int
-    pad_id: int
-    slots: int | None
-    compile: bool | None
-    record_routes: bool
-
-
-@dataclass
-class Batch:
-    """The pull API's running batch: its Plan and scheduler live until it drains."""
-    plan: Plan
-    sched: Scheduler
-    settings: PullSettings  # open()'s when it started
-    mode: str = "greedy"  # the sampling mode its steps run (raised as requests needing more join)
 
 
 def _elapsed(start: float, device) -> float:
