@@ -44,13 +44,14 @@ from __future__ import annotations
 
 import math
 import time
+from dataclasses import replace
 import weakref
 from collections import deque
 from typing import Callable
 
 import torch
 
-from vlforge.generate.batch import Batch, BatchSettings, Outputs
+from vlforge.generate.batch import Batch, BatchSettings, Outputs, take_fitting
 from vlforge.generate.cache import LENGTH_BUCKET, bucket
 from vlforge.generate.plan import Plan, cuda_autocast, graphs_possible, kv_dtype, kv_dtypes
 from vlforge.generate.requests import Feed, GenRequest, GenResult, GenStats, StepOutput, check_request, \
@@ -106,6 +107,7 @@ class Engine:
         self._waiting: deque[tuple[int, GenRequest]] = deque()  # added, not yet in a batch
         self.outputs = Outputs()  # what the added requests produced, by id
         self._cancel: set[int] = set()
+        self._passed: dict[int, int] = {}  # waiting id -> steps that requests added later joined past it
         self._next_id = 0
 
     @property
@@ -146,62 +148,80 @@ class Engine:
                  on_tokens: Callable[[int, int, list[int]], None] | None = None,
                  compile: bool | None = None, feed: Feed | None = None,
                  record_routes: bool = False) -> list[GenResult]:
-        """Results in request order (each request's n samples in turn). `slots` caps the decode
-        batch (default: every sample at once, up to max_slots); `on_result` gets each result as
-        soon as its row finishes (at a sync point); `on_tokens(request, sample, new_ids)` streams
-        each row's new tokens at every sync point (one extra device-to-host copy per sync point,
-        only when given; a result's streamed ids joined are its tokens); `compile`: this call's decode step compiled
-        (default: the engine's `compile`; CUDA graphs only). `record_routes` (MoE): each result
-        carries its tokens' top-k experts per layer (GenResult.routes, generate/routes.py).
-
-        `feed`: requests come through it instead (`requests` must be empty; indices are the feed's
-        tickets): those queued now are sized for, later ones join at sync points while they fit
-        (see Feed); `slots` then defaults to max_slots. Returns when nothing runs or waits that fits.
-        With a feed and an `on_result`, results go only to `on_result` and the call returns []: a fed
-        call runs as long as requests come (a server), so it keeps nothing of an answered request."""
+        """Results in request order (each request's n samples in turn): open, add every request, step
+        until all have finished. `slots` caps the decode batch (default: every sample at once, up to
+        max_slots); `compile`: this call's decode step compiled (default: the engine's `compile`; CUDA
+        graphs only); `record_routes` (MoE): each result carries its tokens' top-k experts per layer
+        (GenResult.routes, generate/routes.py). A call whose requests all have n = G >= 2 shares each
+        prompt's KV across its G rows (share_prompt)."""
         if feed is not None and requests:
             raise ValueError("with a feed, every request comes through it (pass requests=[])")
-        if self._batch is not None:  # its buffers and slots are in use
-            raise RuntimeError("generate: a batch added with add() is still running (step() until it drains)")
-        if len(stop_ids) > MAX_STOP_IDS:
-            raise ValueError(f"at most {MAX_STOP_IDS} stop token ids, got {len(stop_ids)}")
-        taken = self._intake(requests, feed)
-        if not taken:
+        if self._batch is not None or self._waiting:  # its buffers and slots are in use
+            raise RuntimeError("generate: requests added with add() are still running (step() until they finish)")
+        for i, r in enumerate(requests):
+            check_request(i, r)
+        if not requests and feed is None:
             return []
-        keep = feed is None or on_result is None  # the results are returned
-        plan, sched = self._start(taken, slots, compile, feed is not None, record_routes, keep, on_result)
-        taken = None  # a fed call may run as long as requests come: the scheduler alone holds them
-        self.runner.prepare(plan, stop_ids, banned_ids, pad_id, sched.prompt_span)
-        mode = sampling_mode(list(sched.requests.values()), "greedy")
-        if feed is not None and (ended := feed._finished()):  # finished while queued: no prefill
-            sched.finish_early(ended, [], self.runner)
-        while sched.busy:
-            if admitted := sched.admit():
-                mode = sampling_mode([r for _, r, _ in admitted], mode)  # a joining request may need more than greedy
-                self._prefill(admitted, plan, image_token_id, pad_id, mode)
-                sched.prefilled(admitted)
-                admitted = None  # a fed call holds no prefilled prompt (images)
-            done = self._decode(plan, sched, mode, on_tokens) if sched.occupant else []
+        settings = self._pull
+        total = sum(r.n for r in requests)
+        self.open(stop_ids=stop_ids, banned_ids=banned_ids, image_token_id=image_token_id, pad_id=pad_id,
+                  slots=slots if feed is not None else min(slots or self.max_slots, total), compile=compile,
+                  record_routes=record_routes, share_prompt=self.share_prompt and feed is None,
+                  stream=on_tokens is not None)
+        try:
+            index = {self.add(r): i for i, r in enumerate(requests)}  # engine id -> the request's position
+            results = self._drain(index, feed, on_result, on_tokens)
+        except BaseException:
+            self.clear()
+            raise
+        finally:
+            self._pull = settings
+        return [] if feed is not None and on_result is not None else \
+            [res for i in sorted(results) for res in results[i]]
+
+    def _drain(self, index: dict[int, int], feed: Feed | None, on_result, on_tokens) -> dict[int, tuple]:
+        """generate's loop: step until nothing runs or waits (nor is queued on `feed`); the results by position."""
+        results = {}
+        while True:
             if feed is not None:
                 if feed.refill is not None:
                     feed.refill(feed)
-                sched.join(feed._take(sched.fits))  # before the finishes: one finished while queued leaves unprefilled
-                if ended := feed._finished():
-                    done = sched.finish_early(ended, done, self.runner)
-            if done:
-                sched.finish(done, self.runner)
-        return sched.collect()
+                index.update((self.add(r), t) for t, r in feed._take(lambda r: True))
+                ended = feed._finished()
+                for id in [id for id, t in index.items() if t in ended]:
+                    self.cancel(id)
+            if self._batch is None and not self._waiting:
+                return results
+            for out in self.step():
+                i = index[out.id]
+                for s, new in enumerate(out.new_tokens):
+                    if new and on_tokens is not None:
+                        on_tokens(i, s, list(new))
+                done = tuple(replace(res, request=i) for res in out.results)
+                if done and on_result is not None:
+                    for res in done:
+                        on_result(res)
+                if done and (feed is None or on_result is None):  # a fed call with on_result keeps nothing
+                    results[i] = done
 
     # -- the pull API: add requests, step the running batch, read its outputs ----------------------
 
     def open(self, *, stop_ids: list[int], banned_ids: list[int], image_token_id: int, pad_id: int,
-             slots: int | None = None, compile: bool | None = None, record_routes: bool = False) -> None:
-        """The settings add/step run with (generate's per-call arguments, same meanings; `slots` defaults to
-        max_slots); a change applies from the next running batch (see step)."""
+             slots: int | None = None, compile: bool | None = None, record_routes: bool = False,
+             share_prompt: bool = False, stream: bool = True) -> None:
+        """The settings add/step run with; a change applies from the next batch (see step). stop_ids,
+        banned_ids: never sampled; image_token_id, pad_id: the prompts'; `slots`: the most rows decoding
+        at once (default max_slots); `compile`: the decode step compiled (default: the engine's; CUDA
+        graphs only); `record_routes` (MoE): each result carries its tokens' experts (generate/routes.py).
+        `share_prompt`: a batch whose requests, all added before its first step, have one n = G >= 2
+        stores each prompt's KV once for its G rows (GroupCache; requests added later wait for the next
+        batch). `stream`: steps report new tokens (one copy at each sync point); False: results only."""
         if len(stop_ids) > MAX_STOP_IDS:
             raise ValueError(f"at most {MAX_STOP_IDS} stop token ids, got {len(stop_ids)}")
+        if record_routes and self.runner.recorder is None:
+            raise ValueError("record_routes: the model has no mixture-of-experts router to record")
         self._pull = BatchSettings(tuple(stop_ids), tuple(banned_ids), image_token_id, pad_id, slots, compile,
-                                   record_routes)
+                                   record_routes, share_prompt, stream)
 
     def add(self, request: GenRequest) -> int:
         """Queue a request (its n samples: one id) for the next step; returns its id. add, cancel and step
@@ -235,6 +255,7 @@ class Engine:
         cancelled, self._cancel = self._cancel, set()
         for id, r in [(i, r) for i, r in self._waiting if i in cancelled]:  # never in a batch: empty results
             self._waiting.remove((id, r))
+            self._passed.pop(id, None)
             self.outputs.unstarted(id)
         self._join_waiting()
         if (b := self._batch) is not None:
@@ -246,7 +267,8 @@ class Engine:
                 b.mode = sampling_mode([r for _, r, _ in admitted], b.mode)
                 self._prefill(admitted, b.plan, b.settings.image_token_id, b.settings.pad_id, b.mode)
                 sched.prefilled(admitted)
-            if done := self._decode(b.plan, sched, b.mode, self.outputs.streamed) if sched.occupant else []:
+            streamed = self.outputs.streamed if b.settings.stream else None
+            if done := self._decode(b.plan, sched, b.mode, streamed) if sched.occupant else []:
                 sched.finish(done, runner)
             if not sched.busy:
                 self._batch = None  # drained: the next request starts a batch of its own Plan
@@ -257,39 +279,26 @@ class Engine:
             return
         if self._batch is None:
             s = self._pull
-            plan, sched = self._start(dict(self._waiting), s.slots, s.compile, True, s.record_routes, False,
-                                      self.outputs.answered)
+            plan, sched = self._start(dict(self._waiting), s)
             self.runner.prepare(plan, list(s.stop_ids), list(s.banned_ids), s.pad_id, sched.prompt_span)
-            self._batch = Batch(plan, sched, s)
+            # the mode every request waiting now needs, from the first step (GRPO's call: one set of graphs)
+            self._batch = Batch(plan, sched, s, sampling_mode([r for _, r in self._waiting], "greedy"))
             self._waiting.clear()
+            self._passed.clear()
         else:
-            taken = []
-            while self._waiting and self._batch.sched.fits(self._waiting[0][1]):
-                taken.append(self._waiting.popleft())
-            self._batch.sched.join(taken)
+            self._batch.sched.join(take_fitting(self._waiting, self._batch.sched.fits, self._passed))
 
-    def _intake(self, requests: list[GenRequest], feed: Feed | None) -> dict[int, GenRequest]:
-        """The call's first requests, checked, by ticket (without a feed: the position in `requests`)."""
-        if feed is not None and feed.refill is not None:
-            feed.refill(feed)
-        taken = feed._take(lambda r: True) if feed is not None else list(enumerate(requests))
-        for t, r in taken:
-            check_request(t, r)
-        return dict(taken)
+    def clear(self) -> None:
+        """Forget every added request, running or waiting, without results (after a step raised: the
+        caller answers them); the next add starts a new batch."""
+        self._batch, self._cancel, self.outputs = None, set(), Outputs()
+        self._waiting.clear()
 
-    def _start(self, requests: dict[int, GenRequest], slots: int | None, compile: bool | None, fed: bool,
-               record_routes: bool, keep: bool, on_result) -> tuple[Plan, Scheduler]:
-        """The call's plan, its KV buffers (sized for the requests known now) and its scheduler (`fed`:
-        more requests may join while it runs)."""
+    def _start(self, requests: dict[int, GenRequest], s: BatchSettings) -> tuple[Plan, Scheduler]:
+        """A batch's plan, its KV buffers (sized for the requests known now) and its scheduler."""
         device = self.core.lm_head.weight.device
-        total = sum(r.n for r in requests.values())
-        n_slots = bucket(min(slots or self.max_slots, self.max_slots, self.max_slots if fed else total))
-        if max(r.n for r in requests.values()) > n_slots:
-            raise ValueError(f"a request asks for {max(r.n for r in requests.values())} samples; the engine has "
-                             f"{n_slots} slots (raise slots / max_slots)")
-        if record_routes and self.runner.recorder is None:
-            raise ValueError("record_routes: the model has no mixture-of-experts router to record")
-        self.plan = plan = self._plan(requests, fed, compile, record_routes, device)
+        n_slots = bucket(min(s.slots or self.max_slots, self.max_slots))
+        self.plan = plan = self._plan(requests, s, device)
         kv = kv_dtypes(self.core, self.runner.lm, device)
         prompt_span = max(len(r.prompt.input_ids) for r in requests.values())
         if G := plan.group:  # groups: a step runs a bucket of them (a compiled one at least 2)
@@ -301,11 +310,11 @@ class Engine:
         self.runner.ensure_buffers(rows, LENGTH_BUCKET * math.ceil(need / LENGTH_BUCKET), kv, device, group=G)
         self.stats = GenStats()
         return plan, Scheduler(requests, n_slots, self.runner.cache.length, prompt_span, plan, self.stats,
-                               join_share=self.join_share, max_prefill_tokens=self.max_prefill_tokens,
-                               compact=self.compact, fed=fed, keep=keep, on_result=on_result)
+                               self.outputs.answered, join_share=self.join_share,
+                               max_prefill_tokens=self.max_prefill_tokens, compact=self.compact,
+                               closed=bool(plan.group))
 
-    def _plan(self, requests: dict[int, GenRequest], fed: bool, compile: bool | None, record_routes: bool,
-              device) -> Plan:
+    def _plan(self, requests: dict[int, GenRequest], s: BatchSettings, device) -> Plan:
         graphs = self.graphs_on(device)
         sizes = {r.n for r in requests.values()}
         # before the weights' storage is read below: a first call makes the fused weights views of one buffer
@@ -313,9 +322,10 @@ class Engine:
         return Plan(
             # every request n = G >= 2 samples, all known now (GRPO, eval with n > 1): a GroupCache, each
             # prompt's KV read once per group
-            group=min(sizes) if self.share_prompt and not fed and len(sizes) == 1 and min(sizes) >= 2 else 0,
-            graphs=graphs, compiled=graphs and (compile if compile is not None else self.compile), fusing=fusing,
-            recording=bool(record_routes), weights=hash(tuple(p.data_ptr() for p in self.core.parameters())),
+            group=min(sizes) if s.share_prompt and len(sizes) == 1 and min(sizes) >= 2 else 0,
+            graphs=graphs, compiled=graphs and (s.compile if s.compile is not None else self.compile),
+            fusing=fusing, recording=s.record_routes,
+            weights=hash(tuple(p.data_ptr() for p in self.core.parameters())),
             mask_dtype=kv_dtype(self.runner.lm, device), training=self.core.training, autocast=cuda_autocast())
 
     def _prefill(self, admitted: list[tuple[int, GenRequest, list[int]]], plan: Plan, image_token_id: int,

@@ -19,7 +19,7 @@ import torch
 
 from vlforge.generate.cache import LENGTH_BUCKET
 from vlforge.generate.plan import Plan
-from vlforge.generate.requests import GenRequest, GenResult, GenStats, check_request
+from vlforge.generate.requests import GenRequest, GenResult, GenStats
 from vlforge.generate.runner import Runner
 
 MAX_JOIN_HOLD = 4  # sync points waiting requests are held for a fuller prefill at most (Engine.join_share)
@@ -27,10 +27,10 @@ MAX_JOIN_HOLD = 4  # sync points waiting requests are held for a fuller prefill 
 
 class Scheduler:
     def __init__(self, requests: dict[int, GenRequest], slots: int, length: int, prompt_span: int, plan: Plan,
-                 stats: GenStats, *, join_share: float, max_prefill_tokens: int, compact: bool, fed: bool,
-                 keep: bool, on_result: Callable[[GenResult], None] | None):
-        # by ticket (without a feed: the position in the call's list). A fed call may run as long as requests
-        # come: a request leaves `requests` once prefilled, and `results` holds nothing unless returned
+                 stats: GenStats, answered: Callable[[GenResult], None], *, join_share: float,
+                 max_prefill_tokens: int, compact: bool, closed: bool):
+        # by id; a batch may run as long as requests come: a request leaves `requests` once prefilled
+        # (its images with it), and each result goes to `answered` as its row finishes
         self.requests = requests
         self.queue = deque(requests)
         self.slots, self.length, self.prompt_span, self.plan, self.stats = slots, length, prompt_span, plan, stats
@@ -43,37 +43,24 @@ class Scheduler:
         self.prompt_len: dict[int, int] = {}  # slot -> its prompt's length
         self.join_at = max(1, int(slots * join_share))  # free slots that make a prefill worth it while rows run
         self.held = 0  # sync points the waiting requests have been held for
-        self.max_prefill_tokens, self.compact, self.fed = max_prefill_tokens, compact, fed
-        self.keep, self.on_result = keep, on_result
-        self.results: dict[int, list[GenResult | None]] = {t: [None] * r.n for t, r in requests.items()} if keep else {}
+        self.max_prefill_tokens, self.compact, self.closed = max_prefill_tokens, compact, closed
+        self.answered = answered
 
     @property
     def busy(self) -> bool:
         return bool(self.queue or self.occupant)
 
-    def collect(self) -> list[GenResult]:
-        """The kept results in request order (each request's n samples in turn)."""
-        return [res for per in self.results.values() for res in per]
-
-    def answered(self, res: GenResult) -> None:
-        if self.keep:
-            self.results[res.request][res.sample] = res
-        if self.on_result is not None:
-            self.on_result(res)
-
     # -- admission ------------------------------------------------------------------------------
 
     def fits(self, r: GenRequest) -> bool:
-        """Whether a fed request can join this call: within its KV length and slots."""
-        return len(r.prompt.input_ids) + r.max_new_tokens <= self.length and r.n <= self.slots
+        """Whether a request can join this running batch: it is open to joins (not `closed`: a GroupCache's
+        layout is fixed by the requests it started with) and the request fits its KV length and slots."""
+        return not self.closed and len(r.prompt.input_ids) + r.max_new_tokens <= self.length and r.n <= self.slots
 
     def join(self, taken: list[tuple[int, GenRequest]]) -> None:
-        """Requests taken from a feed join the queue."""
+        """Requests added while the batch runs join its queue."""
         for t, r in taken:
-            check_request(t, r)
             self.requests[t] = r
-            if self.keep:
-                self.results[t] = [None] * r.n
             self.queue.append(t)
 
     def admit(self) -> list[tuple[int, GenRequest, list[int]]]:
@@ -102,9 +89,8 @@ class Scheduler:
         return admitted
 
     def prefilled(self, admitted: list[tuple[int, GenRequest, list[int]]]) -> None:
-        if self.fed:  # a fed call may run as long as requests come: hold no prefilled prompt (images)
-            for i, _, _ in admitted:
-                del self.requests[i]
+        for i, _, _ in admitted:  # the batch may run as long as requests come: it holds no prefilled prompt (images)
+            del self.requests[i]
 
     # -- decoding -------------------------------------------------------------------------------
 
@@ -139,8 +125,8 @@ class Scheduler:
     # -- finishing ------------------------------------------------------------------------------
 
     def finish_early(self, ended: set[int], done: list[int], runner: Runner) -> list[int]:
-        """Requests a feed finished: their rows stop (slots freed at this sync point); those not
-        started yet leave the queue with empty results."""
+        """Cancelled requests: their rows stop (their slots freed with `done`'s); those not started yet
+        leave the queue with empty results."""
         rows = [slot for slot, (t, _) in self.occupant.items() if t in ended and slot not in done]
         if rows:
             runner.stop_rows(rows)
