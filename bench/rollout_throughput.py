@@ -30,6 +30,7 @@ from vlforge.data.encode import Encoder, ImageLimits, collate, encode_prompt
 from vlforge.model.load import load_model
 from vlforge.model.presets import MOE_PRESETS
 from vlforge.model.tiers import apply_plan, build_plan
+from vlforge.generate.engine import Engine
 from vlforge.rollout.groups import generate_groups
 
 from sft_throughput import synthetic_samples
@@ -62,12 +63,13 @@ def main() -> None:
         prompts = collate([encode_prompt(encoder, s) for s in samples], encoder.pad_id, left_pad=True)
     prompts = {k: v.cuda() for k, v in prompts.items()}
     cfg = RolloutConfig(group_size=args.group, max_new_tokens=args.new_tokens, temperature=1.0)
+    engine = Engine(model)  # one engine for both: the measured rollout reuses the warm-up's buffers and graphs
     start = time.perf_counter()
-    generate_groups(model, encoder, prompts, [1] * args.prompts, cfg)  # warm-up at full length
+    generate_groups(engine, encoder, prompts, [1] * args.prompts, cfg)  # warm-up at full length
     torch.cuda.synchronize()
     first_run_s = time.perf_counter() - start
     start = time.perf_counter()
-    rollout = generate_groups(model, encoder, prompts, [1] * args.prompts, cfg)
+    rollout = generate_groups(engine, encoder, prompts, [1] * args.prompts, cfg)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     generated = int(rollout.response_mask.sum())

@@ -65,6 +65,7 @@ class Batch:
     sched: Scheduler
     settings: BatchSettings  # open()'s when it started
     mode: str = "greedy"  # the sampling mode its steps run (raised as requests needing more join)
+    since_sync: int = 0  # decode steps since its last sync point
 
 
 class Outputs:
