@@ -278,18 +278,20 @@ def test_pull_steps_read_back_only_at_sync_points(tiny, shapes_dir):
         return GenRequest(Prompt(x["input_ids"], x.get("pixel_values"), x.get("image_grid_thw")), max_new_tokens=30,
                           min_new_tokens=30)
 
-    engine = Engine(model, sync_every=4)
-    engine.open(stop_ids=[], banned_ids=vision_token_ids(encoder), image_token_id=encoder.image_token_id,
-                pad_id=encoder.pad_id, slots=4)
-    engine.add(request(0))
-    engine.step()  # admits: a sync point
-    per_step = []
-    for k in range(8):
-        if k == 5:
-            engine.add(request(1))  # joins a free slot at this step, which is then a sync point
-        with SyncCounter(model, torch.device("cpu")) as syncs:
+    seen = []
+    with SyncCounter(model, torch.device("cpu")) as syncs:  # the engine's buffers are made inside: seen
+        engine = Engine(model, sync_every=4)
+        engine.open(stop_ids=[], banned_ids=vision_token_ids(encoder), image_token_id=encoder.image_token_id,
+                    pad_id=encoder.pad_id, slots=4)
+        engine.add(request(0))
+        engine.step()  # admits: a sync point
+        for k in range(8):
+            if k == 5:
+                engine.add(request(1))  # joins a free slot at this step, which is then a sync point
+            seen.append(sum(_ours(syncs).values()))
             engine.step()
-        per_step.append(sum(_ours(syncs).values()))
+        seen.append(sum(_ours(syncs).values()))
+    per_step = [b - a for a, b in zip(seen, seen[1:])]
     # the 4th step of the window (k=3) and the join's (k=5) are sync points; every other step reads nothing
     assert [k for k, n in enumerate(per_step) if n] == [3, 5], per_step
 

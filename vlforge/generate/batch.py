@@ -1,9 +1,6 @@
-"""The pull API's running batch and what its steps report, on the host.
-
-A Batch is the requests decoding together under one Plan (its scheduler holds their slots); it lives
-from the step that starts it until it drains. Outputs keeps, by the id Engine.add returned, each
-added request's results until all its rows have finished, and the tokens streamed since the last
-step, and turns them into that step's StepOutputs.
+"""The running batch, on the host: the requests decoding together under one Plan (its scheduler
+holds their slots), from the step that starts it until it drains; the settings it started with;
+and which waiting requests may join it.
 """
 
 from __future__ import annotations
@@ -12,10 +9,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
-import torch
-
 from vlforge.generate.plan import Plan
-from vlforge.generate.requests import GenRequest, GenResult, StepOutput
+from vlforge.generate.requests import GenRequest
 from vlforge.generate.scheduler import Scheduler
 
 
@@ -66,39 +61,3 @@ class Batch:
     settings: BatchSettings  # open()'s when it started
     mode: str = "greedy"  # the sampling mode its steps run (raised as requests needing more join)
     since_sync: int = 0  # decode steps since its last sync point
-
-
-class Outputs:
-    """Each added request's rows' results (until all have finished) and this step's news, by id."""
-
-    def __init__(self):
-        self.results: dict[int, list[GenResult | None]] = {}  # id -> its rows' results (added, not finished)
-        self.new: dict[int, list[list[int]]] = {}  # this step's new tokens: id -> per sample
-        self.finished: list[int] = []  # this step's
-
-    def added(self, id: int, n: int) -> None:
-        self.results[id] = [None] * n
-
-    def streamed(self, id: int, sample: int, ids: list[int]) -> None:
-        self.new.setdefault(id, [[] for _ in self.results[id]])[sample] += ids
-
-    def answered(self, res: GenResult) -> None:
-        per = self.results[res.request]
-        per[res.sample] = res
-        if all(r is not None for r in per):
-            self.finished.append(res.request)
-
-    def unstarted(self, id: int) -> None:
-        """A request that ends before any prefill (cancelled while waiting): empty results."""
-        for s in range(len(self.results[id])):
-            self.answered(GenResult(id, s, torch.zeros(0, dtype=torch.long), torch.zeros(0), False))
-
-    def take(self, cancelled: set[int]) -> list[StepOutput]:
-        """This step's outputs, by id; the finished requests are forgotten."""
-        out = []
-        for id in sorted(set(self.new) | set(self.finished)):
-            new = tuple(tuple(ids) for ids in self.new.get(id, [[] for _ in self.results[id]]))
-            done = tuple(self.results.pop(id)) if id in self.finished else ()
-            out.append(StepOutput(id, new, done, id in cancelled))
-        self.new, self.finished = {}, []
-        return out

@@ -50,10 +50,10 @@ from collections import deque
 
 import torch
 
-from vlforge.generate.batch import Batch, BatchSettings, Outputs, take_fitting
+from vlforge.generate.batch import Batch, BatchSettings, take_fitting
 from vlforge.generate.cache import LENGTH_BUCKET, bucket
 from vlforge.generate.plan import Plan, cuda_autocast, graphs_possible, kv_dtype, kv_dtypes
-from vlforge.generate.requests import GenRequest, GenResult, GenStats, StepOutput, check_request, \
+from vlforge.generate.requests import GenRequest, Outputs, GenResult, GenStats, StepOutput, check_request, \
     sampling_mode
 from vlforge.generate.runner import MAX_STOP_IDS, Runner
 from vlforge.generate.scheduler import Scheduler

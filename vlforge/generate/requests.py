@@ -1,5 +1,6 @@
 """A request's state, from its arrival to its result: what callers hand the engine (Prompt,
-GenRequest), what comes back (StepOutput from Engine.step, GenResult, GenStats), and the per-slot
+GenRequest), what comes back (StepOutput from Engine.step, GenResult, GenStats; Outputs keeps, by
+id, what the added requests produced until a step reports it), and the per-slot
 decode state on the device that a request's rows live in while they decode (SlotState: every
 decode step reads and writes it in place)."""
 
@@ -92,6 +93,42 @@ class StepOutput:
     @property
     def finished(self) -> bool:
         return bool(self.results)
+
+
+class Outputs:
+    """Each added request's rows' results (until all have finished) and this step's news, by id."""
+
+    def __init__(self):
+        self.results: dict[int, list[GenResult | None]] = {}  # id -> its rows' results (added, not finished)
+        self.new: dict[int, list[list[int]]] = {}  # this step's new tokens: id -> per sample
+        self.finished: list[int] = []  # this step's
+
+    def added(self, id: int, n: int) -> None:
+        self.results[id] = [None] * n
+
+    def streamed(self, id: int, sample: int, ids: list[int]) -> None:
+        self.new.setdefault(id, [[] for _ in self.results[id]])[sample] += ids
+
+    def answered(self, res: GenResult) -> None:
+        per = self.results[res.request]
+        per[res.sample] = res
+        if all(r is not None for r in per):
+            self.finished.append(res.request)
+
+    def unstarted(self, id: int) -> None:
+        """A request that ends before any prefill (cancelled while waiting): empty results."""
+        for s in range(len(self.results[id])):
+            self.answered(GenResult(id, s, torch.zeros(0, dtype=torch.long), torch.zeros(0), False))
+
+    def take(self, cancelled: set[int]) -> list[StepOutput]:
+        """This step's outputs, by id; the finished requests are forgotten."""
+        out = []
+        for id in sorted(set(self.new) | set(self.finished)):
+            new = tuple(tuple(ids) for ids in self.new.get(id, [[] for _ in self.results[id]]))
+            done = tuple(self.results.pop(id)) if id in self.finished else ()
+            out.append(StepOutput(id, new, done, id in cancelled))
+        self.new, self.finished = {}, []
+        return out
 
 
 @dataclass

@@ -14,17 +14,13 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import TYPE_CHECKING
 
 import torch
 
 from vlforge.generate.cache import LENGTH_BUCKET
 from vlforge.generate.plan import Plan
-from vlforge.generate.requests import GenRequest, GenResult, GenStats
+from vlforge.generate.requests import GenRequest, GenResult, GenStats, Outputs
 from vlforge.generate.runner import Runner
-
-if TYPE_CHECKING:
-    from vlforge.generate.batch import Outputs
 
 MAX_JOIN_HOLD = 4  # sync points waiting requests are held for a fuller prefill at most (Engine.join_share)
 

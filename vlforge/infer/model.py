@@ -298,14 +298,18 @@ class InferenceModel:
         open/add/step, the requests decoding together (len(requests) slots)."""
         with self.lock:
             self.open(max(1, len(requests)))
-            index = {self.add(r): i for i, r in enumerate(requests)}
             out: dict[int, Completion] = {}
-            while len(out) < len(requests):
-                for o in self.step():
-                    if o.text and on_text is not None:
-                        on_text(index[o.id], o.text)
-                    if o.completion is not None:
-                        out[index[o.id]] = o.completion
+            try:
+                index = {self.add(r): i for i, r in enumerate(requests)}
+                while len(out) < len(requests):
+                    for o in self.step():
+                        if o.text and on_text is not None:
+                            on_text(index[o.id], o.text)
+                        if o.completion is not None:
+                            out[index[o.id]] = o.completion
+            except BaseException:
+                self._drop_all()  # nothing of a failed call stays added
+                raise
             return [out[i] for i in range(len(requests))]
 
     # the pull API (the server's batcher): one thread calls open, add, step and cancel
@@ -349,10 +353,14 @@ class InferenceModel:
             try:
                 outputs = engine.step()
             except BaseException:
-                engine.clear()
-                self._streamer, self._prompt_tokens = BatchStreamer(self), {}
+                self._drop_all()
                 raise
         return [t for o in outputs if (t := self._text_of(o)).text or t.completion is not None]
+
+    def _drop_all(self) -> None:
+        """Forget every added request (the engine's and the answers' bookkeeping)."""
+        self.gen_engine().clear()
+        self._streamer, self._prompt_tokens = BatchStreamer(self), {}
 
     def _text_of(self, o) -> TextOutput:
         streamer = self._streamer
