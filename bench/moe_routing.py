@@ -31,6 +31,7 @@ from dataclasses import replace
 
 import torch
 
+from vlforge.generate.engine import Engine
 from vlforge.config import ModelConfig, RolloutConfig
 from vlforge.data.encode import Encoder, ImageLimits, collate, encode_prompt
 from vlforge.train.moe import Routing, capture, follow
@@ -113,10 +114,12 @@ def main() -> None:
     record = replace(plain, router_replay="record")
     autocast = lambda: torch.autocast(device.type, dtype=dtype)  # noqa: E731  (GRPO's precision policy: bf16)
 
+    engine = Engine(model)  # one for every rollout: its buffers and graphs reused, as GRPO's run does
+
     def rollout(cfg):
         torch.manual_seed(0)  # the same tokens recorded or not: recording changes no number
         with torch.no_grad(), autocast():
-            return generate_groups(model, encoder, prompts, [1] * args.prompts, cfg)
+            return generate_groups(engine, encoder, prompts, [1] * args.prompts, cfg)
 
     first = {name: timed(lambda: rollout(cfg), device) for name, cfg in (("plain", plain), ("record", record))}
     seconds = {"plain": [], "record": []}

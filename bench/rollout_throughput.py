@@ -37,6 +37,7 @@ from vlforge.data.encode import Encoder, ImageLimits, collate, encode_prompt
 from vlforge.model.load import load_model
 from vlforge.model.presets import MOE_PRESETS
 from vlforge.model.tiers import apply_plan, build_plan
+from vlforge.generate.engine import Engine
 from vlforge.rl.correction import mismatch_stats
 from vlforge.rollout.groups import generate_groups
 from vlforge.rollout.logprobs import sequence_logprobs
@@ -74,16 +75,17 @@ def main() -> None:
     prompts = {k: v.cuda() for k, v in prompts.items()}
     cfg = RolloutConfig(group_size=args.group, max_new_tokens=args.new_tokens, temperature=1.0,
                         precision=args.precision)
-    make_s = refresh_rollout_weights(model, cfg).get("rollout/fp8_refresh_s")  # fp8: the copies made
+    engine = Engine(model)  # one engine for both: the measured rollout reuses the warm-up's buffers and graphs
+    make_s = refresh_rollout_weights(engine, cfg).get("rollout/fp8_refresh_s")  # fp8: the copies made
     start = time.perf_counter()
-    with rollout_precision(model, cfg):
-        generate_groups(model, encoder, prompts, [1] * args.prompts, cfg)  # warm-up at full length
+    with rollout_precision(engine, cfg):
+        generate_groups(engine, encoder, prompts, [1] * args.prompts, cfg)  # warm-up at full length
     torch.cuda.synchronize()
     first_run_s = time.perf_counter() - start
-    refresh_s = refresh_rollout_weights(model, cfg).get("rollout/fp8_refresh_s")  # fp8: a GRPO step's refresh
+    refresh_s = refresh_rollout_weights(engine, cfg).get("rollout/fp8_refresh_s")  # fp8: a GRPO step's refresh
     start = time.perf_counter()
-    with rollout_precision(model, cfg):
-        rollout = generate_groups(model, encoder, prompts, [1] * args.prompts, cfg)
+    with rollout_precision(engine, cfg):
+        rollout = generate_groups(engine, encoder, prompts, [1] * args.prompts, cfg)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     generated = int(rollout.response_mask.sum())

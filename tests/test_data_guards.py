@@ -213,6 +213,7 @@ def test_bad_paths_in_video_rows_and_infer_loading_say_what_they_are(bad_paths, 
 
 
 def test_serve_says_a_local_image_path_is_a_directory_or_a_symlink_loop(bad_paths):
+    pytest.importorskip("fastapi", reason="the serve extra: pip install 'vlforge[serve]'")
     from vlforge.serve.config import ServeConfig
     from vlforge.serve.images import ImageLoader
     from vlforge.serve.schema import APIError

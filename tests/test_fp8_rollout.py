@@ -13,9 +13,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from test_grpo import grpo_config
-from vlforge.generate.fp8 import Fp8Projections, fp8_projections, quantize_rows
+from vlforge.generate.fp8 import Fp8Projections, fp8_gemm_problem, fp8_projections, quantize_rows
 from vlforge.model.tiers import unwrap
 from vlforge.recipes import grpo as recipe
+
+# the CPU tests need torch's CPU FP8 GEMM with row-wise scales (torch 2.11's takes per-tensor scales only)
+CPU_PROBLEM = fp8_gemm_problem(torch.device("cpu"))
+cpu_fp8 = pytest.mark.skipif(CPU_PROBLEM is not None, reason=str(CPU_PROBLEM))
 
 
 class CountScaledMM(TorchDispatchMode):
@@ -68,18 +72,19 @@ def run_spied(shapes_dir, tmp_path, name, monkeypatch, *overrides):
         captured["t"] = setup(c, **kwargs)
         return captured["t"]
 
-    def observed_groups(model, *args, **kwargs):
+    def observed_groups(engine, *args, **kwargs):
         calls = []  # the language model's forwards: the prefill and every decode step
-        hook = unwrap(model).model.language_model.layers[0].register_forward_pre_hook(lambda *_: calls.append(1))
+        hook = engine.core.model.language_model.layers[0].register_forward_pre_hook(lambda *_: calls.append(1))
         with CountScaledMM() as counted:
-            rollout = real_groups(model, *args, **kwargs)
+            rollout = real_groups(engine, *args, **kwargs)
         hook.remove()
         rounds[-1].update(scaled_mm=counted.count, forwards=len(calls), rollout=rollout)
         return rollout
 
     def observed_round(t, *args, **kwargs):
         before = {n: p.detach().clone() for n, p in t.model.named_parameters()}
-        copies = fp8_projections(t.model, made=False)
+        engine = kwargs.get("engine", args[6] if len(args) > 6 else None)  # the run's (collect passes it)
+        copies = fp8_projections(engine, made=False)
         record = {"before": before, "fresh": None if copies is None else all(
             torch.equal(copies.copy_of(m), dequantized(merged_weight(m))) for _, m in projections(unwrap(t.model)))}
         rounds.append(record)
@@ -98,6 +103,7 @@ def run_spied(shapes_dir, tmp_path, name, monkeypatch, *overrides):
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
+@cpu_fp8
 def test_an_fp8_rollout_runs_the_projections_as_fp8_gemms_and_leaves_the_trainer_untouched(
         shapes_dir, tmp_path, monkeypatch, precision):
     """fp8: the rollout's prefill and decode steps run 4 FP8 GEMMs a decoder layer a forward (q/k/v
@@ -123,6 +129,7 @@ def test_an_fp8_rollout_runs_the_projections_as_fp8_gemms_and_leaves_the_trainer
     assert torch.isfinite(logp).all() and (logp <= 0).all()
 
 
+@cpu_fp8
 def test_each_rollouts_fp8_copies_are_made_from_the_weights_of_that_step(shapes_dir, tmp_path, monkeypatch):
     """Two steps of full fine-tuning: each step's rollout reads FP8 copies equal to the quantized weights
     the trainer has then (the second step's: after the first optimizer step, which moved them), and
@@ -138,6 +145,7 @@ def test_each_rollouts_fp8_copies_are_made_from_the_weights_of_that_step(shapes_
 
 
 @pytest.mark.parametrize("method,extra", [("lora", []), ("full", []), ("full", ["precision.mode=bf16"])])
+@cpu_fp8
 def test_a_grpo_step_with_fp8_rollouts_reports_a_small_mismatch_and_trains_exactly_the_trainable_params(
         shapes_dir, tmp_path, monkeypatch, method, extra):
     """rollout.precision=fp8 with the trainer's old log-probs and TIS: rollout/k3_kl between the FP8
@@ -157,6 +165,7 @@ def test_a_grpo_step_with_fp8_rollouts_reports_a_small_mismatch_and_trains_exact
         assert changed == p.requires_grad, f"{n}: trainable={p.requires_grad} changed={changed}"
 
 
+@cpu_fp8
 def test_a_lora_layers_fp8_copy_is_the_quantized_merged_weight(tiny):
     """Every LoRA layer's FP8 copy is quantize(W + scale * B @ A) (B made non-zero: at init the delta is
     0), not quantize(W); a forward on the copies is close to the merged model's; the adapters and the
@@ -191,6 +200,7 @@ def test_a_lora_layers_fp8_copy_is_the_quantized_merged_weight(tiny):
         assert torch.equal(p, before[n]) and p.requires_grad == ("lora_" in n), n
 
 
+@cpu_fp8
 def test_moe_experts_keep_their_weights_and_the_attention_runs_in_fp8(tiny_moe):
     """On a mixture-of-experts model the copies cover each layer's attention projections (2 groups a
     layer: q/k/v and o); the fused expert stacks and the routers are not copied."""
@@ -206,6 +216,7 @@ def test_moe_experts_keep_their_weights_and_the_attention_runs_in_fp8(tiny_moe):
     assert counted.count == 2 * len(layers)
 
 
+@cpu_fp8
 def test_the_compiled_decode_step_runs_the_fp8_copies(tiny, shapes_dir, monkeypatch):
     """The engine's compiled step (torch.compile, as rollout.compile runs it on CUDA; here the aot_eager
     backend on the CPU) traces the FP8 groups: the tokens and log-probs of the eager FP8 steps, which
@@ -228,8 +239,7 @@ def test_the_compiled_decode_step_runs_the_fp8_copies(tiny, shapes_dir, monkeypa
     copies = Fp8Projections(model)
 
     def run(engine, fp8: bool, compile: bool = False):
-        monkeypatch.setitem(engines._ENGINES, model, engine)  # the engine decoding_in_fp8 switches
-        with decoding_in_fp8(model, copies) if fp8 else nullcontext():
+        with decoding_in_fp8(engine, copies) if fp8 else nullcontext():
             return engine.generate(requests, stop_ids=[], banned_ids=vision_token_ids(enc),
                                    image_token_id=enc.image_token_id, pad_id=enc.pad_id, compile=compile)
 
@@ -252,15 +262,17 @@ def rollout_mismatch(model, data, precision: str, prompts: int = 4, group: int =
     from vlforge.rl.correction import mismatch_stats
     from vlforge.rollout.groups import generate_groups
     from vlforge.rollout.logprobs import sequence_logprobs
+    from vlforge.generate.engine import Engine
     from vlforge.rollout.precision import rollout_precision
 
     device = next(model.parameters()).device
+    engine = Engine(model)
     cfg = RolloutConfig(group_size=group, max_new_tokens=tokens, temperature=1.0, compile=False, precision=precision)
     encoded = [encode_prompt(data.encoder, s) for s in data.samples[:prompts]]
     batch = {k: v.to(device) for k, v in collate(encoded, data.encoder.pad_id, left_pad=True).items()}
     with torch.no_grad():
-        with rollout_precision(model, cfg):
-            rollout = generate_groups(model, data.encoder, batch, [visuals_per_prompt(x) for x in encoded], cfg,
+        with rollout_precision(engine, cfg):
+            rollout = generate_groups(engine, data.encoder, batch, [visuals_per_prompt(x) for x in encoded], cfg,
                                       seed=3)
         logp, _ = sequence_logprobs(model, rollout, cfg.temperature)
     stats = mismatch_stats(logp.float(), rollout.logprobs.float(), rollout.response_mask)
@@ -288,3 +300,17 @@ def test_fp8_rollouts_of_the_2b_architecture_stay_within_a_kl_of_the_trainers_lo
     bf16, fp8 = rollout_mismatch(model, data, "bf16"), rollout_mismatch(model, data, "fp8")
     print(f"2B k3 KL rollout vs trainer: bf16 {bf16:.3g}, fp8 {fp8:.3g}")  # -s shows the numbers for docs
     assert bf16 < fp8 < 0.1
+
+
+def test_fp8_rollouts_are_refused_before_loading_where_no_fp8_gemm_runs(shapes_dir, tmp_path, monkeypatch):
+    """Where torch has no row-wise FP8 GEMM for the run's device (a GPU below compute capability 8.9, a
+    CPU build whose kernel takes per-tensor scales only), rollout.precision=fp8 is refused with the reason
+    before the model loads."""
+    from vlforge.config import ConfigError
+
+    loaded = []
+    monkeypatch.setattr(recipe, "fp8_gemm_problem", lambda device: f"no FP8 GEMM on the {device.type}")
+    monkeypatch.setattr(recipe, "setup_model", lambda *a, **k: loaded.append(1))
+    with pytest.raises(ConfigError, match="no FP8 GEMM on the cpu"):
+        recipe.run_grpo(grpo_config(shapes_dir, tmp_path / "run", tmp_path, "rollout.precision=fp8"))
+    assert not loaded

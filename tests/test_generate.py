@@ -9,10 +9,10 @@ import torch
 from vlforge.config import DataConfig, RolloutConfig
 from vlforge.data.dataset import load_dataset
 from vlforge.data.encode import collate, encode_prompt
-from vlforge.generate.engine import Engine, engine_for
+from vlforge.generate.engine import Engine
 from vlforge.generate.forward import never_generated, vision_token_ids
 from vlforge.generate.prefill import pixel_dtype
-from vlforge.generate.requests import Feed, GenRequest, Prompt
+from vlforge.generate.requests import GenRequest, Prompt
 from vlforge.generate.sampling import _first_above, inverse_cdf, row_key, sample, unit_interval
 from vlforge.rollout.groups import generate_groups
 from vlforge.rollout.logprobs import sequence_logprobs
@@ -178,10 +178,14 @@ def test_joins_wait_for_a_share_of_the_slots_and_change_no_token(setup):
     model, encoder, samples = setup
 
     def finish_steps(requests, share):  # each request's step count when its result came back
-        engine, at = Engine(model, sync_every=1, join_share=share), {}
-        results = run(engine, encoder, requests, slots=8, stop_ids=[],
-                      on_result=lambda r: at.setdefault(r.request, engine.stats.steps))
-        return engine, results, [at[i] for i in range(len(requests))]
+        engine, at, results = Engine(model, sync_every=1, join_share=share), {}, {}
+        open_pull(engine, encoder, slots=8, stop_ids=[])
+        ids = [engine.add(r) for r in requests]
+        while len(results) < len(ids):
+            for o in engine.step():
+                if o.finished:
+                    at[o.id], results[o.id] = engine.stats.steps, o.results[0]
+        return engine, [results[i] for i in ids], [at[i] for i in ids]
 
     def requests_of(lengths):
         return [GenRequest(prompt_of(encoder, samples[i % len(samples)]), max_new_tokens=n, first_row=i)
@@ -207,16 +211,20 @@ def test_joins_wait_for_a_share_of_the_slots_and_change_no_token(setup):
 
 def test_results_stream_and_seeds_reproduce(setup):
     model, encoder, samples = setup
-    engine = engine_for(model)
+    engine = Engine(model)
     prompt = prompt_of(encoder, samples[0])
     req = GenRequest(prompt, n=4, max_new_tokens=10, temperature=1.0, seed=3)
-    streamed, pieces = [], {}
-    first = run(engine, encoder, [req], on_result=streamed.append,
-                on_tokens=lambda i, s, ids: pieces.setdefault((i, s), []).append(ids))
-    assert sorted((r.request, r.sample) for r in streamed) == [(0, s) for s in range(4)]
-    assert all(torch.equal(a.tokens, b.tokens) for a, b in zip(sorted(streamed, key=lambda r: r.sample), first))
-    assert max(len(p) for p in pieces.values()) > 1  # streamed over several sync points
-    assert all(sum(pieces[(0, r.sample)], []) == r.tokens.tolist() for r in first)
+    first = run(engine, encoder, [req])
+    assert [(r.request, r.sample) for r in first] == [(0, s) for s in range(4)]
+    open_pull(engine, encoder)
+    id, pieces, streamed = engine.add(req), [], None
+    while streamed is None:
+        for o in engine.step():
+            pieces.append(o.new_tokens)
+            streamed = o.results if o.finished else None
+    assert len([p for p in pieces if any(p)]) > 1  # streamed over several sync points
+    assert all(sum((list(p[r.sample]) for p in pieces), []) == r.tokens.tolist() for r in first)
+    assert all(torch.equal(a.tokens, b.tokens) for a, b in zip(streamed, first))
     again = run(engine, encoder, [req])
     assert all(torch.equal(a.tokens, b.tokens) for a, b in zip(first, again))
     assert len({tuple(r.tokens.tolist()) for r in first}) > 1  # the 4 samples differ
@@ -228,8 +236,9 @@ def test_rollout_logprobs_with_filters_match_trainer(setup):
     model, encoder, samples = setup
     prompts = collate([encode_prompt(encoder, samples[i]) for i in range(3)], encoder.pad_id, left_pad=True)
     cfg = RolloutConfig(group_size=3, max_new_tokens=10, temperature=0.8, top_k=40, top_p=0.8)
-    rollout = generate_groups(model, encoder, prompts, [1, 1, 1], cfg)
-    assert engine_for(model).plan.group == 3  # GRPO's groups decode on GroupCache (one copy of each prompt's KV)
+    engine = Engine(model)
+    rollout = generate_groups(engine, encoder, prompts, [1, 1, 1], cfg)
+    assert engine.plan.group == 3  # GRPO's groups decode on GroupCache (one copy of each prompt's KV)
     with torch.no_grad():
         logp, _ = sequence_logprobs(model, rollout, cfg.temperature)
     mask = rollout.response_mask.bool()
@@ -246,11 +255,12 @@ def test_rollout_through_fewer_slots_samples_the_same_tokens(setup):
     model, encoder, samples = setup
     prompts = collate([encode_prompt(encoder, samples[i]) for i in range(4)], encoder.pad_id, left_pad=True)
     cfg = RolloutConfig(group_size=2, max_new_tokens=12, temperature=1.0, top_k=20)
-    at_once = generate_groups(model, encoder, prompts, [1] * 4, cfg, seed=11)
-    assert engine_for(model).stats.prefills == 1
+    engine = Engine(model)
+    at_once = generate_groups(engine, encoder, prompts, [1] * 4, cfg, seed=11)
+    assert engine.stats.prefills == 1
     cfg.max_slots = 2
-    queued = generate_groups(model, encoder, prompts, [1] * 4, cfg, seed=11)
-    assert engine_for(model).stats.prefills == 4  # one pair at a time
+    queued = generate_groups(engine, encoder, prompts, [1] * 4, cfg, seed=11)
+    assert engine.stats.prefills == 4  # one pair at a time
     assert torch.equal(queued.response_ids, at_once.response_ids)
     assert torch.equal(queued.response_mask, at_once.response_mask)
     torch.testing.assert_close(queued.logprobs, at_once.logprobs, atol=1e-5, rtol=1e-5)
@@ -264,7 +274,7 @@ def test_greedy_rollout_equals_transformers_generate(setup):
     model, encoder, samples = setup
     prompts = collate([encode_prompt(encoder, samples[i]) for i in range(3)], encoder.pad_id, left_pad=True)
     cfg = RolloutConfig(temperature=0.0, max_new_tokens=8)
-    ours = generate_groups(model, encoder, prompts, [1, 1, 1], cfg)
+    ours = generate_groups(Engine(model), encoder, prompts, [1, 1, 1], cfg)
     with torch.no_grad():
         out = model.generate(**prompts, max_new_tokens=8, do_sample=False, pad_token_id=encoder.pad_id,
                              eos_token_id=encoder.end_ids, suppress_tokens=never_generated(encoder, model))
@@ -436,54 +446,59 @@ def test_cuda_graph_grouped_decode_equals_eager_copies(setup, compiled):
         torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-4, rtol=1e-4)
 
 
-def test_feed_joins_a_running_generate_and_finish_frees_the_slot(setup):
-    """Requests put on a Feed while a generate runs join at a sync point and get the tokens they get
-    alone; a finished (cancelled) request leaves at the next sync point; min_new_tokens holds
-    the stop ids back; a greedy row keeps its tokens when a sampled request joins."""
+def test_requests_added_while_a_batch_runs_join_it_and_cancel_frees_the_slot(setup):
+    """Requests added while one decodes join its batch and get the tokens they get alone; a cancelled
+    one leaves at the next step with a prefix of its tokens; min_new_tokens holds the stop ids back;
+    a greedy row keeps its tokens when a sampled request joins; a request too long for the running
+    batch waits for the next one while a later short one passes it."""
     model, encoder, samples = setup
     engine = Engine(model, sync_every=2)
     reqs = [GenRequest(prompt_of(encoder, samples[0]), max_new_tokens=24, min_new_tokens=24),
             GenRequest(prompt_of(encoder, samples[1]), max_new_tokens=3),
             GenRequest(prompt_of(encoder, samples[2]), max_new_tokens=10, temperature=1.0, seed=5),
-            GenRequest(prompt_of(encoder, samples[3]), max_new_tokens=24, min_new_tokens=24)]
-    alone = [run(engine, encoder, [r])[0].tokens for r in reqs]
+            GenRequest(prompt_of(encoder, samples[3]), max_new_tokens=24, min_new_tokens=24),
+            GenRequest(prompt_of(encoder, samples[4]), max_new_tokens=300),  # longer than the running batch's KV
+            GenRequest(prompt_of(encoder, samples[5]), max_new_tokens=4)]
+    alone = [run(engine, encoder, [r], stop_ids=[] if i == 4 else encoder.end_ids)[0].tokens
+             for i, r in enumerate(reqs)]
     assert len(alone[0]) == 24  # min_new_tokens: no stop before 24
-    fed, syncs = [], []
-
-    def refill(feed):  # at sync points: the others arrive while request 0 decodes; 3 is cancelled
-        syncs.append(1)
-        if len(syncs) == 2:
-            fed.extend(feed.put(r) for r in reqs[1:])
-        if len(syncs) == 6:
-            feed.finish(fed[2])
-
-    feed = Feed(refill)
-    feed.put(reqs[0])
-    got = []
-    # with a feed, results go to on_result only (a fed call keeps none of them)
-    assert run(engine, encoder, [], feed=feed, slots=4, on_result=got.append) == []
-    order = [r.request for r in got]
-    by_ticket = {r.request: r for r in got}
-    assert fed == [1, 2, 3]
-    for t in (0, 1, 2):
-        assert torch.equal(by_ticket[t].tokens, alone[t]), t
-    assert 0 < len(by_ticket[3].tokens) < 24  # cancelled mid-answer: its slot was freed early
-    assert order.index(1) < order.index(0)  # the short request, joined late, finished first
-    assert feed.pending() == 0 and run(engine, encoder, [], feed=feed) == []
+    open_pull(engine, encoder, slots=4)
+    ids, done, order, batches = [engine.add(reqs[0])], {}, [], set()
+    for step in range(400):
+        if step == 2:
+            ids += [engine.add(r) for r in reqs[1:]]
+        if step == 6:
+            engine.cancel(ids[3])
+        batches.add(id(engine._batch))
+        for o in engine.step():
+            if o.finished:
+                done[o.id] = o.results[0]
+                order.append(o.id)
+        if len(done) == len(ids) == len(reqs):
+            break
+    for i in (0, 1, 2, 5):
+        assert torch.equal(done[ids[i]].tokens, alone[i]), i
+    assert 0 < len(done[ids[3]].tokens) < 24 and torch.equal(done[ids[3]].tokens, alone[3][:len(done[ids[3]].tokens)])
+    assert order.index(ids[1]) < order.index(ids[0])  # the short request, added late, finished first
+    assert order.index(ids[5]) < order.index(ids[0]) < order.index(ids[4])  # 5 passed 4, which waited for a batch
+    assert done[ids[4]].tokens.tolist() == alone[4][:len(done[ids[4]].tokens)].tolist()
 
 
-def test_a_feed_lets_finished_requests_leave_even_behind_a_blocker_that_has_waited_its_turn():
-    """Once a too-long request has been passed max_passed times, nothing more is taken (the running
-    rows drain for it), except requests already finished (their clients left): they leave at once."""
-    feed = Feed(max_passed=1)
-    long, short, gone, later = (feed.put(GenRequest(None, max_new_tokens=n)) for n in (500, 5, 6, 7))
-    fits = lambda r: r.max_new_tokens < 100  # noqa: E731
-    assert [t for t, _ in feed._take(fits)] == [short, gone, later]  # the long one passed once
-    again = feed.put(GenRequest(None, max_new_tokens=8))
-    gone2 = feed.put(GenRequest(None, max_new_tokens=9))
-    feed.finish(gone2)
-    assert [t for t, _ in feed._take(fits)] == [gone2]  # the blocker's turn: only the finished one leaves
-    assert [t for t, _ in feed._new] == [long, again]
+def test_a_request_that_does_not_fit_is_passed_only_max_passed_times():
+    """take_fitting: later requests that fit join past one that does not, until it has been passed
+    MAX_PASSED times; then nothing joins (the batch drains for it)."""
+    from collections import deque
+
+    from vlforge.generate.batch import MAX_PASSED, take_fitting
+
+    waiting, passed = deque([(0, 500), (1, 5), (2, 6)]), {}
+    fits = lambda r: r < 100  # noqa: E731
+    assert take_fitting(waiting, fits, passed) == [(1, 5), (2, 6)] and list(waiting) == [(0, 500)]
+    for k in range(MAX_PASSED):
+        waiting.append((10 + k, 7))
+        assert take_fitting(waiting, fits, passed) == [(10 + k, 7)]
+    waiting.append((99, 8))
+    assert take_fitting(waiting, fits, passed) == [] and list(waiting) == [(0, 500), (99, 8)]
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
@@ -500,17 +515,15 @@ def test_compaction_moves_the_tail_into_a_smaller_bucket_without_changing_tokens
         outs = {}
         for compact in (False, True):
             engine = Engine(model, sync_every=2, compact=compact)
-            pieces = {}
-            results = run(engine, encoder, requests, stop_ids=[],
-                          on_tokens=lambda i, s, ids: pieces.setdefault(i, []).extend(ids))
-            outs[compact] = (results, pieces, copy.copy(engine.stats))
-        (plain, plain_pieces, plain_stats), (moved, moved_pieces, moved_stats) = outs[False], outs[True]
+            open_pull(engine, encoder, stop_ids=[])
+            results = pull_all(engine, requests)  # checks each row's streamed tokens against its result
+            outs[compact] = (results, copy.copy(engine.stats))
+        (plain, plain_stats), (moved, moved_stats) = outs[False], outs[True]
         assert plain_stats.compactions == 0 and moved_stats.compactions == 1
         assert moved_stats.row_steps < plain_stats.row_steps / 2  # the tail ran 1 row a step, not 8
         for a, b in zip(plain, moved):
             assert torch.equal(a.tokens, b.tokens), temperature
             torch.testing.assert_close(a.logprobs, b.logprobs, atol=1e-6, rtol=1e-6)
-        assert moved_pieces == plain_pieces
         assert [len(r.tokens) for r in moved] == [3] * 7 + [20]
 
 
@@ -550,36 +563,35 @@ def test_greedy_equals_transformers_generate_on_a_saved_2b_architecture(shapes_d
     assert torch.equal(torch.stack([r.tokens for r in results]), reference)
 
 
-def test_compaction_with_a_feed_joining_and_finishing_moved_rows(setup):
-    """A fed call: the long request's pair is moved from slots 2-3 to 0-1 when the short pair ends;
-    a request fed after that joins the freed slots and gets its tokens alone; finishing the moved
-    request ends its rows at the next sync point with a prefix of its tokens alone."""
+def test_compaction_with_requests_joining_and_cancelling_moved_rows(setup):
+    """The long request's pair is moved from slots 2-3 to 0-1 when the short pair ends; a request added
+    after that joins the freed slots and gets its tokens alone; cancelling the moved request ends its
+    rows at the next step with a prefix of its tokens alone."""
     model, encoder, samples = setup
     engine = Engine(model, sync_every=2)
     short, long, late = (GenRequest(prompt_of(encoder, samples[i]), n=2, max_new_tokens=m, temperature=1.0, seed=9)
                          for i, m in ((0, 3), (1, 30), (2, 6)))
     alone = {name: run(engine, encoder, [r], stop_ids=[]) for name, r in
              (("short", short), ("long", long), ("late", late))}
-    syncs, tickets = [], {}
-
-    def refill(feed):
-        syncs.append(engine.stats.compactions)
-        if len(syncs) == 4:
-            tickets["late"] = feed.put(late)
-        if len(syncs) == 8:
-            feed.finish(tickets["long"])
-
-    feed = Feed(refill)
-    tickets["short"], tickets["long"] = feed.put(short), feed.put(long)
-    got = []
-    run(engine, encoder, [], feed=feed, slots=4, on_result=got.append, stop_ids=[])
-    assert syncs[3] >= 1  # moved before the late request was fed
-    by = {(r.request, r.sample): r for r in got}
+    open_pull(engine, encoder, slots=4, stop_ids=[])
+    ids = {"short": engine.add(short), "long": engine.add(long)}
+    by, compactions = {}, []
+    for step in range(100):
+        if step == 6:
+            ids["late"] = engine.add(late)
+        if step == 14:
+            engine.cancel(ids["long"])
+        for o in engine.step():
+            by.update({(o.id, r.sample): r for r in o.results})
+        compactions.append(engine.stats.compactions)
+        if len(by) == 6:
+            break
+    assert compactions[5] >= 1  # moved before the late request was added
     for name in ("short", "late"):
         for s in range(2):
-            assert torch.equal(by[tickets[name], s].tokens, alone[name][s].tokens), name
+            assert torch.equal(by[ids[name], s].tokens, alone[name][s].tokens), name
     for s in range(2):
-        cut = by[tickets["long"], s].tokens
+        cut = by[ids["long"], s].tokens
         assert 0 < len(cut) < 30 and torch.equal(cut, alone["long"][s].tokens[:len(cut)])
 
 
@@ -628,28 +640,38 @@ def test_add_step_gives_the_tokens_and_logprobs_of_generate(setup):
 
 
 def test_a_request_added_while_others_decode_decodes_at_the_next_step(setup):
-    """A request added while 8 others decode (slots free) has its first tokens within 2 steps, and the
-    batch it joins is the running one (no drain: the 8 are still decoding)."""
+    """Admission at the next step, not the next sync point: a request added while 8 others decode,
+    between two sync points (sync_every=8, 3 steps into the window), with slots free, is prefilled and
+    decoding within ONE step() (one decode step), which reports its first tokens; the 8 keep decoding
+    in the same batch (no drain). Its tokens are the ones it gets alone."""
     model, encoder, samples = setup
-    engine = Engine(model, sync_every=4)
+    engine = Engine(model, sync_every=8)
+    late_request = GenRequest(prompt_of(encoder, samples[5]), max_new_tokens=8, temperature=1.0, seed=3)
+    [alone] = run(engine, encoder, [late_request], stop_ids=[])
     open_pull(engine, encoder, slots=16, stop_ids=[])
     running = [engine.add(GenRequest(prompt_of(encoder, samples[i % 4]), max_new_tokens=40)) for i in range(8)]
-    for _ in range(2):
-        assert {o.id for o in engine.step() if not o.finished} == set(running)
-    late = engine.add(GenRequest(prompt_of(encoder, samples[5]), max_new_tokens=8, temperature=1.0, seed=3))
-    first = None
-    for step in range(1, 3):
+    engine.step()  # admits the 8 (a step that admits is a sync point: their first tokens)
+    for _ in range(3):
+        assert engine.step() == []  # between sync points: nothing read back, nothing reported
+    steps, batch = engine.stats.steps, engine._batch
+    late = engine.add(late_request)
+    calls, streamed = 0, []
+    while not streamed:
         outputs = {o.id: o for o in engine.step()}
-        assert set(running) <= set(outputs) and not any(outputs[i].finished for i in running)
-        if late in outputs and outputs[late].new_tokens[0]:
-            first = step
-            break
-    assert first == 1  # admitted, prefilled and decoded in the step after it was added
+        calls += 1
+        streamed = list(outputs[late].new_tokens[0]) if late in outputs else []
+    assert calls == 1 and engine.stats.steps - steps == 1  # one step() call, one decode step
+    assert engine._batch is batch and not any(o.finished for i, o in outputs.items() if i in running)
+    assert streamed == alone.tokens[:2].tolist()  # the prefill's token and the step's
+    done = []
+    while not done:
+        done = [o for o in engine.step() if o.id == late and o.finished]
+    assert done[0].results[0].tokens.tolist() == alone.tokens.tolist()
 
 
 def test_cancel_frees_the_slots_at_the_next_step(setup):
     """cancel(id) of a running request: at the next step its rows leave (result: the tokens streamed so
-    far, stopped=False, as a Feed.finish'ed request's in generate), a waiting request takes its slot in
+    far, stopped=False), a waiting request takes its slot in
     that step; cancel of a request still waiting: empty results, never prefilled."""
     model, encoder, samples = setup
     engine = Engine(model, sync_every=2)
@@ -663,7 +685,7 @@ def test_cancel_frees_the_slots_at_the_next_step(setup):
     second = {o.id: o for o in engine.step()}
     assert second[a].cancelled and second[a].finished and not second[a].new_tokens[0]
     [res] = second[a].results
-    assert res.tokens.tolist() == list(first[a].new_tokens[0]) and not res.stopped and len(res.tokens) == 3
+    assert res.tokens.tolist() == list(first[a].new_tokens[0]) and not res.stopped and len(res.tokens) == 2
     assert second[d].cancelled and [len(r.tokens) for r in second[d].results] == [0]
     assert second[c].new_tokens[0] and not second[c].finished  # took a's slot in this same step
     assert [slot for slot, (t, _) in engine._batch.sched.occupant.items() if t == c] == slot_of_a

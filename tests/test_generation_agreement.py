@@ -10,6 +10,7 @@ from collections import Counter
 
 import torch
 
+from vlforge.generate.engine import Engine
 from vlforge.config import DataConfig, PrecisionConfig
 from vlforge.data.dataset import load_dataset
 from vlforge.data.encode import collate, encode_prompt
@@ -100,7 +101,7 @@ def test_eval_serve_and_rollouts_never_generate_the_same_tokens(tiny, shapes_dir
     for answer in answers:
         assert not banned & set(tok(answer, add_special_tokens=False)["input_ids"])
     prompts = collate([encode_prompt(encoder, s) for s in samples], encoder.pad_id, left_pad=True)
-    rollout = generate_groups(model, encoder, prompts, [1] * len(samples),
+    rollout = generate_groups(Engine(model), encoder, prompts, [1] * len(samples),
                               RolloutConfig(group_size=2, temperature=0.0, max_new_tokens=8))
     assert banned <= set(rollout.banned_ids)
     assert not banned & set(rollout.response_ids[rollout.response_mask.bool()].tolist())

@@ -184,15 +184,19 @@ def test_grpo_resume_equals_uninterrupted(shapes_dir, tmp_path):
 def test_rollout_keep_kv_frees_the_kv_slots_before_each_update(shapes_dir, tmp_path, monkeypatch, keep):
     """rollout.keep_kv=false: every update runs with the engine's KV slots freed (the next rollout
     allocates them again) and the run is the same as with them kept; true: they stay allocated."""
-    from vlforge.generate.engine import engine_for
     from vlforge.recipes import grpo as recipe
 
-    held, real = [], recipe.update
+    held, engines, real, real_collect = [], [], recipe.update, recipe.collect
+
+    def collect(*args, engine, **kwargs):  # a spy: the run's engine (run_grpo owns it)
+        engines.append(engine)
+        return real_collect(*args, engine=engine, **kwargs)
 
     def update(t, *args, **kwargs):  # a spy: the real update, noting the engine's buffers
-        held.append(engine_for(t.model).runner.cache is not None)
+        held.append(engines[-1].runner.cache is not None)
         return real(t, *args, **kwargs)
 
+    monkeypatch.setattr(recipe, "collect", collect)
     monkeypatch.setattr(recipe, "update", update)
     common = ["tiers.method=lora", "rl.kl_beta=0.0", "train.max_steps=2"]
     run_grpo(grpo_config(shapes_dir, tmp_path / "run", tmp_path, *common, f"rollout.keep_kv={str(keep).lower()}"))

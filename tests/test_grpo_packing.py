@@ -13,6 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from vlforge.generate.engine import Engine
 from vlforge.config import ConfigError, DataConfig, GRPOConfig, ModelConfig, RolloutConfig, SFTConfig, load_config
 from vlforge.data.dataset import load_dataset
 from vlforge.data.encode import collate, encode_prompt
@@ -38,7 +39,7 @@ def mixed_rollout(model, processor, path):
     prompts = collate([encode_prompt(data.encoder, s) for s in data.samples], data.encoder.pad_id, left_pad=True)
     assert len(set(prompts["attention_mask"].sum(1).tolist())) == 5  # unequal prompt lengths
     torch.manual_seed(0)
-    rollout = generate_groups(model, data.encoder, prompts, IMAGES_PER_PROMPT,
+    rollout = generate_groups(Engine(model), data.encoder, prompts, IMAGES_PER_PROMPT,
                               RolloutConfig(group_size=2, max_new_tokens=6, temperature=1.0))
     assert rollout.response_ids.shape == (10, 6)
     for n, length in enumerate(RESPONSE_LENGTHS):

@@ -253,6 +253,48 @@ def test_generation_prefill_reads_no_device_tensor_on_the_host(tiny, shapes_dir)
     assert counts[0] == counts[1]  # nothing per prompt
 
 
+def test_pull_steps_read_back_only_at_sync_points(tiny, shapes_dir):
+    """Engine.step: a decode step between sync points reads nothing back (rows leave at sync points;
+    a request added between steps takes a slot the host knows is free, no read needed); the steps
+    that are sync points (every sync_every, and one that admitted a request) read the alive flags and
+    copy the new tokens."""
+    import copy
+
+    from vlforge.config import DataConfig
+    from vlforge.data.dataset import load_dataset
+    from vlforge.data.encode import encode_prompt
+    from vlforge.generate.engine import Engine
+    from vlforge.generate.forward import vision_token_ids
+    from vlforge.generate.requests import GenRequest, Prompt
+
+    model, processor = tiny
+    model = copy.deepcopy(model).eval()
+    data = load_dataset(str(shapes_dir / "train.jsonl"), processor, DataConfig())
+    encoder = data.encoder
+
+    def request(i):
+        x = encode_prompt(encoder, data.samples[i])
+        return GenRequest(Prompt(x["input_ids"], x.get("pixel_values"), x.get("image_grid_thw")), max_new_tokens=30,
+                          min_new_tokens=30)
+
+    seen = []
+    with SyncCounter(model, torch.device("cpu")) as syncs:  # the engine's buffers are made inside: seen
+        engine = Engine(model, sync_every=4)
+        engine.open(stop_ids=[], banned_ids=vision_token_ids(encoder), image_token_id=encoder.image_token_id,
+                    pad_id=encoder.pad_id, slots=4)
+        engine.add(request(0))
+        engine.step()  # admits: a sync point
+        for k in range(8):
+            if k == 5:
+                engine.add(request(1))  # joins a free slot at this step, which is then a sync point
+            seen.append(sum(_ours(syncs).values()))
+            engine.step()
+        seen.append(sum(_ours(syncs).values()))
+    per_step = [b - a for a, b in zip(seen, seen[1:])]
+    # the 4th step of the window (k=3) and the join's (k=5) are sync points; every other step reads nothing
+    assert [k for k, n in enumerate(per_step) if n] == [3, 5], per_step
+
+
 @pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
 def test_grpo_update_forward_reads_no_device_value(tiny, prompts_jsonl, packing):
     """GRPO's log-prob forward (rollout/logprobs.sequence_logprobs: the update's and the KL reference's)

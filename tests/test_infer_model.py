@@ -210,6 +210,30 @@ def test_serve_captures_cuda_graphs_only_for_quantized_weights_verified_to_repla
         assert c.prompt_tokens == e.prompt_tokens(r)
 
 
+def drive(vlm, first, on_done, more=None, slots=4, on_error=None):
+    """The server's loop over the pull API (serve/batcher.py's shape, without HTTP): add `first`, then
+    step; after each step, whatever `more()` returns is added (a request that cannot be prepared goes
+    to `on_error`); `on_done(request, completion)` as each finishes. Returns when nothing runs."""
+    vlm.open(slots)
+    live = {}
+
+    def add(requests):
+        for r in requests:
+            try:
+                live[vlm.add(r)] = r
+            except Exception as e:
+                if on_error is None:
+                    raise
+                on_error(r, e)
+
+    add(first)
+    while live:
+        for o in vlm.step():
+            if o.completion is not None:
+                on_done(live.pop(o.id), o.completion)
+        add(more() if more is not None else [])
+
+
 def test_a_request_too_long_for_the_running_cache_does_not_hold_up_short_ones():
     """A 300-token request joining a call sized for 20 waits for the next call, but the short one
     queued behind it passes it and finishes while the first request still decodes."""
@@ -225,7 +249,7 @@ def test_a_request_too_long_for_the_running_cache_does_not_hold_up_short_ones():
         calls["n"] += 1
         return late if calls["n"] == 2 else []
 
-    engine.generate_continuous([Request(msgs("hi"), max_new_tokens=40, min_new_tokens=40)], None,
+    drive(engine, [Request(msgs("hi"), max_new_tokens=40, min_new_tokens=40)],
                                lambda r, c: order.append((r.messages[0]["content"], c.completion_tokens)),
                                more=more, slots=4)
     assert order == [("third short", 3), ("hi", 40), ("second one, long", 300)]
@@ -243,7 +267,7 @@ def test_a_joining_request_that_cannot_be_prepared_fails_alone():
         calls["n"] += 1
         return [bad] if calls["n"] == 1 else []  # an image placeholder without its image
 
-    engine.generate_continuous([Request(msgs("hi"), max_new_tokens=12, min_new_tokens=12)], None,
+    drive(engine, [Request(msgs("hi"), max_new_tokens=12, min_new_tokens=12)],
                                lambda r, c: done.append(c.completion_tokens), more=more, slots=4,
                                on_error=lambda r, e: errors.append(r))
     assert done == [12] and errors == [bad]
@@ -261,19 +285,21 @@ def _prefilled(monkeypatch, engine) -> list:
 def test_a_request_cancelled_while_queued_in_a_feed_is_never_prefilled(monkeypatch):
     """A request finished before a call takes it, and one finished while it waits in the feed
     (passed over: too long for the running cache), leave with empty results, never prefilled."""
-    from vlforge.generate.requests import Feed, GenRequest
+    from vlforge.generate.requests import GenRequest
 
     engine = InferenceModel.load("tiny", device="cpu")
     prefilled = _prefilled(monkeypatch, engine)
     prompt = engine._prompt(Request(_msg("hi")))
-    feed = Feed()
-    gone = feed.put(GenRequest(prompt, max_new_tokens=7))
-    kept = feed.put(GenRequest(prompt, max_new_tokens=5, min_new_tokens=5))
-    feed.finish(gone)  # the client left before the call began
-    out = engine.gen_engine().generate([], stop_ids=engine.end_ids, banned_ids=engine.banned_ids(),
-                                       image_token_id=engine.encoder.image_token_id, pad_id=engine.encoder.pad_id,
-                                       feed=feed)
-    assert {r.request: len(r.tokens) for r in out} == {gone: 0, kept: 5}
+    gen = engine.gen_engine()
+    gen.open(stop_ids=engine.end_ids, banned_ids=engine.banned_ids(), image_token_id=engine.encoder.image_token_id,
+             pad_id=engine.encoder.pad_id)
+    gone = gen.add(GenRequest(prompt, max_new_tokens=7))
+    kept = gen.add(GenRequest(prompt, max_new_tokens=5, min_new_tokens=5))
+    gen.cancel(gone)  # the client left before the first step
+    out = {}
+    while len(out) < 2:
+        out.update({o.id: o.results for o in gen.step() if o.finished})
+    assert {id: len(r.tokens) for id, [r] in out.items()} == {gone: 0, kept: 5}
     assert prefilled == [5]
 
     prefilled.clear()
@@ -287,7 +313,7 @@ def test_a_request_cancelled_while_queued_in_a_feed_is_never_prefilled(monkeypat
             late.cancelled.set()
         return [late] if calls["n"] == 2 else []
 
-    engine.generate_continuous([Request(msgs("hi"), max_new_tokens=40, min_new_tokens=40)], None,
+    drive(engine, [Request(msgs("hi"), max_new_tokens=40, min_new_tokens=40)],
                                lambda r, c: done.append((r.messages[0]["content"], c.completion_tokens,
                                                          c.finish_reason)), more=more, slots=4)
     assert done == [("second one, long", 0, "cancelled"), ("hi", 40, "length")]
@@ -300,17 +326,13 @@ def test_an_answered_request_is_not_kept_while_the_call_goes_on(monkeypatch):
     import gc
     import weakref
 
-    import vlforge.infer.model as infer_model
 
     engine = InferenceModel.load("tiny", device="cpu")
     fed = []
 
-    class RecordingFeed(infer_model.Feed):
-        def put(self, request):
-            fed.append(weakref.ref(request))
-            return super().put(request)
-
-    monkeypatch.setattr(infer_model, "Feed", RecordingFeed)
+    gen = engine.gen_engine()
+    add = gen.add
+    monkeypatch.setattr(gen, "add", lambda request: fed.append(weakref.ref(request)) or add(request))
     red = Image.new("RGB", (64, 48), (200, 30, 30))
     short = [Request(_msg("What colour?", 1), [red], max_new_tokens=2)]
     asked = weakref.ref(short[0])
@@ -322,7 +344,7 @@ def test_an_answered_request_is_not_kept_while_the_call_goes_on(monkeypatch):
             alive.append((asked() is not None, fed[1]() is not None))
         return [short.pop()] if short else []
 
-    engine.generate_continuous([Request(_msg("hi"), max_new_tokens=24, min_new_tokens=24)], None,
+    drive(engine, [Request(_msg("hi"), max_new_tokens=24, min_new_tokens=24)],
                                lambda r, c: done.append("short" if r.images else "long"), more=more, slots=4)
     assert done == ["short", "long"] and alive and not any(a or b for a, b in alive), alive
 
@@ -335,7 +357,6 @@ def test_a_long_feed_keeps_nothing_of_the_answered_requests(engine, monkeypatch)
     import weakref
 
     import vlforge.generate.scheduler as gen_scheduler
-    import vlforge.infer.model as infer_model
 
     results, streamers = [], []
 
@@ -344,13 +365,8 @@ def test_a_long_feed_keeps_nothing_of_the_answered_requests(engine, monkeypatch)
             super().__init__(*args, **kwargs)
             results.append(weakref.ref(self))
 
-    class TrackedStreamer(infer_model.BatchStreamer):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            streamers.append(self)
-
     monkeypatch.setattr(gen_scheduler, "GenResult", TrackedResult)
-    monkeypatch.setattr(infer_model, "BatchStreamer", TrackedStreamer)
+    streamers.append(engine._streamer)
     total, slots = 24, 4
     sent, done, held = [0], [], []
 
@@ -364,7 +380,7 @@ def test_a_long_feed_keeps_nothing_of_the_answered_requests(engine, monkeypatch)
         sent[0] += 1
         return [Request(_msg(f"question {sent[0]}"), max_new_tokens=3, min_new_tokens=3)]
 
-    engine.generate_continuous([Request(_msg("first"), max_new_tokens=3, min_new_tokens=3)], None,
+    drive(engine, [Request(_msg("first"), max_new_tokens=3, min_new_tokens=3)],
                                lambda r, c: done.append(c.completion_tokens), more=more, slots=slots)
     assert done == [3] * (total + 1)
     assert held and max(n for n, _, _ in held) >= total // 2, held

@@ -10,6 +10,7 @@ import torch
 from transformers import Qwen3VLMoeForConditionalGeneration
 from transformers.models.qwen3_vl_moe.modeling_qwen3_vl_moe import load_balancing_loss_func
 
+from vlforge.generate.engine import Engine
 from vlforge.config import AttentionConfig, ConfigError, DataConfig, ModelConfig, QuantConfig, SFTConfig, load_config
 from vlforge.data.dataset import load_dataset
 from vlforge.data.encode import collate
@@ -330,7 +331,7 @@ def test_grpo_rollout_logprobs_agree_with_the_trainer_on_moe(tiny_moe, shapes_di
                       left_pad=True)
     torch.manual_seed(0)
     with torch.no_grad():  # the generation engine's rollout: its log-probs are the trainer's
-        rollout = generate_groups(model, data.encoder, prompts, [1, 1, 1],
+        rollout = generate_groups(Engine(model), data.encoder, prompts, [1, 1, 1],
                                   RolloutConfig(group_size=4, max_new_tokens=8, temperature=1.0))
         logp, _ = sequence_logprobs(model, rollout, 1.0)
     mask = rollout.response_mask.bool()

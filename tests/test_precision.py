@@ -131,7 +131,7 @@ def test_an_fp32_attention_override_trains_and_generates_in_fp32(shapes_dir, tmp
     from vlforge.config import ModuleOverride, RolloutConfig
     from vlforge.data.encode import encode_prompt
     from vlforge.train.losses import sft_loss_sum
-    from vlforge.generate.engine import engine_for
+    from vlforge.generate.engine import Engine
     from vlforge.rollout.groups import generate_groups
     from vlforge.rollout.logprobs import sequence_logprobs
 
@@ -154,10 +154,11 @@ def test_an_fp32_attention_override_trains_and_generates_in_fp32(shapes_dir, tmp
                       left_pad=True)
     rollout_cfg = RolloutConfig(group_size=3, max_new_tokens=6, temperature=1.0)
     with torch.no_grad(), t.policy.autocast(), t.policy.inference_weights(t.model):
-        rollout = generate_groups(t.model, data.encoder, prompts, [len(data.samples[i].images) for i in range(2)],
+        engine = Engine(t.model)
+        rollout = generate_groups(engine, data.encoder, prompts, [len(data.samples[i].images) for i in range(2)],
                                   rollout_cfg, seed=3)
         logp, _ = sequence_logprobs(t.model, rollout, rollout_cfg.temperature)
-    cache = engine_for(t.model).runner.cache
+    cache = engine.runner.cache
     assert {k.dtype for k in cache.keys} == {torch.float32}  # every layer's attention is fp32 here
     real = rollout.response_mask.bool()
     torch.testing.assert_close(logp[real], rollout.logprobs[real], atol=1e-5, rtol=0)  # measured: 5e-7

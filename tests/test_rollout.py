@@ -3,6 +3,7 @@ import copy
 import pytest
 import torch
 
+from vlforge.generate.engine import Engine
 from vlforge.config import DataConfig, RolloutConfig
 from vlforge.data.dataset import load_dataset
 from vlforge.data.encode import collate, encode_prompt
@@ -32,7 +33,7 @@ def test_rollout_logprobs_match_trainer_recompute(setup):
     model, encoder, prompts = setup
     cfg = RolloutConfig(group_size=4, max_new_tokens=8, temperature=0.7, top_p=0.9, top_k=50)
     torch.manual_seed(0)
-    rollout = generate_groups(model, encoder, prompts, [1, 1, 1], cfg)
+    rollout = generate_groups(Engine(model), encoder, prompts, [1, 1, 1], cfg)
     assert rollout.response_ids.shape[0] == 12
     with torch.no_grad():
         logp, _ = sequence_logprobs(model, rollout, cfg.temperature)
@@ -44,7 +45,7 @@ def test_rollout_logprobs_match_trainer_recompute(setup):
 def test_image_encoded_once_per_prompt_in_rollout_and_training(setup):
     model, encoder, prompts = setup
     seen, handle = count_vision_images(model)
-    rollout = generate_groups(model, encoder, prompts, [1, 1, 1], RolloutConfig(group_size=4, max_new_tokens=4))
+    rollout = generate_groups(Engine(model), encoder, prompts, [1, 1, 1], RolloutConfig(group_size=4, max_new_tokens=4))
     assert seen == [3]  # one vision pass over the 3 prompt images, not 12
     logp, _ = sequence_logprobs(model, rollout, 1.0)
     logp.sum().backward()
@@ -78,7 +79,7 @@ def test_vision_tokens_are_never_sampled(setup):
     model, encoder, prompts = setup
     with torch.no_grad():  # make the image placeholder by far the most likely next token
         model.lm_head.weight[encoder.image_token_id] = model.lm_head.weight[encoder.image_token_id] * 0 + 5.0
-    rollout = generate_groups(model, encoder, prompts, [1, 1, 1], RolloutConfig(group_size=4, max_new_tokens=6))
+    rollout = generate_groups(Engine(model), encoder, prompts, [1, 1, 1], RolloutConfig(group_size=4, max_new_tokens=6))
     banned = set(rollout.banned_ids)
     assert encoder.image_token_id in banned
     assert not banned & set(rollout.response_ids[rollout.response_mask.bool()].tolist())
@@ -86,9 +87,9 @@ def test_vision_tokens_are_never_sampled(setup):
 
 def test_greedy_and_top_k_1_agree_and_stop_at_eos(setup):
     model, encoder, prompts = setup
-    greedy = generate_groups(model, encoder, prompts, [1, 1, 1], RolloutConfig(group_size=2, temperature=0.0,
+    greedy = generate_groups(Engine(model), encoder, prompts, [1, 1, 1], RolloutConfig(group_size=2, temperature=0.0,
                                                                                max_new_tokens=5))
-    top1 = generate_groups(model, encoder, prompts, [1, 1, 1], RolloutConfig(group_size=2, top_k=1, max_new_tokens=5))
+    top1 = generate_groups(Engine(model), encoder, prompts, [1, 1, 1], RolloutConfig(group_size=2, top_k=1, max_new_tokens=5))
     assert torch.equal(greedy.response_ids, top1.response_ids)
     for row, m in zip(greedy.response_ids, greedy.response_mask):  # nothing after <|im_end|> is kept
         ends = (row == encoder.im_end_id).nonzero()

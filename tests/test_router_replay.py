@@ -13,6 +13,7 @@ from vlforge.data.encode import collate, encode_prompt
 from vlforge.train.moe import Routing, capture, follow, replayed
 from vlforge.generate.routes import NO_ROUTE, router_modules
 from vlforge.model.load import load_model
+from vlforge.generate.engine import Engine
 from vlforge.rollout.groups import generate_groups
 from vlforge.rollout.logprobs import route_rows, sequence_logprobs
 
@@ -30,7 +31,7 @@ def _rollout(model, prompts, dtype=torch.float32, **kwargs):
     cfg = RolloutConfig(group_size=4, max_new_tokens=8, temperature=1.0, **{"router_replay": "record", **kwargs})
     torch.manual_seed(0)
     with torch.no_grad(), torch.autocast("cpu", dtype=dtype, enabled=dtype != torch.float32):
-        return generate_groups(model, encoder, batch, [1, 1, 1], cfg)
+        return generate_groups(Engine(model), encoder, batch, [1, 1, 1], cfg)
 
 
 def _perturbed(model, scale: float = 0.1):

@@ -23,7 +23,7 @@ from PIL import Image  # noqa: E402
 from vlforge.serve.app import create_app, uvicorn_config  # noqa: E402
 from vlforge.serve.config import ServeConfig  # noqa: E402
 from vlforge.infer.model import Completion, InferenceModel, Request  # noqa: E402
-from vlforge.infer.streamer import BatchStreamer  # noqa: E402
+from vlforge.infer.streamer import BatchStreamer, TextOutput  # noqa: E402
 
 LIMITS = dict(max_body_bytes=1_000_000, max_image_pixels=1_000_000, max_images=8, max_prompt_tokens=256,
               max_tokens=64)
@@ -383,14 +383,19 @@ def test_bad_requests_get_openai_errors_and_server_keeps_serving(client, files):
 
 
 class ScriptedEngine:
-    """Stands in for InferenceModel: streams "Hel", optionally waits to be released, then "lo"."""
+    """Stands in for InferenceModel's pull API: each request's answer comes out one piece a step ("Hel",
+    then "lo"), and after the first piece the step waits until `release` is set."""
 
     name = "scripted"
+    PIECES = ["Hel", "lo"]
+    TOKENS = 2  # completion tokens of an answer
 
     def __init__(self):
         self.release = threading.Event()
         self.release.set()
-        self.in_generate = threading.Event()
+        self.in_generate = threading.Event()  # a request is added and not finished
+        self.live: dict[int, list] = {}  # id -> [its request, the pieces sent]
+        self.next_id = 0
 
     def min_prompt_tokens(self, messages):
         return 0
@@ -398,19 +403,30 @@ class ScriptedEngine:
     def prompt_tokens(self, request):
         return 3 + 10 * len(request.images)
 
-    def generate(self, requests, on_text=None):
+    def open(self, slots):
+        pass
+
+    def add(self, request):
+        id, self.next_id = self.next_id, self.next_id + 1
+        self.live[id] = [request, 0]
         self.in_generate.set()
-        try:
-            for i in range(len(requests)):
-                if on_text:
-                    on_text(i, "Hel")
+        return id
+
+    def step(self):
+        if any(sent == 1 for _, sent in self.live.values()):
             assert self.release.wait(30)
-            for i in range(len(requests)):
-                if on_text:
-                    on_text(i, "lo")
-            return [Completion("Hello", 3 + 10 * len(r.images), 2, "stop") for r in requests]
-        finally:
+        out = []
+        for id, entry in list(self.live.items()):
+            request, sent = entry
+            entry[1] += 1
+            done = entry[1] == len(self.PIECES)
+            c = Completion("".join(self.PIECES), self.prompt_tokens(request), self.TOKENS, "stop") if done else None
+            out.append(TextOutput(id, self.PIECES[sent], c))
+            if done:
+                del self.live[id]
+        if not self.live:
             self.in_generate.clear()
+        return out
 
 
 @pytest.fixture(scope="module")
@@ -449,18 +465,10 @@ class ScriptedToolEngine(ScriptedEngine):
     name = "scripted-tools"
     PIECES = ["Let me check", " both.\n<tool_", 'call>\n{"name": "calculator", "arguments": {"expression": "2*3"}}\n'
               "</tool_call>\n<tool_call>", '{"name": "calculator", "arguments": {"expression": "4+4"}}</tool_call>\n']
+    TOKENS = 30
 
-    def generate(self, requests, on_text=None):
-        self.in_generate.set()
-        try:
-            for k, piece in enumerate(self.PIECES):
-                for i in range(len(requests)):
-                    on_text and on_text(i, piece)
-                if k == 0:
-                    assert self.release.wait(30)
-            return [Completion("".join(self.PIECES), 3, 30, "stop") for _ in requests]
-        finally:
-            self.in_generate.clear()
+    def prompt_tokens(self, request):
+        return 3
 
 
 def test_streamed_tool_calls_send_text_as_it_comes_and_add_up_to_the_answer():
@@ -708,13 +716,15 @@ def test_streamer_flushes_held_back_text_and_stops_at_end_tokens(engine):
     reqs = [Request([], max_new_tokens=50, stop=["world"]), Request([], max_new_tokens=50),
             Request([], max_new_tokens=50, stop=["wor"])]
     got = ["", "", ""]
-    streamer = BatchStreamer(engine, reqs, lambda row, text: got.__setitem__(row, got[row] + text))
+    streamer = BatchStreamer(engine)
+    for row, r in enumerate(reqs):
+        streamer.add(row, r)
     for row in range(3):
-        streamer.push(row, ids)
+        got[row] += streamer.push(row, ids)
     assert got[0] == "hello " and got[1] == "hello wor" and got[2] == "hello "  # "wor" may become "world"
     # row 0 ends (<|im_end|>): its held-back "wor" is text after all; row 1 emits <|endoftext|>: it ends too
     for row, tok in enumerate([engine.encoder.im_end_id, engine.encoder.pad_id, ids[0]]):
-        streamer.push(row, [tok, ids[0]])
+        got[row] += streamer.push(row, [tok, ids[0]])
     assert got == ["hello wor", "hello wor", "hello "]
     assert list(streamer.done.values()) == [True, True, True]
     assert engine.encoder.pad_id in engine.end_ids and engine.encoder.im_end_id in engine.end_ids
@@ -747,12 +757,17 @@ def test_streamer_detokenizes_incrementally_and_exactly(engine, monkeypatch):
     real = tok.decode
     monkeypatch.setattr(tok, "decode", lambda ids, *a, **kw: decoded.append(len(ids)) or real(ids, *a, **kw))
     got = [[] for _ in reqs]
-    streamer = BatchStreamer(engine, reqs, lambda row, text: got[row].append(text))
+    streamer = BatchStreamer(engine)
+    for row, r in enumerate(reqs):
+        streamer.add(row, r)
     for row, ids in enumerate(answers):
         for t in ids:
-            streamer.push(row, [t])
+            if piece := streamer.push(row, [t]):
+                got[row].append(piece)
     assert sum(decoded) <= sum(map(len, answers))  # linear: nothing decoded again per token
-    streamer.end()
+    for row in range(len(reqs)):
+        if piece := streamer.end(row):
+            got[row].append(piece)
     monkeypatch.undo()
     full = [tok.decode(ids, skip_special_tokens=True) for ids in answers]
     assert full[0].endswith("末") and "\ufffd" not in full[0] + full[1] and full[3].endswith("\ufffd")

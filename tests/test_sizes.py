@@ -133,3 +133,25 @@ def test_a_long_function_in_a_copy_of_vlforge_fails_the_real_check(tmp_path):
     (copy / "scratch.py").write_text(_function("too_long", 81))
     new = [p for p in problems(copy, tmp_path, ALLOWED) if p not in problems(PACKAGE, ROOT, ALLOWED)]
     assert len(new) == 1 and new[0].startswith("vlforge/scratch.py:1 too_long: 81 lines")
+
+
+# ------------------------------------------------------------------ the generation engine's tighter limits (issue 44)
+
+ENGINE_DIR = PACKAGE / "generate"
+MAX_ENGINE_FILE_LINES = 400
+MAX_ENGINE_STEP_LINES = 40  # Engine.step reads top to bottom
+
+
+def test_the_engine_keeps_its_tighter_limits():
+    """generate/: no file over 400 lines, no function over 80, and Engine.step (a request's path through
+    the parts, step by step) within 40."""
+    over = []
+    for path in sorted(ENGINE_DIR.glob("*.py")):
+        text = path.read_text()
+        if len(text.splitlines()) > MAX_ENGINE_FILE_LINES:
+            over.append(f"{path.name}: {len(text.splitlines())} lines")
+        sizes = {name: size for name, _, size in function_sizes(ast.parse(text))}
+        over += [f"{path.name}:{name}: {size} lines" for name, size in sizes.items() if size > MAX_FUNCTION_LINES]
+        if path.name == "engine.py" and sizes["Engine.step"] > MAX_ENGINE_STEP_LINES:
+            over.append(f"engine.py:Engine.step: {sizes['Engine.step']} lines")
+    assert over == []

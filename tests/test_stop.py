@@ -349,6 +349,7 @@ def test_chat_at_its_prompt_ends_on_ctrl_c_in_one_line(tmp_path):
 def test_serve_ends_on_a_signal_in_one_line(tmp_path, sig, code):
     """`vlforge serve` listening: Ctrl-C / SIGTERM drain it and end it with one line, 130 / 143, no
     traceback (uvicorn raises the signal again once shut down)."""
+    pytest.importorskip("fastapi", reason="the serve extra: pip install 'vlforge[serve]'")
     server = Launched(["serve", "tiny", "--device", "cpu", "--port", "0"], tmp_path, "serve")
     server.wait_for(lambda: "Uvicorn running" in server.stderr, "the server")
     server.signal_group(sig)

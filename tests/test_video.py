@@ -343,8 +343,8 @@ def test_grpo_trains_on_video_prompts(motion, tmp_path, monkeypatch):
     rounds = []
     generate_groups = recipe.generate_groups
 
-    def spy(model, encoder, prompts, images, *args, **kwargs):  # what each rollout round was given, and made
-        rollout = generate_groups(model, encoder, prompts, images, *args, **kwargs)
+    def spy(engine, encoder, prompts, images, *args, **kwargs):  # what each rollout round was given, and made
+        rollout = generate_groups(engine, encoder, prompts, images, *args, **kwargs)
         rounds.append((prompts, images, rollout, encoder))
         return rollout
 

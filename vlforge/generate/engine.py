@@ -1,59 +1,59 @@
 """The generation engine: prefill once, decode many steps from a preallocated KV cache, continuous batching.
 
-    engine = engine_for(model)                       # one per model, kept with its buffers and graphs
-    results = engine.generate([GenRequest(Prompt(ids, pixels, grid), n=8, max_new_tokens=256,
-                                          temperature=1.0, seed=s)], stop_ids=encoder.end_ids,
-                              banned_ids=vision_token_ids(encoder))
+    engine = Engine(model)                           # its owner's (the GRPO run, the InferenceModel)
+    engine.open(stop_ids=encoder.end_ids, banned_ids=vision_token_ids(encoder),
+                image_token_id=encoder.image_token_id, pad_id=encoder.pad_id, slots=32)
+    id = engine.add(GenRequest(Prompt(ids, pixels, grid), max_new_tokens=256))   # from the caller's loop
+    outputs = engine.step()                          # StepOutput: id, new tokens, results once done
+    engine.cancel(id)                                # its rows stop and free their slots at the next step
 
-    engine.open(stop_ids=..., banned_ids=..., image_token_id=..., pad_id=...)   # or pull: add, step, cancel
-    id = engine.add(GenRequest(...)); outputs = engine.step()   # StepOutput: id, new tokens, results
-
-    feed = Feed(refill)                              # requests joining a running call (the server's)
-    ticket = feed.put(GenRequest(...))               # from any thread; joins at the next sync point
-    engine.generate([], ..., feed=feed, on_tokens=..., on_result=...)    # feed.finish(ticket) ends one
+    results = engine.generate([GenRequest(prompt, n=8, temperature=1.0, seed=s)], stop_ids=..., ...)
+                                                     # batch callers: open, add all, step until done
 
 Shapes: S decode slots, L KV-cache length, Lb the filled part attention reads (a bucket), B
 prompts of one prefill, V vocabulary, D head dim.
 
-A call, in the order a request goes through the parts (transformers' own Qwen3-VL layers
-throughout; nothing re-implemented but the cache, the decode attention call and, in fused.py, the
-q/k/v and gate/up projections of a layer as one GEMM each):
+A request's path through the parts (transformers' own Qwen3-VL layers throughout; nothing
+re-implemented but the cache, the decode attention call and, in fused.py, the q/k/v and gate/up
+projections of a layer as one GEMM each):
 
-- requests.py: the call's requests (each: one prompt, n samples) are checked and taken (with a
-  Feed, also those put on it while the call runs).
-- plan.py: what the call fixes is decided once into a Plan: a call whose requests all have
-  n = G >= 2 (and no feed) uses GroupCache (each prompt's KV once for its G rows,
-  `Engine(share_prompt=False)`: SlotCache always); CUDA graphs, the compiled step, fused
-  projections, route recording.
-- scheduler.py: at each sync point, waiting requests are admitted while free slots remain.
-- runner.py (prefill.py): their images are encoded once, their prompts prefilled once
-  (`forward_shared` with a DynamicCache, the model's own attention), each prompt's KV copied,
-  left padding stripped, into its slots (cache.py); the first token is sampled from the prefill.
+- requests.py: `add` checks the request (one prompt, n samples) and queues it under a new id.
+- batch.py: at the next `step` it joins the running batch when it fits (its KV length; a longer one
+  waits for the batch to drain, passed by later ones at most MAX_PASSED steps), or starts one:
+- plan.py: what a batch fixes is decided once into a Plan: a closed batch whose requests all have
+  n = G >= 2 (open(share_prompt=True): generate) uses GroupCache (each prompt's KV once for its G
+  rows); CUDA graphs, the compiled step, fused projections, route recording.
+- scheduler.py: the request takes free slots (the host knows which: it freed them), in that same step.
+- runner.py (prefill.py): its images are encoded once, its prompt prefilled (`forward_shared` with a
+  DynamicCache, the model's own attention), the KV copied, left padding stripped, into its slots
+  (cache.py); the first token is sampled from the prefill.
 - runner.py (decode.py, cache.py, sampling.py): a decode step is the language model on [S, 1]
   with a 4-D additive mask (0 / dtype min) built once a step on the GPU from the per-row lengths
   (masking_utils returns a 4-D mask as given, so every layer's SDPA call takes it as it is),
   per-row M-RoPE positions, the cache's `update` writing each row at its own position, lm_head,
   banned tokens, sampling and per-row stop / max-token bookkeeping, all tensor ops: on CUDA it is
   captured once per (slot bucket, length bucket, sampling mode, plan) as a CUDA graph and replayed.
-- scheduler.py: the host syncs every `sync_every` steps: finished rows leave (their slots are
-  freed, `on_result` is called), waiting requests join, and with nobody waiting running rows move
-  down into freed slots when the step's bucket shrinks.
+  A step reads nothing back.
+- scheduler.py: every `sync_every` steps, and in a step that admitted a request (so that its first
+  tokens are reported at once), the sync point: the host reads which rows are alive (and, streaming,
+  copies the new tokens into the StepOutputs); finished rows leave (their results in the outputs,
+  their slots freed), and with nobody waiting, running rows move down into freed slots when the
+  step's bucket shrinks (compaction).
 """
 
 from __future__ import annotations
 
 import math
 import time
-import weakref
+from dataclasses import replace
 from collections import deque
-from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
+from vlforge.generate.batch import Batch, BatchSettings, take_fitting
 from vlforge.generate.cache import LENGTH_BUCKET, bucket
 from vlforge.generate.plan import Plan, cuda_autocast, graphs_possible, kv_dtype, kv_dtypes
-from vlforge.generate.requests import Feed, GenRequest, GenResult, GenStats, StepOutput, check_request, \
+from vlforge.generate.requests import GenRequest, Outputs, GenResult, GenStats, StepOutput, check_request, \
     sampling_mode
 from vlforge.generate.runner import MAX_STOP_IDS, Runner
 from vlforge.generate.scheduler import Scheduler
@@ -61,7 +61,8 @@ from vlforge.model.tiers import unwrap
 
 
 class Engine:
-    """Generation for one model: its KV slots, decode state and CUDA graphs live across calls.
+    """Generation for one model: its KV slots, decode state and CUDA graphs live across batches. Built by
+    whoever owns the model (a GRPO run, an InferenceModel), with these settings:
 
     use_graphs: None = on CUDA, unless torch.distributed runs several processes (FSDP2's hooks
     must run every forward); False = eager steps (the same code; CPU always).
@@ -70,19 +71,20 @@ class Engine:
     and bound by their count) and, apart, its logits-to-token part (decode.pick: the passes over [S, V]):
     1.9x faster steps on an H200 (2B, 64 rows: 7.4 -> 3.8 ms) for a compile of ~80-95 s, once per
     engine (dynamic shapes: one compile serves every bucket of 2 slots or more; its time counts in
-    capture_s). Worth it for a GRPO run, not for one eval pass. Default for generate(compile=None).
+    capture_s). Worth it for a GRPO run, not for one eval pass. Default for open(compile=None).
     compact: at a sync point with nobody waiting, move running rows down into freed slots when that
     shrinks the step's slot bucket (Scheduler._compact); False keeps every row in its first slot.
-    share_prompt: a call whose requests all have the same n >= 2 samples (and no feed) stores each
+    share_prompt: a generate call whose requests all have the same n >= 2 samples stores each
     prompt's KV once for its n rows (GroupCache) instead of a copy per row, so a decode step reads
     a prompt's KV once per group: less attention traffic (the prompt is most of a GRPO row's KV)
     and less KV memory; the same tokens (tested). False: SlotCache always.
-    join_share: while rows run, waiting requests join only once this share of the call's slots is
+    join_share: while rows run, waiting requests join only once this share of the batch's slots is
     free (or as many as wait: one waiting request joins the first free slot, so a lone request never
-    waits for it), for at most scheduler.MAX_JOIN_HOLD sync points, so that one prefill serves several joins.
+    waits for it), for at most scheduler.MAX_JOIN_HOLD sync points, so that one prefill serves several
+    joins (a batch caller's throughput; a server's engine takes 0: a request joins at the next step).
     Measured on an H200 (2B, 256 requests of 16-512 tokens through 64 slots, joins at every sync
     point): 92 prefills of ~59 ms each took 5.4 s of the 11.3 s run, the decode steps 5.8 s
-    (docs/benchmarks-log.md, 2026-12-02, "FSDP2 units at world size 1"). 0: join at every sync point where a slot freed.
+    (docs/benchmarks-log.md, 2026-12-02, "FSDP2 units at world size 1"). 0: join whenever a slot is free.
     fuse_projections: each decoder layer's q/k/v projections, and its MLP's gate/up, computed as one
     GEMM each in the prefill and the decode steps (generate/fused.py; weights that need no gradient
     only: inference models, frozen LoRA bases and GRPO's rollout copies). False: one GEMM per
@@ -101,13 +103,12 @@ class Engine:
         self.share_prompt, self.fuse_projections = share_prompt, fuse_projections
         self.plan: Plan | None = None  # what the last call decided (read by tests and benchmarks)
         self.stats = GenStats()  # the last call's (the pull API: the running or last batch's)
-        self._pull: PullSettings | None = None  # open()'s settings
+        self._pull: BatchSettings | None = None  # open()'s settings
         self._batch: Batch | None = None  # the pull API's running batch
         self._waiting: deque[tuple[int, GenRequest]] = deque()  # added, not yet in a batch
-        self._results: dict[int, list[GenResult | None]] = {}  # id -> its rows' results (added, not finished)
+        self.outputs = Outputs()  # what the added requests produced, by id
         self._cancel: set[int] = set()
-        self._new: dict[int, list[list[int]]] = {}  # this step's new tokens: id -> per sample
-        self._finished: list[int] = []  # this step's
+        self._passed: dict[int, int] = {}  # waiting id -> steps that requests added later joined past it
         self._next_id = 0
 
     @property
@@ -143,67 +144,52 @@ class Engine:
 
     @torch.no_grad()
     def generate(self, requests: list[GenRequest], *, stop_ids: list[int], banned_ids: list[int],
-                 image_token_id: int, pad_id: int, slots: int | None = None,
-                 on_result: Callable[[GenResult], None] | None = None,
-                 on_tokens: Callable[[int, int, list[int]], None] | None = None,
-                 compile: bool | None = None, feed: Feed | None = None,
+                 image_token_id: int, pad_id: int, slots: int | None = None, compile: bool | None = None,
                  record_routes: bool = False) -> list[GenResult]:
-        """Results in request order (each request's n samples in turn). `slots` caps the decode
-        batch (default: every sample at once, up to max_slots); `on_result` gets each result as
-        soon as its row finishes (at a sync point); `on_tokens(request, sample, new_ids)` streams
-        each row's new tokens at every sync point (one extra device-to-host copy per sync point,
-        only when given; a result's streamed ids joined are its tokens); `compile`: this call's decode step compiled
-        (default: the engine's `compile`; CUDA graphs only). `record_routes` (MoE): each result
-        carries its tokens' top-k experts per layer (GenResult.routes, generate/routes.py).
-
-        `feed`: requests come through it instead (`requests` must be empty; indices are the feed's
-        tickets): those queued now are sized for, later ones join at sync points while they fit
-        (see Feed); `slots` then defaults to max_slots. Returns when nothing runs or waits that fits.
-        With a feed and an `on_result`, results go only to `on_result` and the call returns []: a fed
-        call runs as long as requests come (a server), so it keeps nothing of an answered request."""
-        if feed is not None and requests:
-            raise ValueError("with a feed, every request comes through it (pass requests=[])")
-        if self._batch is not None:  # its buffers and slots are in use
-            raise RuntimeError("generate: a batch added with add() is still running (step() until it drains)")
-        if len(stop_ids) > MAX_STOP_IDS:
-            raise ValueError(f"at most {MAX_STOP_IDS} stop token ids, got {len(stop_ids)}")
-        taken = self._intake(requests, feed)
-        if not taken:
+        """Results in request order (each request's n samples in turn, GenResult.request its position):
+        open, add every request, step until all have finished. The arguments are open's; `slots` defaults
+        to every sample at once (up to max_slots). The requests make one closed batch: with one n = G >= 2
+        for all, each prompt's KV is shared by its G rows (Engine.share_prompt)."""
+        if self._batch is not None or self._waiting:  # its buffers and slots are in use
+            raise RuntimeError("generate: requests added with add() are still running (step() until they finish)")
+        for i, r in enumerate(requests):
+            check_request(i, r)
+        if not requests:
             return []
-        keep = feed is None or on_result is None  # the results are returned
-        plan, sched = self._start(taken, slots, compile, feed is not None, record_routes, keep, on_result)
-        taken = None  # a fed call may run as long as requests come: the scheduler alone holds them
-        self.runner.prepare(plan, stop_ids, banned_ids, pad_id, sched.prompt_span)
-        mode = sampling_mode(list(sched.requests.values()), "greedy")
-        if feed is not None and (ended := feed._finished()):  # finished while queued: no prefill
-            sched.finish_early(ended, [], self.runner)
-        while sched.busy:
-            if admitted := sched.admit():
-                mode = sampling_mode([r for _, r, _ in admitted], mode)  # a joining request may need more than greedy
-                self._prefill(admitted, plan, image_token_id, pad_id, mode)
-                sched.prefilled(admitted)
-                admitted = None  # a fed call holds no prefilled prompt (images)
-            done = self._decode(plan, sched, mode, on_tokens) if sched.occupant else []
-            if feed is not None:
-                if feed.refill is not None:
-                    feed.refill(feed)
-                sched.join(feed._take(sched.fits))  # before the finishes: one finished while queued leaves unprefilled
-                if ended := feed._finished():
-                    done = sched.finish_early(ended, done, self.runner)
-            if done:
-                sched.finish(done, self.runner)
-        return sched.collect()
+        settings = self._pull
+        self.open(stop_ids=stop_ids, banned_ids=banned_ids, image_token_id=image_token_id, pad_id=pad_id,
+                  slots=min(slots or self.max_slots, sum(r.n for r in requests)), compile=compile,
+                  record_routes=record_routes, share_prompt=self.share_prompt, stream=False)
+        try:
+            ids = [self.add(r) for r in requests]
+            results: dict[int, tuple[GenResult, ...]] = {}
+            while len(results) < len(ids):
+                results.update((o.id, o.results) for o in self.step() if o.finished)
+        except BaseException:
+            self.clear()  # nothing of a failed call stays queued or running
+            raise
+        finally:
+            self._pull = settings
+        return [replace(res, request=i) for i, id in enumerate(ids) for res in results[id]]
 
     # -- the pull API: add requests, step the running batch, read its outputs ----------------------
 
     def open(self, *, stop_ids: list[int], banned_ids: list[int], image_token_id: int, pad_id: int,
-             slots: int | None = None, compile: bool | None = None, record_routes: bool = False) -> None:
-        """The settings add/step run with (generate's per-call arguments, same meanings; `slots` defaults to
-        max_slots); a change applies from the next running batch (see step)."""
+             slots: int | None = None, compile: bool | None = None, record_routes: bool = False,
+             share_prompt: bool = False, stream: bool = True) -> None:
+        """The settings add/step run with; a change applies from the next batch (see step). stop_ids,
+        banned_ids: never sampled; image_token_id, pad_id: the prompts'; `slots`: the most rows decoding
+        at once (default max_slots); `compile`: the decode step compiled (default: the engine's; CUDA
+        graphs only); `record_routes` (MoE): each result carries its tokens' experts (generate/routes.py).
+        `share_prompt`: a batch whose requests, all added before its first step, have one n = G >= 2
+        stores each prompt's KV once for its G rows (GroupCache; requests added later wait for the next
+        batch). `stream`: steps report new tokens (one copy at each sync point); False: results only."""
         if len(stop_ids) > MAX_STOP_IDS:
             raise ValueError(f"at most {MAX_STOP_IDS} stop token ids, got {len(stop_ids)}")
-        self._pull = PullSettings(tuple(stop_ids), tuple(banned_ids), image_token_id, pad_id, slots, compile,
-                                  record_routes)
+        if record_routes and self.runner.recorder is None:
+            raise ValueError("record_routes: the model has no mixture-of-experts router to record")
+        self._pull = BatchSettings(tuple(stop_ids), tuple(banned_ids), image_token_id, pad_id, slots, compile,
+                                   record_routes, share_prompt, stream)
 
     def add(self, request: GenRequest) -> int:
         """Queue a request (its n samples: one id) for the next step; returns its id. add, cancel and step
@@ -215,97 +201,77 @@ class Engine:
             raise ValueError(f"a request asks for {request.n} samples; the engine has {cap} slots")
         id, self._next_id = self._next_id, self._next_id + 1
         self._waiting.append((id, request))
-        self._results[id] = [None] * request.n
+        self.outputs.added(id, request.n)
         return id
 
     def cancel(self, id: int) -> None:
         """End a request at the next step: its rows stop and free their slots before that step admits
         anyone; its output says cancelled (unknown or finished ids: nothing)."""
-        if id in self._results:
+        if id in self.outputs.results:
             self._cancel.add(id)
 
     @torch.no_grad()
     def step(self) -> list[StepOutput]:
-        """One step of the running batch, then what it produced. A step: cancelled requests leave (their
-        slots freed); waiting requests join the running batch while they fit its KV length (in order:
-        one that does not waits, with those behind it, until the batch drains; with no batch running,
-        a new one starts, its Plan and buffers decided for the requests waiting then); the scheduler
-        admits those it has slots for, and they are prefilled (first token sampled); then `sync_every`
-        decode steps and their sync point (generate's cadence: one host read per step, plus the copy of
-        the new tokens); finished rows leave. A request added between steps thus decodes in the next
-        step when a slot is free (Engine(sync_every=1): one decode step a step)."""
-        cancelled, self._cancel, self._new, self._finished = self._cancel, set(), {}, []
-        for id, r in [(i, r) for i, r in self._waiting if i in cancelled]:  # never in a batch: empty results
-            self._waiting.remove((id, r))
-            for s in range(r.n):
-                self._answered(GenResult(id, s, torch.zeros(0, dtype=torch.long), torch.zeros(0), False))
+        """One decode step of the running batch, then what it produced. In order: cancelled requests
+        leave (their rows stop, their slots free now); waiting requests join the running batch while
+        they fit it (with none running, a new batch starts, its Plan and buffers decided for the
+        requests waiting then); those the free slots take are prefilled (first token sampled); one
+        decode step; and every `sync_every` steps, or at once in a step that admitted someone, the sync
+        point: the one host read (which rows are still alive, plus the copy of new tokens when
+        streaming), where finished rows leave. The host knows which slots it freed, so a request
+        added between steps decodes (and, streaming, reports its first tokens) in the next step."""
+        cancelled = self._take_cancelled()
         self._join_waiting()
-        if (b := self._batch) is not None:
-            sched, runner = b.sched, self.runner
-            running = set(sched.queue) | {t for t, _ in sched.occupant.values()}
-            if (ended := cancelled & running) and (done := sched.finish_early(ended, [], runner)):
-                sched.finish(done, runner)
-            if admitted := sched.admit():
-                b.mode = sampling_mode([r for _, r, _ in admitted], b.mode)
-                self._prefill(admitted, b.plan, b.settings.image_token_id, b.settings.pad_id, b.mode)
-                sched.prefilled(admitted)
-            if done := self._decode(b.plan, sched, b.mode, self._streamed) if sched.occupant else []:
-                sched.finish(done, runner)
-            if not sched.busy:
-                self._batch = None  # drained: the next request starts a batch of its own Plan
-        return [self._output(id, id in cancelled) for id in sorted(set(self._new) | set(self._finished))]
+        if (b := self._batch) is None:
+            return self.outputs.take(cancelled)
+        sched, runner = b.sched, self.runner
+        if ended := cancelled & (set(sched.queue) | {t for t, _ in sched.occupant.values()}):
+            sched.finish(sched.finish_early(ended, runner), runner)
+        if admitted := sched.admit(count_hold=b.since_sync == 0):
+            b.mode = sampling_mode([r for _, r, _ in admitted], b.mode)
+            self._prefill(admitted, b)
+        if sched.occupant:
+            self._decode_step(b)
+            if b.since_sync >= self.sync_every or (admitted and b.settings.stream):
+                self._sync(b)
+        if not sched.busy:
+            self._batch = None  # drained: the next request starts a batch of its own Plan
+        return self.outputs.take(cancelled)
+
+    def _take_cancelled(self) -> set[int]:
+        """The ids cancelled since the last step; those still waiting (never in a batch) leave now."""
+        cancelled, self._cancel = self._cancel, set()
+        for id, r in [(i, r) for i, r in self._waiting if i in cancelled]:
+            self._waiting.remove((id, r))
+            self._passed.pop(id, None)
+            self.outputs.unstarted(id)
+        return cancelled
 
     def _join_waiting(self) -> None:
         if not self._waiting:
             return
         if self._batch is None:
             s = self._pull
-            plan, sched = self._start(dict(self._waiting), s.slots, s.compile, True, s.record_routes, False,
-                                      self._answered)
+            plan, sched = self._start(dict(self._waiting), s)
             self.runner.prepare(plan, list(s.stop_ids), list(s.banned_ids), s.pad_id, sched.prompt_span)
-            self._batch = Batch(plan, sched, s)
+            # the mode every request waiting now needs, from the first step (GRPO's call: one set of graphs)
+            self._batch = Batch(plan, sched, s, sampling_mode([r for _, r in self._waiting], "greedy"))
             self._waiting.clear()
+            self._passed.clear()
         else:
-            taken = []
-            while self._waiting and self._batch.sched.fits(self._waiting[0][1]):
-                taken.append(self._waiting.popleft())
-            self._batch.sched.join(taken)
+            self._batch.sched.join(take_fitting(self._waiting, self._batch.sched.fits, self._passed))
 
-    def _output(self, id: int, cancelled: bool) -> StepOutput:
-        new = tuple(tuple(ids) for ids in self._new.get(id, [[] for _ in self._results[id]]))
-        return StepOutput(id, new, tuple(self._results.pop(id)) if id in self._finished else (), cancelled)
+    def clear(self) -> None:
+        """Forget every added request, running or waiting, without results (after a step raised: the
+        caller answers them); the next add starts a new batch."""
+        self._batch, self._cancel, self._passed, self.outputs = None, set(), {}, Outputs()
+        self._waiting.clear()
 
-    def _streamed(self, id: int, sample: int, ids: list[int]) -> None:
-        self._new.setdefault(id, [[] for _ in self._results[id]])[sample] += ids
-
-    def _answered(self, res: GenResult) -> None:
-        per = self._results[res.request]
-        per[res.sample] = res
-        if all(r is not None for r in per):
-            self._finished.append(res.request)
-
-    def _intake(self, requests: list[GenRequest], feed: Feed | None) -> dict[int, GenRequest]:
-        """The call's first requests, checked, by ticket (without a feed: the position in `requests`)."""
-        if feed is not None and feed.refill is not None:
-            feed.refill(feed)
-        taken = feed._take(lambda r: True) if feed is not None else list(enumerate(requests))
-        for t, r in taken:
-            check_request(t, r)
-        return dict(taken)
-
-    def _start(self, requests: dict[int, GenRequest], slots: int | None, compile: bool | None, fed: bool,
-               record_routes: bool, keep: bool, on_result) -> tuple[Plan, Scheduler]:
-        """The call's plan, its KV buffers (sized for the requests known now) and its scheduler (`fed`:
-        more requests may join while it runs)."""
+    def _start(self, requests: dict[int, GenRequest], s: BatchSettings) -> tuple[Plan, Scheduler]:
+        """A batch's plan, its KV buffers (sized for the requests known now) and its scheduler."""
         device = self.core.lm_head.weight.device
-        total = sum(r.n for r in requests.values())
-        n_slots = bucket(min(slots or self.max_slots, self.max_slots, self.max_slots if fed else total))
-        if max(r.n for r in requests.values()) > n_slots:
-            raise ValueError(f"a request asks for {max(r.n for r in requests.values())} samples; the engine has "
-                             f"{n_slots} slots (raise slots / max_slots)")
-        if record_routes and self.runner.recorder is None:
-            raise ValueError("record_routes: the model has no mixture-of-experts router to record")
-        self.plan = plan = self._plan(requests, fed, compile, record_routes, device)
+        n_slots = bucket(min(s.slots or self.max_slots, self.max_slots))
+        self.plan = plan = self._plan(requests, s, device)
         kv = kv_dtypes(self.core, self.runner.lm, device)
         prompt_span = max(len(r.prompt.input_ids) for r in requests.values())
         if G := plan.group:  # groups: a step runs a bucket of them (a compiled one at least 2)
@@ -317,11 +283,11 @@ class Engine:
         self.runner.ensure_buffers(rows, LENGTH_BUCKET * math.ceil(need / LENGTH_BUCKET), kv, device, group=G)
         self.stats = GenStats()
         return plan, Scheduler(requests, n_slots, self.runner.cache.length, prompt_span, plan, self.stats,
-                               join_share=self.join_share, max_prefill_tokens=self.max_prefill_tokens,
-                               compact=self.compact, fed=fed, keep=keep, on_result=on_result)
+                               self.outputs, stream=s.stream, join_share=self.join_share,
+                               max_prefill_tokens=self.max_prefill_tokens, compact=self.compact,
+                               closed=bool(plan.group))
 
-    def _plan(self, requests: dict[int, GenRequest], fed: bool, compile: bool | None, record_routes: bool,
-              device) -> Plan:
+    def _plan(self, requests: dict[int, GenRequest], s: BatchSettings, device) -> Plan:
         graphs = self.graphs_on(device)
         sizes = {r.n for r in requests.values()}
         # before the weights' storage is read below: a first call makes the fused weights views of one buffer
@@ -329,70 +295,45 @@ class Engine:
         return Plan(
             # every request n = G >= 2 samples, all known now (GRPO, eval with n > 1): a GroupCache, each
             # prompt's KV read once per group
-            group=min(sizes) if self.share_prompt and not fed and len(sizes) == 1 and min(sizes) >= 2 else 0,
-            graphs=graphs, compiled=graphs and (compile if compile is not None else self.compile), fusing=fusing,
-            recording=bool(record_routes), weights=hash(tuple(p.data_ptr() for p in self.core.parameters())),
+            group=min(sizes) if s.share_prompt and len(sizes) == 1 and min(sizes) >= 2 else 0,
+            graphs=graphs, compiled=graphs and (s.compile if s.compile is not None else self.compile),
+            fusing=fusing, recording=s.record_routes,
+            weights=hash(tuple(p.data_ptr() for p in self.core.parameters())),
             mask_dtype=kv_dtype(self.runner.lm, device), training=self.core.training, autocast=cuda_autocast(),
             fp8=self.runner.fp8 is not None)
 
-    def _prefill(self, admitted: list[tuple[int, GenRequest, list[int]]], plan: Plan, image_token_id: int,
-                 pad_id: int, mode: str) -> None:
+    def _prefill(self, admitted: list[tuple[int, GenRequest, list[int]]], b: Batch) -> None:
         start = time.perf_counter()
-        self.runner.prefill(plan, admitted, image_token_id, pad_id, mode)
+        self.runner.prefill(b.plan, admitted, b.settings.image_token_id, b.settings.pad_id, b.mode)
+        b.sched.prefilled(admitted)
         self.stats.prefills += 1
         self.stats.prefill_s += _elapsed(start, self.runner.cache.rows.device)
 
-    def _decode(self, plan: Plan, sched: Scheduler, mode: str, on_tokens) -> list[int]:
-        """sync_every decode steps over the occupied slots, then the sync point: the slots whose rows finished."""
-        steps = self.sync_every
-        S, Lb = sched.shape(steps)
+    def _decode_step(self, b: Batch) -> None:
+        """One decode step over the occupied slots (queued: no host read)."""
+        S, Lb = b.sched.shape(1)
         start = time.perf_counter()
-        self.runner.run_steps(plan, S, Lb, mode, steps, self.stats)
-        self.stats.row_steps += S * steps
-        sched.advance(steps)
-        alive = self.runner.alive(S)  # the sync point
+        self.runner.run_steps(b.plan, S, Lb, b.mode, 1, self.stats)
+        b.sched.advance(1)
+        b.since_sync += 1
+        self.stats.row_steps += S
+        self.stats.steps += 1
         self.stats.decode_s += time.perf_counter() - start
-        self.stats.steps += steps
-        if on_tokens is not None:
-            sched.stream(self.runner, S, on_tokens)
-        return [slot for slot in sched.occupant if not alive[slot]]
 
-
-@dataclass(frozen=True)
-class PullSettings:
-    """Engine.open's: what generate takes per call, for the pull API's batches."""
-    stop_ids: tuple[int, ...]
-    banned_ids: tuple[int, ...]
-    image_token_id: int
-    pad_id: int
-    slots: int | None
-    compile: bool | None
-    record_routes: bool
-
-
-@dataclass
-class Batch:
-    """The pull API's running batch: its Plan and scheduler live until it drains."""
-    plan: Plan
-    sched: Scheduler
-    settings: PullSettings  # open()'s when it started
-    mode: str = "greedy"  # the sampling mode its steps run (raised as requests needing more join)
+    def _sync(self, b: Batch) -> None:
+        """The sync point: which rows are still alive (the host read that waits for the queued steps),
+        their new tokens streamed, the finished ones out."""
+        start, sched = time.perf_counter(), b.sched
+        S = max(sched.occupant) + 1
+        alive = self.runner.alive(S)
+        if b.settings.stream:
+            sched.stream(self.runner, S)
+        sched.finish([slot for slot in sched.occupant if not alive[slot]], self.runner)
+        b.since_sync = 0
+        self.stats.decode_s += time.perf_counter() - start
 
 
 def _elapsed(start: float, device) -> float:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter() - start
-
-
-_ENGINES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def engine_for(model, **kwargs) -> Engine:
-    """The model's engine (created on first use; its buffers and CUDA graphs are reused by later
-    calls, e.g. every GRPO step). kwargs apply when it is created."""
-    core = unwrap(model)
-    engine = _ENGINES.get(core)
-    if engine is None:
-        engine = _ENGINES[core] = Engine(model, **kwargs)
-    return engine

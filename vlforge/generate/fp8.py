@@ -1,9 +1,9 @@
 """FP8 copies of the language model's decoder projections, for generation (GRPO's rollout.precision=fp8).
 
-    fp8 = fp8_projections(model)        # the model's FP8 copies (made from its weights at the first call)
+    fp8 = fp8_projections(engine)       # the engine's FP8 copies of its model (made at the first call)
     fp8.refresh()                       # made again from the current weights, in place
-    with decoding_in_fp8(model, fp8):   # the engine's prefills and decode steps inside run on the copies
-        engine_for(model).generate(...)
+    with decoding_in_fp8(engine, fp8):  # the engine's prefills and decode steps inside run on the copies
+        engine.generate(...)
 
 What is copied: each decoder layer's q/k/v, o, gate/up and down projections, as float8_e4m3fn with one
 scale per output channel (row-wise: the row's amax / 448); each GEMM quantizes its input per token
@@ -36,14 +36,13 @@ a reference kernel on the CPU), the same path on every device, and the one the t
 
 from __future__ import annotations
 
-import weakref
 from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from vlforge.generate.engine import engine_for
+from vlforge.generate.engine import Engine
 from vlforge.generate.fused import _base, _Group
 from vlforge.model.tiers import fsdp_sharded, unwrap
 
@@ -65,6 +64,28 @@ def _float8():
     except ImportError:
         raise ImportError('FP8 rollouts need torchao: pip install "vlforge[fp8]"') from None
     return Float8Tensor, PerRow, Float8MMConfig, KernelPreference, QuantizeTensorToFloat8Kwargs
+
+
+def fp8_gemm_problem(device: torch.device) -> str | None:
+    """None when torch._scaled_mm runs row-wise FP8 GEMMs on `device`; else why not and what to do.
+    CUDA: FP8 tensor cores (compute capability >= 8.9). CPU: tried on a 16 x 16 GEMM, since whether
+    torch's CPU kernel takes row-wise scales depends on the torch build (2.11's takes per-tensor
+    scales only)."""
+    if device.type == "cuda":
+        cap = torch.cuda.get_device_capability(device)
+        if cap < (8, 9):
+            return (f"rollout.precision=fp8 needs FP8 tensor cores (compute capability >= 8.9: L4, L40, H100, "
+                    f"H200, B200), not {torch.cuda.get_device_name(device)} ({cap[0]}.{cap[1]}): use "
+                    "rollout.precision=bf16")
+        return None
+    a = torch.ones(16, 16, device=device).to(FP8_DTYPE)
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=torch.ones(16, 1, device=device), scale_b=torch.ones(1, 16, device=device),
+                         out_dtype=torch.bfloat16)
+    except (RuntimeError, NotImplementedError) as e:
+        return (f"rollout.precision=fp8: torch {torch.__version__} has no row-wise FP8 GEMM on the {device.type} "
+                f"({str(e).splitlines()[0][:160]}); use rollout.precision=bf16, or a GPU of compute capability >= 8.9")
+    return None
 
 
 def quantize_rows(weight: torch.Tensor, dtype: torch.dtype = torch.bfloat16):
@@ -185,25 +206,21 @@ class Fp8Projections:
                     m.__dict__.pop("forward", None)
 
 
-_COPIES: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def fp8_projections(model, made: bool = True) -> Fp8Projections | None:
-    """The model's FP8 copies (made from its weights at the first call; the same object after, so
-    its storage stays where captured graphs read it). `made=False`: None when none were made yet."""
-    core = unwrap(model)
-    copies = _COPIES.get(core)
-    if copies is None and made:
-        copies = _COPIES[core] = Fp8Projections(core)
-    return copies
+def fp8_projections(engine: Engine, made: bool = True) -> Fp8Projections | None:
+    """The FP8 copies of the engine's model, kept by its runner (made from the weights at the first
+    call; the same object after, so its storage stays where captured graphs read it). `made=False`:
+    None when none were made yet."""
+    runner = engine.runner
+    if runner.fp8_copies is None and made:
+        runner.fp8_copies = Fp8Projections(engine.core)
+    return runner.fp8_copies
 
 
 @contextmanager
-def decoding_in_fp8(model, copies: Fp8Projections):
-    """The engine's calls on `model` inside prefill and decode with `copies` (Plan.fp8)."""
-    runner = engine_for(model).runner
-    runner.fp8 = copies
+def decoding_in_fp8(engine: Engine, copies: Fp8Projections):
+    """The engine's calls inside prefill and decode with `copies` (Plan.fp8)."""
+    engine.runner.fp8 = copies
     try:
         yield
     finally:
-        runner.fp8 = None
+        engine.runner.fp8 = None

@@ -1,14 +1,12 @@
 """A request's state, from its arrival to its result: what callers hand the engine (Prompt,
-GenRequest; Feed for requests that join a running call), what comes back (GenResult, GenStats;
-StepOutput from Engine.step), and the per-slot decode state on the device that a request's rows
-live in while they decode (SlotState: every decode step reads and writes it in place)."""
+GenRequest), what comes back (StepOutput from Engine.step, GenResult, GenStats; Outputs keeps, by
+id, what the added requests produced until a step reports it), and the per-slot
+decode state on the device that a request's rows live in while they decode (SlotState: every
+decode step reads and writes it in place)."""
 
 from __future__ import annotations
 
-import threading
-from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -69,7 +67,7 @@ class GenRequest:
 
 @dataclass
 class GenResult:
-    request: int  # index into the generate() list (with a feed: the request's ticket)
+    request: int  # the id Engine.add returned (from Engine.generate: the request's position in its list)
     sample: int  # 0..n-1
     tokens: torch.Tensor  # [R] generated ids (the stop token included when one ended it), CPU
     logprobs: torch.Tensor  # [R] fp32 log-probs of the temperature-scaled policy, CPU
@@ -89,12 +87,48 @@ class StepOutput:
     new_tokens: tuple[tuple[int, ...], ...]  # [n]: each sample's ids since the last output (maybe none)
     results: tuple[GenResult, ...] = ()  # its n results in sample order once all have finished, else ()
     # ended by Engine.cancel: its results hold the tokens generated until then, stopped=False (none if it
-    # never started), as a Feed.finish'ed request's in generate
+    # never started)
     cancelled: bool = False
 
     @property
     def finished(self) -> bool:
         return bool(self.results)
+
+
+class Outputs:
+    """Each added request's rows' results (until all have finished) and this step's news, by id."""
+
+    def __init__(self):
+        self.results: dict[int, list[GenResult | None]] = {}  # id -> its rows' results (added, not finished)
+        self.new: dict[int, list[list[int]]] = {}  # this step's new tokens: id -> per sample
+        self.finished: list[int] = []  # this step's
+
+    def added(self, id: int, n: int) -> None:
+        self.results[id] = [None] * n
+
+    def streamed(self, id: int, sample: int, ids: list[int]) -> None:
+        self.new.setdefault(id, [[] for _ in self.results[id]])[sample] += ids
+
+    def answered(self, res: GenResult) -> None:
+        per = self.results[res.request]
+        per[res.sample] = res
+        if all(r is not None for r in per):
+            self.finished.append(res.request)
+
+    def unstarted(self, id: int) -> None:
+        """A request that ends before any prefill (cancelled while waiting): empty results."""
+        for s in range(len(self.results[id])):
+            self.answered(GenResult(id, s, torch.zeros(0, dtype=torch.long), torch.zeros(0), False))
+
+    def take(self, cancelled: set[int]) -> list[StepOutput]:
+        """This step's outputs, by id; the finished requests are forgotten."""
+        out = []
+        for id in sorted(set(self.new) | set(self.finished)):
+            new = tuple(tuple(ids) for ids in self.new.get(id, [[] for _ in self.results[id]]))
+            done = tuple(self.results.pop(id)) if id in self.finished else ()
+            out.append(StepOutput(id, new, done, id in cancelled))
+        self.new, self.finished = {}, []
+        return out
 
 
 @dataclass
@@ -108,76 +142,6 @@ class GenStats:
     prefills: int = 0
     tokens: int = 0
     graphs: list = field(default_factory=list)  # keys of graphs captured in this call
-
-
-class Feed:
-    """Requests added to a running `generate(..., feed=feed)` from any thread; the scheduler takes
-    them at its next sync point (they join the decode batch while slots are free) and ends the
-    rows of requests `finish`ed. A fed request is known by the ticket `put` returns (its index in
-    results and callbacks: with a feed, every request comes through it).
-
-    A request whose prompt + max_new_tokens does not fit the call's KV length (or whose n exceeds
-    its slots) stays queued while later requests that fit pass it, for at most `max_passed` sync
-    points (so one long request does not hold up the short ones behind it, nor wait for ever);
-    then taking stops, the running rows drain, the call returns and the next call sizes for it.
-    A request `finish`ed while still queued is taken at once, fitting or not, and leaves with an
-    empty result before any prefill. `refill`, if given, is called at every sync point before
-    taking (a single-threaded caller's chance to put arrivals and finish requests).
-    """
-
-    def __init__(self, refill: Callable[["Feed"], None] | None = None, max_passed: int = 16):
-        self._lock = threading.Lock()
-        self._new: deque[tuple[int, GenRequest]] = deque()
-        self._passed: dict[int, int] = {}  # ticket -> sync points it did not fit while later ones were taken
-        self.max_passed = max_passed
-        self._finish: set[int] = set()
-        self._tickets = 0
-        self.refill = refill
-
-    def put(self, request: GenRequest) -> int:
-        with self._lock:
-            ticket, self._tickets = self._tickets, self._tickets + 1
-            self._new.append((ticket, request))
-        return ticket
-
-    def finish(self, ticket: int) -> None:
-        """End the request at the next sync point: its result holds the tokens generated so far
-        (none if it had not started)."""
-        with self._lock:
-            self._finish.add(ticket)
-
-    def pending(self) -> int:
-        with self._lock:
-            return len(self._new)
-
-    def _take(self, fits: Callable[[GenRequest], bool]) -> list[tuple[int, GenRequest]]:
-        """The queued requests that fit, in order; one that does not is passed over (and counted),
-        until it has been passed `max_passed` times: from it on, nothing more is taken."""
-        with self._lock:
-            out, kept = [], deque()
-            while self._new:
-                ticket, request = self._new.popleft()
-                if ticket in self._finish or fits(request):  # a finished one is never prefilled: it costs nothing
-                    out.append((ticket, request))
-                    continue
-                kept.append((ticket, request))
-                self._passed[ticket] = self._passed.get(ticket, 0) + 1
-                if self._passed[ticket] > self.max_passed:  # its turn: let the running rows drain
-                    # (a finished one behind it still leaves now: it costs nothing and its client is gone)
-                    out.extend((t, r) for t, r in self._new if t in self._finish)
-                    kept.extend((t, r) for t, r in self._new if t not in self._finish)
-                    self._new.clear()
-            self._new = kept
-            for ticket, _ in out:
-                self._passed.pop(ticket, None)
-            return out
-
-    def _finished(self) -> set[int]:
-        """The finished tickets the call has taken (those still queued stay marked until taken)."""
-        with self._lock:
-            queued = {t for t, _ in self._new}
-            done, self._finish = self._finish - queued, self._finish & queued
-            return done
 
 
 def check_request(i: int, r: GenRequest) -> None:

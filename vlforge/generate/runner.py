@@ -47,6 +47,7 @@ class Runner:
         self.text_config = self.lm.layers[0].self_attn.config
         self.fused: FusedProjections | None = None  # the model's fusable groups (built at the first call that fuses)
         self.fp8 = None  # generate/fp8.Fp8Projections the calls decode with, while decoding_in_fp8 sets it
+        self.fp8_copies = None  # the model's FP8 copies once made (generate/fp8.fp8_projections), kept for refreshes
         self.compiled: CompiledStep | None = None  # built at the first compiled call
         self.cache: SlotCache | None = None
         self.state: SlotState | None = None

@@ -1,11 +1,12 @@
-"""The scheduler: one call's bookkeeping of requests and slots, on the host (no device reads).
+"""The scheduler: one batch's bookkeeping of requests and slots, on the host (no device reads).
 
-It keeps a queue of requests and a fixed set of slots. At each sync point it admits waiting requests
-(each: one prompt, n samples) while free slots remain, holding them for a fuller prefill while rows
-run (`join_share`); it says how many slots and KV positions the next steps run (a bucket each);
-finished rows leave (their results answered, their slots freed: a GroupCache's whole group with
-its last row), and with nobody waiting, running rows move down into freed slots when that shrinks
-the step's bucket (compaction). A row's tokens do not depend on which other rows share its steps
+It keeps a queue of requests and a fixed set of slots. At each step it admits waiting requests
+(each: one prompt, n samples) while free slots remain (it knows which: it freed them), holding them
+for a fuller prefill while rows run if the engine's `join_share` asks (counted in sync points); it
+says how many slots and KV positions the next step runs (a bucket each); at a sync point finished
+rows leave (their results and any tokens not streamed yet to the outputs, their slots freed: a
+GroupCache's whole group with its last row), and with nobody waiting, running rows move down into
+freed slots when that shrinks the step's bucket (compaction). A row's tokens do not depend on which other rows share its steps
 (per-row positions and masks, per-row noise), so joining mid-batch changes nothing.
 """
 
@@ -13,13 +14,12 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import Callable
 
 import torch
 
 from vlforge.generate.cache import LENGTH_BUCKET
 from vlforge.generate.plan import Plan
-from vlforge.generate.requests import GenRequest, GenResult, GenStats, check_request
+from vlforge.generate.requests import GenRequest, GenResult, GenStats, Outputs
 from vlforge.generate.runner import Runner
 
 MAX_JOIN_HOLD = 4  # sync points waiting requests are held for a fuller prefill at most (Engine.join_share)
@@ -27,10 +27,11 @@ MAX_JOIN_HOLD = 4  # sync points waiting requests are held for a fuller prefill 
 
 class Scheduler:
     def __init__(self, requests: dict[int, GenRequest], slots: int, length: int, prompt_span: int, plan: Plan,
-                 stats: GenStats, *, join_share: float, max_prefill_tokens: int, compact: bool, fed: bool,
-                 keep: bool, on_result: Callable[[GenResult], None] | None):
-        # by ticket (without a feed: the position in the call's list). A fed call may run as long as requests
-        # come: a request leaves `requests` once prefilled, and `results` holds nothing unless returned
+                 stats: GenStats, outputs: Outputs, *, stream: bool, join_share: float,
+                 max_prefill_tokens: int, compact: bool, closed: bool):
+        # by id; a batch may run as long as requests come: a request leaves `requests` once prefilled
+        # (its images with it), and each result goes to `outputs` as its row finishes (with `stream`, the
+        # rows' new tokens too)
         self.requests = requests
         self.queue = deque(requests)
         self.slots, self.length, self.prompt_span, self.plan, self.stats = slots, length, prompt_span, plan, stats
@@ -43,41 +44,29 @@ class Scheduler:
         self.prompt_len: dict[int, int] = {}  # slot -> its prompt's length
         self.join_at = max(1, int(slots * join_share))  # free slots that make a prefill worth it while rows run
         self.held = 0  # sync points the waiting requests have been held for
-        self.max_prefill_tokens, self.compact, self.fed = max_prefill_tokens, compact, fed
-        self.keep, self.on_result = keep, on_result
-        self.results: dict[int, list[GenResult | None]] = {t: [None] * r.n for t, r in requests.items()} if keep else {}
+        self.max_prefill_tokens, self.compact, self.closed = max_prefill_tokens, compact, closed
+        self.outputs, self.streaming = outputs, stream
 
     @property
     def busy(self) -> bool:
         return bool(self.queue or self.occupant)
 
-    def collect(self) -> list[GenResult]:
-        """The kept results in request order (each request's n samples in turn)."""
-        return [res for per in self.results.values() for res in per]
-
-    def answered(self, res: GenResult) -> None:
-        if self.keep:
-            self.results[res.request][res.sample] = res
-        if self.on_result is not None:
-            self.on_result(res)
-
     # -- admission ------------------------------------------------------------------------------
 
     def fits(self, r: GenRequest) -> bool:
-        """Whether a fed request can join this call: within its KV length and slots."""
-        return len(r.prompt.input_ids) + r.max_new_tokens <= self.length and r.n <= self.slots
+        """Whether a request can join this running batch: it is open to joins (not `closed`: a GroupCache's
+        layout is fixed by the requests it started with) and the request fits its KV length and slots."""
+        return not self.closed and len(r.prompt.input_ids) + r.max_new_tokens <= self.length and r.n <= self.slots
 
     def join(self, taken: list[tuple[int, GenRequest]]) -> None:
-        """Requests taken from a feed join the queue."""
+        """Requests added while the batch runs join its queue."""
         for t, r in taken:
-            check_request(t, r)
             self.requests[t] = r
-            if self.keep:
-                self.results[t] = [None] * r.n
             self.queue.append(t)
 
-    def admit(self) -> list[tuple[int, GenRequest, list[int]]]:
-        """The waiting requests that take free slots now, with their slots (one prefill's worth)."""
+    def admit(self, count_hold: bool = True) -> list[tuple[int, GenRequest, list[int]]]:
+        """The waiting requests that take free slots now, with their slots (one prefill's worth).
+        `count_hold`: this step follows a sync point (slots free there), so a hold counts one more."""
         queue, requests, free = self.queue, self.requests, self.free
         admitted, tokens = [], 0
         # joins wait for join_at free slots (or as many as all the waiting samples need), for at most
@@ -85,7 +74,7 @@ class Scheduler:
         can_join = bool(queue) and requests[queue[0]].n <= len(free)
         hold = (can_join and bool(self.occupant) and self.held < MAX_JOIN_HOLD
                 and len(free) < min(self.join_at, sum(requests[q].n for q in queue)))
-        self.held = self.held + 1 if hold else 0
+        self.held = (self.held + count_hold) if hold else 0
         while queue and not hold and requests[queue[0]].n <= len(free):
             r = requests[queue[0]]
             if admitted and tokens + len(r.prompt.input_ids) > self.max_prefill_tokens:
@@ -102,9 +91,8 @@ class Scheduler:
         return admitted
 
     def prefilled(self, admitted: list[tuple[int, GenRequest, list[int]]]) -> None:
-        if self.fed:  # a fed call may run as long as requests come: hold no prefilled prompt (images)
-            for i, _, _ in admitted:
-                del self.requests[i]
+        for i, _, _ in admitted:  # the batch may run as long as requests come: it holds no prefilled prompt (images)
+            del self.requests[i]
 
     # -- decoding -------------------------------------------------------------------------------
 
@@ -124,8 +112,8 @@ class Scheduler:
         for slot in self.occupant:
             self.bound[slot] += steps
 
-    def stream(self, runner: Runner, S: int, on_tokens) -> None:
-        """Each running row's tokens not streamed yet to on_tokens(request, sample, ids)."""
+    def stream(self, runner: Runner, S: int) -> None:
+        """Each running row's tokens not streamed yet to the outputs (one copy of the new columns)."""
         counts = runner.state.count[:S].cpu()
         width = max((int(counts[slot]) for slot in self.occupant), default=0)  # freed slots keep old counts
         lo = min((self.sent[slot] for slot in self.occupant), default=0)  # only columns not streamed yet cross
@@ -133,31 +121,35 @@ class Scheduler:
         for slot, (i, s) in self.occupant.items():
             n = int(counts[slot])
             if n > self.sent[slot]:
-                on_tokens(i, s, toks[slot, self.sent[slot] - lo:n - lo].tolist())
+                self.outputs.streamed(i, s, toks[slot, self.sent[slot] - lo:n - lo].tolist())
                 self.sent[slot] = n
 
     # -- finishing ------------------------------------------------------------------------------
 
-    def finish_early(self, ended: set[int], done: list[int], runner: Runner) -> list[int]:
-        """Requests a feed finished: their rows stop (slots freed at this sync point); those not
-        started yet leave the queue with empty results."""
-        rows = [slot for slot, (t, _) in self.occupant.items() if t in ended and slot not in done]
+    def finish_early(self, ended: set[int], runner: Runner) -> list[int]:
+        """Cancelled requests: their rows stop (returned: finish them); those not started yet leave the
+        queue with empty results."""
+        rows = [slot for slot, (t, _) in self.occupant.items() if t in ended]
         if rows:
             runner.stop_rows(rows)
         for t in [t for t in self.queue if t in ended]:
             self.queue.remove(t)
             for s in range(self.requests.pop(t).n):
-                self.answered(GenResult(t, s, torch.zeros(0, dtype=torch.long), torch.zeros(0), False))
-        return done + rows
+                self.outputs.answered(GenResult(t, s, torch.zeros(0, dtype=torch.long), torch.zeros(0), False))
+        return rows
 
     def finish(self, done: list[int], runner: Runner) -> None:
         """Finished rows leave: their results answered, their slots freed; then compaction."""
+        if not done:
+            return
         for slot, (tokens, logprobs, stopped, routes) in zip(done, runner.harvest(done, self.plan)):
             i, s = self.occupant[slot]
             self.stats.tokens += len(tokens)
-            self.answered(GenResult(i, s, tokens, logprobs, stopped, routes))
+            if self.streaming and len(tokens) > self.sent[slot]:  # a row cancelled between sync points
+                self.outputs.streamed(i, s, tokens[self.sent[slot]:].tolist())
+            self.outputs.answered(GenResult(i, s, tokens, logprobs, stopped, routes))
         for slot in done:
-            del self.occupant[slot], self.bound[slot], self.prompt_len[slot]
+            del self.occupant[slot], self.bound[slot], self.prompt_len[slot], self.sent[slot]
         G = self.plan.group
         if G:  # a group's slots free together, with its last row (a joining request takes a whole group)
             for slot in done:

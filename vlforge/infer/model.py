@@ -9,15 +9,15 @@ What it loads: an HF model directory (an `vlforge export` output, a full fine-tu
 or released weights), a LoRA checkpoint (`adapter_config.json`; its base model comes from the
 run's `config.yaml`), or a preset name (`tiny`, random weights) for tests and demos.
 
-Generation runs on generate/'s engine (the one GRPO rollouts and eval use): every request of a
-`generate` call, whatever its sampling settings, shares one decode batch; each stops at its own
-`max_new_tokens`, an end token or a stop string, and its slot is freed at the next sync point.
-`generate_continuous` also takes requests arriving while it runs (the server's batcher): they join
-at a sync point instead of waiting for the batch. `on_text` receives each request's new text as
-it is produced (at sync points), which the server turns into SSE chunks. Each answer's text is
-kept in streamer.py's BatchStreamer (incremental detokenizing, stop strings, the text streamed as it
-grows), which returns its Completion. (transformers' own `generate` on the same requests was measured
-3-10x slower under load: docs/benchmarks.md, Serving.)
+Generation runs on the model's own generate/ Engine (built here with this model's settings):
+every request of a `generate` call, whatever its sampling settings, shares one decode batch; each
+stops at its own `max_new_tokens`, an end token or a stop string. The server drives the same engine
+through the pull API: `open(slots)`, `add(request) -> id` (the engine's id), `step()` -> TextOutputs
+(each request's new text, and its Completion once done), `cancel(id)`; a request added between
+steps decodes in the next one. `generate` is a loop over them (`on_text` hears each request's new
+text). Each answer's text is kept in streamer.py's BatchStreamer (incremental detokenizing, stop
+strings, text released as it grows), which gives its Completion. (transformers' own `generate` on
+the same requests was measured 3-10x slower under load: docs/benchmarks.md, Serving.)
 """
 
 from __future__ import annotations
@@ -39,12 +39,12 @@ from vlforge.data.request import MAX_NEW_TOKENS, Request  # noqa: F401 (the mode
 from vlforge.data.tokens import max_chars_per_token
 from vlforge.generate.engine import Engine
 from vlforge.generate.forward import never_generated
-from vlforge.generate.requests import Feed, GenRequest, GenResult, Prompt
+from vlforge.generate.requests import GenRequest, Prompt
 from vlforge.model.presets import PRESETS
 from vlforge.infer.shared_images import share_identical_images
-from vlforge.infer.streamer import BatchStreamer, Completion
+from vlforge.infer.streamer import BatchStreamer, Completion, TextOutput
 
-SYNC_EVERY = 4  # decode steps between sync points: how often text streams, rows leave and requests join
+SYNC_EVERY = 4  # decode steps between sync points: how often text streams and finished rows leave
 
 # Quantization methods whose kernels replay from CUDA graphs with the eager steps' tokens: bitsandbytes'
 # NF4 (its gemv at one row, dequantize + GEMM above: custom ops allocating through torch's caching
@@ -120,27 +120,28 @@ class InferenceModel:
         # the end-of-generation tokens every vlforge generation path stops at (data/encode.py)
         self.end_ids = self.encoder.end_ids
         self.chars_per_token = max_chars_per_token(self.tokenizer)
-        self.lock = threading.Lock()  # one generate at a time on the model
+        self.lock = threading.RLock()  # one caller's steps at a time on the model
         self.share_images = True  # a batch's repeated images go through the vision tower once
         self.images_shared = 0  # images not encoded again because an identical one was in their batch
         self.sync_every = SYNC_EVERY
         self._gen: Engine | None = None
+        self._streamer = BatchStreamer(self)  # the added requests' answers, by engine id
+        self._prompt_tokens: dict[int, int] = {}  # engine id -> its prompt's tokens (added, not done)
         # an inference model: no gradients, and generate/'s engine fuses its projections (generate/fused.py)
         model.eval().requires_grad_(False)
         # the tools.image_max_pixels of the GRPO run a checkpoint comes from (load sets it): its
         # tools' images were resized to at most this, and serve resizes a tool message's images so too
         self.tool_image_max_pixels: int | None = None
 
-    continuous = True  # requests can join a running generate (the server's batcher feeds them)
-
     def gen_engine(self) -> Engine:
-        """generate/'s engine for this model (its own, not GRPO's engine_for: its slots follow the server).
-        CUDA graphs stay off for quantized weights whose kernels are not verified to replay from a
-        graph (unreplayable_quant): those steps run eagerly (same tokens, host-bound)."""
+        """This model's generate/ Engine (built on first use, kept with its buffers and graphs). CUDA graphs
+        stay off for quantized weights whose kernels are not verified to replay from a graph
+        (unreplayable_quant): those steps run eagerly (same tokens, host-bound). join_share 0: a request
+        joins as soon as a slot is free (a server's time to first token), not for a fuller prefill."""
         if self._gen is None:
             self._gen = Engine(self.model, sync_every=self.sync_every,
                                use_graphs=False if unreplayable_quant(self.quant_report) else None,
-                               compile=self.compile and not self.quant_report)
+                               compile=self.compile and not self.quant_report, join_share=0.0)
         return self._gen
 
     def compile_problem(self) -> str | None:
@@ -171,7 +172,7 @@ class InferenceModel:
             warm = [Request([{"role": "user", "content": [{"type": "text", "text": "Hello"}]}],
                             max_new_tokens=steps, min_new_tokens=steps, temperature=temperature, top_p=top_p,
                             seed=0) for _ in range(slots)]
-            self.generate_continuous(warm, None, lambda r, c: None, slots=slots)
+            self.generate(warm)
         return time.perf_counter() - start
 
     def set_image_limits(self, min_pixels: int | None = None, max_pixels: int | None = None) -> None:
@@ -293,84 +294,83 @@ class InferenceModel:
         return -(-len(text) // self.chars_per_token)
 
     def generate(self, requests: list[Request], on_text: Callable[[int, str], None] | None = None) -> list[Completion]:
-        """Complete every request (on_text(i, new_text) streams request i's answer)."""
-        out: dict[int, Completion] = {}
-        index = {id(r): i for i, r in enumerate(requests)}
-        self.generate_continuous(requests, None if on_text is None else lambda r, text: on_text(index[id(r)], text),
-                                 lambda r, c: out.__setitem__(index[id(r)], c))
-        return [out[i] for i in range(len(requests))]
+        """Complete every request (on_text(i, new_text) streams request i's answer): a loop over
+        open/add/step, the requests decoding together (len(requests) slots)."""
+        with self.lock:
+            self.open(max(1, len(requests)))
+            out: dict[int, Completion] = {}
+            try:
+                index = {self.add(r): i for i, r in enumerate(requests)}
+                while len(out) < len(requests):
+                    for o in self.step():
+                        if o.text and on_text is not None:
+                            on_text(index[o.id], o.text)
+                        if o.completion is not None:
+                            out[index[o.id]] = o.completion
+            except BaseException:
+                self._drop_all()  # nothing of a failed call stays added
+                raise
+            return [out[i] for i in range(len(requests))]
 
-    def generate_continuous(self, first: list[Request], on_text: Callable[[Request, str], None] | None,
-                            on_done: Callable[[Request, Completion], None],
-                            more: Callable[[], list[Request]] | None = None, slots: int | None = None,
-                            on_error: Callable[[Request, Exception], None] | None = None) -> None:
-        """Complete `first` and whatever `more()` returns (polled at each sync point, from this
-        thread; it must not block): those join the running decode batch. `on_done(request,
-        completion)` as each finishes, `on_text(request, new_text)` as its answer grows. `slots`:
-        the most requests decoding at once (default: len(first), at least 1). Returns once every
-        request taken is done. `on_error(request, exc)`: a request from `more()` that cannot be
-        prepared (its images, its prompt) is answered alone through it (default: raise, which fails
-        the whole call)."""
-        if on_error is None:
-            def on_error(r: Request, e: Exception) -> None:
-                raise e
-        streamer = BatchStreamer(self, [], None if on_text is None else
-                                 lambda row, text: on_text(streamer.requests[row], text))
-        rows: dict[int, int] = {}  # ticket -> streamer row
-        prompt_tokens: dict[int, int] = {}
-        live: dict[int, Request] = {}
+    # the pull API (the server's batcher): one thread calls open, add, step and cancel
+
+    def open(self, slots: int) -> None:
+        """Generation with at most `slots` requests decoding at once (serve: --max-batch); requests still
+        added or running keep running."""
+        self.gen_engine().open(stop_ids=self.end_ids, banned_ids=self.banned_ids(),
+                               image_token_id=self.encoder.image_token_id, pad_id=self.encoder.pad_id, slots=slots)
+
+    def add(self, r: Request) -> int:
+        """Queue a request for the next step; its id (the engine's). Raises if its prompt cannot be
+        prepared (its images, its template): nothing was added then."""
+        prompt = self._prompt(r)
+        seed = r.seed if r.seed is not None else secrets.randbits(63)
         # the model's generation_config top_k, which transformers generate applies to sampled requests too
         top_k = getattr(getattr(self.model, "generation_config", None), "top_k", None) or 0
+        id = self.gen_engine().add(GenRequest(prompt, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
+                                              top_p=r.top_p if r.temperature > 0 else 1.0, top_k=top_k, seed=seed,
+                                              min_new_tokens=min(r.min_new_tokens, r.max_new_tokens)))
+        self._streamer.add(id, r)
+        self._prompt_tokens[id] = len(prompt.input_ids)
+        return id
 
-        def put(feed: Feed, r: Request) -> None:
-            prompt = self._prompt(r)
-            seed = r.seed if r.seed is not None else secrets.randbits(63)
-            ticket = feed.put(GenRequest(prompt, max_new_tokens=r.max_new_tokens, temperature=r.temperature,
-                                         top_p=r.top_p if r.temperature > 0 else 1.0, top_k=top_k, seed=seed,
-                                         min_new_tokens=min(r.min_new_tokens, r.max_new_tokens)))
-            rows[ticket] = streamer.add(r)
-            prompt_tokens[ticket] = len(prompt.input_ids)
-            live[ticket] = r
+    def cancel(self, id: int) -> None:
+        """End a request at the next step (its Completion says "cancelled")."""
+        if id in self._prompt_tokens:
+            self._streamer.requests[id].cancelled.set()
+            self.gen_engine().cancel(id)
 
-        def refill(feed: Feed) -> None:
-            for t, r in live.items():  # a client that left: its row stops at this sync point
-                if r.cancelled.is_set():
-                    feed.finish(t)
-            for r in more() if more is not None else []:
-                try:
-                    put(feed, r)
-                except Exception as e:  # a bad joining request fails alone, not the rows running beside it
-                    on_error(r, e)
-
-        def on_tokens(t: int, sample: int, ids: list[int]) -> None:
-            streamer.push(rows[t], ids)
-            if streamer.done[rows[t]]:  # a stop string or a cancel: the engine stops the row now
-                feed.finish(t)
-
-        def on_result(res: GenResult) -> None:
-            row = rows.pop(res.request)
-            streamer.end([row], "cancelled" if live[res.request].cancelled.is_set() else None)
-            r = live.pop(res.request)
-            c = Completion(streamer.text[row], prompt_tokens.pop(res.request), streamer.count[row],
-                           streamer.finish[row])
-            streamer.release(row)  # a continuous call runs as long as requests come: keep nothing of the done
-            on_done(r, c)
-
-        feed = Feed(refill)
-        for r in first:
-            try:
-                put(feed, r)
-            except Exception as e:
-                on_error(r, e)
-        engine = self.gen_engine()
-        banned = self.banned_ids()
+    def step(self) -> list[TextOutput]:
+        """One engine step: each request's new text, and its Completion once done. A request whose
+        Request.cancelled is set (its client left) or whose answer ended on the host (a stop string)
+        has its rows stopped. If the step raises, every added request is dropped (the caller answers them)."""
+        engine, streamer = self.gen_engine(), self._streamer
+        for id in [id for id, r in streamer.requests.items() if r.cancelled.is_set() or streamer.done[id]]:
+            engine.cancel(id)
         with self.lock, torch.no_grad(), \
                 torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.device.type == "cuda"), \
                 share_identical_images(self.model, self._count_shared) if self.share_images else _nothing():
-            while feed.pending() or live:
-                engine.generate([], stop_ids=self.end_ids, banned_ids=banned, image_token_id=self.encoder.image_token_id,
-                                pad_id=self.encoder.pad_id, slots=slots or max(1, len(first)), on_result=on_result,
-                                on_tokens=on_tokens, feed=feed)
+            try:
+                outputs = engine.step()
+            except BaseException:
+                self._drop_all()
+                raise
+        return [t for o in outputs if (t := self._text_of(o)).text or t.completion is not None]
+
+    def _drop_all(self) -> None:
+        """Forget every added request (the engine's and the answers' bookkeeping)."""
+        self.gen_engine().clear()
+        self._streamer, self._prompt_tokens = BatchStreamer(self), {}
+
+    def _text_of(self, o) -> TextOutput:
+        streamer = self._streamer
+        text = streamer.push(o.id, o.new_tokens[0])
+        if not o.finished:
+            return TextOutput(o.id, text)
+        text += streamer.end(o.id, "cancelled" if streamer.requests[o.id].cancelled.is_set() else None)
+        c = Completion(streamer.text[o.id], self._prompt_tokens.pop(o.id), streamer.count[o.id], streamer.finish[o.id])
+        streamer.release(o.id)  # a server's engine runs as long as requests come: keep nothing of the done
+        return TextOutput(o.id, text, c)
 
     def banned_ids(self) -> list[int]:
         """Never generated (generate.forward.never_generated: as in eval and rollouts)."""

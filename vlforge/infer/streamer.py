@@ -1,14 +1,13 @@
 """A batched generation's answers as they stream: each row's text detokenized incrementally
-(tokenizers' DecodeStream), stop strings found without rescanning, the text sent as it grows with
-any tail that may still become a stop string held back, and the Completion each row ends as.
-The InferenceModel keeps its rows here as generate/'s engine hands over each sync point's tokens.
+(tokenizers' DecodeStream), stop strings found without rescanning, the text released as it grows
+with any tail that may still become a stop string held back, and the Completion each row ends as.
+The InferenceModel keeps its rows here, by the engine's request id, as each Engine.step hands over
+new tokens, and returns what they release as TextOutputs.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
-
 from tokenizers.decoders import DecodeStream
 
 
@@ -18,6 +17,14 @@ class Completion:
     prompt_tokens: int
     completion_tokens: int
     finish_reason: str  # "stop" | "length" | "cancelled"
+
+
+@dataclass(frozen=True)
+class TextOutput:
+    """What one InferenceModel.step() says about one added request (the id InferenceModel.add returned)."""
+    id: int
+    text: str  # the answer's text released since the last output ("" when a step released none)
+    completion: Completion | None = None  # once the request is done
 
 
 def _partial_stop(text: str, stops: list[str]) -> int:
@@ -87,19 +94,18 @@ class _RowText:
 
 
 class BatchStreamer:
-    """The per-row bookkeeping of one batched generation: push() with a row's tokens of a sync point
-    (rows join by add()); rows finish at an end token, their own max_new_tokens, a stop string or when
-    cancelled (the engine then frees their slots). Text goes to
-    on_text(row, new_text) as it grows (_RowText: incremental), holding back a tail that may still
-    become a stop string; `text[row]` is the row's answer once `done[row]`, `count[row]` its tokens.
-    Rows are numbered 0, 1, ... as they join; each is a key of the dicts below until `release`d
-    (dicts, not lists: a server's continuous generate runs as long as requests keep coming, and
-    keeps none of the done).
+    """The per-row bookkeeping of one batched generation: push() with a row's new tokens; rows finish at
+    an end token, their own max_new_tokens, a stop string or when cancelled (`done[row]`: the engine can
+    stop the row). push and end return the text the row releases (_RowText: incremental), holding back
+    a tail that may still become a stop string; `text[row]` is the row's answer once `done[row]`,
+    `count[row]` its tokens. Rows are the caller's ids (the engine's request ids), each a key of the
+    dicts below until `release`d (a server's engine runs as long as requests keep coming, and keeps
+    none of the done).
     """
 
-    def __init__(self, vlm, requests: list, on_text: Callable[[int, str], None] | None):
-        """`vlm`: the InferenceModel (its tokenizer and end ids); `requests`: its Requests, the first rows."""
-        self.vlm, self.on_text = vlm, on_text
+    def __init__(self, vlm):
+        """`vlm`: the InferenceModel (its tokenizer and end ids)."""
+        self.vlm = vlm
         self.backend = vlm.tokenizer.backend_tokenizer  # the Rust tokenizer DecodeStream steps on
         self.requests: dict[int, object] = {}  # row -> its Request
         self.rows: dict[int, _RowText] = {}
@@ -107,54 +113,49 @@ class BatchStreamer:
         self.count: dict[int, int] = {}
         self.done: dict[int, bool] = {}
         self.finish: dict[int, str] = {}
-        self.joined = 0  # rows added so far: the next row's number
-        for r in requests:
-            self.add(r)
 
-    def add(self, request) -> int:
-        """A request joining (generate/'s vlm, continuous batching): its row."""
-        row, self.joined = self.joined, self.joined + 1
+    def add(self, row: int, request) -> None:
         self.requests[row], self.rows[row] = request, _RowText(request.stop)
         self.text[row], self.count[row], self.done[row], self.finish[row] = "", 0, False, "length"
-        return row
 
     def release(self, row: int) -> None:
         """The row's answer was delivered: forget it (its request's images, its text, its counts)."""
         for d in (self.requests, self.rows, self.text, self.count, self.done, self.finish):
             del d[row]
 
-    def push(self, row: int, toks: list[int]) -> None:
-        """The row's next tokens (a sync point's)."""
+    def push(self, row: int, toks) -> str:
+        """The row's next tokens: the text they release."""
+        out = []
         for tok in toks:
             if self.done[row]:
-                return  # the engine's row may run on to the sync point
+                break  # the engine's row may run on until the row is stopped
             if self.requests[row].cancelled.is_set():  # nobody waits for this row: its token is dropped
-                return self._close(row, "cancelled")
+                out.append(self._close(row, "cancelled"))
+                break
             if tok in self.vlm.end_ids:
-                return self._close(row, "stop")
+                out.append(self._close(row, "stop"))
+                break
             self.count[row] += 1
             piece = self.rows[row].step(self.backend, tok)
-            if piece and self._send(row, piece, final=False):
-                return self._close(row, "stop")
+            if piece:
+                text, stopped = self.rows[row].add(piece, final=False)
+                out.append(text)
+                if stopped:
+                    out.append(self._close(row, "stop"))
+                    break
             if self.count[row] >= self.requests[row].max_new_tokens:
-                return self._close(row, "length")
+                out.append(self._close(row, "length"))
+                break
+        return "".join(out)
 
-    def _send(self, row: int, piece: str, final: bool) -> bool:
-        """Stream what `piece` releases; True if a stop string ended the answer in it."""
-        out, stopped = self.rows[row].add(piece, final)
-        if out and self.on_text is not None:
-            self.on_text(row, out)
-        return stopped
-
-    def _close(self, row: int, finish: str) -> None:
-        """The row is done: what the stream still holds and the held-back tail go out."""
+    def _close(self, row: int, finish: str) -> str:
+        """The row is done: what the stream still holds and the held-back tail are released."""
         text = self.rows[row]
-        if self._send(row, text.flush(self.backend), final=True):
-            finish = "stop"
-        self.text[row], self.done[row], self.finish[row] = text.text(), True, finish
+        out, stopped = text.add(text.flush(self.backend), final=True)
+        self.text[row], self.done[row], self.finish[row] = text.text(), True, "stop" if stopped else finish
+        return out
 
-    def end(self, rows=None, finish: str | None = None) -> None:
-        """Rows the generation ended (all by default): done, as `finish` (default: "length")."""
-        for row in list(self.rows) if rows is None else rows:
-            if not self.done[row]:
-                self._close(row, finish or self.finish[row])
+    def end(self, row: int, finish: str | None = None) -> str:
+        """The generation ended the row: done, as `finish` (default: what it finished as, else "length");
+        the text it still releases."""
+        return "" if self.done[row] else self._close(row, finish or self.finish[row])

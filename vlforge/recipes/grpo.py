@@ -38,7 +38,8 @@ from vlforge.train.run import Run, begin_run
 from vlforge.train.stop import StopSignals
 from vlforge.train.throughput import peak_memory
 from vlforge.train.trainable import Trainable, cuda_graphs_problem, setup_model
-from vlforge.generate.engine import engine_for
+from vlforge.generate.engine import Engine
+from vlforge.generate.fp8 import fp8_gemm_problem
 from vlforge.model.load import build_meta_model, dir_config
 from vlforge.model.presets import MOE_PRESETS, is_moe
 from vlforge.rl import RewardSpec, agg_loss, build_rewards, exact_match, kl_penalty, outcome_advantages, policy_loss
@@ -93,8 +94,9 @@ def encode_prompts(data: ChatDataset, idx: list[int], on_error: str,
 
 def rollout_round(t: Trainable, data: ChatDataset, idx: list[int], cfg: GRPOConfig,
                   rewards, tools: dict[str, Tool] | None = None,
-                  run_calls=run_tool_calls) -> tuple[Rollout | None, dict]:
+                  run_calls=run_tool_calls, engine: Engine | None = None) -> tuple[Rollout | None, dict]:
     samples, encoded = encode_prompts(data, idx, cfg.data.on_error, tools)
+    engine = engine if engine is not None else Engine(t.model)  # the run's (run_grpo's), or one for this round
     G = cfg.rollout.group_size
     # every rank's prompts left after data.on_error=skip: this rank's rows of the global batch are
     # the ones one process would give these prompts (its rollout noise, tested)
@@ -112,10 +114,10 @@ def rollout_round(t: Trainable, data: ChatDataset, idx: list[int], cfg: GRPOConf
     images = [visuals_per_prompt(x) for x in encoded]  # a video's temporal patches count as its images
     tool_stats = tool_fields = transcripts = None
     # rollout.precision=fp8: the decoder projections on FP8 copies (rollout/precision.py)
-    with t.policy.autocast(), t.policy.inference_weights(t.model), rollout_precision(t.model, cfg.rollout), \
+    with t.policy.autocast(), t.policy.inference_weights(t.model), rollout_precision(engine, cfg.rollout), \
             fully_gathered(t.root):
         if tools:  # multi-turn: the rewards score each response's last assistant turn
-            multi = generate_with_tools(t.model, data.encoder, prompts, images, cfg.rollout, tools,
+            multi = generate_with_tools(engine, data.encoder, prompts, images, cfg.rollout, tools,
                                         first_row=first_row, seed=seed, run_calls=run_calls,
                                         prompt_images=tool_images(samples, tools, data.encoder), settings=cfg.tools)
             rollout, texts = multi.rollout, multi.completions
@@ -123,7 +125,7 @@ def rollout_round(t: Trainable, data: ChatDataset, idx: list[int], cfg: GRPOConf
                           "unshown": multi.unshown}
             tool_fields, transcripts = multi.reward_fields, multi.transcripts
         else:
-            rollout = generate_groups(t.model, data.encoder, prompts, images, cfg.rollout,
+            rollout = generate_groups(engine, data.encoder, prompts, images, cfg.rollout,
                                       first_row=first_row, seed=seed)
             tok = data.encoder.tokenizer  # decode only each response's own tokens (not the padding after EOS)
             texts = [tok.decode(ids[m.bool()], skip_special_tokens=True)
@@ -142,7 +144,7 @@ def rollout_round(t: Trainable, data: ChatDataset, idx: list[int], cfg: GRPOConf
 
 
 def collect(t: Trainable, data, stream, state: dict, cfg: GRPOConfig, rewards, tools: dict[str, Tool] | None = None,
-            run_calls=run_tool_calls) -> tuple[list[Batch], dict, Batch | None]:
+            run_calls=run_tool_calls, engine: Engine | None = None) -> tuple[list[Batch], dict, Batch | None]:
     """Rollout rounds until B groups with non-zero reward variance (dynamic sampling) or one round.
     Returns (this rank's kept groups, every rank's statistics, a spare sequence of this rank's for
     padding updates, or None).
@@ -157,7 +159,7 @@ def collect(t: Trainable, data, stream, state: dict, cfg: GRPOConfig, rewards, t
     kept_groups, kept_rewards, kept_lengths, spare = 0, [], [], None
     for _ in range(cfg.rl.max_sampling_tries if cfg.rl.dynamic_sampling else 1):
         idx, state["epoch"], state["position"] = next(stream)
-        rollout, scored = rollout_round(t, data, idx, cfg, rewards, tools, run_calls)
+        rollout, scored = rollout_round(t, data, idx, cfg, rewards, tools, run_calls, engine)
         if rollout is not None:
             stats.setdefault("shown", scored)  # the step's first round on this rank: the sample log's groups
         scored, sizes = gather_round(world, rollout, scored)  # the global batch, in one-process order
@@ -516,12 +518,17 @@ def run_grpo(cfg: GRPOConfig) -> dict:
         refuse_unsupported_sharded(cfg, world_size, strategy)
     # SIGINT/SIGTERM (train/stop.py): once training runs, the step in progress finishes, then a checkpoint
     with StopSignals() as stop, begin_run(cfg) as (world, resume_from), tool_runner(tools, cfg.tools) as run_calls:
+        if cfg.rollout.precision == "fp8" and (problem := fp8_gemm_problem(world.device)):
+            raise ConfigError(problem)  # before the model loads
         for fn in rewards.fns:  # a judge model loads on this rank's device, beside the policy (rl/judge.py)
             if isinstance(fn, ModelJudge) and fn.device == "auto":
                 fn.device = str(world.device)
         # compile only when asked: rollout decode shapes change every step and would keep recompiling
         t = setup_model(cfg, compile_blocks=cfg.compile.enabled is True, world=world)
         disable_dropout(t.model)
+        # the policy's generation engine, owned by the run: its KV buffers, CUDA graphs and compiled step
+        # serve every rollout (rollout.keep_kv=false frees the buffers before each update)
+        engine = Engine(t.model)
         ref_model = reference_model(cfg, t, world)
         data = load_dataset(cfg.data.train, t.processor, cfg.data)
         val = load_dataset(cfg.data.val, t.processor, cfg.data) if cfg.data.val else None
@@ -547,10 +554,10 @@ def run_grpo(cfg: GRPOConfig) -> dict:
         while run.step < total_steps:
             start = time.perf_counter()
             t.model.eval()  # rollouts sample from the policy without dropout
-            fp8_row = refresh_rollout_weights(t.model, cfg.rollout)  # rollout.precision=fp8: copies of the new weights
-            batches, stats, spare = collect(t, data, stream, run.state, cfg, rewards, tools, run_calls)
+            fp8_row = refresh_rollout_weights(engine, cfg.rollout)  # rollout.precision=fp8: copies of the new weights
+            batches, stats, spare = collect(t, data, stream, run.state, cfg, rewards, tools, run_calls, engine=engine)
             if not cfg.rollout.keep_kv:
-                engine_for(t.model).release()  # the update gets the KV slots' memory (rollout.keep_kv)
+                engine.release()  # the update gets the KV slots' memory (rollout.keep_kv)
             t_rollout = time.perf_counter() - start
             t.model.train()
             lr = run.lr

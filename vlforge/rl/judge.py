@@ -22,7 +22,7 @@ Where the judge runs, one of:
 
 A judge that cannot answer stops the step with a JudgeError naming the judge (model or endpoint),
 the sample and what to do, never a silent 0: an image it cannot read, no reply within `timeout_s`
-(a local batch's rows are cancelled at the engine's next sync point; an endpoint's request times out
+(a local batch's rows are cancelled at the engine's next step; an endpoint's request times out
 on its connection or between bytes), an endpoint's error status, an out-of-memory. `retries`: the
 tries after a failure that another try may cure: an endpoint's timeout, lost connection or 5xx / 429
 status (after a pause of 0.5 s, doubled each time); a local batch out of memory (split in halves,

@@ -19,7 +19,7 @@ import torch
 
 from vlforge.config import RolloutConfig
 from vlforge.data.encode import Encoder
-from vlforge.generate.engine import engine_for
+from vlforge.generate.engine import Engine
 from vlforge.generate.requests import GenRequest, prompts_of_batch
 from vlforge.generate.forward import (ImageFeatures, cache_of, encode_images, feature_groups,  # noqa: F401
                                       filter_logits, forward_shared, never_generated, rope_positions, token_logprobs)
@@ -100,11 +100,12 @@ def rollout_seed() -> int:
     return int(torch.randint(2**62, (1,)))
 
 
-def generate_groups(model, encoder: Encoder, prompts: dict, images_per_prompt: list[int],
+def generate_groups(engine: Engine, encoder: Encoder, prompts: dict, images_per_prompt: list[int],
                     cfg: RolloutConfig, first_row: int = 0, seed: int | None = None) -> Rollout:
     """Sample `cfg.group_size` responses for each of the B prompts of a left-padded prompt batch.
 
-    On generate/'s engine: each prompt prefilled once into its G slots. The noise of a response's
+    On `engine` (the policy's, owned by the recipe: its buffers and graphs serve every rollout): each
+    prompt prefilled once into its G slots. The noise of a response's
     token is a function of (`seed`, default one drawn by rollout_seed(); its global row first_row +
     n; step), so N ranks sample what one process samples, whatever the split."""
     seed = rollout_seed() if seed is None else seed
@@ -112,9 +113,9 @@ def generate_groups(model, encoder: Encoder, prompts: dict, images_per_prompt: l
     requests = [GenRequest(p, n=G, max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                            top_k=cfg.top_k, seed=seed, first_row=first_row + b * G)
                 for b, p in enumerate(prompts_of_batch(prompts, images_per_prompt))]
-    banned = never_generated(encoder, model)
+    banned = never_generated(encoder, engine.core)
     record = cfg.router_replay is not False  # "record" or true
-    results = engine_for(model).generate(requests, stop_ids=encoder.end_ids, banned_ids=banned,
+    results = engine.generate(requests, stop_ids=encoder.end_ids, banned_ids=banned,
                                          image_token_id=encoder.image_token_id, pad_id=encoder.pad_id,
                                          compile=cfg.compile, record_routes=record, slots=cfg.max_slots or None)
     R = max(len(r.tokens) for r in results)

@@ -1,6 +1,6 @@
 """Multi-turn tool rollouts: GRPO's G samples per prompt, each a conversation with tools.
 
-    result = generate_with_tools(model, encoder, prompts, images_per_prompt, cfg, tools)
+    result = generate_with_tools(engine, encoder, prompts, images_per_prompt, cfg, tools)
     result.rollout       # a Rollout whose responses are every turn and tool result, one after another
     result.completions   # each response's last assistant turn, as text: what the rewards score
     result.transcripts   # each response as chat messages: its assistant turns and tool results
@@ -46,7 +46,7 @@ import torch
 from vlforge.config import ConfigError, GRPOConfig, RolloutConfig, ToolsConfig
 from vlforge.data.encode import Encoder, ImageLimits, collate, encode_engine_prompt, open_images, visuals_per_prompt
 from vlforge.train.evaluate import to_device
-from vlforge.generate.engine import engine_for
+from vlforge.generate.engine import Engine
 from vlforge.generate.forward import never_generated
 from vlforge.generate.requests import GenRequest, Prompt, prompts_of_batch
 from vlforge.model.load import load_processor
@@ -173,7 +173,7 @@ def answer_with_tools(model, encoder: Encoder, samples: list, cfg: RolloutConfig
     schemas = [t.schema for t in tools.values()]
     items = [encode_engine_prompt(encoder, x, tools=schemas) for x in samples]
     prompts = to_device(collate(items, encoder.pad_id, left_pad=True), device)
-    return generate_with_tools(model, encoder, prompts, [visuals_per_prompt(x) for x in items], cfg, tools, seed=0,
+    return generate_with_tools(Engine(model), encoder, prompts, [visuals_per_prompt(x) for x in items], cfg, tools, seed=0,
                                samples_per_prompt=1, run_calls=run_calls,
                                prompt_images=tool_images(samples, tools, encoder), settings=settings)
 
@@ -190,7 +190,7 @@ def turn_seed(seed: int, turn: int) -> int:
 
 
 @torch.no_grad()
-def generate_with_tools(model, encoder: Encoder, prompts: dict, images_per_prompt: list[int], cfg: RolloutConfig,
+def generate_with_tools(engine: Engine, encoder: Encoder, prompts: dict, images_per_prompt: list[int], cfg: RolloutConfig,
                         tools: dict[str, Tool], first_row: int = 0, seed: int | None = None,
                         samples_per_prompt: int | None = None, run_calls=run_tool_calls,
                         prompt_images: list[list] | None = None, *, settings: ToolsConfig) -> ToolRollout:
@@ -203,10 +203,9 @@ def generate_with_tools(model, encoder: Encoder, prompts: dict, images_per_promp
     base = prompts_of_batch(prompts, images_per_prompt)
     convs = [_Conversation() for _ in range(len(base) * G)]
     sample = dict(temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k)
-    generate = dict(stop_ids=encoder.end_ids, banned_ids=never_generated(encoder, model),
+    generate = dict(stop_ids=encoder.end_ids, banned_ids=never_generated(encoder, engine.core),
                     image_token_id=encoder.image_token_id, pad_id=encoder.pad_id, compile=cfg.compile,
                     slots=cfg.max_slots or None)
-    engine = engine_for(model)
     empty_turn = functools.cache(lambda k: len(encoder.tool_turn_ids([""] * k)))  # k calls' context, at least
     shown = tool_image_encoder(encoder, settings)  # what the tools' images are resized with
     # turn 0: each prompt prefilled once for its G samples

@@ -1,13 +1,12 @@
-"""The batcher: one background thread owns the vlm. It takes whatever requests are waiting (up
-to `max_batch`, after a gather window of a few ms) and, with a continuous model (generate/'s
-engine: `vlm.continuous`), keeps feeding it: at each sync point of the running batch, waiting requests
-join while fewer than `max_batch` decode, and each finished one answers at once (a short request
-no longer waits for the longest of its batch). A model without `continuous` (the tests' scripted
-ones) gets one `vlm.generate` per batch. Each request's streamed text goes to its asyncio queue through
-`loop.call_soon_threadsafe`.
+"""The batcher: one background thread owns the vlm and runs its pull API in a loop: it adds the
+waiting requests while fewer than `max_batch` run (after a gather window of a few ms when idle, so
+that a burst shares a prefill), calls `vlm.step()`, and forwards each step's TextOutputs to their
+jobs (by the engine's id, the one id of a request): new text to the job's asyncio queue through
+`loop.call_soon_threadsafe`, the Completion as its answer. A request added between steps decodes in
+the next one; each finished one answers at once.
 
-A job whose client goes away is cancelled (`Job.cancel`): skipped if it has not started, else its
-row stops at the next sync point (the engine checks `Request.cancelled`) while the others go on.
+A job whose client goes away is cancelled (`Job.cancel`): skipped if it has not been added, else
+the vlm stops its row at the next step (it checks `Request.cancelled`) while the others go on.
 
 Shutting down (`draining`): new jobs are refused (503) while the accepted ones finish (`unfinished`
 counts them); `abort()` then cancels what is left, and those clients get `ShuttingDown` (503).
@@ -64,7 +63,7 @@ class Job:
 
 
 class Batcher:
-    """A single thread owning the vlm: gathers waiting jobs into one `vlm.generate` call."""
+    """A single thread owning the vlm: adds waiting jobs to it and steps it (module docstring)."""
 
     def __init__(self, vlm, max_batch: int = 8, window_s: float = 0.005, max_queue: int = 64, metrics=None):
         self.vlm, self.max_batch, self.window_s, self.max_queue = vlm, max_batch, window_s, max_queue
@@ -72,7 +71,7 @@ class Batcher:
         self._queue: queue.Queue[Job | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
-        self.batches = 0  # groups of requests handed to the engine together (a generate call, or a join)
+        self.batches = 0  # groups of requests added to the engine together (between two steps)
         self.max_batch_seen = 0  # the most requests generating at once
         self.requests_done = 0
         self.skipped = 0  # requests whose client left before their batch started
@@ -119,7 +118,7 @@ class Batcher:
             self._queue.put(job)
 
     def abort(self) -> None:
-        """Cancel every unfinished job (shutdown): running rows stop at the next sync point, queued
+        """Cancel every unfinished job (shutdown): running rows stop at the next step, queued
         jobs are answered without running; their clients get ShuttingDown."""
         self.draining = self.aborted = True
         with self._open_lock:
@@ -172,22 +171,14 @@ class Batcher:
         return batch, stop
 
     def _run(self) -> None:
-        stop = False
-        while not stop:
-            first = self._queue.get()
-            if first is None:
-                break
-            batch, stop = self._gather(first)
-            for j in batch:
-                if j.cancelled:
-                    self._skip(j)
-            batch = [j for j in batch if not j.cancelled]
-            if not batch:
-                continue
-            if getattr(self.vlm, "continuous", False):
-                stop = self._run_continuous(batch) or stop
-            else:
-                self._run_batch(batch)
+        self.vlm.open(self.max_batch)
+        jobs: dict[int, Job] = {}  # the engine's id -> its job, while it generates
+        stopping = False
+        while jobs or not stopping:
+            if not stopping:
+                stopping = self._take(jobs)
+            if jobs:
+                self._step(jobs)
         while True:  # shutting down: answer whoever is still waiting
             try:
                 job = self._queue.get_nowait()
@@ -196,70 +187,51 @@ class Batcher:
             if job is not None:
                 self._answer(job, "error", ShuttingDown("the server shut down before this request started"))
 
-    def _admit(self, group: list[Job], jobs: dict) -> None:
-        self.batches += 1
-        for j in group:
-            jobs[id(j.request)] = j
-        self.running = len(jobs)
-        self.max_batch_seen = max(self.max_batch_seen, len(jobs))
-        if self.metrics is not None:
-            self.metrics.batch_size.observe(len(group))
-
-    def _run_continuous(self, batch: list[Job]) -> bool:
-        """Feed the engine until nothing runs; True if the shutdown sentinel was taken meanwhile."""
-        jobs: dict[int, Job] = {}  # id(request) -> its job, while it generates
-        stopping = False
-
-        def more() -> list:  # at the engine's sync points (this thread): who joins now
-            nonlocal stopping
-            group = []
-            while not stopping and len(jobs) + len(group) < self.max_batch:
+    def _take(self, jobs: dict[int, Job]) -> bool:
+        """Add waiting jobs while fewer than max_batch run (idle: wait for one, then a gather window);
+        True once the shutdown sentinel was taken (the running jobs finish, the waiting are answered)."""
+        if not jobs:
+            first = self._queue.get()
+            if first is None:
+                return True
+            group, stop = self._gather(first)
+        else:
+            group, stop = [], False
+            while len(jobs) + len(group) < self.max_batch:
                 try:
                     job = self._queue.get_nowait()
                 except queue.Empty:
                     break
                 if job is None:
-                    stopping = True  # the running requests finish; the waiting ones are answered
-                elif job.cancelled:
-                    self._skip(job)
-                else:
-                    group.append(job)
-            if group:
-                self._admit(group, jobs)
-            return [j.request for j in group]
-
-        def on_text(request, text: str) -> None:
-            job = jobs[id(request)]
-            if job.first_text_at is None:  # time to first token, streamed or not
-                job.first_text_at = time.monotonic()
-            if job.stream:
-                job.emit("text", text)
-
-        def on_done(request, c) -> None:
-            job = jobs.pop(id(request))
-            if c.finish_reason == "cancelled":
-                self.cancelled += 1
-                self.cancelled_tokens += c.completion_tokens
-            if self.metrics is not None:
-                self.metrics.finished(job, c, time.monotonic())
-            # stats first: a client that has its answer sees them counted
+                    stop = True
+                    break
+                group.append(job)
+        added = 0
+        for job in group:
+            if job.cancelled:
+                self._skip(job)
+                continue
+            try:
+                jobs[self.vlm.add(job.request)] = job
+                added += 1
+            except Exception as e:  # noqa: BLE001 - a request that cannot be prepared fails alone
+                log.warning("request failed before it joined the batch: %s", e)
+                if self.metrics is not None:
+                    self.metrics.generations.labels("error").inc()
+                self.requests_done += 1
+                self._answer(job, "error", e)
+        if added:
+            self.batches += 1
             self.running = len(jobs)
-            self.requests_done += 1
-            self._answer(job, "done", c)
-
-        def on_error(request, e: Exception) -> None:  # a joining request that could not be prepared
-            job = jobs.pop(id(request))
-            log.warning("request failed before it joined the batch: %s", e)
+            self.max_batch_seen = max(self.max_batch_seen, len(jobs))
             if self.metrics is not None:
-                self.metrics.generations.labels("error").inc()
-            self.running = len(jobs)
-            self.requests_done += 1
-            self._answer(job, "error", e)
+                self.metrics.batch_size.observe(added)
+        return stop
 
-        self._admit(batch, jobs)
+    def _step(self, jobs: dict[int, Job]) -> None:
+        """One vlm step: each job's new text out, each finished job answered."""
         try:
-            self.vlm.generate_continuous([j.request for j in batch], on_text, on_done, more=more,
-                                            slots=self.max_batch, on_error=on_error)
+            outputs = self.vlm.step()
         except Exception as e:  # noqa: BLE001 - answered to each client; the server keeps serving
             log.exception("generation failed with %d requests running", len(jobs))
             if self.metrics is not None:
@@ -270,45 +242,28 @@ class Batcher:
             self.requests_done += len(failed)
             for j in failed:
                 self._answer(j, "error", e)
-        self.running = 0
-        return stopping
+            return
+        for o in outputs:
+            job = jobs[o.id]
+            if o.text:
+                if job.first_text_at is None:  # time to first token, streamed or not
+                    job.first_text_at = time.monotonic()
+                if job.stream:
+                    job.emit("text", o.text)
+            if o.completion is not None:
+                self._finished(jobs, o.id, o.completion)
 
-    def _run_batch(self, batch: list[Job]) -> None:
-        """One vlm.generate for the batch (a model that takes no requests while it runs)."""
-
-        def on_text(i: int, text: str, batch=batch) -> None:
-            job = batch[i]
-            if job.first_text_at is None:  # time to first token, streamed or not
-                job.first_text_at = time.monotonic()
-            if job.stream:
-                job.emit("text", text)
-
-        self.batches += 1
-        self.max_batch_seen = max(self.max_batch_seen, len(batch))
-        self.running = len(batch)
+    def _finished(self, jobs: dict[int, Job], id: int, c) -> None:
+        job = jobs.pop(id)
+        if c.finish_reason == "cancelled":
+            self.cancelled += 1
+            self.cancelled_tokens += c.completion_tokens
         if self.metrics is not None:
-            self.metrics.batch_size.observe(len(batch))
-        try:
-            completions = self.vlm.generate([j.request for j in batch], on_text=on_text)
-        except Exception as e:  # noqa: BLE001 - answered to each client; the server keeps serving
-            log.exception("generation failed for a batch of %d", len(batch))
-            outcomes = [("error", e)] * len(batch)
-            if self.metrics is not None:
-                self.metrics.generations.labels("error").inc(len(batch))
-        else:
-            outcomes = [("done", c) for c in completions]
-            now = time.monotonic()
-            for j, c in zip(batch, completions):
-                if c.finish_reason == "cancelled":
-                    self.cancelled += 1
-                    self.cancelled_tokens += c.completion_tokens
-                if self.metrics is not None:
-                    self.metrics.finished(j, c, now)
+            self.metrics.finished(job, c, time.monotonic())
         # stats first: a client that has its answer sees them counted
-        self.running = 0
-        self.requests_done += len(batch)
-        for j, (kind, payload) in zip(batch, outcomes):
-            self._answer(j, kind, payload)
+        self.running = len(jobs)
+        self.requests_done += 1
+        self._answer(job, "done", c)
 
 
 __all__ = ["Batcher", "Job", "ShuttingDown"]

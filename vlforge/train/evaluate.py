@@ -21,7 +21,7 @@ from vlforge.train.losses import sft_loss_sum
 from vlforge.train.metrics import MetricsLog, write_json_atomic
 from vlforge.train.precision import PrecisionPolicy
 from vlforge.train.samples import SampleLog
-from vlforge.generate.engine import engine_for
+from vlforge.generate.engine import Engine
 from vlforge.generate.forward import never_generated
 from vlforge.generate.requests import GenRequest, Prompt
 from vlforge.model.host_inputs import host_to_device
@@ -47,7 +47,7 @@ def to_device(batch: dict, device: torch.device) -> dict:
 def generate_answers(model, encoder: Encoder, samples, *, batch_size: int, max_new_tokens: int,
                      policy: PrecisionPolicy, device: torch.device) -> list[str]:
     """Greedy answers for each sample's prompt (everything before its final assistant turn), on
-    generate/'s engine with `batch_size` decode slots (continuous batching: a finished answer's
+    a generate/ Engine with `batch_size` decode slots (continuous batching: a finished answer's
     slot takes the next prompt). Sharded (FSDP2), every forward gathers weights with the other
     ranks, so ranks must decode in step: there transformers' generate with synced_gpus does it.
     Videos reach the engine as images (frames_as_images)."""
@@ -62,10 +62,11 @@ def generate_answers(model, encoder: Encoder, samples, *, batch_size: int, max_n
     # compiled decoder layers (compile.enabled) run eager here: decode shapes change every call and
     # would recompile them (the engine compiles its own decode step where that pays: GRPO rollouts)
     with policy.autocast(), torch.compiler.set_stance("force_eager"):
-        results = engine_for(model).generate(requests, stop_ids=encoder.end_ids,
-                                             banned_ids=never_generated(encoder, model),
-                                             image_token_id=encoder.image_token_id, pad_id=encoder.pad_id,
-                                             slots=batch_size)
+        # an engine of this pass's own: its KV buffers are freed with it (a training run's memory goes back)
+        results = Engine(model).generate(requests, stop_ids=encoder.end_ids,
+                                         banned_ids=never_generated(encoder, model),
+                                         image_token_id=encoder.image_token_id, pad_id=encoder.pad_id,
+                                         slots=batch_size)
     tok = encoder.tokenizer
     return [tok.decode(r.tokens, skip_special_tokens=True).strip() for r in results]
 
