@@ -44,7 +44,7 @@ import torch.nn.functional as F
 
 from vlforge.generate.engine import Engine
 from vlforge.generate.fused import _base, _Group
-from vlforge.model.tiers import fsdp_sharded, unwrap
+from vlforge.model.tiers import fsdp_sharded
 
 # a decoder-layer submodule's groups of projections reading one input, each one FP8 GEMM
 FP8_GROUPS = {"self_attn": (("q_proj", "k_proj", "v_proj"), ("o_proj",)),
