@@ -196,6 +196,12 @@ def vision_attention_for_training(core, model_cfg: ModelConfig, compile_cfg: Com
     return compile_blocks
 
 
+def measured_setup(cfg: RunConfig, strategy: str, moe: bool) -> bool:
+    """Whether compiled layers were measured faster for this kind of run (default_compile): a dense
+    model on one process without quant, with or without activation checkpointing."""
+    return not (cfg.quant.enabled or strategy != "none" or moe)
+
+
 def default_compile(compile_cfg: CompileConfig, fp8: FP8Config, device: torch.device, measured_setup: bool = True) -> bool:
     """What `compile.enabled` means for a training step: true, false, or auto = compile the
     decoder layers where that was measured faster: on CUDA (one H200, docs/benchmarks.md: 2B full
@@ -306,7 +312,7 @@ def _compile(model: nn.Module, cfg: RunConfig, device: torch.device, world: Worl
              compile_blocks: bool | None) -> tuple[tuple[str, ...], bool]:
     """Compile the decoder layers (and vision blocks), as CUDA graphs where asked: (what is
     compiled, for Trainable.compiled; whether the decoder layers replay as CUDA graphs)."""
-    measured = not (cfg.quant.enabled or world.strategy != "none" or is_moe(unwrap(model).config))
+    measured = measured_setup(cfg, world.strategy, is_moe(unwrap(model).config))
     compiled = default_compile(cfg.compile, cfg.precision.fp8, device, measured) if compile_blocks is None else compile_blocks
     vision_compiled = vision_attention_for_training(unwrap(model), cfg.model, cfg.compile, compiled)
     cuda_graphs = cfg.compile.cuda_graphs and compiled
