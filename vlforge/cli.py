@@ -8,12 +8,13 @@ import signal
 import sys
 
 from vlforge.commands import data, inference, inspection, train
-from vlforge.commands.base import Command, rank_prefix
+from vlforge.commands.base import Command, main_process, rank_prefix
 from vlforge.config import ConfigError
 from vlforge.data.inline import DataError
 from vlforge.rl.rewards import RewardError
 from vlforge.train.errors import CheckpointWriteError
 from vlforge.train.health import TrainingDiverged
+from vlforge.train.runtime import cache_note, use_compile_caches
 from vlforge.train.stop import signal_name, sigterm_interrupts
 
 COMMANDS: list[Command] = [*train.COMMANDS, *inference.COMMANDS, *inspection.COMMANDS]
@@ -23,7 +24,7 @@ GROUPS = {"data": ("dataset tools", data.COMMANDS)}  # `vlforge data synth|check
 def _add(sub, command: Command) -> None:
     p = sub.add_parser(command.name, help=command.help)
     command.arguments(p)
-    p.set_defaults(func=command.run)
+    p.set_defaults(func=command.run, compiles=command.compiles)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
     if extra:
         args.overrides = list(args.overrides) + extra
     _quiet_libraries()
+    if getattr(args, "compiles", False):  # before anything compiles; stderr: stdout may be a command's answer
+        dirs = use_compile_caches()
+        if main_process() and not getattr(args, "json", False):
+            print(cache_note(dirs), file=sys.stderr)
     try:
         with sigterm_interrupts():  # SIGTERM raises, as SIGINT does: both end below, in one line
             return args.func(args)

@@ -18,6 +18,8 @@ class Command:
     help: str
     arguments: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.Namespace], int]
+    # it may torch.compile: torch's compile caches go under VLFORGE_CACHE first (train/runtime.use_compile_caches)
+    compiles: bool = False
 
 
 def at_least(minimum: int):

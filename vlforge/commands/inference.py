@@ -268,10 +268,12 @@ def cmd_serve(args) -> int:
 
 
 COMMANDS = [
-    Command("infer", "answer one prompt (with images or videos) from a model", _infer_arguments, cmd_infer),
+    Command("infer", "answer one prompt (with images or videos) from a model", _infer_arguments, cmd_infer,
+            compiles=True),
     Command("chat", "interactive chat with a model (/image PATH, /video PATH, /reset, /quit)", _chat_arguments,
-            cmd_chat),
-    Command("eval", "batched greedy answers + exact-match accuracy on a dataset", _eval_arguments, cmd_eval),
+            cmd_chat, compiles=True),
+    Command("eval", "batched greedy answers + exact-match accuracy on a dataset", _eval_arguments, cmd_eval,
+            compiles=True),
     Command("serve", "OpenAI-compatible HTTP server (chat completions, streaming, batching)", _serve_arguments,
-            cmd_serve),
+            cmd_serve, compiles=True),
 ]
