@@ -85,7 +85,7 @@ def recompute_needs(model: torch.nn.Module, plan: list, cfg, tokens: int, world_
     return {every: static + activation_estimate(model.config, cfg, tokens, every)["total"] for every in NOTCHES}
 
 
-def fixed_reason(cfg, device: torch.device, world_size: int) -> str | None:
+def fixed_reason(cfg, device: torch.device) -> str | None:
     """Why enabled=auto recomputes nothing here without weighing memory, or None: on a CPU, or
     where recomputation is refused (CUDA graphs, TransformerEngine's layers)."""
     if device.type != "cuda":
@@ -103,7 +103,8 @@ def decide_recompute(cfg, t, tokens: int, say: Callable[[str], None] = print) ->
     `tokens` tokens), apply it to the model, say it once, and keep it in t.recompute."""
     ac = cfg.activation_checkpointing
     if ac.enabled is not True and ac.enabled is not False:  # auto
-        rec = _auto(cfg, t, tokens)
+        # rank 0's choice on every rank: their free memory may differ, their runs should not
+        rec = t.world.broadcast(_auto(cfg, t, tokens))
         set_recompute(t.model, rec.every)
     else:  # setup_model applied it already
         rec = Recompute(ac.every if ac.enabled else 0, f"activation_checkpointing.enabled={str(ac.enabled).lower()}")
@@ -113,7 +114,7 @@ def decide_recompute(cfg, t, tokens: int, say: Callable[[str], None] = print) ->
 
 
 def _auto(cfg, t, tokens: int) -> Recompute:
-    if reason := fixed_reason(cfg, t.device, t.world.size):
+    if reason := fixed_reason(cfg, t.device):
         # a CPU's torch.OutOfMemoryError (the tests raise one) still moves a notch; refused combinations do not
         return Recompute(0, reason, auto=t.device.type != "cuda")
     from vlforge.model.load import build_meta_model
@@ -152,6 +153,8 @@ def redo_on_oom(step: Callable[[], dict], t, optimizer, say: Callable[[str], Non
             first_line = str(e).splitlines()[0] if str(e) else "torch.OutOfMemoryError"
         # out of the except clause: the traceback, and the step's tensors its frames hold, are gone
         optimizer.zero_grad(set_to_none=True)
+        if t.routing is not None:  # MoE: the expert load counted so far, dropped (not counted twice; a metric only)
+            t.routing.step_metrics()
         gc.collect()
         if t.device.type == "cuda":
             torch.cuda.empty_cache()
