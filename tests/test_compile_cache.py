@@ -62,13 +62,16 @@ def test_the_commands_that_compile_set_the_caches_and_say_where(tmp_path, monkey
         monkeypatch.setenv(var, "")  # restored after the test
         monkeypatch.delenv(var)
     monkeypatch.setenv("VLFORGE_CACHE", str(tmp_path / "c"))
-    assert main(["sft", "configs/demo-sft.yaml", "--print-config"]) == 0
+    # a command that stops before running anything (here: the config is refused) sets them all the same
+    assert main(["sft", "configs/demo-sft.yaml", "train.batch_size=0"]) == 2
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "c" / "inductor")
     assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "c" / "triton")
-    assert f"compile caches: {tmp_path / 'c'} (VLFORGE_CACHE" in capsys.readouterr().err
+    out = capsys.readouterr()
+    assert f"compile caches: {tmp_path / 'c'} (VLFORGE_CACHE" in out.out and "compile caches" not in out.err
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))  # the user's own wins
     assert main(["sft", "configs/demo-sft.yaml", "--print-config"]) == 0
     assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "mine")
+    assert "compile caches" not in capsys.readouterr().out  # --print-config prints the config alone
 
 
 def test_doctor_shows_the_cache_and_its_size(tmp_path):

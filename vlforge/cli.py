@@ -24,7 +24,7 @@ GROUPS = {"data": ("dataset tools", data.COMMANDS)}  # `vlforge data synth|check
 def _add(sub, command: Command) -> None:
     p = sub.add_parser(command.name, help=command.help)
     command.arguments(p)
-    p.set_defaults(func=command.run, compiles=command.compiles)
+    p.set_defaults(func=command.run, compiles=command.compiles, answers=command.answers)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,11 +76,12 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if extra:
         args.overrides = list(args.overrides) + extra
+    # before anything compiles, and before the libraries are quieted (importing torch._inductor resets torch's loggers)
+    dirs = use_compile_caches() if getattr(args, "compiles", False) else None
     _quiet_libraries()
-    if getattr(args, "compiles", False):  # before anything compiles; stderr: stdout may be a command's answer
-        dirs = use_compile_caches()
-        if main_process() and not getattr(args, "json", False):
-            print(cache_note(dirs), file=sys.stderr)
+    done_early = any(getattr(args, flag, False) for flag in ("plan", "print_config"))  # no run, nothing compiles
+    if dirs and main_process() and not (args.answers or done_early):
+        print(cache_note(dirs), flush=True)  # the run's log; stderr is for what asks the user to act
     try:
         with sigterm_interrupts():  # SIGTERM raises, as SIGINT does: both end below, in one line
             return args.func(args)

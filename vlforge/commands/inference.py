@@ -297,9 +297,9 @@ def cmd_serve(args) -> int:
 
 COMMANDS = [
     Command("infer", "answer one prompt (with images or videos) from a model", _infer_arguments, cmd_infer,
-            compiles=True),
+            compiles=True, answers=True),
     Command("chat", "interactive chat with a model (/image PATH, /video PATH, /reset, /quit)", _chat_arguments,
-            cmd_chat, compiles=True),
+            cmd_chat, compiles=True, answers=True),
     Command("eval", "batched greedy answers + exact-match accuracy on a dataset", _eval_arguments, cmd_eval,
             compiles=True),
     Command("serve", "OpenAI-compatible HTTP server (chat completions, streaming, batching)", _serve_arguments,
