@@ -14,7 +14,6 @@ from vlforge.data.inline import DataError
 from vlforge.rl.rewards import RewardError
 from vlforge.train.errors import CheckpointWriteError
 from vlforge.train.health import TrainingDiverged
-from vlforge.train.runtime import cache_note, use_compile_caches
 from vlforge.train.stop import signal_name, sigterm_interrupts
 
 COMMANDS: list[Command] = [*train.COMMANDS, *inference.COMMANDS, *inspection.COMMANDS]
@@ -76,9 +75,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if extra:
         args.overrides = list(args.overrides) + extra
-    # before anything compiles, and before the libraries are quieted (importing torch._inductor resets torch's loggers)
-    dirs = use_compile_caches() if getattr(args, "compiles", False) else None
-    _quiet_libraries()
+    _quiet_libraries()  # before train/ is imported: its imports (torchao's) would speak otherwise
+    from vlforge.train.runtime import cache_note, use_compile_caches
+
+    dirs = use_compile_caches() if getattr(args, "compiles", False) else None  # before anything compiles
     done_early = any(getattr(args, flag, False) for flag in ("plan", "print_config"))  # no run, nothing compiles
     if dirs and main_process() and not (args.answers or done_early):
         print(cache_note(dirs), flush=True)  # the run's log; stderr is for what asks the user to act
