@@ -9,8 +9,9 @@ beside memory.py's estimate, and `activation_checkpointing.enabled: auto` choose
 Per block and token (`block_bytes`): coefficients fitted on CPU, counting every tensor autograd
 saves (torch.autograd.graph.saved_tensors_hooks, each storage once) in Qwen3-VL decoder layers of
 the 2B and 8B shapes under bf16 autocast, full (fp32 masters) and frozen bf16 with peft LoRA
-(docs/training.md, memory): within 3% of the count on those shapes. The eager count: compiled layers
-keep less (Inductor fuses the elementwise ops), so the estimate is an upper bound for them.
+(docs/training.md, memory; `python bench/activations.py`): within 1% of the count on those shapes.
+The eager count: compiled layers keep less (Inductor fuses the elementwise ops), so the estimate is
+an upper bound for them.
 A recomputed block (activation checkpointing) keeps only its input; backward recomputes one block
 at a time, whose activations are then held once more.
 """

@@ -2,7 +2,7 @@
 before the first step from the run's memory, and moved one notch toward more recomputation when a
 step still runs out of memory.
 
-    rec = decide_recompute(cfg, t, longest_micro_batch(data.lengths, batching), say=print)
+    rec = decide_recompute(cfg, t, longest_micro_batch(data.lengths, batch_size, packed, max_tokens), say=print)
     result = redo_on_oom(lambda: train_step(...), t, optimizer, say=print)   # t.recompute is rec
 
 The decision (`choose_recompute`, pure): --plan's per-process estimate (train/memory.py) plus the
@@ -75,7 +75,7 @@ def choose_recompute(needs: dict[int, float], capacity: float, device_total: flo
     return Recompute(1, f"auto: even with every block recomputed the estimate, {needs[1] / GB:.1f} GB for a "
                        f"{tokens:,}-token micro-batch, exceeds the {capacity / GB:.1f} GB this GPU gives less a "
                        f"{MARGIN:.0%} margin: every block, the most it saves (a smaller train.batch_size or "
-                       "data.max_tokens_per_batch fits)", auto=True)
+                       "data.max_tokens_per_batch may fit)", auto=True)
 
 
 def recompute_needs(model: torch.nn.Module, plan: list, cfg, tokens: int, world_size: int = 1) -> dict[int, float]:
