@@ -3,6 +3,8 @@
     python bench/rollout_throughput.py --preset qwen3vl-2b
     python bench/rollout_throughput.py --preset qwen3vl-30b-a3b --lora fused   # GRPO's policy: LoRA r=16 on
     python bench/rollout_throughput.py --preset qwen3vl-30b-a3b --lora peft    # attention + every expert
+    python bench/rollout_throughput.py --preset qwen3vl-8b --lora peft --precision fp8   # FP8 rollouts (8B LoRA)
+    python bench/rollout_throughput.py --preset qwen3vl-2b --precision fp8              # (2B, every weight bf16)
 
 8 prompts (one 448x448 image + ~64 prompt tokens each) x 8 samples = 64 sequences, 256 new
 tokens sampled at temperature 1 (EOS disabled so every sequence runs the full length), bf16,
@@ -12,6 +14,11 @@ bench/generate.py's hf-dynamic / hf-static paths).
 `--lora fused|peft`: the model carries a LoRA adapter as a GRPO policy does (r=16 on the language
 attention, and on every expert of a MoE preset, router frozen; lora_B drawn so the update is not
 zero), with expert LoRA fused (model/moe_lora.py) or through peft's folding ParamWrapper.
+`--precision fp8`: rollout.precision=fp8 (generate/fp8.py): the decoder projections on FP8 copies, made
+once before the warm-up (`make_s`) and refreshed before the timed rollout (`refresh_s`, what GRPO pays
+every step). Both precisions also report the mismatch GRPO logs as rollout/k3_kl: the mean k3 KL over
+the timed rollout's tokens between its log-probs and the model's own teacher-forced ones (the trainer's,
+bf16 weights), and the largest |log ratio|. Run it once per precision on the same machine to compare.
 Prints one JSON line with generated tokens/s.
 """
 
@@ -30,7 +37,10 @@ from vlforge.data.encode import Encoder, ImageLimits, collate, encode_prompt
 from vlforge.model.load import load_model
 from vlforge.model.presets import MOE_PRESETS
 from vlforge.model.tiers import apply_plan, build_plan
+from vlforge.rl.correction import mismatch_stats
 from vlforge.rollout.groups import generate_groups
+from vlforge.rollout.logprobs import sequence_logprobs
+from vlforge.rollout.precision import refresh_rollout_weights, rollout_precision
 
 from sft_throughput import synthetic_samples
 
@@ -42,6 +52,7 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--lora", default="none", choices=["none", "fused", "peft"])
+    ap.add_argument("--precision", default="bf16", choices=["bf16", "fp8"], help="rollout.precision")
     args = ap.parse_args()
     model, processor = load_model(ModelConfig(preset=args.preset), dtype=torch.bfloat16, device="cuda")
     if args.lora != "none":
@@ -61,20 +72,31 @@ def main() -> None:
         samples = synthetic_samples(args.prompts, tmp, 448, random.Random(0))
         prompts = collate([encode_prompt(encoder, s) for s in samples], encoder.pad_id, left_pad=True)
     prompts = {k: v.cuda() for k, v in prompts.items()}
-    cfg = RolloutConfig(group_size=args.group, max_new_tokens=args.new_tokens, temperature=1.0)
+    cfg = RolloutConfig(group_size=args.group, max_new_tokens=args.new_tokens, temperature=1.0,
+                        precision=args.precision)
+    make_s = refresh_rollout_weights(model, cfg).get("rollout/fp8_refresh_s")  # fp8: the copies made
     start = time.perf_counter()
-    generate_groups(model, encoder, prompts, [1] * args.prompts, cfg)  # warm-up at full length
+    with rollout_precision(model, cfg):
+        generate_groups(model, encoder, prompts, [1] * args.prompts, cfg)  # warm-up at full length
     torch.cuda.synchronize()
     first_run_s = time.perf_counter() - start
+    refresh_s = refresh_rollout_weights(model, cfg).get("rollout/fp8_refresh_s")  # fp8: a GRPO step's refresh
     start = time.perf_counter()
-    rollout = generate_groups(model, encoder, prompts, [1] * args.prompts, cfg)
+    with rollout_precision(model, cfg):
+        rollout = generate_groups(model, encoder, prompts, [1] * args.prompts, cfg)
     torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     generated = int(rollout.response_mask.sum())
+    with torch.no_grad():  # the trainer's log-probs of the rollout's tokens (bf16 weights), in slices of 8
+        logp = torch.cat([sequence_logprobs(model, rollout, cfg.temperature, list(range(s, min(s + 8, len(
+            rollout.finished)))))[0] for s in range(0, len(rollout.finished), 8)])
+    gap = mismatch_stats(logp.float(), rollout.logprobs.float(), rollout.response_mask)
     print(json.dumps({"preset": args.preset, "sequences": args.prompts * args.group, "new_tokens": args.new_tokens,
                       "generated_tokens": generated, "seconds": seconds, "tokens_per_s": generated / seconds,
                       "ms_per_decode_step": 1000 * seconds / args.new_tokens, "first_run_s": first_run_s,
-                      "lora": args.lora, "gpu": torch.cuda.get_device_name(),
+                      "lora": args.lora, "precision": args.precision, "make_s": make_s, "refresh_s": refresh_s,
+                      "k3_kl": float(gap["k3_kl_sum"] / gap["tokens"]),
+                      "log_ratio_abs_max": float(gap["log_ratio_abs_max"]), "gpu": torch.cuda.get_device_name(),
                       "peak_gb": torch.cuda.max_memory_allocated() / 1e9}))
 
 

@@ -26,12 +26,12 @@ steps compare (they must agree within bf16 noise; the table shows the spread). O
 feeds it: a DataLoader whose workers compute the step's host inputs (train/inputs.HostPrep) and pin them;
 the peer moves its batch to the device in the step, as transformers' own training loop does.
 
-MFU = model FLOPs per second / 989e12 (H100/H200 dense bf16 peak). Model FLOPs of a step (the same
-useful work for every path, whatever it computes beyond it):
-    k x (decoder params x non-pad tokens + vision params x image patches + lm_head params x supervised tokens)
-    + k/2 x 4 x layers x hidden x sum over rows of T^2 / 2     (causal attention scores and values)
-with k = 6 for full fine-tuning (forward 2, backward 4) and k = 4 for LoRA (the frozen base
-computes no weight gradients; the adapters' own FLOPs are left out).
+MFU = model FLOPs per second / the card's dense bf16 peak (train/throughput.PEAK_BF16_FLOPS). Model FLOPs
+of a step (the same useful work for every path, whatever it computes beyond it) are what a run's
+metrics count (train/throughput.step_flops): per matmul weight 2 per row forward, 2 for the gradient
+through it, 2 more where it trains (~6N a token for full fine-tuning, ~4N for LoRA's frozen base);
+lm_head on supervised tokens only; the vision tower per image patch; causal attention scores and
+values; the adapters' own FLOPs left out.
 """
 
 from __future__ import annotations
@@ -53,6 +53,7 @@ from vlforge.train.health import GradHealth
 from vlforge.train.inputs import HostPrep
 from vlforge.train.optim import build_optimizer
 from vlforge.train.runtime import resolve_num_workers
+from vlforge.train.throughput import FlopWeights, peak_flops, step_flops
 from vlforge.train.trainable import CUDA_GRAPH_ROW_MULTIPLE, setup_model
 from vlforge.model.load import load_model, load_processor
 from vlforge.model.presets import MOE_PRESETS
@@ -61,30 +62,15 @@ from vlforge.recipes.sft import train_step
 
 from sft_throughput import Steps, synthetic_samples
 
-PEAK_FLOPS = 989e12
+PEAK_FLOPS = peak_flops(torch.device("cuda")) if torch.cuda.is_available() else None
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"  # cpu: a smoke run with --preset tiny
 LORA_TARGETS = r"model\.language_model\.layers\.\d+\.self_attn\.(q|k|v|o)_proj"
 
 
-def model_flops(core, batches: list[dict], lora: bool) -> list[float]:
-    """Model FLOPs of one step on each batch (the module docstring's formula)."""
-    text = core.config.text_config
-    k = 4 if lora else 6
-    decoder = sum(p.numel() for p in core.model.language_model.layers.parameters())
-    if (experts := getattr(text, "num_experts", None)) is not None:  # MoE: each token runs top-k of E experts
-        routed = sum(p.numel() for layer in core.model.language_model.layers for p in layer.mlp.experts.parameters())
-        decoder -= routed * (1 - text.num_experts_per_tok / experts)
-    vision = sum(p.numel() for p in core.model.visual.parameters())
-    head = core.lm_head.weight.numel()
-    out = []
-    for b in batches:
-        lengths = b["attention_mask"].sum(1).double()
-        patches = int(b["image_grid_thw"].prod(-1).sum()) if "image_grid_thw" in b else 0
-        supervised = int((b["labels"][:, 1:] != -100).sum())
-        linear = decoder * float(lengths.sum()) + vision * patches + head * supervised
-        attention = 4 * text.num_hidden_layers * text.hidden_size * float((lengths ** 2).sum()) / 2
-        out.append(k * linear + k / 2 * attention)
-    return out
+def model_flops(core, batches: list[dict]) -> list[float]:
+    """Model FLOPs of one step on each batch (train/throughput.step_flops, as a run's metrics count them)."""
+    weights = FlopWeights.of(core)
+    return [step_flops(weights, [b]) for b in batches]
 
 
 def sync() -> None:
@@ -240,7 +226,7 @@ def summarize(name: str, losses, times, tokens_per_step, flops_per_step, args) -
     return {"path": name, "preset": args.preset, "method": args.method, "batch": args.batch, "timed_steps": n,
             "tokens_per_s": sum(tokens_per_step[:n]) / sum(times) if tokens_per_step else None,
             "step_s": sum(times) / n, "step_median_s": statistics.median(times),
-            "step_max_s": max(times), "mfu": sum(flops_per_step[:n]) / sum(times) / PEAK_FLOPS if flops_per_step else None,
+            "step_max_s": max(times), "mfu": sum(flops_per_step[:n]) / sum(times) / PEAK_FLOPS if flops_per_step and PEAK_FLOPS else None,
             "peak_gb": torch.cuda.max_memory_allocated() / 1e9 if DEVICE == "cuda" else None, "loss_first": losses[0],
             "loss_last5": sum(losses[-5:]) / len(losses[-5:]), "losses": losses}
 
@@ -311,7 +297,7 @@ def main() -> None:
                 losses, times = timed(args.steps, args.warmup, path["run"])
                 from vlforge.model.tiers import unwrap
 
-                flops = model_flops(unwrap(path["model"]), order, args.method == "lora")
+                flops = model_flops(unwrap(path["model"]), order)
                 results.append(summarize(name, losses, times, tokens, flops, args))
                 del path
         except Exception as e:  # a path that cannot run is reported, and the others still run

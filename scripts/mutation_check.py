@@ -116,6 +116,25 @@ MUTATIONS = [
         ("tests/test_rollout_correction.py::test_the_correction_acts_on_the_gradient",
          "tests/test_rollout_correction.py::test_the_weighted_policy_loss_and_its_gradient_equal_a_hand_written_one"),
         "rl.rollout_correction's weights never reach the policy loss"),
+    Mutation(
+        "fp8-rollout", "vlforge/rollout/precision.py",
+        "return decoding_in_fp8(model, fp8_projections(model)) if cfg.precision == \"fp8\" else nullcontext()",
+        "return nullcontext()",
+        ("tests/test_fp8_rollout.py::test_an_fp8_rollout_runs_the_projections_as_fp8_gemms_and_leaves_the_trainer_untouched",
+         "tests/test_fp8_rollout.py::test_a_grpo_step_with_fp8_rollouts_reports_a_small_mismatch_and_trains_exactly_the_trainable_params"),
+        "rollout.precision=fp8's rollouts decode on the bf16 weights"),
+    Mutation(
+        "fp8-refresh", "vlforge/rollout/precision.py",
+        "        copies.refresh()\n",
+        "        pass\n",
+        ("tests/test_fp8_rollout.py::test_each_rollouts_fp8_copies_are_made_from_the_weights_of_that_step",),
+        "the FP8 copies are not made again from the trained weights before a step's rollouts"),
+    Mutation(
+        "fp8-lora-delta", "vlforge/generate/fp8.py",
+        "    if wrapper is base or wrapper.disable_adapters or wrapper.merged:\n",
+        "    if True:\n",
+        ("tests/test_fp8_rollout.py::test_a_lora_layers_fp8_copy_is_the_quantized_merged_weight",),
+        "a LoRA layer's FP8 copy leaves its adapters' delta out (the rollout decodes the base model)"),
 ]
 
 

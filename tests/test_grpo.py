@@ -64,7 +64,7 @@ def test_one_grpo_step_changes_exactly_the_trainable_params(shapes_dir, tmp_path
         assert p is captured["params"][n], n  # the optimizer's parameters (inference_weights gave them back)
     for key in ["reward_mean", "reward_std", "accuracy", "adv_mean", "kl", "clip_frac", "entropy",
                 "response_length_mean", "response_length_max", "zero_var_group_frac", "time_rollout_s",
-                "time_train_s", "tokens_per_s", f"reward/{tmp_path / 'rewards.py'}:varied",
+                "time_train_s", "tokens_per_s", "step_time_s", "mem/peak_rss_gb", f"reward/{tmp_path / 'rewards.py'}:varied",
                 "grad_norm", "grad_norm/language", "grad_norm/projector", "grad_norm/vision", "skipped"]:
         assert key in row, key
     assert (tmp_path / "run" / "reward.png").exists()
@@ -201,8 +201,9 @@ def test_rollout_keep_kv_frees_the_kv_slots_before_each_update(shapes_dir, tmp_p
         run_grpo(grpo_config(shapes_dir, tmp_path / "kept", tmp_path, *common))
         rows = [[json.loads(r) for r in (tmp_path / d / "metrics.jsonl").read_text().splitlines()] for d in ("run", "kept")]
         for a, b in zip(*rows):
-            assert {k: v for k, v in a.items() if not k.startswith(("time_", "tokens_per_s"))} == \
-                {k: v for k, v in b.items() if not k.startswith(("time_", "tokens_per_s"))}
+            varies = ("time_", "step_time_s", "tokens_per_s", "mem/")  # clocks and memory, run to run
+            assert {k: v for k, v in a.items() if not k.startswith(varies)} == \
+                {k: v for k, v in b.items() if not k.startswith(varies)}
 
 
 def test_reward_functions_see_exactly_the_response_text(shapes_dir, tmp_path):

@@ -8,11 +8,9 @@ sequence's own M-RoPE positions; one GRPO step end to end gives the same loss an
 
 import copy
 import json
-import random
 
 import pytest
 import torch
-from PIL import Image
 from safetensors.torch import load_file
 
 from vlforge.config import ConfigError, DataConfig, GRPOConfig, ModelConfig, RolloutConfig, SFTConfig, load_config
@@ -32,25 +30,6 @@ from test_grpo import grpo_config
 
 IMAGES_PER_PROMPT = [2, 0, 3, 1, 0]
 RESPONSE_LENGTHS = [1, 6, 3, 5, 2, 6, 4, 1, 6, 2]  # G = 2: 10 sequences
-
-
-@pytest.fixture(scope="module")
-def prompts_jsonl(shapes_dir, tmp_path_factory):
-    out = tmp_path_factory.mktemp("grpo-mixed")
-    rng = random.Random(0)
-    for name, size in (("wide.png", (96, 64)), ("tall.png", (64, 128))):
-        Image.frombytes("RGB", size, rng.randbytes(size[0] * size[1] * 3)).save(out / name)
-    shape = lambda i: str(shapes_dir / "images" / f"{i:06d}.png")
-    rows = [
-        {"images": [shape(1), str(out / "wide.png")], "text": "Compare the two images.", "answer": "two"},
-        {"text": "Say hello without any image, please, in a few words.", "answer": "hello"},
-        {"images": [str(out / "tall.png"), shape(2), shape(3)], "text": "How many?", "answer": "3"},
-        {"image": shape(4), "text": "What colour is the shape?", "answer": "blue"},
-        {"text": "Count to three.", "answer": "one two three"},
-    ]
-    path = out / "prompts.jsonl"
-    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    return path
 
 
 def mixed_rollout(model, processor, path):

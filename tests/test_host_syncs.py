@@ -18,7 +18,6 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 from syncs import SyncCounter  # noqa: E402
-from test_grpo_packing import prompts_jsonl  # noqa: E402,F401  (the fixture: prompts of 0-3 images)
 
 # vlforge's own syncs per optimizer step: the per-group gradient norms, read once (GradHealth decides
 # skip and clip from them on the host), and the step's loss, read once

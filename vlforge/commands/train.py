@@ -42,10 +42,10 @@ def _plan_world_size(args) -> int:
 def _recipe_config(cls, args):
     """The recipe's config; handles --print-config and --plan. None when the command is done."""
     if args.json and not args.plan:
-        raise ConfigError("--json goes with --plan (vlforge %s CONFIG --plan --json)" % args.command)
+        raise ConfigError(f"--json goes with --plan (vlforge {args.command} CONFIG --plan --json)")
     if args.world_size is not None and not args.plan:
-        raise ConfigError("--world-size goes with --plan (vlforge %s CONFIG --plan --world-size 8); torchrun "
-                          "sets the processes of a run" % args.command)
+        raise ConfigError(f"--world-size goes with --plan (vlforge {args.command} CONFIG --plan --world-size 8); "
+                          "torchrun sets the processes of a run")
     cfg = load_config(cls, args.config, args.overrides)
     if args.print_config:
         print(dump_config(cfg), end="")
@@ -70,33 +70,29 @@ def _recipe_arguments(example_config: str, example_override: str):
     return arguments
 
 
-def cmd_sft(args) -> int:
-    if (cfg := _recipe_config(SFTConfig, args)) is None:
+def _run_recipe(cls, args) -> int:
+    """`vlforge sft` / `grpo`: the recipe on its config, then its final evaluation and outputs."""
+    if (cfg := _recipe_config(cls, args)) is None:
         return 0
-    from vlforge.recipes.sft import run_sft
-
-    result = run_sft(cfg)
+    if cls is SFTConfig:
+        from vlforge.recipes.sft import run_sft as run
+    else:
+        from vlforge.recipes.grpo import run_grpo as run
+    result = run(cfg)
     if not main_process():
         return 0
-    if result["eval"]:
-        print(f"eval at step {result['final_step']}: loss {result['eval']['loss']:.4f} "
-              f"accuracy {result['eval']['accuracy']:.3f} (n={result['eval']['n']})")
+    if ev := result["eval"]:
+        print(f"eval at step {result['final_step']}: loss {ev['loss']:.4f} accuracy {ev['accuracy']:.3f} (n={ev['n']})")
     print(f"outputs in {result['output_dir']}")
     return 0
+
+
+def cmd_sft(args) -> int:
+    return _run_recipe(SFTConfig, args)
 
 
 def cmd_grpo(args) -> int:
-    if (cfg := _recipe_config(GRPOConfig, args)) is None:
-        return 0
-    from vlforge.recipes.grpo import run_grpo
-
-    result = run_grpo(cfg)
-    if not main_process():
-        return 0
-    if result["eval"]:
-        print(f"eval at step {result['final_step']}: accuracy {result['eval']['accuracy']:.3f} (n={result['eval']['n']})")
-    print(f"outputs in {result['output_dir']}")
-    return 0
+    return _run_recipe(GRPOConfig, args)
 
 
 def _demo_arguments(p: argparse.ArgumentParser) -> None:

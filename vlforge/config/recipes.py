@@ -84,6 +84,9 @@ class GRPOConfig(RunConfig):
         if self.tools.names and self.rollout.router_replay is not False:
             raise ConfigError(f"tools.names with rollout.router_replay={self.rollout.router_replay}: the experts of "
                               "a multi-turn rollout's later turns are not recorded; remove one of the two")
+        if self.rollout.precision == "fp8" and self.quant.language != "none":
+            raise ConfigError(f"rollout.precision=fp8 with quant.language={self.quant.language}: the FP8 copies are "
+                              "made from unquantized weights; use rollout.precision=bf16 or an unquantized base")
 
 
 GRPO_ONLY_SECTIONS = ("rl", "rollout", "tools")

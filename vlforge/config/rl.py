@@ -44,6 +44,14 @@ class RolloutConfig:
     # Off by default: replay makes the trainer run experts its router would not pick (and routes its
     # gradient through them); turn it on when moe/route_flip and the ratio's spread say the mismatch matters
     router_replay: bool | Literal["record"] = False
+    # The weights the rollouts decode (and prefill) with: bf16 (the policy's own, in the compute dtype)
+    # or fp8 (FP8 copies of the decoder layers' projections, per-channel weight scales and per-token
+    # activation scales, made again from the trained weights before each step's rollouts: the time that
+    # takes is rollout/fp8_refresh_s; LoRA adapters merged into the copies; vision tower, embeddings,
+    # lm_head and MoE experts as bf16). Its log-probs differ more from the trainer's: pair it with
+    # rl.old_logprobs=trainer and rl.rollout_correction (docs/grpo.md, FP8 rollouts). bf16 by default
+    # until a GPU measurement says fp8 rollouts are faster (docs/benchmarks.md)
+    precision: Literal["bf16", "fp8"] = "bf16"
 
     def __post_init__(self):
         _range(self, "group_size", ge=2, why="advantages compare responses within a group")

@@ -332,7 +332,8 @@ class Engine:
             group=min(sizes) if self.share_prompt and not fed and len(sizes) == 1 and min(sizes) >= 2 else 0,
             graphs=graphs, compiled=graphs and (compile if compile is not None else self.compile), fusing=fusing,
             recording=bool(record_routes), weights=hash(tuple(p.data_ptr() for p in self.core.parameters())),
-            mask_dtype=kv_dtype(self.runner.lm, device), training=self.core.training, autocast=cuda_autocast())
+            mask_dtype=kv_dtype(self.runner.lm, device), training=self.core.training, autocast=cuda_autocast(),
+            fp8=self.runner.fp8 is not None)
 
     def _prefill(self, admitted: list[tuple[int, GenRequest, list[int]]], plan: Plan, image_token_id: int,
                  pad_id: int, mode: str) -> None:

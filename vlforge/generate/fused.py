@@ -113,7 +113,7 @@ class _Group:
             # the first member called on an input computes every member's part (a member called again, or
             # on another input, starts over: always correct; transformers calls each once, in order)
             if self.parts is None or self.given[i] or x is not self.input:
-                self.parts = list(F.linear(x, self.buffer).split(self.sizes, dim=-1))
+                self.parts = list(self.gemm(x).split(self.sizes, dim=-1))
                 self.input = x
                 self.given = [False] * len(self.sizes)
             self.given[i] = True
@@ -122,6 +122,10 @@ class _Group:
                 self.parts = self.input = None
             return part
         return forward
+
+    def gemm(self, x: torch.Tensor) -> torch.Tensor:
+        """The group's one GEMM: every member's output side by side (generate/fp8.py's groups run it in FP8)."""
+        return F.linear(x, self.buffer)
 
     def clear(self) -> None:
         self.parts = self.input = None

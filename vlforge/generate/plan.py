@@ -34,6 +34,9 @@ class Plan:
     mask_dtype: torch.dtype  # the additive step mask's dtype: the usual KV dtype (a layer computing in another casts it)
     training: bool  # the model's mode when the call started
     autocast: torch.dtype | None  # CUDA autocast's dtype while the call runs (None: off)
+    # the projections run on FP8 copies (generate/fp8.py, GRPO's rollout.precision=fp8) instead of
+    # the weights (fused or not): a graph captured over either is replayed only for it
+    fp8: bool = False
 
     @property
     def floor(self) -> int:

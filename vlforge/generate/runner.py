@@ -46,6 +46,7 @@ class Runner:
         self.lm = core.model.language_model
         self.text_config = self.lm.layers[0].self_attn.config
         self.fused: FusedProjections | None = None  # the model's fusable groups (built at the first call that fuses)
+        self.fp8 = None  # generate/fp8.Fp8Projections the calls decode with, while decoding_in_fp8 sets it
         self.compiled: CompiledStep | None = None  # built at the first compiled call
         self.cache: SlotCache | None = None
         self.state: SlotState | None = None
@@ -245,7 +246,10 @@ class Runner:
                                              st.pos[:S].view(P, G))
 
     def fusion(self, plan: Plan):
-        """The fused projections for the forwards inside, when the plan uses them."""
+        """The fused projections for the forwards inside, when the plan uses them; a plan in FP8 runs
+        the FP8 copies instead (fused as fused.py groups them, generate/fp8.py)."""
+        if plan.fp8:
+            return self.fp8.installed()
         return self.fused.installed() if plan.fusing else nullcontext()
 
     def run_steps(self, plan: Plan, S: int, Lb: int, mode: str, steps: int, stats) -> None:

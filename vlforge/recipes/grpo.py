@@ -37,6 +37,7 @@ from vlforge.train.optim import hold_gradients
 from vlforge.train.run import Run, begin_run
 from vlforge.train.stop import StopSignals
 from vlforge.train.recompute import decide_recompute, redo_on_oom
+from vlforge.train.throughput import peak_memory
 from vlforge.train.trainable import Trainable, cuda_graphs_problem, setup_model
 from vlforge.generate.engine import engine_for
 from vlforge.model.load import build_meta_model, dir_config
@@ -49,6 +50,7 @@ from vlforge.rollout.logprobs import packing_enabled, route_rows, sequence_logpr
 from vlforge.rollout.minibatch import (Batch, correct_rollouts, logprobs_before_update, part_weights, rank_mini_batches,
                                        token_rows)
 from vlforge.rollout.multiturn import answer_with_tools, generate_with_tools, rollout_tools, tool_images, tool_runner
+from vlforge.rollout.precision import refresh_rollout_weights, rollout_precision
 from vlforge.infer.model import InferenceModel
 from vlforge.rl.judge import ModelJudge
 
@@ -110,7 +112,9 @@ def rollout_round(t: Trainable, data: ChatDataset, idx: list[int], cfg: GRPOConf
     # (fp32 masters: the linears' weights read in bf16 during the rollout, PrecisionPolicy.inference_weights)
     images = [visuals_per_prompt(x) for x in encoded]  # a video's temporal patches count as its images
     tool_stats = tool_fields = transcripts = None
-    with t.policy.autocast(), t.policy.inference_weights(t.model), fully_gathered(t.root):
+    # rollout.precision=fp8: the decoder projections on FP8 copies (rollout/precision.py)
+    with t.policy.autocast(), t.policy.inference_weights(t.model), rollout_precision(t.model, cfg.rollout), \
+            fully_gathered(t.root):
         if tools:  # multi-turn: the rewards score each response's last assistant turn
             multi = generate_with_tools(t.model, data.encoder, prompts, images, cfg.rollout, tools,
                                         first_row=first_row, seed=seed, run_calls=run_calls,
@@ -447,6 +451,8 @@ def refuse_unsupported_sharded(cfg: GRPOConfig, world_size: int, strategy: str =
                                                      f"multiple of the {world_size} processes"),
         (rl.mini_batch_size % world_size != 0, f"rl.mini_batch_size={rl.mini_batch_size} not a multiple of the "
                                                f"{world_size} processes"),
+        (rollout.precision == "fp8" and strategy == "fsdp2", "rollout.precision=fp8 (its copies are made from "
+                                                             "whole weights; FSDP2 holds shards)"),
     ]
     bad = [why for hit, why in problems if hit]
     if bad:
@@ -548,6 +554,7 @@ def run_grpo(cfg: GRPOConfig) -> dict:
         while run.step < total_steps:
             start = time.perf_counter()
             t.model.eval()  # rollouts sample from the policy without dropout
+            fp8_row = refresh_rollout_weights(t.model, cfg.rollout)  # rollout.precision=fp8: copies of the new weights
             batches, stats, spare = collect(t, data, stream, run.state, cfg, rewards, tools, run_calls)
             if not cfg.rollout.keep_kv:
                 engine_for(t.model).release()  # the update gets the KV slots' memory (rollout.keep_kv)
@@ -558,13 +565,15 @@ def run_grpo(cfg: GRPOConfig) -> dict:
             train_logs = update(t, ref_model, batches, run.optimizer, run.scaler, run.health, cfg, spare) \
                 if trained else {}
             t_train = time.perf_counter() - start - t_rollout
-            row = {**step_metrics(stats, batches, train_logs, t_rollout, t_train, world, G), "lr": lr,
+            row = {**step_metrics(stats, batches, train_logs, t_rollout, t_train, world, G), "lr": lr, **fp8_row,
                    **(t.routing.step_metrics(world) if t.routing else {}),  # MoE: the update's expert load
-                   **judge_metrics(rewards, world)}
+                   **judge_metrics(rewards, world), "step_time_s": t_rollout + t_train, **peak_memory(t.device)}
             run.samples.grpo(run.step + 1, stats.get("shown"), batches, G)  # samples/grpo.jsonl, when due
             run.finish_step(row, always_log=bool(row.get("skipped")))  # bad steps always logged
             bar.update(1)
-            bar.set_postfix(reward=f"{row['reward_mean']:.3f}", acc=f"{row['accuracy']:.2f}")
+            bar.set_postfix(reward=f"{row['reward_mean']:.3f}", acc=f"{row['accuracy']:.2f}",
+                            tok_s=f"{row['tokens_per_s']:.0f}",
+                            mem=f"{row.get('mem/peak_allocated_gb', row.get('mem/peak_rss_gb', 0)):.1f}GB")
             if stop.agreed():  # every rank: one all-reduce of the votes (after step_metrics' syncs)
                 break
         stop.checkpoint()

@@ -36,6 +36,7 @@ from vlforge.train.recompute import decide_recompute, longest_micro_batch, redo_
 from vlforge.train.run import Run, begin_run
 from vlforge.train.runtime import resolve_device, resolve_num_workers
 from vlforge.train.stop import StopSignals, ignore_stop_signals
+from vlforge.train.throughput import StepMeter
 from vlforge.train.trainable import Trainable, cuda_graph_step_begin, cuda_graphs_problem, setup_model
 from vlforge.model.tiers import plan_summary, unwrap
 
@@ -213,6 +214,9 @@ def run_sft(cfg: SFTConfig) -> dict:
             + ("; packed rows (data.packing)" if packed else ""))
         if train_data.report.skipped:
             say(f"skipped rows: {dict(train_data.report.skipped)}")
+        meter = StepMeter(unwrap(t.model), t.device)
+        if why := meter.why_no_mfu():
+            say(why)
         if cfg.eval.at_start and run.step == 0:
             run.evaluate()
 
@@ -239,10 +243,11 @@ def run_sft(cfg: SFTConfig) -> dict:
             elapsed = time.perf_counter() - start
             run.state["tokens_seen"] += result["tokens"]
             row = {**{k: v for k, v in result.items() if k not in ("tokens", "supervised_tokens")}, "lr": lr,
-                   "tokens_per_s": result["tokens"] / elapsed, "epoch": run.state["epoch"]}
+                   **meter.row(micro, result["tokens"], elapsed), "epoch": run.state["epoch"]}
             run.finish_step(row, always_log=row["skipped"] or "loss_spike" in row)  # bad steps always logged
             bar.update(1)
-            bar.set_postfix(loss=f"{result['loss']:.4f}", lr=f"{lr:.2e}", tok_s=f"{row['tokens_per_s']:.0f}")
+            bar.set_postfix(loss=f"{result['loss']:.4f}", lr=f"{lr:.2e}", tok_s=f"{row['tokens_per_s']:.0f}",
+                            mem=f"{row.get('mem/peak_allocated_gb', row.get('mem/peak_rss_gb', 0)):.1f}GB")
             if stop.agreed():  # every rank: the votes this step's first all-reduce carried
                 break
         stream.close()  # its DataLoader's workers end now (they ignore SIGTERM: see micro_batches)
