@@ -226,3 +226,45 @@ def test_a_real_cuda_out_of_memory_is_recovered(shapes_dir, tmp_path, capsys):
         torch.cuda.set_per_process_memory_fraction(1.0)
         recompute._auto = decide
     assert result["final_step"] == 2 and "out of memory in a step" in capsys.readouterr().out
+
+
+def _grpo(shapes_dir, tmp_path, name, *extra, oom: bool = False):
+    """A one-step GRPO run of the tiny model (two mini-batch updates); with `oom`, the first training
+    forward (grad enabled: not a rollout's) raises a real torch.OutOfMemoryError once."""
+    from test_grpo import grpo_config
+    from vlforge.model.tiers import unwrap
+    from vlforge.recipes import grpo as recipe
+
+    cfg = grpo_config(shapes_dir, tmp_path / name, tmp_path, *extra)
+    raised, real_update = [], recipe.update
+
+    def hook(module, args):
+        if torch.is_grad_enabled() and not raised:
+            raised.append(1)
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    def update(t, *args, **kwargs):
+        if oom and not raised:
+            unwrap(t.model).model.language_model.layers[0].register_forward_pre_hook(hook)
+        return real_update(t, *args, **kwargs)
+
+    recipe.update = update
+    try:
+        recipe.run_grpo(cfg)
+    finally:
+        recipe.update = real_update
+    rows = [json.loads(line) for line in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+    return rows[-1], raised
+
+
+def test_grpo_redoes_an_out_of_memory_mini_batch_one_notch_further(shapes_dir, tmp_path, capsys):
+    ref, _ = _grpo(shapes_dir, tmp_path, "ref", "activation_checkpointing.enabled=true",
+                   "activation_checkpointing.every=4")
+    row, raised = _grpo(shapes_dir, tmp_path, "oom", oom=True)
+    out = capsys.readouterr().out
+    assert raised == [1]
+    assert "1 of every 4 blocks recomputed, the step redone" in out
+    assert yaml.safe_load((tmp_path / "oom" / "config.yaml").read_text())["activation_checkpointing"] == {
+        "enabled": True, "every": 4}
+    for key in ("loss", "grad_norm", "reward_mean"):
+        torch.testing.assert_close(row[key], ref[key], rtol=1e-5, atol=1e-6, msg=key)

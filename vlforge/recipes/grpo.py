@@ -500,6 +500,14 @@ def reference_model(cfg: GRPOConfig, t: Trainable, world: World):
     return ref_model
 
 
+def settle_recompute(cfg: GRPOConfig, t: Trainable, data: ChatDataset, world: World) -> None:
+    """activation_checkpointing (auto: from the memory of a mini-batch of the longest prompts, each with
+    a rollout.max_new_tokens answer; a streamed set's lengths are unread: data.max_length)."""
+    longest = cfg.data.max_length if cfg.data.stream else max(data.lengths)
+    decide_recompute(cfg, t, cfg.rl.mini_batch_size * (longest + cfg.rollout.max_new_tokens),
+                     print if world.main else lambda *_: None)
+
+
 def run_grpo(cfg: GRPOConfig) -> dict:
     """Train; returns {"output_dir", "final_step", "eval", "first_eval"}."""
     refuse_settings(cfg)
@@ -532,10 +540,7 @@ def run_grpo(cfg: GRPOConfig) -> dict:
             raise ConfigError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} exceeds the "
                               f"{len(data)} prompts")
         total_steps = cfg.train.max_steps or cfg.train.epochs * (len(data) // cfg.rollout.prompts_per_step)
-        # activation_checkpointing (auto: the memory of a mini-batch of the longest prompts and answers)
-        longest = cfg.data.max_length if cfg.data.stream else max(data.lengths)
-        decide_recompute(cfg, t, cfg.rl.mini_batch_size * (longest + cfg.rollout.max_new_tokens),
-                         print if world.main else lambda *_: None)
+        settle_recompute(cfg, t, data, world)  # before config.yaml, which records it
         # the lr schedule advances once per GRPO step, however many mini-batch updates it makes
         # shared_rng: every rank draws each rollout's seed from the global RNG, which stays in lockstep
         # (dropout off), so a resume on any number of ranks gives every rank rank 0's stream
