@@ -123,7 +123,8 @@ def test_cli_plan_memory_table_json_and_world_size(capsys, monkeypatch):
     assert ("memory per process: FSDP2 over 4 process(es), every tensor split 4 ways, 1 decoder layer "
             "(and vision blocks) a unit") in text
     assert "cpu_offload GPU" in text
-    assert "this config: cpu_offload" in text and "not estimated: activations" in text
+    assert "this config: cpu_offload" in text and "not estimated: autocast copies" in text
+    assert "activations of a " in text and "every block recomputed" in text
     monkeypatch.setenv("WORLD_SIZE", "2")  # under torchrun, --plan defaults to its world size
     assert main(["sft", "configs/demo-sft.yaml", "--plan", "--json"]) == 0
     mem = json.loads(capsys.readouterr().out)["memory"]

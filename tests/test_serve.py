@@ -696,7 +696,8 @@ def test_cli_serve_defaults_are_the_configs(monkeypatch, capsys):
     from vlforge.cli import build_parser, main
 
     args = build_parser().parse_args(["serve", "tiny"])
-    assert ServeConfig.from_flags(vars(args)) == ServeConfig()  # one set of defaults, not two
+    # one set of defaults, not two; but --max-batch, whose flag defaults to auto (settled once the model is loaded)
+    assert ServeConfig.from_flags(vars(args)) == ServeConfig(max_batch="auto")
     loaded = []
     monkeypatch.setattr("vlforge.commands.inference.load_model", lambda *a, **k: loaded.append(a))
     assert main(["serve", "tiny", "--max-batch", "0"]) == 2
@@ -1020,7 +1021,7 @@ def test_serve_config_checks_ranges_and_names_the_flag(files):
     for kwargs, flag in [({"max_batch": 0}, "--max-batch"), ({"max_images": -1}, "--max-images"),
                          ({"max_prompt_tokens": 0}, "--max-prompt-tokens"), ({"max_tokens": 0}, "--max-tokens-limit"),
                          ({"max_image_pixels": 0}, "--max-image-pixels"), ({"max_body_bytes": 0}, "--max-body-mb"),
-                         ({"max_batch": 2.5}, "--max-batch"), ({"max_queue": 0}, "ServeConfig.max_queue"), ({"body_timeout_s": 0}, "--body-timeout"),
+                         ({"max_batch": 2.5}, "--max-batch"), ({"max_batch": "many"}, "--max-batch"), ({"max_queue": 0}, "ServeConfig.max_queue"), ({"body_timeout_s": 0}, "--body-timeout"),
                          ({"allow_files": str(files["allowed"] / "missing")}, "--allow-files"),
                          ({"model_name": " "}, "--model-name")]:
         with pytest.raises(ConfigError, match=flag):
@@ -1151,3 +1152,39 @@ def test_video_limits_are_checked_from_the_header_before_decoding(engine, tmp_pa
             err = assert_error(client.post("/v1/chat/completions",
                                            json=body([{"role": "user", "content": content}])), 400)
             assert err["code"] == code, err
+
+
+def test_max_batch_auto_is_sized_from_the_kv_cache_the_gpu_holds():
+    """--max-batch auto on 2B/8B-shaped configs: a slot at its longest (8,192 prompt + 4,096 answer
+    tokens) holds layers x 2 x KV heads x head dim x 2 bytes a token; the free memory after the
+    weights, 80% of it for the KV cache, sizes the batch, at most 64, at least 1; a CPU gets 8."""
+    from types import SimpleNamespace
+
+    from vlforge.serve.config import auto_max_batch, kv_bytes_per_slot
+
+    two_b = SimpleNamespace(num_hidden_layers=28, num_key_value_heads=8, head_dim=128, hidden_size=2048,
+                            num_attention_heads=16)
+    eight_b = SimpleNamespace(num_hidden_layers=36, num_key_value_heads=8, head_dim=128, hidden_size=4096,
+                              num_attention_heads=32)
+    cfg = ServeConfig()
+    assert kv_bytes_per_slot(two_b, 12288) == 28 * 2 * 8 * 128 * 2 * 12288  # 1.41 GB
+    assert auto_max_batch(two_b, 75e9, cfg)[0] == 42  # an 80 GB H100 after 4.4 GB of 2B weights
+    assert auto_max_batch(eight_b, 62e9, cfg)[0] == 27  # after 17.5 GB of 8B weights
+    assert auto_max_batch(eight_b, 6e9, cfg)[0] == 2  # a 24 GB GPU
+    n, why = auto_max_batch(two_b, 200e9, cfg)
+    assert n == 64 and "capped at 64" in why and "1.41 GB a slot at 12,288 tokens" in why
+    n, why = auto_max_batch(eight_b, 0.5e9, cfg)
+    assert n == 1 and "lower --max-prompt-tokens" in why
+    assert auto_max_batch(two_b, 75e9, ServeConfig(max_prompt_tokens=2048, max_tokens=2048))[0] == 64  # shorter slots
+    assert auto_max_batch(two_b, None, cfg) == (8, "--max-batch auto: 8 on a CPU (its compute, not memory, is the limit)")
+
+
+def test_cli_serve_settles_max_batch_auto_once_the_model_is_loaded(monkeypatch, capsys):
+    from vlforge.cli import main
+
+    seen = {}
+    monkeypatch.setattr("vlforge.serve.app.serve", lambda app, **kw: seen.update(app=app, **kw))
+    assert main(["serve", "tiny", "--device", "cpu", "--no-compile"]) == 0  # --max-batch left at its default, auto
+    state = seen["app"].state.vlforge
+    assert state.batcher.max_batch == 8 and state.cfg.max_batch == 8
+    assert "--max-batch auto: 8 on a CPU" in capsys.readouterr().err

@@ -8,7 +8,7 @@ import signal
 import sys
 
 from vlforge.commands import data, inference, inspection, train
-from vlforge.commands.base import Command, rank_prefix
+from vlforge.commands.base import Command, main_process, rank_prefix
 from vlforge.config import ConfigError
 from vlforge.data.inline import DataError
 from vlforge.rl.rewards import RewardError
@@ -23,7 +23,7 @@ GROUPS = {"data": ("dataset tools", data.COMMANDS)}  # `vlforge data synth|check
 def _add(sub, command: Command) -> None:
     p = sub.add_parser(command.name, help=command.help)
     command.arguments(p)
-    p.set_defaults(func=command.run)
+    p.set_defaults(func=command.run, compiles=command.compiles, answers=command.answers)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -75,7 +75,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     if extra:
         args.overrides = list(args.overrides) + extra
-    _quiet_libraries()
+    _quiet_libraries()  # before train/ is imported: its imports (torchao's) would speak otherwise
+    from vlforge.train.runtime import cache_note, use_compile_caches
+
+    dirs = use_compile_caches() if getattr(args, "compiles", False) else None  # before anything compiles
+    done_early = any(getattr(args, flag, False) for flag in ("plan", "print_config"))  # no run, nothing compiles
+    if dirs and main_process() and not (args.answers or done_early):
+        print(cache_note(dirs), flush=True)  # the run's log; stderr is for what asks the user to act
     try:
         with sigterm_interrupts():  # SIGTERM raises, as SIGINT does: both end below, in one line
             return args.func(args)

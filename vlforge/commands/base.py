@@ -18,6 +18,10 @@ class Command:
     help: str
     arguments: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.Namespace], int]
+    # it may torch.compile: torch's compile caches go under VLFORGE_CACHE first (train/runtime.use_compile_caches),
+    # and its log (stdout) says where, unless stdout is the answer itself (`answers`: infer, chat)
+    compiles: bool = False
+    answers: bool = False
 
 
 def at_least(minimum: int):

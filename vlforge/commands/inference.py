@@ -15,10 +15,11 @@ from vlforge.config import ConfigError, GRPOConfig
 from vlforge.train.stop import signal_name
 
 
-def load_model(args, slots: int = 1, compile_by_default: bool = False):
+def load_model(args, slots=1, compile_by_default: bool = False):
     """The loaded InferenceModel; with --compile (or, `compile_by_default`, without --no-compile: serve)
     its decode step is compiled and warmed now, at `slots` decode slots (the batch its command
-    generates: serve's --max-batch, eval's --batch-size). What was chosen, and why, goes to stderr."""
+    generates: serve's --max-batch, eval's --batch-size; a function of the loaded model: settled from
+    its memory). What was chosen, and why, goes to stderr."""
     from vlforge.config import QuantConfig
     from vlforge.infer.model import InferenceModel
 
@@ -33,6 +34,7 @@ def load_model(args, slots: int = 1, compile_by_default: bool = False):
         from vlforge.model.quant import format_report
 
         print(format_report(vlm.quant_report), file=sys.stderr)
+    slots = slots(vlm) if callable(slots) else slots
     if want:
         if problem := vlm.compile_problem():
             vlm.compile = False
@@ -47,6 +49,23 @@ def load_model(args, slots: int = 1, compile_by_default: bool = False):
             else:
                 print(f"--compile: decode step compiled and warmed in {seconds:.0f} s", file=sys.stderr)
     return vlm
+
+
+def serve_batch(cfg, vlm):
+    """`cfg` with --max-batch settled for the loaded `vlm`: auto from the GPU's free memory after the
+    weights (serve.config.auto_max_batch), said on stderr; a number as given."""
+    if cfg.max_batch != "auto":
+        return cfg
+    import torch
+
+    from vlforge.model.tiers import unwrap
+    from vlforge.serve.config import auto_max_batch
+
+    free = torch.cuda.mem_get_info(vlm.device)[0] if vlm.device.type == "cuda" else None
+    # the KV cache in bf16, the dtype a CUDA decode computes in (infer/model.py's autocast)
+    n, why = auto_max_batch(unwrap(vlm.model).config.text_config, free, cfg, dtype_bytes=2)
+    print(why, file=sys.stderr)
+    return dataclasses.replace(cfg, max_batch=n)
 
 
 def model_source_arguments(p: argparse.ArgumentParser, compiles_by_default: bool = False) -> None:
@@ -224,11 +243,14 @@ def _serve_arguments(p: argparse.ArgumentParser) -> None:
     model_source_arguments(p, compiles_by_default=True)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: loopback only)")
     p.add_argument("--port", type=int, default=8000)
-    from vlforge.serve.config import ServeConfig  # no fastapi needed: the flags and defaults are the config's
+    from vlforge.serve.config import ServeConfig, int_or_auto  # no fastapi: the flags and defaults are the config's
 
     for f in ServeConfig.flags():
         unit, meta = f.metadata.get("unit", 1), f.metadata
-        if f.default is None:  # an optional setting: a string, or an int (its annotation is a string: __future__)
+        if meta.get("auto"):  # `auto` or a number (--max-batch)
+            p.add_argument(meta["flag"], dest=f.name, type=int_or_auto, default=meta["cli_default"],
+                           metavar="N|auto", help=f"{meta['help']} (default {meta['cli_default']})")
+        elif f.default is None:  # an optional setting: a string, or an int (its annotation is a string: __future__)
             p.add_argument(meta["flag"], dest=f.name, metavar=meta.get("metavar"), help=meta["help"],
                            type=int if str(f.type).startswith("int") else None)
         else:
@@ -251,7 +273,13 @@ def cmd_serve(args) -> int:
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port {args.port}: must be 0..65535")
     cfg = ServeConfig.from_flags(vars(args), environ=os.environ)  # checked before the model loads
-    app = create_app(load_model(args, slots=cfg.max_batch, compile_by_default=True), cfg)
+    settled = []  # --max-batch auto: from the memory left once the weights are on the device
+
+    def slots(vlm) -> int:
+        settled.append(serve_batch(cfg, vlm))
+        return settled[0].max_batch
+
+    app = create_app(load_model(args, slots=slots, compile_by_default=True), settled[0])
     name = app.state.vlforge.model_name
     if args.host not in ("127.0.0.1", "localhost", "::1") and cfg.api_key is None:
         print(f"warning: listening on {args.host} without authentication; anyone who can reach the port can use "
@@ -268,10 +296,12 @@ def cmd_serve(args) -> int:
 
 
 COMMANDS = [
-    Command("infer", "answer one prompt (with images or videos) from a model", _infer_arguments, cmd_infer),
+    Command("infer", "answer one prompt (with images or videos) from a model", _infer_arguments, cmd_infer,
+            compiles=True, answers=True),
     Command("chat", "interactive chat with a model (/image PATH, /video PATH, /reset, /quit)", _chat_arguments,
-            cmd_chat),
-    Command("eval", "batched greedy answers + exact-match accuracy on a dataset", _eval_arguments, cmd_eval),
+            cmd_chat, compiles=True, answers=True),
+    Command("eval", "batched greedy answers + exact-match accuracy on a dataset", _eval_arguments, cmd_eval,
+            compiles=True),
     Command("serve", "OpenAI-compatible HTTP server (chat completions, streaming, batching)", _serve_arguments,
-            cmd_serve),
+            cmd_serve, compiles=True),
 ]

@@ -138,9 +138,9 @@ def cmd_export(args) -> int:
 
 COMMANDS = [
     Command("sft", "supervised fine-tuning (LoRA tiers or full)",
-            _recipe_arguments("configs/qwen3vl-8b-lora.yaml", "tiers.language.lr=1e-4"), cmd_sft),
+            _recipe_arguments("configs/qwen3vl-8b-lora.yaml", "tiers.language.lr=1e-4"), cmd_sft, compiles=True),
     Command("grpo", "GRPO reinforcement learning with verifiable rewards",
-            _recipe_arguments("configs/qwen3vl-8b-grpo.yaml", "rollout.group_size=8"), cmd_grpo),
+            _recipe_arguments("configs/qwen3vl-8b-grpo.yaml", "rollout.group_size=8"), cmd_grpo, compiles=True),
     Command("demo", "synthesise data, train the tiny model on CPU, show before/after", _demo_arguments, cmd_demo),
     Command("export", "write a checkpoint as a standard HF model directory", _export_arguments, cmd_export),
 ]

@@ -42,7 +42,8 @@ class RunConfig:
 
     def __post_init__(self):
         """The checks across sections, at load (before any model loads), each naming its keys."""
-        fp8, quant, checkpointing = self.precision.fp8, self.quant, self.activation_checkpointing.enabled
+        fp8, quant = self.precision.fp8, self.quant
+        checkpointing = self.activation_checkpointing.enabled is True  # auto recomputes nothing where refused here
         _require(not (self.compile.cuda_graphs and (checkpointing or fp8.enabled)),
                  "compile.cuda_graphs is built and measured for non-FP8 layers without recomputation: turn off "
                  "activation_checkpointing.enabled and precision.fp8.enabled, or compile.cuda_graphs")
@@ -158,7 +159,7 @@ def acting_tree(cfg: Any) -> dict:
         _drop(tree["compile"], "vision", "cuda_graphs", "cuda_graphs_vision", "activation_memory_budget")
     elif not cfg.compile.cuda_graphs:
         _drop(tree["compile"], "cuda_graphs_vision")
-    if not cfg.activation_checkpointing.enabled:
+    if cfg.activation_checkpointing.enabled is not True:  # false: nothing recomputed; auto: chooses every itself
         _drop(tree["activation_checkpointing"], "every")
     if cfg.loss.impl in ("liger", "plain"):  # chunk_size sizes our chunked loss only
         _drop(tree["loss"], "chunk_size")

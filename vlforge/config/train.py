@@ -200,19 +200,23 @@ class ActivationCheckpointingConfig:
     """Recompute blocks' activations in backward instead of keeping them (train/trainable.py):
     memory for compute. See docs/training.md (memory) and `vlforge doctor --config` for the estimate."""
 
-    # recompute decoder layers and vision blocks in backward (a bool; `auto`, chosen from the memory
-    # estimate, is planned: the type will widen to bool | auto then)
-    enabled: bool = False
-    # Selective checkpointing per block: with enabled, recompute 1 of every N decoder layers and
+    # recompute decoder layers and vision blocks in backward: true, false, or auto = chosen before the
+    # first step from the run's memory estimate (--plan's, with activations for the run's longest
+    # micro-batch) against the GPU's free memory less a margin: nothing, 1 of every N blocks, or every
+    # block, the least recomputation that fits; a step that still runs out of memory is redone one notch
+    # further (train/recompute.py; one process). Nothing on a CPU. docs/training.md (memory) says why.
+    enabled: bool | Literal["auto"] = "auto"
+    # Selective checkpointing per block: with enabled=true, recompute 1 of every N decoder layers and
     # vision blocks in backward (1: all of them; 2: every other one, keeping the other half's
-    # activations for half the recomputation).
+    # activations for half the recomputation). auto chooses N itself.
     every: int = 1
 
     def __post_init__(self):
         _range(self, "every", ge=1, why="1 of every N blocks is recomputed")
-        _require(self.every == 1 or self.enabled,
+        _require(self.every == 1 or self.enabled is True,
                  f"activation_checkpointing.every={self.every} selects the blocks activation checkpointing "
-                 "recomputes: set activation_checkpointing.enabled=true too")
+                 f"recomputes: set activation_checkpointing.enabled=true too (enabled={self.enabled}"
+                 + (" chooses every itself)" if self.enabled == "auto" else ")"))
 
 
 @dataclass

@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import warnings
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterator, Literal
 
 import torch
@@ -261,3 +262,20 @@ def _driver_check(env: dict[str, Any], expect_cuda: bool) -> Check:
                      "check CUDA_VISIBLE_DEVICES and that this process may use the GPU "
                      "(container: --gpus all)", values)
     return Check("nvidia driver", "ok", driver, values=values)
+
+
+def cache_checks(env=None) -> list[Check]:
+    """Where torch's compile caches go for vlforge's commands (train/runtime.use_compile_caches) and
+    their size: the second run of a recipe reuses them; deleting the directory clears them."""
+    from vlforge.train.runtime import CACHE_ENV, cache_root, directory_bytes, use_compile_caches
+
+    env = dict(os.environ if env is None else env)  # a copy: the doctor compiles nothing
+    dirs = use_compile_caches(env)
+    sizes = {var: directory_bytes(Path(d)) for var, d in dirs.items()}
+    root = cache_root(env)
+    detail = f"{root} ({sum(sizes.values()) / 1e6:.1f} MB)" + "".join(
+        f"; {var}={d} (set in the environment, {sizes[var] / 1e6:.1f} MB)" for var, d in dirs.items()
+        if Path(d).parent != root)
+    return [Check("compile cache", "ok", detail, advice=f"set {CACHE_ENV} to move it; delete the directory to clear it",
+                  values={"path": str(root), "bytes": sum(sizes.values()), **dirs})]
+

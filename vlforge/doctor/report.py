@@ -14,7 +14,7 @@ from vlforge.doctor.devices import (
     numeric_checks,
     te_checks,
 )
-from vlforge.doctor.environment import collect_environment, version_checks
+from vlforge.doctor.environment import cache_checks, collect_environment, version_checks
 from vlforge.doctor.launch import distributed_checks
 from vlforge.doctor.recipe import (
     distributed_recipe_checks,
@@ -34,7 +34,7 @@ def run_checks(cfg: SFTConfig | GRPOConfig | None = None, config_path: str | Non
     libs = collect_libraries()
     checks = (version_checks(env, expect_cuda) + gpu_checks(env, gpus) + numeric_checks(gpus)
               + library_checks(libs) + te_checks(gpus, libs) + distributed_checks(env) + recipe_checks(recipe, libs)
-              + distributed_recipe_checks(cfg if cfg is not None else SFTConfig(), env, recipe))
+              + distributed_recipe_checks(cfg if cfg is not None else SFTConfig(), env, recipe) + cache_checks())
     return {
         "ok": not any(c.status == "fail" for c in checks),
         "checks": [c.to_dict() for c in checks],

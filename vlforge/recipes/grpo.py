@@ -36,6 +36,7 @@ from vlforge.train.moe import aux_term, capture, follow
 from vlforge.train.optim import hold_gradients
 from vlforge.train.run import Run, begin_run
 from vlforge.train.stop import StopSignals
+from vlforge.train.recompute import decide_recompute, redo_on_oom
 from vlforge.train.throughput import peak_memory
 from vlforge.train.trainable import Trainable, cuda_graphs_problem, setup_model
 from vlforge.generate.engine import Engine
@@ -271,7 +272,9 @@ def update(t: Trainable, ref_model, batches: list[Batch], optimizer, scaler, hea
     plan = rank_mini_batches(batches, rl.mini_batch_size, world, spare)  # this rank's share of each
     for _ in range(rl.epochs):
         for parts in plan:
-            step = mini_batch_backward(t, parts, optimizer, scaler, cfg, logged, packing, replay)
+            # out of memory under activation_checkpointing=auto: the mini-batch again, one notch further
+            step = redo_on_oom(lambda: mini_batch_backward(t, parts, optimizer, scaler, cfg, logged, packing, replay),
+                               t, optimizer, print if world.main else lambda *_: None)
             for k, v in health.step(optimizer, scaler, cfg.optim.max_grad_norm, step["loss"]).items():
                 logs.setdefault(k, []).append(v)
             for k, v in step.items():
@@ -499,6 +502,14 @@ def reference_model(cfg: GRPOConfig, t: Trainable, world: World):
     return ref_model
 
 
+def settle_recompute(cfg: GRPOConfig, t: Trainable, data: ChatDataset, world: World) -> None:
+    """activation_checkpointing (auto: from the memory of a mini-batch of the longest prompts, each with
+    a rollout.max_new_tokens answer; a streamed set's lengths are unread: data.max_length)."""
+    longest = cfg.data.max_length if cfg.data.stream else max(data.lengths)
+    decide_recompute(cfg, t, cfg.rl.mini_batch_size * (longest + cfg.rollout.max_new_tokens),
+                     print if world.main else lambda *_: None)
+
+
 def run_grpo(cfg: GRPOConfig) -> dict:
     """Train; returns {"output_dir", "final_step", "eval", "first_eval"}."""
     refuse_settings(cfg)
@@ -536,6 +547,7 @@ def run_grpo(cfg: GRPOConfig) -> dict:
             raise ConfigError(f"rollout.prompts_per_step={cfg.rollout.prompts_per_step} exceeds the "
                               f"{len(data)} prompts")
         total_steps = cfg.train.max_steps or cfg.train.epochs * (len(data) // cfg.rollout.prompts_per_step)
+        settle_recompute(cfg, t, data, world)  # before config.yaml, which records it
         # the lr schedule advances once per GRPO step, however many mini-batch updates it makes
         # shared_rng: every rank draws each rollout's seed from the global RNG, which stays in lockstep
         # (dropout off), so a resume on any number of ranks gives every rank rank 0's stream

@@ -32,6 +32,7 @@ from vlforge.train.metrics import plot_metric, read_metrics
 from vlforge.train.moe import aux_term, capture
 from vlforge.train.optim import hold_gradients
 from vlforge.train.packed_attention import packing_pays
+from vlforge.train.recompute import decide_recompute, longest_micro_batch, redo_on_oom
 from vlforge.train.run import Run, begin_run
 from vlforge.train.runtime import resolve_device, resolve_num_workers
 from vlforge.train.stop import StopSignals, ignore_stop_signals
@@ -199,8 +200,11 @@ def run_sft(cfg: SFTConfig) -> dict:
                   else cfg.data.packing)
         batching = Batching.of(cfg.data, tc.batch_size, t.token_multiple, packed)
         total_steps = count_steps(train_data, batching, tc, world.size)
-        run = Run.start(cfg, t, total_steps, val_data, resume_from, spikes=True, state={"tokens_seen": 0})
         say = print if world.main else (lambda *a, **k: None)  # one process speaks for the run
+        # activation_checkpointing (auto: from the memory of the data's longest micro-batch), before config.yaml
+        lengths = [cfg.data.max_length] * tc.batch_size if cfg.data.stream else train_data.lengths  # streamed: unread
+        decide_recompute(cfg, t, longest_micro_batch(lengths, tc.batch_size, batching.packed, batching.max_tokens), say)
+        run = Run.start(cfg, t, total_steps, val_data, resume_from, spikes=True, state={"tokens_seen": 0})
         check_resumed_packing(run.state, packed, batching, say)
         summary = plan_summary(unwrap(t.model), t.plan)
         say(f"training {summary['trainable_params']:,} of {summary['total_params']:,} parameters "
@@ -233,8 +237,9 @@ def run_sft(cfg: SFTConfig) -> dict:
                 batch, run.state["epoch"], run.state["position"] = next(stream)
                 micro.append(batch)
             lr = run.lr
-            result = train_step(t, micro, run.optimizer, run.scaler, run.health, cfg.optim.max_grad_norm,
-                                cfg.loss, stop)
+            # out of memory under activation_checkpointing=auto: the same micro-batches again, one notch further
+            result = redo_on_oom(lambda: train_step(t, micro, run.optimizer, run.scaler, run.health,
+                                                    cfg.optim.max_grad_norm, cfg.loss, stop), t, run.optimizer, say)
             elapsed = time.perf_counter() - start
             run.state["tokens_seen"] += result["tokens"]
             row = {**{k: v for k, v in result.items() if k not in ("tokens", "supervised_tokens")}, "lr": lr,

@@ -7,6 +7,7 @@ from here), `create_app(vlm, cfg)` and the app.
 
 from __future__ import annotations
 
+import argparse
 import math
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -42,7 +43,13 @@ class ServeConfig:
         "help": f"require the header `Authorization: Bearer KEY` on every route but /health (401 without it); "
                 f"default: the environment variable {API_KEY_ENV}, if set. A flag shows in the process list: "
                 f"prefer the variable"})
-    max_batch: int = _flag(8, "--max-batch", "requests generated together in one batch")
+    # requests decoding together. The flag's default is auto: as many as the GPU's memory after the
+    # weights holds the KV cache of, each at its longest (auto_max_batch; a fixed AUTO_CPU_BATCH on a
+    # CPU), settled by `vlforge serve` once the model is loaded; 8 for code that builds a ServeConfig
+    max_batch: int | str = field(default=8, metadata={
+        "flag": "--max-batch", "minimum": 1, "auto": True, "cli_default": "auto",
+        "help": "requests generated together in one batch, or auto: sized from the KV cache the GPU can hold "
+                "after the weights (at most 64; a CPU: 8)"})
     max_body_bytes: int = _flag(20 * MB, "--max-body-mb", "largest request body in MB, base64 images and videos included",
                                 unit=MB)
     # A client that sends its headers and then trickles (or never sends) the body would otherwise hold
@@ -84,6 +91,8 @@ class ServeConfig:
             value, minimum = getattr(self, f.name), f.metadata.get("minimum")
             if minimum is None or (value is None and f.default is None):  # an optional setting left unset
                 continue
+            if f.metadata.get("auto") and value == "auto":  # settled once the model is loaded
+                continue
             unit, where = f.metadata.get("unit", 1), f.metadata.get("flag", f"ServeConfig.{f.name}")
             kind = int if str(f.type).startswith("int") else (int, float)  # annotations are strings (__future__)
             if isinstance(value, bool) or not isinstance(value, kind) or not value >= minimum:
@@ -120,6 +129,51 @@ class ServeConfig:
         return cls(**kwargs)
 
 
+def int_or_auto(text: str) -> int | str:
+    """An argparse type: `auto`, or a whole number (ServeConfig checks its range)."""
+    if text == "auto":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither auto nor a whole number") from None
+
+
+# --max-batch auto: the KV cache gets this share of the GPU's free memory after the weights; the rest is
+# for a prefill's activations (a --max-prompt-tokens prompt), the vision tower, the decode step's
+# workspaces and the allocator's fragmentation
+KV_SHARE = 0.8
+# at most this many: the most rows a decode step was measured at (64, docs/benchmarks.md, Generation);
+# more slots than requests arrive at once only hold memory
+AUTO_MAX_BATCH = 64
+AUTO_CPU_BATCH = 8  # a CPU: the old fixed default (its memory is not the limit, its compute is)
+
+
+def kv_bytes_per_slot(text_config, tokens: int, dtype_bytes: int = 2) -> int:
+    """KV-cache bytes of one decode slot holding `tokens` tokens: layers x 2 (keys and values) x KV
+    heads x head dim x dtype bytes x tokens. Pure."""
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+    return text_config.num_hidden_layers * 2 * text_config.num_key_value_heads * head_dim * dtype_bytes * tokens
+
+
+def auto_max_batch(text_config, free_bytes: float | None, cfg: "ServeConfig", dtype_bytes: int = 2) -> tuple[int, str]:
+    """--max-batch auto: (slots, why). `free_bytes`: the GPU's free memory with the weights loaded
+    (None: a CPU). Each slot is counted at its longest, a --max-prompt-tokens prompt and a
+    --max-tokens-limit answer; KV_SHARE of the free memory is theirs; between 1 and AUTO_MAX_BATCH. Pure."""
+    if free_bytes is None:
+        return AUTO_CPU_BATCH, f"--max-batch auto: {AUTO_CPU_BATCH} on a CPU (its compute, not memory, is the limit)"
+    tokens = cfg.max_prompt_tokens + cfg.max_tokens
+    per_slot = kv_bytes_per_slot(text_config, tokens, dtype_bytes)
+    fits = int(KV_SHARE * free_bytes // per_slot)
+    slots = max(1, min(AUTO_MAX_BATCH, fits))
+    why = (f"--max-batch auto: {slots} ({free_bytes / 1e9:.1f} GB free after the weights, {KV_SHARE:.0%} for the KV "
+           f"cache, {per_slot / 1e9:.2f} GB a slot at {tokens:,} tokens (--max-prompt-tokens + --max-tokens-limit)"
+           + (f"; capped at {AUTO_MAX_BATCH}" if fits > AUTO_MAX_BATCH else "")
+           + ("; not even one slot fits at the longest: lower --max-prompt-tokens or --max-tokens-limit" if fits < 1
+              else "") + ")")
+    return slots, why
+
+
 def check_api_key(key: str, where: str) -> str:
     """An API key a client can send in a header: printable ASCII, no spaces (never echoed back)."""
     if not key or not all("!" <= c <= "~" for c in key):
@@ -128,4 +182,5 @@ def check_api_key(key: str, where: str) -> str:
     return key
 
 
-__all__ = ["API_KEY_ENV", "ServeConfig", "check_api_key"]
+__all__ = ["API_KEY_ENV", "AUTO_MAX_BATCH", "ServeConfig", "auto_max_batch", "check_api_key", "int_or_auto",
+           "kv_bytes_per_slot"]

@@ -11,9 +11,9 @@ parameters (in their own dtype), optimizer state (AdamW: two moments in the para
 FSDP2 pads it), and the FSDP2 units gathered for compute. With distributed.cpu_offload the
 sharded parameters, gradients and optimizer state live in host memory; only the gathered units
 stay on the GPU. MoE models count every expert (all are resident, whichever few a token uses),
-and expert LoRA as peft builds it (one rank-r pair per expert). Not counted: activations (batch, sequence length, images and gradient
-checkpointing decide them), the one-process path's autocast copies, CUDA/NCCL workspaces and
-allocator fragmentation.
+and expert LoRA as peft builds it (one rank-r pair per expert). Activations (train/activations.py)
+for the longest micro-batch the config allows, at each activation checkpointing notch. Not counted:
+the one-process path's autocast copies, CUDA/NCCL workspaces and allocator fragmentation.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
+from vlforge.train.activations import NOTCHES, activation_estimate, describe, plan_tokens
 from vlforge.train.distributed import planned_strategy
 
 from vlforge.train.sharding import layers_per_unit
@@ -164,7 +165,7 @@ def memory_estimate(model: nn.Module, plan: list, cfg, world_size: int = 1) -> d
                   reshard_after_forward=d.reshard_after_forward, layers_per_unit=layers_per_unit(d, world_size))
     sharded = strategy == "fsdp2"
     offload_applies = d.cpu_offload and sharded  # auto on one process resolves to none: no offload
-    not_estimated = "activations, autocast copies, CUDA/NCCL workspaces, allocator fragmentation"
+    not_estimated = "autocast copies, CUDA/NCCL workspaces, allocator fragmentation"
 
     rollout_copies = 0.0
     if hasattr(cfg, "rollout"):  # GRPO
@@ -193,8 +194,18 @@ def memory_estimate(model: nn.Module, plan: list, cfg, world_size: int = 1) -> d
         "rollout_weight_copies": rollout_copies,
         "held_gradient_sums": held_gradient_sums(model, plan, cfg),
         "fsdp2_problem": fsdp2_problem(cfg, world_size),
+        # the longest micro-batch the config allows (a run counts its data's): one row per notch
+        "activations": [activation_estimate(model.config, cfg, plan_tokens(cfg), every) for every in NOTCHES],
         "not_estimated": not_estimated,
     }
+
+
+def gpu_total(est: dict) -> float:
+    """GPU bytes per process of memory_estimate's `est` without activations: the selected layout's
+    total and the copies counted beside it."""
+    return est[est["selected"]]["total"]["gpu"] + sum(
+        est.get(k) or 0.0 for k in ("expert_lora_copies", "nf4_expert_copies", "rollout_weight_copies",
+                                    "held_gradient_sums"))
 
 
 def _load(tensors: list[_Tensor], cfg, world_size: int, strategy: str) -> dict:
@@ -266,7 +277,7 @@ def _held_for_backward(per_layer: dict[str, int], cfg, compute_bytes: int) -> fl
     under gradient checkpointing the kept layers' and one recomputed layer's at a time."""
     if not per_layer:
         return 0.0
-    if not cfg.activation_checkpointing.enabled:
+    if cfg.activation_checkpointing.enabled is not True:  # auto: as without, the most it can take
         return float(sum(per_layer.values()) * compute_bytes)
     # recomputed layers (1 of every activation_checkpointing.every: train/trainable.checkpoint_selected_blocks) hold
     # one copy at a time, in backward; the others keep theirs from forward to backward
@@ -394,8 +405,14 @@ def format_memory(est: dict) -> str:
     if est.get("rollout_weight_copies"):
         lines.append(f"GRPO rollouts: + {_gb(est['rollout_weight_copies'])} of {est['compute']} copies of the "
                      f"{est['master_weights']} linear weights, decoded from and kept across steps")
-    lines.append(f"not estimated: {est['not_estimated']} (activations grow with batch, sequence length and "
-                 "images; activation_checkpointing.enabled shrinks them)")
+    acts = est.get("activations") or []
+    if acts:
+        lines.append(f"activations of a {acts[0]['tokens']:,}-token micro-batch (the longest the config allows; "
+                     "eager, compiled layers keep less): " + ", ".join(
+                         f"{describe(a['every'])} {_gb(a['total'])}" for a in acts)
+                     + f"; with the above, {_gb(gpu_total(est) + acts[0]['total'])} to "
+                     f"{_gb(gpu_total(est) + acts[-1]['total'])} (activation_checkpointing.enabled=auto picks from these)")
+    lines.append(f"not estimated: {est['not_estimated']}")
     if est["fsdp2_problem"]:
         lines.append(f"FSDP2 columns (and cpu_offload) do not apply, the run refuses them: {est['fsdp2_problem']}")
     if est["problem"]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import shutil
 import time
 import warnings
@@ -43,6 +44,18 @@ from vlforge.train.trackers import TrackedMetrics, Trackers
 from vlforge.train.runtime import prepare_output_dir, release_output_dir, seed_everything
 from vlforge.train.trainable import Trainable
 from vlforge.model.tiers import param_groups
+
+
+def write_config(out: Path, cfg: RunConfig, recompute=None) -> None:
+    """The run's config.yaml: what acts in it, paths absolute; activation checkpointing as settled
+    for this run (train/recompute.py: enabled=auto written as what it chose, and why, on top)."""
+    cfg = resolve_paths(cfg)  # a copy
+    header = ""
+    if recompute is not None:
+        cfg.activation_checkpointing.enabled = bool(recompute.every)
+        cfg.activation_checkpointing.every = recompute.every or 1
+        header = f"# {recompute.note()}\n"
+    (out / "config.yaml").write_text(header + dump_config(cfg))
 
 
 def due(every: int, step: int, total_steps: int) -> bool:
@@ -143,7 +156,9 @@ class Run:
         # after the resume: a checkpoint refused as another config's leaves the config.yaml it was saved with;
         # paths stored absolute, so the run's checkpoints export, infer and serve anywhere
         if world.main:
-            (out / "config.yaml").write_text(dump_config(resolve_paths(cfg)))
+            write_config(out, cfg, t.recompute)
+            if t.recompute is not None:  # an out-of-memory step's move is recorded there too
+                t.recompute.record = functools.partial(write_config, out, cfg, t.recompute)
         step = state.get("step", 0)
         if world.main:  # before hours of training, not at the first save: will the checkpoints fit?
             saves_left = sum(due(cfg.train.save_every, s, total_steps) for s in range(step + 1, total_steps + 1))

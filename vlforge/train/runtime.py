@@ -35,6 +35,49 @@ SAMPLES_DIR = "samples"  # train/samples.py's sample logs and thumbnails
 _TB_EVENTS = re.compile(r"^events\.out\.tfevents\.")
 
 
+# ----------------------------------------------------------------------------- compile caches
+
+CACHE_ENV = "VLFORGE_CACHE"
+# torch's persistent compile caches (torch docs, "Compile Time Caching in torch.compile"): Inductor's
+# FX-graph and AOTAutograd caches, and Triton's compiled kernels, each under the cache directory
+COMPILE_CACHES = {"TORCHINDUCTOR_CACHE_DIR": "inductor", "TRITON_CACHE_DIR": "triton"}
+
+
+def cache_root(env=os.environ) -> Path:
+    """vlforge's cache directory: $VLFORGE_CACHE, else ~/.cache/vlforge."""
+    return Path(env.get(CACHE_ENV) or "~/.cache/vlforge").expanduser()
+
+
+def use_compile_caches(env=os.environ) -> dict[str, str]:
+    """Keep torch's compile caches under cache_root (a variable the user set wins), so that a second
+    run of the same recipe on the same machine loads its compiled graphs and kernels instead of
+    compiling them again (torch's default, a temporary directory, may be cleared between runs); one
+    place to see and clear. Set once at process start, before anything compiles; returns each
+    variable's directory."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    root = cache_root(env)
+    for var, sub in COMPILE_CACHES.items():
+        # importing torch._dynamo writes torch's default into the environment (torch 2.14): that is not the user's
+        if not env.get(var) or (var == "TORCHINDUCTOR_CACHE_DIR" and env[var] == default_cache_dir()):
+            env[var] = str(root / sub)
+    return {var: env[var] for var in COMPILE_CACHES}
+
+
+def cache_note(dirs: dict[str, str], env=os.environ) -> str:
+    """The line a command prints about where its compile caches live."""
+    root = cache_root(env)
+    own = all(Path(d).parent == root for d in dirs.values())
+    where = str(root) if own else ", ".join(f"{var}={d}" for var, d in dirs.items())
+    return (f"compile caches: {where}" + (f" ({CACHE_ENV}; delete it to clear them)" if own else
+                                          " (set in the environment)"))
+
+
+def directory_bytes(path: Path) -> int:
+    """Bytes of the files under `path` (0 when it does not exist)."""
+    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file()) if Path(path).exists() else 0
+
+
 # ----------------------------------------------------------------------------- device, workers, seeds
 
 

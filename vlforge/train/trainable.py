@@ -54,6 +54,8 @@ class Trainable:
     cuda_graphs: bool = False  # compile.cuda_graphs: the compiled decoder layers replay as CUDA graphs
     cuda_graphs_vision: bool = False  # compile.cuda_graphs_vision: the compiled vision blocks too
     vision_shapes: set = field(default_factory=set)  # image layouts the vision graphs were recorded for
+    # what activation checkpointing recomputes, settled before the first step (train/recompute.py)
+    recompute: object | None = None
 
     def forward(self, fn, *args, **kwargs):
         """`fn(model, *args)`, entered through the FSDP2 root unit when the run is sharded (train/sharding.Root).
@@ -95,12 +97,13 @@ def checkpoint_selected_blocks(model: torch.nn.Module, every: int) -> int:
     """Selective checkpointing: of the blocks transformers checkpoints (each language decoder layer
     and vision block is a GradientCheckpointingLayer, which recomputes while its own
     `gradient_checkpointing` flag is set), keep the flag on 1 of every `every`, the first of each
-    group, counted per stack. Returns how many blocks are checkpointed."""
+    group, counted per stack (0: on none). Returns how many blocks are checkpointed. A compiled
+    block reads its flag inside its graph: a change recompiles it once (a guard)."""
     core = unwrap(model)
     count = 0
     for blocks in (core.model.language_model.layers, core.model.visual.blocks):
         for i, block in enumerate(blocks):
-            block.gradient_checkpointing = i % every == 0
+            block.gradient_checkpointing = bool(every) and i % every == 0
             count += block.gradient_checkpointing
     return count
 
@@ -193,15 +196,22 @@ def vision_attention_for_training(core, model_cfg: ModelConfig, compile_cfg: Com
     return compile_blocks
 
 
+def measured_setup(cfg: RunConfig, strategy: str, moe: bool) -> bool:
+    """Whether compiled layers were measured faster for this kind of run (default_compile): a dense
+    model on one process without quant, with or without activation checkpointing."""
+    return not (cfg.quant.enabled or strategy != "none" or moe)
+
+
 def default_compile(compile_cfg: CompileConfig, fp8: FP8Config, device: torch.device, measured_setup: bool = True) -> bool:
     """What `compile.enabled` means for a training step: true, false, or auto = compile the
     decoder layers where that was measured faster: on CUDA (one H200, docs/benchmarks.md: 2B full
-    1.16x at 8.6 GB less memory, 8B LoRA ~1.2x; torchao FP8 needs it for its casts to fuse), for a
-    `measured_setup` (a dense model on one process without quant or checkpointing: compile under
-    FSDP2, with recomputation, QLoRA's 4-bit layers or the MoE router hooks is not measured yet), not with TransformerEngine's layers
-    (measured eager only), and not on CPU, where compiling costs more than a short run gains.
-    (GRPO passes `compile.enabled is True` instead: its training forward's shapes change with
-    every rollout's response lengths.)"""
+    1.16x at 8.6 GB less memory, 8B LoRA ~1.2x; torchao FP8 needs it for its casts to fuse), with
+    activation checkpointing too (one H100, docs/benchmarks.md, compile: 8B LoRA with every block
+    recomputed 1.57x eager's tokens/s), for a `measured_setup` (a dense model on one process without
+    quant: compile under FSDP2, QLoRA's 4-bit layers or the MoE router hooks is not measured yet),
+    not with TransformerEngine's layers (measured eager only), and not on CPU, where compiling costs
+    more than a short run gains. (GRPO passes `compile.enabled is True` instead: its training
+    forward's shapes change with every rollout's response lengths.)"""
     if compile_cfg.enabled == "auto":
         if fp8.enabled:  # torchao's casts pay only fused (the rule before any bf16 measurement)
             return fp8.backend == "torchao"
@@ -248,8 +258,8 @@ def setup_model(cfg: RunConfig, compile_blocks: bool | None = None, world: World
         fp8_plan = fp8_layer_plan(unwrap(model), cfg.precision.fp8)
         fp8.convert(unwrap(model), fp8_plan)
     policy.apply(model)
-    if cfg.activation_checkpointing.enabled:
-        _checkpoint_activations(model, cfg.activation_checkpointing.every)
+    if cfg.activation_checkpointing.enabled is True:  # auto: the recipe decides from its data (train/recompute.py)
+        checkpoint_activations(model, cfg.activation_checkpointing.every)
     compiled_parts, cuda_graphs = _compile(model, cfg, device, world, compile_blocks)
     # sharded last: FSDP2 takes the parameters in their storage dtypes (fp32 masters) and gathers
     # them in the compute dtype; `t.model` stays the (peft / HF) model, its parameters now sharded
@@ -283,7 +293,7 @@ def _load_planned(cfg: RunConfig, load_dtype: torch.dtype, world: World):
     return model, processor, plans[0], None
 
 
-def _checkpoint_activations(model: nn.Module, every: int) -> None:
+def checkpoint_activations(model: nn.Module, every: int) -> None:
     """Non-reentrant activation checkpointing of the decoder layers (every `every`-th with every > 1)."""
     core = unwrap(model)
     if hasattr(core, "activation_checkpointing_enable"):  # the name in transformers >= 5.2x
@@ -302,8 +312,7 @@ def _compile(model: nn.Module, cfg: RunConfig, device: torch.device, world: Worl
              compile_blocks: bool | None) -> tuple[tuple[str, ...], bool]:
     """Compile the decoder layers (and vision blocks), as CUDA graphs where asked: (what is
     compiled, for Trainable.compiled; whether the decoder layers replay as CUDA graphs)."""
-    measured = not (cfg.quant.enabled or cfg.activation_checkpointing.enabled or world.strategy != "none"
-                    or is_moe(unwrap(model).config))
+    measured = measured_setup(cfg, world.strategy, is_moe(unwrap(model).config))
     compiled = default_compile(cfg.compile, cfg.precision.fp8, device, measured) if compile_blocks is None else compile_blocks
     vision_compiled = vision_attention_for_training(unwrap(model), cfg.model, cfg.compile, compiled)
     cuda_graphs = cfg.compile.cuda_graphs and compiled
