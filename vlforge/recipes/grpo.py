@@ -51,6 +51,7 @@ from vlforge.rollout.logprobs import packing_enabled, route_rows, sequence_logpr
 from vlforge.rollout.minibatch import (Batch, correct_rollouts, logprobs_before_update, part_weights, rank_mini_batches,
                                        token_rows)
 from vlforge.rollout.multiturn import answer_with_tools, generate_with_tools, rollout_tools, tool_images, tool_runner
+from vlforge.rollout.metrics import judge_metrics, step_metrics
 from vlforge.rollout.precision import refresh_rollout_weights, rollout_precision
 from vlforge.infer.model import InferenceModel
 from vlforge.rl.judge import ModelJudge
@@ -380,52 +381,6 @@ def tool_answers(t: Trainable, cfg: GRPOConfig, tools: dict[str, Tool], run_call
     return answer
 
 
-def judge_metrics(rewards, world: World) -> dict:
-    """`reward/<key>/unparsed_frac` of each judge reward (rl/judge.py): the share of the step's
-    replies, every rank's, that gave no score (and scored 0)."""
-    row = {}
-    for key, fn in zip(rewards.keys, rewards.fns):
-        if isinstance(fn, ModelJudge):
-            unparsed, scored = world.sums(*fn.take_counts())
-            if scored:
-                row[f"reward/{key}/unparsed_frac"] = unparsed / scored
-    return row
-
-
-def step_metrics(stats: dict, batches: list[Batch], train_logs: dict, t_rollout: float, t_train: float,
-                 world: World = World(), group_size: int | None = None) -> dict:
-    """The step's row; `stats` already hold every rank's rollouts, `batches` this rank's."""
-    reward = torch.cat(stats["reward"])
-    lengths = torch.cat(stats["lengths"])
-    adv = torch.cat([b.advantages[b.seqs].cpu() for b in batches]) if batches else torch.zeros(0)
-    adv = torch.cat(world.gather_objects(adv))  # every rank's kept sequences (ranks may hold different counts)
-    adv = adv if len(adv) else torch.zeros(1)
-    G = group_size or (batches[0].rollout.group_size if batches else 1)
-    tokens = world.sum(sum(int(b.rollout.prompt_mask.sum()) * b.rollout.group_size + int(b.rollout.response_mask.sum())
-                           for b in batches))
-    row = {
-        "reward_mean": float(reward.mean()), "reward_std": float(reward.std()) if len(reward) > 1 else 0.0,
-        **{f"reward/{k}": sum(v) / len(v) for k, v in stats["per_fn"].items()},
-        "accuracy": sum(stats["correct"]) / len(stats["correct"]),
-        "adv_mean": float(adv.mean()), "adv_std": float(adv.std()) if len(adv) > 1 else 0.0,
-        "adv_max": float(adv.max()), "adv_min": float(adv.min()),
-        "response_length_mean": float(lengths.mean()), "response_length_max": float(lengths.max()),
-        "truncated_frac": 1.0 - float(torch.cat(stats["finished"]).mean()),
-        "zero_var_group_frac": float(torch.cat(stats["zero_var"]).mean()),
-        "groups_trained": int(world.sum(sum(len(b.seqs) for b in batches))) // G,
-        "time_rollout_s": t_rollout, "time_train_s": t_train,
-        "tokens_per_s": tokens / max(t_rollout + t_train, 1e-9),
-    }
-    tool_stats = stats.get("tools") or {}
-    if calls := tool_stats.get("calls"):  # multi-turn tool rollouts (tools.names): every rank's responses
-        row["tool/calls_mean"] = sum(calls) / len(calls)
-        row["tool/failed_frac"] = sum(tool_stats["failed_calls"]) / max(sum(calls), 1)
-        row["tool/turns_mean"] = sum(tool_stats["turns"]) / len(tool_stats["turns"])
-        # responses ended because their calls' results (a tool's images, say) would not fit max_new_tokens
-        row["tool/unshown_frac"] = sum(tool_stats["unshown"]) / len(tool_stats["unshown"])
-    return {**row, **train_logs}
-
-
 def loss_setting_warnings(rl) -> list[str]:
     """Settings that run but are likely a PPO config's leftovers under another policy loss (the
     shipped configs set DAPO's clip range and token-mean)."""
@@ -510,23 +465,29 @@ def settle_recompute(cfg: GRPOConfig, t: Trainable, data: ChatDataset, world: Wo
                      print if world.main else lambda *_: None)
 
 
-def run_grpo(cfg: GRPOConfig) -> dict:
-    """Train; returns {"output_dir", "final_step", "eval", "first_eval"}."""
+def checked_before_loading(cfg: GRPOConfig) -> tuple:
+    """Everything that can fail from the config and the files alone, before any model loads (a typo in a
+    reward spec fails in a second, not after minutes): the run's rewards and tools."""
     refuse_settings(cfg)
-    try:  # before any model loading: a typo in a reward spec should fail in a second, not after minutes
-        # (a judge's model loads at its first use, on the device set below)
+    try:  # a judge's model loads at its first use, on the run's device
         rewards = build_rewards([RewardSpec(r.name, r.weight, dict(r.kwargs)) for r in cfg.rl.rewards],
                                 factories={"judge": functools.partial(ModelJudge.from_kwargs,
                                                                        load=InferenceModel.load)})
     except (ValueError, FileNotFoundError, AttributeError, TypeError, ImportError) as e:
         raise ConfigError(f"rl.rewards: {e}") from e
     tools = rollout_tools(cfg)  # a tool or chat template that cannot work fails now, not at the first call
-    for path in filter(None, (cfg.data.train, cfg.data.val)):  # a bad file fails now, not after the model loads
+    for path in filter(None, (cfg.data.train, cfg.data.val)):
         check_readable(path, cfg.data.on_error, cfg=cfg.data)
     world_size = (torchrun_env() or (0, 1, 0))[1]
     strategy, _ = planned_strategy(cfg.distributed.strategy, world_size, cfg.train.device)
     if strategy != "none":
         refuse_unsupported_sharded(cfg, world_size, strategy)
+    return rewards, tools
+
+
+def run_grpo(cfg: GRPOConfig) -> dict:
+    """Train; returns {"output_dir", "final_step", "eval", "first_eval"}."""
+    rewards, tools = checked_before_loading(cfg)
     # SIGINT/SIGTERM (train/stop.py): once training runs, the step in progress finishes, then a checkpoint
     with StopSignals() as stop, begin_run(cfg) as (world, resume_from), tool_runner(tools, cfg.tools) as run_calls:
         if cfg.rollout.precision == "fp8" and (problem := fp8_gemm_problem(world.device)):
