@@ -145,12 +145,14 @@ def test_a_warmup_longer_than_the_run_is_warned_about(capsys):
 
 
 class BurstEngine:
-    """Stands in for InferenceModel: streams "Hel", waits for `burst`, then 50 pieces at once."""
+    """Stands in for InferenceModel's pull API: the first step streams "Hel", the next waits for
+    `burst`, then hands over 50 pieces at once and the answer."""
 
     name = "burst"
 
     def __init__(self):
         self.burst, self.emitted = threading.Event(), threading.Event()
+        self.steps: dict[int, int] = {}  # id -> steps taken
 
     def min_prompt_tokens(self, messages):
         return 0
@@ -158,15 +160,31 @@ class BurstEngine:
     def prompt_tokens(self, request):
         return 3
 
-    def generate(self, requests, on_text=None):
-        from vlforge.infer.model import Completion
+    def open(self, slots):
+        pass
 
-        on_text(0, "Hel")
-        assert self.burst.wait(30)
-        for _ in range(50):
-            on_text(0, "lo")
-        self.emitted.set()
-        return [Completion("Hel" + "lo" * 50, 3, 51, "stop")]
+    def add(self, request):
+        self.steps[len(self.steps)] = 0
+        return len(self.steps) - 1
+
+    def cancel(self, id):
+        pass
+
+    def step(self):
+        from vlforge.infer.model import Completion
+        from vlforge.infer.streamer import TextOutput
+
+        out = []
+        for id, n in [(id, n) for id, n in self.steps.items() if n < 2]:
+            self.steps[id] = n + 1
+            if n == 0:
+                out.append(TextOutput(id, "Hel"))
+                continue
+            assert self.burst.wait(30)
+            out += [TextOutput(id, "lo") for _ in range(49)]
+            out.append(TextOutput(id, "lo", Completion("Hel" + "lo" * 50, 3, 51, "stop")))
+            self.emitted.set()
+        return out
 
 
 def test_a_client_leaving_mid_stream_leaves_no_asyncio_send_noise_in_the_log(caplog):
