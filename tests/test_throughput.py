@@ -16,10 +16,13 @@ from vlforge.recipes.sft import run_sft
 from vlforge.train.throughput import FlopWeights, StepMeter, peak_flops_of, step_flops
 
 
-def _linears(model, vision: bool) -> int:
-    """Weights of the nn.Linear (and the tower's patch-embedding nn.Conv3d) modules of the tower or of
-    the language model (lm_head apart), found by module type; the function under test walks parameters."""
-    return sum(m.weight.numel() for name, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Conv3d))
+def _linears(model, vision: bool) -> float:
+    """Weights of the nn.Linear (and the tower's patch-embedding nn.Conv3d) modules of the tower (per
+    patch: a merger's once per 2 x 2 patches) or of the language model (lm_head apart), found by module
+    type; the function under test walks parameters."""
+    merge = model.config.vision_config.spatial_merge_size
+    return sum(m.weight.numel() / (merge * merge if vision and "merger" in name else 1)
+               for name, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Conv3d))
                and ("visual" in name) == vision and name != "lm_head")
 
 

@@ -6,7 +6,8 @@ path it compares): per weight of a matmul, 2 per row it multiplies for the forwa
 gradient flowing back through it, 2 more where the weight itself trains:
     decoder weights x real tokens (an MoE's experts at top_k of num_experts)
   + lm_head x supervised tokens (the loss reads hidden states at label positions only)
-  + vision weights x image patches (forward only when nothing in the tower trains)
+  + vision weights x image patches (a merger's per merged token; forward only when nothing in the
+    tower trains)
   + attention scores and values: 3 x 4 x layers x hidden x sum over samples of T^2 / 2 (causal).
 So full fine-tuning counts ~6N per token and a frozen base under LoRA ~4N (the adapters' own FLOPs
 are left out). Recomputation under activation checkpointing is not useful work and is not counted.
@@ -25,8 +26,7 @@ from torch import nn
 # a name not listed gets no MFU (said once in the log) rather than a guess.
 PEAK_BF16_FLOPS = {
     "H200": 989e12, "H100 NVL": 835e12, "H100 PCIe": 756e12, "H100": 989e12, "H800": 989e12,
-    "A100": 312e12, "A800": 312e12, "L40S": 362e12, "L4": 121e12, "A10G": 70e12, "A10": 125e12,
-    "B200": 2250e12, "GH200": 989e12,
+    "A100": 312e12, "A800": 312e12, "L40S": 362e12, "L4": 121e12, "B200": 2250e12, "GH200": 989e12,
 }
 
 
@@ -60,6 +60,7 @@ class FlopWeights:
     @classmethod
     def of(cls, model: nn.Module) -> FlopWeights:
         share = _expert_share(model)
+        merge = getattr(getattr(model.config, "vision_config", None), "spatial_merge_size", 1)
         vision_trains = any(p.requires_grad for n, p in model.named_parameters() if "visual" in n)
         parts = {"decoder": 0.0, "head": 0.0, "vision": 0.0}
         for module_name, module in model.named_modules():
@@ -68,8 +69,9 @@ class FlopWeights:
             for name, p in module.named_parameters(prefix=module_name, recurse=False):
                 if p.ndim < 2 or ".lora_" in name:
                     continue  # norms and biases; adapters (left out)
-                if "visual" in name:
-                    parts["vision"] += p.numel() * (6 if p.requires_grad else 4 if vision_trains else 2)
+                if "visual" in name:  # per patch; a merger runs once per merge x merge patches
+                    per_patch = p.numel() / (merge * merge if "merger" in name else 1)
+                    parts["vision"] += per_patch * (6 if p.requires_grad else 4 if vision_trains else 2)
                     continue
                 weight = p.numel() * (share if ".experts." in name else 1.0)  # a token runs top_k experts
                 # a module's own parameter: a tied lm_head (2B, 4B) is counted here, as the Linear it is
