@@ -54,12 +54,15 @@ def use_compile_caches(env=os.environ) -> dict[str, str]:
     compiling them again (torch's default, a temporary directory, may be cleared between runs); one
     place to see and clear. Set once at process start, before anything compiles; returns each
     variable's directory."""
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
+    try:  # a private helper of torch's (torch 2.14 has it); a torch without it: only unset variables are ours
+        from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+        torch_default = default_cache_dir()
+    except (ImportError, AttributeError):
+        torch_default = None
     root = cache_root(env)
     for var, sub in COMPILE_CACHES.items():
         # importing torch._dynamo writes torch's default into the environment (torch 2.14): that is not the user's
-        if not env.get(var) or (var == "TORCHINDUCTOR_CACHE_DIR" and env[var] == default_cache_dir()):
+        if not env.get(var) or (var == "TORCHINDUCTOR_CACHE_DIR" and env[var] == torch_default):
             env[var] = str(root / sub)
     return {var: env[var] for var in COMPILE_CACHES}
 
