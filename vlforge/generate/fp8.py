@@ -62,7 +62,7 @@ def _float8():
         from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
         from torchao.quantization.quantize_.workflows.float8.float8_tensor import QuantizeTensorToFloat8Kwargs
     except ImportError:
-        raise ImportError('FP8 rollouts need torchao: pip install "vlforge[fp8]"') from None
+        raise ImportError('FP8 rollouts need torchao >= 0.18 (its Float8Tensor): pip install -U "torchao>=0.18"') from None
     return Float8Tensor, PerRow, Float8MMConfig, KernelPreference, QuantizeTensorToFloat8Kwargs
 
 
@@ -70,7 +70,11 @@ def fp8_gemm_problem(device: torch.device) -> str | None:
     """None when torch._scaled_mm runs row-wise FP8 GEMMs on `device`; else why not and what to do.
     CUDA: FP8 tensor cores (compute capability >= 8.9). CPU: tried on a 16 x 16 GEMM, since whether
     torch's CPU kernel takes row-wise scales depends on the torch build (2.11's takes per-tensor
-    scales only)."""
+    scales only). And torchao's Float8Tensor, which the copies are."""
+    try:
+        _float8()
+    except ImportError as e:
+        return f"rollout.precision=fp8: {e}"
     if device.type == "cuda":
         cap = torch.cuda.get_device_capability(device)
         if cap < (8, 9):
