@@ -85,6 +85,11 @@ class Engine:
     Measured on an H200 (2B, 256 requests of 16-512 tokens through 64 slots, joins at every sync
     point): 92 prefills of ~59 ms each took 5.4 s of the 11.3 s run, the decode steps 5.8 s
     (docs/benchmarks-log.md, 2026-12-02, "FSDP2 units at world size 1"). 0: join whenever a slot is free.
+    max_prefill_tokens: the most prompt tokens of one prefill (one request at least: a longer prompt is
+    prefilled alone). step_prefill_tokens: the same while rows decode (interleaved prefill): a burst of
+    requests joining a running batch is prefilled over several steps, each followed by the running rows'
+    decode step, so they stall for a few short prefills instead of one long one; a prompt longer than it
+    is still prefilled whole in its step (prefill is not chunked within a prompt).
     fuse_projections: each decoder layer's q/k/v projections, and its MLP's gate/up, computed as one
     GEMM each in the prefill and the decode steps (generate/fused.py; weights that need no gradient
     only: inference models, frozen LoRA bases and GRPO's rollout copies). False: one GEMM per
@@ -92,13 +97,14 @@ class Engine:
     """
 
     def __init__(self, model, *, max_slots: int = 256, sync_every: int = 8, use_graphs: bool | None = None,
-                 compile: bool = False, max_prefill_tokens: int = 32768, compact: bool = True,
+                 compile: bool = False, max_prefill_tokens: int = 32768, step_prefill_tokens: int = 2048,
+                 compact: bool = True,
                  join_share: float = 0.125, share_prompt: bool = True, fuse_projections: bool = True):
         if not 0.0 <= join_share <= 1.0:
             raise ValueError(f"join_share: a share of the slots in [0, 1], got {join_share}")
         self.runner = Runner(unwrap(model))  # which holds the model by a weak reference
         self.max_slots, self.sync_every, self.use_graphs = max_slots, sync_every, use_graphs
-        self.max_prefill_tokens = max_prefill_tokens
+        self.max_prefill_tokens, self.step_prefill_tokens = max_prefill_tokens, step_prefill_tokens
         self.compile, self.compact, self.join_share = compile, compact, join_share
         self.share_prompt, self.fuse_projections = share_prompt, fuse_projections
         self.plan: Plan | None = None  # what the last call decided (read by tests and benchmarks)
@@ -284,7 +290,8 @@ class Engine:
         self.stats = GenStats()
         return plan, Scheduler(requests, n_slots, self.runner.cache.length, prompt_span, plan, self.stats,
                                self.outputs, stream=s.stream, join_share=self.join_share,
-                               max_prefill_tokens=self.max_prefill_tokens, compact=self.compact,
+                               max_prefill_tokens=self.max_prefill_tokens,
+                               step_prefill_tokens=self.step_prefill_tokens, compact=self.compact,
                                closed=bool(plan.group))
 
     def _plan(self, requests: dict[int, GenRequest], s: BatchSettings, device) -> Plan:

@@ -28,7 +28,7 @@ MAX_JOIN_HOLD = 4  # sync points waiting requests are held for a fuller prefill 
 class Scheduler:
     def __init__(self, requests: dict[int, GenRequest], slots: int, length: int, prompt_span: int, plan: Plan,
                  stats: GenStats, outputs: Outputs, *, stream: bool, join_share: float,
-                 max_prefill_tokens: int, compact: bool, closed: bool):
+                 max_prefill_tokens: int, step_prefill_tokens: int, compact: bool, closed: bool):
         # by id; a batch may run as long as requests come: a request leaves `requests` once prefilled
         # (its images with it), and each result goes to `outputs` as its row finishes (with `stream`, the
         # rows' new tokens too)
@@ -45,6 +45,7 @@ class Scheduler:
         self.join_at = max(1, int(slots * join_share))  # free slots that make a prefill worth it while rows run
         self.held = 0  # sync points the waiting requests have been held for
         self.max_prefill_tokens, self.compact, self.closed = max_prefill_tokens, compact, closed
+        self.step_prefill_tokens = step_prefill_tokens
         self.outputs, self.streaming = outputs, stream
 
     @property
@@ -75,9 +76,12 @@ class Scheduler:
         hold = (can_join and bool(self.occupant) and self.held < MAX_JOIN_HOLD
                 and len(free) < min(self.join_at, sum(requests[q].n for q in queue)))
         self.held = (self.held + count_hold) if hold else 0
+        # interleaved prefill: while rows decode, one step prefills at most step_prefill_tokens (one request
+        # at least), so a burst of joins costs the running rows a few short stalls rather than one long one
+        budget = min(self.max_prefill_tokens, self.step_prefill_tokens) if self.occupant else self.max_prefill_tokens
         while queue and not hold and requests[queue[0]].n <= len(free):
             r = requests[queue[0]]
-            if admitted and tokens + len(r.prompt.input_ids) > self.max_prefill_tokens:
+            if admitted and tokens + len(r.prompt.input_ids) > budget:
                 break
             i = queue.popleft()
             free.sort()
