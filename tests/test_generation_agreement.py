@@ -11,6 +11,7 @@ from collections import Counter
 import torch
 
 from vlforge.generate.engine import Engine
+from vlforge.generate.requests import GenRequest, Prompt
 from vlforge.config import DataConfig, PrecisionConfig
 from vlforge.data.dataset import load_dataset
 from vlforge.data.encode import collate, encode_prompt
@@ -105,3 +106,31 @@ def test_eval_serve_and_rollouts_never_generate_the_same_tokens(tiny, shapes_dir
                               RolloutConfig(group_size=2, temperature=0.0, max_new_tokens=8))
     assert banned <= set(rollout.banned_ids)
     assert not banned & set(rollout.response_ids[rollout.response_mask.bool()].tolist())
+
+
+def test_ids_past_the_tokenizer_are_never_generated(tiny, shapes_dir):
+    """The tiny preset's lm_head has rows past its tokenizer (640 for 591 tokens, as Qwen3-VL's 151,936
+    for 151,669): made the likeliest, such an id would fill every answer and stream no text. Every
+    generation path bans them (never_generated) and the answers carry text."""
+    from vlforge.generate.forward import never_generated, vision_token_ids
+
+    model, processor = copy.deepcopy(tiny[0]).eval(), tiny[1]
+    val = load_dataset(str(shapes_dir / "val.jsonl"), processor, DataConfig())
+    encoder, samples = val.encoder, val.samples
+    vocab, rows = len(encoder.tokenizer), model.lm_head.out_features
+    assert rows > vocab
+    padded = rows - 1
+    with torch.no_grad():
+        w = model.lm_head.weight
+        w[padded] = w[padded] * 0 + 5.0
+    assert (_greedy_tokens(model, encoder, samples, eos_token_id=None) == padded).any(dim=1).all()  # not vacuous
+    assert set(range(vocab, rows)) <= set(never_generated(encoder, model))
+    assert not set(range(vocab, rows)) & set(vision_token_ids(encoder))  # banned for being padding alone
+    answers = _eval_answers_equal_served(model, processor, encoder, samples, shapes_dir)
+    assert all(answers)  # text, not padding ids
+    results = Engine(model).generate(
+        [GenRequest(Prompt(x["input_ids"], x.get("pixel_values"), x.get("image_grid_thw")), max_new_tokens=8)
+         for x in (encode_prompt(encoder, s) for s in samples)],
+        stop_ids=[], banned_ids=never_generated(encoder, model), image_token_id=encoder.image_token_id,
+        pad_id=encoder.pad_id)
+    assert all(int(r.tokens.max()) < vocab for r in results)

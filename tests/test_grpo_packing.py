@@ -241,8 +241,10 @@ def test_one_grpo_step_with_packing_equals_without(shapes_dir, tmp_path, monkeyp
     for key in ("loss", "kl", "entropy", "ratio_mean", "clip_frac", "grad_norm"):
         assert on[key] == pytest.approx(off[key], rel=1e-4, abs=1e-6), key
     assert weights["true"].keys() == weights["false"].keys()
-    for n in weights["false"]:
-        torch.testing.assert_close(weights["true"][n], weights["false"][n], atol=1e-5, rtol=1e-4, msg=n)
+    for n in weights["false"]:  # Adam's first step is about lr x sign(g): a few near-zero gradient entries may flip
+        diff = (weights["true"][n] - weights["false"][n]).abs()
+        flipped = int((diff > 1e-5).sum())
+        assert diff.mean() < 1e-6 and flipped <= max(2, diff.numel() // 1000), (n, flipped, diff.max(), diff.mean())
 
 
 @pytest.mark.gpu

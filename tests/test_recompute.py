@@ -206,7 +206,8 @@ def test_a_real_cuda_out_of_memory_is_recovered(shapes_dir, tmp_path, capsys):
     import vlforge.train.recompute as recompute
 
     def config(name, *extra):
-        return tiny_sft_config(shapes_dir, tmp_path / name, "train.device=cuda", "eval.every=0",
+        # eager: the subject is the recomputation, and a compile per run would take most of the test's time
+        return tiny_sft_config(shapes_dir, tmp_path / name, "train.device=cuda", "eval.every=0", "compile.enabled=false",
                                "train.max_steps=2", "train.batch_size=32", *extra)
 
     peaks = []
@@ -222,10 +223,13 @@ def test_a_real_cuda_out_of_memory_is_recovered(shapes_dir, tmp_path, capsys):
     torch.cuda.set_per_process_memory_fraction((peaks[0] + peaks[1]) / 2 / torch.cuda.get_device_properties(0).total_memory)
     try:
         result = run_sft(config("auto"))
+    except torch.OutOfMemoryError as e:  # not recovered: say where, with the two peaks
+        raise AssertionError(f"peaks {peaks}: {capsys.readouterr().out[-3000:]}") from e
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0)
         recompute._auto = decide
-    assert result["final_step"] == 2 and "out of memory in a step" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert result["final_step"] == 2 and "out of memory in a step" in out, (peaks, out[-3000:])
 
 
 def _grpo(shapes_dir, tmp_path, name, *extra, oom: bool = False):

@@ -204,7 +204,8 @@ def test_run_states_from_the_lock_and_the_metrics(runs, tmp_path):
 
 
 def test_view_refuses_what_is_not_a_run_and_serves_only_thumbnails(runs, tmp_path, capsys):
-    pytest.importorskip("fastapi", reason="the view extra: pip install 'vlforge[view]'")
+    for extra in ("fastapi", "plotly"):
+        pytest.importorskip(extra, reason="the view extra: pip install 'vlforge[view]'")
     from fastapi.testclient import TestClient
 
     from vlforge.cli import main

@@ -151,8 +151,12 @@ def vision_token_ids(encoder: Encoder) -> list[int]:
 
 
 def never_generated(encoder: Encoder, model) -> list[int]:
-    """The token ids no answer may contain, the same for rollouts, eval, infer and serve: the vision
-    special tokens, and the model's generation_config suppress_tokens (which transformers'
-    generate honours too)."""
-    suppress = getattr(getattr(unwrap(model), "generation_config", None), "suppress_tokens", None) or []
-    return list(dict.fromkeys([*vision_token_ids(encoder), *suppress]))
+    """The token ids no answer may contain, the same for rollouts, eval, infer and serve (and the
+    trainer's recomputed log-probs mask the same ids): the vision special tokens, the model's
+    generation_config suppress_tokens (which transformers' generate honours too), and the ids past the
+    tokenizer's vocabulary (an embedding matrix padded to a multiple, as Qwen3-VL's 151,936 rows for
+    151,669 tokens): they have no text, so an answer holding them would stream nothing."""
+    core = unwrap(model)
+    suppress = getattr(getattr(core, "generation_config", None), "suppress_tokens", None) or []
+    padded = range(len(encoder.tokenizer), core.lm_head.out_features)
+    return list(dict.fromkeys([*vision_token_ids(encoder), *suppress, *padded]))
