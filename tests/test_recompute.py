@@ -131,17 +131,20 @@ class _OOMOnce:
     """A forward hook on the tiny model's first decoder layer raising a real torch.OutOfMemoryError
     at its `at`-th call, once (a GPU's allocator raises the same type)."""
 
-    def __init__(self, at: int):
-        self.calls, self.at, self.raised = 0, at, 0
+    def __init__(self, at: int, wrapped: bool = False):
+        self.calls, self.at, self.raised, self.wrapped = 0, at, 0, wrapped
 
     def __call__(self, module, args):
         self.calls += 1
         if self.calls == self.at:
             self.raised += 1
-            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+            oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)")
+            if self.wrapped:  # as torch.compile raises an allocation's failure while it compiles or autotunes
+                raise RuntimeError("backend compiler failed") from oom
+            raise oom
 
 
-def _run(shapes_dir, out, *extra, oom_at: int | None = None, capsys=None):
+def _run(shapes_dir, out, *extra, oom_at: int | None = None, capsys=None, wrapped: bool = False):
     """A 3-step run of the tiny model (LoRA dropout on: the redo must draw the same masks); its
     losses, the batches each step saw and the hook."""
     import vlforge.recipes.sft as sft
@@ -149,7 +152,7 @@ def _run(shapes_dir, out, *extra, oom_at: int | None = None, capsys=None):
 
     cfg = tiny_sft_config(shapes_dir, out, "eval.every=0", "train.max_steps=3", "train.grad_accum=2",
                           "train.batch_size=2", *extra)
-    seen, flags, hook = [], [], _OOMOnce(oom_at) if oom_at else None
+    seen, flags, hook = [], [], _OOMOnce(oom_at, wrapped) if oom_at else None
     real_step = sft.train_step
 
     def step(t, micro, *args, **kwargs):
@@ -188,6 +191,18 @@ def test_an_out_of_memory_step_is_redone_one_notch_further(shapes_dir, tmp_path,
     assert yaml.safe_load(text)["activation_checkpointing"] == {"enabled": True, "every": 4}
     assert "then out of memory in a step" in text.splitlines()[0]
     torch.testing.assert_close(losses, ref_losses, rtol=1e-5, atol=1e-6)
+
+
+def test_an_out_of_memory_raised_through_a_compiler_error_is_redone_too(shapes_dir, tmp_path, capsys):
+    """torch.compile reports an allocation that fails while it compiles as its own error raised from the
+    OutOfMemoryError: the step is redone a notch further all the same; an error with no
+    OutOfMemoryError behind it is not."""
+    result, _, seen, hook, flags = _run(shapes_dir, tmp_path / "wrapped", oom_at=3, wrapped=True)
+    assert hook.raised == 1 and result["final_step"] == 3 and seen[1] == seen[2]
+    assert flags[2] == [True, False] and "out of memory in a step (CUDA out of memory" in capsys.readouterr().out
+    import vlforge.train.recompute as recompute
+
+    assert recompute.out_of_memory(RuntimeError("x")) is None
 
 
 def test_an_explicit_choice_does_not_move_on_out_of_memory(shapes_dir, tmp_path):

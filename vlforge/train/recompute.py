@@ -146,11 +146,13 @@ def redo_on_oom(step: Callable[[], dict], t, optimizer, say: Callable[[str], Non
         rng = _rng_state(t.device)
         try:
             return step()
-        except torch.OutOfMemoryError as e:
-            after = next_notch(rec.every) if rec is not None and rec.auto and t.world.size == 1 else None
+        except Exception as e:  # noqa: BLE001 - anything else is raised again at once
+            oom = out_of_memory(e)
+            auto = oom is not None and rec is not None and rec.auto and t.world.size == 1
+            after = next_notch(rec.every) if auto else None
             if after is None:
                 raise
-            first_line = str(e).splitlines()[0] if str(e) else "torch.OutOfMemoryError"
+            first_line = str(oom).splitlines()[0] if str(oom) else "torch.OutOfMemoryError"
         # out of the except clause: the traceback, and the step's tensors its frames hold, are gone
         optimizer.zero_grad(set_to_none=True)
         if t.routing is not None:  # MoE: the expert load counted so far, dropped (not counted twice; a metric only)
@@ -165,6 +167,19 @@ def redo_on_oom(step: Callable[[], dict], t, optimizer, say: Callable[[str], Non
         if rec.record is not None:
             rec.record()
         _set_rng_state(t.device, rng)
+
+
+def out_of_memory(e: BaseException) -> torch.OutOfMemoryError | None:
+    """The torch.OutOfMemoryError `e` is or was raised from: a compiled step's allocation that fails
+    while torch.compile compiles or autotunes reaches the caller wrapped (dynamo's BackendCompilerFailed,
+    inductor's InductorError, raised `from` it)."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, torch.OutOfMemoryError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
 
 
 def _rng_state(device: torch.device) -> tuple:
