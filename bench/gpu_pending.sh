@@ -1,84 +1,8 @@
 #!/usr/bin/env bash
-# The measurements the third session built for but could not run (device time spent), one group per
-# device call (each fits 10 min). Results: $OUT/*.jsonl, $OUT/*.txt; record them in docs/benchmarks.md.
-#   OUT=/some/dir GROUP=tests bash bench/gpu_pending.sh  # gpu tests never run on a GPU, then 2B packed vs padded
-#   OUT=/some/dir GROUP=pack  bash bench/gpu_pending.sh  # the mixed set (36% padding) by a token budget
-#   OUT=/some/dir GROUP=liger bash bench/gpu_pending.sh  # liger's chunks at loss.chunk_size: 2B full, 8B LoRA, chunked
-#   OUT=/some/dir GROUP=final bash bench/gpu_pending.sh  # 2B full peer vs ours same process; 8B LoRA chunked; mixed set again
-#   Next session (each one device call, in this order): tests2 (gpu tests added in the fourth session),
-#   lora8b (8B LoRA peer vs ours, loss.impl chunked and liger, same process), gen2b, gen8b (issue 11:
-#   vlforge vs transformers' dynamic and static-cache generate, same process), serve (serve_load: engine vs hf),
-#   grpo (2B and 8B GRPO recipes at 8x8x256, 3 steps: read steps 2-3 of metrics.jsonl)
-#   Fifth session: fsdp1 (issue 10: FSDP2 at world size 1 vs one process, eager and compiled, both
-#   reshard settings), fp8 (issues 13/15: 8B full, 200 steps, compiled bf16 vs torchao tensorwise in one call)
-#   Still to run after the fifth session (device withdrawn after 3 calls): gen2b, gen8b (now with the `tail`
-#   case: compaction on/off), serve, grpo, mem, fp8prof (where the 8B FP8 step's time goes), tests3 (gpu tests
-#   of the fifth session: greedy parity on a saved 2B-architecture model, compaction under CUDA graphs)
-#   Sixth session ran tests3, 64x256 of gen2b/gen8b; still to run, in this order: grpo (its 3 steps exceeded 235 s
-#   per recipe before the recompile fixes), gen3 (gpu tests of the sixth session; sdpa vs flex decode attention,
-#   the tail case), serve, mem, fp8prof, fsdp1
-#   Eighth session ran grpo (3,386-8,781 tokens/s), gen4 (sdpa vs flex decode, 2B and 8B, 64x256, hf-static beside
-#   at 2B) and serve with --requests 2 (the old path's 32 clients unfinished); still to run: the tail case
-#   (generate.py --cases tail), serve's old path at 32 clients, mem, fp8prof, fsdp1
-#   Seventh session: grpo ran twice and never finished a step (the compile's tracing; fixed on the CPU): run grpo
-#   first again, then gen3, serve, mem, fp8prof, fsdp1
-#   Tenth session ran fsdpgen (fsdp1, then generate.py's mixed and tail cases), serve2 (serve --compile; the old path
-#   at 32 clients), mem, fp8prof, fp8b (8B FP8 at batch 16), serve3 (serve eager vs --compile in one call); nothing
-#   of the list above is left unrun; issue 14's multi-GPU runs wait for those machines. Next: gen6 (the batched joins
-#   built after the tenth session's calls), then serve3 again (serve latency with batched joins)
-#   Eleventh session ran gen6f (FSDP2 world 1 twice + batched joins), gen7 (GroupCache 2B + hf-static), gen8 (8B);
-#   serve3 was refused (no machine). Next: serve3 (carry .whl/serve), grpo (GRPO 8x8x256 on GroupCache), gen8 with
-#   hf-static added (issue 11's 3x at 8B in one process)
-#   Twelfth session ran prof12 (FSDP2 world 1 and the 2B prefill under the profiler, hf-static beside) and fsdp8s
-#   (FSDP2 world 1 twice with local-shard AdamW and bf16 one-process reduction; 8B vlforge vs hf-static). Next:
-#   attn12 (the grouped decode attention per SDPA backend: is there a faster kernel than cudnn's for 16 query
-#   rows per KV head?), serve3 (carry .whl/serve), the 8B LoRA GRPO recipe at 8x8x256 on GroupCache
-#   attn12 ran (an additive mask beat the boolean one everywhere, eager). Next: build GroupCache's step mask
-#   additive and A/B it in one process; the prefill under the profiler at 8B (it ran 0.09-0.22 s); serve3; the
-#   8B LoRA GRPO recipe. Archive results with `tar czf $OUT/all.tgz -C <dir> .` where <dir> is not $OUT.
-#   Thirteenth session: mask13 (gpu tests of the engine; 2B additive vs boolean step mask, the vision tower's share of
-#   the prefill, hf-static beside): no gain from the mask (3.61 vs 3.62 ms). tune13 (inductor's GEMM autotuning in the
-#   decode step, since removed): slower (3.76 vs 3.60 ms). vis13: the vision tower's attention in one varlen call
-#   (model.attention.vision) and compiled vision blocks (compile.vision), 2B SFT and the prefill; vis13b:
-#   bench/train.py peer vs ours with compiled vision blocks, and vis13's SFT runs in reverse order. gen13 (2B vlforge
-#   vs hf-static with the varlen prefill tower and host-cast pixels) was refused: run it next, then PRESET=qwen3vl-8b
-#   LIMIT=330, visprof (a profile of eager varlen vs the per-image loop in training: why 4-9% slower?),
-#   lora13 (8B LoRA peer vs ours padded and packed, compiled vision blocks now on by default).
-#   Fourteenth session: fuse14 (gpu tests of generate/fused.py and the engine; 2B vlforge vs vlforge-unfused vs
-#   hf-static; PRESET=qwen3vl-8b skips the tests), grpo (fused rollouts), fsdp14 (FSDP2 world 1 with
-#   distributed.layers_per_unit 1, 4, 2, then 8; eager; ran through an experiment script doing the same grouping).
-#   Next: offload14 (issue 10: the 4B cpu_offload run with its host memory, then fsdp14 through the key),
-#   lora13 and visprof (issue 13), and FSDP2 world 1 compiled (0.70x) under
-#   TORCH_LOGS=recompiles,graph_breaks and --profile (is its compiled layer breaking at FSDP2's hooks?)
-#   Fifteenth session: offload14 (recorded), prof15 (its profile did not come back: at most 8 files return from
-#   $OUT, and the empty err-*.txt files took the places; archive with tar), then prof15 (2B full and 8B LoRA
-#   profiles), host15 (CUDA graphs / cpp_wrapper / loader workers), sync15 and sync15b (the library syncs A/B; peer
-#   vs ours fed by the recipe's loader). Next: next16 (the clip inside fused AdamW; 8B three-tier LoRA vs peft).
-#   Sixteenth session ran next16; then host16 (guard skipping and the C++ wrapper at 2B; the 8B three-tier LoRA profile),
-#   var16 and lora16 (at 5d71fbe/d259ab1: the aten flash op called directly vs torch's varlen_attn, reverted), full16.
-#   Seventeenth session ran group17 (no gain; the grouping since removed), ratio18, final18 and final18b (the shipped
-#   recipes and the mixed set; now recipes18 and mixed19), mixed19; loans then paused. Next: mixed19 again (the raised recompile limit: no recompile_limit line expected), grpo17 (GRPO's update
-#   without the log-prob forward's syncs vs before, bench/ab.sh).
-#   Eighteenth session ran mixed19 (no recompile_limit), grpo17 (no difference), prof19 (the packed 2B step's kernels),
-#   cg19 (CUDA graphs per decoder layer: 1.10-1.15x), graphs19 and graphs19b (compile.cuda_graphs as built: 2B 1.05-
-#   1.08x, 8B LoRA 0.98x; its gpu tests), visg19 (the vision blocks graphed too: 1.04x more). Next: final19 (the gpu
-#   tests again, peer vs both graph options in one process), then a long run with cuda_graphs on varied data;
-#   rl19 (session 19, prepared: GSPO / CISPO / RLOO through the 2B recipe, the engine's log-prob gap).
-#   Sessions 19-20 got no machine; session 21 ran final19 (recorded) and opt21 late, whose gpu tests failed on the
-#   output-dir lock (fixed in 51bba4a). Next: opt21 again (carry .whl/bnb), then rl19 (its GSPO run is recorded),
-#   then test_distributed -m gpu alone (final19's 240 s cut its bf16 case).
-#   Session 22 got no machine; it built NF4 MoE experts on the CPU. Next: moeq and moeq2 (below), then opt21, rl19.
-#   Session 23 built video rows (data/encode.frames_as_images): `video` measures 2B SFT on videos (frame lists:
-#   no PyAV needed there). It ran moeq, moeq2 (the QLoRA half; quant_inference failed on a host-index bug, fixed)
-#   and video (its --native-video runs failed on host grids, fixed). Next: s23 (below), then opt21, rl19.
-#   Session 24 ran s23 on an H100 (recorded: the staged NF4 test failed on the preset's device-dependent init,
-#   rewritten and passing; 30B-A3B NF4 decodes 12.7x slower than bf16; the video A/B's first run hit its limit).
-#   Next: s24 (the NF4 30B-A3B decode under the profiler), s24b (the video A/B warm), i13 (8B LoRA graphs+vision),
-#   then opt21, rl19.
-#   Session 25 ran s24 (NF4 decode eager: serve's graphs were off for quantized models), i13 (8B LoRA packed 2.02-2.04x
-#   on an H100; graphs+vision nothing), s25 (its bench cut by its limit after the peer; mw measured in 3 short calls
-#   after: 2B 2.85x with master_weights=optimizer on the H100). Next: q25 (carry .whl: bnb, ao and serve, whose
-#   wheels are in .whl/serve now; the serve probe skipped without uvicorn), then mw25 on an H200 (the issue's card).
+# Groups of GPU measurements, one group a device call (each fits its 10 minutes), named where
+# docs/benchmarks.md and docs/benchmarks-log.md cite a number: OUT=/some/dir GROUP=<group> bash bench/gpu_pending.sh
+# Results land in $OUT (*.jsonl, *.txt); at most 8 files come back from a device call, so archive a group's
+# files with `tar czf $OUT/all.tgz -C <dir> .` (<dir> outside $OUT) when it writes more.
 #   OUT=/some/dir GROUP=moe   bash bench/gpu_pending.sh  # 30B-A3B: peft peer vs ours same process; NF4 memory/decode
 #   OUT=/some/dir GROUP=mem   bash bench/gpu_pending.sh  # selective checkpointing and the activation memory budget
 # (carry .whl/train, and .whl/ao (torchao) for GROUP=tests and q25, .whl/bnb (bitsandbytes) for moe, mem and q25)
@@ -215,7 +139,7 @@ case $GROUP in
           LIMIT=70; r 1 $b --library-syncs; r 2 $b
           for f in "$OUT"/err-*.txt; do echo "== $f"; tail -c 3000 "$f"; done > "$OUT/errors.txt"; rm -f "$OUT"/err-*.txt ;;
   next16) b="--preset qwen3vl-2b --method full --steps 8 --warmup 4 --override compile.enabled=true"
-          # issue 13, after the fifteenth session: the clip inside fused AdamW vs a foreach multiply (alternating),
+          # issue 13: the clip inside fused AdamW vs a foreach multiply (alternating),
           # then 8B three-tier LoRA (language attention + projector + last 2 vision blocks) peer vs ours
           LIMIT=80; r 1 $b --foreach-clip; r 2 $b; r 3 $b --foreach-clip; r 4 $b
           LIMIT=150; r 5 $b --layer-compile-mode reduce-overhead  # CUDA graphs of the decoder layers only: works?
@@ -224,7 +148,7 @@ case $GROUP in
             | tail -6 > "$OUT/train8b.txt")
           for f in "$OUT"/err-*.txt; do echo "== $f"; tail -c 3000 "$f"; done > "$OUT/errors.txt"; rm -f "$OUT"/err-*.txt ;;
   host16) b="--preset qwen3vl-2b --method full --steps 8 --warmup 4 --override compile.enabled=true"
-          # issue 13, sixteenth session: the compiled 2B step's host work per region: guards skipped after the
+          # issue 13: the compiled 2B step's host work per region: guards skipped after the
           # warmup, kernels launched from inductor's C++ wrapper (decoder layers; the vision blocks' varlen call
           # cannot), alternating with the plain compiled step; then where the 8B three-tier LoRA packed step goes
           LIMIT=90; r 1 $b; r 2 $b --skip-guards
@@ -253,7 +177,7 @@ case $GROUP in
             2>"$OUT/err-8b.txt" | tail -6 > "$OUT/lora8b.txt") ;;
   recipes18) # the shipped SFT recipes as users run them, 3 steps each on synthetic 448x448 shapes: data.packing=auto
           # must say "packed rows"; each run's directory removed after it (the 8B FP8 checkpoint alone is ~50 GB of the
-          # 64 GB disk: the seventeenth session's final18 filled it). Carry .whl/ao for the FP8 recipe
+          # 64 GB disk: final18 filled it). Carry .whl/ao for the FP8 recipe
           [ -f /tmp/sh448/train.jsonl ] || python3 -m vlforge data synth shapes --n 72 --out /tmp/sh448 --size 448 --val-fraction 0.12
           for c in qwen3vl-8b-fp8 qwen3vl-8b-lora qwen3vl-2b-full; do
             timeout 150 python3 -m vlforge sft configs/$c.yaml data.train=/tmp/sh448/train.jsonl data.val=null eval.every=0 \
@@ -309,7 +233,7 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', '--tb=line', 
   final19) # prepared, not run (device time spent): cuda_graphs' gpu tests after the review's narrower gradient-buffer
           # rule, the vision-graphs case among them; then issue 13's 2B full, peer vs packed vs both graph options in
           # one process (visg19 measured ~2.5x against another call's peer)
-          # (and, from session 19, FSDP2 with fp16 / precision.overrides under CUDA autocast: tests/test_distributed.py)
+          # (and FSDP2 with fp16 / precision.overrides under CUDA autocast: tests/test_distributed.py)
           timeout 240 python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_cuda_graphs.py \
             tests/test_distributed.py --tb=short > "$OUT/pytest.txt" 2>&1
           (cd bench && timeout 300 python3 train.py --preset qwen3vl-2b --method full --steps 12 --warmup 10 --samples 64 \
@@ -351,13 +275,13 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', '--tb=line', 
   serve) timeout 200 python3 bench/serve_load.py --preset qwen3vl-2b --out "$OUT/serve-new.json" > /dev/null 2>"$OUT/err-s1.txt"
          timeout 300 python3 bench/serve_load.py --preset qwen3vl-2b --serve-arg "--engine hf" --out "$OUT/serve-old.json" \
            > /dev/null 2>"$OUT/err-s2.txt" ;;
-  opt21) # session 21 (carry .whl/bnb): bitsandbytes' CUDA 8-bit AdamW on FSDP2 shards (tests/test_optim.py -m gpu:
+  opt21) # (carry .whl/bnb) bitsandbytes' CUDA 8-bit AdamW on FSDP2 shards (tests/test_optim.py -m gpu:
          # exact resume, paged too, against the unsharded run), then rl19's first run (GSPO, the engine's old log-probs)
          timeout 200 python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_optim.py --tb=short \
            > "$OUT/pytest-optim.txt" 2>&1
          OUT=$OUT LIMIT=170 bash bench/gpu_grpo_smoke.sh qwen3vl-2b-grpo rl.policy_loss=gspo rl.clip_low=null \
            rl.clip_high=null rl.agg=auto train.max_steps=3 ;;
-  rl19) # prepared, not run (no GPU lent in session 19): GSPO against the rollout engine's log-probs on a GPU. The
+  rl19) # GSPO against the rollout engine's log-probs on a GPU. The
          # 2B recipe, 3 steps each: gspo with the engine's old log-probs (first mini-batch clip_frac: does the
          # 3e-4 band clip on-policy tokens?), then gspo + rl.old_logprobs=trainer (rollout_approx_kl: the gap;
          # clip_frac should be 0 at the first mini-batch), then cispo + rloo. Prediction: the engine's gap is
@@ -369,18 +293,18 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', '--tb=line', 
            rl.advantage=rloo train.max_steps=3 ;;
   grpo)  OUT=$OUT LIMIT=270 STACKS=20 bash bench/gpu_grpo_smoke.sh "qwen3vl-2b-grpo qwen3vl-8b-grpo" rollout.prompts_per_step=8 \
            rollout.group_size=8 rollout.max_new_tokens=256 rl.mini_batch_size=16 train.max_steps=3 ;;
-  moeq) # session 22 (carry .whl/bnb): NF4 MoE experts. tests/test_moe_quant.py -m gpu (the staged load: host memory
+  moeq) # (carry .whl/bnb) NF4 MoE experts. tests/test_moe_quant.py -m gpu (the staged load: host memory
          # first, each expert stack quantized on the GPU; QLoRA trains on it), then 30B-A3B bf16 vs NF4 (experts
          # included now): weights memory, prefill, decode at batch 1 and 8. Prediction: ~17 GB of weights vs ~61;
          # decode slower than bf16 (every step dequantizes all 128 experts of each layer, ~29B values), but faster
-         # than session 8's attention-only NF4 (11.5 tok/s at batch 1)
+         # than the attention-only NF4 of 2026-11-30 (11.5 tok/s at batch 1)
          # The gpu tests include the probe for CUDA graphs with NF4 experts (generate/engine excludes them until
          # it passes). bench/nf4_experts.py: one 30B-A3B layer by tokens, to set model/nf4.routed_pays from GPU
          # numbers (prediction: the routed path wins up to more pairs than on the CPU's 64 of 128)
          timeout 200 python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_moe_quant.py --tb=short \
            > "$OUT/pytest-moeq.txt" 2>&1
          timeout 150 python3 bench/nf4_experts.py > "$OUT/nf4_experts.jsonl" 2>"$OUT/err-nf4.txt" ;;
-  moeq2) # session 22 (carry .whl/bnb), after moeq: 30B-A3B served bf16 vs NF4 (experts included), then QLoRA
+  moeq2) # (carry .whl/bnb), after moeq: 30B-A3B served bf16 vs NF4 (experts included), then QLoRA
          # training on NF4 experts with LoRA on attention and every expert (ours only: tokens/s, peak memory;
          # prediction: peak well under the 75.6 GB of bf16 experts at batch 8 with checkpointing)
          timeout 300 python3 bench/quant_inference.py --preset qwen3vl-30b-a3b --quant none nf4 --tmp /dev/shm \
@@ -392,13 +316,13 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', '--tb=line', 
          --samples 32 2>"$OUT/err-train.txt" | tail -8 > "$OUT/train30.txt"
        timeout 250 python3 bench/quant_inference.py --preset qwen3vl-30b-a3b --quant none nf4 --tmp /dev/shm \
          > "$OUT/quant30.jsonl" 2>"$OUT/err-quant.txt" ;;
-  video) # session 23: SFT on videos (one 8-frame 448 px video a sample: 4 temporal patches, 4x the image's
+  video) # SFT on videos (one 8-frame 448 px video a sample: 4 temporal patches, 4x the image's
          # tokens), 2B full compiled: the recipe's form (videos shown as images, one tower call, host-side
          # inputs) vs transformers' own video form (--native-video: two tower calls, device masks), alternating,
          # then packed. Prediction: the recipe's form >= native (the host inputs' gain on images was <= 5%)
          b="--preset qwen3vl-2b --method full --steps 8 --warmup 4 --video 8 --override compile.enabled=true"
          LIMIT=120; r 1 $b; r 2 $b --native-video; r 3 $b; r 4 $b --native-video; r 5 $b --packing ;;
-  s23) # session 23's leftovers (carry .whl/bnb): the staged NF4 load's gpu test (failed on an H100: GPU-quantized
+  s23) # (carry .whl/bnb) the staged NF4 load's gpu test (failed on an H100: GPU-quantized
        # expert stacks unlike the CPU's; suspected non-contiguous stacks, quantize_experts now makes them
        # contiguous: prediction, it passes), 30B-A3B served bf16 vs NF4 (shared_images' host indices fixed), and
        # video SFT in transformers' own video form vs the recipe's (frames as images), alternating
@@ -408,7 +332,7 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', '--tb=line', 
          > "$OUT/quant30.jsonl" 2>"$OUT/err-quant.txt"
        b="--preset qwen3vl-2b --method full --steps 6 --warmup 4 --video 8 --override compile.enabled=true"
        LIMIT=75; r 1 $b --native-video; r 2 $b; r 3 $b --native-video ;;
-  s24) # session 24's leftovers (carry .whl/bnb): why 30B-A3B with NF4 experts decodes at 6.6 tokens/s (bf16:
+  s24) # (carry .whl/bnb) why 30B-A3B with NF4 experts decodes at 6.6 tokens/s (bf16:
        # 83.9): both models' batch-1 decode under the profiler (graphs on or off? per-expert dequantization?),
        # with full-length warm-ups now (the numbers above had a 2-token warm-up)
        timeout 560 python3 bench/quant_inference.py --preset qwen3vl-30b-a3b --quant none nf4 --tmp /dev/shm \
@@ -416,14 +340,14 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', '--tb=line', 
   s24b) # the video A/B warm: a first frames-as-images run as warm-up, then native / ours alternating
        b="--preset qwen3vl-2b --method full --steps 6 --warmup 4 --video 8 --override compile.enabled=true"
        LIMIT=130; r 1 $b; r 2 $b --native-video; r 3 $b; r 4 $b --native-video ;;
-  i13) # session 24 (issue 13's 8B 2x): 8B three-tier LoRA with the vision blocks replayed as CUDA graphs too,
+  i13) # (issue 13's 8B 2x) 8B three-tier LoRA with the vision blocks replayed as CUDA graphs too,
        # never measured at 8B (graphs19b graphed only the decoder layers: 0.98x). host16's profile put ~12 ms a
        # step in the frozen vision blocks' compiled forwards, whose host work outruns their GPU work. Prediction:
        # graphs+vision 3-5% over packed (0.295 -> ~0.283 s a step), so ~1.95-2.1x the peer in the same process
        (cd bench && timeout 560 python3 train.py --preset qwen3vl-8b --method lora --lora-tiers three --steps 10 \
           --warmup 10 --samples 64 --paths peer,packed,graphs+vision,packed,graphs+vision \
           --ours compile.enabled=true --json "$OUT/i13.json" 2>"$OUT/err-i13.txt" | tail -12 > "$OUT/i13.txt") ;;
-  mw25) # session 25 (issue 13's 2B 2.5x): precision.master_weights=optimizer (bf16 linear weights, fp32 masters in
+  mw25) # (issue 13's 2B 2.5x) precision.master_weights=optimizer (bf16 linear weights, fp32 masters in
        # MasterWeightAdamW's compiled update) against fp32 masters, packed with both graph options, beside the peer;
        # its gpu test first (the compiled update equals eager on CUDA). Prediction: the 10.2 ms of weight and
        # gradient casts of prof19's 133.7 ms step go (the update reads bf16 gradients and writes the copies in its
@@ -433,7 +357,7 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', '--tb=line', 
        (cd bench && timeout 470 python3 train.py --preset qwen3vl-2b --method full --steps 10 --warmup 16 --samples 64 \
           --paths peer,graphs+vision+mw,graphs+vision,graphs+vision+mw,graphs+vision --ours compile.enabled=true \
           --json "$OUT/mw25.json" 2>"$OUT/err-mw25.txt" | tail -12 > "$OUT/mw25.txt") ;;
-  s25) # session 25's one call (device time short; carry .whl): mw25's gpu test and its bench with 4 paths, then
+  s25) # one short call (carry .whl): mw25's gpu test and its bench with 4 paths, then
        # q25's pytest (which quantized methods replay from CUDA graphs); q25's 30B-A3B NF4 decode left for later
        timeout 60 python3 -m pytest -q -rs -m gpu -p no:cacheprovider tests/test_master_weights.py --tb=short \
          > "$OUT/pytest-mw.txt" 2>&1
@@ -442,7 +366,7 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', '--tb=line', 
           --json "$OUT/mw25.json" 2>"$OUT/err-mw25.txt" | tail -12 > "$OUT/mw25.txt")
        timeout 120 python3 -m pytest -q -rxXs -m gpu -p no:cacheprovider tests/test_infer_model.py \
          tests/test_moe_quant.py -k cuda_graphs --tb=short > "$OUT/pytest-q25.txt" 2>&1 ;;
-  q25) # session 25 (carry .whl): s24's profile showed the NF4 30B-A3B decode eager (serve turned CUDA graphs off for
+  q25) # (carry .whl) s24's profile showed the NF4 30B-A3B decode eager (serve turned CUDA graphs off for
        # every quantized model), host-bound: 3.3 s of host time for 313 ms of GPU work. Which quantized methods replay
        # from graphs with the eager tokens (nf4 claimed; int8 and fp8 run as expected failures: XPASS = could join),
        # then 30B-A3B NF4 served with graphs. Prediction: batch-1 decode from 4.9 to ~40-70 tokens/s (bf16: 83)
