@@ -3,8 +3,8 @@
     python bench/rollout_throughput.py --preset qwen3vl-2b
     python bench/rollout_throughput.py --preset qwen3vl-30b-a3b --lora fused   # GRPO's policy: LoRA r=16 on
     python bench/rollout_throughput.py --preset qwen3vl-30b-a3b --lora peft    # attention + every expert
-    python bench/rollout_throughput.py --preset qwen3vl-8b --lora peft --precision fp8   # FP8 rollouts (8B LoRA)
-    python bench/rollout_throughput.py --preset qwen3vl-2b --precision fp8              # (2B, every weight bf16)
+    python bench/rollout_throughput.py --preset qwen3vl-8b --lora peft --precision bf16 fp8   # FP8 rollouts (8B LoRA)
+    python bench/rollout_throughput.py --preset qwen3vl-2b --precision bf16 fp8              # (2B, full)
 
 8 prompts (one 448x448 image + ~64 prompt tokens each) x 8 samples = 64 sequences, 256 new
 tokens sampled at temperature 1 (EOS disabled so every sequence runs the full length), bf16,
@@ -14,12 +14,13 @@ bench/generate.py's hf-dynamic / hf-static paths).
 `--lora fused|peft`: the model carries a LoRA adapter as a GRPO policy does (r=16 on the language
 attention, and on every expert of a MoE preset, router frozen; lora_B drawn so the update is not
 zero), with expert LoRA fused (model/moe_lora.py) or through peft's folding ParamWrapper.
-`--precision fp8`: rollout.precision=fp8 (generate/fp8.py): the decoder projections on FP8 copies, made
-once before the warm-up (`make_s`) and refreshed before the timed rollout (`refresh_s`, what GRPO pays
-every step). Both precisions also report the mismatch GRPO logs as rollout/k3_kl: the mean k3 KL over
-the timed rollout's tokens between its log-probs and the model's own teacher-forced ones (the trainer's,
-bf16 weights), and the largest |log ratio|. Run it once per precision on the same machine to compare.
-Prints one JSON line with generated tokens/s.
+`--precision bf16 fp8`: each precision in turn in this process, on the same model, prompts and engine
+(the peer in the same process); rollout.precision=fp8 (generate/fp8.py) runs the decoder projections on
+FP8 copies, made once before its warm-up (`make_s`) and refreshed before the timed rollout (`refresh_s`,
+what GRPO pays every step). Each precision also reports the mismatch GRPO logs as rollout/k3_kl: the
+mean k3 KL over the timed rollout's tokens between its log-probs and the model's own teacher-forced
+ones (the trainer's, bf16 weights), and the largest |log ratio|.
+Prints one JSON line per precision with generated tokens/s, then the fp8/bf16 speed ratio.
 """
 
 from __future__ import annotations
@@ -53,9 +54,23 @@ def main() -> None:
     ap.add_argument("--group", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--lora", default="none", choices=["none", "fused", "peft"])
-    ap.add_argument("--precision", default="bf16", choices=["bf16", "fp8"], help="rollout.precision")
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run (--preset tiny; CPU times say nothing)")
+    ap.add_argument("--precision", nargs="+", default=["bf16"], choices=["bf16", "fp8"],
+                    help="rollout.precision; several: each in turn in this process")
     args = ap.parse_args()
-    model, processor = load_model(ModelConfig(preset=args.preset), dtype=torch.bfloat16, device="cuda")
+    model, encoder, prompts = setup(args)
+    engine = Engine(model)  # one engine: each precision's graphs are keyed by its plan
+    rows = [timed_rollouts(args, model, encoder, prompts, engine, precision) for precision in args.precision]
+    for row in rows:
+        print(json.dumps(row))
+    speed = {r["precision"]: r["tokens_per_s"] for r in rows}
+    if {"bf16", "fp8"} <= speed.keys():
+        print(json.dumps({"fp8_over_bf16": speed["fp8"] / speed["bf16"]}))
+
+
+def setup(args):
+    """The preset's random-weight bf16 model (with a LoRA adapter if asked), its encoder and the prompts."""
+    model, processor = load_model(ModelConfig(preset=args.preset), dtype=torch.bfloat16, device=args.device)
     if args.lora != "none":
         moe = args.preset in MOE_PRESETS
         tiers = load_config(SFTConfig, None, [
@@ -72,34 +87,41 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         samples = synthetic_samples(args.prompts, tmp, 448, random.Random(0))
         prompts = collate([encode_prompt(encoder, s) for s in samples], encoder.pad_id, left_pad=True)
-    prompts = {k: v.cuda() for k, v in prompts.items()}
-    cfg = RolloutConfig(group_size=args.group, max_new_tokens=args.new_tokens, temperature=1.0,
-                        precision=args.precision)
-    engine = Engine(model)  # one engine for both: the measured rollout reuses the warm-up's buffers and graphs
+    return model, encoder, {k: v.to(args.device) for k, v in prompts.items()}
+
+
+def timed_rollouts(args, model, encoder, prompts, engine, precision: str) -> dict:
+    """A warm-up rollout at full length, then the timed one; its speed and its log-prob gap to the model."""
+    cfg = RolloutConfig(group_size=args.group, max_new_tokens=args.new_tokens, temperature=1.0, precision=precision)
+    cuda = args.device != "cpu"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     make_s = refresh_rollout_weights(engine, cfg).get("rollout/fp8_refresh_s")  # fp8: the copies made
     start = time.perf_counter()
     with rollout_precision(engine, cfg):
         generate_groups(engine, encoder, prompts, [1] * args.prompts, cfg)  # warm-up at full length
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
     first_run_s = time.perf_counter() - start
     refresh_s = refresh_rollout_weights(engine, cfg).get("rollout/fp8_refresh_s")  # fp8: a GRPO step's refresh
     start = time.perf_counter()
     with rollout_precision(engine, cfg):
         rollout = generate_groups(engine, encoder, prompts, [1] * args.prompts, cfg)
-    torch.cuda.synchronize()
+    if cuda:
+        torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     generated = int(rollout.response_mask.sum())
     with torch.no_grad():  # the trainer's log-probs of the rollout's tokens (bf16 weights), in slices of 8
         logp = torch.cat([sequence_logprobs(model, rollout, cfg.temperature, list(range(s, min(s + 8, len(
             rollout.finished)))))[0] for s in range(0, len(rollout.finished), 8)])
     gap = mismatch_stats(logp.float(), rollout.logprobs.float(), rollout.response_mask)
-    print(json.dumps({"preset": args.preset, "sequences": args.prompts * args.group, "new_tokens": args.new_tokens,
-                      "generated_tokens": generated, "seconds": seconds, "tokens_per_s": generated / seconds,
-                      "ms_per_decode_step": 1000 * seconds / args.new_tokens, "first_run_s": first_run_s,
-                      "lora": args.lora, "precision": args.precision, "make_s": make_s, "refresh_s": refresh_s,
-                      "k3_kl": float(gap["k3_kl_sum"] / gap["tokens"]),
-                      "log_ratio_abs_max": float(gap["log_ratio_abs_max"]), "gpu": torch.cuda.get_device_name(),
-                      "peak_gb": torch.cuda.max_memory_allocated() / 1e9}))
+    return {"preset": args.preset, "sequences": args.prompts * args.group, "new_tokens": args.new_tokens,
+            "generated_tokens": generated, "seconds": seconds, "tokens_per_s": generated / seconds,
+            "ms_per_decode_step": 1000 * seconds / args.new_tokens, "first_run_s": first_run_s,
+            "lora": args.lora, "precision": precision, "make_s": make_s, "refresh_s": refresh_s,
+            "k3_kl": float(gap["k3_kl_sum"] / gap["tokens"]), "log_ratio_abs_max": float(gap["log_ratio_abs_max"]),
+            "gpu": torch.cuda.get_device_name() if cuda else "cpu",
+            "peak_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else None}
 
 
 if __name__ == "__main__":
