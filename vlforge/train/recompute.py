@@ -153,6 +153,7 @@ def redo_on_oom(step: Callable[[], dict], t, optimizer, say: Callable[[str], Non
             if after is None:
                 raise
             first_line = str(oom).splitlines()[0] if str(oom) else "torch.OutOfMemoryError"
+            del oom  # its traceback holds the failed step's frames, and their tensors
         # out of the except clause: the traceback, and the step's tensors its frames hold, are gone
         optimizer.zero_grad(set_to_none=True)
         if t.routing is not None:  # MoE: the expert load counted so far, dropped (not counted twice; a metric only)
