@@ -53,3 +53,17 @@ def test_a_burst_of_joins_is_prefilled_over_several_steps_with_the_same_tokens(s
     assert max(lengths) > budget  # so prompts longer than the budget joined too (alone, whole)
     pair, pair_tokens, _ = burst(model, encoder, samples, 2 * max(lengths))
     assert [s[1] for s in pair[:3]] == [2, 2, 2] and pair_tokens == whole_tokens
+
+
+def test_the_servers_engine_interleaves_and_a_batch_callers_does_not(tiny):
+    """A server's engine (the InferenceModel's) prefills STEP_PREFILL_TOKENS a step while rows decode; a
+    batch caller's (GRPO's, eval's: Engine's default) one prefill as large as max_prefill_tokens allows."""
+    import torch
+
+    from vlforge.infer.model import STEP_PREFILL_TOKENS, InferenceModel
+
+    model, processor = tiny
+    served = InferenceModel(copy.deepcopy(model), processor, torch.device("cpu"), "tiny").gen_engine()
+    assert served.step_prefill_tokens == STEP_PREFILL_TOKENS < served.max_prefill_tokens
+    batch = Engine(model)
+    assert batch.step_prefill_tokens == batch.max_prefill_tokens

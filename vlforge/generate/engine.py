@@ -89,7 +89,9 @@ class Engine:
     prefilled alone). step_prefill_tokens: the same while rows decode (interleaved prefill): a burst of
     requests joining a running batch is prefilled over several steps, each followed by the running rows'
     decode step, so they stall for a few short prefills instead of one long one; a prompt longer than it
-    is still prefilled whole in its step (prefill is not chunked within a prompt).
+    is still prefilled whole in its step (prefill is not chunked within a prompt). None (a batch
+    caller's default): max_prefill_tokens, one prefill as large as it may be (the most work per call);
+    a server's engine takes a small one (infer.model.STEP_PREFILL_TOKENS: time to first token).
     fuse_projections: each decoder layer's q/k/v projections, and its MLP's gate/up, computed as one
     GEMM each in the prefill and the decode steps (generate/fused.py; weights that need no gradient
     only: inference models, frozen LoRA bases and GRPO's rollout copies). False: one GEMM per
@@ -97,14 +99,15 @@ class Engine:
     """
 
     def __init__(self, model, *, max_slots: int = 256, sync_every: int = 8, use_graphs: bool | None = None,
-                 compile: bool = False, max_prefill_tokens: int = 32768, step_prefill_tokens: int = 2048,
+                 compile: bool = False, max_prefill_tokens: int = 32768, step_prefill_tokens: int | None = None,
                  compact: bool = True,
                  join_share: float = 0.125, share_prompt: bool = True, fuse_projections: bool = True):
         if not 0.0 <= join_share <= 1.0:
             raise ValueError(f"join_share: a share of the slots in [0, 1], got {join_share}")
         self.runner = Runner(unwrap(model))  # which holds the model by a weak reference
         self.max_slots, self.sync_every, self.use_graphs = max_slots, sync_every, use_graphs
-        self.max_prefill_tokens, self.step_prefill_tokens = max_prefill_tokens, step_prefill_tokens
+        self.max_prefill_tokens = max_prefill_tokens
+        self.step_prefill_tokens = max_prefill_tokens if step_prefill_tokens is None else step_prefill_tokens
         self.compile, self.compact, self.join_share = compile, compact, join_share
         self.share_prompt, self.fuse_projections = share_prompt, fuse_projections
         self.plan: Plan | None = None  # what the last call decided (read by tests and benchmarks)

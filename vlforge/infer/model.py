@@ -45,6 +45,10 @@ from vlforge.infer.shared_images import share_identical_images
 from vlforge.infer.streamer import BatchStreamer, Completion, TextOutput
 
 SYNC_EVERY = 4  # decode steps between sync points: how often text streams and finished rows leave
+# prompt tokens prefilled in one step while rows decode (Engine.step_prefill_tokens): ~6 requests of a
+# 448x448 image and a sentence; a 2B prefill of that many tokens is a few decode steps' time (not yet
+# measured against other values)
+STEP_PREFILL_TOKENS = 2048
 
 # Quantization methods whose kernels replay from CUDA graphs with the eager steps' tokens: bitsandbytes'
 # NF4 (its gemv at one row, dequantize + GEMM above: custom ops allocating through torch's caching
@@ -137,11 +141,13 @@ class InferenceModel:
         """This model's generate/ Engine (built on first use, kept with its buffers and graphs). CUDA graphs
         stay off for quantized weights whose kernels are not verified to replay from a graph
         (unreplayable_quant): those steps run eagerly (same tokens, host-bound). join_share 0: a request
-        joins as soon as a slot is free (a server's time to first token), not for a fuller prefill."""
+        joins as soon as a slot is free (a server's time to first token), not for a fuller prefill; a burst
+        of joins is prefilled STEP_PREFILL_TOKENS at a time, a decode step of the running rows after each."""
         if self._gen is None:
             self._gen = Engine(self.model, sync_every=self.sync_every,
                                use_graphs=False if unreplayable_quant(self.quant_report) else None,
-                               compile=self.compile and not self.quant_report, join_share=0.0)
+                               compile=self.compile and not self.quant_report, join_share=0.0,
+                               step_prefill_tokens=STEP_PREFILL_TOKENS)
         return self._gen
 
     def compile_problem(self) -> str | None:
