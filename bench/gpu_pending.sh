@@ -379,5 +379,24 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', '--tb=line', 
        r 2 $b activation_checkpointing.enabled=true activation_checkpointing.every=2
        r 3 $b compile.enabled=true compile.activation_memory_budget=0.5
        r 4 $b compile.enabled=true ;;
+  suite) # the gpu tier on three workers (docs/testing.md), then serve under load long enough for a steady
+         # state at 32 clients (12 requests a client; TTFT now from every request: ids past the tokenizer banned)
+         timeout 290 python3 -m pytest -q -m gpu -n 3 --dist worksteal -p no:cacheprovider --timeout=280 -rfE \
+           --tb=short > "$OUT/pytest-gpu.txt" 2>&1
+         timeout 290 python3 bench/serve_load.py --preset qwen3vl-2b --clients 1 8 32 --requests 12 \
+           --out "$OUT/serve.json" > "$OUT/serve.txt" 2>"$OUT/err-serve.txt" ;;
+  fp8r)  # FP8 against bf16 rollouts, each pair in one process (2B full, then 8B LoRA): speed, refresh, k3 gap
+         timeout 260 python3 bench/rollout_throughput.py --preset qwen3vl-2b --precision bf16 fp8 \
+           > "$OUT/fp8r-2b.jsonl" 2>"$OUT/err-fp8r-2b.txt"
+         timeout 320 python3 bench/rollout_throughput.py --preset qwen3vl-8b --lora peft --precision bf16 fp8 \
+           > "$OUT/fp8r-8b.jsonl" 2>"$OUT/err-fp8r-8b.txt" ;;
+  gen44) # the engine at 64x256, 2B and 8B (docs/benchmarks.md's Generation table)
+         timeout 200 python3 bench/generate.py --preset qwen3vl-2b --paths vlforge --cases 64x256 \
+           --out "$OUT/gen-2b.jsonl" > /dev/null 2>"$OUT/err-gen2b.txt"
+         timeout 300 python3 bench/generate.py --preset qwen3vl-8b --paths vlforge --cases 64x256 \
+           --out "$OUT/gen-8b.jsonl" > /dev/null 2>"$OUT/err-gen8b.txt" ;;
+  recipes) # the shipped SFT recipes as a user runs them, beside the plain-transformers peer
+         timeout 580 python3 bench/recipes.py --only sft-2b-full,sft-8b-lora --steps 20 --timeout 280 \
+           --out "$OUT/recipes.json" > "$OUT/recipes.txt" 2>"$OUT/err-recipes.txt" ;;
   *) echo "GROUP must be one of the groups above"; exit 2 ;;
 esac
