@@ -3,6 +3,7 @@ the trainer's forward and backward, and the config refusals (train/moe.py, gener
 
 import contextlib
 import copy
+from collections import Counter
 
 import pytest
 import torch
@@ -77,11 +78,23 @@ class _ExpertSpy:
             h.remove()
 
 
+def _stopping(model, prompts):
+    """The prompts with a stop token that ends some responses early: one the rollout samples before the
+    end of some responses but not all (random weights rarely sample a real end token)."""
+    encoder, batch = prompts
+    rows = [set(r[:-1].tolist()) for r in _rollout(model, prompts).response_ids]
+    counts = Counter(t for r in rows for t in r)
+    stop = next(t for t, c in counts.most_common() if c < len(rows))
+    stopping = copy.copy(encoder)
+    stopping.end_ids = [stop]
+    return stopping, batch
+
+
 def test_recorded_routes_are_the_full_forwards_routes_exactly_in_fp32(tiny_moe, prompts):
     """Every prompt token and every generated token the rollout ran (all but each response's last)
     has its experts recorded, equal (ids and order) to the trainer's full-sequence forward's."""
     model = copy.deepcopy(tiny_moe[0]).eval()
-    rollout = _rollout(model, prompts)
+    rollout = _rollout(model, _stopping(model, prompts))
     L, N, T, k = rollout.routes.shape
     P, R = rollout.prompt_ids.shape[1], rollout.response_ids.shape[1]
     assert (L, N, T, k) == (2, 12, P + R, 2) and rollout.routes.dtype == torch.int16
