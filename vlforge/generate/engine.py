@@ -262,7 +262,7 @@ class Engine:
         if self._batch is None:
             s = self._pull
             plan, sched = self._start(dict(self._waiting), s)
-            self.runner.prepare(plan, list(s.stop_ids), list(s.banned_ids), s.pad_id, sched.prompt_span)
+            self.runner.prepare(plan, s.stop_ids, s.banned_ids, s.pad_id, sched.prompt_span)
             # the mode every request waiting now needs, from the first step (GRPO's call: one set of graphs)
             self._batch = Batch(plan, sched, s, sampling_mode([r for _, r in self._waiting], "greedy"))
             self._waiting.clear()

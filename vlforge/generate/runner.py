@@ -109,27 +109,38 @@ class Runner:
         self.pad = torch.zeros((), dtype=torch.long, device=device)  # what finished rows emit
         self.banned = torch.zeros(self.core.lm_head.out_features, dtype=torch.bool, device=device)
         self.is_stop = torch.zeros_like(self.banned)  # the stop ids as a mask (min_new_tokens)
+        self._masked: tuple | None = None  # the (stop ids, banned ids) the two masks hold now
 
-    def prepare(self, plan: Plan, stop_ids: list[int], banned_ids: list[int], pad_id: int, prompt_span: int) -> None:
-        """A call's inputs every step reads, written into the buffers the graphs hold (no slot alive yet)."""
+    def prepare(self, plan: Plan, stop_ids: tuple[int, ...], banned_ids: tuple[int, ...], pad_id: int,
+                prompt_span: int) -> None:
+        """A call's inputs every step reads, written into the buffers the graphs hold (no slot alive yet).
+        The masks are rewritten only when the ids changed: a preset's banned list holds ~151k ids (every
+        lm_head row past its small tokenizer), a few ms to rebuild at each batch a server starts."""
         device = self.cache.rows.device
         if plan.group:
             self.prompt_span.fill_(prompt_span)
         if plan.recording and self.routes is None:  # with the slots: a new cache drops it (and the graphs)
             self.routes = torch.full((len(self.recorder.layers), len(self.cache.rows), self.cache.length,
                                       self.recorder.top_k), NO_ROUTE, dtype=ROUTE_DTYPE, device=device)
-        self.stop_ids.fill_(-1)
-        self.stop_ids[:len(stop_ids)] = queued(device, stop_ids)
-        self.is_stop.zero_()
-        if stop_ids:
-            self.is_stop[queued(device, stop_ids)] = True
+        if self._masked is None or self._masked[0] != stop_ids or not (
+                self._masked[1] is banned_ids or self._masked[1] == banned_ids):
+            self._write_masks(stop_ids, banned_ids)
         self.pad.fill_(pad_id)
-        self.banned.zero_()
-        if banned_ids:
-            self.banned[queued(device, banned_ids)] = True
         self.state.alive.zero_()
         if plan.compiled and self.compiled is None:
             self.compiled = CompiledStep()
+
+    def _write_masks(self, stop_ids: tuple[int, ...], banned_ids: tuple[int, ...]) -> None:
+        device = self.cache.rows.device
+        self.stop_ids.fill_(-1)
+        self.stop_ids[:len(stop_ids)] = queued(device, list(stop_ids))
+        self.is_stop.zero_()
+        if stop_ids:
+            self.is_stop[queued(device, list(stop_ids))] = True
+        self.banned.zero_()
+        if banned_ids:
+            self.banned[queued(device, list(banned_ids))] = True
+        self._masked = (stop_ids, banned_ids)
 
     # -- prefill ------------------------------------------------------------------------------
 
