@@ -290,7 +290,9 @@ def main() -> None:
                 results.append(summarize(name, r["losses"], r["times"], r["tokens"], None, args))
             else:
                 base = name.removesuffix(MASTERS_IN_OPTIMIZER)
-                extra = ("precision.master_weights=optimizer",) if base != name else ()
+                # explicit either way (auto would pick optimizer for a full GPU run): the +mw A/B stays an A/B
+                extra = (("precision.master_weights=optimizer",) if base != name else () if any(
+                    "master_weights" in o for o in args.ours) else ("precision.master_weights=fp32",))
                 path = (run_peer(args, batches) if name == "peer" else run_ours(args, batches, extra=extra)
                         if base == "ours" else run_ours(args, packed, packed=True, extra=extra) if base == "packed" else
                         run_ours(args, graph_rows, packed=True, graphs=GRAPHS[base], extra=extra))

@@ -103,7 +103,7 @@ def test_held_gradients_sum_in_fp32():
     assert w.grad.tolist() == [torch.tensor(261.0).bfloat16().item()] * 4 == [260.0] * 4
 
 
-def _run(shapes_dir, out, *extra):
+def _run(shapes_dir, out, *extra, config=False):
     from helpers import tiny_sft_config
 
     from vlforge.recipes.sft import run_sft
@@ -111,6 +111,8 @@ def _run(shapes_dir, out, *extra):
     cfg = tiny_sft_config(shapes_dir, out, "precision.mode=bf16", "tiers.method=full", "train.max_steps=4",
                           "data.val=null", "train.seed=3", *extra)
     run_sft(cfg)
+    if config:
+        return cfg
     return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()
             if '"loss"' in line and '"grad_norm"' in line]
 
@@ -288,3 +290,57 @@ def test_the_plan_names_the_working_copies():
         model, build_plan(model, TiersConfig(method="full")), PrecisionConfig(master_weights="optimizer"))["table"]}
     assert table["model.language_model.layers.*.self_attn.q_proj"] == "bf16 + fp32 master in the optimizer"
     assert table["model.language_model.embed_tokens"] == table["model.language_model.norm"] == "fp32"
+
+
+def _auto_cfg(shapes_dir, tmp_path, *extra):
+    from helpers import tiny_sft_config
+
+    return tiny_sft_config(shapes_dir, tmp_path, "precision.mode=bf16", "tiers.method=full", *extra)
+
+
+def test_auto_chooses_optimizer_only_where_it_was_measured(shapes_dir, tmp_path):
+    """precision.master_weights=auto (the default): optimizer-held masters for SFT full fine-tuning of a
+    dense model in bf16 with AdamW on one CUDA process; fp32 masters, naming why, for anything else."""
+    from vlforge.config import GRPOConfig, load_config
+    from vlforge.train.precision import auto_master_weights
+
+    cfg = _auto_cfg(shapes_dir, tmp_path)
+    assert cfg.precision.master_weights == "auto"
+    assert auto_master_weights(cfg, "cuda", "none", moe=False)[0] == "optimizer"
+    other = {"a cpu device": ("cpu", "none", False, ()), "strategy=fsdp2": ("cuda", "fsdp2", False, ()),
+             "MoE": ("cuda", "none", True, ()), "tiers.method=lora": ("cuda", "none", False, ("tiers.method=lora",)),
+             "precision.mode=fp32": ("cuda", "none", False, ("precision.mode=fp32",)),
+             "optim.name=adamw8bit": ("cuda", "none", False, ("optim.name=adamw8bit",))}
+    for why, (device, strategy, moe, overrides) in other.items():
+        choice, reason = auto_master_weights(_auto_cfg(shapes_dir, tmp_path, *overrides), device, strategy, moe)
+        assert choice == "fp32" and why in reason, (why, reason)
+    grpo = load_config(GRPOConfig, None, ["precision.mode=bf16", "tiers.method=full"])
+    choice, reason = auto_master_weights(grpo, "cuda", "none", moe=False)
+    assert choice == "fp32" and "GRPO" in reason
+
+
+def test_auto_is_settled_into_the_config_and_a_resume_keeps_the_checkpoints_form(shapes_dir, tmp_path, capsys):
+    """A run with auto records what it chose (config.yaml, trainer_state.json) and prints why; a resume
+    with auto keeps the form its checkpoint was saved in (here optimizer-held masters, which auto
+    would not choose on a CPU), continuing exactly as the explicit setting does."""
+    import yaml
+
+    mw = ("train.save_every=2", "optim.schedule=constant")
+    cfg = _run(shapes_dir, tmp_path / "fresh", *mw, "train.max_steps=2", config=True)
+    assert cfg.precision.master_weights == "auto"  # the caller's config is left as given
+    config = (tmp_path / "fresh" / "config.yaml").read_text()
+    assert yaml.safe_load(config)["precision"]["master_weights"] == "fp32"
+    assert "\n# precision.master_weights auto: fp32 (a cpu device" in config.split("\nmodel:")[0]  # the header
+    assert "precision.master_weights auto: fp32" in capsys.readouterr().out
+    _run(shapes_dir, tmp_path / "explicit", *mw, "precision.master_weights=optimizer")
+    _run(shapes_dir, tmp_path / "split", *mw, "precision.master_weights=optimizer", "train.max_steps=2")
+    state = json.loads((tmp_path / "split" / "checkpoint-2" / "trainer_state.json").read_text())
+    assert state["master_weights"] == "optimizer"
+    _run(shapes_dir, tmp_path / "split", *mw, f"train.resume={tmp_path / 'split' / 'checkpoint-2'}")  # auto
+    assert "optimizer (the form of the checkpoint this run resumes)" in capsys.readouterr().out
+    assert yaml.safe_load((tmp_path / "split" / "config.yaml").read_text())["precision"]["master_weights"] == \
+        "optimizer"
+    from safetensors.torch import load_file
+
+    whole, split = (load_file(tmp_path / d / "checkpoint-4" / "model.safetensors") for d in ("explicit", "split"))
+    assert all(torch.equal(whole[k], split[k]) for k in whole)

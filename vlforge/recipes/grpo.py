@@ -496,7 +496,7 @@ def run_grpo(cfg: GRPOConfig) -> dict:
             if isinstance(fn, ModelJudge) and fn.device == "auto":
                 fn.device = str(world.device)
         # compile only when asked: rollout decode shapes change every step and would keep recompiling
-        t = setup_model(cfg, compile_blocks=cfg.compile.enabled is True, world=world)
+        t = setup_model(cfg, compile_blocks=cfg.compile.enabled is True, world=world, resume_from=resume_from)
         disable_dropout(t.model)
         # the policy's generation engine, owned by the run: its KV buffers, CUDA graphs and compiled step
         # serve every rollout (rollout.keep_kv=false frees the buffers before each update)

@@ -191,7 +191,7 @@ def run_sft(cfg: SFTConfig) -> dict:
         raise ConfigError(problem)
     # SIGINT/SIGTERM (train/stop.py): once training runs, the step in progress finishes, then a checkpoint
     with StopSignals() as stop, begin_run(cfg) as (world, resume_from):
-        t = setup_model(cfg, world=world)
+        t = setup_model(cfg, world=world, resume_from=resume_from)
         train_data = load_dataset(cfg.data.train, t.processor, cfg.data)
         val_data = load_dataset(cfg.data.val, t.processor, cfg.data) if cfg.data.val else None
         tc = cfg.train

@@ -343,6 +343,18 @@ def _load_weights(path: Path, model) -> None:
                     params[n].copy_(tensor.to(params[n].dtype))
 
 
+def saved_master_weights(path: str | Path) -> str | None:
+    """The precision.master_weights a checkpoint's run trained with (its trainer_state.json, read as
+    JSON); fp32 for a checkpoint from before it was recorded (the default then); None when `path`
+    has no trainer_state.json (the resume's own checks name what is wrong with it)."""
+    try:
+        state = json.loads((Path(path) / "trainer_state.json").read_text())
+    except (OSError, ValueError):
+        return None
+    value = state.get("master_weights", "fp32") if isinstance(state, dict) else None
+    return value if value in ("fp32", "compute", "optimizer") else None
+
+
 def load_checkpoint(path: str | Path, model, optimizer, scheduler, scaler, rank: int = 0, seed: int = 0,
                     shared_rng: bool = False) -> dict:
     """Restore weights, optimizer, scheduler, loss scaler and RNG in place; returns trainer_state.

@@ -21,6 +21,7 @@ lives with the master weights. Recipes ask this object; nothing else casts param
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import re
 from collections import Counter
@@ -81,7 +82,9 @@ class PrecisionPolicy:
         self.compute_dtype = DTYPES[cfg.mode]
         self.master_dtype = self.compute_dtype if cfg.master_weights == "compute" else torch.float32
         # master_weights=optimizer: trainable linear weights are stored in the compute dtype, and
-        # `apply` keeps their fp32 values here for the optimizer (take_masters)
+        # `apply` keeps their fp32 values here for the optimizer (take_masters). auto, until
+        # settle_master_weights resolves it, is fp32 masters: what it resolves to off the measured
+        # setup, and the memory optimizer's form has too (the same peak, docs/benchmarks.md)
         self.masters_in_optimizer = cfg.master_weights == "optimizer"
         self._masters: dict[nn.Parameter, torch.Tensor] = {}
         self._overrides = [(re.compile(o.pattern), o) for o in cfg.overrides]
@@ -282,6 +285,44 @@ def format_precision_plan(p: dict) -> str:
         lines.append(f"fp8: {f['converted']} of {f['total_linears']} linears converted; skipped: "
                      + "; ".join(f"{n} {why}" for why, n in f["by_reason"].items() if why != "converted"))
     return "\n".join(lines)
+
+
+def auto_master_weights(cfg, device_type: str, strategy: str, moe: bool) -> tuple[str, str]:
+    """What precision.master_weights=auto means for a run: (fp32 | optimizer, why). `optimizer` only
+    where it was measured faster (SFT full fine-tuning of a dense model on one CUDA process, bf16,
+    AdamW, no quant or FP8: median step ~6% shorter at the same peak memory, H100, docs/benchmarks.md);
+    GRPO, LoRA, MoE and sharded runs are not measured, so they keep fp32 masters."""
+    p = cfg.precision
+    if hasattr(cfg, "rollout"):
+        return "fp32", "GRPO (optimizer-held masters are measured on SFT only)"
+    refusals = [(cfg.tiers.method != "full", f"tiers.method={cfg.tiers.method} (measured on full fine-tuning)"),
+                (p.mode != "bf16", f"precision.mode={p.mode} (bf16 working copies need bf16)"),
+                (cfg.optim.name != "adamw", f"optim.name={cfg.optim.name} (the masters live in AdamW's update)"),
+                (device_type != "cuda", f"a {device_type} device (measured on CUDA)"),
+                (strategy != "none", f"distributed.strategy={strategy} (one process only)"),
+                (cfg.quant.enabled or p.fp8.enabled, "quantized or FP8 layers (not measured)"),
+                (moe, "a MoE model (not measured)")]
+    for refused, why in refusals:
+        if refused:
+            return "fp32", why
+    return "optimizer", ("fp32 masters in AdamW's update, bf16 working weights: ~6% faster a step at the same "
+                         "peak memory (2B full, H100, docs/benchmarks.md)")
+
+
+def settle_master_weights(cfg, device_type: str, strategy: str, moe: bool,
+                          saved: str | None) -> tuple[PrecisionConfig, str | None]:
+    """precision.master_weights=auto resolved: (the precision config the run applies, the line it prints
+    and writes atop its config.yaml; None when the setting was explicit). `saved`: the form the
+    checkpoint a run resumes was saved in, which it keeps (the optimizer state's layout differs).
+    The caller's config is left as given."""
+    if cfg.precision.master_weights != "auto":
+        return cfg.precision, None
+    if saved is not None:
+        choice, why = saved, "the form of the checkpoint this run resumes"
+    else:
+        choice, why = auto_master_weights(cfg, device_type, strategy, moe)
+    return dataclasses.replace(cfg.precision, master_weights=choice), \
+        f"precision.master_weights auto: {choice} ({why})"
 
 
 def precision_plan(model: nn.Module, plan: list, cfg: PrecisionConfig, quant: QuantConfig | None = None) -> dict:

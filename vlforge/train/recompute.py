@@ -16,6 +16,7 @@ what a run that started at that notch would have.
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -103,8 +104,10 @@ def decide_recompute(cfg, t, tokens: int, say: Callable[[str], None] = print) ->
     `tokens` tokens), apply it to the model, say it once, and keep it in t.recompute."""
     ac = cfg.activation_checkpointing
     if ac.enabled is not True and ac.enabled is not False:  # auto
+        # estimated with the precision the run settled (master_weights auto: t.policy's, held sums and all)
+        settled = dataclasses.replace(cfg, precision=t.policy.cfg)
         # rank 0's choice on every rank: their free memory may differ, their runs should not
-        rec = t.world.broadcast(_auto(cfg, t, tokens))
+        rec = t.world.broadcast(_auto(settled, t, tokens))
         set_recompute(t.model, rec.every)
     else:  # setup_model applied it already
         rec = Recompute(ac.every if ac.enabled else 0, f"activation_checkpointing.enabled={str(ac.enabled).lower()}")

@@ -42,19 +42,25 @@ from vlforge.train.rng import fresh_rng
 from vlforge.train.samples import SampleLog
 from vlforge.train.trackers import TrackedMetrics, Trackers
 from vlforge.train.runtime import prepare_output_dir, release_output_dir, seed_everything
+from vlforge.train.precision import PrecisionPolicy
 from vlforge.train.trainable import Trainable
 from vlforge.model.tiers import param_groups
 
 
-def write_config(out: Path, cfg: RunConfig, recompute=None) -> None:
+def write_config(out: Path, cfg: RunConfig, recompute=None, policy: PrecisionPolicy | None = None,
+                 masters_note: str | None = None) -> None:
     """The run's config.yaml: what acts in it, paths absolute; activation checkpointing as settled
-    for this run (train/recompute.py: enabled=auto written as what it chose, and why, on top)."""
+    for this run (train/recompute.py: enabled=auto written as what it chose, and why, on top), and
+    so precision.master_weights (the `policy`'s, settled by setup_model; `masters_note`: why)."""
     cfg = resolve_paths(cfg)  # a copy
     header = ""
     if recompute is not None:
         cfg.activation_checkpointing.enabled = bool(recompute.every)
         cfg.activation_checkpointing.every = recompute.every or 1
         header = f"# {recompute.note()}\n"
+    if policy is not None:
+        cfg.precision.master_weights = policy.cfg.master_weights
+    header += f"# {masters_note}\n" if masters_note else ""
     (out / "config.yaml").write_text(header + dump_config(cfg))
 
 
@@ -152,13 +158,14 @@ class Run:
             # one-process run's
             fresh_rng(cfg.train.seed, 0, world.rank)
         state[IDENTITY_KEY] = identity
+        state["master_weights"] = t.policy.cfg.master_weights  # a resume keeps this form (settle_master_weights)
         state["total_steps"] = total_steps  # in every checkpoint: `vlforge view` tells a finished run from a stopped one
         # after the resume: a checkpoint refused as another config's leaves the config.yaml it was saved with;
         # paths stored absolute, so the run's checkpoints export, infer and serve anywhere
         if world.main:
-            write_config(out, cfg, t.recompute)
+            write_config(out, cfg, t.recompute, t.policy, t.masters_note)
             if t.recompute is not None:  # an out-of-memory step's move is recorded there too
-                t.recompute.record = functools.partial(write_config, out, cfg, t.recompute)
+                t.recompute.record = functools.partial(write_config, out, cfg, t.recompute, t.policy, t.masters_note)
         step = state.get("step", 0)
         if world.main:  # before hours of training, not at the first save: will the checkpoints fit?
             saves_left = sum(due(cfg.train.save_every, s, total_steps) for s in range(step + 1, total_steps + 1))

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -27,7 +28,8 @@ from vlforge.train.losses import loss_impl_problem
 from vlforge.train.moe import Routing
 from vlforge.train.optim import MASTERS_NEED_ADAMW, optimizer_problem
 from vlforge.train.packed_attention import packing_problem
-from vlforge.train.precision import PrecisionPolicy
+from vlforge.train.checkpoint import saved_master_weights
+from vlforge.train.precision import PrecisionPolicy, settle_master_weights
 from vlforge.train.runtime import resolve_device
 from vlforge.model.load import build_meta_model, host_dtype, load_model, load_on_host
 from vlforge.model.presets import MOE_PRESETS, is_moe
@@ -56,6 +58,7 @@ class Trainable:
     vision_shapes: set = field(default_factory=set)  # image layouts the vision graphs were recorded for
     # what activation checkpointing recomputes, settled before the first step (train/recompute.py)
     recompute: object | None = None
+    masters_note: str | None = None  # precision.master_weights=auto's choice and why (settle_master_weights)
 
     def forward(self, fn, *args, **kwargs):
         """`fn(model, *args)`, entered through the FSDP2 root unit when the run is sharded (train/sharding.Root).
@@ -233,10 +236,12 @@ def refuse_bad_combinations(cfg: RunConfig, device: torch.device) -> None:
         raise ConfigError(problem)
 
 
-def setup_model(cfg: RunConfig, compile_blocks: bool | None = None, world: World | None = None) -> Trainable:
+def setup_model(cfg: RunConfig, compile_blocks: bool | None = None, world: World | None = None,
+                resume_from: Path | None = None) -> Trainable:
     """Load, plan, wrap and cast the model; shard it over `world` (FSDP2) when the run is
     distributed. `compile_blocks` compiles the decoder layers; None: what `compile.enabled`
-    means for a training step (default_compile)."""
+    means for a training step (default_compile). `resume_from`: the checkpoint the run resumes,
+    whose master-weight form precision.master_weights=auto keeps (settled here, in `cfg`)."""
     world = world or World(device=resolve_device(cfg.train.device))
     device = world.device
     policy = PrecisionPolicy(cfg.precision, device.type)
@@ -253,6 +258,13 @@ def setup_model(cfg: RunConfig, compile_blocks: bool | None = None, world: World
     # alone and keeps the rest in their storage dtypes, and non-reentrant checkpointing needs no
     # input that requires grad.
     model, processor, plan, source = _load_planned(cfg, load_dtype, world)
+    # auto's masters are fp32 either way, so the load above did not depend on it; the cast below does
+    precision, masters = settle_master_weights(cfg, device.type, world.strategy, is_moe(unwrap(model).config),
+                                               saved_master_weights(resume_from) if resume_from else None)
+    if masters is not None:
+        policy = PrecisionPolicy(precision, device.type)
+        if world.main:
+            print(masters)
     fp8_plan = {}
     if fp8 is not None:
         fp8_plan = fp8_layer_plan(unwrap(model), cfg.precision.fp8)
@@ -271,7 +283,7 @@ def setup_model(cfg: RunConfig, compile_blocks: bool | None = None, world: World
     record_limits(processor, cfg.data)  # its checkpoints are then served at the run's image and video limits
     return Trainable(model, processor, plan, policy, device, fp8_plan, world, root, routing,
                      cfg.compile.activation_memory_budget, compiled_parts, cuda_graphs,
-                     cuda_graphs and cfg.compile.cuda_graphs_vision)
+                     cuda_graphs and cfg.compile.cuda_graphs_vision, masters_note=masters)
 
 
 def _load_planned(cfg: RunConfig, load_dtype: torch.dtype, world: World):
