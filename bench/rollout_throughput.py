@@ -19,7 +19,9 @@ zero), with expert LoRA fused (model/moe_lora.py) or through peft's folding Para
 FP8 copies, made once before its warm-up (`make_s`) and refreshed before the timed rollout (`refresh_s`,
 what GRPO pays every step). Each precision also reports the mismatch GRPO logs as rollout/k3_kl: the
 mean k3 KL over the timed rollout's tokens between its log-probs and the model's own teacher-forced
-ones (the trainer's, bf16 weights), and the largest |log ratio|.
+ones (the trainer's, bf16 weights), and the largest |log ratio|; after correction (rl.rollout_correction's
+default cap and band, token level): the k3 KL over the tokens MIS keeps, the share MIS masks and the
+share TIS truncates.
 Prints one JSON line per precision with generated tokens/s, then the fp8/bf16 speed ratio.
 """
 
@@ -39,7 +41,7 @@ from vlforge.model.load import load_model
 from vlforge.model.presets import MOE_PRESETS
 from vlforge.model.tiers import apply_plan, build_plan
 from vlforge.generate.engine import Engine
-from vlforge.rl.correction import mismatch_stats
+from vlforge.rl.correction import mismatch_stats, rollout_correction
 from vlforge.rollout.groups import generate_groups
 from vlforge.rollout.logprobs import sequence_logprobs
 from vlforge.rollout.precision import refresh_rollout_weights, rollout_precision
@@ -114,12 +116,21 @@ def timed_rollouts(args, model, encoder, prompts, engine, precision: str) -> dic
     with torch.no_grad():  # the trainer's log-probs of the rollout's tokens (bf16 weights), in slices of 8
         logp = torch.cat([sequence_logprobs(model, rollout, cfg.temperature, list(range(s, min(s + 8, len(
             rollout.finished)))))[0] for s in range(0, len(rollout.finished), 8)])
-    gap = mismatch_stats(logp.float(), rollout.logprobs.float(), rollout.response_mask)
+    old, new, mask = logp.float(), rollout.logprobs.float(), rollout.response_mask
+    gap = mismatch_stats(old, new, mask)
+    # after correction (rl.rollout_correction's defaults, token level): the gap over the tokens MIS keeps,
+    # and the shares MIS masks and TIS truncates
+    _, kept, masked = rollout_correction(old, new, mask, "mis")
+    kept_gap = mismatch_stats(old, new, kept)
+    truncated = rollout_correction(old, new, mask, "tis")[2]
     return {"preset": args.preset, "sequences": args.prompts * args.group, "new_tokens": args.new_tokens,
             "generated_tokens": generated, "seconds": seconds, "tokens_per_s": generated / seconds,
             "ms_per_decode_step": 1000 * seconds / args.new_tokens, "first_run_s": first_run_s,
             "lora": args.lora, "precision": precision, "make_s": make_s, "refresh_s": refresh_s,
             "k3_kl": float(gap["k3_kl_sum"] / gap["tokens"]), "log_ratio_abs_max": float(gap["log_ratio_abs_max"]),
+            "k3_kl_mis_kept": float(kept_gap["k3_kl_sum"] / kept_gap["tokens"].clamp(min=1)),
+            "mis_masked_share": float(masked.sum() / gap["tokens"]),
+            "tis_truncated_share": float(truncated.sum() / gap["tokens"]),
             "gpu": torch.cuda.get_device_name() if cuda else "cpu",
             "peak_gb": torch.cuda.max_memory_allocated() / 1e9 if cuda else None}
 

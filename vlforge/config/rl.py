@@ -49,8 +49,10 @@ class RolloutConfig:
     # activation scales, made again from the trained weights before each step's rollouts: the time that
     # takes is rollout/fp8_refresh_s; LoRA adapters merged into the copies; vision tower, embeddings,
     # lm_head and MoE experts as bf16). Its log-probs differ more from the trainer's: pair it with
-    # rl.old_logprobs=trainer and rl.rollout_correction (docs/grpo.md, FP8 rollouts). bf16 by default
-    # until a GPU measurement says fp8 rollouts are faster (docs/benchmarks.md)
+    # rl.old_logprobs=trainer and rl.rollout_correction (docs/grpo.md, FP8 rollouts). bf16 by default:
+    # fp8 is faster (H100: 1.35x at 8B LoRA, 1.10x at 2B full) but its log-probs depart ~90x further
+    # from the trainer's (k3 KL 9.8e-2 vs 1.1e-3 at 8B, docs/benchmarks.md, GRPO), which changes what
+    # GRPO optimizes unless corrected: a choice made together with rl.rollout_correction
     precision: Literal["bf16", "fp8"] = "bf16"
 
     def __post_init__(self):
