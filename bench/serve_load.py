@@ -6,8 +6,9 @@
 
 Starts `vlforge serve PRESET` (random weights) as its own process on a free loopback port, waits
 for /health, warms it up (one batch of full-length requests), then for each concurrency level
-runs that many clients at once, each sending `--requests` streamed chat completions one after
-another. Requests alternate between the short and the long `--new-tokens` (min_tokens = max_tokens:
+runs that many clients at once, first one untimed request each (the graphs of the level's slot and
+length buckets captured: the steady state of a running server), then, timed, each sending
+`--requests` streamed chat completions one after another. Requests alternate between the short and the long `--new-tokens` (min_tokens = max_tokens:
 random weights would otherwise stop at random points), each with its own synthetic image (distinct
 colours: no two share vision features) unless `--image-size 0`. Latency is from sending the
 request to its last byte; time to first token (TTFT) to its first streamed text; both measured by
@@ -207,6 +208,9 @@ def main() -> None:
                                       min(4, max(args.clients)), 10**6))
                 levels, seed = [], 0
                 for clients in args.clients:
+                    # the level's own warm-up, untimed: one request a client, so that the CUDA graphs of
+                    # its slot and length buckets are captured before it is timed (a server's steady state)
+                    asyncio.run(run_level(url, argparse.Namespace(**{**vars(args), "requests": 1}), clients, 10**7))
                     before = batch_stats(url)
                     level = asyncio.run(run_level(url, args, clients, seed))
                     after = batch_stats(url)
