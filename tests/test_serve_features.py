@@ -163,6 +163,25 @@ def test_repeated_images_in_a_batch_are_encoded_once(engine):
     assert [c.prompt_tokens for c in shared] == [c.prompt_tokens for c in plain]
 
 
+def test_images_of_distinct_grids_are_never_read_back(engine, monkeypatch):
+    """Only images of equal grids can be equal: a call whose images all differ in grid is left alone
+    without the patches' device-to-host copy and hash (the copy would wait for every queued decode
+    step); one with two images of one grid is still checked, and shares an identical pair."""
+    import vlforge.infer.shared_images as shared_images
+
+    hashed = []
+    real = shared_images.patch_keys
+    monkeypatch.setattr(shared_images, "patch_keys", lambda hidden, grid: hashed.append(len(grid)) or real(hidden, grid))
+    prompt = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Colour?"}]}]
+    sizes = [(64, 48), (40, 40), (32, 64)]
+    before = engine.images_shared
+    engine.generate([Request(prompt, [Image.new("RGB", size, (200, 30, 30))], max_new_tokens=2) for size in sizes])
+    assert hashed == [] and engine.images_shared == before
+    same = Image.new("RGB", (40, 40), (0, 90, 30))
+    engine.generate([Request(prompt, [im], max_new_tokens=2) for im in (same, same.copy(), Image.new("RGB", (64, 48)))])
+    assert hashed == [3] and engine.images_shared == before + 1
+
+
 def test_repeated_image_over_http_counted_in_metrics(batching_server, engine):
     server, client = batching_server
     url = data_url(png_bytes((64, 64), color=(90, 90, 200)))

@@ -130,6 +130,11 @@ def share_identical_images(model, count: Callable[[int], None] | None = None) ->
     merge2 = unwrap(model).model.visual.spatial_merge_size ** 2
 
     def plan_for(hidden, grid):
+        # only images of equal grids can be equal: with none alike (one image, say) the patches are not
+        # read back (a device-to-host copy waits for every queued decode step) nor hashed
+        grids = [tuple(g) for g in grid.tolist()]
+        if len(set(grids)) == len(grids):
+            return None
         keys = patch_keys(hidden, grid)
         if len(set(keys)) == len(keys):
             return None
