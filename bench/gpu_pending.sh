@@ -395,8 +395,19 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', '--tb=line', 
            --out "$OUT/gen-2b.jsonl" > /dev/null 2>"$OUT/err-gen2b.txt"
          timeout 300 python3 bench/generate.py --preset qwen3vl-8b --paths vlforge --cases 64x256 \
            --out "$OUT/gen-8b.jsonl" > /dev/null 2>"$OUT/err-gen8b.txt" ;;
-  recipes) # the shipped SFT recipes as a user runs them, beside the plain-transformers peer
-         timeout 580 python3 bench/recipes.py --only sft-2b-full,sft-8b-lora --steps 20 --timeout 280 \
+  recipes) # the shipped 2B SFT recipe as a user runs it, beside the plain-transformers peer, and its second
+         # start (warm compile caches); the first step compiles layers, vision blocks and the optimizer's update
+         # (150 s was too little for 16 steps on an H100)
+         timeout 580 python3 bench/recipes.py --only ${ROWS:-sft-2b-full} --steps 16 --second-run --timeout 300 \
            --out "$OUT/recipes.json" > "$OUT/recipes.txt" 2>"$OUT/err-recipes.txt" ;;
+  serveprof) # where a serving GPU's time goes at 32 clients: serve_load with py-spy (a wheel in .whl) sampling
+         # the server's threads during the 32-client level, then the sampled stacks in $OUT/spy.txt
+         export PATH=/tmp/site/bin:$PATH
+         (timeout 330 python3 bench/serve_load.py --preset qwen3vl-2b --clients 8 32 --requests 12 \
+            --out "$OUT/serve.json" > "$OUT/serve.txt" 2>"$OUT/err-serve.txt" &)
+         for i in $(seq 1 200); do sleep 1; pid=$(pgrep -f "vlforge.cli serve qwen3vl-2b" | head -1); [ -n "$pid" ] && break; done
+         for i in $(seq 1 300); do sleep 1; grep -q "^8 clients" "$OUT/err-serve.txt" && break; done; sleep 3
+         timeout 60 py-spy record -p "$pid" -d 15 -r 200 --threads --format raw -o "$OUT/spy.txt" > "$OUT/spy.log" 2>&1
+         while pgrep -f "bench/serve_load.py" > /dev/null; do sleep 2; done ;;
   *) echo "GROUP must be one of the groups above"; exit 2 ;;
 esac
