@@ -185,3 +185,21 @@ def test_grpo_rollout_copies_leave_out_fp8_linears(meta_8b):
     assert len(converted) > 100  # the decoder layers' projections
     fp8 = memory_estimate(model, plan, cfg)["rollout_weight_copies"]
     assert plain - fp8 == 2 * sum(model.get_submodule(n).weight.numel() for n in converted)
+
+
+def test_cli_plan_settles_master_weights_auto_as_a_gpu_run_would(capsys):
+    """--plan shows what master_weights=auto chooses on the GPUs it plans for, and counts it: masters in
+    the optimizer for full bf16 SFT on one process (with gradient accumulation, their fp32 gradient
+    sums), fp32 masters for LoRA or several processes, each with its reason."""
+    full = ["precision.mode=bf16", "tiers.method=full", "train.grad_accum=2"]
+    assert main(["sft", "configs/demo-sft.yaml", "--plan", "--json", *full]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["precision"]["master_weights_auto"].startswith("precision.master_weights auto: optimizer")
+    assert out["memory"]["master_weights"] == "fp32 (in the optimizer)" and out["memory"]["held_gradient_sums"] > 0
+    for extra, why in ((["tiers.method=lora"], "tiers.method=lora"), (["--world-size", "2"], "fsdp2")):
+        assert main(["sft", "configs/demo-sft.yaml", "--plan", "--json", *full, *extra]) == 0
+        out = json.loads(capsys.readouterr().out)
+        assert out["precision"]["master_weights_auto"].startswith("precision.master_weights auto: fp32")
+        assert why in out["precision"]["master_weights_auto"] and out["memory"]["held_gradient_sums"] == 0
+    assert main(["sft", "configs/demo-sft.yaml", "--plan", *full]) == 0
+    assert "precision.master_weights auto: optimizer" in capsys.readouterr().out

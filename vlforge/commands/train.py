@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 
@@ -18,12 +19,20 @@ def _print_plan(cfg, as_json: bool, world_size: int) -> None:
     from vlforge.model.load import build_meta_model
     from vlforge.model.tiers import build_plan, format_plan, plan_summary
     from vlforge.train.memory import format_memory, memory_estimate
-    from vlforge.train.precision import format_precision_plan, precision_plan
+    from vlforge.model.presets import is_moe
+    from vlforge.train.distributed import planned_strategy
+    from vlforge.train.precision import format_precision_plan, precision_plan, settle_master_weights
 
     model, _ = build_meta_model(cfg.model)
     plan = build_plan(model, cfg.tiers)
+    # master_weights auto as the run would settle it on the GPUs it plans for (one per process)
+    strategy, _ = planned_strategy(cfg.distributed.strategy, world_size, "cuda")
+    precision, masters = settle_master_weights(cfg, "cuda", strategy, is_moe(model.config), None)
+    cfg = dataclasses.replace(cfg, precision=precision)
     summary = {**plan_summary(model, plan), "precision": precision_plan(model, plan, cfg.precision, cfg.quant),
                "memory": memory_estimate(model, plan, cfg, world_size)}
+    if masters:
+        summary["precision"]["master_weights_auto"] = masters
     print(json.dumps(summary, indent=2) if as_json
           else "\n\n".join((format_plan(summary), format_precision_plan(summary["precision"]),
                              format_memory(summary["memory"]))))

@@ -279,6 +279,8 @@ def format_precision_plan(p: dict) -> str:
     widths = [max(len(c[i]) for c in cells) for i in range(4)]
     lines = [f"precision: compute {p['mode']}, master weights {p['master_weights']} "
              "(norms, softmax, loss and log-probs in fp32)"]
+    if "master_weights_auto" in p:
+        lines.append(f"{p['master_weights_auto']}, on CUDA")
     lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
     if "fp8" in p:
         f = p["fp8"]
@@ -305,8 +307,9 @@ def auto_master_weights(cfg, device_type: str, strategy: str, moe: bool) -> tupl
     for refused, why in refusals:
         if refused:
             return "fp32", why
-    return "optimizer", ("fp32 masters in AdamW's update, bf16 working weights: ~6% faster a step at the same "
-                         "peak memory (2B full, H100, docs/benchmarks.md)")
+    return "optimizer", ("fp32 masters in AdamW's update, bf16 working weights: ~6% faster a step, 2B full on an "
+                         "H100, docs/benchmarks.md; with gradient accumulation 4 bytes a weight more, for fp32 "
+                         "gradient sums")
 
 
 def settle_master_weights(cfg, device_type: str, strategy: str, moe: bool,
