@@ -344,3 +344,16 @@ def test_auto_is_settled_into_the_config_and_a_resume_keeps_the_checkpoints_form
 
     whole, split = (load_file(tmp_path / d / "checkpoint-4" / "model.safetensors") for d in ("explicit", "split"))
     assert all(torch.equal(whole[k], split[k]) for k in whole)
+
+
+def test_a_sharded_resume_of_an_optimizer_masters_checkpoint_is_refused_by_name(shapes_dir, tmp_path):
+    """auto follows the checkpoint's form, and optimizer-held masters train on one process only: a
+    sharded resume of such a checkpoint is refused, saying what to do (never a silent bf16 reduction)."""
+    from vlforge.config import ConfigError
+    from vlforge.train.precision import settle_master_weights
+
+    cfg = _auto_cfg(shapes_dir, tmp_path)
+    with pytest.raises(ConfigError, match="resume it on one process, or `vlforge export` it"):
+        settle_master_weights(cfg, "cuda", "fsdp2", moe=False, saved="optimizer")
+    precision, note = settle_master_weights(cfg, "cuda", "fsdp2", moe=False, saved="fp32")
+    assert precision.master_weights == "fp32" and "checkpoint" in note and cfg.precision.master_weights == "auto"

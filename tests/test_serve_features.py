@@ -171,7 +171,8 @@ def test_images_of_distinct_grids_are_never_read_back(engine, monkeypatch):
 
     hashed = []
     real = shared_images.patch_keys
-    monkeypatch.setattr(shared_images, "patch_keys", lambda hidden, grid: hashed.append(len(grid)) or real(hidden, grid))
+    monkeypatch.setattr(shared_images, "patch_keys",
+                        lambda hidden, grid: hashed.append(len(grid)) or real(hidden, grid))
     prompt = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Colour?"}]}]
     sizes = [(64, 48), (40, 40), (32, 64)]
     before = engine.images_shared

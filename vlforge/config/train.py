@@ -126,7 +126,7 @@ class PrecisionConfig:
     # working copies it rewrites in the same pass (bf16 only, one process): no per-step weight
     # casts; the same forward and gradients as fp32 (train/optim.MasterWeightAdamW). auto: optimizer
     # where measured faster (SFT full fine-tuning of a dense model, bf16, AdamW, one CUDA process:
-    # ~6% a step at the same peak memory, docs/benchmarks.md), else fp32; a resumed run keeps the
+    # ~6% a step, docs/benchmarks.md), else fp32; a resumed run keeps the
     # form its checkpoint was saved in (train/precision.settle_master_weights; config.yaml records it).
     master_weights: Literal["auto", "fp32", "compute", "optimizer"] = "auto"
     # per-module exceptions to `mode` (norms in fp32, say); later entries win

@@ -83,8 +83,7 @@ class PrecisionPolicy:
         self.master_dtype = self.compute_dtype if cfg.master_weights == "compute" else torch.float32
         # master_weights=optimizer: trainable linear weights are stored in the compute dtype, and
         # `apply` keeps their fp32 values here for the optimizer (take_masters). auto, until
-        # settle_master_weights resolves it, is fp32 masters: what it resolves to off the measured
-        # setup, and the memory optimizer's form has too (the same peak, docs/benchmarks.md)
+        # settle_master_weights resolves it, counts as fp32 masters (both forms load fp32 weights)
         self.masters_in_optimizer = cfg.master_weights == "optimizer"
         self._masters: dict[nn.Parameter, torch.Tensor] = {}
         self._overrides = [(re.compile(o.pattern), o) for o in cfg.overrides]
@@ -292,7 +291,7 @@ def format_precision_plan(p: dict) -> str:
 def auto_master_weights(cfg, device_type: str, strategy: str, moe: bool) -> tuple[str, str]:
     """What precision.master_weights=auto means for a run: (fp32 | optimizer, why). `optimizer` only
     where it was measured faster (SFT full fine-tuning of a dense model on one CUDA process, bf16,
-    AdamW, no quant or FP8: median step ~6% shorter at the same peak memory, H100, docs/benchmarks.md);
+    AdamW, no quant or FP8: median step ~6% shorter, H100, docs/benchmarks.md);
     GRPO, LoRA, MoE and sharded runs are not measured, so they keep fp32 masters."""
     p = cfg.precision
     if hasattr(cfg, "rollout"):
@@ -320,6 +319,11 @@ def settle_master_weights(cfg, device_type: str, strategy: str, moe: bool,
     The caller's config is left as given."""
     if cfg.precision.master_weights != "auto":
         return cfg.precision, None
+    if saved == "optimizer" and strategy != "none":
+        raise ConfigError(f"the checkpoint this run resumes keeps its fp32 master weights in its optimizer state "
+                          f"(precision.master_weights=optimizer), which trains on one process, not "
+                          f"distributed.strategy={strategy}: resume it on one process, or `vlforge export` it and "
+                          "start a new run from the export")
     if saved is not None:
         choice, why = saved, "the form of the checkpoint this run resumes"
     else:

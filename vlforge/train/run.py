@@ -176,7 +176,8 @@ class Run:
         # every rank evaluates (a sharded forward needs them all; DDP's ranks would wait for rank 0 anyway); rank 0 writes
         metrics = MetricsLog(out, cfg.log.tensorboard, resume_step=step if resume_from else 0) if world.main \
             else NullMetrics()
-        trackers = Trackers(cfg.log, out, dataclasses.asdict(resolve_paths(cfg))) \
+        settled = dataclasses.replace(cfg, precision=t.policy.cfg)  # master_weights as settled (setup_model)
+        trackers = Trackers(cfg.log, out, dataclasses.asdict(resolve_paths(settled))) \
             if world.main and (cfg.log.wandb or cfg.log.mlflow) else None
         metrics = TrackedMetrics(metrics, trackers) if trackers else metrics  # the same rows to wandb / MLflow
         lc = cfg.log  # samples/ (train/samples.py): rank 0 writes

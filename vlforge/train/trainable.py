@@ -11,6 +11,7 @@ refusals before any weight is loaded live in one place.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -241,7 +242,8 @@ def setup_model(cfg: RunConfig, compile_blocks: bool | None = None, world: World
     """Load, plan, wrap and cast the model; shard it over `world` (FSDP2) when the run is
     distributed. `compile_blocks` compiles the decoder layers; None: what `compile.enabled`
     means for a training step (default_compile). `resume_from`: the checkpoint the run resumes,
-    whose master-weight form precision.master_weights=auto keeps (settled here, in `cfg`)."""
+    whose master-weight form precision.master_weights=auto keeps (settled here into the returned
+    policy's config; `cfg` is left as given)."""
     world = world or World(device=resolve_device(cfg.train.device))
     device = world.device
     policy = PrecisionPolicy(cfg.precision, device.type)
@@ -262,9 +264,10 @@ def setup_model(cfg: RunConfig, compile_blocks: bool | None = None, world: World
     precision, masters = settle_master_weights(cfg, device.type, world.strategy, is_moe(unwrap(model).config),
                                                saved_master_weights(resume_from) if resume_from else None)
     if masters is not None:
-        policy = PrecisionPolicy(precision, device.type)
         if world.main:
             print(masters)
+        refuse_bad_combinations(dataclasses.replace(cfg, precision=precision), device)  # a resumed form, say
+        policy = PrecisionPolicy(precision, device.type)
     fp8_plan = {}
     if fp8 is not None:
         fp8_plan = fp8_layer_plan(unwrap(model), cfg.precision.fp8)
