@@ -400,6 +400,12 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', '--tb=line', 
          # (150 s was too little for 16 steps on an H100)
          timeout 580 python3 bench/recipes.py --only ${ROWS:-sft-2b-full} --steps 16 --second-run --timeout 300 \
            --out "$OUT/recipes.json" > "$OUT/recipes.txt" 2>"$OUT/err-recipes.txt" ;;
+  grpocompile) # GRPO's training forward compiled (compile.enabled=true) against the shipped recipe (eager), 2B:
+         # whether compile.enabled auto should compile GRPO too (the first step's compile counted apart)
+         for o in "" "compile.enabled=true"; do
+           timeout 280 python3 bench/recipes.py --only grpo-2b-full --steps 16 --timeout 260 ${o:+--override $o} \
+             --out "$OUT/grpo${o:+-compiled}.json" > "$OUT/grpo${o:+-compiled}.txt" 2>>"$OUT/err-grpo.txt"
+         done ;;
   serveprof) # where a serving GPU's time goes at 32 clients: serve_load with py-spy (a wheel in .whl) sampling
          # the server's threads during the 32-client level, then the sampled stacks in $OUT/spy.txt
          export PATH=/tmp/site/bin:$PATH

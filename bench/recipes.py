@@ -5,6 +5,7 @@ prints one table of ratios and writes the rows as JSON.
     python bench/recipes.py --out recipes.json                       # on a CUDA machine (~20-30 min)
     python bench/recipes.py --only sft-2b-full,serve-2b --steps 20
     python bench/recipes.py --only sft-2b-full,grpo-2b-full --second-run    # + each recipe's second start
+    python bench/recipes.py --only grpo-2b-full --override compile.enabled=true  # a setting against the recipe
     python bench/recipes.py --smoke                                  # the tiny preset on a CPU (wiring only)
 
 Rows:
@@ -86,7 +87,7 @@ def sft_row(name: str, data: Path, tmp: Path, args) -> dict:
     smoke = ["model.preset=tiny", "precision.mode=fp32"] if args.smoke else []
     ours = [sys.executable, "-m", "vlforge", "sft", f"configs/{recipe}.yaml", f"data.train={data}", "data.val=null",
             "train.grad_accum=1", f"train.max_steps={args.steps}", f"train.output_dir={run_dir}", "log.progress=false", "log.every=1",
-            "train.overwrite=true", *smoke]
+            "train.overwrite=true", *smoke, *args.override]
     row = {"row": name, "command": " ".join(ours[1:])}
     if not _run(ours, tmp / f"{name}.log", args.timeout):
         return {**row, "error": "ours failed"}
@@ -111,7 +112,7 @@ def grpo_row(name: str, tmp: Path, args) -> dict:
     ours = [sys.executable, "-m", "vlforge", "grpo", f"configs/{GRPO[name]}.yaml", f"data.train={shapes / 'train.jsonl'}",
             "data.val=null", f"train.max_steps={max(3, args.steps // 4)}", f"train.output_dir={run_dir}", "log.every=1",
             "log.progress=false", "train.overwrite=true", f"rl.rewards=[{{name: {BENCH / 'varied_reward.py'}:length_mod3}}]",
-            *smoke]
+            *smoke, *args.override]
     row = {"row": name, "command": " ".join(ours[1:])}
     if not _run(ours, tmp / f"{name}.log", args.timeout):
         return {**row, "error": "ours failed"}
@@ -174,6 +175,8 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true", help="the tiny preset in fp32, few tokens: wiring on a CPU")
     ap.add_argument("--second-run", action="store_true",
                     help="run each SFT/GRPO recipe twice: the second's first step with warm compile caches")
+    ap.add_argument("--override", nargs="*", default=[],
+                    help="config overrides for every SFT/GRPO row (an A/B of a setting against the shipped recipe)")
     ap.add_argument("--keep", help="keep the runs, logs and data in this folder (default: a temporary one)")
     ap.add_argument("--out", help="write the rows as JSON here too")
     args = ap.parse_args()
