@@ -147,7 +147,8 @@ def serve_row(tmp: Path, args) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| row | ours tokens/s | peer tokens/s | ratio | ours peak GB | peer peak GB | MFU | first step s (second run) |",
+    lines = ["| row | ours tokens/s | peer tokens/s | ratio | ours peak GB | peer peak GB | MFU "
+             "| first step s (second run) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
         if "error" in r:

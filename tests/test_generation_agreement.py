@@ -134,3 +134,26 @@ def test_ids_past_the_tokenizer_are_never_generated(tiny, shapes_dir):
         stop_ids=[], banned_ids=never_generated(encoder, model), image_token_id=encoder.image_token_id,
         pad_id=encoder.pad_id)
     assert all(int(r.tokens.max()) < vocab for r in results)
+
+
+def test_a_later_batch_bans_its_own_ids_and_stops_at_its_own(tiny, shapes_dir):
+    """The runner keeps its banned and stop masks between batches while the ids are unchanged; a batch
+    with other ids gets masks of its own (never the previous batch's)."""
+    model, processor = copy.deepcopy(tiny[0]).eval(), tiny[1]
+    data = load_dataset(str(shapes_dir / "val.jsonl"), processor, DataConfig())
+    encoder, x = data.encoder, encode_prompt(data.encoder, data.samples[0])
+    engine = Engine(model)
+    request = GenRequest(Prompt(x["input_ids"], x.get("pixel_values"), x.get("image_grid_thw")), max_new_tokens=8)
+
+    def tokens(banned, stop):
+        out = engine.generate([request], stop_ids=stop, banned_ids=banned, image_token_id=encoder.image_token_id,
+                              pad_id=encoder.pad_id)
+        return out[0].tokens.tolist()
+
+    free = tokens([], [])
+    assert tokens([], []) == free  # unchanged ids: the kept masks give the same tokens
+    banned = tokens([free[0]], [])
+    assert banned[0] != free[0] and free[0] not in banned  # the new ban took effect
+    assert tokens([], []) == free  # and left with its batch
+    stopped = tokens([], [free[2]])
+    assert stopped == free[:3]  # a new stop id ends the answer at it

@@ -68,23 +68,3 @@ def test_the_servers_engine_interleaves_and_a_batch_callers_does_not(tiny):
     batch = Engine(model)
     assert batch.step_prefill_tokens == batch.max_prefill_tokens
 
-
-def test_a_later_batch_bans_its_own_ids_and_stops_at_its_own(setup):
-    """The runner keeps its banned and stop masks between batches while the ids are unchanged; a batch
-    with other ids gets masks of its own (never the previous batch's)."""
-    model, encoder, samples = setup
-    engine = Engine(model)
-    request = GenRequest(prompt_of(encoder, samples[0]), max_new_tokens=8)
-
-    def tokens(banned, stop):
-        out = engine.generate([request], stop_ids=stop, banned_ids=banned, image_token_id=encoder.image_token_id,
-                              pad_id=encoder.pad_id)
-        return out[0].tokens.tolist()
-
-    free = tokens([], [])
-    assert tokens([], []) == free  # unchanged ids: the kept masks give the same tokens
-    banned = tokens([free[0]], [])
-    assert banned[0] != free[0] and free[0] not in banned  # the new ban took effect
-    assert tokens([], []) == free  # and left with its batch
-    stopped = tokens([], [free[2]])
-    assert stopped == free[:3]  # a new stop id ends the answer at it

@@ -222,8 +222,8 @@ def test_a_real_cuda_out_of_memory_is_recovered(shapes_dir, tmp_path, capsys):
 
     def config(name, *extra):
         # eager: the subject is the recomputation, and a compile per run would take most of the test's time
-        return tiny_sft_config(shapes_dir, tmp_path / name, "train.device=cuda", "eval.every=0", "compile.enabled=false",
-                               "train.max_steps=2", "train.batch_size=32", *extra)
+        return tiny_sft_config(shapes_dir, tmp_path / name, "train.device=cuda", "eval.every=0",
+                               "compile.enabled=false", "train.max_steps=2", "train.batch_size=32", *extra)
 
     peaks = []
     for enabled in ("false", "true"):
