@@ -415,5 +415,23 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', '--tb=line', 
          for i in $(seq 1 300); do sleep 1; grep -q "^8 clients" "$OUT/err-serve.txt" && break; done; sleep 3
          timeout 60 py-spy record -p "$pid" -d 15 -r 200 --threads --format raw -o "$OUT/spy.txt" > "$OUT/spy.log" 2>&1
          while pgrep -f "bench/serve_load.py" > /dev/null; do sleep 2; done ;;
+  servecap) # the serve workload without HTTP (--in-process: the engine's bound, traced at 32 clients, two
+         # engine variants), then through the server with py-spy on its threads (all, then the GIL holder's)
+         timeout 280 python3 bench/serve_load.py --preset qwen3vl-2b --in-process --clients 1 8 32 --requests 12 \
+           --trace "$OUT/trace.txt" --engine-set sync_every=8 --engine-set step_prefill_tokens=512 \
+           > "$OUT/inproc.txt" 2>"$OUT/err-inproc.txt"
+         export PATH=/tmp/site/bin:$PATH
+         (timeout 280 python3 bench/serve_load.py --preset qwen3vl-2b --clients 8 32 --requests 12 \
+            > "$OUT/serve.txt" 2>"$OUT/err-serve.txt" &)
+         for i in $(seq 1 200); do sleep 1; pid=$(pgrep -f "vlforge.cli serve qwen3vl-2b" | head -1); [ -n "$pid" ] && break; done
+         for i in $(seq 1 250); do sleep 1; grep -q "^8 clients" "$OUT/err-serve.txt" && break; done; sleep 3
+         timeout 30 py-spy record -p "$pid" -d 9 -r 200 --threads --format raw -o "$OUT/spy.txt" > /dev/null 2>&1
+         timeout 30 py-spy record -p "$pid" -d 8 -r 200 --threads --gil --format raw -o "$OUT/spy-gil.txt" > /dev/null 2>&1
+         while pgrep -f "bench/serve_load.py" > /dev/null; do sleep 2; done ;;
+  serveswitch) # the server's GIL hand-over interval: Python's 5 ms against 0.5 ms, same workload
+         for sw in 0.005 0.0005; do
+           timeout 280 python3 bench/serve_load.py --preset qwen3vl-2b --clients 1 8 32 --requests 12 \
+             --server-switch-interval $sw > "$OUT/serve-$sw.txt" 2>"$OUT/err-serve-$sw.txt"
+         done ;;
   *) echo "GROUP must be one of the groups above"; exit 2 ;;
 esac

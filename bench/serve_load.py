@@ -61,6 +61,11 @@ def start_server(args, port: int, log) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [repo, os.environ.get("PYTHONPATH")])),
            "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
     env.pop("VLFORGE_API_KEY", None)  # the benchmark's server takes no key
+    if args.server_switch_interval is not None:  # an A/B of the server's GIL hand-over interval (sys.setswitchinterval)
+        site = Path(log.name).parent / "switch"
+        site.mkdir(exist_ok=True)
+        (site / "sitecustomize.py").write_text(f"import sys\nsys.setswitchinterval({args.server_switch_interval})\n")
+        env["PYTHONPATH"] = os.pathsep.join([str(site), env["PYTHONPATH"]])
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
 
 
@@ -78,12 +83,17 @@ def wait_ready(url: str, server: subprocess.Popen, timeout_s: float, log_path: P
     raise SystemExit(f"the server did not answer /health within {timeout_s:.0f} s:\n{log_path.read_text()[-3000:]}")
 
 
-def image_url(size: int, seed: int) -> str | None:
-    if size <= 0:
-        return None
+def image(size: int, seed: int) -> Image.Image:
     color = ((seed * 37) % 256, (seed * 91 + 40) % 256, (seed * 53 + 90) % 256)
     im = Image.new("RGB", (size, size), color)
     im.paste((255 - color[0], 255 - color[1], 255 - color[2]), (size // 4, size // 4, size // 2, size // 2))
+    return im
+
+
+def image_url(size: int, seed: int) -> str | None:
+    if size <= 0:
+        return None
+    im = image(size, seed)
     buf = io.BytesIO()
     im.save(buf, format="PNG")
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
@@ -121,16 +131,21 @@ async def run_level(url: str, args, clients: int, seed0: int) -> dict:
     short, long_ = min(args.new_tokens), max(args.new_tokens)
     limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients + 4)
     async with httpx.AsyncClient(base_url=url, timeout=args.timeout_s, limits=limits) as client:
+        # every body made before the clock starts: a PNG encoded in the clients' event loop would delay
+        # the other clients' reads (their time to first token)
+        bodies = [[payload(args, short if (c + k) % 2 == 0 else long_, seed0 + c * args.requests + k)
+                   for k in range(args.requests)] for c in range(clients)]
+
         async def worker(c: int) -> list[dict]:
-            out = []
-            for k in range(args.requests):
-                seed = seed0 + c * args.requests + k
-                out.append(await one_request(client, payload(args, short if (c + k) % 2 == 0 else long_, seed)))
-            return out
+            return [await one_request(client, b) for b in bodies[c]]
 
         start = time.perf_counter()
         results = [r for rs in await asyncio.gather(*(worker(c) for c in range(clients))) for r in rs]
         wall = time.perf_counter() - start
+    return summarize(results, wall, clients, short, long_)
+
+
+def summarize(results: list[dict], wall: float, clients: int, short: int, long_: int) -> dict:
     ok = [r for r in results if r["status"] == 200]
     lat = [r["latency_s"] for r in ok]
     ttft = [r["ttft_s"] for r in ok if r["ttft_s"] is not None]
@@ -150,6 +165,114 @@ async def run_level(url: str, args, clients: int, seed0: int) -> dict:
             f"latency_p50_s_{short}_tokens": by_length(short), f"latency_p50_s_{long_}_tokens": by_length(long_)}
 
 
+def in_process_level(vlm, args, clients: int, seed0: int) -> dict:
+    """The level's workload straight through the InferenceModel's pull API, no HTTP (--in-process): a
+    closed loop of `clients` each with one request in flight (its next added as its last finishes),
+    prepared and added on this thread as the server's batcher does without a worker thread. Times run
+    from the add, so this is the engine's bound for the server: what HTTP, the event loop and the
+    threads' shared GIL cost is the gap to the served numbers. Adds the engine's own counts."""
+    from vlforge.infer.model import Request
+
+    short, long_ = min(args.new_tokens), max(args.new_tokens)
+
+    def request(c: int, k: int) -> Request:
+        n, seed = short if (c + k) % 2 == 0 else long_, seed0 + c * args.requests + k
+        content = [{"type": "text", "text": f"Request {seed}: describe the picture in detail."}]
+        images = [image(args.image_size, seed)] if args.image_size > 0 else []
+        if images:
+            content.insert(0, {"type": "image"})
+        return Request([{"role": "user", "content": content}], images=images, max_new_tokens=n, min_new_tokens=n)
+
+    todo = [[request(c, k) for k in range(args.requests)] for c in range(clients)]
+    engine = vlm.gen_engine()
+    live: dict[int, dict] = {}  # engine id -> its timing record
+    results: list[dict] = []
+    steps = prefills = prefill_s = 0
+
+    def add(c: int) -> None:
+        if todo[c]:
+            r = todo[c].pop(0)
+            live[vlm.add(r)] = {"client": c, "start": time.perf_counter(), "first": None,
+                                "max_tokens": r.max_new_tokens}
+
+    start = time.perf_counter()
+    for c in range(clients):
+        add(c)
+    while live:
+        stats = engine.stats
+        before = (stats.prefills, stats.prefill_s)
+        outputs = vlm.step()
+        steps += 1
+        if engine.stats is not stats:  # a new batch started (the engine had drained): its stats are new
+            before = (0, 0.0)
+        prefills += engine.stats.prefills - before[0]
+        prefill_s += engine.stats.prefill_s - before[1]
+        now = time.perf_counter()
+        for o in outputs:
+            rec = live[o.id]
+            if o.text and rec["first"] is None:
+                rec["first"] = now
+            if o.completion is not None:
+                del live[o.id]
+                results.append({"status": 200, "latency_s": now - rec["start"], "ttft_s": rec["first"] - rec["start"],
+                                "completion_tokens": o.completion.completion_tokens, "max_tokens": rec["max_tokens"]})
+                add(rec["client"])
+    level = summarize(results, time.perf_counter() - start, clients, short, long_)
+    level.update(engine_steps=steps, prefills=prefills, prefill_s=round(prefill_s, 3),
+                 requests_per_prefill=round(len(results) / max(1, prefills), 2))
+    return level
+
+
+def run_in_process(args) -> tuple[list[dict], float]:
+    """Every level through the InferenceModel in this process, loaded and warmed as `vlforge serve` does."""
+    from vlforge.infer.model import InferenceModel
+
+    started = time.perf_counter()
+    vlm = InferenceModel.load(args.preset, device=args.device, compile=args.device != "cpu")
+    vlm.warm_up(args.max_batch)
+    vlm.open(args.max_batch)
+    startup_s = time.perf_counter() - started
+    engine, one = vlm.gen_engine(), argparse.Namespace(**{**vars(args), "requests": 1})
+    in_process_level(vlm, one, min(4, max(args.clients)), 10**6)
+    levels, seed = [], 0
+    for variant in ["", *args.engine_set]:  # the engine as built, then each variant of it
+        for setting in filter(None, variant.split(",")):
+            name, _, value = setting.partition("=")
+            if not hasattr(engine, name):
+                raise SystemExit(f"--engine-set {setting}: the Engine has no attribute {name!r}")
+            setattr(engine, name, int(value))
+        for clients in args.clients:
+            in_process_level(vlm, one, clients, 10**7)
+            if args.trace and clients == max(args.clients) and not variant:
+                levels.append(traced(args.trace, lambda: in_process_level(vlm, args, clients, seed)))
+            else:
+                levels.append(in_process_level(vlm, args, clients, seed))
+            levels[-1]["variant"] = variant or "as built"
+            seed += clients * args.requests
+            print(f"{variant or 'as built'}: {clients} clients: {levels[-1]['requests_per_s']} requests/s",
+                  file=sys.stderr, flush=True)
+    return levels, startup_s
+
+
+def traced(path: str, run):
+    """run() under torch's profiler: the share of the wall time the GPU ran kernels, and the busiest
+    kernels and host ops, written to `path`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        level = run()
+        wall = time.perf_counter() - start
+    events = prof.key_averages()
+    gpu_s = sum(e.self_device_time_total for e in events) / 1e6
+    level["gpu_busy_share"] = round(gpu_s / wall, 3)
+    with open(path, "w") as f:
+        f.write(f"wall {wall:.3f} s, GPU kernels {gpu_s:.3f} s (busy share {gpu_s / wall:.3f})\n\n")
+        f.write(events.table(sort_by="self_device_time_total", row_limit=25) + "\n\n")
+        f.write(events.table(sort_by="self_cpu_time_total", row_limit=40) + "\n")
+    return level
+
+
 def batch_stats(url: str) -> tuple[float, float]:
     """(sum, count) of the server's batch-size histogram."""
     text = httpx.get(f"{url}/metrics", timeout=30).text
@@ -159,7 +282,8 @@ def batch_stats(url: str) -> tuple[float, float]:
 
 def table(levels: list[dict]) -> str:
     cols = ["clients", "requests", "errors", "requests_per_s", "completion_tokens_per_s", "latency_p50_s",
-            "latency_p99_s", "ttft_p50_s", "ttft_p99_s", "streamed_text", "mean_batch", "max_running"]
+            "latency_p99_s", "ttft_p50_s", "ttft_p99_s", "streamed_text", "mean_batch", "max_running",
+            "engine_steps", "prefills", "prefill_s", "gpu_busy_share", "variant"]
     cols += [k for k in levels[0] if k.startswith("latency_p50_s_")] if levels else []  # short vs long answers
     rows = [cols] + [[str(level.get(c)) for c in cols] for level in levels]
     widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
@@ -190,8 +314,28 @@ def main() -> None:
                                                                   "e.g. \"--no-compile\"")
     ap.add_argument("--startup-timeout-s", type=float, default=900)
     ap.add_argument("--timeout-s", type=float, default=1800, help="per request")
+    ap.add_argument("--server-switch-interval", type=float, default=None, metavar="S",
+                    help="the server's sys.setswitchinterval (Python's default 0.005 s): how long a thread "
+                         "waiting for the GIL waits before it asks for it")
+    ap.add_argument("--in-process", action="store_true",
+                    help="no server: the same workload through the InferenceModel's pull API (in_process_level)")
+    ap.add_argument("--engine-set", action="append", default=[], metavar="NAME=INT[,NAME=INT]",
+                    help="--in-process: after the levels as built, again with these Engine attributes set "
+                         "(repeatable: each a variant, applied on top of the ones before; e.g. sync_every=8)")
+    ap.add_argument("--trace", metavar="PATH", help="--in-process: profile the largest level as built "
+                                                    "(GPU busy share; busiest kernels and host ops to PATH)")
     ap.add_argument("--out", help="write the JSON report here too")
     args = ap.parse_args()
+    if args.in_process:
+        levels, startup_s = run_in_process(args)
+        report = {"preset": args.preset, "device": args.device, "max_batch": args.max_batch, "in_process": True,
+                  "engine_set": args.engine_set, "new_tokens": args.new_tokens, "image_size": args.image_size,
+                  "requests_per_client": args.requests, "startup_s": round(startup_s, 1), "levels": levels}
+        print(table(levels))
+        print(json.dumps(report))
+        if args.out:
+            Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
+        return
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -227,7 +371,8 @@ def main() -> None:
                     server.kill()
     report = {"preset": args.preset, "device": args.device, "max_batch": args.max_batch,
               "new_tokens": args.new_tokens, "image_size": args.image_size, "requests_per_client": args.requests,
-              "serve_args": args.serve_arg, "engine": _engine_of(args.serve_arg), "server_startup_s": round(startup_s, 1), "levels": levels}
+              "serve_args": args.serve_arg, "server_switch_interval": args.server_switch_interval,
+              "engine": _engine_of(args.serve_arg), "server_startup_s": round(startup_s, 1), "levels": levels}
     print(table(levels))
     print(json.dumps(report))
     if args.out:

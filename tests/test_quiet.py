@@ -163,7 +163,10 @@ class BurstEngine:
     def open(self, slots):
         pass
 
-    def add(self, request):
+    def prepare(self, request):
+        return None
+
+    def add(self, request, prompt=None):
         self.steps[len(self.steps)] = 0
         return len(self.steps) - 1
 

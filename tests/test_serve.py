@@ -406,7 +406,10 @@ class ScriptedEngine:
     def open(self, slots):
         pass
 
-    def add(self, request):
+    def prepare(self, request):
+        return None
+
+    def add(self, request, prompt=None):
         id, self.next_id = self.next_id, self.next_id + 1
         self.live[id] = [request, 0]
         self.in_generate.set()

@@ -103,6 +103,30 @@ def test_per_request_pixels_set_that_requests_tokens_and_batch_with_others(batch
         assert t["choices"][0]["message"]["content"] == a["choices"][0]["message"]["content"]
 
 
+def test_prompts_are_prepared_off_the_thread_that_steps_the_engine(batching_server, engine, monkeypatch):
+    """The chat template, tokenizer and image processor run in the request's worker thread; the batcher
+    thread (the one feeding the GPU) only adds the prepared prompt."""
+    server, client = batching_server
+    threads, added = [], []
+    prepare, add = engine.prepare, engine.add
+
+    def recording_prepare(r):
+        threads.append(threading.current_thread().name)
+        return prepare(r)
+
+    def recording_add(r, prompt=None):
+        added.append(prompt)
+        return add(r, prompt)
+
+    monkeypatch.setattr(engine, "prepare", recording_prepare)
+    monkeypatch.setattr(engine, "add", recording_add)
+    r = client.post("/v1/chat/completions", json=_image_prompt(data_url(png_bytes((96, 64)))))
+    assert r.status_code == 200, r.text
+    assert len(threads) == 1 and threads[0] != "vlforge-batcher"
+    assert len(added) == 1 and added[0] is not None and added[0].pixel_values is not None
+    assert r.json()["usage"]["prompt_tokens"] == len(added[0].input_ids)
+
+
 def test_per_request_pixels_refused_outside_the_servers_bounds(batching_server, engine):
     _, client = batching_server
     lo, hi = engine.encoder.limits.min_pixels, engine.encoder.limits.max_pixels

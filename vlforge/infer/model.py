@@ -326,10 +326,19 @@ class InferenceModel:
         self.gen_engine().open(stop_ids=self.end_ids, banned_ids=self.banned_ids(),
                                image_token_id=self.encoder.image_token_id, pad_id=self.encoder.pad_id, slots=slots)
 
-    def add(self, r: Request) -> int:
-        """Queue a request for the next step; its id (the engine's). Raises if its prompt cannot be
-        prepared (its images, its template): nothing was added then."""
-        prompt = self._prompt(r)
+    def prepare(self, r: Request) -> Prompt:
+        """The request's prompt for `add`: its ids and pixels (the chat template, the tokenizer and the
+        image processor: a few ms of CPU an image). The server calls it in a worker thread, so that the
+        thread stepping the engine spends its time on the GPU's work. Raises if the prompt cannot be
+        built (its images, its template)."""
+        item = self._item(r)
+        return Prompt(item["input_ids"], item.get("pixel_values"), item.get("image_grid_thw"))
+
+    def add(self, r: Request, prompt: Prompt | None = None) -> int:
+        """Queue a request for the next step; its id (the engine's). `prompt`: prepare(r) made already
+        (else made now). Raises if its prompt cannot be prepared (its images, its template): nothing
+        was added then."""
+        prompt = prompt if prompt is not None else self.prepare(r)
         seed = r.seed if r.seed is not None else secrets.randbits(63)
         # the model's generation_config top_k, which transformers generate applies to sampled requests too
         top_k = getattr(getattr(self.model, "generation_config", None), "top_k", None) or 0
@@ -385,6 +394,3 @@ class InferenceModel:
     def _count_shared(self, n: int) -> None:
         self.images_shared += n
 
-    def _prompt(self, r: Request) -> Prompt:
-        item = self._item(r)
-        return Prompt(item["input_ids"], item.get("pixel_values"), item.get("image_grid_thw"))

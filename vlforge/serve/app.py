@@ -34,6 +34,7 @@ import logging
 import signal
 import time
 import uuid
+from typing import Any
 from contextlib import asynccontextmanager
 from dataclasses import replace
 
@@ -116,18 +117,20 @@ class _Server:
             batcher.abort()
             await _until(lambda: not batcher.unfinished or give_up(), ABORT_GRACE_S)
 
-    def prepare(self, body: bytearray) -> tuple[Request, bool, bool, int]:
-        """(the engine's request, stream?, include usage?, tool calls the answer may carry: 0 when the
-        request has no tools or tool_choice none, 1 with parallel_tool_calls false, else -1 for all).
-        Nothing of the body or of the parsed JSON outlives this call: the engine's request holds the
-        text and the decoded (shrunk) images."""
+    def prepare(self, body: bytearray) -> tuple[Request, Any, bool, bool, int]:
+        """(the engine's request, its prompt as the vlm prepared it (ids and pixels: done here, in a worker
+        thread, so that the one thread feeding the GPU only adds it), stream?, include usage?, tool calls
+        the answer may carry: 0 when the request has no tools or tool_choice none, 1 with
+        parallel_tool_calls false, else -1 for all). Nothing of the body or of the parsed JSON outlives
+        this call: the engine's request holds the text and the decoded (shrunk) images."""
         try:
             req = parse_chat_request(body, self.cfg)
         finally:
             body.clear()  # the caller's reference too: a large body is freed now, not when the answer is done
         calls = 0 if not req.tools or req.tool_choice == "none" else 1 if req.parallel_tool_calls is False else -1
-        return (self.build(req), bool(req.stream), bool(req.stream_options and req.stream_options.include_usage),
-                calls)
+        request = self.build(req)
+        return (request, self._count(self.vlm.prepare, request), bool(req.stream),
+                bool(req.stream_options and req.stream_options.include_usage), calls)
 
     def build(self, req: ChatRequest) -> Request:
         """The engine's request: prompt length bounded, images decoded, prompt tokens counted. An
@@ -214,8 +217,8 @@ class _Server:
 
 def create_app(vlm, cfg: ServeConfig | None = None) -> FastAPI:
     """The ASGI app serving `vlm` (an infer/model.InferenceModel, or anything with `name`,
-    `min_prompt_tokens(messages)`, `prompt_tokens(request)` and `generate(requests, on_text)`) with the
-    settings `cfg`."""
+    `min_prompt_tokens(messages)`, `prompt_tokens(request)`, `prepare(request)` and the pull API the
+    batcher drives: `open`, `add(request, prompt)`, `step`, `cancel`) with the settings `cfg`."""
     cfg = cfg or ServeConfig()
     cfg = replace(cfg, model_name=cfg.model_name or vlm.name)
     metrics = ServeMetrics()
@@ -269,8 +272,8 @@ def create_app(vlm, cfg: ServeConfig | None = None) -> FastAPI:
         batcher.check_room()  # again (a large body takes a while): refuse before decoding anything
         # JSON parsing, image decoding and token counting run in a worker thread, off the event loop
         async with preparing:
-            request, stream, include_usage, tool_calls = await asyncio.to_thread(state.prepare, body)
-        job = Job(request, stream, asyncio.get_running_loop(), asyncio.Queue(), arrived=arrived)
+            request, prompt, stream, include_usage, tool_calls = await asyncio.to_thread(state.prepare, body)
+        job = Job(request, stream, asyncio.get_running_loop(), asyncio.Queue(), arrived=arrived, prompt=prompt)
         batcher.submit(job)
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         if job.stream:

@@ -39,6 +39,7 @@ class Job:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue
     arrived: float = field(default_factory=time.monotonic)  # when the request reached the server
+    prompt: Any = None  # vlm.prepare(request): its ids and pixels, made off this thread (None: made at add)
     first_text_at: float | None = None  # when its first text was generated (streamed or not)
     aborted: bool = False  # cancelled by the server's shutdown, not by its client
 
@@ -212,7 +213,7 @@ class Batcher:
                 self._skip(job)
                 continue
             try:
-                jobs[self.vlm.add(job.request)] = job
+                jobs[self.vlm.add(job.request, job.prompt)] = job
                 added += 1
             except Exception as e:  # noqa: BLE001 - a request that cannot be prepared fails alone
                 log.warning("request failed before it joined the batch: %s", e)
