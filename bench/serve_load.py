@@ -187,7 +187,8 @@ def in_process_level(vlm, args, clients: int, seed0: int) -> dict:
     engine = vlm.gen_engine()
     live: dict[int, dict] = {}  # engine id -> its timing record
     results: list[dict] = []
-    steps = prefills = prefill_s = 0
+    steps = prefills = 0
+    prefill_s = decode_s = 0.0
 
     def add(c: int) -> None:
         if todo[c]:
@@ -200,13 +201,14 @@ def in_process_level(vlm, args, clients: int, seed0: int) -> dict:
         add(c)
     while live:
         stats = engine.stats
-        before = (stats.prefills, stats.prefill_s)
+        before = (stats.prefills, stats.prefill_s, stats.decode_s)
         outputs = vlm.step()
         steps += 1
         if engine.stats is not stats:  # a new batch started (the engine had drained): its stats are new
-            before = (0, 0.0)
+            before = (0, 0.0, 0.0)
         prefills += engine.stats.prefills - before[0]
         prefill_s += engine.stats.prefill_s - before[1]
+        decode_s += engine.stats.decode_s - before[2]
         now = time.perf_counter()
         for o in outputs:
             rec = live[o.id]
@@ -218,7 +220,7 @@ def in_process_level(vlm, args, clients: int, seed0: int) -> dict:
                                 "completion_tokens": o.completion.completion_tokens, "max_tokens": rec["max_tokens"]})
                 add(rec["client"])
     level = summarize(results, time.perf_counter() - start, clients, short, long_)
-    level.update(engine_steps=steps, prefills=prefills, prefill_s=round(prefill_s, 3),
+    level.update(engine_steps=steps, prefills=prefills, prefill_s=round(prefill_s, 3), decode_s=round(decode_s, 3),
                  requests_per_prefill=round(len(results) / max(1, prefills), 2))
     return level
 
@@ -234,23 +236,25 @@ def run_in_process(args) -> tuple[list[dict], float]:
     startup_s = time.perf_counter() - started
     engine, one = vlm.gen_engine(), argparse.Namespace(**{**vars(args), "requests": 1})
     in_process_level(vlm, one, min(4, max(args.clients)), 10**6)
-    levels, seed = [], 0
+    levels, seed, built = [], 0, {}
     for variant in ["", *args.engine_set]:  # the engine as built, then each variant of it
         for setting in filter(None, variant.split(",")):
             name, _, value = setting.partition("=")
             if not hasattr(engine, name):
                 raise SystemExit(f"--engine-set {setting}: the Engine has no attribute {name!r}")
+            built.setdefault(name, getattr(engine, name))
             setattr(engine, name, int(value))
         for clients in args.clients:
             in_process_level(vlm, one, clients, 10**7)
-            if args.trace and clients == max(args.clients) and not variant:
-                levels.append(traced(args.trace, lambda: in_process_level(vlm, args, clients, seed)))
-            else:
-                levels.append(in_process_level(vlm, args, clients, seed))
+            levels.append(in_process_level(vlm, args, clients, seed))
             levels[-1]["variant"] = variant or "as built"
             seed += clients * args.requests
-            print(f"{variant or 'as built'}: {clients} clients: {levels[-1]['requests_per_s']} requests/s",
-                  file=sys.stderr, flush=True)
+            print(json.dumps(levels[-1]), file=sys.stderr, flush=True)  # kept should a later level not finish
+    if args.trace:  # one request a client at the most clients, as built: the profiler slows every op
+        for name, value in built.items():
+            setattr(engine, name, value)
+        levels.append(traced(args.trace, lambda: in_process_level(vlm, one, max(args.clients), 10**8)))
+        levels[-1]["variant"] = "as built, profiled"
     return levels, startup_s
 
 
@@ -283,7 +287,7 @@ def batch_stats(url: str) -> tuple[float, float]:
 def table(levels: list[dict]) -> str:
     cols = ["clients", "requests", "errors", "requests_per_s", "completion_tokens_per_s", "latency_p50_s",
             "latency_p99_s", "ttft_p50_s", "ttft_p99_s", "streamed_text", "mean_batch", "max_running",
-            "engine_steps", "prefills", "prefill_s", "gpu_busy_share", "variant"]
+            "engine_steps", "prefills", "prefill_s", "decode_s", "gpu_busy_share", "variant"]
     cols += [k for k in levels[0] if k.startswith("latency_p50_s_")] if levels else []  # short vs long answers
     rows = [cols] + [[str(level.get(c)) for c in cols] for level in levels]
     widths = [max(len(r[i]) for r in rows) for i in range(len(cols))]
@@ -322,8 +326,8 @@ def main() -> None:
     ap.add_argument("--engine-set", action="append", default=[], metavar="NAME=INT[,NAME=INT]",
                     help="--in-process: after the levels as built, again with these Engine attributes set "
                          "(repeatable: each a variant, applied on top of the ones before; e.g. sync_every=8)")
-    ap.add_argument("--trace", metavar="PATH", help="--in-process: profile the largest level as built "
-                                                    "(GPU busy share; busiest kernels and host ops to PATH)")
+    ap.add_argument("--trace", metavar="PATH", help="--in-process: then one request a client at the most clients "
+                    "under torch's profiler, the engine as built (GPU busy share; busiest kernels and host ops to PATH)")
     ap.add_argument("--out", help="write the JSON report here too")
     args = ap.parse_args()
     if args.in_process:
