@@ -693,3 +693,33 @@ def test_cancel_frees_the_slots_at_the_next_step(setup):
     engine.cancel(b)
     engine.cancel(c)
     assert all(o.cancelled for o in engine.step()) and engine._batch is None
+
+
+def test_a_sampling_mode_whose_pick_does_not_compile_runs_eager_alone(monkeypatch):
+    """pick compiles one graph a sampling mode: one mode failing (here top-k/top-p filtering, made to
+    break the graph) runs that mode eager, the same tokens, while greedy and plain sampling stay compiled."""
+    from vlforge.generate import decode, sampling
+
+    compile_ = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: compile_(fn, **{**kw, "backend": "aot_eager"}))
+    torch._dynamo.reset()
+    drop_mask = sampling.drop_mask
+
+    def breaking_drop_mask(*args):
+        torch._dynamo.graph_break()
+        return drop_mask(*args)
+
+    monkeypatch.setattr(sampling, "drop_mask", breaking_drop_mask)
+    step = decode.CompiledStep()
+    S, V = 4, 640
+    gen = torch.Generator().manual_seed(0)
+    args = (torch.randn(S, V, generator=gen), torch.zeros(V, dtype=torch.bool), torch.zeros(V, dtype=torch.bool),
+            torch.zeros(S, dtype=torch.bool), torch.ones(S), torch.full((S,), 20), torch.full((S,), 0.8),
+            torch.arange(S), torch.zeros(S, dtype=torch.long))
+    with pytest.warns(RuntimeWarning, match="pick, filter"):
+        for mode in ("greedy", "filter", "sample", "filter"):
+            tok, logp = step.pick(*args, mode)
+            eager_tok, eager_logp = decode.pick(*args, mode)
+            assert torch.equal(tok, eager_tok) and torch.allclose(logp, eager_logp)
+    assert step.pick.eager == {"filter"} and len(step.pick.compile_failure) == 1
+    assert step.failure.startswith("filter: ")

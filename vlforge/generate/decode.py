@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import functools
 import warnings
-from typing import Callable
+from typing import Any, Callable
 
 import torch
 import torch.fx.experimental._config as fx_config
@@ -47,7 +47,8 @@ def pick(logits_SV, banned_V, is_stop_V, early_S, temperature_S, top_k_S, top_p_
     return sample(x_SV, temperature_S, top_k_S, top_p_S, key_S, step_S, mode)
 
 
-def compiled_once(fn, varying: Callable[..., list[tuple[torch.Tensor, int]]]):
+def compiled_once(fn, varying: Callable[..., list[tuple[torch.Tensor, int]]],
+                  graph_of: Callable[..., Any] | None = None):
     """torch.compile(fn) that one compile serves every slot and length bucket and every KV buffer
     length: static shapes but for the (tensor, dimension) pairs `varying(*args)` names, marked
     dynamic at every call (the slot count S, the length bucket Lb, the buffers' length).
@@ -66,13 +67,17 @@ def compiled_once(fn, varying: Callable[..., list[tuple[torch.Tensor, int]]]):
     fullgraph: a graph break (a hook on the model that dynamo cannot trace, say) would split the step
     into pieces whose guards then specialized the marked sizes (a GRPO run died so in its first step
     on torch 2.11). A step that does not compile as one graph runs eager from then on, with a
-    warning that says why: the run goes on at eager speed instead of stopping."""
+    warning that says why: the run goes on at eager speed instead of stopping. `graph_of(*args)`:
+    which of fn's graphs a call runs where a static argument makes several (pick's sampling mode):
+    one that fails runs eager alone, the others stay compiled."""
     compiled = torch.compile(fn, dynamic=False, fullgraph=True)
-    failed: list[str] = []
+    failed: list[str] = []  # the reasons, one a graph that failed
+    eager: set = set()  # the graphs (graph_of) that failed
 
     @functools.wraps(fn)
     def call(*args):
-        if failed:
+        graph = graph_of(*args) if graph_of is not None else None
+        if graph in eager:
             return fn(*args)
         for tensor, dim in varying(*args):
             torch._dynamo.mark_dynamic(tensor, dim)
@@ -81,13 +86,14 @@ def compiled_once(fn, varying: Callable[..., list[tuple[torch.Tensor, int]]]):
                 return compiled(*args)
         except COMPILE_ERRORS as error:
             reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            failed.append(reason)
-            warnings.warn(f"vlforge: the decode step ({fn.__name__}) did not compile as one graph and runs eager "
+            failed.append(reason if graph is None else f"{graph}: {reason}")
+            eager.add(graph)
+            warnings.warn(f"vlforge: the decode step ({fn.__name__}{'' if graph is None else f', {graph}'}) did not compile as one graph and runs eager "
                           f"from now on ({type(error).__name__}: {reason}). Generation still works, at eager speed; "
                           "an uncompiled engine (GRPO: rollout.compile=false) does not try.", RuntimeWarning, stacklevel=2)
             return fn(*args)
 
-    call.compile_failure = failed  # the reason, once a compile failed (for tests)
+    call.compile_failure, call.eager = failed, eager  # (for tests)
     return call
 
 
@@ -122,7 +128,7 @@ class CompiledStep:
     def __init__(self):
         self.decode_hidden = compiled_once(decode_hidden, decode_varying)
         self.decode_hidden_grouped = compiled_once(decode_hidden_grouped, decode_grouped_varying)
-        self.pick = compiled_once(pick, pick_varying)
+        self.pick = compiled_once(pick, pick_varying, graph_of=lambda *args: args[-1])  # one graph a sampling mode
 
     @property
     def failure(self) -> str | None:

@@ -58,7 +58,11 @@ def drop_mask(x_SV: torch.Tensor, top_k_S: torch.Tensor, top_p_S: torch.Tensor) 
     V = x_SV.shape[-1]
     sorted_SV, order_SV = x_SV.sort(-1, descending=True)
     k_S = torch.where(top_k_S > 0, top_k_S, V).clamp(max=V)
-    kth_S1 = sorted_SV.gather(1, (k_S - 1)[:, None])
+    # the k-th largest value as a masked max, not sorted_SV.gather(1, k_S - 1): the same value, and no
+    # load at an index read from another tensor, which torch 2.11's inductor failed to generate code for
+    # here with the slot count dynamic (an H100, 2026-12-08: the compiled filter step ran eager)
+    at_k_SV = torch.arange(V, device=x_SV.device)[None, :] == (k_S - 1)[:, None]
+    kth_S1 = sorted_SV.masked_fill(~at_k_SV, float("-inf")).amax(-1, keepdim=True)
     below_k = sorted_SV < kth_S1
     probs = sorted_SV.masked_fill(below_k, float("-inf")).softmax(-1)
     beyond_p = (probs.cumsum(-1) - probs > top_p_S[:, None]) & (top_p_S < 1)[:, None]
