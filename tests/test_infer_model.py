@@ -289,7 +289,7 @@ def test_a_request_cancelled_while_queued_in_a_feed_is_never_prefilled(monkeypat
 
     engine = InferenceModel.load("tiny", device="cpu")
     prefilled = _prefilled(monkeypatch, engine)
-    prompt = engine._prompt(Request(_msg("hi")))
+    prompt = engine.prepare(Request(_msg("hi")))
     gen = engine.gen_engine()
     gen.open(stop_ids=engine.end_ids, banned_ids=engine.banned_ids(), image_token_id=engine.encoder.image_token_id,
              pad_id=engine.encoder.pad_id)
