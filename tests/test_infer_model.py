@@ -468,3 +468,54 @@ def test_a_grpo_checkpoint_serves_tool_images_at_its_rollout_limit(tmp_path):
     assert trained_tool_image_limit(tmp_path / "plain" / "checkpoint-1") is None  # no tools: no tool images
     assert trained_tool_image_limit(tmp_path / "sft" / "checkpoint-1") is None
     assert trained_tool_image_limit(tmp_path / "elsewhere") is None
+
+
+# ops whose result the host must read from the device (on a GPU each waits for the queued decode steps)
+_HOST_READS = {"aten._local_scalar_dense.default", "aten.nonzero.default", "aten.masked_select.default",
+               "aten.masked_scatter.default", "aten.masked_scatter_.default"}
+
+
+def test_a_join_prefills_its_image_prompt_without_reading_the_device(engine, monkeypatch):
+    """A request joining running rows: its prefill's language-model forward (image features placed,
+    deepstack features added, attention masked) runs no op that reads a device value on the host
+    (an .item(), a boolean-mask index): the places and the padding come from the host copies. Two
+    prompts of different lengths joining together (a padded batch) too; the answers equal each alone."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from vlforge.generate import runner
+
+    class HostReads(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            bool_index = str(func) in ("aten.index.Tensor", "aten.index_put_.default", "aten.index_put.default") \
+                and any(t is not None and t.dtype == torch.bool for t in args[1])
+            if str(func) in _HOST_READS or bool_index:
+                self.seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    reads, forwards = HostReads(), []
+    forward_shared = runner.forward_shared
+
+    def recorded(*args, **kwargs):
+        forwards.append(kwargs.get("placeholders") is not None)
+        with reads:
+            return forward_shared(*args, **kwargs)
+
+    red, noise = Image.new("RGB", (64, 48), (200, 30, 30)), Image.effect_noise((40, 56), 60).convert("RGB")
+    joining = [Request(_msg("What colour is the shape?", 1), [red], max_new_tokens=4),
+               Request(_msg("Describe the picture in detail, please, and at length.", 1), [noise], max_new_tokens=4)]
+    alone = [engine.generate([r])[0].text for r in joining]
+    engine.open(4)
+    running = engine.add(Request(_msg("hi"), max_new_tokens=12, min_new_tokens=12))
+    engine.step()
+    monkeypatch.setattr(runner, "forward_shared", recorded)
+    ids = {engine.add(r): i for i, r in enumerate(joining)}
+    answers = {}
+    while len(answers) < len(joining) + 1:
+        for o in engine.step():
+            if o.completion is not None:
+                answers[o.id] = o.completion.text
+    assert forwards == [True] and reads.seen == []  # one prefill for both, on host facts only
+    assert [answers[id] for id in ids] == alone and running in answers

@@ -28,6 +28,19 @@ def host_batch(core, prompts: list[Prompt], pad_id: int, image_token_id: int):
     return ids_BP, mask_BP, pos_3BP, pos_3BP.amax(dim=(0, 2)) + 1
 
 
+def prefill_mask(mask_BP: torch.Tensor, text_config) -> torch.Tensor:
+    """The attention mask of a padded prefill batch: under sdpa, the one transformers' sdpa_mask builds
+    from the 2-D mask (a key attends where it is at or before the query and not padding), made here
+    4-D on the device, which masking_utils takes as it is. Given the 2-D mask, masking_utils first
+    reads its values on the host (whether is_causal may replace it): a sync. Another attention
+    implementation (eager's additive masks, flash's unpadding) gets the 2-D mask, as before."""
+    if getattr(text_config, "_attn_implementation", None) != "sdpa":
+        return mask_BP
+    P = mask_BP.shape[1]
+    at = torch.arange(P, device=mask_BP.device)
+    return (at[None, :] <= at[:, None])[None, None] & mask_BP.bool()[:, None, None, :]
+
+
 def pixel_dtype(core) -> torch.dtype | None:
     """The dtype Qwen3-VL's patch embedding casts pixels to (its conv weight's), None for another tower."""
     weight = getattr(getattr(getattr(core.model.visual, "patch_embed", None), "proj", None), "weight", None)

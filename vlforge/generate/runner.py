@@ -21,11 +21,11 @@ from vlforge.generate.decode import CompiledStep
 from vlforge.generate.forward import cache_of, forward_shared
 from vlforge.generate.fused import FusedProjections
 from vlforge.generate.plan import Plan
-from vlforge.generate.prefill import fill_routes, host_batch, image_features
+from vlforge.generate.prefill import fill_routes, host_batch, image_features, prefill_mask
 from vlforge.generate.requests import GenRequest, SlotState
 from vlforge.generate.routes import NO_ROUTE, ROUTE_DTYPE, recorder_of
 from vlforge.generate.sampling import row_key
-from vlforge.model.host_inputs import host_to_device
+from vlforge.model.host_inputs import Placeholders, host_to_device
 
 MIN_BUFFER_ROWS = 4  # slots (GroupCache: groups) the KV buffers hold at least (Runner.ensure_buffers)
 MAX_STOP_IDS = 8
@@ -152,10 +152,18 @@ class Runner:
         prompts = [r.prompt for _, r, _ in admitted]
         ids_BP, mask_BP, pos_3BP, next_pos_B = host_batch(self.core, prompts, pad_id, image_token_id)
         P = ids_BP.shape[1]
-        ids_BP, mask_BP, pos_3BP = (host_to_device(t, device) for t in (ids_BP, mask_BP, pos_3BP))
         feats = image_features(self.core, prompts, device)
+        # what transformers finds on the device with host reads (each a sync: the host waits for the queued
+        # decode steps, then the GPU for the host), from the host copies instead: the image tokens' places
+        # (Placeholders: the deepstack layers' writes by index, not boolean masks) and the attention mask
+        # (prefill_mask: none when no row is padded, else given 4-D; a 2-D one masking_utils reads for a skip)
+        places = Placeholders.of(ids_BP, image_token_id).to(device) if feats is not None else None
+        padded = bool((mask_BP == 0).any())
+        ids_BP, mask_BP, pos_3BP = (host_to_device(t, device) for t in (ids_BP, mask_BP, pos_3BP))
+        mask = prefill_mask(mask_BP, self.text_config) if padded else None
         with self.recorder.keep() if plan.recording else nullcontext({}) as kept, self.fusion(plan):
-            out = forward_shared(self.core, ids_BP, mask_BP, pos_3BP, feats, list(range(len(prompts))), use_cache=True)
+            out = forward_shared(self.core, ids_BP, mask, pos_3BP, feats, list(range(len(prompts))), use_cache=True,
+                                 placeholders=places)
         slots, rows, keys, reqs = [], [], [], []
         for b, (_, r, sl) in enumerate(admitted):
             slots += sl
