@@ -431,12 +431,12 @@ sys.exit(pytest.main(['-q', '-m', 'gpu', '-p', 'no:cacheprovider', '--tb=line', 
          while pgrep -f "bench/serve_load.py" > /dev/null; do sleep 2; done ;;
   serve44) # the serve workload in process (the engine's bound, then profiled), then through the server with
          # httptools + uvloop (carried wheels), then with uvicorn's pure-Python h11 and asyncio loop
-         timeout 200 python3 bench/serve_load.py --preset qwen3vl-2b --in-process --clients 8 32 --requests 6 \
+         timeout 150 python3 bench/serve_load.py --preset qwen3vl-2b --in-process --clients 32 --requests 4 \
            --trace "$OUT/trace.txt" > "$OUT/inproc.txt" 2>"$OUT/err-inproc.txt"
-         timeout 220 python3 bench/serve_load.py --preset qwen3vl-2b --clients 1 8 32 --requests 8 \
+         timeout 180 python3 bench/serve_load.py --preset qwen3vl-2b --clients 1 8 32 --requests 6 \
            > "$OUT/serve-httptools.txt" 2>"$OUT/err-serve.txt"
          rm -rf /tmp/site/httptools* /tmp/site/uvloop*
-         timeout 170 python3 bench/serve_load.py --preset qwen3vl-2b --clients 8 32 --requests 8 \
+         timeout 150 python3 bench/serve_load.py --preset qwen3vl-2b --clients 8 32 --requests 6 \
            > "$OUT/serve-h11.txt" 2>>"$OUT/err-serve.txt" ;;
   serveswitch) # the server's GIL hand-over interval: Python's 5 ms against 0.5 ms, same workload
          for sw in 0.005 0.0005; do
