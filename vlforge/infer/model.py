@@ -12,7 +12,8 @@ run's `config.yaml`), or a preset name (`tiny`, random weights) for tests and de
 Generation runs on the model's own generate/ Engine (built here with this model's settings):
 every request of a `generate` call, whatever its sampling settings, shares one decode batch; each
 stops at its own `max_new_tokens`, an end token or a stop string. The server drives the same engine
-through the pull API: `open(slots)`, `add(request) -> id` (the engine's id), `step()` -> TextOutputs
+through the pull API: `open(slots)`, `add(request, prompt=None) -> id` (the engine's id; `prompt`:
+`prepare(request)`, the ids and pixels, made ahead in the request's own thread), `step()` -> TextOutputs
 (each request's new text, and its Completion once done), `cancel(id)`; a request added between
 steps decodes in the next one. `generate` is a loop over them (`on_text` hears each request's new
 text). Each answer's text is kept in streamer.py's BatchStreamer (incremental detokenizing, stop
