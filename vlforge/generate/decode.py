@@ -88,7 +88,8 @@ def compiled_once(fn, varying: Callable[..., list[tuple[torch.Tensor, int]]],
             reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
             failed.append(reason if graph is None else f"{graph}: {reason}")
             eager.add(graph)
-            warnings.warn(f"vlforge: the decode step ({fn.__name__}{'' if graph is None else f', {graph}'}) did not compile as one graph and runs eager "
+            which = fn.__name__ if graph is None else f"{fn.__name__}, {graph}"
+            warnings.warn(f"vlforge: the decode step ({which}) did not compile as one graph and runs eager "
                           f"from now on ({type(error).__name__}: {reason}). Generation still works, at eager speed; "
                           "an uncompiled engine (GRPO: rollout.compile=false) does not try.", RuntimeWarning, stacklevel=2)
             return fn(*args)

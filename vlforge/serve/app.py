@@ -34,9 +34,9 @@ import logging
 import signal
 import time
 import uuid
-from typing import Any
 from contextlib import asynccontextmanager
 from dataclasses import replace
+from typing import Any
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
