@@ -10,7 +10,7 @@ import torch
 import yaml
 
 from helpers import tiny_sft_config
-from vlforge.config import GRPOConfig, SFTConfig, load_config, load_recipe_config
+from vlforge.config import GRPOConfig, load_config, load_recipe_config
 from vlforge.train.activations import NOTCHES, activation_estimate, plan_tokens
 from vlforge.train.memory import GB
 from vlforge.train.recompute import (Recompute, choose_recompute, longest_micro_batch, next_notch,
