@@ -168,9 +168,10 @@ def summarize(results: list[dict], wall: float, clients: int, short: int, long_:
 def in_process_level(vlm, args, clients: int, seed0: int) -> dict:
     """The level's workload straight through the InferenceModel's pull API, no HTTP (--in-process): a
     closed loop of `clients` each with one request in flight (its next added as its last finishes),
-    prepared and added on this thread as the server's batcher does without a worker thread. Times run
-    from the add, so this is the engine's bound for the server: what HTTP, the event loop and the
-    threads' shared GIL cost is the gap to the served numbers. Adds the engine's own counts."""
+    prepared and added on this one thread (the server prepares a prompt in the request's worker
+    thread, beside the engine's). Times run from the add, so this is the engine's bound for the
+    server: what HTTP, the event loop and the threads' shared GIL cost is the gap to the served
+    numbers. Adds the engine's own counts."""
     from vlforge.infer.model import Request
 
     short, long_ = min(args.new_tokens), max(args.new_tokens)
