@@ -23,6 +23,15 @@ spaces is split like a shell line:
 
 `mean_batch` is the server's vlforge_batch_size histogram: requests joining the running batch
 together; `max_running` (from /health) is the most requests generating at once so far.
+
+Where the time goes: `--in-process` runs the same workload through the InferenceModel's pull API
+without a server (the engine's bound; `engine_steps`, `prefills`, `prefill_s`, `decode_s` per level),
+`--engine-set` adds variants of the engine's settings in the same process, `--trace PATH` profiles one
+short level (`gpu_busy_share`; busiest kernels and host ops in PATH); `--server-switch-interval`
+sets the server's GIL hand-over interval for an A/B:
+
+    python bench/serve_load.py --preset qwen3vl-2b --in-process --clients 8 32 --trace trace.txt \
+        --engine-set sync_every=8
 """
 
 from __future__ import annotations
